@@ -1,0 +1,42 @@
+# megatron_ext: `make demo` runs the main job on its embedded default, `make test` runs the tests.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+
+PYTHON ?= python3.12
+VENV := .venv
+PY := $(VENV)/bin/python
+DATA ?= data
+DEMO_CORPUS := $(DATA)/demo_corpus
+DEMO_TOKENIZER := $(DATA)/demo_tokenizer
+DEMO_DATASET := $(DATA)/demo_dataset
+
+.PHONY: setup demo test bench clean
+
+# Idempotent: re-installs only when a requirements file changed.
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; megatron-core needs Python >= 3.12 (set PYTHON=/path/to/python3.12)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	$(PY) -m pip install -q -r requirements-dev.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	$(PY) -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, '| torch', torch.__version__)" 2>/dev/null
+	touch $@
+
+demo: setup
+	$(PY) tools/fetch_sample_data.py --output-dir $(DEMO_CORPUS) --overwrite
+	$(PY) tools/train_tokenizer.py --input $(DEMO_CORPUS)/train.jsonl --output-dir $(DEMO_TOKENIZER) --vocab-size 8192 --overwrite
+	mkdir -p $(DEMO_DATASET)
+	$(PY) tools/preprocess_data.py --input $(DEMO_CORPUS)/train.jsonl --output-prefix $(DEMO_DATASET)/train \
+		--tokenizer-model $(DEMO_TOKENIZER) --append-eod --workers 2 --overwrite
+	$(PY) tools/preprocess_data.py --input $(DEMO_CORPUS)/valid.jsonl --output-prefix $(DEMO_DATASET)/valid \
+		--tokenizer-model $(DEMO_TOKENIZER) --append-eod --workers 1 --overwrite --no-progress
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) benchmarks/preprocess.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,332 @@
+"""Raw corpora -> Megatron-Core indexed datasets (``.bin``/``.idx``).
+
+Behaviour follows Megatron-LM's ``tools/preprocess_data.py`` so existing launch scripts and
+datasets carry over: the same flags where they overlap, output ``{prefix}_{key}_document`` (or
+``_sentence`` with sentence splitting), one index "sequence" per sentence, EOD appended to the last
+sentence, dtype ``DType.optimal_dtype(vocab_size)``, and tokens from the same tokenizer call
+(``add_special_tokens`` as Megatron's default ``include_special_tokens``).
+
+Where it differs, and why:
+- documents that tokenize to nothing are skipped and counted (Megatron writes an empty document,
+  which only inflates the index);
+- output is written under temporary names and renamed when complete, so an interrupted run or a
+  crash never leaves a ``.bin``/``.idx`` pair that looks finished;
+- the order of documents is the input order for any ``--workers`` (Megatron's ``imap`` also keeps
+  order; we test the bytes are identical for 1 and N workers);
+- the tokenizer's own thread pool is disabled: parallelism comes from ``--workers`` only, so the
+  flag means what it says on a shared node.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from megatron_ext.data.readers import InputError, Record, decode_record, detect_format, expand_inputs, iter_records
+from megatron_ext.data.sentences import SentenceSplitter, build_splitter
+from megatron_ext.tokenizer import EncoderTokenizer, TokenizerConfig, build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+CHUNK_DOCUMENTS = 256
+"""Documents per unit of work sent to a worker: large enough to amortise pickling."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreprocessConfig:
+    """What to read, how to tokenize it, and where to write."""
+
+    inputs: tuple[str, ...]
+    """Input files, globs, directories, HF ``save_to_disk`` dirs or hub ids, read in order."""
+    output_prefix: str
+    """Outputs are ``{output_prefix}_{key}_{document|sentence}.{bin,idx}``."""
+    tokenizer: TokenizerConfig
+    """Which tokenizer to use (see :mod:`megatron_ext.tokenizer`)."""
+    json_keys: tuple[str, ...] = ("text",)
+    """Fields to tokenize; one output dataset per key."""
+    input_format: str = "auto"
+    """``auto`` (from the file name), ``jsonl``, ``text``, ``parquet`` or ``hf``."""
+    text_mode: str = "line"
+    """Plain text: ``line`` = one document per line, ``file`` = one document per file."""
+    hf_split: str = "train"
+    """Split to read from Hugging Face datasets."""
+    workers: int = 1
+    """Tokenizer processes; the output is byte-identical for any value."""
+    append_eod: bool = False
+    """Append the tokenizer's EOD id to every non-empty document."""
+    add_special_tokens: bool = True
+    """Let the tokenizer add its own specials (BOS/CLS...) per text, like Megatron's default."""
+    split_sentences: bool = False
+    """Split documents into sentences with nltk Punkt (one index sequence per sentence)."""
+    keep_newlines: bool = False
+    """With sentence splitting, keep the newlines between sentences."""
+    lang: str = "english"
+    """Punkt language for sentence splitting."""
+    skip_invalid: bool = False
+    """Skip (and count) invalid JSON lines instead of stopping at the first one."""
+    overwrite: bool = False
+    """Replace existing outputs; without it an existing output is an error."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise ValueError("inputs: at least one --input is required")
+        if self.workers < 1:
+            raise ValueError(f"workers: expected >= 1, got {self.workers}")
+        if self.text_mode not in ("line", "file"):
+            raise ValueError(f"text_mode: expected 'line' or 'file', got {self.text_mode!r}")
+        if not self.json_keys:
+            raise ValueError("json_keys: at least one key is required")
+        if self.keep_newlines and not self.split_sentences:
+            raise ValueError("keep_newlines only applies with split_sentences")
+
+    @property
+    def level(self) -> str:
+        return "sentence" if self.split_sentences else "document"
+
+    def output_prefix_for(self, key: str) -> str:
+        return f"{self.output_prefix}_{key}_{self.level}"
+
+
+@dataclass(kw_only=True)
+class PreprocessSummary:
+    """Counts reported at the end of a run."""
+
+    documents: int = 0
+    """Documents written (per key they may differ; this counts the first key)."""
+    tokens: int = 0
+    """Tokens written over all keys."""
+    empty_skipped: int = 0
+    """Documents (per key) that tokenized to nothing and were left out."""
+    invalid_skipped: int = 0
+    """Invalid input lines skipped under ``skip_invalid``."""
+    characters: int = 0
+    """Characters of text tokenized."""
+    seconds: float = 0.0
+    outputs: dict[str, str] = field(default_factory=dict)
+    """Key -> output prefix of its ``.bin``/``.idx``."""
+    dtype: str = ""
+    splitter: str = "none"
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def format(self) -> str:
+        lines = [
+            f"documents written   {self.documents:,}",
+            f"tokens written      {self.tokens:,} ({self.dtype})",
+            f"characters          {self.characters:,}",
+            f"empty docs skipped  {self.empty_skipped:,}",
+            f"invalid skipped     {self.invalid_skipped:,}",
+            f"sentence splitter   {self.splitter}",
+            f"time                {self.seconds:.2f} s ({self.tokens_per_second:,.0f} tokens/s)",
+        ]
+        lines += [f"output [{k}]  {p}.bin / .idx" for k, p in self.outputs.items()]
+        return "\n".join(lines)
+
+
+# --- worker side -------------------------------------------------------------------------------
+
+_worker: "_Encoder | None" = None
+
+
+class _Encoder:
+    """Turns chunks of records into token arrays; one instance per worker process."""
+
+    def __init__(self, config: PreprocessConfig, splitter: SentenceSplitter | None) -> None:
+        # One thread per worker: --workers is the only source of parallelism.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        self.config = config
+        self.splitter = splitter
+        self.tokenizer: EncoderTokenizer = build_tokenizer(config.tokenizer)
+        self.eod = self.tokenizer.eod if config.append_eod else None
+
+    def encode_chunk(self, records: list[Record]) -> tuple[list[dict[str, tuple[list[int], list[int]]] | None], int]:
+        """Per record: ``{key: (token_ids, sentence_lengths)}``, or None for a skipped invalid line."""
+        keys = self.config.json_keys
+        decoded: list[dict[str, str] | None] = []
+        for record in records:
+            try:
+                decoded.append(decode_record(record, keys))
+            except InputError:
+                if not self.config.skip_invalid:
+                    raise
+                decoded.append(None)
+        chars = 0
+        # Flatten every (record, key, sentence) into one batch call: the tokenizer's fast path.
+        pieces: list[str] = []
+        owners: list[tuple[int, str]] = []
+        for i, fields in enumerate(decoded):
+            if fields is None:
+                continue
+            for key in keys:
+                text = fields[key]
+                chars += len(text)
+                sentences = self.splitter.split(text) if self.splitter else [text]
+                pieces.extend(sentences)
+                owners.extend((i, key) for _ in sentences)
+        encoded = self.tokenizer.tokenize_batch(pieces, add_special_tokens=self.config.add_special_tokens)
+        out: list[dict[str, tuple[list[int], list[int]]] | None] = [
+            None if fields is None else {key: ([], []) for key in keys} for fields in decoded
+        ]
+        for (i, key), ids in zip(owners, encoded):
+            if ids:  # Megatron drops sentences that tokenize to nothing
+                doc_ids, lengths = out[i][key]
+                doc_ids.extend(ids)
+                lengths.append(len(ids))
+        if self.eod is not None:
+            for doc in out:
+                for doc_ids, lengths in (doc or {}).values():
+                    if doc_ids:
+                        doc_ids.append(self.eod)
+                        lengths[-1] += 1
+        return out, chars
+
+
+def _init_worker(config: PreprocessConfig, splitter: SentenceSplitter | None) -> None:
+    global _worker
+    _worker = _Encoder(config, splitter)
+
+
+def _encode_in_worker(records: list[Record]):
+    assert _worker is not None
+    return _worker.encode_chunk(records)
+
+
+# --- driver side -------------------------------------------------------------------------------
+
+
+def _all_records(config: PreprocessConfig, paths: Sequence[str]) -> Iterator[Record]:
+    for path in paths:
+        yield from iter_records(
+            path, fmt=config.input_format, json_keys=config.json_keys,
+            text_mode=config.text_mode, hf_split=config.hf_split,
+        )
+
+
+def _chunks(records: Iterator[Record], size: int) -> Iterator[list[Record]]:
+    while chunk := list(itertools.islice(records, size)):
+        yield chunk
+
+
+def _training_texts(config: PreprocessConfig, paths: Sequence[str]) -> Iterator[str]:
+    for record in _all_records(config, paths):
+        try:
+            fields = decode_record(record, config.json_keys)
+        except InputError:
+            continue  # reported properly by the main pass
+        yield from fields.values()
+
+
+def _check_outputs(config: PreprocessConfig) -> None:
+    for key in config.json_keys:
+        prefix = config.output_prefix_for(key)
+        existing = [p for p in (prefix + ".bin", prefix + ".idx") if os.path.exists(p)]
+        if existing and not config.overwrite:
+            raise FileExistsError(f"output {existing[0]} already exists; pass --overwrite to replace it")
+    parent = Path(config.output_prefix).parent
+    if not parent.exists():
+        raise InputError(f"--output-prefix {config.output_prefix!r}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"--output-prefix {config.output_prefix!r}: directory {parent} is not writable")
+
+
+def preprocess(config: PreprocessConfig) -> PreprocessSummary:
+    """Tokenize ``config.inputs`` into one Megatron indexed dataset per json key."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    start = time.perf_counter()
+    paths = expand_inputs(config.inputs)
+    for path in paths:
+        detect_format(path, config.input_format)  # fail fast on unreadable / unknown inputs
+    _check_outputs(config)
+
+    tokenizer = build_tokenizer(config.tokenizer)
+    if config.append_eod:
+        tokenizer.eod  # raises with the fix when the tokenizer has no EOD
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    splitter = None
+    if config.split_sentences:
+        splitter = build_splitter(
+            lang=config.lang, keep_newlines=config.keep_newlines,
+            training_texts=_training_texts(config, paths),
+        )
+
+    summary = PreprocessSummary(dtype=np.dtype(dtype).name, splitter=splitter.source if splitter else "none")
+    pid = os.getpid()
+    tmp = {k: (f"{config.output_prefix_for(k)}.bin.tmp{pid}", f"{config.output_prefix_for(k)}.idx.tmp{pid}") for k in config.json_keys}
+    builders = {k: IndexedDatasetBuilder(tmp[k][0], dtype=dtype) for k in config.json_keys}
+    # Characters ~ bytes for mostly-ASCII corpora; this only drives the progress bar.
+    total_bytes = sum(os.path.getsize(p) for p in paths if os.path.isfile(p) and not p.endswith(".gz"))
+    progress = _progress(config.progress, total_bytes)
+    pool = None
+    try:
+        chunks = _chunks(_all_records(config, paths), CHUNK_DOCUMENTS)
+        if config.workers == 1:
+            encoder = _Encoder(config, splitter)
+            results = map(encoder.encode_chunk, chunks)
+        else:
+            ctx = multiprocessing.get_context("spawn")  # fork is unsafe with torch/tokenizer threads
+            pool = ctx.Pool(config.workers, initializer=_init_worker, initargs=(config, splitter))
+            results = pool.imap(_encode_in_worker, chunks)  # imap keeps input order
+        for docs, chars in results:
+            summary.characters += chars
+            for doc in docs:
+                if doc is None:
+                    summary.invalid_skipped += 1
+                    continue
+                for key, (ids, lengths) in doc.items():
+                    if not ids:
+                        summary.empty_skipped += 1
+                        continue
+                    if max(ids) >= tokenizer.vocab_size:
+                        raise ValueError(
+                            f"token id {max(ids)} >= vocab size {tokenizer.vocab_size}: the tokenizer "
+                            "reports a vocab smaller than the ids it produces"
+                        )
+                    builders[key].add_document(ids, lengths)
+                    summary.tokens += len(ids)
+                    summary.documents += key == config.json_keys[0]
+            progress.update(chars)
+        for key, builder in builders.items():
+            builder.finalize(tmp[key][1])
+        # Publish: drop any old index first, then bin, then idx. Readers need both files, so at
+        # every instant the pair is either the old complete one, incomplete, or the new one.
+        for key in config.json_keys:
+            prefix = config.output_prefix_for(key)
+            if os.path.exists(prefix + ".idx"):
+                os.unlink(prefix + ".idx")
+            os.replace(tmp[key][0], prefix + ".bin")
+            os.replace(tmp[key][1], prefix + ".idx")
+            summary.outputs[key] = prefix
+    finally:
+        progress.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        for key, builder in builders.items():
+            builder.data_file.close()
+            for path in tmp[key]:
+                if os.path.exists(path):
+                    os.unlink(path)
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _progress(enabled: bool, total_bytes: int):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total_bytes or None, unit="B", unit_scale=True, desc="preprocess",
+        disable=not enabled, mininterval=1.0,
+    )

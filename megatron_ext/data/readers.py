@@ -1,0 +1,211 @@
+"""Streaming readers for raw corpora: JSONL (optionally gzipped), plain text, Parquet, HF datasets.
+
+Every reader yields :class:`Record` objects in a deterministic order: the text fields requested
+by ``json_keys`` plus a human-readable location (``file:line`` or ``file:row``) used in error
+messages. JSON is decoded lazily (``Record.raw``) so that the expensive part can run in worker
+processes while the reader stays a cheap line iterator.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+InputFormat = Literal["auto", "jsonl", "text", "parquet", "hf"]
+INPUT_FORMATS: tuple[str, ...] = ("auto", "jsonl", "text", "parquet", "hf")
+TextMode = Literal["line", "file"]
+
+_JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
+_TEXT_SUFFIXES = (".txt", ".txt.gz", ".text", ".cor")
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One input document before tokenization."""
+
+    location: str
+    """Where it came from, e.g. ``corpus.jsonl:17``; used in error messages."""
+    raw: str | None = None
+    """An undecoded JSON line (JSONL inputs); decoded by :func:`decode_record`."""
+    fields: dict[str, str] | None = None
+    """Already-extracted text fields (text, Parquet and HF inputs)."""
+
+
+class InputError(ValueError):
+    """Bad input: the message names the file, line or key, and what was expected."""
+
+
+def expand_inputs(inputs: Sequence[str]) -> list[str]:
+    """Expand globs; keep hub-style ids (``org/name``) that are not local paths as they are."""
+    paths: list[str] = []
+    for item in inputs:
+        matches = sorted(glob.glob(item))
+        if matches:
+            paths.extend(matches)
+        elif os.path.exists(item):
+            paths.append(item)
+        else:
+            paths.append(item)  # validated by detect_format (a hub id, or a missing path)
+    return paths
+
+
+def _is_hf_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and (
+        (path / "dataset_info.json").exists()
+        or (path / "state.json").exists()
+        or (path / "dataset_dict.json").exists()
+    )
+
+
+def detect_format(path: str, requested: str) -> str:
+    """Resolve ``auto`` into a concrete format for ``path``; error if the path is unusable."""
+    if requested not in INPUT_FORMATS:
+        raise InputError(f"--input-format {requested!r} is not one of {INPUT_FORMATS}")
+    p = Path(path)
+    if requested == "hf":
+        return "hf"
+    if not p.exists():
+        if requested == "auto" and "/" in path and not path.startswith((".", "/")):
+            return "hf"  # looks like a hub id, e.g. "HuggingFaceFW/fineweb-edu"
+        raise InputError(f"--input {path!r}: no such file or directory")
+    if p.is_dir():
+        if _is_hf_saved_dataset(p):
+            return "hf"
+        if requested in ("auto", "text"):
+            return "text"
+        raise InputError(f"--input {path!r} is a directory; expected a {requested} file")
+    if not os.access(p, os.R_OK):
+        raise InputError(f"--input {path!r} is not readable")
+    if requested != "auto":
+        return requested
+    name = p.name.lower()
+    if name.endswith(_JSON_SUFFIXES):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(_TEXT_SUFFIXES):
+        return "text"
+    raise InputError(
+        f"--input {path!r}: cannot infer the format from the name; expected one of "
+        f"{_JSON_SUFFIXES + _TEXT_SUFFIXES + ('.parquet',)} or pass --input-format"
+    )
+
+
+def _open_text(path: str) -> io.TextIOBase:
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _read_jsonl(path: str) -> Iterator[Record]:
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                yield Record(location=f"{path}:{lineno}", raw=line)
+
+
+def _read_text(path: str, key: str, text_mode: str) -> Iterator[Record]:
+    files = sorted(str(f) for f in Path(path).rglob("*") if f.is_file()) if os.path.isdir(path) else [path]
+    for file in files:
+        with _open_text(file) as f:
+            if text_mode == "file":
+                yield Record(location=file, fields={key: f.read()})
+                continue
+            for lineno, line in enumerate(f, start=1):
+                yield Record(location=f"{file}:{lineno}", fields={key: line.rstrip("\n")})
+
+
+def _read_parquet(path: str, keys: Sequence[str]) -> Iterator[Record]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    present = pf.schema_arrow.names
+    missing = [k for k in keys if k not in present]
+    if missing:
+        raise InputError(f"{path}: column(s) {missing} not found; columns present: {present}")
+    row = 0
+    for batch in pf.iter_batches(columns=list(keys), batch_size=1024):
+        columns = [batch.column(k).to_pylist() for k in keys]
+        for values in zip(*columns):
+            yield Record(location=f"{path}:row {row}", fields=_text_fields(path, row, keys, values))
+            row += 1
+
+
+def _read_hf(path: str, keys: Sequence[str], split: str) -> Iterator[Record]:
+    import datasets
+
+    if os.path.isdir(path):
+        ds = datasets.load_from_disk(path)
+    else:
+        ds = datasets.load_dataset(path, split=split)
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise InputError(f"{path}: split {split!r} not found; splits present: {list(ds)}")
+        ds = ds[split]
+    present = list(ds.column_names)
+    missing = [k for k in keys if k not in present]
+    if missing:
+        raise InputError(f"{path}: column(s) {missing} not found; columns present: {present}")
+    for row, example in enumerate(ds.select_columns(list(keys))):
+        values = [example[k] for k in keys]
+        yield Record(location=f"{path}:row {row}", fields=_text_fields(path, row, keys, values))
+
+
+def _text_fields(path: str, row: int, keys: Sequence[str], values: Sequence[object]) -> dict[str, str]:
+    fields = {}
+    for key, value in zip(keys, values):
+        if value is None:
+            value = ""
+        if not isinstance(value, str):
+            raise InputError(f"{path}:row {row}: key {key!r} holds {type(value).__name__}, expected a string")
+        fields[key] = value
+    return fields
+
+
+def iter_records(
+    path: str, *, fmt: str, json_keys: Sequence[str], text_mode: str = "line", hf_split: str = "train"
+) -> Iterator[Record]:
+    """Yield the records of one input in file order."""
+    fmt = detect_format(path, fmt)
+    if fmt == "jsonl":
+        return _read_jsonl(path)
+    if fmt == "text":
+        if len(json_keys) != 1:
+            raise InputError(f"{path}: plain-text input has one field; got --json-keys {list(json_keys)}")
+        return _read_text(path, json_keys[0], text_mode)
+    if fmt == "parquet":
+        return _read_parquet(path, json_keys)
+    return _read_hf(path, json_keys, hf_split)
+
+
+def decode_record(record: Record, json_keys: Sequence[str]) -> dict[str, str]:
+    """Text fields of ``record``; raises :class:`InputError` naming the location on bad input."""
+    if record.fields is not None:
+        return record.fields
+    try:
+        data = json.loads(record.raw)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{record.location}: invalid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{record.location}: expected a JSON object, got {type(data).__name__}")
+    missing = [k for k in json_keys if k not in data]
+    if missing:
+        raise InputError(f"{record.location}: key(s) {missing} missing; keys present: {sorted(data)}")
+    fields = {}
+    for key in json_keys:
+        value = data[key]
+        if value is None:
+            value = ""
+        if not isinstance(value, str):
+            raise InputError(
+                f"{record.location}: key {key!r} holds {type(value).__name__}, expected a string"
+            )
+        fields[key] = value
+    return fields

@@ -1,0 +1,551 @@
+"""The demo corpus: a small English pretraining corpus built from real text on package registries.
+
+Three sources, all fetched and sha256-verified through :mod:`megatron_ext.assets` (nothing
+third-party is committed; a second build works offline from the cache):
+
+- ``wikipedia``: the ~100 English Wikipedia articles of gensim's shortened 2016 dump. The XML is
+  streamed with the stdlib parser, redirects, other namespaces and disambiguation pages are
+  skipped, and the wikitext is stripped with mwparserfromhell.
+- ``lee_news``: the 300 Australian news articles of gensim's Lee background corpus.
+- ``botchan``: the Project Gutenberg English translation of Natsume Soseki's *Botchan* shipped as
+  sentencepiece's test text, without the Gutenberg boilerplate, re-flowed into paragraphs and cut
+  into chapter parts of a few thousand characters.
+
+(gensim's ``crime-and-punishment.txt`` is not used: it is a 3.8 KB excerpt in Russian.)
+
+The output directory receives ``train.jsonl`` and ``valid.jsonl`` (one ``{"id", "source",
+"title", "text"}`` object per line; ``text`` is what the preprocessing pipeline reads) and a
+``manifest.json`` with per-source counts, asset hashes and licenses. Outputs are byte-for-byte
+deterministic and written atomically; the held-out split is decided per document by a hash of its
+id, so a document lands in the same split whichever sources are selected.
+"""
+
+from __future__ import annotations
+
+import bz2
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mwparserfromhell
+from mwparserfromhell.nodes import Node, Tag, Template, Wikilink
+from mwparserfromhell.wikicode import Wikicode
+
+from megatron_ext import assets
+
+TRAIN_FILE = "train.jsonl"
+VALID_FILE = "valid.jsonl"
+MANIFEST_FILE = "manifest.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Document:
+    """One output document (one JSONL line)."""
+
+    id: str
+    """Stable identifier, ``<source>:<key>``; it also decides the train/valid split."""
+    source: str
+    """Name of the source in :data:`SOURCES`."""
+    title: str | None
+    """Article or chapter title; ``None`` for the untitled news articles."""
+    text: str
+    """Plain text; paragraphs separated by a blank line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CorpusConfig:
+    """What to build and where."""
+
+    output_dir: Path
+    """Directory receiving ``train.jsonl``, ``valid.jsonl`` and ``manifest.json``."""
+    sources: tuple[str, ...] = ()
+    """Names from :data:`SOURCES` to include; empty means all. Output order is always canonical."""
+    valid_fraction: float = 0.05
+    """Expected share of documents in the held-out split, in [0, 1)."""
+    min_chars: int = 200
+    """Documents shorter than this after cleaning are dropped (and counted)."""
+    book_part_chars: int = 4000
+    """Chapters of the novel longer than this are cut into roughly equal paragraph groups."""
+    overwrite: bool = False
+    """Replace existing outputs whose content differs; without it that is an error."""
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.sources if name not in SOURCES]
+        if unknown:
+            raise ValueError(f"sources: unknown {unknown}; valid names are {list(SOURCES)}")
+        if not 0.0 <= self.valid_fraction < 1.0:
+            raise ValueError(f"valid_fraction must be in [0, 1), got {self.valid_fraction}")
+        if self.min_chars < 1 or self.book_part_chars < self.min_chars:
+            raise ValueError(
+                f"need 1 <= min_chars <= book_part_chars, got {self.min_chars} and {self.book_part_chars}"
+            )
+
+    @property
+    def selected(self) -> list[str]:
+        return [name for name in SOURCES if not self.sources or name in self.sources]
+
+
+@dataclass(kw_only=True)
+class Extracted:
+    """What a source reader returns."""
+
+    documents: list[Document]
+    """Cleaned documents in file order, before the minimum-length filter."""
+    skipped: int = 0
+    """Entries that are not documents at all (redirects, other namespaces, disambiguation pages)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CorpusSource:
+    """One source of the demo corpus."""
+
+    name: str
+    """Key used in ``--sources``, document ids and the manifest."""
+    asset: str
+    """Asset in :data:`megatron_ext.assets.ASSETS` holding the raw text."""
+    member: str
+    """Path of the raw file inside the asset's archive."""
+    description: str
+    """One line for the manifest and the report."""
+    read: Callable[[Path, CorpusConfig], Extracted]
+    """Turns the extracted raw file into documents."""
+
+
+@dataclass(kw_only=True)
+class SourceStats:
+    """Counts for one source (kept documents only, unless named otherwise)."""
+
+    documents: int = 0
+    characters: int = 0
+    words: int = 0
+    dropped_short: int = 0
+    """Documents under ``min_chars`` after cleaning."""
+    skipped: int = 0
+    """Raw entries that are not documents (see :attr:`Extracted.skipped`)."""
+    valid_documents: int = 0
+    """Of ``documents``, how many went to the held-out split."""
+
+
+@dataclass(kw_only=True)
+class CorpusResult:
+    """Outcome of :func:`build_corpus`."""
+
+    paths: dict[str, Path]
+    """``train``, ``valid`` and ``manifest`` output paths."""
+    stats: dict[str, SourceStats]
+    """Per source, in canonical order."""
+    split_documents: dict[str, int]
+    """Documents per split (``train``, ``valid``)."""
+    unchanged: bool
+    """True when the outputs already existed with exactly this content (nothing was written)."""
+    total: SourceStats = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.total = SourceStats()
+        for stats in self.stats.values():
+            for name in vars(self.total):
+                setattr(self.total, name, getattr(self.total, name) + getattr(stats, name))
+
+
+# ----------------------------------------------------------------------------- text helpers
+
+_SPACES = re.compile(r"[ \t\u00a0]{2,}")
+# Parentheses left empty (or holding only separators) once templates such as pronunciations are gone.
+_EMPTY_PARENS = re.compile(r" ?\(\s*(?:[,;:]\s*)*\)")
+_BLANK_LINES = re.compile(r"\n{3,}")
+
+
+def _tidy(text: str) -> str:
+    """Collapse spaces, strip lines, drop empty parentheses and lines without a letter or digit
+    (leftovers of removed markup), keep single blank lines between paragraphs."""
+    text = _EMPTY_PARENS.sub("", text)
+    lines = [_SPACES.sub(" ", line).strip() for line in text.split("\n")]
+    lines = [line if any(c.isalnum() for c in line) else "" for line in lines]
+    return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()
+
+
+# ----------------------------------------------------------------------------- Wikipedia
+
+_DROP_SECTIONS = frozenset({
+    "references", "notes", "footnotes", "citations", "notes and references", "sources",
+    "bibliography", "works cited", "further reading", "external links", "see also",
+})
+"""Level-2 sections that hold link lists and citations rather than prose."""
+_DROP_TAGS = frozenset({"ref", "references", "table", "gallery", "math", "div", "timeline", "score"})
+_DROP_LINK_NAMESPACES = frozenset({"file", "image", "media", "category"})
+_MARKUP_LEFTOVERS = ("[[", "]]", "{{", "}}", "{|", "|}", "<ref")
+_HTML_TAG = re.compile(r"</?[A-Za-z][A-Za-z0-9]*(?:\s[^<>]*)?/?>")
+_MAGIC_WORD = re.compile(r"__[A-Z]+__")
+_QUOTE_RUN = re.compile(r"'{2,}")
+_HEADING_LINE = re.compile(r"^(={1,6})\s*(.*?)\s*\1\s*$")
+# Disambiguation pages are link lists; they carry one of these templates ({{disambiguation|geo}}).
+_DISAMBIGUATION = re.compile(r"\{\{\s*(?:[^{}|]*disambig[^{}|]*|dab|hndis|geodis)\s*[|}]", re.IGNORECASE)
+
+
+def _drop_blocks(wikitext: str) -> str:
+    """Remove ``{| ... |}`` tables (possibly nested) and the sections in :data:`_DROP_SECTIONS`.
+
+    Both are line-anchored syntax, so a line scan is exact. Doing it before parsing matters:
+    mwparserfromhell gives up on many real tables (templates in cells, stray attributes) and
+    returns them as text, and an unclosed HTML tag makes it nest every later heading inside it.
+    """
+    kept, table_depth, in_dropped_section = [], 0, False
+    for line in wikitext.split("\n"):
+        stripped = line.strip()
+        if stripped.startswith("{|"):
+            table_depth += 1
+        elif table_depth and stripped.startswith("|}"):
+            table_depth -= 1
+        elif not table_depth:
+            heading = _HEADING_LINE.match(stripped)
+            if heading and len(heading.group(1)) <= 2:
+                in_dropped_section = heading.group(2).lower() in _DROP_SECTIONS
+            if not in_dropped_section:
+                kept.append(line)
+    return "\n".join(kept)
+
+
+def _is_dropped(node: Node) -> bool:
+    if isinstance(node, Template):
+        return True
+    if isinstance(node, Tag):
+        return str(node.tag).strip().lower() in _DROP_TAGS
+    if isinstance(node, Wikilink):
+        prefix, colon, _ = str(node.title).partition(":")
+        return bool(colon) and prefix.strip().lower() in _DROP_LINK_NAMESPACES
+    return False
+
+
+def _prune(code: Wikicode) -> None:
+    """Delete templates, refs, file/category links and the like, in place, at every depth."""
+    kept: list[Node] = []
+    for node in code.nodes:
+        if _is_dropped(node):
+            continue
+        for child in node.__children__():
+            _prune(child)
+        kept.append(node)
+    code.nodes = kept
+
+
+def wikitext_to_text(wikitext: str) -> str:
+    """Plain text of an article's wikitext; paragraphs separated by a blank line."""
+    text = wikitext
+    # mwparserfromhell leaves a malformed construct as literal text; once the markup around it
+    # is gone a second parse usually resolves it. Three passes clear every article of the dump.
+    for _ in range(3):
+        code = mwparserfromhell.parse(_drop_blocks(text))
+        _prune(code)
+        text = code.strip_code(normalize=True, collapse=True)
+        if not any(marker in text for marker in _MARKUP_LEFTOVERS):
+            break
+    text = _HTML_TAG.sub("", _MAGIC_WORD.sub("", text))
+    # Bold/italic quotes the parser left behind: "''Iliad'''s" -> "Iliad's".
+    text = _QUOTE_RUN.sub(lambda m: "'" if len(m.group()) % 2 else "", text)
+    return _tidy(text)
+
+
+def _local(tag: str) -> str:
+    return tag.rpartition("}")[2]
+
+
+def _iter_pages(path: Path) -> Iterator[dict[str, str | None]]:
+    """Stream ``<page>`` elements of a bz2 MediaWiki XML dump as flat dicts."""
+    with bz2.open(path, "rb") as f:
+        for _, elem in ET.iterparse(f, events=("end",)):
+            if _local(elem.tag) != "page":
+                continue
+            page: dict[str, str | None] = {"redirect": None, "text": None}
+            for child in elem:
+                name = _local(child.tag)
+                if name == "redirect":
+                    page["redirect"] = child.get("title", "")
+                elif name == "revision":
+                    for rev_child in child:
+                        if _local(rev_child.tag) == "text":
+                            page["text"] = rev_child.text or ""
+                elif name in ("title", "ns", "id"):
+                    page[name] = child.text
+            elem.clear()  # keep memory flat while streaming
+            yield page
+
+
+def read_wikipedia(path: Path, config: CorpusConfig) -> Extracted:
+    out = Extracted(documents=[])
+    for page in _iter_pages(path):
+        wikitext = page["text"]
+        is_article = page["ns"] == "0" and page["redirect"] is None and bool(wikitext)
+        if not is_article or _DISAMBIGUATION.search(wikitext):
+            out.skipped += 1
+            continue
+        out.documents.append(Document(
+            id=f"wikipedia:{page['id']}", source="wikipedia", title=page["title"],
+            text=wikitext_to_text(wikitext),
+        ))
+    return out
+
+
+# ----------------------------------------------------------------------------- news
+
+
+def read_lee_news(path: Path, config: CorpusConfig) -> Extracted:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return Extracted(documents=[
+        Document(id=f"lee_news:{number:03d}", source="lee_news", title=None, text=_tidy(line))
+        for number, line in enumerate(lines, start=1)
+        if line.strip()
+    ])
+
+
+# ----------------------------------------------------------------------------- Gutenberg novel
+
+_GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (?:THIS|THE) PROJECT GUTENBERG EBOOK.*$", re.MULTILINE)
+_GUTENBERG_END = re.compile(r"^\*\*\* ?END OF (?:THIS|THE) PROJECT GUTENBERG EBOOK.*$", re.MULTILINE)
+_GUTENBERG_LINES = re.compile(r"^(?:Produced by .*|End of (?:the )?Project Gutenberg.*)\n", re.MULTILINE)
+# Editorial apparatus inside the book: translator's footnotes (whole lines, may span several),
+# transcriber's notes on typos ("[A: Insitent]") and the markers pointing at them.
+_FOOTNOTE_BLOCK = re.compile(r"^\s*\[(?:Footnote \d+|[A-Z]):[^\]]*\]\n", re.MULTILINE)
+_NOTE_MARKER = re.compile(r" ?\[(?:\d+|[A-Z])\]")
+
+
+def strip_gutenberg(raw: str) -> str:
+    """The book's own text: between the START/END markers, without producer lines or apparatus."""
+    start, end = _GUTENBERG_START.search(raw), _GUTENBERG_END.search(raw)
+    if start is None or end is None or end.start() < start.end():
+        raise ValueError("not a Project Gutenberg text: no '*** START/END OF ... GUTENBERG EBOOK' lines")
+    body = raw[start.end():end.start()].strip("\n") + "\n"
+    body = _GUTENBERG_LINES.sub("", body)
+    body = _FOOTNOTE_BLOCK.sub("", body)
+    return _EMPTY_PARENS.sub("", _NOTE_MARKER.sub("", body))  # one marker stood alone: "shape ([D])"
+
+
+def _is_heading(line: str) -> bool:
+    """Headings of this transcription ("CHAPTER IV", "A NOTE BY THE TRANSLATOR") have no lowercase."""
+    stripped = line.strip()
+    return bool(stripped) and not any(c.islower() for c in stripped)
+
+
+_SENTENCE_END = re.compile(r"""[.!?:;"')\]]$""")
+
+
+def reflow(lines: list[str], width: int) -> list[str]:
+    """Rebuild the paragraphs of text hard-wrapped at ``width`` whose blank lines were removed.
+
+    A line ends a paragraph when it ends a sentence and the next line's first word would have
+    fitted on it: a wrapping typesetter would have put the word there, so the break is deliberate.
+    The sentence-end condition matters because this transcription is not wrapped greedily
+    everywhere ("Come and see me sometime,|ha, ha, ha!").
+    """
+    paragraphs, current = [], []
+    for i, line in enumerate(lines):
+        line = line.rstrip()
+        current.append(line.strip())
+        next_words = lines[i + 1].split() if i + 1 < len(lines) else []
+        if not next_words or (
+            _SENTENCE_END.search(line) and len(line) + 1 + len(next_words[0]) <= width
+        ):
+            paragraphs.append(" ".join(current))
+            current = []
+    return paragraphs
+
+
+def _split_even(paragraphs: list[str], max_chars: int) -> list[list[str]]:
+    """Consecutive paragraph groups of about equal size, about ``max_chars`` at most.
+
+    A group closes once it reaches ``total / ceil(total / max_chars)``, so a chapter is cut into
+    as many parts as ``max_chars`` asks for without leaving a tiny last part.
+    """
+    total = sum(len(p) + 2 for p in paragraphs)
+    goal = total / math.ceil(total / max_chars)
+    groups, current, size = [], [], 0
+    for paragraph in paragraphs:
+        current.append(paragraph)
+        size += len(paragraph) + 2
+        if size >= goal:
+            groups.append(current)
+            current, size = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _slug(heading: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", heading.lower()).strip("-")
+
+
+def read_botchan(path: Path, config: CorpusConfig) -> Extracted:
+    body = strip_gutenberg(path.read_text(encoding="utf-8-sig").replace("\r\n", "\n"))
+    sections: list[tuple[str, list[str]]] = [("front matter", [])]
+    for line in body.split("\n"):
+        if _is_heading(line):
+            sections.append((line.strip().rstrip("."), []))
+        elif line.strip():
+            sections[-1][1].append(line)
+    width = max(len(line.rstrip()) for _, lines in sections for line in lines)
+    out = Extracted(documents=[])
+    for heading, lines in sections:
+        paragraphs = reflow(lines, width)
+        if not paragraphs:
+            continue  # a heading directly followed by another one
+        groups = _split_even(paragraphs, config.book_part_chars)
+        for part, group in enumerate(groups, start=1):
+            out.documents.append(Document(
+                id=f"botchan:{_slug(heading)}:{part}", source="botchan",
+                title=f"Botchan (Master Darling), {heading} ({part}/{len(groups)})",
+                text="\n\n".join(group),
+            ))
+    return out
+
+
+# ----------------------------------------------------------------------------- registry and build
+
+SOURCES: dict[str, CorpusSource] = {
+    source.name: source
+    for source in (
+        CorpusSource(
+            name="wikipedia", asset="gensim",
+            member="gensim/test/test_data/"
+            "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2",
+            description="English Wikipedia articles (2016 dump excerpt), markup stripped",
+            read=read_wikipedia,
+        ),
+        CorpusSource(
+            name="lee_news", asset="gensim", member="gensim/test/test_data/lee_background.cor",
+            description="Australian news articles (Lee background corpus)",
+            read=read_lee_news,
+        ),
+        CorpusSource(
+            name="botchan", asset="sentencepiece-sdist", member="sentencepiece-0.2.3/test/botchan.txt",
+            description="Botchan by Natsume Soseki, English translation (Project Gutenberg #8868)",
+            read=read_botchan,
+        ),
+    )
+}
+
+
+def is_valid_document(doc_id: str, valid_fraction: float) -> bool:
+    """Whether a document belongs to the held-out split: a fixed hash of its id, not its position."""
+    bucket = int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "big")
+    return bucket < valid_fraction * 2**64
+
+
+def _jsonl(documents: list[Document]) -> bytes:
+    return "".join(
+        json.dumps({"id": d.id, "source": d.source, "title": d.title, "text": d.text}, ensure_ascii=False)
+        + "\n"
+        for d in documents
+    ).encode("utf-8")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp_name, 0o644)
+        os.replace(tmp_name, path)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+
+
+def build_corpus(config: CorpusConfig) -> CorpusResult:
+    """Build (or confirm up to date) the demo corpus described by ``config``."""
+    train: list[Document] = []
+    valid: list[Document] = []
+    stats: dict[str, SourceStats] = {}
+    manifest_sources: dict[str, dict[str, object]] = {}
+    for name in config.selected:
+        source = SOURCES[name]
+        extracted = source.read(assets.member(source.asset, source.member), config)
+        s = stats[name] = SourceStats(skipped=extracted.skipped)
+        for doc in extracted.documents:
+            if len(doc.text) < config.min_chars:
+                s.dropped_short += 1
+                continue
+            s.documents += 1
+            s.characters += len(doc.text)
+            s.words += len(doc.text.split())
+            if is_valid_document(doc.id, config.valid_fraction):
+                s.valid_documents += 1
+                valid.append(doc)
+            else:
+                train.append(doc)
+        if not s.documents:
+            raise ValueError(f"source {name!r} gave no document of at least min_chars={config.min_chars}")
+        asset = assets.ASSETS[source.asset]
+        manifest_sources[name] = {
+            "description": source.description,
+            "asset": source.asset,
+            "asset_file": asset.filename,
+            "asset_sha256": asset.sha256,
+            "member": source.member,
+            "license": asset.license,
+            **vars(s),
+        }
+    if not train or (config.valid_fraction > 0 and not valid):
+        raise ValueError(
+            f"valid_fraction={config.valid_fraction} over sources {config.selected} gives "
+            f"{len(train)} train and {len(valid)} valid documents; both splits must be non-empty"
+        )
+
+    outputs = {"train": _jsonl(train), "valid": _jsonl(valid)}
+    manifest = {
+        "format": "JSON lines, one document per line: id, source, title, text",
+        "valid_fraction": config.valid_fraction,
+        "min_chars": config.min_chars,
+        "book_part_chars": config.book_part_chars,
+        "files": {
+            split: {
+                "path": file, "documents": len(docs), "sha256": hashlib.sha256(outputs[split]).hexdigest(),
+            }
+            for split, file, docs in (("train", TRAIN_FILE, train), ("valid", VALID_FILE, valid))
+        },
+        "sources": manifest_sources,
+    }
+    outputs["manifest"] = (json.dumps(manifest, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    paths = {
+        "train": config.output_dir / TRAIN_FILE,
+        "valid": config.output_dir / VALID_FILE,
+        "manifest": config.output_dir / MANIFEST_FILE,
+    }
+
+    existing = {key: path.read_bytes() for key, path in paths.items() if path.exists()}
+    unchanged = len(existing) == len(paths) and all(existing[key] == outputs[key] for key in paths)
+    if not unchanged:
+        differing = [str(paths[key]) for key, data in existing.items() if data != outputs[key]]
+        if differing and not config.overwrite:
+            raise ValueError(f"{differing} exist with different content; pass --overwrite to replace them")
+        config.output_dir.mkdir(parents=True, exist_ok=True)
+        for key in ("train", "valid", "manifest"):  # manifest last: it vouches for the others
+            _write_atomic(paths[key], outputs[key])
+    return CorpusResult(
+        paths=paths, stats=stats, unchanged=unchanged,
+        split_documents={"train": len(train), "valid": len(valid)},
+    )
+
+
+def format_report(result: CorpusResult) -> str:
+    """Per-source and total counts, output paths and whether anything was written."""
+    header = (
+        f"{'source':<10} {'docs':>6} {'chars':>11} {'words':>9} {'dropped':>8} {'skipped':>8} {'valid':>6}"
+    )
+    rows = [header, "-" * len(header)]
+    for name, s in [*result.stats.items(), ("total", result.total)]:
+        rows.append(
+            f"{name:<10} {s.documents:>6,} {s.characters:>11,} {s.words:>9,} "
+            f"{s.dropped_short:>8,} {s.skipped:>8,} {s.valid_documents:>6,}"
+        )
+    rows.append("")
+    for key, path in result.paths.items():
+        count = f" ({result.split_documents[key]:,} documents)" if key in result.split_documents else ""
+        rows.append(f"{key + ':':<9} {path}{count}")
+    rows.append("outputs already up to date; nothing written" if result.unchanged else "outputs written")
+    return "\n".join(rows)

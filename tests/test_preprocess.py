@@ -1,0 +1,224 @@
+"""tools/preprocess_data.py: round trips, worker determinism, formats, bad input, Megatron parity."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_ext import assets
+from megatron_ext.data.preprocess import PreprocessConfig, preprocess
+from megatron_ext.data.readers import InputError
+from megatron_ext.data.sentences import SentenceSplitter, train_punkt
+from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
+from tools import preprocess_data
+
+
+@pytest.fixture(scope="module")
+def sp_model() -> str:
+    """A real Llama-2-style SentencePiece model (32k vocab, has </s>)."""
+    return str(assets.member("mistral-common", "mistral_common/data/tokenizer.model.v1"))
+
+
+@pytest.fixture()
+def corpus(tmp_path, news_texts) -> Path:
+    path = tmp_path / "news.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for i, text in enumerate(news_texts[:120]):
+            f.write(json.dumps({"id": i, "text": text, "title": text[:40]}) + "\n")
+    return path
+
+
+def _run(tmp_path: Path, inputs, tokenizer_model: str, **kwargs):
+    config = PreprocessConfig(
+        inputs=tuple(str(i) for i in inputs),
+        output_prefix=str(tmp_path / kwargs.pop("name", "out")),
+        tokenizer=TokenizerConfig(tokenizer_model=tokenizer_model),
+        progress=False,
+        **kwargs,
+    )
+    return config, preprocess(config)
+
+
+def _read(prefix: str):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    return IndexedDataset(prefix)
+
+
+def test_round_trip_equals_tokenizer_output(tmp_path, corpus, sp_model, news_texts):
+    config, summary = _run(tmp_path, [corpus], sp_model, append_eod=True)
+    tokenizer = build_tokenizer(config.tokenizer)
+    ds = _read(config.output_prefix_for("text"))
+    assert len(ds) == summary.documents == 120
+    for i in (0, 1, 57, 119):
+        expected = tokenizer.tokenize(news_texts[i], add_special_tokens=True) + [tokenizer.eod]
+        assert ds[i].tolist() == expected
+    assert ds.index.dtype == np.uint16  # 32k vocab fits in uint16
+    assert summary.tokens == int(ds.sequence_lengths.sum())
+    assert tokenizer.detokenize(ds[3].tolist()[:-1]).strip()[:30] == news_texts[3].strip()[:30]
+
+
+def test_output_identical_for_one_and_two_workers(tmp_path, corpus, minilm_dir):
+    a, _ = _run(tmp_path, [corpus], str(minilm_dir), name="w1", workers=1, json_keys=("text", "title"))
+    b, _ = _run(tmp_path, [corpus], str(minilm_dir), name="w2", workers=2, json_keys=("text", "title"))
+    for key in ("text", "title"):
+        for suffix in (".bin", ".idx"):
+            left = Path(a.output_prefix_for(key) + suffix).read_bytes()
+            right = Path(b.output_prefix_for(key) + suffix).read_bytes()
+            assert left == right and len(left) > 0
+
+
+def test_matches_megatron_core_tokenizer(tmp_path, corpus, sp_model, news_texts):
+    """Same documents and tokens as Megatron-LM's tool: Megatron-Core's tokenizer + its EOD rule."""
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as megatron_build
+
+    args = argparse.Namespace(
+        tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_model, chat_template=None,
+        tokenizer_sentencepiece_ignore_extra_whitespaces=False, tokenizer_sentencepiece_legacy=False,
+        special_tokens=None, metadata_path=None, pad_vocab_size=False, vocab_size=None,
+    )
+    megatron_tok = megatron_build(args)
+    config, _ = _run(tmp_path, [corpus], sp_model, append_eod=True)
+    ds = _read(config.output_prefix_for("text"))
+    for i in range(0, 120, 7):
+        assert ds[i].tolist() == list(megatron_tok.tokenize(news_texts[i])) + [megatron_tok.eod]
+
+
+def test_gpt_dataset_over_output_yields_requested_length(tmp_path, corpus, sp_model):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    config, _ = _run(tmp_path, [corpus], sp_model, append_eod=True)
+    tokenizer = build_tokenizer(config.tokenizer)
+    gpt_config = GPTDatasetConfig(
+        random_seed=1234, sequence_length=128, blend=([config.output_prefix_for("text")], None),
+        split="90,10,0", tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"),
+    )
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [20, 4, None], lambda: True, gpt_config).build()
+    sample = train[0]
+    assert sample["tokens"].shape == (128,) and sample["labels"].shape == (128,)
+    assert sample["tokens"][1:].tolist() == sample["labels"][:-1].tolist()
+    assert len(train) >= 20 and len(valid) >= 4
+
+
+@pytest.mark.parametrize("fmt", ["jsonl.gz", "text-line", "text-file", "parquet", "hf-disk"])
+def test_input_formats_give_the_same_tokens(tmp_path, sp_model, news_texts, fmt):
+    texts = news_texts[:20]
+    if fmt == "jsonl.gz":
+        path = tmp_path / "in.jsonl.gz"
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+        kwargs = {}
+    elif fmt == "text-line":
+        path = tmp_path / "in.txt"
+        path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+        kwargs = {}
+    elif fmt == "text-file":
+        path = tmp_path / "docs"
+        path.mkdir()
+        for i, t in enumerate(texts):
+            (path / f"{i:03d}.txt").write_text(t, encoding="utf-8")
+        kwargs = {"text_mode": "file"}
+    elif fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "in.parquet"
+        pq.write_table(pa.table({"text": texts, "n": list(range(20))}), path, row_group_size=7)
+        kwargs = {}
+    else:
+        import datasets
+
+        path = tmp_path / "hf"
+        datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(path))
+        kwargs = {}
+    config, summary = _run(tmp_path, [path], sp_model, **kwargs)
+    tokenizer = build_tokenizer(config.tokenizer)
+    ds = _read(config.output_prefix_for("text"))
+    assert summary.documents == 20
+    assert [ds[i].tolist() for i in range(20)] == tokenizer.tokenize_batch(texts, add_special_tokens=True)
+
+
+def test_invalid_json_names_file_and_line(tmp_path, corpus, sp_model):
+    lines = corpus.read_text().splitlines()
+    lines.insert(41, '{"text": "unterminated')
+    corpus.write_text("\n".join(lines) + "\n")
+    with pytest.raises(InputError, match=rf"news.jsonl:42: invalid JSON"):
+        _run(tmp_path, [corpus], sp_model)
+    assert not list(tmp_path.glob("out*"))  # nothing half-written, no temporaries left
+    _, summary = _run(tmp_path, [corpus], sp_model, skip_invalid=True)
+    assert summary.invalid_skipped == 1 and summary.documents == 120
+
+
+def test_missing_key_names_the_keys_present(tmp_path, corpus, sp_model):
+    with pytest.raises(InputError, match=r"news.jsonl:1: key\(s\) \['body'\] missing; keys present: \['id', 'text', 'title'\]"):
+        _run(tmp_path, [corpus], sp_model, json_keys=("body",))
+
+
+def test_unreadable_and_missing_inputs(tmp_path, corpus, sp_model):
+    with pytest.raises(InputError, match="no such file"):
+        _run(tmp_path, [tmp_path / "nope.jsonl"], sp_model)
+    if os.geteuid() != 0:  # root reads anything
+        corpus.chmod(0)
+        with pytest.raises(InputError, match="not readable"):
+            _run(tmp_path, [corpus], sp_model)
+
+
+def test_existing_output_needs_overwrite_and_survives_failed_rewrite(tmp_path, corpus, sp_model):
+    config, _ = _run(tmp_path, [corpus], sp_model)
+    prefix = config.output_prefix_for("text")
+    before = Path(prefix + ".bin").read_bytes(), Path(prefix + ".idx").read_bytes()
+    with pytest.raises(FileExistsError, match=r"out_text_document.bin already exists; pass --overwrite"):
+        _run(tmp_path, [corpus], sp_model)
+    # A rewrite that dies midway (bad line near the end) leaves the previous pair intact.
+    with open(corpus, "a") as f:
+        f.write("not json\n")
+    with pytest.raises(InputError):
+        _run(tmp_path, [corpus], sp_model, overwrite=True)
+    assert (Path(prefix + ".bin").read_bytes(), Path(prefix + ".idx").read_bytes()) == before
+    assert sorted(p.name for p in tmp_path.glob("out*")) == ["out_text_document.bin", "out_text_document.idx"]
+
+
+def test_empty_documents_are_skipped_and_counted(tmp_path, sp_model):
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t}) for t in ["Hello world.", "", "Second doc."]) + "\n")
+    config, summary = _run(tmp_path, [path], sp_model, add_special_tokens=False)
+    assert summary.documents == 2 and summary.empty_skipped == 1
+    assert len(_read(config.output_prefix_for("text"))) == 2
+
+
+def test_sentence_splitting_trains_punkt_and_keeps_newlines(tmp_path, corpus, sp_model, news_texts):
+    config, summary = _run(tmp_path, [corpus], sp_model, split_sentences=True, append_eod=True)
+    assert config.output_prefix_for("text").endswith("_text_sentence")
+    assert summary.splitter.startswith(("trained-on-input", "pretrained"))
+    ds = _read(config.output_prefix_for("text"))
+    assert len(ds.document_indices) == 121  # still 120 documents ...
+    assert len(ds) > 3 * 120  # ... made of several sentences each
+    punkt, _ = train_punkt(news_texts)
+    text = "Dr. Smith arrived at 9 a.m. on Monday.\nHe left soon after.  Then it rained!\n\nThe end."
+    kept = SentenceSplitter(punkt, keep_newlines=True, source="test").split(text)
+    assert "".join(kept) == text and len(kept) >= 3
+    stripped = SentenceSplitter(punkt, keep_newlines=False, source="test").split(text)
+    assert stripped[-1] == "The end." and all(s == s.strip() for s in stripped)
+
+
+def test_main_cli(tmp_path, corpus, sp_model, capsys):
+    prefix = tmp_path / "cli"
+    rc = preprocess_data.main([
+        "--input", str(corpus), "--output-prefix", str(prefix), "--tokenizer-model", sp_model,
+        "--append-eod", "--workers", "2", "--no-progress",
+    ])
+    out = capsys.readouterr().out
+    assert rc == 0 and "documents written   120" in out and "tokens/s" in out
+    assert (tmp_path / "cli_text_document.idx").exists()
+    assert preprocess_data.main([
+        "--input", str(corpus), "--output-prefix", str(prefix), "--tokenizer-model", sp_model,
+    ]) == 2
+    assert "--overwrite" in capsys.readouterr().err
