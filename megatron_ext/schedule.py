@@ -1,0 +1,332 @@
+"""Training phases (which objective at which step) and the learning-rate schedule: pure functions.
+
+A run of ``total_steps`` optimizer steps is split into consecutive phases, e.g. the paper's
+biphasic recipe "25 % CLM then 75 % MLM at 40 % masking". The learning-rate schedule spans the
+whole run, not each phase: with warmup-stable-decay (WSD) the MLM phase continues from the CLM
+weights at the stable learning rate and only the end of the run decays. Continued pretraining
+(CPT) is a new run from an existing checkpoint, with its own ``total_steps``, phases and a fresh
+schedule; a phase may also restart the warmup (``restart_warmup``).
+
+Step convention (Megatron's): ``step`` is the number of optimizer steps already completed, and
+``lr_at(step)`` is the learning rate of the update performed next. Phases are half-open step
+ranges ``[start, end)``.
+
+Pure Python: no torch, no Megatron.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Literal
+
+Objective = Literal["mlm", "clm"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Phase:
+    """One phase of a run, before its length is resolved against the step budget."""
+
+    objective: Objective
+    """``"clm"`` (next-token prediction, causal attention) or ``"mlm"`` (bidirectional)."""
+
+    mask_ratio: float | None = None
+    """MLM only, required there: share of maskable tokens selected, in (0, 1)."""
+
+    steps: int | None = None
+    """Length in optimizer steps; give exactly one of ``steps`` and ``share``."""
+
+    share: float | None = None
+    """Length as a share of the run's ``total_steps``, in (0, 1]."""
+
+    mask_replace_prob: float | None = None
+    """MLM only: probability a selected token becomes the mask token (unset: 1.0)."""
+
+    random_replace_prob: float | None = None
+    """MLM only: probability a selected token becomes a random token (unset: 0.0)."""
+
+    restart_warmup: bool = False
+    """Restart the learning-rate warmup at this phase's first step."""
+
+    def __post_init__(self) -> None:
+        if self.objective not in ("mlm", "clm"):
+            raise ValueError(f"objective must be 'mlm' or 'clm', got {self.objective!r}")
+        if self.objective == "mlm":
+            if self.mask_ratio is None or not 0.0 < self.mask_ratio < 1.0:
+                raise ValueError(
+                    f"mask_ratio must be in (0, 1) for an mlm phase, got {self.mask_ratio}"
+                )
+            for name in ("mask_replace_prob", "random_replace_prob"):
+                value = getattr(self, name)
+                if value is not None and not 0.0 <= value <= 1.0:
+                    raise ValueError(f"{name} must be in [0, 1], got {value}")
+            mask_prob, random_prob = self.replacement_probs()
+            if mask_prob + random_prob > 1.0 + 1e-12:
+                raise ValueError(
+                    "mask_replace_prob + random_replace_prob must be <= 1, "
+                    f"got {mask_prob} + {random_prob}"
+                )
+        else:
+            for name in ("mask_ratio", "mask_replace_prob", "random_replace_prob"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name} must be unset for a clm phase, got {getattr(self, name)}"
+                    )
+        if (self.steps is None) == (self.share is None):
+            raise ValueError(
+                "exactly one of steps and share must be set, "
+                f"got steps={self.steps}, share={self.share}"
+            )
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
+            raise ValueError(f"steps must be a positive integer, got {self.steps!r}")
+        if self.share is not None and not 0.0 < self.share <= 1.0:
+            raise ValueError(f"share must be in (0, 1], got {self.share}")
+
+    def replacement_probs(self) -> tuple[float, float]:
+        """``(mask_replace_prob, random_replace_prob)`` with defaults applied (MLM phases)."""
+        return (
+            1.0 if self.mask_replace_prob is None else self.mask_replace_prob,
+            0.0 if self.random_replace_prob is None else self.random_replace_prob,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedPhase:
+    """A phase placed on the step axis. MLM fields are None for CLM phases."""
+
+    index: int
+    """Position in the phase list."""
+
+    objective: Objective
+    """``"clm"`` or ``"mlm"``."""
+
+    start: int
+    """First step of the phase."""
+
+    end: int
+    """One past the last step of the phase."""
+
+    mask_ratio: float | None
+    """See :class:`Phase`; feeds ``objectives.MaskingConfig``."""
+
+    mask_replace_prob: float | None
+    """See :class:`Phase`, default applied."""
+
+    random_replace_prob: float | None
+    """See :class:`Phase`, default applied."""
+
+    restart_warmup: bool
+    """See :class:`Phase`."""
+
+    @property
+    def steps(self) -> int:
+        """Number of steps in the phase."""
+        return self.end - self.start
+
+
+def _phase_lengths(phases: Sequence[Phase], total_steps: int) -> list[int]:
+    uses_steps = phases[0].steps is not None
+    for i, phase in enumerate(phases):
+        if (phase.steps is not None) != uses_steps:
+            raise ValueError(
+                f"phases[{i}] sets {'share' if uses_steps else 'steps'} but phases[0] sets "
+                f"{'steps' if uses_steps else 'share'}: give every phase steps or every phase share"
+            )
+    if uses_steps:
+        lengths = [phase.steps for phase in phases]
+        if sum(lengths) != total_steps:
+            raise ValueError(
+                f"phases[*].steps sum to {sum(lengths)}, expected total_steps={total_steps}"
+            )
+        return lengths
+    shares = [phase.share for phase in phases]
+    if abs(math.fsum(shares) - 1.0) > 1e-9:
+        raise ValueError(f"phases[*].share sum to {math.fsum(shares)}, expected 1")
+    # Largest remainder in exact rational arithmetic (normalised by the float sum), so lengths
+    # sum to total_steps exactly; ties go to the earlier phase.
+    exact = [Fraction(s) * total_steps / sum(map(Fraction, shares)) for s in shares]
+    lengths = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(phases)), key=lambda i: (-(exact[i] - lengths[i]), i))
+    for i in by_remainder[: total_steps - sum(lengths)]:
+        lengths[i] += 1
+    for i, length in enumerate(lengths):
+        if length == 0:
+            raise ValueError(
+                f"phases[{i}].share={shares[i]} gives 0 of total_steps={total_steps} steps"
+            )
+    return lengths
+
+
+def resolve_phases(phases: Sequence[Phase], total_steps: int) -> list[ResolvedPhase]:
+    """Place ``phases`` back to back on ``[0, total_steps)``; shares become whole steps."""
+    if not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"total_steps must be a positive integer, got {total_steps!r}")
+    if not phases:
+        raise ValueError("phases must not be empty")
+    resolved, start = [], 0
+    for i, (phase, length) in enumerate(zip(phases, _phase_lengths(phases, total_steps))):
+        mlm = phase.objective == "mlm"
+        mask_prob, random_prob = phase.replacement_probs() if mlm else (None, None)
+        resolved.append(
+            ResolvedPhase(
+                index=i,
+                objective=phase.objective,
+                start=start,
+                end=start + length,
+                mask_ratio=phase.mask_ratio,
+                mask_replace_prob=mask_prob,
+                random_replace_prob=random_prob,
+                restart_warmup=phase.restart_warmup,
+            )
+        )
+        start += length
+    return resolved
+
+
+def phase_at(resolved: Sequence[ResolvedPhase], step: int) -> ResolvedPhase:
+    """The phase that contains ``step``."""
+    for phase in resolved:
+        if phase.start <= step < phase.end:
+            return phase
+    raise ValueError(f"step {step} is outside the phases' range [0, {resolved[-1].end})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRScheduleConfig:
+    """Learning-rate schedule over a whole run; names and semantics follow Megatron's flags
+    (``--lr``, ``--min-lr``, ``--lr-decay-style``, ``--lr-warmup-iters``, ``--lr-warmup-init``,
+    ``--lr-wsd-decay-iters``, ``--lr-wsd-decay-style``) with the decay spanning the whole run
+    (Megatron's ``--lr-decay-iters`` = ``--train-iters``)."""
+
+    lr: float
+    """Peak learning rate, reached at the end of warmup (the paper: 5e-4)."""
+
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay, in [0, lr]."""
+
+    lr_decay_style: Literal["wsd", "cosine", "linear", "constant"] = "wsd"
+    """Shape after warmup: ``wsd`` (stable at ``lr``, then decay over the last
+    ``lr_wsd_decay_iters`` steps), ``cosine``/``linear`` (decay from the end of warmup to the end
+    of the run), ``constant`` (stay at ``lr``). Megatron spells ``wsd`` as ``WSD``."""
+
+    lr_warmup_iters: int = 0
+    """Linear warmup length in steps, from ``lr_warmup_init`` to ``lr`` (the paper: 2,000)."""
+
+    lr_warmup_init: float = 0.0
+    """Learning rate at the first warmup step."""
+
+    lr_wsd_decay_iters: int | None = None
+    """``wsd`` only, required there: length of the final decay in steps (the paper: 2,000)."""
+
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
+    """``wsd`` only: decay curve (the paper: linear; Megatron's CLI default is exponential)."""
+
+    def __post_init__(self) -> None:
+        if self.lr_decay_style not in ("wsd", "cosine", "linear", "constant"):
+            raise ValueError(
+                "lr_decay_style must be one of wsd, cosine, linear, constant, "
+                f"got {self.lr_decay_style!r}"
+            )
+        if self.lr_wsd_decay_style not in ("linear", "cosine", "exponential", "minus_sqrt"):
+            raise ValueError(
+                "lr_wsd_decay_style must be one of linear, cosine, exponential, minus_sqrt, "
+                f"got {self.lr_wsd_decay_style!r}"
+            )
+        if not self.lr > 0.0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        if not 0.0 <= self.lr_warmup_init <= self.lr:
+            raise ValueError(
+                f"lr_warmup_init must be in [0, lr={self.lr}], got {self.lr_warmup_init}"
+            )
+        if self.lr_warmup_iters < 0:
+            raise ValueError(f"lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.lr_decay_style == "wsd":
+            if self.lr_wsd_decay_iters is None or self.lr_wsd_decay_iters < 1:
+                raise ValueError(
+                    "lr_wsd_decay_iters must be >= 1 with lr_decay_style='wsd', "
+                    f"got {self.lr_wsd_decay_iters}"
+                )
+        elif self.lr_wsd_decay_iters is not None:
+            raise ValueError(
+                f"lr_wsd_decay_iters is only used with lr_decay_style='wsd', got "
+                f"{self.lr_wsd_decay_iters} with {self.lr_decay_style!r}"
+            )
+
+
+def _after_warmup(step: int, config: LRScheduleConfig, total_steps: int) -> float:
+    """Megatron's ``get_lr`` past the warmup branch; ``lr`` up to the end of the first warmup."""
+    warmup = config.lr_warmup_iters
+    if config.lr_decay_style == "constant" or step <= warmup:
+        return config.lr
+    if config.lr_decay_style == "wsd":
+        anneal_start = total_steps - config.lr_wsd_decay_iters
+        # As in Megatron, the first lowered rate is at anneal_start + 1 and min_lr is reached
+        # at total_steps, the step after the last update: the last update runs just above min_lr.
+        if step <= anneal_start:
+            coeff = 1.0
+        else:
+            ratio = float(step - anneal_start) / float(config.lr_wsd_decay_iters)
+            coeff = {
+                "linear": lambda r: 1.0 - r,
+                "cosine": lambda r: 0.5 * (math.cos(math.pi * r) + 1.0),
+                "exponential": lambda r: 2.0 * math.pow(0.5, r) - 1.0,
+                "minus_sqrt": lambda r: 1.0 - math.sqrt(r),
+            }[config.lr_wsd_decay_style](ratio)
+    else:
+        ratio = float(step - warmup) / float(total_steps - warmup)
+        if config.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return config.min_lr + coeff * (config.lr - config.min_lr)
+
+
+def lr_at(
+    step: int,
+    *,
+    config: LRScheduleConfig,
+    total_steps: int,
+    phases: Sequence[ResolvedPhase] | None = None,
+) -> float:
+    """Learning rate of the update performed after ``step`` completed steps, in [0, total_steps].
+
+    Equals Megatron-Core's ``OptimizerParamScheduler.get_lr`` at ``num_steps=step`` with
+    ``lr_decay_steps=total_steps``. Megatron quirks kept on purpose: warmup is inclusive
+    (``step <= lr_warmup_iters``), so step 0 runs at ``lr_warmup_init`` (0 by default: the first
+    update is a no-op) and ``lr`` is first reached at ``step == lr_warmup_iters``.
+
+    With ``phases``, the warmup clock restarts at the start of the latest ``restart_warmup``
+    phase at or before ``step``: from there the rate ramps linearly from ``lr_warmup_init`` to
+    what the schedule gives without the restart, over ``lr_warmup_iters`` steps.
+    """
+    warmup = config.lr_warmup_iters
+    if not isinstance(total_steps, int) or total_steps <= warmup:
+        raise ValueError(
+            f"total_steps must be an integer > lr_warmup_iters={warmup}, got {total_steps!r}"
+        )
+    if config.lr_decay_style == "wsd" and warmup + config.lr_wsd_decay_iters > total_steps:
+        raise ValueError(
+            f"lr_warmup_iters + lr_wsd_decay_iters = {warmup} + {config.lr_wsd_decay_iters} "
+            f"exceeds total_steps={total_steps}"
+        )
+    if not 0 <= step <= total_steps:
+        raise ValueError(f"step must be in [0, total_steps={total_steps}], got {step}")
+    warmup_start = 0
+    for phase in phases or ():
+        if phase.restart_warmup and warmup == 0:
+            raise ValueError(f"phases[{phase.index}].restart_warmup needs lr_warmup_iters > 0")
+        if phase.restart_warmup and phase.start <= step:
+            warmup_start = max(warmup_start, phase.start)
+    if phases and phases[-1].end != total_steps:
+        raise ValueError(f"phases end at step {phases[-1].end}, expected total_steps={total_steps}")
+
+    target = _after_warmup(step, config, total_steps)
+    if warmup > 0 and step - warmup_start <= warmup:
+        # Same expression order as Megatron so the first warmup matches it bit for bit.
+        init = config.lr_warmup_init
+        return init + (target - init) * float(step - warmup_start) / float(warmup)
+    return target
