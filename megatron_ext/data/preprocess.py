@@ -112,6 +112,9 @@ class PreprocessSummary:
     characters: int = 0
     """Characters of text tokenized."""
     seconds: float = 0.0
+    """Wall time, start-up included."""
+    startup_seconds: float = 0.0
+    """Until the first document could be read: imports, tokenizer loading, worker start-up."""
     outputs: dict[str, str] = field(default_factory=dict)
     """Key -> output prefix of its ``.bin``/``.idx``."""
     dtype: str = ""
@@ -119,7 +122,9 @@ class PreprocessSummary:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        """Steady-state throughput: tokens over the time after start-up (as Megatron-LM reports)."""
+        busy = self.seconds - self.startup_seconds
+        return self.tokens / busy if busy > 0 else 0.0
 
     def format(self) -> str:
         lines = [
@@ -129,13 +134,27 @@ class PreprocessSummary:
             f"empty docs skipped  {self.empty_skipped:,}",
             f"invalid skipped     {self.invalid_skipped:,}",
             f"sentence splitter   {self.splitter}",
-            f"time                {self.seconds:.2f} s ({self.tokens_per_second:,.0f} tokens/s)",
+            f"time                {self.seconds:.2f} s, of which start-up {self.startup_seconds:.2f} s",
+            f"throughput          {self.tokens_per_second:,.0f} tokens/s after start-up",
         ]
         lines += [f"output [{k}]  {p}.bin / .idx" for k, p in self.outputs.items()]
         return "\n".join(lines)
 
 
 # --- worker side -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedChunk:
+    """The tokens of a chunk of documents for one json key, as flat arrays (cheap to pickle)."""
+
+    ids: np.ndarray
+    """All token ids of the chunk, document after document (int32)."""
+    sentence_lengths: np.ndarray
+    """Tokens per non-empty sentence, in order."""
+    sentences_per_doc: np.ndarray
+    """Non-empty sentences per document; 0 = the document tokenized to nothing."""
+
 
 _worker: "_Encoder | None" = None
 
@@ -151,8 +170,8 @@ class _Encoder:
         self.tokenizer: EncoderTokenizer = build_tokenizer(config.tokenizer)
         self.eod = self.tokenizer.eod if config.append_eod else None
 
-    def encode_chunk(self, records: list[Record]) -> tuple[list[dict[str, tuple[list[int], list[int]]] | None], int]:
-        """Per record: ``{key: (token_ids, sentence_lengths)}``, or None for a skipped invalid line."""
+    def encode_chunk(self, records: list[Record]) -> tuple[dict[str, EncodedChunk], list[bool], int]:
+        """Encode ``records``: per key an :class:`EncodedChunk`, per record an invalid flag, chars."""
         keys = self.config.json_keys
         decoded: list[dict[str, str] | None] = []
         for record in records:
@@ -162,40 +181,42 @@ class _Encoder:
                 if not self.config.skip_invalid:
                     raise
                 decoded.append(None)
-        chars = 0
-        # Flatten every (record, key, sentence) into one batch call: the tokenizer's fast path.
-        pieces: list[str] = []
-        owners: list[tuple[int, str]] = []
-        for i, fields in enumerate(decoded):
-            if fields is None:
-                continue
-            for key in keys:
-                text = fields[key]
-                chars += len(text)
-                sentences = self.splitter.split(text) if self.splitter else [text]
-                pieces.extend(sentences)
-                owners.extend((i, key) for _ in sentences)
-        encoded = self.tokenizer.tokenize_batch(pieces, add_special_tokens=self.config.add_special_tokens)
-        out: list[dict[str, tuple[list[int], list[int]]] | None] = [
-            None if fields is None else {key: ([], []) for key in keys} for fields in decoded
-        ]
-        for (i, key), ids in zip(owners, encoded):
-            if ids:  # Megatron drops sentences that tokenize to nothing
-                doc_ids, lengths = out[i][key]
-                doc_ids.extend(ids)
-                lengths.append(len(ids))
-        if self.eod is not None:
-            for doc in out:
-                for doc_ids, lengths in (doc or {}).values():
-                    if doc_ids:
-                        doc_ids.append(self.eod)
-                        lengths[-1] += 1
-        return out, chars
+        valid = [fields for fields in decoded if fields is not None]
+        chars = sum(len(fields[key]) for fields in valid for key in keys)
+        return {key: self._encode_key([f[key] for f in valid]) for key in keys}, [f is None for f in decoded], chars
+
+    def _encode_key(self, texts: list[str]) -> EncodedChunk:
+        sentences = [self.splitter.split(t) if self.splitter else [t] for t in texts]
+        # One batch call over every sentence of the chunk: the tokenizer's fast path.
+        flat = self.tokenizer.tokenize_batch(
+            [s for doc in sentences for s in doc], add_special_tokens=self.config.add_special_tokens
+        )
+        ids: list[int] = []
+        sentence_lengths: list[int] = []
+        sentences_per_doc: list[int] = []
+        k = 0
+        for doc in sentences:
+            n_before = len(sentence_lengths)
+            for piece in flat[k : k + len(doc)]:
+                if piece:  # Megatron drops sentences that tokenize to nothing
+                    ids.extend(piece)
+                    sentence_lengths.append(len(piece))
+            k += len(doc)
+            if self.eod is not None and len(sentence_lengths) > n_before:
+                ids.append(self.eod)
+                sentence_lengths[-1] += 1
+            sentences_per_doc.append(len(sentence_lengths) - n_before)
+        return EncodedChunk(
+            ids=np.asarray(ids, dtype=np.int32),
+            sentence_lengths=np.asarray(sentence_lengths, dtype=np.int64),
+            sentences_per_doc=np.asarray(sentences_per_doc, dtype=np.int64),
+        )
 
 
-def _init_worker(config: PreprocessConfig, splitter: SentenceSplitter | None) -> None:
+def _init_worker(config: PreprocessConfig, splitter: SentenceSplitter | None, ready) -> None:
     global _worker
     _worker = _Encoder(config, splitter)
+    ready.put(os.getpid())
 
 
 def _encode_in_worker(records: list[Record]):
@@ -243,8 +264,6 @@ def _check_outputs(config: PreprocessConfig) -> None:
 
 def preprocess(config: PreprocessConfig) -> PreprocessSummary:
     """Tokenize ``config.inputs`` into one Megatron indexed dataset per json key."""
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
     start = time.perf_counter()
     paths = expand_inputs(config.inputs)
     for path in paths:
@@ -254,14 +273,21 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
     tokenizer = build_tokenizer(config.tokenizer)
     if config.append_eod:
         tokenizer.eod  # raises with the fix when the tokenizer has no EOD
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)
     splitter = None
     if config.split_sentences:
         splitter = build_splitter(
             lang=config.lang, keep_newlines=config.keep_newlines,
             training_texts=_training_texts(config, paths),
         )
+    pool = None
+    if config.workers > 1:
+        # Start the workers first: they load the tokenizer while this process imports Megatron.
+        ctx = multiprocessing.get_context("spawn")  # fork is unsafe with torch/tokenizer threads
+        ready = ctx.Queue()
+        pool = ctx.Pool(config.workers, initializer=_init_worker, initargs=(config, splitter, ready))
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
     summary = PreprocessSummary(dtype=np.dtype(dtype).name, splitter=splitter.source if splitter else "none")
     pid = os.getpid()
     tmp = {k: (f"{config.output_prefix_for(k)}.bin.tmp{pid}", f"{config.output_prefix_for(k)}.idx.tmp{pid}") for k in config.json_keys}
@@ -269,34 +295,20 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
     # Characters ~ bytes for mostly-ASCII corpora; this only drives the progress bar.
     total_bytes = sum(os.path.getsize(p) for p in paths if os.path.isfile(p) and not p.endswith(".gz"))
     progress = _progress(config.progress, total_bytes)
-    pool = None
     try:
         chunks = _chunks(_all_records(config, paths), CHUNK_DOCUMENTS)
-        if config.workers == 1:
-            encoder = _Encoder(config, splitter)
-            results = map(encoder.encode_chunk, chunks)
+        if pool is None:
+            results = map(_Encoder(config, splitter).encode_chunk, chunks)
         else:
-            ctx = multiprocessing.get_context("spawn")  # fork is unsafe with torch/tokenizer threads
-            pool = ctx.Pool(config.workers, initializer=_init_worker, initargs=(config, splitter))
+            for _ in range(config.workers):
+                ready.get()
             results = pool.imap(_encode_in_worker, chunks)  # imap keeps input order
-        for docs, chars in results:
+        summary.startup_seconds = time.perf_counter() - start
+        for encoded, invalid, chars in results:
             summary.characters += chars
-            for doc in docs:
-                if doc is None:
-                    summary.invalid_skipped += 1
-                    continue
-                for key, (ids, lengths) in doc.items():
-                    if not ids:
-                        summary.empty_skipped += 1
-                        continue
-                    if max(ids) >= tokenizer.vocab_size:
-                        raise ValueError(
-                            f"token id {max(ids)} >= vocab size {tokenizer.vocab_size}: the tokenizer "
-                            "reports a vocab smaller than the ids it produces"
-                        )
-                    builders[key].add_document(ids, lengths)
-                    summary.tokens += len(ids)
-                    summary.documents += key == config.json_keys[0]
+            summary.invalid_skipped += sum(invalid)
+            for key, chunk in encoded.items():
+                _write_chunk(builders[key], chunk, tokenizer.vocab_size, summary, count_docs=key == config.json_keys[0])
             progress.update(chars)
         for key, builder in builders.items():
             builder.finalize(tmp[key][1])
@@ -321,6 +333,26 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
                     os.unlink(path)
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _write_chunk(builder, chunk: EncodedChunk, vocab_size: int, summary: PreprocessSummary, *, count_docs: bool) -> None:
+    if chunk.ids.size and int(chunk.ids.max()) >= vocab_size:
+        raise ValueError(
+            f"token id {int(chunk.ids.max())} >= vocab size {vocab_size}: the tokenizer reports a "
+            "vocab smaller than the ids it produces"
+        )
+    token_start = sentence_start = 0
+    for n_sentences in chunk.sentences_per_doc.tolist():
+        if n_sentences == 0:
+            summary.empty_skipped += 1
+            continue
+        lengths = chunk.sentence_lengths[sentence_start : sentence_start + n_sentences]
+        n_tokens = int(lengths.sum())
+        builder.add_document(chunk.ids[token_start : token_start + n_tokens], lengths.tolist())
+        token_start += n_tokens
+        sentence_start += n_sentences
+        summary.tokens += n_tokens
+        summary.documents += count_docs
 
 
 def _progress(enabled: bool, total_bytes: int):

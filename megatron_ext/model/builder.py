@@ -1,0 +1,201 @@
+"""The encoder model: Megatron-Core's ``GPTModel`` with a per-call attention pattern.
+
+Parameter names are GPTModel's (``embedding.word_embeddings``, ``decoder.layers.<i>.*``,
+``decoder.final_layernorm``, ``output_layer``), one ``TransformerLayer`` per EuroBERT/Llama
+block, so checkpoints map 1:1 onto ``EuroBertForMaskedLM`` and ``LlamaForCausalLM``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+from megatron_ext import platform
+from megatron_ext.model.attention import attention_mask_for
+from megatron_ext.model.config import EncoderModelConfig
+from megatron_ext.model.spec import encoder_block_spec, require_transformer_engine
+
+
+class EncoderModel(GPTModel):
+    """Bidirectional/causal encoder on Megatron-Core; build it with ``build_encoder_model``.
+
+    RoPE is computed here from positions (``position_ids`` or ``0..s-1``) rather than by
+    GPTModel's ``RotaryEmbedding``, which ignores ``position_ids`` and moves its frequencies to
+    ``torch.cuda.current_device()``; GPTModel is therefore built with no position embedding.
+    """
+
+    def __init__(
+        self,
+        config: EncoderModelConfig,
+        transformer_config: TransformerConfig,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ) -> None:
+        spec = encoder_block_spec(
+            config.attention_backend, get_num_layers_to_build(transformer_config)
+        )
+        super().__init__(
+            config=transformer_config,
+            transformer_layer_spec=spec,
+            vocab_size=config.vocab_size,
+            max_sequence_length=config.seq_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=config.tie_embeddings,
+            position_embedding_type="none",
+        )
+        self.encoder_config = config
+
+    def rotary_embedding(
+        self, seq_len: int, position_ids: Tensor | None, device: torch.device
+    ) -> Tensor:
+        """RoPE angles ``[s, b or 1, 1, head_dim]`` in Megatron's (non-interleaved) layout.
+
+        Always float32 (recomputed per call, a few KB), whatever the parameter dtype.
+        """
+        d = self.encoder_config.head_dim
+        exponents = torch.arange(0, d, 2, dtype=torch.float32, device=device) / d
+        inv_freq = self.encoder_config.rotary_base**-exponents
+        if position_ids is None:
+            positions = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None]
+        else:
+            positions = position_ids.t().to(device, torch.float32)
+        freqs = positions[..., None] * inv_freq
+        return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+
+    def _preprocess(self, input_ids, position_ids, decoder_input=None, **kwargs):  # type: ignore
+        out = super()._preprocess(input_ids, position_ids, decoder_input=decoder_input, **kwargs)
+        # Full length from input_ids: hidden states are shorter under sequence parallelism.
+        rotary = self.rotary_embedding(input_ids.shape[1], position_ids, input_ids.device)
+        return (out[0], rotary, *out[2:])
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: Tensor,
+        *,
+        causal: bool,
+        position_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> Tensor:
+        """Run the encoder with a causal (CLM) or bidirectional (MLM, evaluation) pattern.
+
+        Args:
+            input_ids: ``[b, s]`` token ids (also on later pipeline stages: the document mask
+                is computed from them).
+            causal: Position ``i`` attends to positions ``<= i`` only; else to all positions.
+                With ``config.document_mask`` attention also stays inside each document.
+            position_ids: ``[b, s]`` RoPE positions; default ``0..s-1`` in every row.
+            labels: ``[b, s]`` target ids. A position holding an id outside the vocabulary
+                (e.g. ``IGNORE_INDEX`` = -100) gets a finite, meaningless loss: multiply the
+                result by the loss mask.
+
+        Returns:
+            Without ``labels``: logits ``[b, s, vocab_size / tp]``, this tensor-parallel rank's
+            vocabulary shard (``gather_vocab_parallel_logits`` assembles them). With ``labels``:
+            fp32 per-token cross entropy ``[b, s]`` from Megatron's
+            ``vocab_parallel_cross_entropy`` (exact under tensor parallelism). On a pipeline
+            stage without the LM head: hidden states ``[s, b, hidden]``.
+        """
+        seq_len = input_ids.shape[1]
+        if seq_len > self.encoder_config.seq_length:
+            raise ValueError(
+                f"input length {seq_len} exceeds EncoderModelConfig.seq_length="
+                f"{self.encoder_config.seq_length}"
+            )
+        eod = self.encoder_config.eod_token_id if self.encoder_config.document_mask else None
+        mask = attention_mask_for(input_ids, causal=causal, eod_token_id=eod)
+        return super().forward(input_ids, position_ids, mask, labels=labels)
+
+
+def transformer_config(config: EncoderModelConfig) -> TransformerConfig:
+    """Megatron ``TransformerConfig`` for ``config`` under the initialised parallel state."""
+    dtype = config.torch_dtype
+    return TransformerConfig(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.ffn_hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups,
+        kv_channels=config.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=config.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=config.hidden_dropout,
+        attention_dropout=config.attention_dropout,
+        init_method_std=config.init_method_std,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        use_cpu_initialization=platform.use_cpu_initialization(),
+    )
+
+
+def build_encoder_model(
+    config: EncoderModelConfig, *, pre_process: bool = True, post_process: bool = True
+) -> EncoderModel:
+    """Build this rank's part of the encoder; needs ``parallel_state`` initialised
+    (``megatron_ext.platform.init_process_group_and_model_parallel``).
+
+    ``pre_process``/``post_process``: whether this pipeline stage holds the embedding / the
+    final norm and LM head.
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "Megatron parallel_state is not initialised; call "
+            "megatron_ext.platform.init_process_group_and_model_parallel() first"
+        )
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    for name in ("vocab_size", "num_attention_heads"):
+        if getattr(config, name) % tp:
+            raise ValueError(
+                f"EncoderModelConfig.{name}={getattr(config, name)} is not divisible by the "
+                f"tensor-parallel size {tp}"
+                + (" (pad the vocabulary)" if name == "vocab_size" else "")
+            )
+    groups = config.num_query_groups
+    if groups % tp and tp % groups:
+        raise ValueError(
+            f"EncoderModelConfig.num_query_groups={groups} must divide or be divisible by the "
+            f"tensor-parallel size {tp}"
+        )
+    if config.attention_backend == "te":
+        require_transformer_engine()
+    platform.check_model_parallel_supported(
+        tensor_parallel_size=tp,
+        num_query_groups=config.num_query_groups,
+        attention_backend=config.attention_backend,
+    )
+    model = EncoderModel(
+        config, transformer_config(config), pre_process=pre_process, post_process=post_process
+    )
+    # Megatron's torch norms ignore params_dtype; Megatron-LM casts the whole model later
+    # (Float16Module). Cast here so every parameter has the configured dtype.
+    return model.to(config.torch_dtype)
+
+
+def gather_vocab_parallel_logits(logits: Tensor) -> Tensor:
+    """Full-vocabulary logits ``[b, s, vocab]`` from each tensor-parallel rank's shard.
+
+    For evaluation and tests (no autograd). Megatron's differentiable gather
+    (``runtime_gather_output``) allocates on CUDA, see ``megatron_ext.platform``.
+    """
+    group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return logits
+    shards = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, logits.contiguous(), group=group)
+    return torch.cat(shards, dim=-1)

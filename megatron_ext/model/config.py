@@ -1,0 +1,147 @@
+"""Encoder architecture configuration and the paper's size presets.
+
+The architecture is EuroBERT's (= Llama's without the causal mask): pre-norm RMSNorm, SwiGLU
+MLP, RoPE, grouped-query attention, no biases, untied input/output embeddings, a final norm
+then a linear LM head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+LLAMA3_VOCAB_SIZE = 128_256
+LLAMA3_EOD_TOKEN_ID = 128_001
+"""``<|end_of_text|>``, appended after every document by the Llama-3 preprocessing."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class EncoderModelConfig:
+    """Shape and numerics of the encoder; parallel sizes come from ``parallel_state``."""
+
+    num_layers: int
+    """Number of transformer blocks."""
+    hidden_size: int
+    """Residual stream width."""
+    ffn_hidden_size: int
+    """SwiGLU inner width (each of the gate and up projections has this many outputs)."""
+    num_attention_heads: int
+    """Query heads; ``hidden_size`` must be divisible by it (head dim = hidden / heads)."""
+    num_query_groups: int
+    """Key/value heads (grouped-query attention); divides ``num_attention_heads``."""
+    vocab_size: int
+    """Embedding and LM-head rows; must be divisible by the tensor-parallel size."""
+    seq_length: int = 2048
+    """Longest input sequence accepted (RoPE has no learned table; this is a guard)."""
+    rotary_base: float = 10_000.0
+    """RoPE theta."""
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the input embedding matrix with the LM head (EuroBERT and the paper: untied)."""
+    attention_backend: Literal["local", "te"] = "local"
+    """``local``: PyTorch scaled_dot_product_attention, CPU and GPU. ``te``: Transformer Engine
+    (fused norms/linears and flash attention), GPU only; needs ``transformer_engine``."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    hidden_dropout: float = 0.0
+    """Dropout on embeddings and on each residual branch."""
+    init_method_std: float = 0.02
+    """Std of the normal init; output projections use Megatron's depth-scaled variant."""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of parameters and activations."""
+    document_mask: bool = False
+    """Stop attention across documents of a packed sequence. Documents end with
+    ``eod_token_id`` (the EOD belongs to the document it ends); the block-diagonal mask is
+    combined with the causal mask in causal mode."""
+    eod_token_id: int | None = None
+    """End-of-document token; required when ``document_mask`` is set."""
+
+    def __post_init__(self) -> None:
+        positive = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                    "num_query_groups", "vocab_size", "seq_length")
+        for name in positive:
+            if (value := getattr(self, name)) <= 0:
+                raise ValueError(f"EncoderModelConfig.{name} must be > 0, got {value}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"EncoderModelConfig.hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"EncoderModelConfig.num_attention_heads={self.num_attention_heads} is not "
+                f"divisible by num_query_groups={self.num_query_groups}"
+            )
+        if (self.hidden_size // self.num_attention_heads) % 2:
+            raise ValueError("EncoderModelConfig: RoPE needs an even head dim "
+                             f"(hidden_size / num_attention_heads = "
+                             f"{self.hidden_size // self.num_attention_heads})")
+        if self.attention_backend not in ("local", "te"):
+            raise ValueError(
+                f"EncoderModelConfig.attention_backend must be 'local' or 'te', "
+                f"got {self.attention_backend!r}"
+            )
+        if self.params_dtype not in _DTYPES:
+            raise ValueError(f"EncoderModelConfig.params_dtype must be one of {sorted(_DTYPES)}, "
+                             f"got {self.params_dtype!r}")
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"EncoderModelConfig.{name} must be in [0, 1), "
+                                 f"got {getattr(self, name)}")
+        if self.document_mask and self.eod_token_id is None:
+            raise ValueError("EncoderModelConfig.document_mask=True needs eod_token_id")
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``params_dtype`` as a torch dtype."""
+        return _DTYPES[self.params_dtype]
+
+
+def _llama3(**shape: int) -> EncoderModelConfig:
+    return EncoderModelConfig(
+        vocab_size=LLAMA3_VOCAB_SIZE, eod_token_id=LLAMA3_EOD_TOKEN_ID, **shape
+    )
+
+
+PRESETS: dict[str, EncoderModelConfig] = {
+    # The paper's sizes (Llama-3 tokenizer). Names are the paper's rounded ones; see
+    # docs/design.md for the exact parameter counts of these shapes.
+    "210m": _llama3(num_layers=12, hidden_size=768, ffn_hidden_size=3072,
+                    num_attention_heads=12, num_query_groups=12),
+    "610m": _llama3(num_layers=26, hidden_size=1152, ffn_hidden_size=4096,
+                    num_attention_heads=18, num_query_groups=6),
+    "1b": _llama3(num_layers=28, hidden_size=1728, ffn_hidden_size=5120,
+                  num_attention_heads=18, num_query_groups=6),
+    # CPU development shape. vocab_size is a placeholder: override it with the tokenizer's.
+    "tiny": EncoderModelConfig(num_layers=4, hidden_size=128, ffn_hidden_size=384,
+                               num_attention_heads=4, num_query_groups=2, vocab_size=32_000,
+                               seq_length=512),
+}
+
+
+def preset(name: str, **overrides: object) -> EncoderModelConfig:
+    """A copy of ``PRESETS[name]`` with fields replaced, e.g. ``preset("tiny", vocab_size=n)``."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def parameter_count(config: EncoderModelConfig) -> int:
+    """Exact number of parameters of the full (unsharded) model with this config."""
+    h, kv = config.hidden_size, config.num_query_groups * config.head_dim
+    attention = h * (h + 2 * kv) + h * h  # fused QKV + output projection
+    mlp = 3 * h * config.ffn_hidden_size  # gate, up, down
+    layer = attention + mlp + 2 * h  # two RMSNorm weights
+    embeddings = config.vocab_size * h * (1 if config.tie_embeddings else 2)
+    return embeddings + config.num_layers * layer + h  # + final norm

@@ -1,0 +1,112 @@
+"""Megatron-Core ``ModuleSpec``s of the encoder block, one per attention backend.
+
+Both give one ``TransformerLayer`` per Llama/EuroBERT block: RMSNorm -> fused QKV (GQA) ->
+core attention -> output projection, then RMSNorm -> SwiGLU MLP (``linear_fc1`` holds
+``[gate; up]``) -> ``linear_fc2``. The ``te`` spec fuses each norm into the following linear
+(``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); its dist-checkpoint keys
+match the ``local`` spec's through ``sharded_state_dict_keys_map``, as in Megatron's GPT specs.
+"""
+
+from __future__ import annotations
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from megatron_ext.model.attention import SDPAttention, TEEncoderAttention
+
+# Core attention reads the pattern per call (attention.py); this construction-time type only
+# reaches Megatron code paths we do not use (inference KV cache).
+_MASK_TYPE = {"attn_mask_type": AttnMaskType.no_mask}
+
+
+def _local_layer() -> ModuleSpec:
+    backend = LocalSpecProvider()
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=WrappedTorchNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params=_MASK_TYPE,
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=backend.column_parallel_linear(),
+                    core_attention=SDPAttention,
+                    linear_proj=backend.row_parallel_linear(),
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=WrappedTorchNorm,
+            mlp=get_mlp_module_spec_for_backend(backend=backend),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def require_transformer_engine() -> None:
+    """Raise an actionable ``ImportError`` when ``attention_backend='te'`` cannot be built."""
+    if TEEncoderAttention is None:
+        raise ImportError(
+            "attention_backend='te' needs Transformer Engine, which is not importable here "
+            "(import transformer_engine failed). Install transformer-engine-torch built for this "
+            "torch/CUDA (NVIDIA's NGC PyTorch container ships it), or set "
+            "attention_backend='local'."
+        )
+
+
+def _te_layer() -> ModuleSpec:
+    require_transformer_engine()
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+    backend = TESpecProvider()
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params=_MASK_TYPE,
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=backend.column_parallel_layer_norm_linear(),
+                    core_attention=TEEncoderAttention,
+                    linear_proj=backend.row_parallel_linear(),
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=IdentityOp,
+            mlp=get_mlp_module_spec_for_backend(backend=backend),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def encoder_block_spec(attention_backend: str, num_layers: int) -> ModuleSpec:
+    """Spec of a ``TransformerBlock`` of ``num_layers`` encoder layers and its final RMSNorm.
+
+    ``num_layers`` is the number of layers on this pipeline stage.
+    """
+    if attention_backend == "local":
+        layer, final_norm = _local_layer(), WrappedTorchNorm
+    elif attention_backend == "te":
+        layer = _te_layer()
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm = TENorm
+    else:
+        raise ValueError(f"attention_backend must be 'local' or 'te', got {attention_backend!r}")
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(
+            layer_specs=[layer] * num_layers, layer_norm=final_norm
+        ),
+    )

@@ -1,0 +1,163 @@
+"""Every CPU-versus-GPU divergence of megatron_ext, in one module.
+
+The model, data, objectives and checkpoint format are shared between CPU (development, CI,
+demo) and GPU (training). Where Megatron-Core 0.19 cannot run as-is on CPU, the choice is made
+here, explicitly, and nowhere else. The platform is "gpu" when ``torch.cuda.is_available()``.
+
+Divergences, and why:
+
+1. Process-group backend: ``gloo`` on CPU, ``nccl`` on GPU (nccl is CUDA-only).
+2. Device: ``cpu``, or ``cuda:<LOCAL_RANK>`` selected with ``torch.cuda.set_device``.
+3. Parameter initialisation: ``use_cpu_initialization=True`` on CPU. Megatron's default path
+   allocates weights on ``torch.cuda.current_device()`` and initialises them under the CUDA RNG
+   tracker (``tensor_parallel/layers.py::_initialize_affine_weight_gpu``). The CPU path builds
+   the full master weight from the default generator and keeps this rank's shard, so a seed
+   gives the same full weights at every tensor-parallel size.
+4. Seeding and dropout RNG: ``model_parallel_cuda_manual_seed`` needs the CUDA RNG tracker
+   (``tensor_parallel/random.py``); on CPU only ``torch.manual_seed`` is set, and dropout inside
+   tensor-parallel regions draws from the default generator (see ``tensor_parallel_rng``).
+5. Features that cannot run on CPU, refused by ``check_model_parallel_supported``:
+   Megatron's all-gather mappings allocate on ``torch.cuda.current_device()``
+   (``tensor_parallel/mappings.py::_gather_along_last_dim`` and ``_gather_along_first_dim``),
+   so on CPU there is no ``gather_output`` of vocab-parallel logits (use
+   ``megatron_ext.model.gather_vocab_parallel_logits``), no sequence parallelism, and no
+   tensor-parallel size above the number of KV heads. Transformer Engine is GPU-only.
+   Outside the model (see DESIGN.md section 3): Megatron DDP, ``get_megatron_optimizer``,
+   pipeline schedules and ``dist_checkpointing.save`` fail on CPU; the trainer owns that split.
+
+Not divergences: core attention is ``megatron_ext.model.attention.SDPAttention`` on both CPU and
+GPU (Megatron's ``DotProductAttention`` needs ``GlobalMemoryBuffer`` and the CUDA RNG tracker);
+RoPE is computed by the model from positions on the activations' device (Megatron's
+``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+
+def on_gpu() -> bool:
+    """True when this process trains on CUDA devices."""
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    """The device of this process's parameters and activations."""
+    return torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
+
+
+def distributed_backend() -> str:
+    """``torch.distributed`` backend for this platform."""
+    return "nccl" if on_gpu() else "gloo"
+
+
+def use_cpu_initialization() -> bool:
+    """Value for ``TransformerConfig.use_cpu_initialization`` (divergence 3)."""
+    return not on_gpu()
+
+
+def check_model_parallel_supported(
+    *, tensor_parallel_size: int, num_query_groups: int, attention_backend: str
+) -> None:
+    """Raise ``ValueError`` for model-parallel features this platform cannot run (divergence 5)."""
+    if on_gpu():
+        return
+    if attention_backend == "te":
+        raise ValueError(
+            "attention_backend='te' runs on CUDA only (Transformer Engine); "
+            "use attention_backend='local' on CPU"
+        )
+    if tensor_parallel_size > num_query_groups:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} exceeds num_query_groups="
+            f"{num_query_groups}: Megatron then all-gathers QKV through a CUDA-only mapping; "
+            "on CPU use tensor_parallel_size <= num_query_groups"
+        )
+
+
+@contextlib.contextmanager
+def tensor_parallel_rng() -> Iterator[None]:
+    """RNG context for dropout inside tensor-parallel regions (divergence 4).
+
+    On GPU, Megatron's model-parallel CUDA RNG tracker gives each tensor-parallel rank its own
+    dropout stream. On CPU that tracker cannot run; the default generator is used instead, so
+    tensor-parallel ranks draw correlated masks (identical seeds). Dropout defaults to 0.
+    """
+    if on_gpu():
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            yield
+    else:
+        yield
+
+
+def seed_model_parallel(seed: int) -> None:
+    """Seed parameter initialisation and dropout for the current model-parallel layout."""
+    torch.manual_seed(seed)
+    if on_gpu():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def init_process_group_and_model_parallel(
+    *,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    seed: int = 1234,
+    init_method: str = "env://",
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout_minutes: int = 30,
+) -> None:
+    """Start ``torch.distributed`` (if not started) and Megatron's model-parallel groups.
+
+    Args:
+        tensor_parallel_size: Tensor-parallel size.
+        pipeline_parallel_size: Pipeline-parallel size; data parallelism takes the rest.
+        seed: Seed for parameter initialisation (same on every rank, see divergence 3/4).
+        init_method: ``torch.distributed`` rendezvous; ``env://`` reads ``MASTER_ADDR``,
+            ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` as set by torchrun or SLURM scripts.
+        rank: This process's rank; ``None`` reads ``RANK`` (default 0).
+        world_size: Number of processes; ``None`` reads ``WORLD_SIZE`` (default 1).
+        timeout_minutes: Collective timeout.
+    """
+    if not dist.is_initialized():
+        rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        if init_method == "env://" and world_size == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+        if on_gpu():
+            local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(
+            backend=distributed_backend(),
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    world_size = dist.get_world_size()
+    if world_size % (tensor_parallel_size * pipeline_parallel_size):
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_parallel_size="
+            f"{tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size}"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel_size,
+        pipeline_model_parallel_size=pipeline_parallel_size,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    seed_model_parallel(seed)
+
+
+def destroy_process_group_and_model_parallel() -> None:
+    """Undo ``init_process_group_and_model_parallel`` (tests, tools that run twice)."""
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,280 @@
+"""The encoder on Megatron-Core (one CPU process, gloo): sizes, attention patterns, HF parity."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_ext import platform
+from megatron_ext.model import (
+    EncoderModelConfig,
+    build_encoder_model,
+    parameter_count,
+    preset,
+)
+from megatron_ext.model.attention import attention_mask_for, decode_attention_mask
+
+EOD = 2
+TINY = preset("tiny", vocab_size=1000, eod_token_id=EOD)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_parallel(tmp_path_factory):
+    platform.init_process_group_and_model_parallel(
+        init_method=f"file://{tmp_path_factory.mktemp('pg')}/rendezvous", rank=0, world_size=1
+    )
+    yield
+    platform.destroy_process_group_and_model_parallel()
+
+
+def build(config: EncoderModelConfig = TINY, seed: int = 0):
+    torch.manual_seed(seed)
+    return build_encoder_model(config).eval()
+
+
+def random_ids(length: int, *, seed: int) -> torch.Tensor:
+    """``[1, length]`` ids avoiding EOD, so only explicitly placed EODs split documents."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, TINY.vocab_size, (1, length), generator=generator)
+
+
+def perturbed(ids: torch.Tensor, j: int) -> torch.Tensor:
+    out = ids.clone()
+    out[0, j] = 3 + (out[0, j] - 3 + 17) % (TINY.vocab_size - 3)
+    return out
+
+
+def changed_positions(model, ids: torch.Tensor, j: int, *, causal: bool) -> torch.Tensor:
+    """Per position: did perturbing token j change its logits?"""
+    with torch.no_grad():
+        a = model(ids, causal=causal)[0]
+        b = model(perturbed(ids, j), causal=causal)[0]
+    return (a - b).abs().amax(dim=-1) > 1e-5
+
+
+def expected_parameters(c: EncoderModelConfig) -> int:
+    """Independent count, module by module, of the EuroBERT/Llama architecture."""
+    head_dim = c.hidden_size // c.num_attention_heads
+    q = c.hidden_size * c.num_attention_heads * head_dim
+    k = v = c.hidden_size * c.num_query_groups * head_dim
+    o = c.num_attention_heads * head_dim * c.hidden_size
+    gate = up = c.hidden_size * c.ffn_hidden_size
+    down = c.ffn_hidden_size * c.hidden_size
+    norms = 2 * c.hidden_size
+    per_layer = q + k + v + o + gate + up + down + norms
+    embed = c.vocab_size * c.hidden_size
+    head = 0 if c.tie_embeddings else c.vocab_size * c.hidden_size
+    return embed + c.num_layers * per_layer + c.hidden_size + head
+
+
+# The paper names these 210M/610M/1B: that is the count without the LM head (or tied).
+PAPER_COUNTS = {
+    "210m": (310_266_624, 211_766_016),
+    "610m": (755_625_600, 607_874_688),
+    "1b": (1_409_482_944, 1_187_856_576),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_COUNTS))
+def test_paper_preset_parameter_counts(name):
+    untied, tied = PAPER_COUNTS[name]
+    for config, expected in ((preset(name), untied), (preset(name, tie_embeddings=True), tied)):
+        assert expected_parameters(config) == expected == parameter_count(config)
+        with torch.device("meta"):  # real allocation would need up to 5.6 GB
+            model = build_encoder_model(config)
+        assert sum(p.numel() for p in model.parameters()) == expected
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_tiny_parameter_count_and_names(tie):
+    config = dataclasses.replace(TINY, tie_embeddings=tie)
+    model = build(config)
+    assert sum(p.numel() for p in model.parameters()) == expected_parameters(config)
+    assert parameter_count(config) == expected_parameters(config)
+    names = {n for n, _ in model.named_parameters()}
+    assert {
+        "embedding.word_embeddings.weight",
+        "decoder.layers.3.input_layernorm.weight",
+        "decoder.layers.3.self_attention.linear_qkv.weight",
+        "decoder.layers.3.mlp.linear_fc1.weight",
+        "decoder.final_layernorm.weight",
+    } <= names
+    assert ("output_layer.weight" in names) is not tie
+    assert not [n for n in names if "bias" in n]
+
+
+@pytest.mark.parametrize("j", [0, 5, 11, 23])
+def test_causal_mode_hides_later_tokens(j):
+    model = build()
+    changed = changed_positions(model, random_ids(24, seed=1), j, causal=True)
+    assert not changed[:j].any()
+    assert changed[j:].all()
+
+
+@pytest.mark.parametrize("j", [0, 11, 23])
+def test_bidirectional_mode_sees_every_token(j):
+    model = build()
+    assert changed_positions(model, random_ids(24, seed=1), j, causal=False).all()
+
+
+def test_same_weights_differ_between_modes():
+    model = build()
+    ids = random_ids(24, seed=2)
+    with torch.no_grad():
+        causal, bidirectional = model(ids, causal=True), model(ids, causal=False)
+        causal_again = model(ids, causal=True)
+    assert (causal - bidirectional).abs().amax() > 1e-2
+    torch.testing.assert_close(causal, causal_again, rtol=0, atol=0)
+
+
+def test_attention_pattern_encoding():
+    ids = torch.tensor([[5, 6, EOD, 7, EOD, EOD, 8, 9], [EOD, 5, 6, 7, 8, 9, 5, EOD]])
+    document = [[0, 0, 0, 1, 1, 2, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1]]  # EOD ends its document
+    for causal in (False, True):
+        mask = attention_mask_for(ids, causal=causal, eod_token_id=EOD)
+        expected = torch.tensor([
+            [[(document[b][q] != document[b][k]) or (causal and k > q) for k in range(8)]
+             for q in range(8)]
+            for b in range(2)
+        ])
+        assert torch.equal(mask, expected[:, None])
+    # Without documents no s x s mask is built: None, or an empty tensor meaning causal.
+    assert attention_mask_for(ids, causal=False, eod_token_id=None) is None
+    assert decode_attention_mask(attention_mask_for(ids, causal=True, eod_token_id=None)) == (
+        None, True
+    )
+
+
+def test_document_mask_isolates_documents():
+    model = build(dataclasses.replace(TINY, document_mask=True))
+    ids = random_ids(24, seed=3)
+    ids[0, 7] = ids[0, 15] = EOD  # documents: [0, 7], [8, 15], [16, 23]
+    docs = [slice(0, 8), slice(8, 16), slice(16, 24)]
+    for causal in (False, True):
+        for doc, j in ((0, 3), (1, 10), (2, 20)):
+            changed = changed_positions(model, ids, j, causal=causal)
+            inside = torch.zeros(24, dtype=torch.bool)
+            inside[docs[doc]] = True
+            assert not changed[~inside].any(), (causal, doc)
+            assert changed[docs[doc]][(j - docs[doc].start) if causal else 0 :].all(), (causal, doc)
+
+
+def test_document_mask_equals_running_documents_alone():
+    """RoPE is relative, so a masked document's logits do not depend on where it is packed."""
+    model = build(dataclasses.replace(TINY, document_mask=True))
+    ids = random_ids(24, seed=4)
+    ids[0, 9] = EOD  # documents: [0, 9], [10, 23]
+    with torch.no_grad():
+        for causal in (False, True):
+            packed = model(ids, causal=causal)
+            torch.testing.assert_close(packed[:, :10], model(ids[:, :10], causal=causal))
+            torch.testing.assert_close(packed[:, 10:], model(ids[:, 10:], causal=causal))
+
+
+def test_position_ids():
+    model = build()
+    ids = random_ids(16, seed=5).repeat(2, 1)
+    arange = torch.arange(16).repeat(2, 1)
+    with torch.no_grad():
+        default = model(ids, causal=False)
+        torch.testing.assert_close(model(ids, causal=False, position_ids=arange), default)
+        # Per-row positions; RoPE sees only differences, so a constant shift changes nothing.
+        shifted = model(ids, causal=False, position_ids=arange + torch.tensor([[0], [100]]))
+        torch.testing.assert_close(shifted, default, atol=1e-4, rtol=1e-4)
+        reversed_ = model(ids, causal=False, position_ids=arange.flip(1))
+    assert (reversed_ - default).abs().amax() > 1e-2
+
+
+def test_labels_give_per_token_cross_entropy_and_gradients():
+    model = build().train()
+    ids = random_ids(24, seed=6).repeat(2, 1)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[1, :5] = -100  # ignored positions: finite values, removed by the caller's loss mask
+    loss = model(ids, causal=True, labels=labels)
+    logits = model(ids, causal=True)
+    assert loss.shape == (2, 24) and loss.dtype == torch.float32 and loss.isfinite().all()
+    reference = F.cross_entropy(
+        logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none"
+    )
+    keep = (labels >= 0).flatten()
+    torch.testing.assert_close(loss.flatten()[keep], reference[keep])
+    loss[labels >= 0].mean().backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+def test_matches_hugging_face_eurobert_and_llama():
+    """Same weights: bidirectional == EuroBertForMaskedLM, causal == LlamaForCausalLM."""
+    import transformers
+
+    model = build()
+    c = TINY
+    groups, h = c.num_query_groups, c.hidden_size
+    per_group = c.num_attention_heads // groups
+    hf_state = {
+        "model.embed_tokens.weight": model.state_dict()["embedding.word_embeddings.weight"],
+        "model.norm.weight": model.state_dict()["decoder.final_layernorm.weight"],
+        "lm_head.weight": model.state_dict()["output_layer.weight"],
+    }
+    for i in range(c.num_layers):
+        p = {k.removeprefix(f"decoder.layers.{i}."): v for k, v in model.state_dict().items()}
+        # Megatron's fused QKV rows: per query group, its query heads then one key, one value.
+        qkv = p["self_attention.linear_qkv.weight"].view(groups, per_group + 2, c.head_dim, h)
+        gate, up = p["mlp.linear_fc1.weight"].chunk(2)
+        hf_state |= {
+            f"model.layers.{i}.self_attn.q_proj.weight": qkv[:, :per_group].reshape(-1, h),
+            f"model.layers.{i}.self_attn.k_proj.weight": qkv[:, per_group].reshape(-1, h),
+            f"model.layers.{i}.self_attn.v_proj.weight": qkv[:, per_group + 1].reshape(-1, h),
+            f"model.layers.{i}.self_attn.o_proj.weight": p["self_attention.linear_proj.weight"],
+            f"model.layers.{i}.mlp.gate_proj.weight": gate,
+            f"model.layers.{i}.mlp.up_proj.weight": up,
+            f"model.layers.{i}.mlp.down_proj.weight": p["mlp.linear_fc2.weight"],
+            f"model.layers.{i}.input_layernorm.weight": p["input_layernorm.weight"],
+            f"model.layers.{i}.post_attention_layernorm.weight": p["pre_mlp_layernorm.weight"],
+        }
+    shape = dict(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_query_groups, rms_norm_eps=c.norm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rotary_base},
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=EOD,
+    )
+    ids = random_ids(24, seed=7).repeat(2, 1)
+    with torch.no_grad():
+        for hf_class, config_class, causal in (
+            (transformers.EuroBertForMaskedLM, transformers.EuroBertConfig, False),
+            (transformers.LlamaForCausalLM, transformers.LlamaConfig, True),
+        ):
+            extra = {"mask_token_id": 3} if config_class is transformers.EuroBertConfig else {}
+            hf = hf_class(config_class(**shape, **extra)).eval()
+            missing, unexpected = hf.load_state_dict(hf_state, strict=False)
+            assert not unexpected and not [k for k in missing if "rotary" not in k]
+            torch.testing.assert_close(
+                model(ids, causal=causal), hf(input_ids=ids).logits, atol=2e-5, rtol=1e-4
+            )
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="eod_token_id"):
+        preset("tiny", document_mask=True)
+    with pytest.raises(ValueError, match="num_query_groups"):
+        preset("tiny", num_query_groups=3)
+    with pytest.raises(ValueError, match="attention_backend"):
+        preset("tiny", attention_backend="flash")
+    with pytest.raises(ValueError, match="unknown model preset"):
+        preset("7b")
+    with pytest.raises(ValueError, match="seq_length"):
+        build()(random_ids(TINY.seq_length + 1, seed=0), causal=False)
+
+
+@pytest.mark.skipif(platform.on_gpu(), reason="checks the CPU-only error paths")
+def test_te_backend_errors_are_actionable():
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    config = dataclasses.replace(TINY, attention_backend="te")
+    error = ImportError if not HAVE_TE else ValueError
+    with pytest.raises(error, match="attention_backend='local'"):
+        build_encoder_model(config)
