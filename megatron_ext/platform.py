@@ -22,8 +22,11 @@ Divergences, and why:
    so on CPU there is no ``gather_output`` of vocab-parallel logits (use
    ``megatron_ext.model.gather_vocab_parallel_logits``), no sequence parallelism, and no
    tensor-parallel size above the number of KV heads. Transformer Engine is GPU-only.
-   Outside the model (see DESIGN.md section 3): Megatron DDP, ``get_megatron_optimizer``,
-   pipeline schedules and ``dist_checkpointing.save`` fail on CPU; the trainer owns that split.
+   Outside the model (see DESIGN.md section 3): Megatron DDP, ``get_megatron_optimizer`` and
+   pipeline schedules fail on CPU; the trainer owns that split.
+6. Checkpoint saving: megatron-core 0.19.2's synchronous ``dist_checkpointing.save`` calls
+   CUDA even when every tensor is on the CPU; ``dist_checkpoint_save_context`` redirects those
+   two calls on CPU. The writer, and so the checkpoint format, is Megatron's on both platforms.
 
 Not divergences: core attention is ``megatron_ext.model.attention.SDPAttention`` on both CPU and
 GPU (Megatron's ``DotProductAttention`` needs ``GlobalMemoryBuffer`` and the CUDA RNG tracker);
@@ -95,6 +98,30 @@ def tensor_parallel_rng() -> Iterator[None]:
             yield
     else:
         yield
+
+
+@contextlib.contextmanager
+def dist_checkpoint_save_context() -> Iterator[None]:
+    """Context for ``megatron.core.dist_checkpointing.save`` (divergence 6).
+
+    The torch_dist save calls CUDA twice with CPU tensors (megatron-core 0.19.2):
+    ``FileSystemWriterAsync.preload_tensors`` runs ``torch.cuda.synchronize()`` after its
+    device-to-host copies (``dist_checkpointing/strategies/filesystem_async.py:248``), and
+    ``save_state_dict_async_finalize`` broadcasts its failure flag from a tensor on
+    ``torch.cuda.current_device()`` (``dist_checkpointing/strategies/state_dict_saver.py:252``).
+    On CPU, for the duration of the save only, the first becomes a no-op (no device work to wait
+    for) and the second names the CPU (the flag then travels over gloo). Nothing else changes.
+    """
+    if on_gpu():
+        yield
+        return
+    synchronize, current_device = torch.cuda.synchronize, torch.cuda.current_device
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = synchronize, current_device
 
 
 def seed_model_parallel(seed: int) -> None:

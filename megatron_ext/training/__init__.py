@@ -1,0 +1,1 @@
+"""Training: run configuration, data pipeline, optimizer, metrics and the loop."""

@@ -1,0 +1,409 @@
+"""Training checkpoints in Megatron-Core's distributed checkpoint format, saved atomically.
+
+Layout (Megatron-LM's names)::
+
+    <save>/iter_0000100/                  one checkpoint
+        .metadata, __<rank>_<n>.distcp,   Megatron dist checkpoint (torch_dist backend): weights
+        metadata.json                     under ``model.sharded_state_dict()`` keys, AdamW state
+                                          under ``optimizer.state.<exp_avg|...>.<weight key>``,
+                                          and a common state (``iteration``, ``trainer_state``,
+                                          the optimizer's param groups and step)
+        run_config.json                   the run's resolved config
+        tokenizer_reference.json          the tokenizer the weights expect
+        checkpoint_complete.json          written last: marks a complete checkpoint
+    <save>/latest_checkpointed_iteration.txt   Megatron's tracker: the newest step
+
+Tensors are stored whole (global shapes; each rank writes its shards), so a checkpoint saved at
+one tensor-parallel size loads at any other, on CPU or GPU alike (``platform`` divergence 6).
+
+Atomicity: every rank writes into ``iter_0000100.tmp-<id>``; after Megatron's closing barrier
+rank 0 adds the JSON files, the completion marker last, fsyncs, renames the directory to its
+final name, then replaces the tracker (temp file + ``os.replace``) and prunes old checkpoints
+(renamed aside before deletion). A crash at any point leaves the previous checkpoints intact,
+and ``latest_checkpoint`` only returns ``iter_NNNNNNN`` directories holding both the marker and
+Megatron's ``metadata.json``. Leftovers (``.tmp-``/``.trash-``) are removed by the next save.
+One training run per save directory; checkpoints are ordered by step.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
+)
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megatron_ext import platform
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+COMPLETE = "checkpoint_complete.json"
+RUN_CONFIG = "run_config.json"
+TOKENIZER_REFERENCE = "tokenizer_reference.json"
+_MEGATRON_METADATA = "metadata.json"  # written last by dist_checkpointing.save
+_CHECKPOINT = re.compile(r"^iter_(\d{7,})$")
+_LEFTOVER = re.compile(
+    r"^(iter_\d{7,}\.(tmp|trash)|latest_checkpointed_iteration\.txt\.tmp)-[0-9a-f]+$"
+)
+# What a damaged or half-copied dist checkpoint raises while being read.
+_READ_ERRORS = (CheckpointingException, CheckpointException, OSError, pickle.UnpicklingError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where and how often to checkpoint, and what to resume from."""
+
+    save: str | None = None
+    """Directory of checkpoints (Megatron: ``--save``); None writes none."""
+    load: str | None = None
+    """Directory (or one checkpoint) to start from (Megatron: ``--load``); when resuming it
+    defaults to ``save``."""
+    save_interval: int = 1000
+    """Steps between checkpoints (``--save-interval``); a final one is always written at the end."""
+    keep_last: int = 2
+    """Keep only the ``keep_last`` newest complete checkpoints."""
+    finetune: bool = False
+    """Load weights only from ``load``: fresh optimizer, step 0 (continued pretraining; Megatron:
+    ``--finetune``)."""
+
+    def __post_init__(self) -> None:
+        if self.save_interval < 1:
+            raise ValueError(f"CheckpointConfig.save_interval must be >= 1, got {self.save_interval}")
+        if self.keep_last < 1:
+            raise ValueError(f"CheckpointConfig.keep_last must be >= 1, got {self.keep_last}")
+
+
+def save_checkpoint(
+    save_dir: str | os.PathLike,
+    *,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict,
+    run_config: dict,
+    tokenizer_reference: dict,
+    keep_last: int,
+) -> Path:
+    """Write ``<save_dir>/iter_<step>`` atomically on every rank (a collective) and return it.
+
+    Args:
+        save_dir: Directory of checkpoints; created if missing.
+        step: Optimizer steps done; names the checkpoint. A checkpoint of the same step is
+            replaced.
+        model: The model (its ``sharded_state_dict()`` is saved).
+        optimizer: A torch optimizer, sharded like the parameters it updates, or a Megatron
+            optimizer (its own ``sharded_state_dict``); None saves weights only.
+        trainer_state: Rank 0's loop state (consumed samples, RNG states, ...). Any value
+            ``torch.load(weights_only=True)`` accepts (containers, numbers, strings, bytes,
+            tensors, numpy arrays: checked here). ``step`` is added (or must equal ``step``).
+        run_config: The resolved run configuration, JSON-serialisable.
+        tokenizer_reference: Which tokenizer the weights expect, JSON-serialisable.
+        keep_last: Keep this many newest complete checkpoints (the new one included).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("save_checkpoint is a collective: initialise torch.distributed first "
+                           "(megatron_ext.platform.init_process_group_and_model_parallel)")
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    trainer_state = _checked_trainer_state(trainer_state, step)
+    files = {RUN_CONFIG: _to_json("run_config", run_config),
+             TOKENIZER_REFERENCE: _to_json("tokenizer_reference", tokenizer_reference)}
+    save_dir = Path(save_dir)
+    final = save_dir / f"iter_{step:07d}"
+
+    is_writer = dist.get_rank() == 0
+    announced: list[Path | None] = [None]
+    if is_writer:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(save_dir)
+        announced[0] = save_dir / f"{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+        announced[0].mkdir()
+    dist.broadcast_object_list(announced, src=0)  # also: no rank writes before the dir exists
+    tmp = announced[0]
+
+    model_state = model.sharded_state_dict()
+    state = {"model": model_state, "iteration": step, "trainer_state": trainer_state}
+    if optimizer is not None:
+        state["optimizer"] = _optimizer_sharded_state_dict(optimizer, model_state)
+    with platform.dist_checkpoint_save_context():
+        dist_checkpointing.save(state, str(tmp))  # returns after a barrier: all shards written
+
+    if is_writer:
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        info = {"step": step, "has_optimizer": optimizer is not None}
+        for path in sorted(tmp.iterdir()):  # Megatron's writers fsync their shards; the rest here
+            _fsync(path)
+        (tmp / COMPLETE).write_text(json.dumps(info) + "\n")
+        _fsync(tmp / COMPLETE)
+        _fsync(tmp)
+        _publish(tmp, final)
+        _write_tracker(save_dir, step)
+        _prune(save_dir, keep_last, keep=final)
+    dist.barrier()
+    return final
+
+
+def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``load_dir``; None if there is none (or no dir).
+
+    ``load_dir`` may also be one complete checkpoint, returned as is. Half-written (``.tmp-``)
+    directories and ``iter_*`` directories lacking the completion marker or Megatron's metadata
+    are ignored.
+    """
+    load_dir = Path(load_dir)
+    if load_dir.is_dir() and _incomplete_reason(load_dir) is None:
+        return load_dir
+    complete = _complete_checkpoints(load_dir)
+    return complete[-1] if complete else None
+
+
+def load_checkpoint(
+    path_or_dir: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    strict_shapes: bool = True,
+) -> dict:
+    """Load a checkpoint into ``model`` (and ``optimizer``) at the current parallel layout.
+
+    Args:
+        path_or_dir: One checkpoint directory, or a save directory (its newest checkpoint).
+        model: Built for this run; its tensor-parallel size may differ from the saved one's.
+        optimizer: Restored too when given (same kind as saved); None loads weights only.
+        strict_shapes: Raise ``ValueError`` listing every tensor whose shape differs between
+            checkpoint and model (or that only one of them has). False loads the tensors that
+            fit, leaves the others as initialised and logs them (weights only).
+
+    Returns:
+        The ``trainer_state`` saved with it (with ``step``).
+    """
+    checkpoint = _resolve(Path(path_or_dir))
+    info = json.loads((checkpoint / COMPLETE).read_text())
+    if optimizer is not None and not info["has_optimizer"]:
+        raise ValueError(f"checkpoint {checkpoint} holds no optimizer state (saved weights only); "
+                         "load it with optimizer=None (e.g. checkpoint.finetune)")
+    if optimizer is not None and not strict_shapes:
+        raise ValueError("strict_shapes=False loads weights only: pass optimizer=None")
+    try:
+        metadata = dist_checkpointing.load_tensors_metadata(str(checkpoint))
+    except _READ_ERRORS as error:
+        raise ValueError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
+
+    model_state = model.sharded_state_dict()
+    mismatches = _shape_mismatches(model_state, metadata)
+    if mismatches:
+        listing = "\n".join(
+            f"  {key}: checkpoint {saved or 'absent'}, model {current or 'absent'}"
+            for key, (saved, current) in sorted(mismatches.items())
+        )
+        if strict_shapes:
+            raise ValueError(f"checkpoint {checkpoint} does not fit the model "
+                             f"({len(mismatches)} tensors differ):\n{listing}")
+        logger.warning("not loading %d tensors whose shapes differ:\n%s", len(mismatches), listing)
+        model_state = {name: value for name, value in model_state.items()
+                       if getattr(value, "key", None) not in mismatches}
+
+    state = {"model": model_state}
+    if optimizer is not None:
+        state["optimizer"] = _optimizer_sharded_state_dict(optimizer, model_state, metadata)
+    try:
+        loaded = dist_checkpointing.load(state, str(checkpoint))
+    except _READ_ERRORS as error:
+        raise ValueError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
+    model.load_state_dict(loaded["model"], strict=not mismatches)
+    if optimizer is not None:
+        _load_optimizer_state(optimizer, loaded["optimizer"])
+    return loaded["trainer_state"]
+
+
+def read_run_config(path: str | os.PathLike) -> dict:
+    """The resolved run config saved with a checkpoint (or a save directory's newest one)."""
+    return json.loads((_resolve(Path(path)) / RUN_CONFIG).read_text())
+
+
+def read_tokenizer_reference(path: str | os.PathLike) -> dict:
+    """The tokenizer reference saved with a checkpoint (or a save directory's newest one)."""
+    return json.loads((_resolve(Path(path)) / TOKENIZER_REFERENCE).read_text())
+
+
+def _checked_trainer_state(trainer_state: dict, step: int) -> dict:
+    if trainer_state.get("step", step) != step:
+        raise ValueError(f"trainer_state['step']={trainer_state['step']} differs from step={step}")
+    state = {**trainer_state, "step": step}
+    # The common state is read back with weights_only=True: refuse now what resuming would.
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ValueError(
+            "trainer_state holds a value torch.load(weights_only=True) refuses (use containers, "
+            f"numbers, strings, bytes, tensors or numpy arrays): {error}"
+        ) from error
+    return state
+
+
+def _to_json(what: str, value: dict) -> str:
+    try:
+        return json.dumps(value, indent=2) + "\n"
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{what} must be JSON-serialisable: {error}") from error
+
+
+def _optimizer_sharded_state_dict(
+    optimizer: torch.optim.Optimizer, model_state: dict, metadata: dict | None = None
+) -> dict:
+    """The optimizer state sharded like the parameters (``metadata``: the checkpoint's, when
+    loading). Per-parameter ``step`` is stored once, as Megatron's optimizers do."""
+    if hasattr(optimizer, "sharded_state_dict"):  # Megatron's optimizers shard themselves
+        return optimizer.sharded_state_dict(model_state, is_loading=metadata is not None)
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    id_to_sharded = get_param_id_to_sharded_param_map(model_state, params)
+    state = optimizer.state_dict()
+    if metadata is not None:
+        # A fresh optimizer has no state yet: give it placeholders of the saved kinds and dtypes.
+        kinds = {key.split(".")[2] for key in metadata if key.startswith("optimizer.state.")}
+        state["state"] = {
+            i: {kind: torch.empty(param.shape, device=param.device,
+                                  dtype=metadata[f"optimizer.state.{kind}.{id_to_sharded[i].key}"].dtype)
+                for kind in kinds}
+            for i, param in enumerate(params)
+        }
+    steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
+    if len(steps) > 1:
+        raise ValueError(f"optimizer step differs between parameters ({sorted(steps)}); "
+                         "only a shared step can be checkpointed")
+    step = next((s["step"] for s in state["state"].values() if "step" in s), None)
+    optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
+    if step is not None:
+        state["state"]["common_step"] = step
+    return state
+
+
+def _load_optimizer_state(optimizer: torch.optim.Optimizer, loaded: dict) -> None:
+    if not hasattr(optimizer, "sharded_state_dict"):
+        step = loaded["state"].pop("common_step", None)
+        if step is not None:
+            for param_state in loaded["state"].values():
+                param_state["step"] = step.clone() if torch.is_tensor(step) else step
+    optimizer.load_state_dict(loaded)
+
+
+def _shape_mismatches(
+    model_state: dict, metadata: dict
+) -> dict[str, tuple[tuple[int, ...] | None, tuple[int, ...] | None]]:
+    """``{key: (checkpoint shape, model shape)}`` of the model tensors that differ (None: absent)."""
+    expected: dict[str, tuple[int, ...]] = {}
+    pending = list(nested_values(model_state))
+    while pending:
+        item = pending.pop()
+        if isinstance(item, ShardedTensorFactory):  # e.g. SwiGLU's fc1, saved as two halves
+            built = item.build()
+            pending.extend(nested_values(built) if isinstance(built, (dict, list)) else [built])
+        elif isinstance(item, ShardedTensor):
+            expected[item.key] = tuple(item.global_shape)
+    saved = {key: tuple(value.global_shape) for key, value in metadata.items()
+             if not key.startswith("optimizer.")}
+    return {key: (saved.get(key), expected.get(key))
+            for key in saved.keys() | expected.keys() if saved.get(key) != expected.get(key)}
+
+
+def _incomplete_reason(path: Path) -> str | None:
+    if not (path / COMPLETE).is_file():
+        return f"no {COMPLETE} (the save did not finish)"
+    if not (path / _MEGATRON_METADATA).is_file():
+        return f"no {_MEGATRON_METADATA} (not a Megatron distributed checkpoint)"
+    return None
+
+
+def _complete_checkpoints(save_dir: Path) -> list[Path]:
+    """Complete checkpoints under ``save_dir``, oldest first."""
+    if not save_dir.is_dir():
+        return []
+    found = [(int(match[1]), path) for path in save_dir.iterdir()
+             if (match := _CHECKPOINT.match(path.name)) and path.is_dir()
+             and _incomplete_reason(path) is None]
+    return [path for _, path in sorted(found)]
+
+
+def _resolve(path: Path) -> Path:
+    """The checkpoint ``path`` names: itself if it is one, else the newest one inside it."""
+    if not path.is_dir():
+        raise ValueError(f"no checkpoint at {path}: not a directory")
+    looks_like_one = _CHECKPOINT.match(path.name.split(".")[0]) or any(
+        (path / name).exists() for name in (COMPLETE, _MEGATRON_METADATA))
+    if looks_like_one:
+        if reason := _incomplete_reason(path):
+            raise ValueError(f"{path} is not a complete checkpoint: {reason}")
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ValueError(f"no complete checkpoint in {path} (expected iter_NNNNNNN directories "
+                         f"holding {COMPLETE})")
+    return latest
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint directory without ever leaving a half-deleted ``iter_*``."""
+    trash = path.with_name(f"{path.name}.trash-{uuid.uuid4().hex[:12]}")
+    path.rename(trash)
+    shutil.rmtree(trash)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    if final.exists():  # same step saved again (e.g. the end of a resumed run)
+        _discard(final)
+    tmp.rename(final)
+    _fsync(final.parent)
+
+
+def _write_tracker(save_dir: Path, step: int) -> None:
+    tmp = save_dir / f"{TRACKER}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.write_text(f"{step}\n")
+    _fsync(tmp)
+    os.replace(tmp, save_dir / TRACKER)
+    _fsync(save_dir)
+
+
+def _prune(save_dir: Path, keep_last: int, *, keep: Path) -> None:
+    for path in _complete_checkpoints(save_dir)[:-keep_last]:
+        if path != keep:
+            _discard(path)
+
+
+def _remove_leftovers(save_dir: Path) -> None:
+    """Remove what a crash left of a save, a deletion or a tracker update."""
+    for path in save_dir.iterdir():
+        if _LEFTOVER.match(path.name):
+            logger.warning("removing %s, left by an interrupted checkpoint save", path)
+            shutil.rmtree(path) if path.is_dir() else path.unlink()

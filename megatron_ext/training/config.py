@@ -1,0 +1,303 @@
+"""The run configuration: one dataclass per concern, read from a YAML recipe plus overrides.
+
+A recipe (see ``examples/recipes/``)::
+
+    base: ../sizes/610m.yaml          # optional: deep-merged underneath this file
+    model: {preset: 610m}             # a preset plus any EncoderModelConfig field
+    tokenizer: {tokenizer_model: meta-llama/Meta-Llama-3-8B}
+    data: {data_path: [1.0, /data/fineweb_edu_text_document], seq_length: 2048, ...}
+    optimizer: {...}
+    schedule: {lr: 5.0e-4, lr_decay_style: wsd, lr_warmup_iters: 2000, lr_wsd_decay_iters: 2000}
+    phases:
+      - {objective: clm, share: 0.25}
+      - {objective: mlm, mask_ratio: 0.4, share: 0.75}
+    training: {train_iters: 42000}
+    parallel: {tensor_model_parallel_size: 1}
+    checkpoint: {save: /ckpt/run, save_interval: 1000}
+    logging: {wandb_project: encoders}
+
+Command-line flags mirror Megatron-LM's names (``--micro-batch-size``, ``--lr``, ``--save`` ...);
+``pretrain_encoder.py --help`` lists them all with their docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce
+from megatron_ext.model.config import PRESETS, EncoderModelConfig
+from megatron_ext.schedule import LRScheduleConfig, Phase, lr_at, resolve_phases
+from megatron_ext.tokenizer import TokenizerConfig
+from megatron_ext.training.checkpoint import CheckpointConfig
+from megatron_ext.training.data import DataConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW, as in the paper (decoupled weight decay; none on norms and biases)."""
+
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2 (the paper: 0.95)."""
+    adam_eps: float = 1e-5
+    """AdamW epsilon (the paper: 1e-5)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (not on norms or biases)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient L2 norm to this value; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps <= 0:
+            raise ValueError(f"optimizer.adam_eps must be > 0, got {self.adam_eps}")
+        if self.weight_decay < 0 or self.clip_grad < 0:
+            raise ValueError("optimizer.weight_decay and optimizer.clip_grad must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """Length of the run, seeds, precision and evaluation cadence."""
+
+    train_iters: int
+    """Optimizer steps of the whole run (all phases)."""
+    seed: int = 1234
+    """Seed of parameter initialisation, data order and MLM masking."""
+    bf16: bool = False
+    """Train in bfloat16 autocast with fp32 master weights (GPU; slow but supported on CPU)."""
+    eval_interval: int = 1000
+    """Steps between validation passes (both objectives); 0 disables validation."""
+    eval_mask_ratio: float = 0.4
+    """Masking ratio of the MLM validation loss, fixed so that runs are comparable."""
+    log_interval: int = 10
+    """Steps between step log lines."""
+    max_nonfinite_steps: int = 5
+    """A step whose loss is NaN/inf is skipped and counted; stop after this many in a row."""
+
+    def __post_init__(self) -> None:
+        if self.train_iters < 1:
+            raise ValueError(f"training.train_iters must be >= 1, got {self.train_iters}")
+        for name in ("eval_interval", "log_interval", "max_nonfinite_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"training.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.eval_mask_ratio < 1.0:
+            raise ValueError(f"training.eval_mask_ratio must be in (0, 1), got {self.eval_mask_ratio}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Model parallelism; data parallelism takes the remaining ranks."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size (Megatron-Core column/row-parallel linears)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel size (GPU path; 1 on CPU)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """Where metrics go."""
+
+    log_dir: str = "runs/encoder"
+    """Directory of ``metrics.jsonl`` (every logged step and validation) and W&B files."""
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """Weights & Biases mode: offline by default (sync later with ``wandb sync``)."""
+    wandb_project: str = "megatron_ext"
+    """W&B project."""
+    wandb_exp_name: str | None = None
+    """W&B run name (default: the log_dir's name)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything a run needs, resolved and validated."""
+
+    model: EncoderModelConfig
+    tokenizer: TokenizerConfig
+    data: DataConfig
+    optimizer: OptimizerConfig
+    schedule: LRScheduleConfig
+    phases: tuple[Phase, ...]
+    training: TrainingConfig
+    parallel: ParallelConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+
+    def __post_init__(self) -> None:
+        if self.data.seq_length > self.model.seq_length:
+            raise ConfigError(
+                f"data.seq_length={self.data.seq_length} exceeds model.seq_length={self.model.seq_length}"
+            )
+        try:
+            resolved = resolve_phases(self.phases, self.training.train_iters)
+        except ValueError as err:
+            raise ConfigError(f"phases: {err}") from err
+        try:  # the schedule validates itself against the run length when evaluated
+            lr_at(0, config=self.schedule, total_steps=self.training.train_iters, phases=resolved)
+        except ValueError as err:
+            raise ConfigError(f"schedule: {err}") from err
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (YAML/JSON-able); :func:`run_config_from_dict` reads it back."""
+        out = dataclasses.asdict(self)
+        out["phases"] = [dataclasses.asdict(p) for p in self.phases]
+        return out
+
+
+SECTIONS: dict[str, type] = {
+    "model": EncoderModelConfig,
+    "tokenizer": TokenizerConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "schedule": LRScheduleConfig,
+    "training": TrainingConfig,
+    "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+TOP_LEVEL_KEYS = (*SECTIONS, "phases", "base")
+VOCAB_FROM_TOKENIZER = "from_tokenizer"
+"""``model.vocab_size`` value: the tokenizer's size padded to a multiple of 128 x TP (Megatron)."""
+# model.seq_length defaults to data.seq_length; Megatron calls the model-side guard this.
+_FLAG_RENAMES = {("model", "seq_length"): "max_position_embeddings"}
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """Load a YAML recipe, following ``base:`` links (relative to the file), deep-merged."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {str(path)!r}: no such file")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(TOP_LEVEL_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown section(s) {unknown}; valid sections: {sorted(TOP_LEVEL_KEYS)}")
+    if "base" in raw:
+        base = read_recipe(path.parent / raw.pop("base"))
+        raw = _deep_merge(base, raw)
+    return raw
+
+
+def add_override_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, str]]:
+    """One flag per config field (Megatron-style names); returns ``{dest: (section, field)}``."""
+    dests: dict[str, tuple[str, str]] = {}
+    seen: dict[str, str] = {}
+    for section, cls in SECTIONS.items():
+        names = [f.name for f in dataclasses.fields(cls)]
+        renamed = {n for n in names if (section, n) in _FLAG_RENAMES}
+        skip = frozenset(renamed)
+        for name in names:
+            flag = _FLAG_RENAMES.get((section, name), name)
+            if flag in seen:
+                raise RuntimeError(f"config field {section}.{name} collides with {seen[flag]}.{flag}")
+            seen[flag] = section
+        dests.update(add_dataclass_flags(parser, section, cls, skip=skip))
+        group = parser.add_argument_group(f"{section} (renamed)")
+        for name in sorted(renamed):
+            dest = f"{section}__{name}"
+            group.add_argument("--" + _FLAG_RENAMES[(section, name)].replace("_", "-"), dest=dest, default=None)
+            dests[dest] = (section, name)
+    parser.add_argument("--model-preset", dest="model__preset", default=None, help=f"one of {sorted(PRESETS)}")
+    dests["model__preset"] = ("model", "preset")
+    parser.add_argument("--phases", dest="phases", default=None,
+                        help="phase list as YAML, e.g. '[{objective: clm, share: 0.25}, "
+                             "{objective: mlm, mask_ratio: 0.4, share: 0.75}]'")
+    return dests
+
+
+def apply_overrides(recipe: dict[str, Any], args: argparse.Namespace, dests: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """Recipe with every flag given on the command line written into its section."""
+    out = copy.deepcopy(recipe)
+    for dest, (section, name) in dests.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            out.setdefault(section, {})[name] = value
+    if getattr(args, "phases", None) is not None:
+        try:
+            out["phases"] = yaml.safe_load(args.phases)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--phases: invalid YAML: {err}") from err
+    return out
+
+
+def _model_config(section: dict[str, Any], *, data_seq_length: int, tokenizer_vocab_size: int | None, tp: int) -> EncoderModelConfig:
+    section = dict(section)
+    preset_name = section.pop("preset", None)
+    if preset_name is not None:
+        if preset_name not in PRESETS:
+            raise ConfigError(f"model.preset: unknown preset {preset_name!r}; expected one of {sorted(PRESETS)}")
+        base = {f.name: getattr(PRESETS[preset_name], f.name) for f in dataclasses.fields(EncoderModelConfig)}
+        if "seq_length" not in section:
+            base.pop("seq_length")
+        section = {**base, **section}
+    section.setdefault("seq_length", data_seq_length)
+    section.setdefault("vocab_size", VOCAB_FROM_TOKENIZER)
+    if section["vocab_size"] == VOCAB_FROM_TOKENIZER:
+        if tokenizer_vocab_size is None:
+            raise ConfigError("model.vocab_size: from_tokenizer needs the tokenizer to be loadable")
+        multiple = 128 * tp
+        section["vocab_size"] = math.ceil(tokenizer_vocab_size / multiple) * multiple
+    return build_dataclass(EncoderModelConfig, section, "model")
+
+
+def run_config_from_dict(raw: dict[str, Any], *, tokenizer_vocab_size: int | None = None) -> RunConfig:
+    """Validate a merged recipe into a :class:`RunConfig` (errors name the section and key)."""
+    missing = [s for s in ("model", "tokenizer", "data", "phases", "training") if s not in raw]
+    if missing:
+        raise ConfigError(f"recipe: missing section(s) {missing}")
+    sections = {name: raw.get(name, {}) or {} for name in SECTIONS}
+    data = build_dataclass(DataConfig, sections["data"], "data")
+    parallel = build_dataclass(ParallelConfig, sections["parallel"], "parallel")
+    if not isinstance(raw["phases"], list) or not raw["phases"]:
+        raise ConfigError("phases: expected a non-empty list of phases")
+    phases = tuple(coerce(p, Phase, f"phases[{i}]") for i, p in enumerate(raw["phases"]))
+    return RunConfig(
+        model=_model_config(sections["model"], data_seq_length=data.seq_length,
+                            tokenizer_vocab_size=tokenizer_vocab_size, tp=parallel.tensor_model_parallel_size),
+        tokenizer=build_dataclass(TokenizerConfig, sections["tokenizer"], "tokenizer"),
+        data=data,
+        optimizer=build_dataclass(OptimizerConfig, sections["optimizer"], "optimizer"),
+        schedule=build_dataclass(LRScheduleConfig, sections["schedule"], "schedule"),
+        phases=phases,
+        training=build_dataclass(TrainingConfig, sections["training"], "training"),
+        parallel=parallel,
+        checkpoint=build_dataclass(CheckpointConfig, sections["checkpoint"], "checkpoint"),
+        logging=build_dataclass(LoggingConfig, sections["logging"], "logging"),
+    )
+
+
+def needs_tokenizer_vocab(raw: dict[str, Any]) -> bool:
+    """True when ``model.vocab_size`` must be read from the tokenizer."""
+    model = raw.get("model") or {}
+    if "vocab_size" in model:
+        return model["vocab_size"] == VOCAB_FROM_TOKENIZER
+    return model.get("preset") is None  # presets carry their vocab size

@@ -1,0 +1,451 @@
+"""The training data pipeline: Megatron-Core ``GPTDataset`` splits and data-parallel micro-batches.
+
+Datasets are built by Megatron-Core's own code (``BlendedMegatronDatasetBuilder`` + ``GPTDataset``)
+from ``--data-path``/``--split`` exactly as Megatron-LM does, so sample order, blending and the index
+caches agree with it. With ``torch.distributed`` initialised the builder builds the caches on global
+rank 0 first and the other ranks load them after a barrier (the cache directory must then be
+shared); without it, the one process builds them.
+
+Before Megatron reads anything, every ``.bin``/``.idx`` pair is checked, because Megatron's own
+failures are asserts, garbage samples or a hang: missing files, a bad index header, a ``.bin`` whose
+size disagrees with its index, a token dtype that cannot hold the tokenizer's ids, ids outside the
+vocab (a whole-file scan for small datasets, a per-batch check always), and a split that gets no
+tokens (``GPTDataset`` loops forever in ``_get_num_epochs`` on one).
+
+Batches follow Megatron's ``MegatronPretrainingSampler``: global batch ``k`` is samples
+``[k * global_batch_size, (k + 1) * global_batch_size)`` of the dataset order, cut into chunks of
+``micro_batch_size * dp_size`` consecutive samples, data-parallel rank ``r`` taking the ``r``-th
+``micro_batch_size`` slice of each chunk.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from megatron_ext.tokenizer import EncoderTokenizer
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset  # a Megatron GPTDataset or BlendedDataset
+
+SPLIT_NAMES = ("train", "valid", "test")
+_INDEX_PREAMBLE = struct.Struct("<9sQBQQ")  # header, version, dtype code, sequences, documents
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Which data to read and how to batch it; names follow Megatron-LM's flags."""
+
+    data_path: tuple[str, ...]
+    """``--data-path``: dataset prefixes (``{prefix}.bin``/``.idx``), or alternating
+    ``weight prefix weight prefix ...`` to blend them in those proportions. Several prefixes without
+    weights blend in proportion to their sizes, one pass over each (Megatron never repeats them)."""
+    split: str = "98,2,0"
+    """``--split``: comma-separated train,valid,test proportions of each prefix's sequences."""
+    seq_length: int
+    """``--seq-length``: tokens per sample."""
+    micro_batch_size: int
+    """``--micro-batch-size``: samples per forward/backward pass on one data-parallel rank."""
+    global_batch_size: int
+    """``--global-batch-size``: samples per optimizer step, over all data-parallel ranks."""
+    num_workers: int = 0
+    """``--num-workers``: DataLoader worker processes (0: load in the training process)."""
+    data_cache_path: str | None = None
+    """``--data-cache-path``: where Megatron caches its index arrays. None: ``cache/`` in the
+    directory of the first prefix."""
+    eval_iters: int = 100
+    """``--eval-iters``: global batches per evaluation (0: no validation)."""
+    reset_position_ids: bool = False
+    """``--reset-position-ids``: restart position ids after each EOD token."""
+    reset_attention_mask: bool = False
+    """``--reset-attention-mask``: keep attention within documents; batches then carry Megatron's
+    ``attention_mask`` ``[b, 1, s, s]`` (bool, True = masked out; causal, as GPTDataset builds it)."""
+    eod_mask_loss: bool = False
+    """``--eod-mask-loss``: give no loss to positions whose input token is EOD."""
+    max_tokens_to_scan: int = 100_000_000
+    """Datasets with at most this many tokens are scanned whole at start-up for ids outside the
+    tokenizer vocab (fast with numpy); larger ones rely on the per-batch check. 0: never scan."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data_path, str) or not self.data_path:
+            raise ValueError(f"data_path: expected a non-empty list of prefixes, got {self.data_path!r}")
+        object.__setattr__(self, "data_path", tuple(self.data_path))
+        prefixes, weights = self.blend
+        if weights is None and any(_is_number(p) for p in prefixes):
+            raise ValueError(
+                f"data_path {list(self.data_path)}: expected either only prefixes or alternating "
+                "'weight prefix' pairs, got a mix"
+            )
+        if weights is not None and not all(w > 0 for w in weights):
+            raise ValueError(f"data_path: blend weights must be > 0, got {weights}")
+        _split_vector(self.split)
+        for name in ("seq_length", "micro_batch_size", "global_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} must be a multiple of micro_batch_size "
+                f"{self.micro_batch_size}"
+            )
+        for name in ("num_workers", "eval_iters", "max_tokens_to_scan"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
+
+    @property
+    def blend(self) -> tuple[list[str], list[float] | None]:
+        """``data_path`` as Megatron's ``(prefixes, weights or None)``."""
+        from megatron.core.datasets.utils import get_blend_from_list
+
+        return get_blend_from_list(list(self.data_path))
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _split_vector(split: str) -> list[float]:
+    try:
+        parts = [float(p) for p in split.split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(p < 0 or not math.isfinite(p) for p in parts) or parts[0] <= 0:
+        raise ValueError(
+            f"split: expected 'train,valid,test' proportions such as '98,2,0' (train > 0), got {split!r}"
+        )
+    return parts
+
+
+# --- validating .bin/.idx pairs ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Index:
+    """What a checked ``.idx`` says about its ``.bin``."""
+
+    prefix: str
+    dtype: np.dtype
+    tokens_before: np.ndarray
+    """Tokens before each sequence, and the total at the end (length: sequences + 1)."""
+    document_indices: np.ndarray
+    """Index of each document's first sequence, and the sequence count at the end."""
+
+
+def _read_index(prefix: str) -> _Index:
+    """Check ``prefix``'s ``.idx`` header and sizes and its ``.bin`` size, as Megatron will read them."""
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
+            raise ValueError(f"data_path {prefix!r}: {path} does not exist{hint}")
+    idx_size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as f:
+        preamble = f.read(_INDEX_PREAMBLE.size)
+    if preamble[:9] != _INDEX_HEADER:
+        raise ValueError(
+            f"{idx_path}: not a Megatron index; expected it to start with {_INDEX_HEADER!r}, "
+            f"got {preamble[:9]!r}"
+        )
+    if len(preamble) < _INDEX_PREAMBLE.size:
+        raise ValueError(f"{idx_path}: truncated header ({idx_size} bytes)")
+    _, version, code, n_sequences, n_documents = _INDEX_PREAMBLE.unpack(preamble)
+    if version != 1:
+        raise ValueError(f"{idx_path}: index version {version}; Megatron-Core reads version 1")
+    try:
+        dtype = np.dtype(DType.dtype_from_code(code))
+    except ValueError:
+        raise ValueError(f"{idx_path}: unknown token dtype code {code}") from None
+    expected = _INDEX_PREAMBLE.size + 12 * n_sequences + 8 * n_documents
+    if idx_size < expected:
+        raise ValueError(
+            f"{idx_path}: {idx_size} bytes, expected {expected} for {n_sequences} sequences and "
+            f"{n_documents} document boundaries (truncated?)"
+        )
+    index = np.memmap(idx_path, mode="r", dtype=np.uint8)
+    offset = _INDEX_PREAMBLE.size
+    lengths = np.frombuffer(index, dtype=np.int32, count=n_sequences, offset=offset)
+    documents = np.frombuffer(index, dtype=np.int64, count=n_documents, offset=offset + 12 * n_sequences)
+    tokens_before = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    n_tokens = int(tokens_before[-1])
+    bin_size = os.path.getsize(bin_path)
+    if bin_size != n_tokens * dtype.itemsize:
+        raise ValueError(
+            f"{bin_path}: {bin_size} bytes, but {idx_path} lists {n_tokens} {dtype.name} tokens = "
+            f"{n_tokens * dtype.itemsize} bytes (truncated, or not the pair of this index?)"
+        )
+    return _Index(prefix=prefix, dtype=dtype, tokens_before=tokens_before, document_indices=documents)
+
+
+def _check_token_dtype(index: _Index, tokenizer: EncoderTokenizer) -> None:
+    dtype = index.dtype
+    if dtype.kind not in "iu" or np.iinfo(dtype).max < tokenizer.vocab_size - 1:
+        raise ValueError(
+            f"{index.prefix}.bin: token dtype {dtype.name} cannot hold the ids [0, {tokenizer.vocab_size}) "
+            f"of tokenizer {tokenizer.name}; the data was made with another tokenizer?"
+        )
+
+
+def _scan_token_ids(index: _Index, tokenizer: EncoderTokenizer) -> None:
+    """Fail on any id outside ``[0, vocab_size)`` in the whole ``.bin``, naming its document."""
+    n_tokens = int(index.tokens_before[-1])
+    if n_tokens == 0:
+        return
+    tokens = np.memmap(index.prefix + ".bin", mode="r", dtype=index.dtype, shape=(n_tokens,))
+    vocab = tokenizer.vocab_size
+    if int(tokens.max()) < vocab and int(tokens.min()) >= 0:
+        return
+    position = int(np.flatnonzero((tokens >= vocab) | (tokens < 0))[0])
+    sequence = int(np.searchsorted(index.tokens_before, position, side="right")) - 1
+    document = int(np.searchsorted(index.document_indices, sequence, side="right")) - 1
+    raise ValueError(
+        f"{index.prefix}.bin: token id {int(tokens[position])} (document {document}, token "
+        f"{position - int(index.tokens_before[sequence])} of its sequence {sequence}) is outside the vocab "
+        f"[0, {vocab}) of tokenizer {tokenizer.name}; the data was made with another tokenizer?"
+    )
+
+
+def _split_ranges(split: str, n_sequences: int) -> list[tuple[int, int] | None]:
+    """The sequence ranges Megatron gives each split (None: the split has no share)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    # The rounding of BlendedMegatronDatasetBuilder._build_megatron_dataset_splits.
+    n = float(n_sequences)
+    return [None if b is None else (int(round(b[0] * n)), int(round(b[1] * n))) for b in matrix]
+
+
+def _short_splits(split: str, indexes: list[_Index], min_tokens: int) -> list[str]:
+    """One line per (prefix, split) that would get fewer than ``min_tokens`` tokens."""
+    problems = []
+    for index in indexes:
+        tokens_before = index.tokens_before
+        n = len(tokens_before) - 1
+        for name, bounds in zip(SPLIT_NAMES, _split_ranges(split, n)):
+            if bounds is not None and tokens_before[bounds[1]] - tokens_before[bounds[0]] < min_tokens:
+                n_tokens = int(tokens_before[bounds[1]] - tokens_before[bounds[0]])
+                problems.append(
+                    f"{index.prefix}: {name} gets sequences [{bounds[0]}, {bounds[1]}) of {n} "
+                    f"= {n_tokens} tokens"
+                )
+    return problems
+
+
+def _suggest_split(split: str, indexes: list[_Index], min_tokens: int) -> str:
+    shared = [i for i, share in enumerate(_split_vector(split)[1:3], start=1) if share > 0]
+    for percent in range(1, 100 // (len(shared) + 1) + 1):
+        candidate = [100 - percent * len(shared), *(percent if i in shared else 0 for i in (1, 2))]
+        candidate_split = ",".join(map(str, candidate))
+        if not _short_splits(candidate_split, indexes, min_tokens):
+            return f"--split {candidate_split}"
+    return "--split 100,0,0 with eval_iters 0, or more data"
+
+
+def _check_splits(config: DataConfig, indexes: list[_Index], *, weighted: bool) -> None:
+    # A weighted (or single) dataset repeats its split until it has the samples asked for: it needs
+    # one token (zero tokens never reach enough: the hang). An unweighted blend takes one pass over
+    # each split, and Megatron asserts when one of them yields no whole sample.
+    min_tokens = 1 if weighted or len(indexes) == 1 else config.seq_length + 1
+    problems = _short_splits(config.split, indexes, min_tokens)
+    if problems:
+        need = (
+            "some tokens (GPTDataset never finishes building an empty split)" if min_tokens == 1
+            else f"seq_length + 1 = {min_tokens} tokens (one sample; an unweighted blend is one pass)"
+        )
+        raise ValueError(
+            f"split {config.split!r}: each split with a share needs {need} in every dataset, split by "
+            "sequence (documents, or sentences with --split-sentences): " + "; ".join(problems)
+            + f". Try {_suggest_split(config.split, indexes, min_tokens)}"
+        )
+
+
+# --- building -----------------------------------------------------------------------------------
+
+
+def build_datasets(
+    config: DataConfig, *, tokenizer: EncoderTokenizer, train_samples: int, valid_samples: int, seed: int
+) -> tuple[Dataset, Dataset | None]:
+    """Megatron-Core ``GPTDataset`` (or ``BlendedDataset``) train and valid splits.
+
+    ``train_samples``/``valid_samples`` are the samples that will be read (e.g. train_iters x
+    global_batch_size, eval_iters x global_batch_size); each dataset has at least that many.
+    Returns ``(train, valid)``; valid is None when ``split`` gives it no share (then
+    ``valid_samples`` must be 0). Must be called on every rank when ``torch.distributed`` is
+    initialised (the builder synchronises the ranks with barriers). ``seed`` (the run's
+    ``training.seed``) seeds Megatron's document and sample shuffling.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    if train_samples < 1:
+        raise ValueError(f"train_samples: expected >= 1, got {train_samples}")
+    if valid_samples < 0:
+        raise ValueError(f"valid_samples: expected >= 0, got {valid_samples}")
+    tokenizer.eod  # GPTDataset needs it for every sample; raises with the fix when missing
+    prefixes, weights = config.blend
+    indexes = [_read_index(prefix) for prefix in prefixes]
+    for index in indexes:
+        _check_token_dtype(index, tokenizer)
+        if int(index.tokens_before[-1]) <= config.max_tokens_to_scan:
+            _scan_token_ids(index, tokenizer)
+    _check_splits(config, indexes, weighted=weights is not None)
+
+    cache = config.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
+    gpt_config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=config.seq_length,
+        blend=(prefixes, weights),
+        split=config.split,
+        path_to_cache=cache,
+        tokenizer=tokenizer,
+        reset_position_ids=config.reset_position_ids,
+        reset_attention_mask=config.reset_attention_mask,
+        eod_mask_loss=config.eod_mask_loss,
+        # The plain causal [s, s] mask per sample carries nothing the model does not know already.
+        create_attention_mask=config.reset_attention_mask,
+    )
+    if gpt_config.split_matrix[1] is None and valid_samples > 0:
+        raise ValueError(
+            f"split {config.split!r} gives the valid split no share, but valid_samples={valid_samples}; "
+            "give it a share (e.g. 98,2,0) or set eval_iters to 0"
+        )
+    # Test size 0, not None: Megatron asserts that weighted blends get a size for every split.
+    sizes = [train_samples, valid_samples, 0]
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config).build()
+    for name, dataset, wanted in (("train", train, train_samples), ("valid", valid, valid_samples)):
+        if dataset is not None and len(dataset) < wanted:
+            # Only unweighted blends stop short: Megatron caps them at one pass over each dataset.
+            raise ValueError(
+                f"data_path: the {name} blend has {len(dataset)} samples, {wanted} are needed; an "
+                "unweighted blend is one pass over its datasets: give weights to repeat them"
+            )
+    return train, valid
+
+
+# --- iterating ---------------------------------------------------------------------------------
+
+
+class _MicroBatchSampler:
+    """``MegatronPretrainingSampler`` over whole global batches in ``[start, stop)``."""
+
+    def __init__(self, *, start: int, stop: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
+        self.start, self.stop = start, stop
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for chunk in range(self.start, self.stop, self.micro_batch_size * self.dp_size):
+            first = chunk + self.dp_rank * self.micro_batch_size
+            yield list(range(first, first + self.micro_batch_size))
+
+    def __len__(self) -> int:
+        return (self.stop - self.start) // (self.micro_batch_size * self.dp_size)
+
+
+def _micro_batches(dataset: Dataset, sampler: _MicroBatchSampler, config: DataConfig) -> Iterator[dict]:
+    import torch
+
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=config.num_workers,
+        pin_memory=torch.cuda.is_available(),
+    )
+    tokenizer = dataset.config.tokenizer
+    for indices, batch in zip(sampler, loader, strict=True):
+        for key in ("tokens", "labels"):
+            ids = batch[key]
+            if int(ids.max()) >= tokenizer.vocab_size or int(ids.min()) < 0:
+                row = int(((ids >= tokenizer.vocab_size) | (ids < 0)).any(dim=1).nonzero()[0])
+                bad = ids[row][(ids[row] >= tokenizer.vocab_size) | (ids[row] < 0)][0]
+                raise ValueError(
+                    f"token id {int(bad)} in {key} of {dataset.index_split.name} sample {indices[row]}, "
+                    f"from {_source(dataset, indices[row])}, is outside the vocab "
+                    f"[0, {tokenizer.vocab_size}) of tokenizer {tokenizer.name}; the data was made with "
+                    "another tokenizer?"
+                )
+        yield batch
+
+
+def _source(dataset: Dataset, index: int) -> str:
+    """The dataset path behind sample ``index`` of a GPTDataset or BlendedDataset."""
+    if hasattr(dataset, "dataset_index"):  # BlendedDataset
+        return dataset.datasets[int(dataset.dataset_index[index])].dataset_path
+    return dataset.dataset_path
+
+
+def _check_dp(config: DataConfig, dp_rank: int, dp_size: int) -> None:
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} / dp_size {dp_size}: expected 0 <= dp_rank < dp_size")
+    if config.global_batch_size % (config.micro_batch_size * dp_size):
+        raise ValueError(
+            f"global_batch_size {config.global_batch_size} must be a multiple of micro_batch_size "
+            f"{config.micro_batch_size} x data-parallel size {dp_size}"
+        )
+
+
+def build_train_iterator(
+    dataset: Dataset, *, config: DataConfig, dp_rank: int, dp_size: int, consumed_samples: int
+) -> Iterator[dict]:
+    """Micro-batches of data-parallel rank ``dp_rank`` from sample ``consumed_samples`` on.
+
+    Each is GPTDataset's samples collated: ``tokens``, ``labels``, ``loss_mask``, ``position_ids``
+    (``[micro_batch_size, seq_length]``), plus ``attention_mask`` with ``reset_attention_mask`` and
+    ``dataset_id`` for blends. Every step takes ``global_batch_size / (micro_batch_size * dp_size)``
+    micro-batches; resuming with ``consumed_samples = steps * global_batch_size`` continues exactly
+    where an uninterrupted run would be. Ends after the last whole global batch of ``dataset``.
+    """
+    _check_dp(config, dp_rank, dp_size)
+    gbs = config.global_batch_size
+    stop = len(dataset) // gbs * gbs
+    if consumed_samples < 0 or consumed_samples % gbs:
+        raise ValueError(
+            f"consumed_samples: expected a multiple of global_batch_size {gbs} (steps x {gbs}), "
+            f"got {consumed_samples}"
+        )
+    if consumed_samples >= stop:
+        raise ValueError(
+            f"consumed_samples {consumed_samples}: the train dataset has only {stop // gbs} global batches "
+            f"of {gbs}; build it with more train_samples"
+        )
+    sampler = _MicroBatchSampler(
+        start=consumed_samples, stop=stop, micro_batch_size=config.micro_batch_size,
+        dp_rank=dp_rank, dp_size=dp_size,
+    )
+    return _micro_batches(dataset, sampler, config)
+
+
+def build_valid_iterator(
+    dataset: Dataset | None, *, config: DataConfig, dp_rank: int, dp_size: int
+) -> Iterator[dict]:
+    """Micro-batches of one evaluation: the first ``eval_iters`` global batches of ``dataset``.
+
+    Call it once per evaluation: every evaluation then sees the same samples (unlike Megatron-LM,
+    whose validation iterator moves on), so evaluation losses are comparable over training.
+    """
+    _check_dp(config, dp_rank, dp_size)
+    stop = config.eval_iters * config.global_batch_size
+    if stop == 0:
+        return iter(())
+    if dataset is None or len(dataset) < stop:
+        have = "no valid dataset" if dataset is None else f"{len(dataset)} valid samples"
+        raise ValueError(
+            f"eval_iters {config.eval_iters} x global_batch_size {config.global_batch_size} = {stop} "
+            f"samples needed, {have}; build with valid_samples >= {stop} and a split with a valid share"
+        )
+    sampler = _MicroBatchSampler(
+        start=0, stop=stop, micro_batch_size=config.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size
+    )
+    return _micro_batches(dataset, sampler, config)

@@ -1,0 +1,89 @@
+"""Optimizer, data-parallel gradient reduction and tensor-parallel-aware gradient clipping.
+
+The loss of a step is the mean over every scored token of the global batch (all micro-batches,
+all data-parallel ranks): each rank back-propagates the SUM of its token losses, gradients and
+token counts are summed over the data-parallel group, and gradients are divided by the global
+token count. So the update does not depend on how the global batch is split into micro-batches
+or ranks (tested: data parallel 2 vs 1). Megatron-LM calls this ``--calculate-per-token-loss``.
+
+This is the portable path (CPU via gloo, and GPU via NCCL); Megatron-Core's
+``DistributedDataParallel`` and distributed optimizer need CUDA buffers (DESIGN.md, section 3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron_ext import platform
+from megatron_ext.training.config import OptimizerConfig
+
+
+def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, *, lr: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm weights and biases are not decayed)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+    )
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def reduce_gradients(model: torch.nn.Module, local_tokens: int, local_loss_sum: float) -> tuple[int, float]:
+    """Sum gradients, token counts and loss sums over data parallelism; scale grads to the mean.
+
+    Returns ``(global_tokens, global_mean_loss)``.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    stats = torch.tensor([float(local_tokens), local_loss_sum], dtype=torch.float64, device=platform.device())
+    group = parallel_state.get_data_parallel_group()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        grads = [p.grad for p in params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+        dist.all_reduce(stats, group=group)
+    tokens, loss_sum = int(stats[0].item()), float(stats[1].item())
+    if tokens > 0:
+        for p in params:
+            p.grad.div_(tokens)
+    return tokens, (loss_sum / tokens if tokens > 0 else math.nan)
+
+
+def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> float:
+    """Global gradient L2 norm over the whole (tensor-parallel sharded) model; clip if > max_norm.
+
+    Tensor-parallel shards (``param.tensor_model_parallel``) are summed over the tensor-parallel
+    group; replicated parameters (norms) are counted once, as Megatron's ``clip_grad_norm_fp32``
+    does with ``param_is_not_tensor_parallel_duplicate``.
+    """
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    squares = torch.zeros((), dtype=torch.float64, device=platform.device())
+    grads = []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        grads.append(p.grad)
+        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            squares += p.grad.detach().double().pow(2).sum()
+    group = parallel_state.get_model_parallel_group()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(squares, group=group)
+    norm = math.sqrt(float(squares))
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for grad in grads:
+            grad.mul_(scale)
+    return norm

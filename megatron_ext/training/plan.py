@@ -1,0 +1,101 @@
+"""``--dry-run``: validate a run configuration for a world size and print its plan, on any machine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_ext.model.config import parameter_count
+from megatron_ext.schedule import lr_at, resolve_phases
+from megatron_ext.training.config import RunConfig
+from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    """The numbers a launch implies; every field is derived from the config and world size."""
+
+    world_size: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    micro_batches_per_step: int
+    tokens_per_step: int
+    total_tokens: int
+    parameters: int
+    flops_per_token: float
+    phases: tuple[tuple[str, int, int], ...]
+    """(name, first step, end step) per phase."""
+
+
+def make_plan(config: RunConfig, world_size: int) -> RunPlan:
+    """Check that the layout and batch sizes divide; raise ValueError naming what does not."""
+    tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
+    if world_size < 1 or world_size % (tp * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size={tp} x "
+            f"pipeline_model_parallel_size={pp}"
+        )
+    dp = world_size // (tp * pp)
+    m = config.model
+    if m.num_attention_heads % tp or m.num_query_groups % tp:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} must divide num_attention_heads={m.num_attention_heads} "
+            f"and num_query_groups={m.num_query_groups}"
+        )
+    if m.vocab_size % tp:
+        raise ValueError(f"tensor_model_parallel_size={tp} must divide model.vocab_size={m.vocab_size}")
+    if m.num_layers % pp:
+        raise ValueError(f"pipeline_model_parallel_size={pp} must divide num_layers={m.num_layers}")
+    d = config.data
+    if d.global_batch_size % (d.micro_batch_size * dp):
+        raise ValueError(
+            f"data.global_batch_size={d.global_batch_size} is not divisible by micro_batch_size="
+            f"{d.micro_batch_size} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp}))"
+        )
+    phases = resolve_phases(config.phases, config.training.train_iters)
+    names = tuple(
+        ("clm" if p.objective == "clm" else f"mlm-{round(100 * p.mask_ratio)}%", p.start, p.end) for p in phases
+    )
+    tokens_per_step = d.global_batch_size * d.seq_length
+    return RunPlan(
+        world_size=world_size, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
+        micro_batches_per_step=d.global_batch_size // (d.micro_batch_size * dp),
+        tokens_per_step=tokens_per_step, total_tokens=tokens_per_step * config.training.train_iters,
+        parameters=parameter_count(m), flops_per_token=flops_per_token(m, d.seq_length), phases=names,
+    )
+
+
+def format_plan(config: RunConfig, plan: RunPlan) -> str:
+    d, s, t = config.data, config.schedule, config.training
+    total = t.train_iters
+    phases = resolve_phases(config.phases, total)
+    lines = [
+        f"world size        {plan.world_size} = TP {plan.tensor_parallel} x PP {plan.pipeline_parallel} x DP {plan.data_parallel}",
+        f"model             {config.model.num_layers} layers, hidden {config.model.hidden_size}, FFN "
+        f"{config.model.ffn_hidden_size}, heads {config.model.num_attention_heads}/{config.model.num_query_groups} KV, "
+        f"vocab {config.model.vocab_size:,}, {plan.parameters:,} parameters ({config.model.attention_backend} attention)",
+        f"batch             global {d.global_batch_size} = micro {d.micro_batch_size} x DP {plan.data_parallel} x "
+        f"{plan.micro_batches_per_step} micro-batches/step, sequence {d.seq_length}",
+        f"tokens            {plan.tokens_per_step:,}/step, {plan.total_tokens:,} in total ({plan.total_tokens / 1e9:.2f}B)",
+        f"compute           {plan.flops_per_token:.3e} FLOPs/token, {plan.flops_per_token * plan.total_tokens:.3e} "
+        f"FLOPs in total [{MFU_CONVENTION}]",
+        f"learning rate     {s.lr_decay_style}, peak {s.lr:g}, warmup {s.lr_warmup_iters}"
+        + (f", decay {s.lr_wsd_decay_iters} ({s.lr_wsd_decay_style})" if s.lr_decay_style == "wsd" else "")
+        + f", min {s.min_lr:g}",
+        "phases:",
+    ]
+    for (name, start, end), phase in zip(plan.phases, phases):
+        lr_start = lr_at(start, config=s, total_steps=total, phases=phases)
+        lr_end = lr_at(end - 1, config=s, total_steps=total, phases=phases)
+        lines.append(
+            f"  {name:<9} steps [{start:>6}, {end:>6})  {end - start:>6} steps  "
+            f"{(end - start) * plan.tokens_per_step / 1e9:8.3f}B tokens  lr {lr_start:.2e} -> {lr_end:.2e}"
+            + ("  (warmup restarts)" if phase.restart_warmup else "")
+        )
+    c = config.checkpoint
+    lines.append(
+        f"checkpoints       save={c.save or '-'} every {c.save_interval} steps, keep {c.keep_last}; "
+        f"load={c.load or '-'}{' (weights only: continued pretraining)' if c.finetune else ''}"
+    )
+    lines.append(f"data              {' '.join(map(str, d.data_path))} (split {d.split})")
+    return "\n".join(lines)

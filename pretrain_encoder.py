@@ -1,0 +1,79 @@
+"""Pretrain a text encoder on Megatron-Core: MLM, CLM, or biphasic CLM -> MLM.
+
+    python pretrain_encoder.py --config examples/recipes/demo_tiny_biphasic.yaml [--lr 1e-3 ...]
+    torchrun --nproc-per-node 8 pretrain_encoder.py --config RECIPE.yaml --tensor-model-parallel-size 2
+    python pretrain_encoder.py --config RECIPE.yaml --dry-run --world-size 64   # validate + print the plan
+
+Every config field has a flag named like Megatron-LM's (see --help); the recipe's values are
+the defaults. Resumes automatically from the newest complete checkpoint in --save (or --load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import yaml
+
+from megatron_ext.config_loading import ConfigError
+from megatron_ext.training.config import (
+    RunConfig,
+    add_override_flags,
+    apply_overrides,
+    needs_tokenizer_vocab,
+    read_recipe,
+    run_config_from_dict,
+)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML recipe (see examples/recipes)")
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the plan; no training")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="--dry-run: plan for this many processes (default: $WORLD_SIZE or 1)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
+    dests = add_override_flags(parser)
+    return parser, dests
+
+
+def load_config(args: argparse.Namespace, dests: dict) -> RunConfig:
+    raw = apply_overrides(read_recipe(args.config), args, dests)
+    vocab = None
+    if needs_tokenizer_vocab(raw):
+        from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
+        from megatron_ext.config_loading import build_dataclass
+
+        tokenizer_config = build_dataclass(TokenizerConfig, raw.get("tokenizer") or {}, "tokenizer")
+        vocab = build_tokenizer(tokenizer_config).vocab_size
+    return run_config_from_dict(raw, tokenizer_vocab_size=vocab)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, dests = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args, dests)
+        if args.print_config:
+            print(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        if args.dry_run:
+            from megatron_ext.training.plan import format_plan, make_plan
+
+            world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+            print(format_plan(config, make_plan(config, world)))
+            return 0
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"pretrain_encoder.py: error: {err}", file=sys.stderr)
+        return 2
+    from megatron_ext.training.loop import pretrain
+
+    result = pretrain(config)
+    print(f"done: steps {result.start_step} -> {result.final_step}; checkpoint {result.checkpoint}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""pretrain_encoder end to end on CPU: biphasic run, exact resume, DP/TP parity, CPT, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import pretrain_encoder
+from megatron_ext.data.preprocess import PreprocessConfig, preprocess
+from megatron_ext.tokenizer import TokenizerConfig
+from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.loop import NonFiniteLossError, pretrain
+from tools import plot_loss, train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory, news_texts) -> dict[str, str]:
+    """A BPE tokenizer trained on 300 real news articles and those articles preprocessed."""
+    root = tmp_path_factory.mktemp("corpus")
+    jsonl = root / "news.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in news_texts))
+    assert train_tokenizer.main(["--input", str(jsonl), "--output-dir", str(root / "tok"),
+                                 "--vocab-size", "1024", "--no-progress"]) == 0
+    preprocess(PreprocessConfig(inputs=(str(jsonl),), output_prefix=str(root / "news"),
+                                tokenizer=TokenizerConfig(tokenizer_model=str(root / "tok")),
+                                append_eod=True, progress=False))
+    return {"tokenizer": str(root / "tok"), "data": str(root / "news_text_document")}
+
+
+def _recipe(corpus: dict[str, str], run_dir: Path, **sections) -> dict:
+    recipe = {
+        "model": {"preset": "tiny", "vocab_size": 1024, "num_layers": 2, "hidden_size": 64,
+                  "ffn_hidden_size": 128, "num_attention_heads": 4, "num_query_groups": 2},
+        "tokenizer": {"tokenizer_model": corpus["tokenizer"]},
+        "data": {"data_path": [corpus["data"]], "split": "90,10,0", "seq_length": 64,
+                 "micro_batch_size": 4, "global_batch_size": 8, "eval_iters": 1,
+                 "data_cache_path": str(run_dir / "index_cache")},
+        "schedule": {"lr": 3e-3, "lr_decay_style": "wsd", "lr_warmup_iters": 2, "lr_wsd_decay_iters": 2},
+        "phases": [{"objective": "clm", "share": 0.5}, {"objective": "mlm", "mask_ratio": 0.4, "share": 0.5}],
+        "training": {"train_iters": 8, "eval_interval": 4, "log_interval": 1},
+        "checkpoint": {"save": str(run_dir / "ckpt"), "save_interval": 4},
+        "logging": {"log_dir": str(run_dir / "log"), "wandb_mode": "disabled"},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict) and isinstance(recipe.get(section), dict):
+            recipe[section] = {**recipe[section], **values}
+        else:
+            recipe[section] = values
+    return recipe
+
+
+def test_biphasic_run_logs_both_objectives_and_resumes_exactly(tmp_path, tiny_corpus):
+    straight = pretrain(run_config_from_dict(_recipe(tiny_corpus, tmp_path / "a")))
+    assert straight.final_step == 8 and all(math.isfinite(v) for v in straight.losses.values())
+    assert set(straight.valid) == {4, 8} and set(straight.valid[8]) == {"clm", "mlm"}
+    records = [json.loads(l) for l in (tmp_path / "a/log/metrics.jsonl").read_text().splitlines()]
+    assert [r["objective"] for r in records if r["kind"] == "train"] == ["clm"] * 4 + ["mlm"] * 4
+    assert (tmp_path / "a/ckpt").is_dir()
+
+    # Stop after step 3 (a checkpoint is written on exit), then resume to the end.
+    interrupted = run_config_from_dict(_recipe(tiny_corpus, tmp_path / "b"))
+    first = pretrain(interrupted, exit_after_step=3)
+    assert first.final_step == 3
+    resumed = pretrain(interrupted)
+    assert resumed.start_step == 3 and resumed.final_step == 8
+    for step in range(4, 9):
+        assert resumed.losses[step] == straight.losses[step], f"step {step} differs after resume"
+    assert resumed.valid[8] == straight.valid[8]
+    assert plot_loss.main([str(tmp_path / "b/log"), "--output", str(tmp_path / "loss.png")]) == 0
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
+
+
+def test_continued_pretraining_loads_weights_only(tmp_path, tiny_corpus):
+    clm = _recipe(tiny_corpus, tmp_path / "clm", phases=[{"objective": "clm", "share": 1.0}],
+                  training={"train_iters": 4, "eval_interval": 0})
+    pretrain(run_config_from_dict(clm))
+    cpt = _recipe(tiny_corpus, tmp_path / "cpt", phases=[{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}],
+                  training={"train_iters": 5, "eval_interval": 0},
+                  checkpoint={"load": str(tmp_path / "clm/ckpt"), "finetune": True, "save_interval": 10})
+    result = pretrain(run_config_from_dict(cpt))
+    assert result.start_step == 0 and result.final_step == 5  # fresh schedule, not step 4
+    scratch = _recipe(tiny_corpus, tmp_path / "scratch", phases=cpt["phases"], training=cpt["training"],
+                      checkpoint={"save": None})
+    # Same seed, data and masks: only the starting weights differ.
+    assert pretrain(run_config_from_dict(scratch)).losses[1] != result.losses[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, recipe: dict, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    result = pretrain(run_config_from_dict(recipe))
+    if rank == 0:
+        Path(out).write_text(json.dumps(result.losses))
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_two_ranks_match_one_rank_on_the_same_global_batch(tmp_path, tiny_corpus, layout):
+    sections = dict(training={"train_iters": 4, "eval_interval": 0}, checkpoint={"save": None})
+    single = pretrain(run_config_from_dict(_recipe(tiny_corpus, tmp_path / "one", **sections)))
+    parallel = {"tensor_model_parallel_size": 2 if layout == "tp2" else 1}
+    recipe = _recipe(tiny_corpus, tmp_path / "two", parallel=parallel, **sections)
+    out = tmp_path / "losses.json"
+    mp.spawn(_worker, args=(2, _free_port(), recipe, str(out)), nprocs=2, join=True)
+    losses = {int(k): v for k, v in json.loads(out.read_text()).items()}
+    for step, loss in single.losses.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), f"step {step}"
+
+
+def test_non_finite_loss_stops_after_n_in_a_row(tmp_path, tiny_corpus):
+    recipe = _recipe(tiny_corpus, tmp_path, training={"train_iters": 20, "eval_interval": 0, "max_nonfinite_steps": 3},
+                     checkpoint={"save": None})
+    recipe["schedule"] = {"lr": 1e30, "lr_decay_style": "constant"}
+    with pytest.raises(NonFiniteLossError, match=r"non-finite for 3 consecutive steps"):
+        pretrain(run_config_from_dict(recipe))
+
+
+def test_tokenizer_larger_than_model_vocab_is_refused(tmp_path, tiny_corpus):
+    recipe = _recipe(tiny_corpus, tmp_path, model={"vocab_size": 512}, checkpoint={"save": None})
+    with pytest.raises(ValueError, match=r"has 1024 ids but model.vocab_size is 512"):
+        pretrain(run_config_from_dict(recipe))
+
+
+def test_resume_with_other_shapes_lists_mismatches(tmp_path, tiny_corpus):
+    recipe = _recipe(tiny_corpus, tmp_path, training={"train_iters": 5, "eval_interval": 0})
+    pretrain(run_config_from_dict(recipe))
+    wider = _recipe(tiny_corpus, tmp_path, model={"ffn_hidden_size": 192}, training={"train_iters": 6, "eval_interval": 0})
+    with pytest.raises(ValueError, match=r"linear_fc1"):
+        pretrain(run_config_from_dict(wider))
+
+
+def test_cli_unknown_key_and_override(tmp_path, tiny_corpus, capsys):
+    import yaml
+
+    path = tmp_path / "r.yaml"
+    bad = _recipe(tiny_corpus, tmp_path)
+    bad["training"]["train_itrs"] = 5
+    path.write_text(yaml.safe_dump(bad))
+    assert pretrain_encoder.main(["--config", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key(s) ['train_itrs']" in err and "'train_iters'" in err
+    good = _recipe(tiny_corpus, tmp_path)
+    path.write_text(yaml.safe_dump(good))
+    assert pretrain_encoder.main(["--config", str(path), "--dry-run", "--train-iters", "40", "--lr", "1e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "clm       steps [     0,     20)" in out and "peak 0.0001" in out
