@@ -9,6 +9,8 @@ DATA ?= data
 DEMO_CORPUS := $(DATA)/demo_corpus
 DEMO_TOKENIZER := $(DATA)/demo_tokenizer
 DEMO_DATASET := $(DATA)/demo_dataset
+# Extra pretrain_encoder.py flags for the demo, e.g. DEMO_ARGS="--train-iters 200"
+DEMO_ARGS ?=
 
 .PHONY: setup demo test bench clean
 
@@ -31,6 +33,8 @@ demo: setup
 		--tokenizer-model $(DEMO_TOKENIZER) --append-eod --workers 2 --overwrite
 	$(PY) tools/preprocess_data.py --input $(DEMO_CORPUS)/valid.jsonl --output-prefix $(DEMO_DATASET)/valid \
 		--tokenizer-model $(DEMO_TOKENIZER) --append-eod --workers 1 --overwrite --no-progress
+	$(PY) pretrain_encoder.py --config examples/recipes/demo_tiny_biphasic.yaml $(DEMO_ARGS)
+	$(PY) tools/plot_loss.py runs/demo --output runs/demo/loss.png
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Mapping
@@ -159,16 +160,22 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, section: str, cls: type
 
 def _field_doc(cls: type, name: str) -> str | None:
     """The field's docstring (the string literal after it in the class body), for --help."""
+    return _field_docs(cls).get(name)
+
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
     import ast
     import inspect
 
     try:
         tree = ast.parse(inspect.getsource(cls))
     except (OSError, TypeError):
-        return None
+        return {}
     body = tree.body[0].body
+    docs = {}
     for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
-            return " ".join(str(nxt.value.value).split()).replace("%", "%%")
-    return None
+            docs[node.target.id] = " ".join(str(nxt.value.value).split()).replace("%", "%%")
+    return docs

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 from collections.abc import Iterator
 
 import torch
@@ -156,9 +157,10 @@ def init_process_group_and_model_parallel(
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-        if init_method == "env://" and world_size == 1:
+        if init_method == "env://" and world_size == 1 and "MASTER_PORT" not in os.environ:
+            # A lone process (no torchrun) still needs a rendezvous: take any free local port.
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
+            os.environ["MASTER_PORT"] = str(_free_port())
         if on_gpu():
             local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
             torch.cuda.set_device(local_rank)
@@ -181,6 +183,12 @@ def init_process_group_and_model_parallel(
         distributed_timeout_minutes=timeout_minutes,
     )
     seed_model_parallel(seed)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def destroy_process_group_and_model_parallel() -> None:

@@ -21,6 +21,7 @@ Batches follow Megatron's ``MegatronPretrainingSampler``: global batch ``k`` is 
 from __future__ import annotations
 
 import math
+import hashlib
 import os
 import struct
 from collections.abc import Iterator
@@ -57,8 +58,8 @@ class DataConfig:
     num_workers: int = 0
     """``--num-workers``: DataLoader worker processes (0: load in the training process)."""
     data_cache_path: str | None = None
-    """``--data-cache-path``: where Megatron caches its index arrays. None: ``cache/`` in the
-    directory of the first prefix."""
+    """``--data-cache-path``: where Megatron caches its index arrays. None: ``cache/<fingerprint>``
+    in the directory of the first prefix, the fingerprint changing whenever the data files do."""
     eval_iters: int = 100
     """``--eval-iters``: global batches per evaluation (0: no validation)."""
     reset_position_ids: bool = False
@@ -275,6 +276,21 @@ def _check_splits(config: DataConfig, indexes: list[_Index], *, weighted: bool) 
 # --- building -----------------------------------------------------------------------------------
 
 
+def _files_fingerprint(prefixes: list[str]) -> str:
+    """Short hash of the data files' sizes and modification times.
+
+    Megatron keys its index caches by path, seed and split only, so re-preprocessing into the same
+    prefix would silently reuse indices built for the old files; a cache folder per fingerprint
+    avoids that.
+    """
+    digest = hashlib.sha1()
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            stat = os.stat(prefix + suffix)
+            digest.update(f"{os.path.abspath(prefix)}{suffix}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return digest.hexdigest()[:12]
+
+
 def build_datasets(
     config: DataConfig, *, tokenizer: EncoderTokenizer, train_samples: int, valid_samples: int, seed: int
 ) -> tuple[Dataset, Dataset | None]:
@@ -303,7 +319,9 @@ def build_datasets(
             _scan_token_ids(index, tokenizer)
     _check_splits(config, indexes, weighted=weights is not None)
 
-    cache = config.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
+    cache = config.data_cache_path or os.path.join(
+        os.path.dirname(os.path.abspath(prefixes[0])), "cache", _files_fingerprint(prefixes)
+    )
     gpt_config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=config.seq_length,

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Pretrain on one machine with all its GPUs (torchrun, one process per GPU).
+#
+#   RECIPE=examples/recipes/paper/610m_biphasic_25_75.yaml examples/launch/single_node.sh \
+#       --data-path /data/fineweb_edu_text_document --save /checkpoints/run1
+#   DRY_RUN=1 RECIPE=... examples/launch/single_node.sh        # validate and print the plan only
+#
+# Extra arguments go to pretrain_encoder.py (Megatron-style flags override the recipe).
+# Rerunning the same command resumes from the newest complete checkpoint in --save.
+#
+# Environment (defaults in brackets):
+#   RECIPE          recipe YAML [examples/recipes/paper/610m_biphasic_25_75.yaml]
+#   GPUS_PER_NODE   processes to start [8]
+#   PYTHON          Python with this project's requirements [python]
+#   TORCHRUN        torchrun command ["$PYTHON -m torch.distributed.run"]
+#   REPO_DIR        repository root [two levels above this script]
+#   DRY_RUN         1: run `pretrain_encoder.py --dry-run --world-size $GPUS_PER_NODE` without torchrun [0]
+set -euo pipefail
+
+REPO_DIR="${REPO_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
+RECIPE="${RECIPE:-$REPO_DIR/examples/recipes/paper/610m_biphasic_25_75.yaml}"
+GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+PYTHON="${PYTHON:-python}"
+TORCHRUN="${TORCHRUN:-$PYTHON -m torch.distributed.run}"
+DRY_RUN="${DRY_RUN:-0}"
+
+if [[ "$DRY_RUN" == 1 ]]; then
+    exec "$PYTHON" "$REPO_DIR/pretrain_encoder.py" --config "$RECIPE" --dry-run --world-size "$GPUS_PER_NODE" "$@"
+fi
+
+# As in Megatron-LM's launch scripts: one hardware work queue keeps tensor-parallel communication
+# kernels in issue order, which Megatron-Core's compute/communication overlap relies on.
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+# $TORCHRUN is split on purpose: it may be a command with arguments.
+# shellcheck disable=SC2086
+exec $TORCHRUN --standalone --nproc-per-node "$GPUS_PER_NODE" \
+    "$REPO_DIR/pretrain_encoder.py" --config "$RECIPE" "$@"
