@@ -14,6 +14,12 @@ import argparse
 import logging
 import os
 import sys
+import warnings
+
+# Megatron-Core warns once per module when Transformer Engine / apex are missing; the run's
+# start-up line states the fallback once instead (megatron_ext.platform.accelerator_summary).
+warnings.filterwarnings("ignore", message=r"Transformer Engine and Apex are not installed")
+warnings.filterwarnings("ignore", message=r"absl.logging is not installed")
 
 import yaml
 

@@ -47,6 +47,19 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 
+def accelerator_summary() -> str:
+    """One line on the optional GPU accelerators and what runs without them."""
+    import importlib.util
+
+    te = importlib.util.find_spec("transformer_engine") is not None
+    apex = importlib.util.find_spec("apex") is not None
+    if not on_gpu():
+        return "CPU: local SDPA attention, torch AdamW (Transformer Engine and apex are GPU-only)"
+    parts = ["Transformer Engine: " + ("available" if te else "NOT installed -> local SDPA attention, torch norms"),
+             "apex: " + ("available" if apex else "NOT installed -> torch optimizers")]
+    return "; ".join(parts)
+
+
 def on_gpu() -> bool:
     """True when this process trains on CUDA devices."""
     return torch.cuda.is_available()

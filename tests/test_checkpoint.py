@@ -5,15 +5,14 @@ sizes 2 and 1."""
 from __future__ import annotations
 
 import dataclasses
-import traceback
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing, parallel_state
 
+from distributed import run_ranks
 from megatron_ext import platform
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, preset
 from megatron_ext.training.checkpoint import (
@@ -255,52 +254,41 @@ def test_errors(single_rank, tmp_path):
 WORLD = 2
 
 
-def resharding_worker(rank: int, rendezvous: str, root: str, errors: str) -> None:
+def resharding_worker(rank: int, rendezvous: str, root: str) -> None:
     """TP=2 -> save -> load at TP=1 -> save -> load at TP=2: weights and AdamW state exact."""
-    try:
-        root_dir = Path(root)
-        platform.init_process_group_and_model_parallel(
-            tensor_parallel_size=2, init_method=rendezvous, rank=rank, world_size=WORLD
-        )
-        model, optimizer = build(seed=0)
-        train_step(model, optimizer, 0)
-        ids = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
-        with torch.no_grad():
-            logits = gather_vocab_parallel_logits(model(ids, causal=False))
-        shards = weights(model)
-        save(root_dir / "tp2", 1, model, optimizer)
+    root_dir = Path(root)
+    platform.init_process_group_and_model_parallel(
+        tensor_parallel_size=2, init_method=rendezvous, rank=rank, world_size=WORLD
+    )
+    model, optimizer = build(seed=0)
+    train_step(model, optimizer, 0)
+    ids = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = gather_vocab_parallel_logits(model(ids, causal=False))
+    shards = weights(model)
+    save(root_dir / "tp2", 1, model, optimizer)
 
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-        whole, whole_optimizer = build(seed=1)
-        assert whole.output_layer.weight.shape[0] == TINY.vocab_size
-        assert load_checkpoint(root_dir / "tp2", model=whole, optimizer=whole_optimizer)["step"] == 1
-        with torch.no_grad():
-            torch.testing.assert_close(whole(ids, causal=False), logits, atol=1e-5, rtol=1e-5)
-        assert whole_optimizer.state[whole.output_layer.weight]["exp_avg"].abs().sum() > 0
-        save(root_dir / "tp1", 1, whole, whole_optimizer)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    whole, whole_optimizer = build(seed=1)
+    assert whole.output_layer.weight.shape[0] == TINY.vocab_size
+    assert load_checkpoint(root_dir / "tp2", model=whole, optimizer=whole_optimizer)["step"] == 1
+    with torch.no_grad():
+        torch.testing.assert_close(whole(ids, causal=False), logits, atol=1e-5, rtol=1e-5)
+    assert whole_optimizer.state[whole.output_layer.weight]["exp_avg"].abs().sum() > 0
+    save(root_dir / "tp1", 1, whole, whole_optimizer)
 
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-        again, again_optimizer = build(seed=2)
-        load_checkpoint(root_dir / "tp1", model=again, optimizer=again_optimizer)
-        assert_same_weights(again, shards)
-        assert_same_optimizer(optimizer, model, again_optimizer, again)
-        train_step(model, optimizer, 1)
-        train_step(again, again_optimizer, 1)
-        assert_same_weights(again, weights(model))
-        platform.destroy_process_group_and_model_parallel()
-    except BaseException:
-        Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
-        raise
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    again, again_optimizer = build(seed=2)
+    load_checkpoint(root_dir / "tp1", model=again, optimizer=again_optimizer)
+    assert_same_weights(again, shards)
+    assert_same_optimizer(optimizer, model, again_optimizer, again)
+    train_step(model, optimizer, 1)
+    train_step(again, again_optimizer, 1)
+    assert_same_weights(again, weights(model))
+    platform.destroy_process_group_and_model_parallel()
 
 
 def test_reshard_between_tensor_parallel_sizes(tmp_path):
-    errors = tmp_path / "errors"
-    errors.mkdir()
-    try:
-        mp.spawn(resharding_worker, nprocs=WORLD,
-                 args=(f"file://{tmp_path}/rendezvous", str(tmp_path), str(errors)))
-    except Exception:
-        report = "\n".join(p.read_text() for p in sorted(errors.iterdir()))
-        pytest.fail(f"resharding worker failed:\n{report}")
+    run_ranks(resharding_worker, str(tmp_path), world=WORLD, tmp_path=tmp_path)

@@ -3,14 +3,12 @@ logits, losses and gradients (fp32, CPU)."""
 
 from __future__ import annotations
 
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from megatron.core import parallel_state
 
+from distributed import run_ranks
 from megatron_ext import platform
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, preset
 
@@ -53,51 +51,41 @@ def run(ids: torch.Tensor, model, labels: torch.Tensor):
     return logits, loss.detach(), grads
 
 
-def worker(rank: int, rendezvous: str, errors: str) -> None:
-    try:
-        platform.init_process_group_and_model_parallel(
-            tensor_parallel_size=1, init_method=rendezvous, rank=rank, world_size=WORLD
+def worker(rank: int, rendezvous: str) -> None:
+    platform.init_process_group_and_model_parallel(
+        tensor_parallel_size=1, init_method=rendezvous, rank=rank, world_size=WORLD
+    )
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, CONFIG.vocab_size, (2, 32), generator=generator)
+    ids[0, 12] = EOD
+    labels = torch.roll(ids, -1, dims=1)
+
+    torch.manual_seed(1)
+    reference = build_encoder_model(CONFIG)
+    full_state = reference.state_dict()
+    ref_logits, ref_loss, ref_grads = run(ids, reference, labels)
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=WORLD)
+    torch.manual_seed(2)  # different init: every value must come from the loaded shards
+    model = build_encoder_model(CONFIG)
+    assert model.output_layer.weight.shape[0] == CONFIG.vocab_size // WORLD
+    shards = {n: shard(n, t, rank, WORLD) for n, t in full_state.items() if "_extra" not in n}
+    missing, unexpected = model.load_state_dict(shards, strict=False)
+    assert not unexpected and not [n for n in missing if "_extra_state" not in n]
+    logits, loss, grads = run(ids, model, labels)
+
+    for causal in (True, False):
+        torch.testing.assert_close(logits[causal], ref_logits[causal], atol=1e-5, rtol=1e-5)
+    assert (logits[True] - logits[False]).abs().amax() > 1e-2
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(
+            grad, shard(name, ref_grads[name], rank, WORLD), atol=1e-5, rtol=1e-4, msg=name
         )
-        generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(3, CONFIG.vocab_size, (2, 32), generator=generator)
-        ids[0, 12] = EOD
-        labels = torch.roll(ids, -1, dims=1)
-
-        torch.manual_seed(1)
-        reference = build_encoder_model(CONFIG)
-        full_state = reference.state_dict()
-        ref_logits, ref_loss, ref_grads = run(ids, reference, labels)
-
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=WORLD)
-        torch.manual_seed(2)  # different init: every value must come from the loaded shards
-        model = build_encoder_model(CONFIG)
-        assert model.output_layer.weight.shape[0] == CONFIG.vocab_size // WORLD
-        shards = {n: shard(n, t, rank, WORLD) for n, t in full_state.items() if "_extra" not in n}
-        missing, unexpected = model.load_state_dict(shards, strict=False)
-        assert not unexpected and not [n for n in missing if "_extra_state" not in n]
-        logits, loss, grads = run(ids, model, labels)
-
-        for causal in (True, False):
-            torch.testing.assert_close(logits[causal], ref_logits[causal], atol=1e-5, rtol=1e-5)
-        assert (logits[True] - logits[False]).abs().amax() > 1e-2
-        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-        for name, grad in grads.items():
-            assert grad.abs().sum() > 0, name
-            torch.testing.assert_close(
-                grad, shard(name, ref_grads[name], rank, WORLD), atol=1e-5, rtol=1e-4, msg=name
-            )
-        platform.destroy_process_group_and_model_parallel()
-    except BaseException:
-        Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
-        raise
+    platform.destroy_process_group_and_model_parallel()
 
 
 def test_tensor_parallel_matches_single_rank(tmp_path):
-    errors = tmp_path / "errors"
-    errors.mkdir()
-    try:
-        mp.spawn(worker, args=(f"file://{tmp_path}/rendezvous", str(errors)), nprocs=WORLD)
-    except Exception:
-        report = "\n".join(p.read_text() for p in sorted(errors.iterdir()))
-        pytest.fail(f"tensor-parallel worker failed:\n{report}")
+    run_ranks(worker, world=WORLD, tmp_path=tmp_path)

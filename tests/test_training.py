@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import pretrain_encoder
+from distributed import run_ranks
+from megatron_ext import platform
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.training.config import run_config_from_dict
@@ -92,16 +91,15 @@ def test_continued_pretraining_loads_weights_only(tmp_path, tiny_corpus):
     assert pretrain(run_config_from_dict(scratch)).losses[1] != result.losses[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, recipe: dict, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _two_rank_worker(rank: int, rendezvous: str, recipe: dict, out: str) -> None:
     torch.set_num_threads(1)
-    result = pretrain(run_config_from_dict(recipe))
+    config = run_config_from_dict(recipe)
+    platform.init_process_group_and_model_parallel(
+        tensor_parallel_size=config.parallel.tensor_model_parallel_size, seed=config.training.seed,
+        init_method=rendezvous, rank=rank, world_size=2,
+    )
+    result = pretrain(config)
+    platform.destroy_process_group_and_model_parallel()
     if rank == 0:
         Path(out).write_text(json.dumps(result.losses))
 
@@ -113,7 +111,7 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(tmp_path, tiny_corpus
     parallel = {"tensor_model_parallel_size": 2 if layout == "tp2" else 1}
     recipe = _recipe(tiny_corpus, tmp_path / "two", parallel=parallel, **sections)
     out = tmp_path / "losses.json"
-    mp.spawn(_worker, args=(2, _free_port(), recipe, str(out)), nprocs=2, join=True)
+    run_ranks(_two_rank_worker, recipe, str(out), world=2, tmp_path=tmp_path)
     losses = {int(k): v for k, v in json.loads(out.read_text()).items()}
     for step, loss in single.losses.items():
         assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), f"step {step}"

@@ -317,6 +317,7 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
     if log.is_writer:
         print(f"training {total} steps from step {start}: " + ", ".join(
             f"{_phase_name(p)} [{p.start}, {p.end})" for p in phases) + f"; MFU convention: {MFU_CONVENTION}", flush=True)
+        print(platform.accelerator_summary(), flush=True)
     result = TrainResult(start_step=start, final_step=start, checkpoint=result_checkpoint)
     nonfinite = int(state.get("nonfinite_in_a_row", 0))
     skipped_total = int(state.get("skipped_steps", 0))
