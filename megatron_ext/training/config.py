@@ -101,12 +101,18 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size (Megatron-Core column/row-parallel linears)."""
     pipeline_model_parallel_size: int = 1
-    """Pipeline-parallel size (GPU path; 1 on CPU)."""
+    """Pipeline-parallel size. Only 1 for now: the loop has no pipeline schedule yet."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.pipeline_model_parallel_size != 1:
+            raise ValueError(
+                f"parallel.pipeline_model_parallel_size={self.pipeline_model_parallel_size}: pipeline "
+                "parallelism is not implemented yet (it comes with Megatron's pipeline schedules on the "
+                "GPU path); models up to 1B fit with tensor and data parallelism"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
