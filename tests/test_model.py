@@ -210,31 +210,12 @@ def test_matches_hugging_face_eurobert_and_llama():
     """Same weights: bidirectional == EuroBertForMaskedLM, causal == LlamaForCausalLM."""
     import transformers
 
+    from megatron_ext.hf.name_map import Layout, megatron_to_hf
+
     model = build()
     c = TINY
-    groups, h = c.num_query_groups, c.hidden_size
-    per_group = c.num_attention_heads // groups
-    hf_state = {
-        "model.embed_tokens.weight": model.state_dict()["embedding.word_embeddings.weight"],
-        "model.norm.weight": model.state_dict()["decoder.final_layernorm.weight"],
-        "lm_head.weight": model.state_dict()["output_layer.weight"],
-    }
-    for i in range(c.num_layers):
-        p = {k.removeprefix(f"decoder.layers.{i}."): v for k, v in model.state_dict().items()}
-        # Megatron's fused QKV rows: per query group, its query heads then one key, one value.
-        qkv = p["self_attention.linear_qkv.weight"].view(groups, per_group + 2, c.head_dim, h)
-        gate, up = p["mlp.linear_fc1.weight"].chunk(2)
-        hf_state |= {
-            f"model.layers.{i}.self_attn.q_proj.weight": qkv[:, :per_group].reshape(-1, h),
-            f"model.layers.{i}.self_attn.k_proj.weight": qkv[:, per_group].reshape(-1, h),
-            f"model.layers.{i}.self_attn.v_proj.weight": qkv[:, per_group + 1].reshape(-1, h),
-            f"model.layers.{i}.self_attn.o_proj.weight": p["self_attention.linear_proj.weight"],
-            f"model.layers.{i}.mlp.gate_proj.weight": gate,
-            f"model.layers.{i}.mlp.up_proj.weight": up,
-            f"model.layers.{i}.mlp.down_proj.weight": p["mlp.linear_fc2.weight"],
-            f"model.layers.{i}.input_layernorm.weight": p["input_layernorm.weight"],
-            f"model.layers.{i}.post_attention_layernorm.weight": p["pre_mlp_layernorm.weight"],
-        }
+    # The name map shared with the HF import/export tools (fused QKV per query group, [gate; up]).
+    hf_state = megatron_to_hf(model.state_dict(), Layout(config=c, hf_vocab_size=c.vocab_size))
     shape = dict(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,

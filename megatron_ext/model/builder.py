@@ -39,7 +39,9 @@ class EncoderModel(GPTModel):
         post_process: bool = True,
     ) -> None:
         spec = encoder_block_spec(
-            config.attention_backend, get_num_layers_to_build(transformer_config)
+            config.attention_backend,
+            get_num_layers_to_build(transformer_config),
+            qk_layernorm=config.qk_layernorm,
         )
         super().__init__(
             config=transformer_config,
@@ -130,7 +132,8 @@ def transformer_config(config: EncoderModelConfig) -> TransformerConfig:
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=config.add_qkv_bias,
+        qk_layernorm=config.qk_layernorm,
         hidden_dropout=config.hidden_dropout,
         attention_dropout=config.attention_dropout,
         init_method_std=config.init_method_std,

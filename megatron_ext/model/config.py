@@ -31,9 +31,13 @@ class EncoderModelConfig:
     ffn_hidden_size: int
     """SwiGLU inner width (each of the gate and up projections has this many outputs)."""
     num_attention_heads: int
-    """Query heads; ``hidden_size`` must be divisible by it (head dim = hidden / heads)."""
+    """Query heads; without ``kv_channels``, ``hidden_size`` must be divisible by it
+    (head dim = hidden / heads)."""
     num_query_groups: int
     """Key/value heads (grouped-query attention); divides ``num_attention_heads``."""
+    kv_channels: int | None = None
+    """Channels per attention head (Megatron ``--kv-channels``). None: hidden_size /
+    num_attention_heads. Set for models whose head dim differs from that (Qwen3)."""
     vocab_size: int
     """Embedding and LM-head rows; must be divisible by the tensor-parallel size."""
     seq_length: int = 2048
@@ -44,6 +48,10 @@ class EncoderModelConfig:
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
     """Share the input embedding matrix with the LM head (EuroBERT and the paper: untied)."""
+    add_qkv_bias: bool = False
+    """Biases on the query/key/value projections only (Qwen2; Megatron ``--add-qkv-bias``)."""
+    qk_layernorm: bool = False
+    """Per-head RMSNorm on queries and keys before RoPE (Qwen3; Megatron ``--qk-layernorm``)."""
     attention_backend: Literal["local", "te"] = "local"
     """``local``: PyTorch scaled_dot_product_attention, CPU and GPU. ``te``: Transformer Engine
     (fused norms/linears and flash attention), GPU only; needs ``transformer_engine``."""
@@ -68,20 +76,20 @@ class EncoderModelConfig:
         for name in positive:
             if (value := getattr(self, name)) <= 0:
                 raise ValueError(f"EncoderModelConfig.{name} must be > 0, got {value}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and self.kv_channels <= 0:
+            raise ValueError(f"EncoderModelConfig.kv_channels must be > 0, got {self.kv_channels}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"EncoderModelConfig.hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_attention_heads}"
+                f"num_attention_heads={self.num_attention_heads} (or set kv_channels)"
             )
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"EncoderModelConfig.num_attention_heads={self.num_attention_heads} is not "
                 f"divisible by num_query_groups={self.num_query_groups}"
             )
-        if (self.hidden_size // self.num_attention_heads) % 2:
-            raise ValueError("EncoderModelConfig: RoPE needs an even head dim "
-                             f"(hidden_size / num_attention_heads = "
-                             f"{self.hidden_size // self.num_attention_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"EncoderModelConfig: RoPE needs an even head dim, got {self.head_dim}")
         if self.attention_backend not in ("local", "te"):
             raise ValueError(
                 f"EncoderModelConfig.attention_backend must be 'local' or 'te', "
@@ -99,8 +107,8 @@ class EncoderModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Channels per attention head."""
-        return self.hidden_size // self.num_attention_heads
+        """Channels per attention head (``kv_channels``, else hidden / heads)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -137,11 +145,18 @@ def preset(name: str, **overrides: object) -> EncoderModelConfig:
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
+def layer_matmul_parameters(config: EncoderModelConfig) -> int:
+    """Weights of one block's matmuls: fused QKV, output projection, gate/up and down."""
+    h, kv = config.hidden_size, config.num_query_groups * config.head_dim
+    q = config.num_attention_heads * config.head_dim
+    return h * (q + 2 * kv) + q * h + 3 * h * config.ffn_hidden_size
+
+
 def parameter_count(config: EncoderModelConfig) -> int:
     """Exact number of parameters of the full (unsharded) model with this config."""
-    h, kv = config.hidden_size, config.num_query_groups * config.head_dim
-    attention = h * (h + 2 * kv) + h * h  # fused QKV + output projection
-    mlp = 3 * h * config.ffn_hidden_size  # gate, up, down
-    layer = attention + mlp + 2 * h  # two RMSNorm weights
-    embeddings = config.vocab_size * h * (1 if config.tie_embeddings else 2)
-    return embeddings + config.num_layers * layer + h  # + final norm
+    kv = config.num_query_groups * config.head_dim
+    q = config.num_attention_heads * config.head_dim
+    extras = (q + 2 * kv) * config.add_qkv_bias + 2 * config.head_dim * config.qk_layernorm
+    layer = layer_matmul_parameters(config) + extras + 2 * config.hidden_size  # + two RMSNorm weights
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_embeddings else 2)
+    return embeddings + config.num_layers * layer + config.hidden_size  # + final norm

@@ -2,7 +2,8 @@
 
 Both give one ``TransformerLayer`` per Llama/EuroBERT block: RMSNorm -> fused QKV (GQA) ->
 core attention -> output projection, then RMSNorm -> SwiGLU MLP (``linear_fc1`` holds
-``[gate; up]``) -> ``linear_fc2``. The ``te`` spec fuses each norm into the following linear
+``[gate; up]``) -> ``linear_fc2``; optionally per-head RMSNorms on queries and keys (Qwen3's
+``qk_layernorm``). The ``te`` spec fuses each norm into the following linear
 (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); its dist-checkpoint keys
 match the ``local`` spec's through ``sharded_state_dict_keys_map``, as in Megatron's GPT specs.
 """
@@ -27,7 +28,7 @@ from megatron_ext.model.attention import SDPAttention, TEEncoderAttention
 _MASK_TYPE = {"attn_mask_type": AttnMaskType.no_mask}
 
 
-def _local_layer() -> ModuleSpec:
+def _local_layer(qk_layernorm: bool) -> ModuleSpec:
     backend = LocalSpecProvider()
     return ModuleSpec(
         module=TransformerLayer,
@@ -40,6 +41,8 @@ def _local_layer() -> ModuleSpec:
                     linear_qkv=backend.column_parallel_linear(),
                     core_attention=SDPAttention,
                     linear_proj=backend.row_parallel_linear(),
+                    q_layernorm=WrappedTorchNorm if qk_layernorm else None,
+                    k_layernorm=WrappedTorchNorm if qk_layernorm else None,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
@@ -65,11 +68,12 @@ def require_transformer_engine() -> None:
         )
 
 
-def _te_layer() -> ModuleSpec:
+def _te_layer(qk_layernorm: bool) -> ModuleSpec:
     require_transformer_engine()
     from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
     backend = TESpecProvider()
+    qk_norm = backend.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm else None
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -80,6 +84,8 @@ def _te_layer() -> ModuleSpec:
                     linear_qkv=backend.column_parallel_layer_norm_linear(),
                     core_attention=TEEncoderAttention,
                     linear_proj=backend.row_parallel_linear(),
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
@@ -90,15 +96,18 @@ def _te_layer() -> ModuleSpec:
     )
 
 
-def encoder_block_spec(attention_backend: str, num_layers: int) -> ModuleSpec:
+def encoder_block_spec(
+    attention_backend: str, num_layers: int, *, qk_layernorm: bool = False
+) -> ModuleSpec:
     """Spec of a ``TransformerBlock`` of ``num_layers`` encoder layers and its final RMSNorm.
 
-    ``num_layers`` is the number of layers on this pipeline stage.
+    ``num_layers`` is the number of layers on this pipeline stage; ``qk_layernorm`` adds the
+    per-head query/key RMSNorms (``self_attention.q_layernorm``/``k_layernorm``).
     """
     if attention_backend == "local":
-        layer, final_norm = _local_layer(), WrappedTorchNorm
+        layer, final_norm = _local_layer(qk_layernorm), WrappedTorchNorm
     elif attention_backend == "te":
-        layer = _te_layer()
+        layer = _te_layer(qk_layernorm)
         from megatron.core.extensions.transformer_engine import TENorm
 
         final_norm = TENorm

@@ -10,7 +10,7 @@ phases (the kernels do skip the masked half for causal steps, so CLM MFU reads s
 
 from __future__ import annotations
 
-from megatron_ext.model.config import EncoderModelConfig
+from megatron_ext.model.config import EncoderModelConfig, layer_matmul_parameters
 
 MFU_CONVENTION = "6*N(matmul params incl. LM head) + 12*L*h*s (full bidirectional attention)"
 
@@ -24,9 +24,7 @@ PEAK_TFLOPS = {
 
 def matmul_parameters(config: EncoderModelConfig) -> int:
     """Parameters that take part in matmuls per token (LM head included, embedding lookup not)."""
-    h, kv = config.hidden_size, config.num_query_groups * config.head_dim
-    layer = h * (h + 2 * kv) + h * h + 3 * h * config.ffn_hidden_size
-    return config.num_layers * layer + config.vocab_size * h
+    return config.num_layers * layer_matmul_parameters(config) + config.vocab_size * config.hidden_size
 
 
 def flops_per_token(config: EncoderModelConfig, seq_length: int) -> float:

@@ -1,0 +1,53 @@
+"""Hugging Face interop: import Llama-layout decoders, export encoders (and decoders).
+
+- ``import_hf_model`` (``tools/import_hf_checkpoint.py``): a ``transformers`` causal LM of model
+  type llama (incl. SmolLM), mistral, qwen2 or qwen3 -> a Megatron checkpoint plus the derived
+  ``model`` recipe section and a tokenizer with a mask token, ready for continued pretraining
+  (``checkpoint: {load: DIR, finetune: true}``).
+- ``export_checkpoint`` (``tools/export_hf_checkpoint.py``): a checkpoint -> ``EuroBertForMaskedLM``
+  with sentence-transformers files, or ``LlamaForCausalLM`` (or Mistral/Qwen2/Qwen3).
+- ``name_map``: the one declarative parameter map both directions use.
+
+Conversions run in one process at tensor-parallel size 1; Megatron's dist checkpoints reshard
+on load, so an import loads at any TP and an export reads a checkpoint saved at any TP.
+"""
+
+from megatron_ext.hf.architectures import (
+    FORMATS,
+    SUPPORTED_MODEL_TYPES,
+    UnsupportedArchitectureError,
+    encoder_config_from_hf,
+)
+from megatron_ext.hf.exporter import export_checkpoint, model_config_of
+from megatron_ext.hf.importer import (
+    ImportResult,
+    check_architecture,
+    import_hf_model,
+    load_hf_config,
+    load_hf_model,
+    load_hf_tokenizer,
+    padded_vocab_size,
+)
+from megatron_ext.hf.name_map import Layout, hf_to_megatron, megatron_to_hf
+from megatron_ext.hf.runtime import load_megatron_checkpoint, single_process_model_parallel
+
+__all__ = [
+    "FORMATS",
+    "SUPPORTED_MODEL_TYPES",
+    "ImportResult",
+    "Layout",
+    "UnsupportedArchitectureError",
+    "check_architecture",
+    "encoder_config_from_hf",
+    "export_checkpoint",
+    "hf_to_megatron",
+    "import_hf_model",
+    "load_hf_config",
+    "load_hf_model",
+    "load_hf_tokenizer",
+    "load_megatron_checkpoint",
+    "megatron_to_hf",
+    "model_config_of",
+    "padded_vocab_size",
+    "single_process_model_parallel",
+]

@@ -1,0 +1,300 @@
+"""Import a Hugging Face Llama-layout causal LM as a Megatron checkpoint for continued pretraining.
+
+Output directory (``import_hf_model``; ``tools/import_hf_checkpoint.py`` wraps it)::
+
+    <out>/iter_0000000/            Megatron dist checkpoint of the weights, saved at TP=1 (it loads
+                                   at any tensor-parallel size), with run_config.json (``model``,
+                                   ``tokenizer`` and ``hf_source`` sections) and
+                                   tokenizer_reference.json
+    <out>/latest_checkpointed_iteration.txt
+    <out>/tokenizer/               the HF tokenizer, with its mask token set
+    <out>/recipe_model.yaml        ``model``/``tokenizer``/``checkpoint`` sections for a CPT
+                                   recipe: ``base: <out>/recipe_model.yaml``
+
+Mask token (MLM needs one; decoders have none). Kept if the tokenizer has one. Else, if the vocab
+has Llama-3's unused ``<|reserved_special_token_0|>`` (id 128002, EuroBERT's and the paper's mask
+id), that token becomes the mask token; else a new special token ``<|mask|>`` is added. Either
+way (not when kept) the mask token's embedding row, and its LM-head row, start as the mean of
+the model's embedding (LM-head) rows: the reserved Llama-3 rows were never trained.
+
+Vocabulary: ``vocab_size`` = max(HF embedding rows, tokenizer ids) padded to a multiple of
+128 x ``tensor_parallel_size`` (Megatron's rule); every added row is the mean of the HF rows.
+Export drops the padding again. Paths written into the files are absolute: after moving the
+directory, edit ``tokenizer_model`` in recipe_model.yaml (and pass ``--tokenizer`` to export).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from megatron_ext.hf.architectures import UnsupportedArchitectureError, encoder_config_from_hf
+from megatron_ext.hf.name_map import Layout, hf_to_megatron
+from megatron_ext.hf.runtime import (
+    build_local_model,
+    is_empty_dir_or_absent,
+    publish,
+    single_process_model_parallel,
+    staging_dir,
+)
+from megatron_ext.model import EncoderModelConfig
+from megatron_ext.tokenizer import HUGGINGFACE, MissingSpecialTokenError, TokenizerConfig, build_tokenizer
+from megatron_ext.training.checkpoint import save_checkpoint
+
+LLAMA3_MASK_TOKEN = "<|reserved_special_token_0|>"
+NEW_MASK_TOKEN = "<|mask|>"
+TOKENIZER_DIR = "tokenizer"
+RECIPE_SNIPPET = "recipe_model.yaml"
+# EncoderModelConfig fields the snippet leaves to the user's recipe (how to train, not what).
+_RUNTIME_FIELDS = ("attention_backend", "attention_dropout", "hidden_dropout", "params_dtype",
+                   "document_mask")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImportResult:
+    """What ``import_hf_model`` wrote."""
+
+    output_dir: Path
+    """The directory to give ``checkpoint.load`` (with ``finetune: true``)."""
+    checkpoint: Path
+    """The checkpoint itself (``<output_dir>/iter_0000000``)."""
+    model_config: EncoderModelConfig
+    """The derived architecture."""
+    tokenizer_dir: Path
+    """The saved tokenizer (mask token set)."""
+    recipe: Path
+    """The recipe snippet."""
+    mask_token: str
+    """The mask token."""
+    mask_token_id: int
+    """Its id."""
+    mask_token_origin: str
+    """``kept`` (the tokenizer had one), ``reused`` (an existing token) or ``added`` (new)."""
+
+
+def _set_mask_token(tokenizer: Any, requested: str | None) -> tuple[str, str]:
+    """Give ``tokenizer`` a mask token (see the module docstring); returns (token, origin)."""
+    if tokenizer.mask_token is not None and requested in (None, tokenizer.mask_token):
+        return tokenizer.mask_token, "kept"
+    vocab = tokenizer.get_vocab()
+    token = requested or (LLAMA3_MASK_TOKEN if LLAMA3_MASK_TOKEN in vocab else NEW_MASK_TOKEN)
+    origin = "reused" if token in vocab else "added"
+    tokenizer.add_special_tokens({"mask_token": token})
+    return token, origin
+
+
+def check_architecture(hf_config: Any, seq_length: int | None = None) -> int:
+    """Raise :class:`UnsupportedArchitectureError` unless ``hf_config`` converts; returns the
+    sequence length (``seq_length``, default the model's ``max_position_embeddings``)."""
+    seq_length = seq_length or getattr(hf_config, "max_position_embeddings", None)
+    if not seq_length:
+        raise ValueError("the model config has no max_position_embeddings: pass --seq-length")
+    encoder_config_from_hf(hf_config, vocab_size=1, seq_length=seq_length, eod_token_id=None)
+    return seq_length
+
+
+def padded_vocab_size(rows: int, tensor_parallel_size: int) -> int:
+    """``rows`` rounded up to a multiple of 128 x ``tensor_parallel_size`` (Megatron's padding)."""
+    multiple = 128 * tensor_parallel_size
+    return math.ceil(rows / multiple) * multiple
+
+
+def _check_tensor_parallel(config: EncoderModelConfig, tp: int) -> None:
+    heads, groups = config.num_attention_heads, config.num_query_groups
+    if heads % tp or (groups % tp and tp % groups):
+        raise ValueError(
+            f"--tensor-model-parallel-size {tp} does not fit this model: it must divide "
+            f"num_attention_heads={heads} and divide or be a multiple of num_query_groups={groups}")
+
+
+def _recipe_snippet(config: EncoderModelConfig, tokenizer_dir: Path, output_dir: Path,
+                    source: str) -> str:
+    model = {k: v for k, v in dataclasses.asdict(config).items()
+             if k not in _RUNTIME_FIELDS and not (k == "kv_channels" and v is None)}
+    body = {"model": model,
+            "tokenizer": {"tokenizer_type": HUGGINGFACE, "tokenizer_model": str(tokenizer_dir)},
+            "checkpoint": {"load": str(output_dir), "finetune": True}}
+    header = (
+        f"# Model, tokenizer and starting checkpoint of {source}, imported by\n"
+        "# tools/import_hf_checkpoint.py. Continued pretraining: a recipe with\n"
+        f"#   base: {output_dir / RECIPE_SNIPPET}\n"
+        "# plus data, phases, schedule, training, checkpoint.save and logging. vocab_size is the\n"
+        "# tokenizer's padded for the tensor-parallel size given at import (a multiple of 128 x TP);\n"
+        "# seq_length is the longest input allowed (data.seq_length must not exceed it).\n"
+    )
+    return header + yaml.safe_dump(body, sort_keys=False)
+
+
+def import_hf_model(
+    model: Any,
+    tokenizer: Any,
+    output_dir: str | Path,
+    *,
+    tensor_parallel_size: int = 1,
+    seq_length: int | None = None,
+    mask_token: str | None = None,
+    overwrite: bool = False,
+    source: str | None = None,
+    log: Callable[[str], None] = print,
+) -> ImportResult:
+    """Convert a loaded ``transformers`` causal LM and its tokenizer into a Megatron checkpoint.
+
+    Args:
+        model: A ``LlamaForCausalLM``-layout model (llama, mistral, qwen2, qwen3 model types),
+            however it was loaded (directory, hub, GGUF ...). Not modified.
+        tokenizer: Its ``transformers`` fast tokenizer. Not modified (a copy gets the mask).
+        output_dir: Created; must be absent or empty unless ``overwrite``. Written atomically.
+        tensor_parallel_size: Largest TP the run will use: pads the vocabulary to a multiple of
+            128 x this and checks the head counts divide.
+        seq_length: ``EncoderModelConfig.seq_length``; default the model's
+            ``max_position_embeddings``.
+        mask_token: The mask token to use (an existing token or a new one); default: see the
+            module docstring.
+        overwrite: Replace a non-empty ``output_dir``.
+        source: Where the model came from, for the written metadata (default
+            ``model.config.name_or_path``).
+        log: Progress lines.
+
+    Raises:
+        UnsupportedArchitectureError: the architecture cannot be converted (names the field).
+        ValueError: a bad argument or output directory.
+    """
+    if tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-model-parallel-size must be >= 1, got {tensor_parallel_size}")
+    output_dir = Path(output_dir).resolve()
+    if not overwrite and not is_empty_dir_or_absent(output_dir):
+        raise ValueError(f"output directory {output_dir} is not empty; pass --overwrite "
+                         "(overwrite=True) to replace it")
+    hf_config = model.config
+    source = source or getattr(hf_config, "name_or_path", None) or type(model).__name__
+    seq_length = check_architecture(hf_config, seq_length)
+
+    tokenizer = copy.deepcopy(tokenizer)
+    token, origin = _set_mask_token(tokenizer, mask_token)
+    with staging_dir(output_dir) as tmp:
+        tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
+        encoder_tokenizer = build_tokenizer(TokenizerConfig(tokenizer_model=str(tmp / TOKENIZER_DIR)))
+        mask_id = encoder_tokenizer.mask
+        log(f"mask token {token!r} (id {mask_id}, {origin})")
+        try:
+            eod = encoder_tokenizer.eod
+        except MissingSpecialTokenError:
+            eod = None
+        hf_rows = model.get_input_embeddings().weight.shape[0]
+        vocab_size = padded_vocab_size(max(hf_rows, encoder_tokenizer.vocab_size),
+                                       tensor_parallel_size)
+        config = encoder_config_from_hf(hf_config, vocab_size=vocab_size, seq_length=seq_length,
+                                        eod_token_id=eod)
+        _check_tensor_parallel(config, tensor_parallel_size)
+        log(f"{hf_config.model_type}: {config.num_layers} layers, hidden {config.hidden_size}, "
+            f"heads {config.num_attention_heads}/{config.num_query_groups}, vocab {hf_rows} -> "
+            f"{vocab_size} (padded for TP {tensor_parallel_size})")
+
+        hf_state = {k: v.detach().to(torch.float32) for k, v in model.state_dict().items()
+                    if "rotary_emb" not in k}  # RoPE buffers: the encoder computes its own
+        state = hf_to_megatron(hf_state, Layout(config=config, hf_vocab_size=hf_rows))
+        del hf_state
+        if origin != "kept":  # padded rows already hold the mean; a reused row gets it too
+            for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                if key in state:
+                    state[key][mask_id] = state[key][:hf_rows].mean(dim=0)
+
+        final_tokenizer = output_dir / TOKENIZER_DIR
+        tokenizer_reference = dataclasses.asdict(
+            TokenizerConfig(tokenizer_type=HUGGINGFACE, tokenizer_model=str(final_tokenizer)))
+        run_config = {
+            "model": dataclasses.asdict(config),
+            "tokenizer": tokenizer_reference,
+            "hf_source": {"source": str(source), "model_type": hf_config.model_type,
+                          "architecture": type(model).__name__, "hf_vocab_size": hf_rows,
+                          "mask_token": token, "mask_token_id": mask_id,
+                          "mask_token_origin": origin},
+        }
+        log("saving the Megatron checkpoint")
+        with single_process_model_parallel():
+            megatron_model = build_local_model(config)
+            missing, unexpected = megatron_model.load_state_dict(state, strict=False)
+            if unexpected or [k for k in missing if not k.endswith("._extra_state")]:
+                raise RuntimeError(f"name map and model disagree: missing {missing}, "
+                                   f"unexpected {unexpected}")
+            checkpoint = save_checkpoint(
+                tmp, step=0, model=megatron_model, optimizer=None, trainer_state={},
+                run_config=run_config, tokenizer_reference=tokenizer_reference, keep_last=1)
+        (tmp / RECIPE_SNIPPET).write_text(
+            _recipe_snippet(config, final_tokenizer, output_dir, str(source)))
+        publish(tmp, output_dir, overwrite=overwrite, identical_ok=False)
+    log(f"wrote {output_dir} (checkpoint {checkpoint.name}, tokenizer, {RECIPE_SNIPPET})")
+    return ImportResult(
+        output_dir=output_dir, checkpoint=output_dir / checkpoint.name, model_config=config,
+        tokenizer_dir=final_tokenizer, recipe=output_dir / RECIPE_SNIPPET, mask_token=token,
+        mask_token_id=mask_id, mask_token_origin=origin,
+    )
+
+
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def _load_error(reference: str, what: str, error: Exception, flag: str) -> ValueError:
+    path = Path(reference).expanduser()
+    if path.is_dir():
+        return ValueError(f"{flag} {reference}: cannot load the {what} from this directory: "
+                          f"{error}")
+    if path.exists():
+        return ValueError(f"{flag} {reference} is a file; expected a directory "
+                          "(config.json, weights, tokenizer files) or a hub id")
+    if _HUB_ID.match(reference) and not reference.startswith("."):
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return ValueError(
+            f"could not load the {what} of {reference!r} from the Hugging Face hub ({first_line}; "
+            "no local directory of that name exists either). "
+            "The hub may be unreachable from here: download the model where it is reachable "
+            f"(e.g. `hf download {reference} --local-dir DIR`) and pass that local directory "
+            f"to {flag}")
+    return ValueError(f"{flag} {reference}: no such directory")
+
+
+_LOAD_ERRORS = (OSError, ValueError, KeyError)
+
+
+def load_hf_config(reference: str, *, flag: str = "--hf-model") -> Any:
+    """The ``transformers`` config of a model directory or hub id (errors name ``flag`` and say
+    what to pass instead)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(reference)
+    except _LOAD_ERRORS as error:
+        raise _load_error(reference, "config (config.json)", error, flag) from error
+
+
+def load_hf_model(reference: str, *, flag: str = "--hf-model") -> Any:
+    """The causal LM of a model directory or hub id, in its stored dtype."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(reference, dtype="auto").eval()
+    except _LOAD_ERRORS as error:
+        raise _load_error(reference, "weights", error, flag) from error
+
+
+def load_hf_tokenizer(reference: str, *, flag: str = "--hf-model") -> Any:
+    """The fast tokenizer of a model/tokenizer directory or hub id."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(reference)
+    except _LOAD_ERRORS as error:
+        raise _load_error(reference, "tokenizer", error, flag) from error
+
+
+__all__ = ["ImportResult", "UnsupportedArchitectureError", "check_architecture", "import_hf_model",
+           "load_hf_config", "load_hf_model", "load_hf_tokenizer", "padded_vocab_size"]
