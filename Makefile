@@ -35,6 +35,8 @@ demo: setup
 		--tokenizer-model $(DEMO_TOKENIZER) --append-eod --workers 1 --overwrite --no-progress
 	$(PY) pretrain_encoder.py --config examples/recipes/demo_tiny_biphasic.yaml $(DEMO_ARGS)
 	$(PY) tools/plot_loss.py runs/demo --output runs/demo/loss.png
+	$(PY) tools/export_hf_checkpoint.py --checkpoint runs/demo/checkpoints --output-dir runs/demo/hf_eurobert --overwrite
+	$(PY) tools/fill_mask.py runs/demo/hf_eurobert
 
 test: setup
 	$(PY) -m pytest -q tests
