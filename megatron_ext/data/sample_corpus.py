@@ -277,19 +277,40 @@ def _iter_pages(path: Path) -> Iterator[dict[str, str | None]]:
             yield page
 
 
-def read_wikipedia(path: Path, config: CorpusConfig) -> Extracted:
-    out = Extracted(documents=[])
+@dataclass(frozen=True, kw_only=True)
+class WikiArticle:
+    """One main-namespace article of a MediaWiki XML dump, markup intact."""
+
+    page_id: str
+    """The page's numeric id in the dump."""
+    title: str
+    wikitext: str
+    """Raw wikitext of the latest revision."""
+
+
+def wikipedia_articles(path: Path) -> tuple[list[WikiArticle], int]:
+    """The articles of a bz2 MediaWiki XML dump in file order, and how many pages were skipped
+    (redirects, other namespaces, empty and disambiguation pages)."""
+    articles, skipped = [], 0
     for page in _iter_pages(path):
         wikitext = page["text"]
         is_article = page["ns"] == "0" and page["redirect"] is None and bool(wikitext)
         if not is_article or _DISAMBIGUATION.search(wikitext):
-            out.skipped += 1
+            skipped += 1
             continue
-        out.documents.append(Document(
-            id=f"wikipedia:{page['id']}", source="wikipedia", title=page["title"],
-            text=wikitext_to_text(wikitext),
-        ))
-    return out
+        articles.append(WikiArticle(page_id=page["id"], title=page["title"], wikitext=wikitext))
+    return articles, skipped
+
+
+def read_wikipedia(path: Path, config: CorpusConfig) -> Extracted:
+    articles, skipped = wikipedia_articles(path)
+    documents = [
+        Document(
+            id=f"wikipedia:{a.page_id}", source="wikipedia", title=a.title, text=wikitext_to_text(a.wikitext)
+        )
+        for a in articles
+    ]
+    return Extracted(documents=documents, skipped=skipped)
 
 
 # ----------------------------------------------------------------------------- news
