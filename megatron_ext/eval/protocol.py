@@ -1,0 +1,176 @@
+"""The fine-tuning protocol shared by every task family (the paper's, after EncodEval).
+
+One fine-tuning run = one (model, task, learning rate, seed). Defaults follow the paper: batch 32,
+AdamW (0.9, 0.95), eps 1e-5, weight decay 0.1, linear schedule with 10 % warmup, 1,000 steps
+(token classification: one epoch), bf16 autocast on GPU, bidirectional attention always (the
+exported EuroBERT models are bidirectional). Each family module (``families/{sc,tc,qa,ir}.py``)
+exposes ``run(model_dir, task_dir, config) -> RunResult`` and uses the helpers below, so the
+optimizer, schedule, seeding and precision are the same for every task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+PAPER_LR_GRID = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4)
+PAPER_SEEDS = (0, 1, 2, 3, 4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneConfig:
+    """Hyper-parameters of one fine-tuning run."""
+
+    lr: float
+    """Peak learning rate (the grid value of this run)."""
+    seed: int
+    """Seed of the head initialisation, data order and dropout."""
+    batch_size: int = 32
+    """Examples per optimizer step."""
+    max_steps: int = 1000
+    """Optimizer steps (sequence classification, QA, retrieval)."""
+    epochs: float | None = None
+    """If set, train this many passes over the training set instead of ``max_steps``
+    (the paper: one epoch for token classification)."""
+    warmup_ratio: float = 0.1
+    """Share of the steps with linear warmup; then linear decay to 0."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-5
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not on norms and biases)."""
+    max_length: int = 512
+    """Inputs are truncated to this many tokens."""
+    max_eval_examples: int | None = None
+    """Score at most this many validation/test examples (CI-sized runs); None: all."""
+    bf16: bool | None = None
+    """bfloat16 autocast; None: on when training on a GPU."""
+    device: str | None = None
+    """``cuda`` or ``cpu``; None: CUDA when available."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.batch_size < 1 or self.max_steps < 1:
+            raise ValueError("batch_size and max_steps must be >= 1")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"epochs must be > 0, got {self.epochs}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    @property
+    def use_bf16(self) -> bool:
+        return self.torch_device.type == "cuda" if self.bf16 is None else self.bf16
+
+    def steps_for(self, n_train: int) -> int:
+        """Optimizer steps of this run for a training set of ``n_train`` examples."""
+        if self.epochs is None:
+            return self.max_steps
+        return max(1, round(self.epochs * n_train / self.batch_size))
+
+
+@dataclass(kw_only=True)
+class RunResult:
+    """Scores of one fine-tuning run (validation picks the LR; test is reported)."""
+
+    metric: str
+    """Name of the task metric, e.g. ``accuracy``, ``f1``, ``ndcg@10``."""
+    validation: float
+    """Metric on the validation split (0-100)."""
+    test: float
+    """Metric on the test split (0-100)."""
+    steps: int
+    """Optimizer steps taken."""
+    seconds: float = 0.0
+    """Wall time of the run."""
+    extra: dict[str, float] = field(default_factory=dict)
+    """Other metrics (e.g. exact match next to F1)."""
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python, numpy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+
+
+def build_optimizer(model: torch.nn.Module, config: FinetuneConfig, total_steps: int):
+    """AdamW (no decay on 1-D parameters) and the linear warmup/decay schedule."""
+    from transformers import get_linear_schedule_with_warmup
+
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+    )
+    scheduler = get_linear_schedule_with_warmup(
+        optimizer, num_warmup_steps=int(config.warmup_ratio * total_steps), num_training_steps=total_steps
+    )
+    return optimizer, scheduler
+
+
+def autocast(config: FinetuneConfig):
+    """bf16 autocast when the config asks for it, else a no-op context."""
+    if not config.use_bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(config.torch_device.type, dtype=torch.bfloat16)
+
+
+def train(model: torch.nn.Module, batches: Iterator[dict], *, config: FinetuneConfig, total_steps: int,
+          loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor], desc: str = "fine-tune") -> list[float]:
+    """Run ``total_steps`` optimizer steps of ``loss_fn(model, batch)``; returns the losses.
+
+    ``batches`` must yield at least ``total_steps`` batches (cycle the training set as needed).
+    Gradients are clipped to norm 1.0. A non-finite loss stops the run with a ValueError (the
+    harness records it as a diverged run: LR too high, which is what stability measures).
+    """
+    from tqdm import tqdm
+
+    optimizer, scheduler = build_optimizer(model, config, total_steps)
+    model.train()
+    losses = []
+    for step in tqdm(range(total_steps), desc=desc, leave=False, mininterval=2.0):
+        batch = next(batches)
+        with autocast(config):
+            loss = loss_fn(model, batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss at step {step} (lr {config.lr:g})")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+def cycle_batches(examples: list, batch_size: int, seed: int) -> Iterator[list]:
+    """Endless shuffled mini-batches over ``examples`` (a new permutation per pass)."""
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(examples))
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            yield [examples[i] for i in order[start:start + batch_size]]
+        if len(examples) < batch_size:
+            yield [examples[i] for i in order]
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the token states over real (non-padding) tokens: ``[b, s, h] -> [b, h]``."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
