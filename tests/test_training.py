@@ -72,6 +72,8 @@ def test_biphasic_run_logs_both_objectives_and_resumes_exactly(tmp_path, tiny_co
     for step in range(4, 9):
         assert resumed.losses[step] == straight.losses[step], f"step {step} differs after resume"
     assert resumed.valid[8] == straight.valid[8]
+    again = pretrain(interrupted)  # rerunning a finished run does nothing
+    assert again.start_step == again.final_step == 8 and not again.losses
     assert plot_loss.main([str(tmp_path / "b/log"), "--output", str(tmp_path / "loss.png")]) == 0
     assert (tmp_path / "loss.png").stat().st_size > 10_000
 

@@ -262,12 +262,6 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     data_cfg = config.data
-    micro_per_step = data_cfg.global_batch_size // (data_cfg.micro_batch_size * dp_size)
-    if micro_per_step * data_cfg.micro_batch_size * dp_size != data_cfg.global_batch_size:
-        raise ValueError(
-            f"data.global_batch_size={data_cfg.global_batch_size} is not divisible by micro_batch_size="
-            f"{data_cfg.micro_batch_size} x data-parallel size {dp_size}"
-        )
 
     model = build_encoder_model(config.model).to(device)
     optimizer = build_optimizer(model, config.optimizer, lr=0.0)
@@ -298,6 +292,11 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
     start = int(state.get("step", 0))
     if start > total:
         raise ValueError(f"the checkpoint is at step {start}, beyond training.train_iters={total}")
+    if start == total:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"nothing to do: {result_checkpoint} already completed all {total} steps", flush=True)
+        return TrainResult(start_step=start, final_step=start, checkpoint=result_checkpoint,
+                           skipped_steps=int(state.get("skipped_steps", 0)))
 
     evaluating = bool(config.training.eval_interval and data_cfg.eval_iters)
     train_ds, valid_ds = data_lib.build_datasets(
@@ -307,7 +306,8 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
     )
     train_iter: Iterator = data_lib.build_train_iterator(
         train_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size, consumed_samples=start * data_cfg.global_batch_size,
-    )
+    )  # checks that micro-batch x data-parallel size divides the global batch
+    micro_per_step = data_cfg.global_batch_size // (data_cfg.micro_batch_size * dp_size)
     valid_batches = []
     if evaluating:  # the same fixed batches at every evaluation, kept on the device
         valid_batches = [_to_device(b, device) for b in data_lib.build_valid_iterator(
