@@ -14,6 +14,7 @@ import contextlib
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -97,6 +98,8 @@ class RunResult:
     """Wall time of the run."""
     extra: dict[str, float] = field(default_factory=dict)
     """Other metrics (e.g. exact match next to F1)."""
+    losses: list[float] = field(default_factory=list)
+    """Training loss of every optimizer step (what :func:`train` returns)."""
 
 
 def set_seed(seed: int) -> None:
@@ -135,8 +138,8 @@ def train(model: torch.nn.Module, batches: Iterator[dict], *, config: FinetuneCo
     """Run ``total_steps`` optimizer steps of ``loss_fn(model, batch)``; returns the losses.
 
     ``batches`` must yield at least ``total_steps`` batches (cycle the training set as needed).
-    Gradients are clipped to norm 1.0. A non-finite loss stops the run with a ValueError (the
-    harness records it as a diverged run: LR too high, which is what stability measures).
+    Gradients are clipped to norm 1.0. A non-finite loss stops the run with a FloatingPointError
+    (the harness records it as a diverged run: LR too high, which is what stability measures).
     """
     from tqdm import tqdm
 
@@ -159,6 +162,30 @@ def train(model: torch.nn.Module, batches: Iterator[dict], *, config: FinetuneCo
     return losses
 
 
+def load_encoder(model_dir: str, config: FinetuneConfig) -> tuple[Any, torch.nn.Module]:
+    """The tokenizer and bare encoder (``AutoModel``, float32, on the run's device) of a HF directory.
+
+    The tokenizer's ``model_max_length`` is set to the run's input length: ``config.max_length``
+    capped by the model's position embeddings (an export's pretraining context). Causal LMs are
+    refused: their ``AutoModel`` attends causally while the protocol fine-tunes bidirectionally
+    (export such checkpoints with ``--format eurobert``, which is bidirectional by construction).
+    """
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    causal = [name for name in hf_config.architectures or [] if name.endswith("ForCausalLM")]
+    if causal:
+        raise ValueError(f"{model_dir} is a causal LM ({causal[0]}): its AutoModel attends causally; "
+                         "fine-tuning needs a bidirectional encoder (e.g. an export with --format eurobert)")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:
+        raise ValueError(f"{model_dir}: the tokenizer has no pad token (set pad_token in tokenizer_config.json)")
+    tokenizer.model_max_length = min(config.max_length,
+                                     getattr(hf_config, "max_position_embeddings", None) or config.max_length)
+    encoder = AutoModel.from_pretrained(model_dir, dtype=torch.float32).to(config.torch_device)
+    return tokenizer, encoder
+
+
 def cycle_batches(examples: list, batch_size: int, seed: int) -> Iterator[list]:
     """Endless shuffled mini-batches over ``examples`` (a new permutation per pass)."""
     rng = np.random.default_rng(seed)
@@ -168,6 +195,18 @@ def cycle_batches(examples: list, batch_size: int, seed: int) -> Iterator[list]:
             yield [examples[i] for i in order[start:start + batch_size]]
         if len(examples) < batch_size:
             yield [examples[i] for i in order]
+
+
+def eval_subset(rows: list, limit: int | None) -> list:
+    """At most ``limit`` of ``rows`` (all when None): the same spread-out sample for every run.
+
+    Not the first rows: split files are grouped by source document (and some sources by class),
+    so a prefix would be a biased sample.
+    """
+    if limit is None or len(rows) <= limit:
+        return rows
+    keep = np.random.default_rng(0).choice(len(rows), size=limit, replace=False)
+    return [rows[i] for i in sorted(keep)]
 
 
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,39 @@
+"""Task families of the evaluation harness: ``run(model_dir, task_dir, config) -> RunResult``.
+
+:data:`FAMILIES` maps the family of a task (``task.json``'s ``family``) to its fine-tuning run.
+QA and IR are imported when first run, so SC and TC work without their modules (and their
+dependencies) present; :func:`available` says which families can run here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.eval.families import sc, tc
+from megatron_ext.eval.protocol import FinetuneConfig, RunResult
+
+FamilyRun = Callable[[str, Path, FinetuneConfig], RunResult]
+
+
+def _lazy(module: str) -> FamilyRun:
+    def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
+        return importlib.import_module(f"{__name__}.{module}").run(model_dir, task_dir, config)
+
+    run.__qualname__ = f"{module}.run"
+    return run
+
+
+FAMILIES: dict[str, FamilyRun] = {"sc": sc.run, "tc": tc.run, "qa": _lazy("qa"), "ir": _lazy("ir")}
+
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {"tc": {"epochs": 1.0}}
+"""FinetuneConfig values a family uses unless the caller sets the length of the run (the paper
+trains token classification for one epoch, everything else for ``max_steps``)."""
+
+
+def available() -> list[str]:
+    """Families whose module is importable here."""
+    return [family for family in FAMILIES if importlib.util.find_spec(f"{__name__}.{family}") is not None]

@@ -1,0 +1,146 @@
+"""Retrieval (MS MARCO-style training, NQ / MLDR-style evaluation; the suite's ``wiki_sections``).
+
+A sentence-transformers bi-encoder (``SentenceTransformer(model_dir)``: the exports' mean pooling,
+or mean pooling added for a bare HF encoder) is fine-tuned with InfoNCE over in-batch negatives
+(``MultipleNegativesRankingLoss``: cosine similarity x 20, cross-entropy against the other
+positives of the batch) on the task's (query, positive) pairs. The steps run through
+:func:`protocol.train` with the loss on the sentence-transformers model's forward, so optimizer,
+schedule, clipping, seeding and precision are exactly the other families'. (The
+sentence-transformers trainer would bring the transformers ``Trainer``, whose optimizer grouping,
+scheduler and bf16 handling differ in the details.)
+
+Evaluation encodes the queries and the whole corpus (passage ``text``, as the training positives
+are), retrieves the top 10 passages by cosine similarity (``sentence_transformers.util.semantic_search``)
+and scores them with trec_eval through ``pytrec_eval``: NDCG@10 with the graded relevance as gain
+(sentence-transformers' ``InformationRetrievalEvaluator`` takes binary relevance only), MRR@10
+and Recall@10 (relevant = grade >= 1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from megatron_ext.eval import protocol
+from megatron_ext.eval.protocol import FinetuneConfig, RunResult, eval_subset
+from megatron_ext.eval.tasks import load_task
+
+TOP_K = 10
+"""Cut-off of every reported metric (the paper's NDCG@10)."""
+_MEASURES = {"ndcg@10": "ndcg_cut.10", "mrr@10": "recip_rank", "recall@10": "recall.10"}
+"""Our names -> trec_eval's. The run holds only the top 10 passages, which makes trec_eval's
+uncut ``recip_rank`` MRR@10 (NDCG@10 and Recall@10 are unchanged by the cut)."""
+
+
+def retrieval_metrics(qrels: Mapping[str, Mapping[str, int]],
+                      run: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Mean NDCG@10, MRR@10 and Recall@10 (0-100) over the queries of ``qrels``.
+
+    ``qrels``: query id -> {passage id: grade > 0}; ``run``: query id -> {passage id: score}.
+    NDCG uses the grade as gain and 1/log2(rank + 1) as discount (trec_eval's ``ndcg_cut``).
+    """
+    import pytrec_eval
+
+    missing = [q for q in qrels if q not in run]
+    if missing:
+        raise ValueError(f"no ranking for query(ies) {missing[:5]}")
+    top = {q: dict(sorted(run[q].items(), key=lambda item: -item[1])[:TOP_K]) for q in qrels}
+    evaluator = pytrec_eval.RelevanceEvaluator({q: dict(g) for q, g in qrels.items()},
+                                               set(_MEASURES.values()))
+    per_query = evaluator.evaluate(top)
+    # trec_eval reports "ndcg_cut.10" as "ndcg_cut_10".
+    return {name: 100.0 * sum(per_query[q][measure.replace(".", "_")] for q in qrels) / len(qrels)
+            for name, measure in _MEASURES.items()}
+
+
+def qrels_of(rows: Sequence[dict], corpus_ids: set[str], where: str) -> dict[str, dict[str, int]]:
+    """The graded qrels of validation/test rows, checked against the corpus."""
+    qrels = {}
+    for row in rows:
+        relevance = row["relevance"]
+        bad = {doc: grade for doc, grade in relevance.items()
+               if doc not in corpus_ids or isinstance(grade, bool) or not isinstance(grade, int | float)
+               or grade != int(grade) or grade < 1}
+        if not relevance or bad:
+            raise ValueError(f"{where} row {row['id']!r}: relevance must map corpus ids to integer "
+                             f"grades >= 1, got {dict(list((bad or relevance).items())[:5])}")
+        if row["id"] in qrels:
+            raise ValueError(f"{where}: query id {row['id']!r} occurs twice")
+        qrels[row["id"]] = {doc: int(grade) for doc, grade in relevance.items()}
+    return qrels
+
+
+def load_bi_encoder(model_dir: str, config: FinetuneConfig):
+    """``SentenceTransformer(model_dir)`` in float32 on the run's device, truncating at the run's
+    input length (``config.max_length`` capped by the model's positions, as ``protocol.load_encoder``).
+    Causal LMs are refused as there: their ``AutoModel`` would attend causally."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    causal = [name for name in hf_config.architectures or [] if name.endswith("ForCausalLM")]
+    if causal:
+        raise ValueError(f"{model_dir} is a causal LM ({causal[0]}): its AutoModel attends causally; "
+                         "retrieval needs a bidirectional encoder (e.g. an export with --format eurobert)")
+    model = SentenceTransformer(str(model_dir), device=str(config.torch_device),
+                                model_kwargs={"dtype": torch.float32})
+    model.max_seq_length = min(config.max_length,
+                               getattr(hf_config, "max_position_embeddings", None) or config.max_length)
+    return model
+
+
+def _embed(model, texts: list[str], config: FinetuneConfig) -> torch.Tensor:
+    with protocol.autocast(config):
+        embeddings = model.encode(texts, batch_size=config.batch_size, convert_to_tensor=True,
+                                  normalize_embeddings=True, show_progress_bar=False)
+    return embeddings.float()
+
+
+def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
+    """Fine-tune ``model_dir`` on the task's (query, positive) pairs; NDCG@10 on validation and test."""
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    from sentence_transformers.util import batch_to_device, semantic_search
+
+    began = time.perf_counter()
+    train_rows = load_task(task_dir, "train", family="ir")
+    corpus = load_task(task_dir, "corpus", family="ir")
+    corpus_ids = [row["id"] for row in corpus]
+    if len(set(corpus_ids)) != len(corpus_ids):
+        raise ValueError(f"{task_dir} corpus: passage ids are not unique")
+    rows = {split: eval_subset(load_task(task_dir, split, family="ir"), config.max_eval_examples)
+            for split in ("validation", "test")}
+    qrels = {split: qrels_of(split_rows, set(corpus_ids), f"{task_dir} {split}")
+             for split, split_rows in rows.items()}
+
+    protocol.set_seed(config.seed)
+    model = load_bi_encoder(model_dir, config)
+    infonce = MultipleNegativesRankingLoss(model)
+
+    def loss_fn(m, batch: list[dict]) -> torch.Tensor:
+        columns = [[row["query"] for row in batch], [row["positive"] for row in batch]]
+        features = [batch_to_device(m.preprocess(texts), config.torch_device) for texts in columns]
+        return infonce(features, None)
+
+    steps = config.steps_for(len(train_rows))
+    losses = protocol.train(model, protocol.cycle_batches(train_rows, config.batch_size, config.seed),
+                            config=config, total_steps=steps, loss_fn=loss_fn,
+                            desc=f"ir lr={config.lr:g} seed={config.seed}")
+
+    with torch.no_grad():
+        passages = _embed(model, [row["text"] for row in corpus], config)
+        scores = {}
+        for split, split_rows in rows.items():
+            hits = semantic_search(_embed(model, [row["query"] for row in split_rows], config), passages,
+                                   top_k=TOP_K)
+            ranking = {row["id"]: {corpus_ids[hit["corpus_id"]]: float(hit["score"]) for hit in found}
+                       for row, found in zip(split_rows, hits, strict=True)}
+            scores[split] = retrieval_metrics(qrels[split], ranking)
+    extra = {f"{split}_{name}": value
+             for split in scores for name, value in scores[split].items() if name != "ndcg@10"}
+    extra.update({f"{split}_examples": float(len(qrels[split])) for split in qrels})
+    return RunResult(metric="ndcg@10", validation=scores["validation"]["ndcg@10"],
+                     test=scores["test"]["ndcg@10"], steps=steps, seconds=time.perf_counter() - began,
+                     extra=extra, losses=losses)

@@ -1,0 +1,148 @@
+"""Token classification (TC): a linear head over every token state, scored by entity-level F1.
+
+Rows hold words with word-level BIO tags (CoNLL-2003 style). The words are joined with spaces
+and tokenized as running text (so byte-level BPE sees the same leading spaces as in
+pretraining); sub-tokens are mapped back to words through the tokenizer's character offsets.
+The first sub-token of each word carries its tag, the others are ignored (-100), and a word's
+prediction is its first sub-token's; a word cut off by truncation is predicted ``O``. The score
+is seqeval's micro F1 over entities (conlleval rules), as reported for CoNLL-2003.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from seqeval.metrics import f1_score, precision_score, recall_score
+
+from megatron_ext.eval.protocol import (
+    FinetuneConfig,
+    RunResult,
+    autocast,
+    cycle_batches,
+    eval_subset,
+    load_encoder,
+    set_seed,
+    train,
+)
+from megatron_ext.eval.tasks import TASK_FILE, load_task
+
+IGNORE_INDEX = -100
+"""Label of the sub-tokens that are not the first of a word (cross-entropy skips them)."""
+
+
+class TokenClassifier(torch.nn.Module):
+    """An encoder and a linear classifier over each of its last hidden states."""
+
+    def __init__(self, encoder: torch.nn.Module, num_labels: int):
+        super().__init__()
+        self.encoder = encoder
+        self.head = torch.nn.Linear(encoder.config.hidden_size, num_labels)
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden = self.encoder(**inputs).last_hidden_state
+        return self.head(hidden.to(self.head.weight.dtype))
+
+
+def encode(tokenizer: Any, rows: list[dict], device: torch.device) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """Model inputs of ``rows`` and, per row, the position of each word's first sub-token (-1: none)."""
+    texts = [" ".join(row["tokens"]) for row in rows]
+    char_words = []  # per row: the word index of each character of its text, -1 for the spaces
+    for row in rows:
+        char_words.append([w for index, word in enumerate(row["tokens"]) for w in [index] * len(word) + [-1]])
+    batch = tokenizer(texts, padding=True, truncation=True, return_offsets_mapping=True, return_tensors="pt")
+    firsts = []
+    for row, owner, offsets in zip(rows, char_words, batch.pop("offset_mapping").tolist()):
+        first = [-1] * len(row["tokens"])
+        for position, (start, end) in enumerate(offsets):
+            # A byte-level BPE token may include the space before its word: take the word it overlaps.
+            words = [w for w in owner[start:end] if w >= 0]
+            if words and first[words[0]] < 0:
+                first[words[0]] = position
+        firsts.append(first)
+    return {key: value.to(device) for key, value in batch.items()}, firsts
+
+
+def tag_names(task_dir: Path, rows: list[dict]) -> list[str]:
+    """The tag set (``task.json`` labels, else the tags seen), after converting integer tags to names.
+
+    Rows whose ``tags`` are integers (a hub dataset's ``ner_tags``) are rewritten in place with the
+    names in ``task.json``; every tag must belong to the tag set.
+    """
+    meta_path = task_dir / TASK_FILE
+    names = json.loads(meta_path.read_text(encoding="utf-8")).get("labels") if meta_path.exists() else None
+    for row in rows:
+        if len(row["tags"]) != len(row["tokens"]):
+            raise ValueError(f"{task_dir}: row {row['id']!r} has {len(row['tokens'])} tokens but "
+                             f"{len(row['tags'])} tags")
+        if names and all(type(tag) is int and 0 <= tag < len(names) for tag in row["tags"]):
+            row["tags"] = [names[tag] for tag in row["tags"]]
+    names = names or sorted({tag for row in rows for tag in row["tags"]})
+    known = set(names)
+    for row in rows:
+        unknown = [tag for tag in row["tags"] if tag not in known]
+        if unknown:
+            raise ValueError(f"{task_dir}: row {row['id']!r} has tag(s) {unknown} outside the tag set {names}")
+    return names
+
+
+@torch.no_grad()
+def predict(model: TokenClassifier, tokenizer: Any, rows: list[dict], names: list[str],
+            config: FinetuneConfig) -> list[list[str]]:
+    """Predicted tag of every word of every row."""
+    predictions = []
+    for start in range(0, len(rows), config.batch_size):
+        inputs, firsts = encode(tokenizer, rows[start:start + config.batch_size], config.torch_device)
+        with autocast(config):
+            best = model(inputs).argmax(-1).tolist()
+        predictions.extend([names[tokens[p]] if p >= 0 else "O" for p in first] for tokens, first in zip(best, firsts))
+    return predictions
+
+
+def entity_scores(gold: list[list[str]], predicted: list[list[str]]) -> dict[str, float]:
+    """Entity-level micro precision, recall and F1 (0-100) with seqeval's conlleval rules."""
+    return {"f1": 100.0 * f1_score(gold, predicted), "precision": 100.0 * precision_score(gold, predicted),
+            "recall": 100.0 * recall_score(gold, predicted)}
+
+
+def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
+    """Fine-tune ``model_dir`` on the task's train split; entity F1 on validation and test."""
+    started = time.perf_counter()
+    task_dir = Path(task_dir)
+    train_rows = load_task(task_dir, "train")
+    splits = {split: eval_subset(load_task(task_dir, split), config.max_eval_examples)
+              for split in ("validation", "test")}
+    names = tag_names(task_dir, train_rows + splits["validation"] + splits["test"])
+    index = {name: i for i, name in enumerate(names)}
+    set_seed(config.seed)
+    tokenizer, encoder = load_encoder(model_dir, config)
+    if not tokenizer.is_fast:
+        raise ValueError(f"{model_dir}: token classification needs a fast tokenizer (tokenizer.json) for "
+                         "character offsets")
+    model = TokenClassifier(encoder, len(names)).to(config.torch_device)
+    steps = config.steps_for(len(train_rows))
+
+    def loss_fn(model: TokenClassifier, rows: list[dict]) -> torch.Tensor:
+        inputs, firsts = encode(tokenizer, rows, config.torch_device)
+        labels = torch.full(inputs["input_ids"].shape, IGNORE_INDEX, dtype=torch.long)
+        for i, (row, first) in enumerate(zip(rows, firsts)):
+            for tag, position in zip(row["tags"], first):
+                if position >= 0:
+                    labels[i, position] = index[tag]
+        logits = model(inputs)
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten().to(logits.device),
+                                                 ignore_index=IGNORE_INDEX)
+
+    losses = train(model, cycle_batches(train_rows, config.batch_size, config.seed), config=config,
+                   total_steps=steps, loss_fn=loss_fn, desc=f"tc lr={config.lr:g} seed={config.seed}")
+    scores = {split: entity_scores([row["tags"] for row in rows], predict(model, tokenizer, rows, names, config))
+              for split, rows in splits.items()}
+    return RunResult(
+        metric="f1", validation=scores["validation"]["f1"], test=scores["test"]["f1"], steps=steps,
+        extra={f"{split}_{key}": value for split, split_scores in scores.items()
+               for key, value in split_scores.items() if key != "f1"},
+        losses=losses, seconds=time.perf_counter() - started,
+    )

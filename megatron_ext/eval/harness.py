@@ -1,0 +1,432 @@
+"""The evaluation grid: fine-tune every model on every task at every (learning rate, seed), as in the paper.
+
+One run per (model, task, LR, seed) through the task family's ``run`` (:mod:`.families`), under
+the shared protocol (:mod:`.protocol`). Aggregation follows the paper: per LR, the mean over seeds;
+the best LR maximises the mean validation score; the test score at that LR is reported as mean ±
+95 % confidence half-width over seeds (Student t). Stability is the seed spread at the best LR and
+the whole score-vs-LR curve. A run whose loss turns non-finite is recorded as ``diverged`` and
+counts as score 0 for validation and test, so an LR that blows up drags its mean down instead of
+vanishing from the curve.
+
+Models are Hugging Face encoder directories or Megatron checkpoints (a save directory or one
+``iter_*``), which are exported to EuroBERT once. Runs are resumable: a finished run's JSON is
+reused, after checking it was made with the same config and model.
+
+Layout of ``output_dir``::
+
+    exported/<model>/, exported/<model>.json    export of a checkpoint model, and its source
+    runs/<model>/<task>/lr<lr>_seed<seed>.json  one run: config, scores, steps, time, loss summary
+    summary.json, summary.md, summary.csv       one row per model x task, plus the LR curves
+    plots/<task>.png                            score vs LR, one line per model, CI bands
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import math
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.eval.families import FAMILIES, FAMILY_DEFAULTS, available
+from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS, FinetuneConfig
+from megatron_ext.eval.tasks import SPLITS, TASK_FILE, TASKS, build_task, default_suite_dir, load_task
+
+CONFIDENCE = 0.95
+"""Level of the confidence interval over seeds."""
+DIVERGED_SCORE = 0.0
+"""Validation and test score given to a diverged run."""
+_NAME = re.compile(r"^[\w.+-]+$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRef:
+    """A model to evaluate."""
+
+    name: str
+    """Directory name under ``runs/`` and label in reports."""
+    hf_dir: Path
+    """Hugging Face directory the families load."""
+    source: str
+    """What was given: the HF directory, or the checkpoint exported into ``hf_dir``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskRef:
+    """A task to evaluate on."""
+
+    name: str
+    """Directory name under ``runs/<model>/`` and label in reports."""
+    task_dir: Path
+    """Directory with ``task.json`` and the split files."""
+    family: str
+    """Key of :data:`FAMILIES`."""
+    metric: str
+    """``task.json``'s metric, for reports when no run returned one (all diverged)."""
+
+
+@dataclass(kw_only=True)
+class Evaluation:
+    """What :func:`evaluate_models` did."""
+
+    results: list[dict]
+    """One aggregate per (model, task): ``summary.json``'s ``results``."""
+    executed: int
+    """Runs fine-tuned by this call."""
+    reused: int
+    """Finished runs read back from ``runs/``."""
+    output_dir: Path
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _split_name(spec: str) -> tuple[str | None, str]:
+    name, sep, path = spec.partition("=")
+    return (name, path) if sep and _NAME.match(name) else (None, spec)
+
+
+def resolve_models(models: Sequence[str], output_dir: Path) -> list[ModelRef]:
+    """HF directories as they are; Megatron checkpoints exported to ``output_dir/exported/<name>``.
+
+    Each entry is ``PATH`` or ``NAME=PATH``; the name defaults to the path's last component.
+    """
+    from megatron_ext.training.checkpoint import latest_checkpoint
+
+    refs = []
+    for spec in models:
+        name, path = _split_name(spec)
+        path = Path(path)
+        name = name or path.resolve().name
+        if not _NAME.match(name):
+            raise ValueError(f"model {spec!r}: name {name!r} must be letters, digits, '.', '+', '-' or '_'")
+        if any(ref.name == name for ref in refs):
+            raise ValueError(f"two models are named {name!r}; name them with NAME=PATH")
+        if not path.is_dir():
+            raise ValueError(f"model {spec!r}: {path} is not a directory")
+        checkpoint = latest_checkpoint(path)
+        if checkpoint is not None:
+            refs.append(ModelRef(name=name, hf_dir=_export(name, checkpoint, output_dir),
+                                 source=str(checkpoint.resolve())))
+        elif (path / "config.json").is_file():
+            refs.append(ModelRef(name=name, hf_dir=path.resolve(), source=str(path.resolve())))
+        else:
+            raise ValueError(f"model {spec!r}: {path} is neither a Hugging Face model directory (no config.json) "
+                             "nor a Megatron checkpoint (no complete iter_* checkpoint)")
+    return refs
+
+
+def _export(name: str, checkpoint: Path, output_dir: Path) -> Path:
+    """Export ``checkpoint`` unless ``exported/<name>`` already holds its export."""
+    from megatron_ext.hf import export_checkpoint
+
+    target = output_dir / "exported" / name
+    marker = output_dir / "exported" / f"{name}.json"
+    source = str(checkpoint.resolve())
+    if marker.is_file() and json.loads(marker.read_text())["checkpoint"] == source and target.is_dir():
+        return target
+    export_checkpoint(checkpoint, target, overwrite=True, log=lambda line: print(f"export {name}: {line}", flush=True))
+    _write_atomic(marker, json.dumps({"checkpoint": source}, indent=2) + "\n")
+    return target
+
+
+def resolve_tasks(tasks: Sequence[str], suite_dir: str | Path | None = None) -> list[TaskRef]:
+    """Suite task names (built into ``suite_dir`` when absent) or task directories with ``task.json``.
+
+    Every split a run reads is loaded once here, so schema errors surface before any training.
+    """
+    suite_dir = Path(suite_dir) if suite_dir is not None else default_suite_dir()
+    refs = []
+    for task in tasks:
+        if task in TASKS:
+            task_dir = suite_dir / task
+            if not (task_dir / TASK_FILE).is_file():
+                print(f"building task {task} into {suite_dir}", flush=True)
+                build_task(task, suite_dir)
+        elif (Path(task) / TASK_FILE).is_file():
+            task_dir = Path(task)
+        else:
+            raise ValueError(f"unknown task {task!r}: expected one of {sorted(TASKS)} or a directory with a "
+                             f"{TASK_FILE} (docs/eval_suite.md)")
+        meta = json.loads((task_dir / TASK_FILE).read_text(encoding="utf-8"))
+        family = meta.get("family")
+        if family not in available():
+            raise ValueError(f"task {task!r} has family {family!r}, which the harness cannot fine-tune here; "
+                             f"families: {available()}")
+        name = task_dir.resolve().name
+        if any(ref.name == name for ref in refs):
+            raise ValueError(f"two tasks are named {name!r}")
+        for split in SPLITS + (("corpus",) if family == "ir" else ()):
+            load_task(task_dir, split)
+        refs.append(TaskRef(name=name, task_dir=task_dir.resolve(), family=family, metric=meta.get("metric", "")))
+    return refs
+
+
+def finetune_config(family: str, lr: float, seed: int, overrides: Mapping[str, Any]) -> FinetuneConfig:
+    """The run's config: the family's defaults unless ``overrides`` set the run length, then ``overrides``."""
+    fields = {f.name for f in dataclasses.fields(FinetuneConfig)} - {"lr", "seed"}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown FinetuneConfig override(s) {unknown}; expected some of {sorted(fields)}")
+    sets_length = "max_steps" in overrides or "epochs" in overrides
+    defaults = {} if sets_length else FAMILY_DEFAULTS.get(family, {})
+    return FinetuneConfig(**{**defaults, **overrides}, lr=lr, seed=seed)
+
+
+def run_path(output_dir: Path, model: str, task: str, lr: float, seed: int) -> Path:
+    return output_dir / "runs" / model / task / f"lr{lr:g}_seed{seed}.json"
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def _run_one(model: ModelRef, task: TaskRef, config: FinetuneConfig) -> dict:
+    """Fine-tune once; the JSON record of the run (diverged runs scored :data:`DIVERGED_SCORE`)."""
+    record = {"model": model.name, "model_source": model.source, "model_dir": str(model.hf_dir),
+              "task": task.name, "task_dir": str(task.task_dir), "family": task.family,
+              "lr": config.lr, "seed": config.seed, "config": dataclasses.asdict(config)}
+    started = time.perf_counter()
+    try:
+        result = FAMILIES[task.family](str(model.hf_dir), task.task_dir, config)
+    except FloatingPointError as error:
+        return {**record, "status": "diverged", "error": str(error), "metric": None,
+                "validation": DIVERGED_SCORE, "test": DIVERGED_SCORE, "steps": None,
+                "seconds": time.perf_counter() - started, "extra": {}, "losses": None}
+    losses = result.losses
+    return {**record, "status": "ok", "metric": result.metric, "validation": result.validation,
+            "test": result.test, "steps": result.steps, "seconds": result.seconds, "extra": result.extra,
+            "losses": {"first": losses[0], "last": losses[-1], "min": min(losses), "max": max(losses),
+                       "mean_last_10pct": statistics.fmean(losses[-max(1, len(losses) // 10):])} if losses else None}
+
+
+def _reusable(path: Path, model: ModelRef, config: FinetuneConfig) -> dict | None:
+    """The finished run at ``path``, if any; one made with another config or model is an error."""
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text(encoding="utf-8"))
+    if record["model_source"] != model.source:
+        raise ValueError(f"{path} was made with model {record['model_source']}, not {model.source}; "
+                         "use another output directory or model name")
+    if record["config"] != dataclasses.asdict(config):
+        differing = sorted(k for k, v in dataclasses.asdict(config).items() if record["config"].get(k) != v)
+        raise ValueError(f"{path} was made with a different config ({', '.join(differing)}); use another "
+                         "output directory or the same settings")
+    return record
+
+
+def _describe(record: dict) -> str:
+    head = f"{record['model']} {record['task']} lr={record['lr']:g} seed={record['seed']}:"
+    if record["status"] == "diverged":
+        return f"{head} diverged ({record['error']}) -> scored {DIVERGED_SCORE:g}"
+    return (f"{head} {record['metric']} validation {record['validation']:.2f} test {record['test']:.2f} "
+            f"({record['steps']} steps, {record['seconds']:.1f} s)")
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def mean_ci(scores: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float | None, float | None]:
+    """Mean, sample standard deviation and Student-t confidence half-width (None below two scores)."""
+    from scipy import stats
+
+    mean = statistics.fmean(scores)
+    if len(scores) < 2:
+        return mean, None, None
+    std = statistics.stdev(scores)
+    return mean, std, float(stats.t.ppf((1 + confidence) / 2, len(scores) - 1)) * std / math.sqrt(len(scores))
+
+
+def aggregate(records: Sequence[dict], lrs: Sequence[float], task: TaskRef) -> dict:
+    """Summary of one (model, task) from its runs over ``lrs`` x seeds."""
+    curve = []
+    for lr in lrs:
+        runs = [r for r in records if r["lr"] == lr]
+        val_mean, val_std, _ = mean_ci([r["validation"] for r in runs])
+        test_mean, test_std, test_ci = mean_ci([r["test"] for r in runs])
+        curve.append({"lr": lr, "validation_mean": val_mean, "validation_std": val_std, "test_mean": test_mean,
+                      "test_std": test_std, "test_ci95": test_ci,
+                      "diverged": sum(r["status"] == "diverged" for r in runs), "seeds": len(runs)})
+    best = max(curve, key=lambda point: point["validation_mean"])  # ties: the first (smallest) LR
+    best_runs = sorted((r for r in records if r["lr"] == best["lr"]), key=lambda r: r["seed"])
+    metrics = {r["metric"] for r in records if r["metric"]}
+    return {
+        "model": records[0]["model"], "task": task.name, "family": task.family,
+        "metric": metrics.pop() if len(metrics) == 1 else task.metric,
+        "best_lr": best["lr"], "test_mean": best["test_mean"], "test_ci95": best["test_ci95"],
+        "test_std": best["test_std"], "validation_mean": best["validation_mean"],
+        "validation_std": best["validation_std"], "seeds": best["seeds"],
+        "diverged_runs": sum(point["diverged"] for point in curve), "runs": len(records),
+        "best_lr_scores": {"seeds": [r["seed"] for r in best_runs],
+                           "validation": [r["validation"] for r in best_runs], "test": [r["test"] for r in best_runs]},
+        "lr_curve": curve,
+    }
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def _write_atomic(path: Path, data: str | bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _pm(mean: float, ci: float | None) -> str:
+    return f"{mean:.2f} ± {ci:.2f}" if ci is not None else f"{mean:.2f}"
+
+
+def _std(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+CSV_COLUMNS = ("model", "task", "family", "metric", "best_lr", "test_mean", "test_ci95", "validation_mean",
+               "validation_std", "test_std", "seeds", "diverged_runs", "runs")
+
+
+def summary_markdown(results: Sequence[dict], lrs: Sequence[float], seeds: Sequence[int]) -> str:
+    """``summary.md``: the model x task table, then each task's score-vs-LR table and plot."""
+    diverged, runs = sum(r["diverged_runs"] for r in results), sum(r["runs"] for r in results)
+    lines = [
+        "# Fine-tuning evaluation", "",
+        f"LR grid {', '.join(f'{lr:g}' for lr in lrs)}; seeds {', '.join(map(str, seeds))}. The best LR maximises "
+        f"the mean validation score; test is the mean ± {CONFIDENCE:.0%} confidence half-width over seeds at that LR "
+        f"(Student t). Diverged runs (non-finite training loss) count as score {DIVERGED_SCORE:g}: "
+        f"{diverged} of {runs} runs.", "",
+        "| model | task | metric | best LR | test (mean ± CI) | validation mean | seed std (validation / test) "
+        "| diverged runs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(f"| {r['model']} | {r['task']} | {r['metric']} | {r['best_lr']:g} | "
+                     f"{_pm(r['test_mean'], r['test_ci95'])} | {r['validation_mean']:.2f} | "
+                     f"{_std(r['validation_std'])} / {_std(r['test_std'])} | {r['diverged_runs']} |")
+    for task in dict.fromkeys(r["task"] for r in results):
+        lines += ["", f"## {task}: score vs learning rate", "",
+                  "Test mean ± CI (validation mean); a † marks diverged seeds.", "",
+                  "| model | " + " | ".join(f"{lr:g}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
+        for r in (r for r in results if r["task"] == task):
+            cells = [f"{_pm(p['test_mean'], p['test_ci95'])} ({p['validation_mean']:.2f})" + " †" * p["diverged"]
+                     for p in r["lr_curve"]]
+            lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
+        lines += ["", f"![{task}](plots/{task}.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_task(results: Sequence[dict], task: str) -> bytes:
+    """PNG of test score vs LR (log x) for one task: a line per model, its CI band (drawn within the
+    metric's 0-100 range; few seeds give wide intervals), the best LR starred."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for r in results:
+        lrs = [p["lr"] for p in r["lr_curve"]]
+        means = [p["test_mean"] for p in r["lr_curve"]]
+        halves = [p["test_ci95"] or 0.0 for p in r["lr_curve"]]
+        (line,) = ax.plot(lrs, means, marker="o", label=r["model"])
+        ax.fill_between(lrs, [max(0.0, m - h) for m, h in zip(means, halves)],
+                        [min(100.0, m + h) for m, h in zip(means, halves)], color=line.get_color(), alpha=0.2)
+        ax.plot([r["best_lr"]], [r["test_mean"]], marker="*", markersize=14, color=line.get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("fine-tuning learning rate")
+    ax.set_ylabel(f"test {results[0]['metric']}")
+    ax.set_title(f"{task}: test mean ± {CONFIDENCE:.0%} CI over seeds (★ best validation LR)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def write_outputs(output_dir: Path, results: Sequence[dict], lrs: Sequence[float], seeds: Sequence[int]) -> None:
+    """``summary.{json,md,csv}`` and ``plots/<task>.png``."""
+    summary = {"lrs": list(lrs), "seeds": list(seeds), "confidence": CONFIDENCE, "diverged_score": DIVERGED_SCORE,
+               "selection": "best LR = argmax of the mean validation score over seeds; test at that LR",
+               "results": list(results)}
+    _write_atomic(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    _write_atomic(output_dir / "summary.md", summary_markdown(results, lrs, seeds))
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(results)
+    _write_atomic(output_dir / "summary.csv", table.getvalue())
+    for task in dict.fromkeys(r["task"] for r in results):
+        _write_atomic(output_dir / "plots" / f"{task}.png", plot_task([r for r in results if r["task"] == task], task))
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: str | Path,
+                    lrs: Sequence[float] = PAPER_LR_GRID, seeds: Sequence[int] = PAPER_SEEDS,
+                    overrides: Mapping[str, Any] | None = None, suite_dir: str | Path | None = None) -> Evaluation:
+    """Fine-tune every model on every task at every LR and seed, then aggregate and write reports.
+
+    Args:
+        models: HF encoder directories or Megatron checkpoints, each ``PATH`` or ``NAME=PATH``.
+        tasks: Names in :data:`~megatron_ext.eval.tasks.TASKS` or task directories with ``task.json``.
+        output_dir: Receives ``runs/``, ``exported/``, the summaries and plots (module docstring).
+        lrs: Fine-tuning learning rates (default: the paper's grid).
+        seeds: Seeds per LR (default: the paper's five).
+        overrides: :class:`FinetuneConfig` fields other than ``lr``/``seed`` (``max_steps``,
+            ``batch_size``, ``max_eval_examples``, ``device`` ...). Setting ``max_steps`` or
+            ``epochs`` also replaces token classification's one-epoch default.
+        suite_dir: Where suite tasks are (built when absent); default ``<data dir>/eval_suite``.
+    """
+    from tqdm import tqdm
+
+    if not models or not tasks or not lrs or not seeds:
+        raise ValueError("models, tasks, lrs and seeds must each be non-empty")
+    if len(set(lrs)) != len(lrs) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"lrs {list(lrs)} and seeds {list(seeds)} must not repeat values")
+    output_dir = Path(output_dir)
+    overrides = dict(overrides or {})
+    task_refs = resolve_tasks(tasks, suite_dir)
+    configs = {(task.name, lr, seed): finetune_config(task.family, lr, seed, overrides)
+               for task in task_refs for lr in lrs for seed in seeds}
+    model_refs = resolve_models(models, output_dir)
+    executed = reused = 0
+    results = []
+    with tqdm(total=len(model_refs) * len(configs), desc="evaluate", unit="run") as bar:
+        for model in model_refs:
+            for task in task_refs:
+                records = []
+                for lr in lrs:
+                    for seed in seeds:
+                        config = configs[task.name, lr, seed]
+                        path = run_path(output_dir, model.name, task.name, lr, seed)
+                        record = _reusable(path, model, config)
+                        if record is None:
+                            record = _run_one(model, task, config)
+                            _write_atomic(path, json.dumps(record, indent=2) + "\n")
+                            executed += 1
+                            bar.write(_describe(record))
+                        else:
+                            reused += 1
+                        records.append(record)
+                        bar.update()
+                results.append(aggregate(records, lrs, task))
+    if reused:
+        print(f"reused {reused} finished run(s) from {output_dir / 'runs'}", flush=True)
+    write_outputs(output_dir, results, lrs, seeds)
+    return Evaluation(results=results, executed=executed, reused=reused, output_dir=output_dir)

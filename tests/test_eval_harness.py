@@ -1,0 +1,327 @@
+"""Evaluation harness: SC/TC fine-tuning on a real encoder, the LR x seed grid, resumability,
+aggregation (best LR, Student-t CI, diverged runs), reports, checkpoint export and user errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ext.eval import harness
+from megatron_ext.eval.families import FAMILIES, available, sc, tc
+from megatron_ext.eval.protocol import FinetuneConfig, eval_subset, load_encoder
+from megatron_ext.eval.tasks import TASK_FILE, build_task, default_suite_dir, load_task
+from tools import evaluate
+
+TINY = {"max_steps": 3, "batch_size": 8, "max_eval_examples": 16, "max_length": 32, "device": "cpu"}
+"""CI-sized runs: a few steps on short inputs, scored on 16 validation and 16 test examples."""
+LRS, SEEDS = (2e-5, 1e-4), (0, 1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small CPU ops run ~10x slower with 2 intra-op threads on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def suite() -> Path:
+    """The default suite directory (under the data dir, like the assets cache): building
+    wiki_mentions takes ~12 s of CPU, so it is built once and kept, as tools/evaluate.py does."""
+    root = default_suite_dir()
+    for name in ("rt_sentiment", "wiki_mentions"):
+        if not (root / name / TASK_FILE).is_file():
+            build_task(name, root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory, minilm_dir) -> str:
+    """all-MiniLM-L6-v2 cut to its first layer (real weights and tokenizer; 6 layers are too slow
+    for a CI grid on 2 CPU cores)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("minilm_l1")
+    AutoModel.from_pretrained(minilm_dir, num_hidden_layers=1).save_pretrained(out)
+    AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory, suite, encoder):
+    out = tmp_path_factory.mktemp("grid")
+    evaluation = harness.evaluate_models([f"minilm={encoder}"], ["rt_sentiment", "wiki_mentions"], output_dir=out,
+                                         lrs=LRS, seeds=SEEDS, overrides=TINY, suite_dir=suite)
+    return evaluation, out
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, news_texts) -> dict[str, Path]:
+    """A Megatron save directory after 2 MLM steps of a tiny encoder, and its byte-level BPE tokenizer."""
+    from megatron_ext.data.preprocess import PreprocessConfig, preprocess
+    from megatron_ext.tokenizer import TokenizerConfig
+    from megatron_ext.training.config import run_config_from_dict
+    from megatron_ext.training.loop import pretrain
+    from tools import train_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny")
+    jsonl = root / "news.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in news_texts[:100]))
+    assert train_tokenizer.main(["--input", str(jsonl), "--output-dir", str(root / "tok"),
+                                 "--vocab-size", "1024", "--no-progress"]) == 0
+    preprocess(PreprocessConfig(inputs=(str(jsonl),), output_prefix=str(root / "news"), append_eod=True,
+                                tokenizer=TokenizerConfig(tokenizer_model=str(root / "tok")), progress=False))
+    pretrain(run_config_from_dict({
+        "model": {"preset": "tiny", "vocab_size": 1024, "num_layers": 2, "hidden_size": 64,
+                  "ffn_hidden_size": 128, "num_attention_heads": 4, "num_query_groups": 2},
+        "tokenizer": {"tokenizer_model": str(root / "tok")},
+        "data": {"data_path": [str(root / "news_text_document")], "split": "90,10,0", "seq_length": 64,
+                 "micro_batch_size": 4, "global_batch_size": 4, "eval_iters": 1,
+                 "data_cache_path": str(root / "cache")},
+        "schedule": {"lr": 1e-3, "lr_decay_style": "constant"},
+        "phases": [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}],
+        "training": {"train_iters": 2, "eval_interval": 0, "log_interval": 1},
+        "checkpoint": {"save": str(root / "mlm" / "ckpt")},
+        "logging": {"log_dir": str(root / "log"), "wandb_mode": "disabled"},
+    }))
+    return {"save_dir": root / "mlm" / "ckpt", "tokenizer": root / "tok"}
+
+
+def _runs(out: Path, task: str) -> dict[tuple[float, int], dict]:
+    return {(lr, seed): json.loads(harness.run_path(out, "minilm", task, lr, seed).read_text())
+            for lr in LRS for seed in SEEDS}
+
+
+def test_grid_runs_sc_and_tc_and_writes_reports(grid):
+    evaluation, out = grid
+    assert (evaluation.executed, evaluation.reused) == (8, 0)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lrs"] == list(LRS) and summary["seeds"] == list(SEEDS)
+    by_task = {r["task"]: r for r in summary["results"]}
+    assert by_task["rt_sentiment"]["metric"] == "accuracy" and by_task["wiki_mentions"]["metric"] == "f1"
+    for task, result in by_task.items():
+        runs = _runs(out, task)
+        for record in runs.values():
+            assert record["status"] == "ok" and record["steps"] == 3 and record["config"]["max_steps"] == 3
+            assert 0.0 <= record["validation"] <= 100.0 and 0.0 <= record["test"] <= 100.0
+            assert math.isfinite(record["losses"]["first"]) and record["losses"]["min"] <= record["losses"]["last"]
+        # The best LR is the argmax of the mean validation score; test is averaged at that LR.
+        val_means = {lr: (runs[lr, 0]["validation"] + runs[lr, 1]["validation"]) / 2 for lr in LRS}
+        best = max(LRS, key=lambda lr: val_means[lr])
+        assert result["best_lr"] == best
+        tests = [runs[best, s]["test"] for s in SEEDS]
+        assert result["test_mean"] == pytest.approx(sum(tests) / 2)
+        # n = 2: t(0.975, 1) = 12.7062, std = |a - b| / sqrt(2), half-width = t * std / sqrt(2).
+        assert result["test_ci95"] == pytest.approx(12.7062047 * abs(tests[0] - tests[1]) / 2)
+        assert [p["lr"] for p in result["lr_curve"]] == list(LRS) and result["diverged_runs"] == 0
+    tc_run = _runs(out, "wiki_mentions")[LRS[0], 0]
+    assert {"validation_precision", "validation_recall", "test_precision", "test_recall"} <= set(tc_run["extra"])
+
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [(r["model"], r["task"]) for r in rows] == [("minilm", "rt_sentiment"), ("minilm", "wiki_mentions")]
+    assert float(rows[0]["best_lr"]) == by_task["rt_sentiment"]["best_lr"]
+    assert float(rows[0]["test_mean"]) == pytest.approx(by_task["rt_sentiment"]["test_mean"])
+    markdown = (out / "summary.md").read_text()
+    assert "| minilm | rt_sentiment | accuracy |" in markdown and "0 of 8 runs" in markdown
+    assert "![wiki_mentions](plots/wiki_mentions.png)" in markdown
+    for task in by_task:
+        png = (out / "plots" / f"{task}.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_rerun_reuses_finished_runs_and_refuses_other_settings(grid, suite, encoder):
+    evaluation, out = grid
+    paths = sorted((out / "runs").rglob("*.json"))
+    stamps = {p: p.stat().st_mtime_ns for p in paths}
+    again = harness.evaluate_models([f"minilm={encoder}"], ["rt_sentiment", "wiki_mentions"], output_dir=out,
+                                    lrs=LRS, seeds=SEEDS, overrides=TINY, suite_dir=suite)
+    assert (again.executed, again.reused) == (0, 8) and again.results == evaluation.results
+    assert {p: p.stat().st_mtime_ns for p in paths} == stamps
+
+    with pytest.raises(ValueError, match=r"different config \(max_steps\)"):
+        harness.evaluate_models([f"minilm={encoder}"], ["rt_sentiment"], output_dir=out, lrs=LRS, seeds=SEEDS,
+                                overrides={**TINY, "max_steps": 5}, suite_dir=suite)
+    other = shutil.copytree(encoder, out.parent / "other_minilm")
+    with pytest.raises(ValueError, match="was made with model .* not .*other_minilm"):
+        harness.evaluate_models([f"minilm={other}"], ["rt_sentiment"], output_dir=out, lrs=LRS, seeds=SEEDS,
+                                overrides=TINY, suite_dir=suite)
+
+    # An interrupted grid: only the missing run is fine-tuned.
+    missing = harness.run_path(out, "minilm", "rt_sentiment", LRS[1], 1)
+    missing.unlink()
+    resumed = harness.evaluate_models([f"minilm={encoder}"], ["rt_sentiment"], output_dir=out, lrs=LRS,
+                                      seeds=SEEDS, overrides=TINY, suite_dir=suite)
+    assert (resumed.executed, resumed.reused) == (1, 3) and missing.is_file()
+
+
+def test_diverged_run_is_recorded_and_scored_zero(tmp_path, suite, encoder):
+    evaluation = harness.evaluate_models([f"minilm={encoder}"], ["rt_sentiment"], output_dir=tmp_path,
+                                         lrs=(1e6,), seeds=(0,), overrides=TINY, suite_dir=suite)
+    record = json.loads(harness.run_path(tmp_path, "minilm", "rt_sentiment", 1e6, 0).read_text())
+    assert record["status"] == "diverged" and "non-finite loss" in record["error"]
+    assert record["validation"] == record["test"] == 0.0 and record["losses"] is None
+    (result,) = evaluation.results
+    assert result["diverged_runs"] == 1 and result["test_mean"] == 0.0 and result["test_ci95"] is None
+    assert "1 of 1 runs" in (tmp_path / "summary.md").read_text()
+
+
+def _record(lr: float, seed: int, validation: float, test: float, status: str = "ok") -> dict:
+    return {"model": "m", "lr": lr, "seed": seed, "validation": validation, "test": test, "status": status,
+            "metric": "accuracy" if status == "ok" else None}
+
+
+def test_aggregate_best_lr_ci_and_diverged_zeros():
+    task = harness.TaskRef(name="t", task_dir=Path("."), family="sc", metric="accuracy")
+    records = [
+        _record(1e-5, 0, 80, 88), _record(1e-5, 1, 82, 90), _record(1e-5, 2, 84, 92),  # best test, not val
+        _record(1e-4, 0, 85, 78), _record(1e-4, 1, 86, 80), _record(1e-4, 2, 90, 85),
+        _record(1e-3, 0, 95, 95), _record(1e-3, 1, 0, 0, "diverged"), _record(1e-3, 2, 0, 0, "diverged"),
+    ]
+    result = harness.aggregate(records, (1e-5, 1e-4, 1e-3), task)
+    # 1e-3 has the best single seed but two diverged seeds count as 0: mean validation 31.67 < 87.
+    assert result["best_lr"] == 1e-4 and result["validation_mean"] == pytest.approx(87.0)
+    # Test at 1e-4: 78, 80, 85 -> mean 81, sample variance 26 / 2 = 13; t(0.975, 2) = 4.302653.
+    assert result["test_mean"] == pytest.approx(81.0) and result["test_std"] == pytest.approx(math.sqrt(13))
+    assert result["test_ci95"] == pytest.approx(4.302653 * math.sqrt(13) / math.sqrt(3), rel=1e-6)
+    assert result["diverged_runs"] == 2 and result["lr_curve"][2]["test_mean"] == pytest.approx(95 / 3)
+    assert result["best_lr_scores"]["test"] == [78, 80, 85]
+    tie = harness.aggregate([_record(1e-5, 0, 50, 1), _record(1e-4, 0, 50, 2)], (1e-5, 1e-4), task)
+    assert tie["best_lr"] == 1e-5 and tie["test_ci95"] is None  # ties: smaller LR; one seed: no CI
+
+
+def test_metrics_and_tags_on_known_values(suite):
+    gold = [["B-ENT", "I-ENT", "O", "B-ENT"], ["O", "B-ENT", "I-ENT"]]
+    pred = [["B-ENT", "I-ENT", "O", "O"], ["O", "B-ENT", "O"]]  # 1 of 3 gold entities right, 2 predicted
+    assert tc.entity_scores(gold, pred) == pytest.approx({"f1": 40.0, "precision": 50.0, "recall": 100 / 3})
+    assert tc.entity_scores(gold, gold)["f1"] == 100.0
+    # Integer tags (a hub dataset's ner_tags) become the task's tag names; foreign tags are refused.
+    rows = [{"id": "a", "tokens": ["Ned", "Kelly"], "tags": [1, 2]}, {"id": "b", "tokens": ["x"], "tags": ["O"]}]
+    assert tc.tag_names(suite / "wiki_mentions", rows) == ["O", "B-ENT", "I-ENT"]
+    assert rows[0]["tags"] == ["B-ENT", "I-ENT"]
+    with pytest.raises(ValueError, match=r"row 'c' has tag\(s\) \['B-PER'\] outside the tag set"):
+        tc.tag_names(suite / "wiki_mentions", [{"id": "c", "tokens": ["Ned"], "tags": ["B-PER"]}])
+    rows = list(range(100))
+    subset = eval_subset(rows, 10)
+    assert len(subset) == 10 and subset == sorted(subset) and subset != rows[:10] and eval_subset(rows, 10) == subset
+
+
+WORDS = ["Robespierre", "denounced", "the", "Hébertists", "(", "U.S.", ")", "in", "1793", "."]
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "byte_level_bpe"])
+def test_token_alignment_labels_first_sub_token_of_each_word(kind, encoder, tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(encoder if kind == "wordpiece" else tiny_checkpoint["tokenizer"])
+    inputs, (first,) = tc.encode(tokenizer, [{"tokens": WORDS}], torch.device("cpu"))
+    ids = inputs["input_ids"][0].tolist()
+    assert all(p >= 0 for p in first) and first == sorted(first) and len(set(first)) == len(WORDS)
+    for word, position, end in zip(WORDS, first, first[1:] + [len(ids) - 1]):  # the last id is </s> / [SEP]
+        # The word's sub-tokens (byte-level BPE: a trailing space token may follow), decoded.
+        decoded = tokenizer.decode(ids[position:end]).replace(" ", "")
+        assert decoded == (word.lower().replace("é", "e") if kind == "wordpiece" else word)
+
+
+def test_sentence_pairs(tmp_path, suite, encoder):
+    """An MNLI/QQP-shaped task (text + text_pair) from real snippets: same sentiment or not."""
+    rows = {split: load_task("rt_sentiment", split, suite_dir=suite)[:40] for split in ("train", "validation", "test")}
+    task_dir = tmp_path / "rt_pairs"
+    task_dir.mkdir()
+    for split, split_rows in rows.items():
+        pairs = [{"id": f"{a['id']}+{b['id']}", "text": a["text"], "text_pair": b["text"],
+                  "label": int(a["label"] == b["label"])} for a, b in zip(split_rows[::2], split_rows[1::2])]
+        (task_dir / f"{split}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    (task_dir / "task.json").write_text(json.dumps({"family": "sc", "metric": "accuracy",
+                                                    "labels": ["different", "same"]}))
+    tokenizer, _ = load_encoder(encoder, FinetuneConfig(lr=1e-4, seed=0, device="cpu"))
+    batch = sc.encode(tokenizer, load_task(task_dir, "train")[:3], torch.device("cpu"))
+    assert (batch["token_type_ids"] == 1).any(dim=1).all()  # the second segment is marked
+    assert ((batch["input_ids"] == tokenizer.sep_token_id).sum(dim=1) == 2).all()
+    result = sc.run(encoder, task_dir, FinetuneConfig(lr=1e-4, seed=0, **{**TINY, "max_steps": 2}))
+    assert result.metric == "accuracy" and result.steps == 2 and 0 <= result.test <= 100 and len(result.losses) == 2
+
+
+def test_family_registry_and_defaults():
+    assert {"sc", "tc"} <= set(available()) and set(FAMILIES) == {"sc", "tc", "qa", "ir"}
+    assert harness.finetune_config("tc", 1e-4, 0, {}).steps_for(2294) == round(2294 / 32)  # one epoch
+    assert harness.finetune_config("tc", 1e-4, 0, {"max_steps": 7}).steps_for(2294) == 7
+    assert harness.finetune_config("sc", 1e-4, 0, {}).steps_for(7745) == 1000
+    with pytest.raises(ValueError, match=r"unknown FinetuneConfig override\(s\) \['max_step'\]"):
+        harness.finetune_config("sc", 1e-4, 0, {"max_step": 3})
+    assert "rt_sentiment" in evaluate.default_tasks() and "lee_sts" not in evaluate.default_tasks()
+
+
+def test_user_errors_name_the_culprit(tmp_path, suite, encoder):
+    def evaluate_models(models, tasks):
+        return harness.evaluate_models(models, tasks, output_dir=tmp_path / "out", lrs=(1e-4,), seeds=(0,),
+                                       overrides=TINY, suite_dir=suite)
+
+    with pytest.raises(ValueError, match=r"unknown task 'sst2': expected one of \[.*'rt_sentiment'"):
+        evaluate_models([encoder], ["sst2"])
+    # A local task without its validation split, one whose label column is named otherwise, one of
+    # a family that cannot be fine-tuned.
+    source = suite / "rt_sentiment"
+    no_validation, renamed, sts = tmp_path / "no_validation", tmp_path / "renamed", tmp_path / "sts"
+    shutil.copytree(source, no_validation)
+    (no_validation / "validation.jsonl").unlink()
+    with pytest.raises(ValueError, match=r"split 'validation' not found in .*no_validation"):
+        evaluate_models([encoder], [str(no_validation)])
+    shutil.copytree(source, renamed)
+    text = (renamed / "train.jsonl").read_text().replace('"label":', '"sentiment":')
+    (renamed / "train.jsonl").write_text(text)
+    with pytest.raises(ValueError, match=r"train.jsonl line 1: missing column\(s\) \['label'\]"):
+        evaluate_models([encoder], [str(renamed)])
+    sts.mkdir()
+    (sts / "task.json").write_text(json.dumps({"family": "sts"}))
+    with pytest.raises(ValueError, match="family 'sts', which the harness cannot fine-tune"):
+        evaluate_models([encoder], [str(sts)])
+
+    with pytest.raises(ValueError, match=r"neither a Hugging Face model directory .* nor a Megatron checkpoint"):
+        evaluate_models([str(tmp_path / "sts")], ["rt_sentiment"])
+    with pytest.raises(ValueError, match="is not a directory"):
+        evaluate_models([str(tmp_path / "absent")], ["rt_sentiment"])
+    with pytest.raises(ValueError, match="two models are named 'a'"):
+        evaluate_models([f"a={encoder}", f"a={encoder}"], ["rt_sentiment"])
+
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="causal LM .*LlamaForCausalLM"):
+        load_encoder(str(tmp_path / "llama"), FinetuneConfig(lr=1e-4, seed=0))
+    with pytest.raises(ValueError, match=r"row 'x' has label 2; expected an int index"):
+        sc.label_names(source, [{"id": "x", "label": 2}])
+
+
+def test_checkpoint_is_exported_once_through_the_cli(tmp_path, suite, encoder, tiny_checkpoint, capsys):
+    """A Megatron checkpoint is exported to EuroBERT on the fly and fine-tuned next to an HF model."""
+    out = tmp_path / "eval"
+    argv = ["--models", f"tiny_mlm={tiny_checkpoint['save_dir']}", f"minilm={encoder}",
+            "--tasks", "rt_sentiment", "wiki_mentions", "--lrs", "1e-3", "--seeds", "0", "--max-steps", "3",
+            "--batch-size", "8", "--max-eval-examples", "16", "--device", "cpu", "--output-dir", str(out),
+            "--suite-dir", str(suite)]
+    assert evaluate.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "tiny_mlm | rt_sentiment | sc | accuracy | 0.001 |" in printed and "4 run(s) fine-tuned" in printed
+    assert "minilm | wiki_mentions | tc | f1 | 0.001 |" in printed
+    exported = out / "exported" / "tiny_mlm"
+    assert json.loads((exported / "config.json").read_text())["architectures"] == ["EuroBertForMaskedLM"]
+    record = json.loads(harness.run_path(out, "tiny_mlm", "wiki_mentions", 1e-3, 0).read_text())
+    assert record["status"] == "ok" and record["steps"] == 3
+    assert record["model_source"].endswith("iter_0000002") and record["model_dir"] == str(exported)
+    assert len(list(csv.DictReader((out / "summary.csv").open()))) == 4
+    stamp = (exported / "model.safetensors").stat().st_mtime_ns
+    assert evaluate.main(argv) == 0  # neither re-exported nor re-run
+    assert "0 run(s) fine-tuned, 4 reused" in capsys.readouterr().out
+    assert (exported / "model.safetensors").stat().st_mtime_ns == stamp
+
+    assert evaluate.main(["--models", str(tmp_path), "--tasks", "squad", "--output-dir", str(out)]) == 2
+    assert "evaluate.py: error: unknown task 'squad'" in capsys.readouterr().err
