@@ -4,7 +4,6 @@ logits, losses and gradients (fp32, CPU)."""
 from __future__ import annotations
 
 
-import pytest
 import torch
 from megatron.core import parallel_state
 

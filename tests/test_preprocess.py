@@ -150,7 +150,7 @@ def test_invalid_json_names_file_and_line(tmp_path, corpus, sp_model):
     lines = corpus.read_text().splitlines()
     lines.insert(41, '{"text": "unterminated')
     corpus.write_text("\n".join(lines) + "\n")
-    with pytest.raises(InputError, match=rf"news.jsonl:42: invalid JSON"):
+    with pytest.raises(InputError, match=r"news.jsonl:42: invalid JSON"):
         _run(tmp_path, [corpus], sp_model)
     assert not list(tmp_path.glob("out*"))  # nothing half-written, no temporaries left
     _, summary = _run(tmp_path, [corpus], sp_model, skip_invalid=True)

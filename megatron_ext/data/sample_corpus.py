@@ -26,9 +26,7 @@ import bz2
 import hashlib
 import json
 import math
-import os
 import re
-import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +36,7 @@ import mwparserfromhell
 from mwparserfromhell.nodes import Node, Tag, Template, Wikilink
 from mwparserfromhell.wikicode import Wikicode
 
+from megatron_ext.fileio import write_atomic
 from megatron_ext import assets
 
 TRAIN_FILE = "train.jsonl"
@@ -465,18 +464,6 @@ def _jsonl(documents: list[Document]) -> bytes:
     ).encode("utf-8")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp_name, 0o644)
-        os.replace(tmp_name, path)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-
-
 def build_corpus(config: CorpusConfig) -> CorpusResult:
     """Build (or confirm up to date) the demo corpus described by ``config``."""
     train: list[Document] = []
@@ -546,7 +533,7 @@ def build_corpus(config: CorpusConfig) -> CorpusResult:
             raise ValueError(f"{differing} exist with different content; pass --overwrite to replace them")
         config.output_dir.mkdir(parents=True, exist_ok=True)
         for key in ("train", "valid", "manifest"):  # manifest last: it vouches for the others
-            _write_atomic(paths[key], outputs[key])
+            write_atomic(paths[key], outputs[key])
     return CorpusResult(
         paths=paths, stats=stats, unchanged=unchanged,
         split_documents={"train": len(train), "valid": len(valid)},

@@ -27,16 +27,15 @@ import dataclasses
 import io
 import json
 import math
-import os
 import re
 import statistics
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.fileio import write_atomic
 from megatron_ext.eval.families import FAMILIES, FAMILY_DEFAULTS, available
 from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS, FinetuneConfig
 from megatron_ext.eval.tasks import SPLITS, TASK_FILE, TASKS, build_task, default_suite_dir, load_task
@@ -135,7 +134,7 @@ def _export(name: str, checkpoint: Path, output_dir: Path) -> Path:
     if marker.is_file() and json.loads(marker.read_text())["checkpoint"] == source and target.is_dir():
         return target
     export_checkpoint(checkpoint, target, overwrite=True, log=lambda line: print(f"export {name}: {line}", flush=True))
-    _write_atomic(marker, json.dumps({"checkpoint": source}, indent=2) + "\n")
+    write_atomic(marker, json.dumps({"checkpoint": source}, indent=2) + "\n")
     return target
 
 
@@ -274,19 +273,6 @@ def aggregate(records: Sequence[dict], lrs: Sequence[float], task: TaskRef) -> d
 # ----------------------------------------------------------------------------- outputs
 
 
-def _write_atomic(path: Path, data: str | bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _pm(mean: float, ci: float | None) -> str:
     return f"{mean:.2f} ± {ci:.2f}" if ci is not None else f"{mean:.2f}"
 
@@ -363,15 +349,15 @@ def write_outputs(output_dir: Path, results: Sequence[dict], lrs: Sequence[float
     summary = {"lrs": list(lrs), "seeds": list(seeds), "confidence": CONFIDENCE, "diverged_score": DIVERGED_SCORE,
                "selection": "best LR = argmax of the mean validation score over seeds; test at that LR",
                "results": list(results)}
-    _write_atomic(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    _write_atomic(output_dir / "summary.md", summary_markdown(results, lrs, seeds))
+    write_atomic(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_atomic(output_dir / "summary.md", summary_markdown(results, lrs, seeds))
     table = io.StringIO()
     writer = csv.DictWriter(table, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     writer.writerows(results)
-    _write_atomic(output_dir / "summary.csv", table.getvalue())
+    write_atomic(output_dir / "summary.csv", table.getvalue())
     for task in dict.fromkeys(r["task"] for r in results):
-        _write_atomic(output_dir / "plots" / f"{task}.png", plot_task([r for r in results if r["task"] == task], task))
+        write_atomic(output_dir / "plots" / f"{task}.png", plot_task([r for r in results if r["task"] == task], task))
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -418,7 +404,7 @@ def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: 
                         record = _reusable(path, model, config)
                         if record is None:
                             record = _run_one(model, task, config)
-                            _write_atomic(path, json.dumps(record, indent=2) + "\n")
+                            write_atomic(path, json.dumps(record, indent=2) + "\n")
                             executed += 1
                             bar.write(_describe(record))
                         else:

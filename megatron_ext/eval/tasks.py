@@ -26,17 +26,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import re
 import statistics
 import tarfile
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from megatron_ext.fileio import write_atomic
 from megatron_ext import assets
 from megatron_ext.data.sample_corpus import wikipedia_articles, wikitext_to_text
 from megatron_ext.data.sentences import train_punkt
@@ -907,20 +906,8 @@ def build_task(name: str, output_dir: str | Path, *, overwrite: bool = False) ->
     if differing or len(existing) < len(files):
         task_dir.mkdir(parents=True, exist_ok=True)
         for filename, content in files.items():  # task.json last: it vouches for the others
-            _write_atomic(task_dir / filename, content)
+            write_atomic(task_dir / filename, content)
     return task_dir
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp_name, 0o644)
-        os.replace(tmp_name, path)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
 
 
 # ----------------------------------------------------------------------------- load
