@@ -19,6 +19,20 @@ DEFAULT_SENTENCES = (
 )
 
 
+def _with_mask(sentence: str, mask: str, tokenizer) -> str:
+    """Put the mask token in place of ``[MASK]``.
+
+    Byte-level BPE tokenizers (GPT-2 style, ours) fold the space before a word into the word's
+    token; their mask token does not, so " <mask>" would leave a stray space token before the
+    mask. There the preceding space goes into the mask.
+    """
+    spaced = tokenizer(f"a {mask}", add_special_tokens=False)["input_ids"]
+    glued = tokenizer(f"a{mask}", add_special_tokens=False)["input_ids"]
+    if len(spaced) > len(glued):
+        return sentence.replace(" [MASK]", mask, 1).replace("[MASK]", mask, 1)
+    return sentence.replace("[MASK]", mask, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", help="a Hugging Face masked-LM directory (e.g. tools/export_hf_checkpoint.py output)")
@@ -33,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         if "[MASK]" not in sentence:
             print(f"fill_mask.py: error: {sentence!r} has no [MASK]", file=sys.stderr)
             return 2
-        predictions = fill(sentence.replace("[MASK]", mask, 1), top_k=args.top_k)
+        predictions = fill(_with_mask(sentence, mask, fill.tokenizer), top_k=args.top_k)
         ranked = ", ".join(f"{p['token_str'].strip()!r} {p['score']:.2f}" for p in predictions)
         print(f"{sentence}\n    -> {ranked}")
     return 0
