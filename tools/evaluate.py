@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-steps", type=int, default=None,
         help="optimizer steps per run (default 1,000; also replaces token classification's one epoch)")
     add("--batch-size", type=int, default=None, help="examples per step (default 32)")
+    add("--max-length", type=int, default=None, help="truncate inputs to this many tokens (default 512)")
     add("--max-eval-examples", type=int, default=None,
         help="score at most this many validation/test examples (default: all)")
     add("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ext.eval.harness import evaluate_models
 
     overrides = {key: value for key, value in (("max_steps", args.max_steps), ("batch_size", args.batch_size),
+                                               ("max_length", args.max_length),
                                                ("max_eval_examples", args.max_eval_examples),
                                                ("device", args.device)) if value is not None}
     try:
