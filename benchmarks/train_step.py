@@ -5,8 +5,8 @@
 Both sides train the same architecture (EuroBERT = Llama-like encoder, untied head) with MLM-40 %
 on the same batches (random token ids over the tokenizer-free vocab of the preset; the objective
 and shapes are what matters for speed), AdamW, grad clipping, fp32 on CPU / bf16 autocast on GPU:
-- megatron_ext: ``build_encoder_model`` + ``apply_mlm`` + ``forward_loss`` + the trainer's gradient
-  reduction, clipping and AdamW (``megatron_ext.training``);
+- megatron_ext: ``build_encoder_model`` + ``apply_mlm`` + the portable training engine's step
+  (gradient reduction, clipping, AdamW: ``megatron_ext.training.engines.PortableEngine``);
 - Hugging Face: ``transformers.EuroBertForMaskedLM`` (SDPA attention) with its own loss.
 Steps alternate between the two in rounds, so machine noise hits both alike. Writes
 ``benchmarks/results/train_step_<device>.json`` with ``ratio`` = ours / HF tokens per second.
@@ -31,8 +31,7 @@ from megatron_ext import platform  # noqa: E402
 from megatron_ext.model import build_encoder_model, parameter_count, preset  # noqa: E402
 from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
 from megatron_ext.training.config import OptimizerConfig  # noqa: E402
-from megatron_ext.training.loop import forward_loss  # noqa: E402
-from megatron_ext.training.optim import build_optimizer, grad_norm_and_clip, reduce_gradients  # noqa: E402
+from megatron_ext.training.engines import MicroBatch, PortableEngine  # noqa: E402
 
 
 def hf_model(config):
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = build_encoder_model(config).to(device)
     hf = hf_model(config).to(device)
     opt_config = OptimizerConfig()
-    ours_opt = build_optimizer(ours, opt_config, lr=1e-4)
+    engine = PortableEngine(ours, opt_config, bf16=bf16)
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
     masking = MaskingConfig(mask_ratio=0.4)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -78,12 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return apply_mlm(tokens, config=masking, mask_id=3, vocab_size=args.vocab_size, special_ids=specials, generator=gen)
 
     def step_ours(b):
-        ours_opt.zero_grad(set_to_none=True)
-        loss_sum, n = forward_loss(ours, b, None, bf16=bf16)
-        loss_sum.backward()
-        reduce_gradients(ours, n, float(loss_sum.item()))
-        grad_norm_and_clip(ours, opt_config.clip_grad)
-        ours_opt.step()
+        engine.train_step([MicroBatch(b, None)], lr=1e-4)
 
     def step_hf(b):
         hf_opt.zero_grad(set_to_none=True)

@@ -24,7 +24,12 @@ Divergences, and why:
    tensor-parallel size above the number of KV heads. Transformer Engine is GPU-only.
    Outside the model (see DESIGN.md section 3): Megatron DDP, ``get_megatron_optimizer`` and
    pipeline schedules fail on CPU; the trainer owns that split.
-6. Checkpoint saving: megatron-core 0.19.2's synchronous ``dist_checkpointing.save`` calls
+6. Training engine and kernels (``check_run_supported``): ``training.engine: auto`` is Megatron-Core's
+   DDP / optimizer / schedules on GPU and the portable engine on CPU (DESIGN.md section 3); FP8 needs
+   Transformer Engine on compute capability >= 8.9; activation recomputation checkpoints the CUDA
+   RNG tracker (``tensor_parallel/random.py::CheckpointFunction``), so it is GPU-only. Without
+   Transformer Engine, ``attention_backend: te`` falls back to the local spec, announced once.
+7. Checkpoint saving: megatron-core 0.19.2's synchronous ``dist_checkpointing.save`` calls
    CUDA even when every tensor is on the CPU; ``dist_checkpoint_save_context`` redirects those
    two calls on CPU. The writer, and so the checkpoint format, is Megatron's on both platforms.
 
@@ -58,6 +63,71 @@ def accelerator_summary() -> str:
     parts = ["Transformer Engine: " + ("available" if te else "NOT installed -> local SDPA attention, torch norms"),
              "apex: " + ("available" if apex else "NOT installed -> torch optimizers")]
     return "; ".join(parts)
+
+
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+"""Transformer Engine's FP8 GEMMs need Ada (8.9), Hopper (9.0) or newer."""
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports (the ``te`` spec can be built)."""
+    from megatron_ext.model.attention import TEEncoderAttention
+
+    return TEEncoderAttention is not None
+
+
+def resolve_engine(requested: str) -> str:
+    """``training.engine`` for this platform: ``auto`` -> megatron on GPU, portable on CPU."""
+    if requested == "auto":
+        return "megatron" if on_gpu() else "portable"
+    if requested == "megatron" and not on_gpu():
+        raise ValueError("training.engine: megatron needs CUDA GPUs (Megatron-Core's DistributedDataParallel, "
+                         "distributed optimizer and pipeline schedules allocate CUDA buffers); use "
+                         "training.engine: portable or auto on this machine")
+    return requested
+
+
+def check_run_supported(*, engine: str, fp8_recipe: str | None, recompute_granularity: str | None,
+                        attention_backend: str, megatron_only: list[str]) -> None:
+    """Raise ``ValueError`` naming the setting this machine cannot run (before any model is built)."""
+    if megatron_only and engine != "megatron":
+        raise ValueError(f"{', '.join(megatron_only)} need(s) the megatron engine, which needs CUDA GPUs; "
+                         "on CPU use data and tensor parallelism without these options")
+    if fp8_recipe is not None:
+        if not on_gpu():
+            raise ValueError(f"training.fp8_recipe={fp8_recipe!r}: FP8 needs a CUDA GPU with compute capability "
+                             f">= {FP8_MIN_COMPUTE_CAPABILITY[0]}.{FP8_MIN_COMPUTE_CAPABILITY[1]} "
+                             "(Ada, Hopper or newer); this machine has none. Remove training.fp8_recipe")
+        capability = torch.cuda.get_device_capability()
+        if capability < FP8_MIN_COMPUTE_CAPABILITY:
+            raise ValueError(f"training.fp8_recipe={fp8_recipe!r}: {torch.cuda.get_device_name()} has compute "
+                             f"capability {capability[0]}.{capability[1]}; FP8 needs >= "
+                             f"{FP8_MIN_COMPUTE_CAPABILITY[0]}.{FP8_MIN_COMPUTE_CAPABILITY[1]}. Train in bf16 "
+                             "(remove training.fp8_recipe)")
+        if not transformer_engine_available():
+            raise ValueError(f"training.fp8_recipe={fp8_recipe!r} needs Transformer Engine, which does not import "
+                             "here; install it (docs/gpu.md) or remove training.fp8_recipe")
+        if attention_backend != "te":
+            raise ValueError(f"training.fp8_recipe={fp8_recipe!r} needs model.attention_backend: te")
+    if recompute_granularity is not None and not on_gpu():
+        raise ValueError(f"training.recompute_granularity={recompute_granularity!r} runs on CUDA only (Megatron's "
+                         "recomputation saves the CUDA RNG state); remove it on CPU")
+
+
+def attention_backend_fallback(attention_backend: str) -> tuple[str, str | None]:
+    """The attention backend this machine runs for the requested one, and the warning to print
+    once when it differs (``te`` without Transformer Engine or without a GPU -> ``local``)."""
+    if attention_backend != "te":
+        return attention_backend, None
+    if not on_gpu():
+        return "local", ("WARNING: model.attention_backend: te needs a CUDA GPU; this run uses the local spec "
+                         "(PyTorch SDPA attention, torch RMSNorm). Checkpoints are interchangeable.")
+    if not transformer_engine_available():
+        return "local", ("WARNING: model.attention_backend: te but Transformer Engine does not import; this run "
+                         "uses the local spec (PyTorch SDPA attention, torch RMSNorm, no fused norm+linear, no "
+                         "FP8). Install Transformer Engine for speed (docs/gpu.md). Checkpoints are "
+                         "interchangeable.")
+    return "te", None
 
 
 def on_gpu() -> bool:

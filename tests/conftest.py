@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -36,3 +37,21 @@ def news_texts() -> list[str]:
 
     path = assets.member("gensim", "gensim/test/test_data/lee_background.cor")
     return [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory, news_texts) -> dict[str, str]:
+    """A BPE tokenizer trained on 300 real news articles and those articles preprocessed."""
+    from megatron_ext.data.preprocess import PreprocessConfig, preprocess
+    from megatron_ext.tokenizer import TokenizerConfig
+    from tools import train_tokenizer
+
+    root = tmp_path_factory.mktemp("corpus")
+    jsonl = root / "news.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in news_texts))
+    assert train_tokenizer.main(["--input", str(jsonl), "--output-dir", str(root / "tok"),
+                                 "--vocab-size", "1024", "--no-progress"]) == 0
+    preprocess(PreprocessConfig(inputs=(str(jsonl),), output_prefix=str(root / "news"),
+                                tokenizer=TokenizerConfig(tokenizer_model=str(root / "tok")),
+                                append_eod=True, progress=False))
+    return {"tokenizer": str(root / "tok"), "data": str(root / "news_text_document")}

@@ -12,25 +12,9 @@ import torch
 import pretrain_encoder
 from distributed import run_ranks
 from megatron_ext import platform
-from megatron_ext.data.preprocess import PreprocessConfig, preprocess
-from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import NonFiniteLossError, pretrain
-from tools import plot_loss, train_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny_corpus(tmp_path_factory, news_texts) -> dict[str, str]:
-    """A BPE tokenizer trained on 300 real news articles and those articles preprocessed."""
-    root = tmp_path_factory.mktemp("corpus")
-    jsonl = root / "news.jsonl"
-    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in news_texts))
-    assert train_tokenizer.main(["--input", str(jsonl), "--output-dir", str(root / "tok"),
-                                 "--vocab-size", "1024", "--no-progress"]) == 0
-    preprocess(PreprocessConfig(inputs=(str(jsonl),), output_prefix=str(root / "news"),
-                                tokenizer=TokenizerConfig(tokenizer_model=str(root / "tok")),
-                                append_eod=True, progress=False))
-    return {"tokenizer": str(root / "tok"), "data": str(root / "news_text_document")}
+from tools import plot_loss
 
 
 def _recipe(corpus: dict[str, str], run_dir: Path, **sections) -> dict:

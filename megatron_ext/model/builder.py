@@ -7,6 +7,9 @@ block, so checkpoints map 1:1 onto ``EuroBertForMaskedLM`` and ``LlamaForCausalL
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -117,8 +120,13 @@ class EncoderModel(GPTModel):
         return super().forward(input_ids, position_ids, mask, labels=labels)
 
 
-def transformer_config(config: EncoderModelConfig) -> TransformerConfig:
-    """Megatron ``TransformerConfig`` for ``config`` under the initialised parallel state."""
+def transformer_config(config: EncoderModelConfig, overrides: Mapping[str, Any] | None = None) -> TransformerConfig:
+    """Megatron ``TransformerConfig`` for ``config`` under the initialised parallel state.
+
+    ``overrides``: fields the training run sets beyond the architecture (FP8 recipe, activation
+    recomputation, per-token loss for Megatron's schedules), e.g.
+    ``megatron_ext.training.engines.megatron_transformer_overrides``.
+    """
     dtype = config.torch_dtype
     return TransformerConfig(
         num_layers=config.num_layers,
@@ -144,11 +152,13 @@ def transformer_config(config: EncoderModelConfig) -> TransformerConfig:
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         use_cpu_initialization=platform.use_cpu_initialization(),
+        **(overrides or {}),
     )
 
 
 def build_encoder_model(
-    config: EncoderModelConfig, *, pre_process: bool = True, post_process: bool = True
+    config: EncoderModelConfig, *, pre_process: bool = True, post_process: bool = True,
+    transformer_overrides: Mapping[str, Any] | None = None,
 ) -> EncoderModel:
     """Build this rank's part of the encoder; needs ``parallel_state`` initialised
     (``megatron_ext.platform.init_process_group_and_model_parallel``).
@@ -183,7 +193,8 @@ def build_encoder_model(
         attention_backend=config.attention_backend,
     )
     model = EncoderModel(
-        config, transformer_config(config), pre_process=pre_process, post_process=post_process
+        config, transformer_config(config, transformer_overrides), pre_process=pre_process,
+        post_process=post_process,
     )
     # Megatron's torch norms ignore params_dtype; Megatron-LM casts the whole model later
     # (Float16Module). Cast here so every parameter has the configured dtype.

@@ -83,6 +83,23 @@ class TrainingConfig:
     """Steps between step log lines."""
     max_nonfinite_steps: int = 5
     """A step whose loss is NaN/inf is skipped and counted; stop after this many in a row."""
+    engine: Literal["auto", "portable", "megatron"] = "auto"
+    """How a step runs. ``portable``: this project's loop (per-token loss, flat gradient
+    all-reduce, torch AdamW); runs on CPU and GPU. ``megatron``: Megatron-Core's
+    ``DistributedDataParallel``, ``get_megatron_optimizer`` and ``get_forward_backward_func``
+    (micro-batching, pipeline parallelism, distributed optimizer, overlapped gradient
+    reduction); GPU only. ``auto``: megatron on GPU, portable on CPU."""
+    fp8_recipe: Literal["delayed", "tensorwise"] | None = None
+    """FP8 matmuls through Transformer Engine (Hopper or newer, ``attention_backend: te``,
+    ``bf16: true``): ``delayed`` scaling (amax history) or ``tensorwise`` current scaling
+    (Megatron ``--fp8-recipe``); None trains without FP8."""
+    fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
+    """FP8 formats when ``fp8_recipe`` is set: ``hybrid`` = E4M3 forward, E5M2 gradients."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Activation recomputation (Megatron ``--recompute-granularity``): ``selective``
+    recomputes the core attention, ``full`` whole layers (see ``recompute_num_layers``)."""
+    recompute_num_layers: int = 1
+    """With ``full`` recomputation: layers per recomputed chunk (Megatron's uniform method)."""
 
     def __post_init__(self) -> None:
         if self.train_iters < 1:
@@ -92,6 +109,11 @@ class TrainingConfig:
                 raise ValueError(f"training.{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 < self.eval_mask_ratio < 1.0:
             raise ValueError(f"training.eval_mask_ratio must be in (0, 1), got {self.eval_mask_ratio}")
+        if self.fp8_recipe is not None and not self.bf16:
+            raise ValueError(f"training.fp8_recipe={self.fp8_recipe!r} needs training.bf16: true "
+                             "(FP8 matmuls run inside a bf16 mixed-precision step)")
+        if self.recompute_num_layers < 1:
+            raise ValueError(f"training.recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,18 +123,31 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size (Megatron-Core column/row-parallel linears)."""
     pipeline_model_parallel_size: int = 1
-    """Pipeline-parallel size. Only 1 for now: the loop has no pipeline schedule yet."""
+    """Pipeline-parallel size (``training.engine: megatron`` only: Megatron's 1F1B schedule)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer states and fp32 gradients over data parallelism (Megatron's distributed
+    optimizer; ``training.engine: megatron``)."""
+    overlap_grad_reduce: bool = False
+    """Reduce gradient buckets during the backward pass (``training.engine: megatron``)."""
+    overlap_param_gather: bool = False
+    """All-gather updated parameters during the next forward pass (needs
+    ``use_distributed_optimizer``)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        if self.pipeline_model_parallel_size != 1:
-            raise ValueError(
-                f"parallel.pipeline_model_parallel_size={self.pipeline_model_parallel_size}: pipeline "
-                "parallelism is not implemented yet (it comes with Megatron's pipeline schedules on the "
-                "GPU path); models up to 1B fit with tensor and data parallelism"
-            )
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer: true")
+
+    @property
+    def needs_megatron_engine(self) -> list[str]:
+        """The settings here that only ``training.engine: megatron`` can run."""
+        wanted = [f"parallel.{name}" for name in ("use_distributed_optimizer", "overlap_grad_reduce",
+                                                   "overlap_param_gather") if getattr(self, name)]
+        if self.pipeline_model_parallel_size > 1:
+            wanted.append(f"parallel.pipeline_model_parallel_size={self.pipeline_model_parallel_size}")
+        return wanted
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +184,13 @@ class RunConfig:
             raise ConfigError(
                 f"data.seq_length={self.data.seq_length} exceeds model.seq_length={self.model.seq_length}"
             )
+        megatron_only = self.parallel.needs_megatron_engine
+        if megatron_only and self.training.engine == "portable":
+            raise ConfigError(f"{', '.join(megatron_only)} need(s) training.engine: megatron (or auto on a GPU); "
+                              "the portable engine has no pipeline schedule or distributed optimizer")
+        if self.training.fp8_recipe is not None and self.model.attention_backend != "te":
+            raise ConfigError(f"training.fp8_recipe={self.training.fp8_recipe!r} needs model.attention_backend: te "
+                              "(FP8 matmuls are Transformer Engine layers)")
         try:
             resolved = resolve_phases(self.phases, self.training.train_iters)
         except ValueError as err:

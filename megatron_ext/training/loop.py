@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
+import dataclasses
 import math
 import time
 from collections.abc import Iterator
@@ -30,8 +33,9 @@ from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training import data as data_lib
 from megatron_ext.training.config import RunConfig
+from megatron_ext.training.engines import MicroBatch, build_engine, megatron_transformer_overrides
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, peak_flops_per_device
-from megatron_ext.training.optim import build_optimizer, grad_norm_and_clip, reduce_gradients, set_lr
+from megatron_ext.training.plan import make_plan
 
 logger = logging.getLogger(__name__)
 
@@ -79,16 +83,6 @@ def make_objective(batch: dict[str, torch.Tensor], *, objective: str, masking: M
         special_ids=tokenizer.special_ids, generator=generator,
         maskable=batch["loss_mask"].sum(-1, keepdim=True) > 0,  # batch-padding samples
     )
-
-
-def forward_loss(model: torch.nn.Module, batch: ObjectiveBatch, position_ids: torch.Tensor | None,
-                 *, bf16: bool) -> tuple[torch.Tensor, int]:
-    """Sum of the scored tokens' cross-entropy (fp32) and their number."""
-    labels = batch.labels.clamp(min=0)  # IGNORE_INDEX positions are zeroed by the loss mask
-    with torch.autocast(platform.device().type, dtype=torch.bfloat16, enabled=bf16):
-        per_token = model(batch.input_ids, causal=batch.causal, position_ids=position_ids, labels=labels)
-    loss_mask = batch.loss_mask.to(per_token.dtype)
-    return (per_token.float() * loss_mask).sum(), int(loss_mask.sum().item())
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -178,27 +172,25 @@ def _duration(seconds: float) -> str:
 
 
 @torch.no_grad()
-def evaluate(model, batches: list[dict[str, torch.Tensor]], *, config: RunConfig,
+def evaluate(engine, batches: list[dict[str, torch.Tensor]], *, config: RunConfig,
              tokenizer: EncoderTokenizer) -> dict[str, float]:
     """Validation loss of both objectives on the same fixed batches (global token means)."""
-    model.eval()
+    engine.model.eval()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     device = platform.device()
     masking = MaskingConfig(mask_ratio=config.training.eval_mask_ratio)
     result = {}
     for objective in ("clm", "mlm"):
-        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        micro_batches = []
         for i, batch in enumerate(batches):
             gen = masking_generator(config.training.seed, 0, i * dp_size + dp_rank, device, stream=EVAL_STREAM)
             obj = make_objective(batch, objective=objective, masking=masking, tokenizer=tokenizer,
                                  vocab_size=config.model.vocab_size, generator=gen)
-            loss_sum, n = forward_loss(model, obj, batch.get("position_ids"), bf16=config.training.bf16)
-            totals += torch.tensor([loss_sum.item(), n], dtype=torch.float64, device=device)
-        if dist.is_initialized():
-            dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-        result[objective] = float(totals[0] / totals[1]) if totals[1] > 0 else math.nan
-    model.train()
+            micro_batches.append(MicroBatch(obj, batch.get("position_ids")))
+        loss_sum, tokens = engine.eval_loss(micro_batches)
+        result[objective] = loss_sum / tokens if tokens > 0 else math.nan
+    engine.model.train()
     return result
 
 
@@ -223,6 +215,15 @@ def _restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
 
 
+def _check_same_engine(path: Path, engine: str) -> None:
+    """Optimizer states of the two engines differ in layout: resuming needs the engine that saved."""
+    saved = ckpt.read_run_config(path).get("training", {}).get("engine", "portable")
+    if saved != engine:
+        raise ValueError(f"checkpoint {path} holds the {saved} engine's optimizer state; resume it with "
+                         f"training.engine: {saved}, or start from its weights with checkpoint.load={path.parent} "
+                         f"and checkpoint.finetune: true (fresh optimizer). Model weights load under either engine.")
+
+
 def check_tokenizer_fits(config: RunConfig, tokenizer: EncoderTokenizer) -> None:
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ValueError(
@@ -239,21 +240,32 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
     ``exit_after_step`` stops (after checkpointing) once that many steps are complete, like
     Megatron's ``--exit-interval``; used to test that resuming is exact.
     """
+    engine = platform.resolve_engine(config.training.engine)
+    platform.check_run_supported(
+        engine=engine, fp8_recipe=config.training.fp8_recipe,
+        recompute_granularity=config.training.recompute_granularity,
+        attention_backend=config.model.attention_backend, megatron_only=config.parallel.needs_megatron_engine)
+    backend, warning = platform.attention_backend_fallback(config.model.attention_backend)
+    if warning is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(warning, file=sys.stderr, flush=True)
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, attention_backend=backend))
     owns_process_group = not dist.is_initialized()
-    if owns_process_group:
-        platform.init_process_group_and_model_parallel(
-            tensor_parallel_size=config.parallel.tensor_model_parallel_size,
-            pipeline_parallel_size=config.parallel.pipeline_model_parallel_size,
-            seed=config.training.seed,
-        )
     try:
-        return _pretrain(config, exit_after_step=exit_after_step)
+        if owns_process_group:
+            platform.init_process_group_and_model_parallel(
+                tensor_parallel_size=config.parallel.tensor_model_parallel_size,
+                pipeline_parallel_size=config.parallel.pipeline_model_parallel_size,
+                seed=config.training.seed,
+            )
+        return _pretrain(config, engine_name=engine, exit_after_step=exit_after_step)
     finally:
         if owns_process_group:
             platform.destroy_process_group_and_model_parallel()
 
 
-def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
+def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | None) -> TrainResult:
+    make_plan(config, dist.get_world_size())  # layout and batch sizes divide: checked before any allocation
     device = platform.device()
     tokenizer = build_tokenizer(config.tokenizer)
     check_tokenizer_fits(config, tokenizer)
@@ -263,8 +275,12 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
     dp_size = parallel_state.get_data_parallel_world_size()
     data_cfg = config.data
 
-    model = build_encoder_model(config.model).to(device)
-    optimizer = build_optimizer(model, config.optimizer, lr=0.0)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    model = build_encoder_model(config.model, pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
+                                transformer_overrides=megatron_transformer_overrides(config)).to(device)
+    engine = build_engine(engine_name, model, config)
+    model, optimizer = engine.checkpoint_model, engine.optimizer
     state: dict = {}
     result_checkpoint = None
     cc = config.checkpoint
@@ -278,6 +294,7 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
         result_checkpoint = str(path)
         if cc.save and ckpt.latest_checkpoint(cc.save) is not None:  # a CPT run that was interrupted
             path = ckpt.latest_checkpoint(cc.save)
+            _check_same_engine(path, engine.name)
             state = ckpt.load_checkpoint(path, model=model, optimizer=optimizer)
             result_checkpoint = str(path)
     else:
@@ -286,6 +303,7 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
         if cc.load and path is None:
             raise FileNotFoundError(f"checkpoint.load={cc.load!r}: no complete checkpoint found")
         if path is not None:
+            _check_same_engine(path, engine.name)
             state = ckpt.load_checkpoint(path, model=model, optimizer=optimizer)
             result_checkpoint = str(path)
     _restore_rng(state)
@@ -313,11 +331,13 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
         valid_batches = [_to_device(b, device) for b in data_lib.build_valid_iterator(
             valid_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size)]
 
+    # The resolved engine is recorded: its optimizer state is what the checkpoint holds.
+    saved_config = dataclasses.replace(config, training=dataclasses.replace(config.training, engine=engine.name)).to_dict()
     log = StepLogger(config, total_steps=total, start_step=start, wandb_run_id=state.get("wandb_run_id"))
     if log.is_writer:
         print(f"training {total} steps from step {start}: " + ", ".join(
             f"{_phase_name(p)} [{p.start}, {p.end})" for p in phases) + f"; MFU convention: {MFU_CONVENTION}", flush=True)
-        print(platform.accelerator_summary(), flush=True)
+        print(f"engine: {engine.name}; " + platform.accelerator_summary(), flush=True)
     result = TrainResult(start_step=start, final_step=start, checkpoint=result_checkpoint)
     nonfinite = int(state.get("nonfinite_in_a_row", 0))
     skipped_total = int(state.get("skipped_steps", 0))
@@ -326,28 +346,21 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
         for step in range(start, total):
             phase = phase_at(phases, step)
             lr = lr_at(step, config=config.schedule, total_steps=total, phases=phases)
-            set_lr(optimizer, lr)
-            optimizer.zero_grad(set_to_none=True)
             masking = None if phase.objective == "clm" else MaskingConfig(
                 mask_ratio=phase.mask_ratio, mask_replace_prob=phase.mask_replace_prob,
                 random_replace_prob=phase.random_replace_prob)
-            local_tokens, local_loss = 0, 0.0
+            micro_batches = []
             for micro in range(micro_per_step):
                 batch = _to_device(next(train_iter), device)
                 gen = masking_generator(config.training.seed, step, micro * dp_size + dp_rank, device)
                 obj = make_objective(batch, objective=phase.objective, masking=masking, tokenizer=tokenizer,
                                      vocab_size=config.model.vocab_size, generator=gen)
-                loss_sum, n = forward_loss(model, obj, batch.get("position_ids"), bf16=config.training.bf16)
-                loss_sum.backward()
-                local_tokens += n
-                local_loss += float(loss_sum.item())
-            _, loss = reduce_gradients(model, local_tokens, local_loss)
-            grad_norm = grad_norm_and_clip(model, config.optimizer.clip_grad) if math.isfinite(loss) else math.nan
-            skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+                micro_batches.append(MicroBatch(obj, batch.get("position_ids")))
+            outcome = engine.train_step(micro_batches, lr)
+            loss, grad_norm, skipped = outcome.loss, outcome.grad_norm, outcome.skipped
             if skipped:
                 nonfinite += 1
                 skipped_total += 1
-                optimizer.zero_grad(set_to_none=True)
                 if nonfinite >= config.training.max_nonfinite_steps:
                     raise NonFiniteLossError(
                         f"step {step + 1}: loss {loss} / grad norm {grad_norm} non-finite for {nonfinite} "
@@ -356,24 +369,25 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
                     )
             else:
                 nonfinite = 0
-                optimizer.step()
             done = step + 1
             result.final_step = done
             result.losses[done] = loss
             log.step(done, phase, loss, lr, grad_norm, skipped)
             if config.training.eval_interval and valid_batches and (done % config.training.eval_interval == 0 or done == total):
-                result.valid[done] = evaluate(model, valid_batches, config=config, tokenizer=tokenizer)
+                result.valid[done] = evaluate(engine, valid_batches, config=config, tokenizer=tokenizer)
                 log.record("valid", done, result.valid[done])
                 if log.is_writer:
                     print(f"validation at step {done}: clm loss {result.valid[done]['clm']:.4f} | "
                           f"mlm-{round(100 * config.training.eval_mask_ratio)} loss {result.valid[done]['mlm']:.4f}", flush=True)
             exiting = exit_after_step is not None and done >= exit_after_step
             if cc.save and (done % cc.save_interval == 0 or done == total or exiting):
+                engine.before_checkpoint()
                 path = ckpt.save_checkpoint(
                     cc.save, step=done, model=model, optimizer=optimizer,
                     trainer_state=_trainer_state(done, config, nonfinite, skipped_total, log.wandb_run_id),
-                    run_config=config.to_dict(), tokenizer_reference=tokenizer.reference(), keep_last=cc.keep_last,
+                    run_config=saved_config, tokenizer_reference=tokenizer.reference(), keep_last=cc.keep_last,
                 )
+                engine.after_checkpoint()
                 result.checkpoint = str(path)
                 if log.is_writer:
                     print(f"saved checkpoint {path}", flush=True)

@@ -1,0 +1,88 @@
+"""The GPU path's settings on a machine without a GPU: clear errors before any model is built,
+the Transformer Engine fallback, and the engine recorded in checkpoints (CPU, no mocks)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from megatron_ext import platform
+from megatron_ext.config_loading import ConfigError
+from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.engines import megatron_transformer_overrides
+from megatron_ext.training.loop import pretrain
+from test_training import _recipe
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a CPU-only machine refuses")
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"training": {"train_iters": 8, "fp8_recipe": "delayed"}}, "training.fp8_recipe='delayed' needs training.bf16"),
+    ({"training": {"train_iters": 8, "bf16": True, "fp8_recipe": "tensorwise"}},
+     "needs model.attention_backend: te"),
+    ({"parallel": {"pipeline_model_parallel_size": 2}, "training": {"train_iters": 8, "engine": "portable"}},
+     "parallel.pipeline_model_parallel_size=2 need(s) training.engine: megatron"),
+    ({"parallel": {"overlap_param_gather": True}}, "overlap_param_gather needs parallel.use_distributed_optimizer"),
+    ({"training": {"train_iters": 8, "recompute_num_layers": 0}}, "recompute_num_layers must be >= 1"),
+])
+def test_inconsistent_gpu_settings_are_config_errors(tmp_path, tiny_corpus, sections, message):
+    with pytest.raises((ConfigError, ValueError)) as err:
+        run_config_from_dict(_recipe(tiny_corpus, tmp_path, **sections))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"training": {"train_iters": 8, "engine": "megatron"}}, "training.engine: megatron needs CUDA GPUs"),
+    ({"training": {"train_iters": 8, "bf16": True, "fp8_recipe": "delayed"},
+      "model": {"attention_backend": "te"}}, "FP8 needs a CUDA GPU with compute capability >= 8.9"),
+    ({"parallel": {"pipeline_model_parallel_size": 2}}, "need(s) the megatron engine, which needs CUDA"),
+    ({"parallel": {"use_distributed_optimizer": True}}, "parallel.use_distributed_optimizer need(s) the megatron"),
+    ({"training": {"train_iters": 8, "recompute_granularity": "full"}}, "recompute_granularity='full' runs on CUDA"),
+    ({"parallel": {"tensor_model_parallel_size": 2}}, "world size 1 is not divisible by tensor_parallel_size=2"),
+])
+def test_unsupported_requests_fail_before_the_model_is_built(tmp_path, tiny_corpus, sections, message):
+    config = run_config_from_dict(_recipe(tiny_corpus, tmp_path, **sections))
+    with pytest.raises(ValueError) as err:
+        pretrain(config)
+    assert message in str(err.value)
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "log").exists()  # nothing ran
+
+
+def test_te_spec_falls_back_to_local_loudly_and_records_the_engine(tmp_path, tiny_corpus, capsys):
+    """A recipe asking for Transformer Engine trains here with the local spec, says so once, and
+    its checkpoint records the engine that wrote its optimizer state."""
+    config = run_config_from_dict(_recipe(tiny_corpus, tmp_path, model={"attention_backend": "te"},
+                                          training={"train_iters": 4, "eval_interval": 0, "log_interval": 1}))
+    result = pretrain(config)
+    err = capsys.readouterr().err
+    assert err.count("WARNING: model.attention_backend: te needs a CUDA GPU; this run uses the local spec") == 1
+    assert result.final_step == 4 and all(math.isfinite(v) for v in result.losses.values())
+    saved = ckpt.read_run_config(result.checkpoint)
+    assert saved["training"]["engine"] == "portable"
+    assert saved["model"]["attention_backend"] == "local"
+
+
+def test_resuming_with_another_engine_is_refused(tmp_path, tiny_corpus):
+    config = run_config_from_dict(_recipe(tiny_corpus, tmp_path, training={"train_iters": 4, "eval_interval": 0}))
+    first = pretrain(config, exit_after_step=2)
+    run_config = ckpt.read_run_config(first.checkpoint)
+    run_config["training"]["engine"] = "megatron"  # as a GPU run with the megatron engine writes it
+    (ckpt.latest_checkpoint(tmp_path / "ckpt") / ckpt.RUN_CONFIG).write_text(json.dumps(run_config))
+    with pytest.raises(ValueError, match="holds the megatron engine's optimizer state; resume it with "
+                                         "training.engine: megatron"):
+        pretrain(config)
+
+
+def test_transformer_overrides_carry_fp8_and_recomputation(tmp_path, tiny_corpus):
+    config = run_config_from_dict(_recipe(
+        tiny_corpus, tmp_path, model={"attention_backend": "te"},
+        training={"train_iters": 8, "bf16": True, "fp8_recipe": "tensorwise", "recompute_granularity": "full",
+                  "recompute_num_layers": 2}))
+    assert megatron_transformer_overrides(config) == {
+        "calculate_per_token_loss": True, "fp8": "hybrid", "fp8_recipe": "tensorwise",
+        "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}
+    assert platform.resolve_engine("auto") == "portable"
