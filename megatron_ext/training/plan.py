@@ -92,6 +92,15 @@ def format_plan(config: RunConfig, plan: RunPlan) -> str:
             f"{(end - start) * plan.tokens_per_step / 1e9:8.3f}B tokens  lr {lr_start:.2e} -> {lr_end:.2e}"
             + ("  (warmup restarts)" if phase.restart_warmup else "")
         )
+    p = config.parallel
+    precision = ("bf16 autocast" if t.bf16 else "fp32") + (f" + FP8 ({t.fp8_recipe}, {t.fp8_format})" if t.fp8_recipe else "")
+    engine = t.engine + (" (megatron on GPU, portable on CPU)" if t.engine == "auto" else "")
+    options = [name for name, on in (("distributed optimizer", p.use_distributed_optimizer),
+                                      ("overlapped grad reduce", p.overlap_grad_reduce),
+                                      ("overlapped param gather", p.overlap_param_gather)) if on]
+    if t.recompute_granularity:
+        options.append(f"{t.recompute_granularity} recomputation")
+    lines.append(f"step              engine {engine}; {precision}" + (f"; {', '.join(options)}" if options else ""))
     c = config.checkpoint
     lines.append(
         f"checkpoints       save={c.save or '-'} every {c.save_interval} steps, keep {c.keep_last}; "
