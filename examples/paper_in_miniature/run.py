@@ -47,7 +47,7 @@ LRS = (5e-4, 2e-3, 5e-3)
 """Fine-tuning grid. The paper's (1e-5 ... 5e-4) is for 1,000 steps of 210M-1B models; a 4-layer,
 hidden-128 model fine-tuned for 60 steps learns little below 5e-4 (measured: SC 63 % at 5e-4 vs
 69 % at 2e-3 after 100 steps), so the grid starts at the paper's top value and goes up."""
-SEEDS = (0, 1, 2)
+SEEDS = (0, 1)
 REFERENCE_MODEL = "all-MiniLM-L6-v2"
 MLM = {"objective": "mlm", "mask_ratio": 0.4}
 CLM = {"objective": "clm"}

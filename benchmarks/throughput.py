@@ -1,0 +1,254 @@
+"""Training throughput of the encoder vs a Hugging Face baseline, same shapes and batches, one device.
+
+    .venv/bin/python benchmarks/throughput.py                      # GPU: 210m/610m/1b x seq 1024/2048 x bf16/fp8
+    .venv/bin/python benchmarks/throughput.py --cpu-tiny           # CPU (CI): the tiny preset, seq 128, fp32
+    .venv/bin/python benchmarks/throughput.py --presets 610m --seq-lengths 2048 --precisions bf16
+
+Per (preset, sequence length, precision) both sides train MLM-40 % on the same random-token
+batches (the objective and shapes set the speed, not the text), AdamW (0.9, 0.95), clip 1.0:
+- megatron_ext: ``build_encoder_model`` (TE spec when Transformer Engine imports) driven by the
+  training engine the trainer uses (``training.engine: auto``: Megatron-Core DDP + optimizer +
+  forward-backward schedule on GPU, the portable engine on CPU), bf16 autocast, FP8 via TE;
+- Hugging Face: ``transformers.EuroBertForMaskedLM`` (SDPA attention) with its own loss, bf16
+  autocast, fused AdamW on GPU; ``--hf-compile`` adds ``torch.compile``.
+Each side runs warm-up steps, then timed rounds (the median round counts), one after the other on
+identical batches. Reported per row: tokens/s, achieved TFLOP/s and MFU (FLOPs convention of
+``megatron_ext.training.metrics``, printed; MFU against the dense bf16 peak, also for FP8 rows),
+peak GPU memory and step time, and the baseline's tokens/s and memory on the same shape. Writes
+``benchmarks/results/throughput_<device>.json`` (a list of rows plus device and versions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform as host
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from megatron_ext import platform  # noqa: E402
+from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E402
+from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
+from megatron_ext.training.config import run_config_from_dict  # noqa: E402
+from megatron_ext.training.engines import MicroBatch, build_engine, megatron_transformer_overrides  # noqa: E402
+from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, peak_flops_per_device  # noqa: E402
+
+SPECIAL_IDS = (0, 1, 2, 3)  # bos, pad, eos, mask of the synthetic vocabulary
+MASK_ID = 3
+
+
+def hf_model(config):
+    from transformers import EuroBertConfig, EuroBertForMaskedLM
+
+    hf_config = EuroBertConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups, max_position_embeddings=config.seq_length,
+        rope_theta=config.rotary_base, rms_norm_eps=config.norm_epsilon, tie_word_embeddings=config.tie_embeddings,
+        mask_token_id=MASK_ID, pad_token_id=1, bos_token_id=0, eos_token_id=2, attn_implementation="sdpa",
+    )
+    return EuroBertForMaskedLM(hf_config)
+
+
+def run_config(args, model_preset: str, seq_length: int, precision: str):
+    """The trainer's own config for this shape (the engine reads optimizer, data and precision)."""
+    backend, _ = platform.attention_backend_fallback("te")
+    return run_config_from_dict({
+        "model": {"preset": model_preset, "vocab_size": args.vocab_size, "seq_length": seq_length,
+                  "attention_backend": backend},
+        "tokenizer": {"tokenizer_model": "unused-by-this-benchmark"},
+        "data": {"data_path": ["unused-by-this-benchmark"], "seq_length": seq_length,
+                 "micro_batch_size": args.micro_batch_size, "global_batch_size": args.micro_batch_size},
+        "schedule": {"lr": 1e-4, "lr_decay_style": "constant", "lr_warmup_iters": 0},
+        "phases": [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}],
+        "training": {"train_iters": 1, "bf16": precision != "fp32",
+                     "fp8_recipe": args.fp8_recipe if precision == "fp8" else None},
+    })
+
+
+def _sync() -> None:
+    if platform.on_gpu():
+        torch.cuda.synchronize()
+
+
+def _peak_gb() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if platform.on_gpu() else None
+
+
+def _timed_rounds(step, batch, args) -> tuple[list[float], float | None]:
+    """Seconds per step of each round (after warm-up steps) and peak GPU memory in GB."""
+    def timed(n: int) -> float:
+        batches = [batch() for _ in range(n)]
+        _sync()
+        start = time.perf_counter()
+        for b in batches:
+            step(b)
+        _sync()
+        return (time.perf_counter() - start) / n
+
+    if platform.on_gpu():
+        torch.cuda.reset_peak_memory_stats()
+    timed(args.warmup)
+    times = [timed(args.steps) for _ in range(args.rounds)]
+    return times, _peak_gb()
+
+
+def _ours(config, engine_name: str, batch, args) -> tuple[list[float], float | None]:
+    torch.manual_seed(0)
+    model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
+    engine = build_engine(engine_name, model.to(platform.device()), config)
+    return _timed_rounds(lambda b: engine.train_step([MicroBatch(b, None)], lr=1e-4), batch, args)
+
+
+def _hf(config, batch, args) -> tuple[list[float], float | None]:
+    device = platform.device()
+    torch.manual_seed(0)
+    hf = hf_model(config.model).to(device)
+    optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1,
+                                  fused=platform.on_gpu())
+    forward = torch.compile(hf) if args.hf_compile else hf
+
+    def step(b):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.training.bf16):
+            loss = forward(input_ids=b.input_ids, labels=b.labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        optimizer.step()
+
+    return _timed_rounds(step, batch, args)
+
+
+def _release() -> None:
+    gc.collect()
+    if platform.on_gpu():
+        torch.cuda.empty_cache()
+
+
+def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
+    """One row: our engine, then the baseline, on batches from the same generator seed."""
+    device = platform.device()
+    config = run_config(args, model_preset, seq_length, precision)
+    engine_name = platform.resolve_engine("auto")
+    masking = MaskingConfig(mask_ratio=0.4)
+
+    def batches():
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def batch():
+            tokens = torch.randint(4, args.vocab_size, (args.micro_batch_size, seq_length), generator=gen,
+                                   device=device)
+            return apply_mlm(tokens, config=masking, mask_id=MASK_ID, vocab_size=args.vocab_size,
+                             special_ids=SPECIAL_IDS, generator=gen)
+        return batch
+
+    ours_times, ours_peak = _ours(config, engine_name, batches(), args)
+    _release()
+    hf_times, hf_peak = _hf(config, batches(), args)
+    _release()
+    tokens = args.micro_batch_size * seq_length
+    step_time, hf_step_time = statistics.median(ours_times), statistics.median(hf_times)
+    achieved = tokens / step_time * flops_per_token(config.model, seq_length)
+    peak = peak_flops_per_device(torch.cuda.get_device_name()) if platform.on_gpu() else None
+    return {
+        "model": model_preset, "seq_length": seq_length, "precision": precision,
+        "micro_batch_size": args.micro_batch_size, "parameters": parameter_count(config.model),
+        "engine": engine_name, "attention_backend": config.model.attention_backend,
+        "tokens_per_s": tokens / step_time, "tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
+        "peak_mem_gb": ours_peak, "step_time_s": step_time,
+        "hf_tokens_per_s": tokens / hf_step_time, "hf_peak_mem_gb": hf_peak, "hf_step_time_s": hf_step_time,
+        "speedup_vs_hf": hf_step_time / step_time,
+        "rounds_s": {"megatron_ext": ours_times, "hf": hf_times},
+    }
+
+
+def versions() -> dict:
+    import megatron.core
+    import transformers
+
+    info = {"python": host.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "megatron_core": megatron.core.__version__, "transformers": transformers.__version__}
+    try:
+        import transformer_engine
+
+        info["transformer_engine"] = transformer_engine.__version__
+    except ImportError:
+        info["transformer_engine"] = None
+    if platform.on_gpu():
+        info["driver"] = _driver()
+    return info
+
+
+def _driver() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=True).stdout
+        return out.strip().splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--cpu-tiny", action="store_true", help="CI mode: --presets tiny --seq-lengths 128 --precisions fp32")
+    add("--presets", nargs="+", default=["210m", "610m", "1b"])
+    add("--seq-lengths", nargs="+", type=int, default=[1024, 2048])
+    add("--precisions", nargs="+", choices=("fp32", "bf16", "fp8"), default=["bf16", "fp8"])
+    add("--fp8-recipe", choices=("delayed", "tensorwise"), default="delayed")
+    add("--vocab-size", type=int, default=128_256, help="the paper's Llama-3 vocabulary")
+    add("--micro-batch-size", type=int, default=4)
+    add("--steps", type=int, default=5, help="timed steps per round and side")
+    add("--rounds", type=int, default=3)
+    add("--warmup", type=int, default=2, help="untimed steps per side first")
+    add("--hf-compile", action="store_true", help="torch.compile the Hugging Face model")
+    add("--output", type=Path, default=None, help="default: benchmarks/results/throughput_<device>.json")
+    args = parser.parse_args(argv)
+    if args.cpu_tiny:
+        args.presets, args.seq_lengths, args.precisions = ["tiny"], [128], ["fp32"]
+        args.vocab_size = min(args.vocab_size, 8192)
+    if "fp8" in args.precisions:
+        platform.check_run_supported(engine=platform.resolve_engine("auto"), fp8_recipe=args.fp8_recipe,
+                                     recompute_granularity=None, attention_backend="te", megatron_only=[])
+
+    platform.init_process_group_and_model_parallel(seed=1234)
+    device_name = torch.cuda.get_device_name() if platform.on_gpu() else f"cpu{torch.get_num_threads()}"
+    print(f"{device_name}; FLOPs/token = {MFU_CONVENTION}; MFU against the dense bf16 peak", flush=True)
+    rows = []
+    try:
+        for model_preset in args.presets:
+            for seq_length in args.seq_lengths:
+                for precision in args.precisions:
+                    row = measure(args, model_preset, seq_length, precision)
+                    rows.append(row)
+                    mfu = "" if row["mfu"] is None else f" | MFU {100 * row['mfu']:.1f}%"
+                    mem = "" if row["peak_mem_gb"] is None else f" | {row['peak_mem_gb']:.1f} GB"
+                    print(f"{model_preset} seq {seq_length} {precision}: {row['tokens_per_s']:,.0f} tok/s | "
+                          f"{row['tflops']:.1f} TFLOP/s{mfu}{mem} | HF {row['hf_tokens_per_s']:,.0f} tok/s | "
+                          f"x{row['speedup_vs_hf']:.2f}", flush=True)
+    finally:
+        platform.destroy_process_group_and_model_parallel()
+    result = {"benchmark": "throughput", "device": device_name, "flops_convention": MFU_CONVENTION,
+              "mfu_peak": "dense bf16 peak of the device (also for fp8 rows)", "versions": versions(),
+              "settings": {k: v for k, v in vars(args).items() if k != "output"}, "rows": rows}
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_").lower()
+    out = args.output or REPO / "benchmarks" / "results" / f"throughput_{slug}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

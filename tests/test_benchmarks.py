@@ -1,0 +1,23 @@
+"""The throughput benchmark's CPU mode runs the same code as on a GPU, at tiny size (CI)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import throughput
+
+REQUIRED = ("model", "seq_length", "precision", "tokens_per_s", "tflops", "mfu", "peak_mem_gb", "hf_tokens_per_s")
+
+
+def test_throughput_cpu_mode_writes_rows(tmp_path, capsys):
+    out = tmp_path / "throughput_cpu.json"
+    assert throughput.main(["--cpu-tiny", "--steps", "1", "--rounds", "2", "--warmup", "1", "--output", str(out)]) == 0
+    assert "tok/s" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["flops_convention"].startswith("6*N") and result["versions"]["megatron_core"]
+    (row,) = result["rows"]
+    assert all(key in row for key in REQUIRED)
+    assert (row["model"], row["seq_length"], row["precision"], row["engine"]) == ("tiny", 128, "fp32", "portable")
+    assert row["tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0 and row["tflops"] > 0
+    assert row["mfu"] is None and row["peak_mem_gb"] is None  # no GPU peak to divide by on CPU
+    assert len(row["rounds_s"]["megatron_ext"]) == 2
