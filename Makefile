@@ -12,7 +12,7 @@ DEMO_DATASET := $(DATA)/demo_dataset
 # Extra pretrain_encoder.py flags for the demo, e.g. DEMO_ARGS="--train-iters 200"
 DEMO_ARGS ?=
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo miniature test bench clean
 
 # Idempotent: re-installs only when a requirements file changed.
 setup: $(VENV)/.installed
@@ -37,6 +37,10 @@ demo: setup
 	$(PY) tools/plot_loss.py runs/demo --output runs/demo/loss.png
 	$(PY) tools/export_hf_checkpoint.py --checkpoint runs/demo/checkpoints --output-dir runs/demo/hf_eurobert --overwrite
 	$(PY) tools/fill_mask.py runs/demo/hf_eurobert
+
+# The paper's comparison in miniature (examples/paper_in_miniature): ~1 h 20 min on 2 CPU cores.
+miniature: setup
+	$(PY) examples/paper_in_miniature/run.py
 
 test: setup
 	$(PY) -m pytest -q tests
