@@ -38,7 +38,7 @@ demo: setup
 	$(PY) tools/export_hf_checkpoint.py --checkpoint runs/demo/checkpoints --output-dir runs/demo/hf_eurobert --overwrite
 	$(PY) tools/fill_mask.py runs/demo/hf_eurobert
 
-# The paper's comparison in miniature (examples/paper_in_miniature): ~1 h 20 min on 2 CPU cores.
+# The paper's comparison in miniature (examples/paper_in_miniature): about an hour on 2 CPU cores.
 miniature: setup
 	$(PY) examples/paper_in_miniature/run.py
 

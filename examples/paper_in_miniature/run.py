@@ -1,6 +1,6 @@
 """The paper's comparison in miniature: MLM vs CLM vs biphasic vs CPT under one token budget.
 
-    python examples/paper_in_miniature/run.py                 # ~70 min on 2 CPU cores
+    python examples/paper_in_miniature/run.py                 # about an hour on 2 CPU cores
     python examples/paper_in_miniature/run.py --train-iters 800 --seeds 0 1 2 3 4
 
 1. Data: the demo corpus, tokenizer and dataset of ``make demo`` (built when absent).
@@ -11,8 +11,8 @@
    and ``cpt`` (continued pretraining: a CLM run of 75 % of the steps with its own full decay, then
    MLM-40 % for the remaining 25 % from that decayed checkpoint with a fresh warmup and decay,
    as the paper continues decayed CLM checkpoints). Rerunning skips finished runs.
-3. Fine-tuning: every model on the offline suite (one task per family: ``rt_sentiment`` SC,
-   ``wiki_mentions`` TC, ``news_cloze`` QA, ``wiki_sections`` IR) over an LR grid x seeds with the
+3. Fine-tuning: every model on the offline suite (``rt_sentiment`` SC, ``wiki_mentions`` TC,
+   ``news_cloze`` QA; ``--tasks ... wiki_sections`` adds IR, see ``TASKS``) over an LR grid x seeds with the
    harness of ``tools/evaluate.py`` (the paper's protocol, shortened: ``--finetune-steps`` steps,
    inputs of at most ``--max-length`` tokens = the pretraining length). all-MiniLM-L6-v2 (PyPI) is
    the off-the-shelf reference row, at ``--reference-lr``. Runs go to ``--workers`` processes.
@@ -42,7 +42,10 @@ from megatron_ext import assets
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = Path(__file__).resolve().with_name("recipe.yaml")
-TASKS = ("rt_sentiment", "wiki_mentions", "news_cloze", "wiki_sections")
+TASKS = ("rt_sentiment", "wiki_mentions", "news_cloze")
+"""SC, TC and QA. Retrieval (``wiki_sections``) is left out by default: measured on the 400-step
+MLM-40 model, NDCG@10 stays at 0.0-0.3 (random ranking of 4,966 passages) after 60 fine-tuning
+steps at every LR, while taking 40 % of the fine-tuning time. Add it with ``--tasks``."""
 LRS = (5e-4, 2e-3, 5e-3)
 """Fine-tuning grid. The paper's (1e-5 ... 5e-4) is for 1,000 steps of 210M-1B models; a 4-layer,
 hidden-128 model fine-tuned for 60 steps learns little below 5e-4 (measured: SC 63 % at 5e-4 vs
