@@ -9,12 +9,12 @@ uninterrupted run would have done; model, optimizer and RNG states come from the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 import sys
-import dataclasses
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
