@@ -22,26 +22,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
+sys.path.insert(0, str(REPO))
 
-
-def versions() -> dict:
-    import megatron.core
-    import torch
-
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "megatron_core": megatron.core.__version__,
-            "python": sys.version.split()[0]}
-    try:
-        import transformer_engine
-
-        info["transformer_engine"] = transformer_engine.__version__
-    except ImportError:
-        info["transformer_engine"] = None
-    try:
-        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                        capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        info["driver"] = None
-    return info
+from megatron_ext import platform  # noqa: E402
 
 
 def loss_gap(out: Path, recipe: str) -> dict | None:
@@ -75,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         gaps = {recipe: loss_gap(Path(tmp), recipe) for recipe in ("delayed", "tensorwise")}
     name = torch.cuda.get_device_name()
     record = {"device": name, "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())),
-              **versions(), "pytest_exit_code": run.returncode, "tests": lines, "fp8_vs_bf16_loss": gaps}
+              **platform.software_versions(), "pytest_exit_code": run.returncode, "tests": lines, "fp8_vs_bf16_loss": gaps}
     args.output_dir.mkdir(parents=True, exist_ok=True)
     path = args.output_dir / f"gpu_check_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform as host
 import re
 import statistics
 import sys
@@ -171,34 +170,6 @@ def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
     }
 
 
-def versions() -> dict:
-    import megatron.core
-    import transformers
-
-    info = {"python": host.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "megatron_core": megatron.core.__version__, "transformers": transformers.__version__}
-    try:
-        import transformer_engine
-
-        info["transformer_engine"] = transformer_engine.__version__
-    except ImportError:
-        info["transformer_engine"] = None
-    if platform.on_gpu():
-        info["driver"] = _driver()
-    return info
-
-
-def _driver() -> str | None:
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, check=True).stdout
-        return out.strip().splitlines()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
@@ -240,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         platform.destroy_process_group_and_model_parallel()
     result = {"benchmark": "throughput", "device": device_name, "flops_convention": MFU_CONVENTION,
-              "mfu_peak": "dense bf16 peak of the device (also for fp8 rows)", "versions": versions(),
+              "mfu_peak": "dense bf16 peak of the device (also for fp8 rows)", "versions": platform.software_versions(),
               "settings": {k: v for k, v in vars(args).items() if k != "output"}, "rows": rows}
     slug = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_").lower()
     out = args.output or REPO / "benchmarks" / "results" / f"throughput_{slug}.json"

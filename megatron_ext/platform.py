@@ -130,6 +130,36 @@ def attention_backend_fallback(attention_backend: str) -> tuple[str, str | None]
     return "te", None
 
 
+def software_versions() -> dict[str, str | None]:
+    """Python, torch, CUDA, megatron-core, transformers, Transformer Engine and GPU driver versions
+    (None where absent), for benchmark and test records."""
+    import platform as host
+    import subprocess
+
+    import megatron.core
+    import transformers
+
+    info: dict[str, str | None] = {
+        "python": host.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "megatron_core": megatron.core.__version__, "transformers": transformers.__version__,
+        "transformer_engine": None, "driver": None,
+    }
+    try:
+        import transformer_engine
+
+        info["transformer_engine"] = transformer_engine.__version__
+    except ImportError:
+        pass
+    if on_gpu():
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, check=True).stdout
+            info["driver"] = out.strip().splitlines()[0]
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            pass
+    return info
+
+
 def on_gpu() -> bool:
     """True when this process trains on CUDA devices."""
     return torch.cuda.is_available()
