@@ -213,3 +213,21 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     """Mean of the token states over real (non-padding) tokens: ``[b, s, h] -> [b, h]``."""
     mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
     return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+
+class LinearHeadModel(torch.nn.Module):
+    """An encoder and a linear head over its last hidden states: per sequence (mean pooled over
+    real tokens, sequence classification) or per token (token classification)."""
+
+    def __init__(self, encoder: torch.nn.Module, num_labels: int, *, pooled: bool):
+        super().__init__()
+        self.encoder = encoder
+        self.pooled = pooled
+        self.head = torch.nn.Linear(encoder.config.hidden_size, num_labels)
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden = self.encoder(**inputs).last_hidden_state
+        if self.pooled:
+            hidden = mean_pool(hidden, inputs["attention_mask"])
+        return self.head(hidden.to(self.head.weight.dtype))
+

@@ -17,29 +17,16 @@ from sklearn.metrics import accuracy_score
 
 from megatron_ext.eval.protocol import (
     FinetuneConfig,
+    LinearHeadModel,
     RunResult,
     autocast,
     cycle_batches,
     eval_subset,
     load_encoder,
-    mean_pool,
     set_seed,
     train,
 )
 from megatron_ext.eval.tasks import TASK_FILE, load_task
-
-
-class MeanPoolClassifier(torch.nn.Module):
-    """An encoder, mean pooling over its last hidden states, and a linear classifier."""
-
-    def __init__(self, encoder: torch.nn.Module, num_labels: int):
-        super().__init__()
-        self.encoder = encoder
-        self.head = torch.nn.Linear(encoder.config.hidden_size, num_labels)
-
-    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        hidden = self.encoder(**inputs).last_hidden_state
-        return self.head(mean_pool(hidden, inputs["attention_mask"]).to(self.head.weight.dtype))
 
 
 def encode(tokenizer: Any, rows: list[dict], device: torch.device) -> dict[str, torch.Tensor]:
@@ -64,7 +51,7 @@ def label_names(task_dir: Path, rows: list[dict]) -> list[str]:
 
 
 @torch.no_grad()
-def predict(model: MeanPoolClassifier, tokenizer: Any, rows: list[dict], config: FinetuneConfig) -> list[int]:
+def predict(model: LinearHeadModel, tokenizer: Any, rows: list[dict], config: FinetuneConfig) -> list[int]:
     """Predicted class index of every row."""
     predictions = []
     for start in range(0, len(rows), config.batch_size):
@@ -74,7 +61,7 @@ def predict(model: MeanPoolClassifier, tokenizer: Any, rows: list[dict], config:
     return predictions
 
 
-def accuracy(model: MeanPoolClassifier, tokenizer: Any, rows: list[dict], config: FinetuneConfig) -> float:
+def accuracy(model: LinearHeadModel, tokenizer: Any, rows: list[dict], config: FinetuneConfig) -> float:
     """Accuracy (0-100) of ``model`` on ``rows``."""
     return 100.0 * accuracy_score([row["label"] for row in rows], predict(model, tokenizer, rows, config))
 
@@ -89,10 +76,10 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
     names = label_names(task_dir, train_rows + splits["validation"] + splits["test"])
     set_seed(config.seed)
     tokenizer, encoder = load_encoder(model_dir, config)
-    model = MeanPoolClassifier(encoder, len(names)).to(config.torch_device)
+    model = LinearHeadModel(encoder, len(names), pooled=True).to(config.torch_device)
     steps = config.steps_for(len(train_rows))
 
-    def loss_fn(model: MeanPoolClassifier, rows: list[dict]) -> torch.Tensor:
+    def loss_fn(model: LinearHeadModel, rows: list[dict]) -> torch.Tensor:
         logits = model(encode(tokenizer, rows, config.torch_device))
         labels = torch.tensor([row["label"] for row in rows], device=logits.device)
         return torch.nn.functional.cross_entropy(logits.float(), labels)

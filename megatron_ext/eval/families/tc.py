@@ -20,6 +20,7 @@ from seqeval.metrics import f1_score, precision_score, recall_score
 
 from megatron_ext.eval.protocol import (
     FinetuneConfig,
+    LinearHeadModel,
     RunResult,
     autocast,
     cycle_batches,
@@ -32,19 +33,6 @@ from megatron_ext.eval.tasks import TASK_FILE, load_task
 
 IGNORE_INDEX = -100
 """Label of the sub-tokens that are not the first of a word (cross-entropy skips them)."""
-
-
-class TokenClassifier(torch.nn.Module):
-    """An encoder and a linear classifier over each of its last hidden states."""
-
-    def __init__(self, encoder: torch.nn.Module, num_labels: int):
-        super().__init__()
-        self.encoder = encoder
-        self.head = torch.nn.Linear(encoder.config.hidden_size, num_labels)
-
-    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        hidden = self.encoder(**inputs).last_hidden_state
-        return self.head(hidden.to(self.head.weight.dtype))
 
 
 def encode(tokenizer: Any, rows: list[dict], device: torch.device) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
@@ -90,7 +78,7 @@ def tag_names(task_dir: Path, rows: list[dict]) -> list[str]:
 
 
 @torch.no_grad()
-def predict(model: TokenClassifier, tokenizer: Any, rows: list[dict], names: list[str],
+def predict(model: LinearHeadModel, tokenizer: Any, rows: list[dict], names: list[str],
             config: FinetuneConfig) -> list[list[str]]:
     """Predicted tag of every word of every row."""
     predictions = []
@@ -122,10 +110,10 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
     if not tokenizer.is_fast:
         raise ValueError(f"{model_dir}: token classification needs a fast tokenizer (tokenizer.json) for "
                          "character offsets")
-    model = TokenClassifier(encoder, len(names)).to(config.torch_device)
+    model = LinearHeadModel(encoder, len(names), pooled=False).to(config.torch_device)
     steps = config.steps_for(len(train_rows))
 
-    def loss_fn(model: TokenClassifier, rows: list[dict]) -> torch.Tensor:
+    def loss_fn(model: LinearHeadModel, rows: list[dict]) -> torch.Tensor:
         inputs, firsts = encode(tokenizer, rows, config.torch_device)
         labels = torch.full(inputs["input_ids"].shape, IGNORE_INDEX, dtype=torch.long)
         for i, (row, first) in enumerate(zip(rows, firsts)):
