@@ -14,7 +14,9 @@ batches (the objective and shapes set the speed, not the text), AdamW (0.9, 0.95
 Each side runs warm-up steps, then timed rounds (the median round counts), one after the other on
 identical batches. Reported per row: tokens/s, achieved TFLOP/s and MFU (FLOPs convention of
 ``megatron_ext.training.metrics``, printed; MFU against the dense bf16 peak, also for FP8 rows),
-peak GPU memory and step time, and the baseline's tokens/s and memory on the same shape. Writes
+peak GPU memory and step time, and the baseline's tokens/s and memory on the same shape; for each
+of ``--variants`` (an optimisation step undone or a tuning choice, as a run-config change) its
+tokens/s and how much faster the default is, timed on the same batches in the same run. Writes
 ``benchmarks/results/throughput_<device>.json`` (a list of rows plus device and versions).
 """
 
@@ -44,6 +46,16 @@ from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, peak_
 SPECIAL_IDS = (0, 1, 2, 3)  # bos, pad, eos, mask of the synthetic vocabulary
 MASK_ID = 3
 
+# Optimisation steps as run-config changes from the trainer's defaults: each one asked for with
+# --variants is timed on the same batches right after the default configuration, so its effect is
+# a ratio from one run (benchmarks/README.md keeps the table of steps).
+VARIANTS = {
+    "full_lm_head": ({"training": {"lm_head_scored_only": False}}, "LM head + loss at every position"),
+    "selective_recompute": ({"training": {"recompute_granularity": "selective"}}, "recompute core attention"),
+    "full_recompute": ({"training": {"recompute_granularity": "full"}}, "recompute whole layers"),
+}
+GPU_ONLY_VARIANTS = ("selective_recompute", "full_recompute")
+
 
 def hf_model(config):
     from transformers import EuroBertConfig, EuroBertForMaskedLM
@@ -58,10 +70,11 @@ def hf_model(config):
     return EuroBertForMaskedLM(hf_config)
 
 
-def run_config(args, model_preset: str, seq_length: int, precision: str):
-    """The trainer's own config for this shape (the engine reads optimizer, data and precision)."""
+def run_config(args, model_preset: str, seq_length: int, precision: str, variant: str | None = None):
+    """The trainer's own config for this shape (the engine reads optimizer, data and precision),
+    changed as ``VARIANTS[variant]`` says."""
     backend, _ = platform.attention_backend_fallback("te")
-    return run_config_from_dict({
+    raw = {
         "model": {"preset": model_preset, "vocab_size": args.vocab_size, "seq_length": seq_length,
                   "attention_backend": backend},
         "tokenizer": {"tokenizer_model": "unused-by-this-benchmark"},
@@ -71,7 +84,10 @@ def run_config(args, model_preset: str, seq_length: int, precision: str):
         "phases": [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}],
         "training": {"train_iters": 1, "bf16": precision != "fp32",
                      "fp8_recipe": args.fp8_recipe if precision == "fp8" else None},
-    })
+    }
+    for section, values in (VARIANTS[variant][0] if variant else {}).items():
+        raw[section] = {**raw[section], **values}
+    return run_config_from_dict(raw)
 
 
 def _sync() -> None:
@@ -152,11 +168,21 @@ def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
 
     ours_times, ours_peak = _ours(config, engine_name, batches(), args)
     _release()
+    tokens = args.micro_batch_size * seq_length
+    step_time = statistics.median(ours_times)
+    variants = {}
+    for name in args.variants:
+        times, peak_mem = _ours(run_config(args, model_preset, seq_length, precision, name), engine_name, batches(), args)
+        _release()
+        variants[name] = {"change": VARIANTS[name][1], "tokens_per_s": tokens / statistics.median(times),
+                          "peak_mem_gb": peak_mem, "default_speedup": statistics.median(times) / step_time,
+                          "rounds_s": times}
     hf_times, hf_peak = _hf(config, batches(), args)
     _release()
-    tokens = args.micro_batch_size * seq_length
-    step_time, hf_step_time = statistics.median(ours_times), statistics.median(hf_times)
-    achieved = tokens / step_time * flops_per_token(config.model, seq_length)
+    hf_step_time = statistics.median(hf_times)
+    # MLM at 40 %: with the default scored-positions head, the head's FLOPs count at 40 % of tokens.
+    share = masking.mask_ratio if config.training.lm_head_scored_only else 1.0
+    achieved = tokens / step_time * flops_per_token(config.model, seq_length, lm_head_share=share)
     peak = peak_flops_per_device(torch.cuda.get_device_name()) if platform.on_gpu() else None
     return {
         "model": model_preset, "seq_length": seq_length, "precision": precision,
@@ -165,7 +191,7 @@ def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
         "tokens_per_s": tokens / step_time, "tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
         "peak_mem_gb": ours_peak, "step_time_s": step_time,
         "hf_tokens_per_s": tokens / hf_step_time, "hf_peak_mem_gb": hf_peak, "hf_step_time_s": hf_step_time,
-        "speedup_vs_hf": hf_step_time / step_time,
+        "speedup_vs_hf": hf_step_time / step_time, "variants": variants,
         "rounds_s": {"megatron_ext": ours_times, "hf": hf_times},
     }
 
@@ -184,11 +210,17 @@ def main(argv: list[str] | None = None) -> int:
     add("--rounds", type=int, default=3)
     add("--warmup", type=int, default=2, help="untimed steps per side first")
     add("--hf-compile", action="store_true", help="torch.compile the Hugging Face model")
+    add("--variants", nargs="*", choices=sorted(VARIANTS), default=["full_lm_head"],
+        help="optimisation steps to time against the default configuration, same batches: "
+        + "; ".join(f"{k}: {v[1]}" for k, v in VARIANTS.items()))
     add("--output", type=Path, default=None, help="default: benchmarks/results/throughput_<device>.json")
     args = parser.parse_args(argv)
     if args.cpu_tiny:
         args.presets, args.seq_lengths, args.precisions = ["tiny"], [128], ["fp32"]
         args.vocab_size = min(args.vocab_size, 8192)
+    gpu_only = [v for v in args.variants if v in GPU_ONLY_VARIANTS]
+    if gpu_only and not platform.on_gpu():
+        parser.error(f"--variants {' '.join(gpu_only)} need CUDA (Megatron's activation recomputation)")
     if "fp8" in args.precisions:
         platform.check_run_supported(engine=platform.resolve_engine("auto"), fp8_recipe=args.fp8_recipe,
                                      recompute_granularity=None, attention_backend="te", megatron_only=[])
@@ -207,7 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                     mem = "" if row["peak_mem_gb"] is None else f" | {row['peak_mem_gb']:.1f} GB"
                     print(f"{model_preset} seq {seq_length} {precision}: {row['tokens_per_s']:,.0f} tok/s | "
                           f"{row['tflops']:.1f} TFLOP/s{mfu}{mem} | HF {row['hf_tokens_per_s']:,.0f} tok/s | "
-                          f"x{row['speedup_vs_hf']:.2f}", flush=True)
+                          f"x{row['speedup_vs_hf']:.2f} vs HF", flush=True)
+                    for name, v in row["variants"].items():
+                        print(f"    default vs {name} ({v['change']}): x{v['default_speedup']:.2f} "
+                              f"({v['tokens_per_s']:,.0f} tok/s)", flush=True)
     finally:
         platform.destroy_process_group_and_model_parallel()
     result = {"benchmark": "throughput", "device": device_name, "flops_convention": MFU_CONVENTION,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import throughput
 
 REQUIRED = ("model", "seq_length", "precision", "tokens_per_s", "tflops", "mfu", "peak_mem_gb", "hf_tokens_per_s")
@@ -21,3 +23,12 @@ def test_throughput_cpu_mode_writes_rows(tmp_path, capsys):
     assert row["tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0 and row["tflops"] > 0
     assert row["mfu"] is None and row["peak_mem_gb"] is None  # no GPU peak to divide by on CPU
     assert len(row["rounds_s"]["megatron_ext"]) == 2
+    variant = row["variants"]["full_lm_head"]  # the default step vs the full LM head, same batches
+    assert variant["tokens_per_s"] > 0 and variant["default_speedup"] > 0 and len(variant["rounds_s"]) == 2
+
+
+def test_gpu_only_variants_are_refused_on_cpu(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        throughput.main(["--cpu-tiny", "--variants", "full_recompute", "--output", str(tmp_path / "x.json")])
+    assert exit_info.value.code == 2 and "--variants full_recompute need CUDA" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

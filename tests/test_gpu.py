@@ -96,6 +96,40 @@ def test_biphasic_run_falls_in_both_phases(tmp_path, tiny_corpus, fp8_recipe):
         {"losses": result.losses, "valid": result.valid}, indent=1))
 
 
+def test_megatron_engine_skips_non_finite_gradients(model_parallel, tmp_path, tiny_corpus):
+    """A finite loss with a NaN gradient is skipped before Megatron's optimizer (which would step
+    anyway) touches the parameters; the scored-positions LM head gives the full head's loss."""
+    from megatron_ext.model import build_encoder_model
+    from megatron_ext.objectives import MaskingConfig, apply_mlm
+    from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides, per_token_loss
+
+    config = run_config_from_dict(_gpu_recipe(tiny_corpus, tmp_path, steps=10))
+    torch.manual_seed(0)
+    model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config)).cuda()
+    engine = MegatronEngine(model, config)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens = torch.randint(4, 1024, (8, 128), device="cuda", generator=gen)
+    batch = apply_mlm(tokens, config=MaskingConfig(mask_ratio=0.4), mask_id=3, vocab_size=1024,
+                      special_ids=(0, 1, 2, 3), generator=gen)
+    micro = [MicroBatch(batch, None)]
+    with torch.no_grad():
+        scored, full = (float((per_token_loss(model, micro[0], bf16=True, lm_head_scored_only=flag)
+                               * batch.loss_mask).sum()) for flag in (True, False))
+    assert scored == pytest.approx(full, rel=1e-2)
+
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert not engine.train_step(micro, lr=1e-3).skipped
+    assert any(not torch.equal(p, initial[n]) for n, p in model.named_parameters())
+    snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
+    poison = model.decoder.layers[0].mlp.linear_fc2.weight.register_hook(lambda g: torch.full_like(g, math.nan))
+    bad = engine.train_step(micro, lr=1e-3)
+    poison.remove()
+    assert bad.skipped and math.isfinite(bad.loss)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, snapshot[name]), name
+    assert not engine.train_step(micro, lr=1e-3).skipped
+
+
 def test_kill_and_resume(tmp_path, tiny_corpus):
     """SIGKILL after the first checkpoint, then resume to the end from that checkpoint."""
     recipe = tmp_path / "recipe.json"

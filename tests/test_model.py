@@ -206,6 +206,37 @@ def test_labels_give_per_token_cross_entropy_and_gradients():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_lm_head_at_scored_positions_only_gives_the_same_loss_and_gradients(tie):
+    """``loss_mask`` runs the head on the scored rows only: equal losses there, 0 elsewhere, and
+    equal gradients of the masked loss sum for every parameter (tied embedding included)."""
+    model = build(dataclasses.replace(TINY, tie_embeddings=tie), seed=3).train()
+    ids = random_ids(24, seed=7).repeat(3, 1)
+    labels = torch.roll(ids, -1, dims=1)
+    gen = torch.Generator().manual_seed(0)
+    loss_mask = (torch.rand(ids.shape, generator=gen) < 0.3).float()
+    loss_mask[2] = 0.0  # a row with nothing scored
+
+    def loss_and_grads(**kwargs):
+        model.zero_grad(set_to_none=True)
+        per_token = model(ids, causal=False, labels=labels, **kwargs)
+        (per_token * loss_mask).sum().backward()
+        return per_token.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    full, full_grads = loss_and_grads()
+    scored, scored_grads = loss_and_grads(loss_mask=loss_mask)
+    keep = loss_mask > 0
+    assert scored.shape == full.shape and keep.sum() > 5
+    torch.testing.assert_close(scored[keep], full[keep])
+    assert (scored[~keep] == 0).all()
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(scored_grads[name], grad, msg=name)
+
+    with torch.no_grad():  # nothing scored at all: an empty head, zero loss
+        empty = model(ids, causal=False, labels=labels, loss_mask=torch.zeros_like(loss_mask))
+    assert empty.shape == ids.shape and (empty == 0).all()
+
+
 def test_matches_hugging_face_eurobert_and_llama():
     """Same weights: bidirectional == EuroBertForMaskedLM, causal == LlamaForCausalLM."""
     import transformers

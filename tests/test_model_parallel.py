@@ -36,8 +36,9 @@ def shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     raise AssertionError(f"no sharding rule for {name}")
 
 
-def run(ids: torch.Tensor, model, labels: torch.Tensor):
-    """Logits in both modes, the causal loss, and its gradients."""
+def run(ids: torch.Tensor, model, labels: torch.Tensor, loss_mask: torch.Tensor):
+    """Logits in both modes, the causal loss (full LM head), the bidirectional loss with the LM
+    head at the scored positions only, and the gradients of both together."""
     model.zero_grad()
     with torch.no_grad():
         logits = {
@@ -45,9 +46,10 @@ def run(ids: torch.Tensor, model, labels: torch.Tensor):
             for causal in (True, False)
         }
     loss = model(ids, causal=True, labels=labels)
-    loss.mean().backward()
+    scored = model(ids, causal=False, labels=labels, loss_mask=loss_mask)
+    (loss.mean() + (scored * loss_mask).sum() / loss_mask.sum()).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return logits, loss.detach(), grads
+    return logits, torch.cat([loss.detach(), scored.detach()]), grads
 
 
 def worker(rank: int, rendezvous: str) -> None:
@@ -58,11 +60,12 @@ def worker(rank: int, rendezvous: str) -> None:
     ids = torch.randint(3, CONFIG.vocab_size, (2, 32), generator=generator)
     ids[0, 12] = EOD
     labels = torch.roll(ids, -1, dims=1)
+    loss_mask = (torch.rand(ids.shape, generator=generator) < 0.4).float()
 
     torch.manual_seed(1)
     reference = build_encoder_model(CONFIG)
     full_state = reference.state_dict()
-    ref_logits, ref_loss, ref_grads = run(ids, reference, labels)
+    ref_logits, ref_loss, ref_grads = run(ids, reference, labels, loss_mask)
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=WORLD)
@@ -72,7 +75,7 @@ def worker(rank: int, rendezvous: str) -> None:
     shards = {n: shard(n, t, rank, WORLD) for n, t in full_state.items() if "_extra" not in n}
     missing, unexpected = model.load_state_dict(shards, strict=False)
     assert not unexpected and not [n for n in missing if "_extra_state" not in n]
-    logits, loss, grads = run(ids, model, labels)
+    logits, loss, grads = run(ids, model, labels, loss_mask)
 
     for causal in (True, False):
         torch.testing.assert_close(logits[causal], ref_logits[causal], atol=1e-5, rtol=1e-5)

@@ -95,6 +95,32 @@ def test_paper_recipe_plans(path: Path, capsys):
     assert f"save=/checkpoints/paper/{path.stem} every 1000 steps" in plan
 
 
+def total_flops(plan: str) -> float:
+    match = re.search(r"^compute\s+\S+ FLOPs/token on average, (\S+) FLOPs in total", plan, re.M)
+    assert match, plan
+    return float(match.group(1))
+
+
+def test_flops_count_the_lm_head_where_it_runs(capsys):
+    """MFU/plan FLOPs: with the scored-positions head, MLM-40 steps count the head at 40 % of
+    the tokens, CLM steps at all; the full head counts it everywhere (610M: hidden 1152,
+    vocab 128,256, 26 layers of 1152 * (2 * 18 + 2 * 6) * 64 + 3 * 1152 * 4096 matmul weights)."""
+    layers, hidden, vocab, seq, steps = 26, 1152, 128_256, 2048, 42000
+    body = layers * (hidden * (2 * 18 + 2 * 6) * 64 + 3 * hidden * 4096)
+    attention = 12 * layers * hidden * seq
+    per_token = {share: 6 * (body + share * vocab * hidden) + attention for share in (0.4, 1.0)}
+    tokens = TOKENS_PER_STEP * steps
+
+    def flops(recipe: str, *extra: str) -> float:
+        return total_flops(plan_of(RECIPES / "paper" / recipe, 64, capsys, *extra))
+
+    assert flops("610m_mlm_40.yaml") == pytest.approx(tokens * per_token[0.4], rel=1e-3)
+    assert flops("610m_mlm_40.yaml", "--no-lm-head-scored-only") == pytest.approx(tokens * per_token[1.0], rel=1e-3)
+    assert flops("610m_clm.yaml") == pytest.approx(tokens * per_token[1.0], rel=1e-3)
+    biphasic = (steps // 4 * per_token[1.0] + (steps - steps // 4) * per_token[0.4]) * TOKENS_PER_STEP
+    assert flops("610m_biphasic_25_75.yaml") == pytest.approx(biphasic, rel=1e-3)
+
+
 @pytest.mark.parametrize("size", SHAPES)
 def test_biphasic_mlm_starts_before_the_decay(size: str, capsys):
     plan = plan_of(RECIPES / "paper" / f"{size}_biphasic_25_75.yaml", 64, capsys)

@@ -89,6 +89,7 @@ class EncoderModel(GPTModel):
         causal: bool,
         position_ids: Tensor | None = None,
         labels: Tensor | None = None,
+        loss_mask: Tensor | None = None,
     ) -> Tensor:
         """Run the encoder with a causal (CLM) or bidirectional (MLM, evaluation) pattern.
 
@@ -101,6 +102,10 @@ class EncoderModel(GPTModel):
             labels: ``[b, s]`` target ids. A position holding an id outside the vocabulary
                 (e.g. ``IGNORE_INDEX`` = -100) gets a finite, meaningless loss: multiply the
                 result by the loss mask.
+            loss_mask: ``[b, s]`` weights of the per-token loss, with ``labels``. When given, the
+                LM head and the cross entropy run only at positions of positive weight (MLM: the
+                masked ~40 %, so most of the head's FLOPs and its ``[s, b, vocab]`` logits are
+                saved); the other positions get loss 0, which their zero weight ignores anyway.
 
         Returns:
             Without ``labels``: logits ``[b, s, vocab_size / tp]``, this tensor-parallel rank's
@@ -117,7 +122,36 @@ class EncoderModel(GPTModel):
             )
         eod = self.encoder_config.eod_token_id if self.encoder_config.document_mask else None
         mask = attention_mask_for(input_ids, causal=causal, eod_token_id=eod)
-        return super().forward(input_ids, position_ids, mask, labels=labels)
+        scored_only = labels is not None and loss_mask is not None
+        return super().forward(
+            input_ids, position_ids, mask, labels=labels, loss_mask=loss_mask,
+            output_processor=self._loss_at_scored_positions if scored_only else None,
+        )
+
+    def _loss_at_scored_positions(
+        self, *, hidden_states: Tensor, output_layer, output_weight: Tensor | None, labels: Tensor,
+        loss_mask: Tensor, compute_language_model_loss, scale_logits, **_: Any,
+    ) -> Tensor:
+        """GPTModel ``output_processor``: LM head + cross entropy at the scored positions only.
+
+        Every tensor-parallel rank holds the same batch and the full sequence (no sequence
+        parallelism), so each selects the same rows and the vocabulary-parallel head and loss
+        stay exact. Selecting a data-dependent number of rows syncs with the host once per
+        micro-batch and rules out CUDA graphs of the head.
+        """
+        if output_layer.sequence_parallel:
+            raise NotImplementedError(
+                "the scored-positions LM head does not support sequence parallelism; set "
+                "training.lm_head_scored_only: false"
+            )
+        seq, batch = hidden_states.shape[:2]
+        rows = (loss_mask.t() > 0).reshape(-1).nonzero().squeeze(1)  # hidden_states' [s, b] order
+        selected = hidden_states.reshape(seq * batch, -1).index_select(0, rows).unsqueeze(1)
+        logits, _ = output_layer(selected, weight=output_weight)  # [n, 1, vocab / tp]
+        selected_labels = labels.t().reshape(-1).index_select(0, rows).unsqueeze(0)  # [1, n] = [b, s]
+        loss = compute_language_model_loss(selected_labels, scale_logits(logits)).reshape(-1)
+        per_token = loss.new_zeros(seq * batch).index_put((rows,), loss)
+        return per_token.view(seq, batch).t()
 
 
 def transformer_config(config: EncoderModelConfig, overrides: Mapping[str, Any] | None = None) -> TransformerConfig:

@@ -55,12 +55,16 @@ class StepOutcome:
     """True when the loss or the gradient norm was non-finite: parameters were not updated."""
 
 
-def per_token_loss(model: torch.nn.Module, micro: MicroBatch, *, bf16: bool) -> torch.Tensor:
-    """Per-token cross-entropy ``[b, s]`` (fp32 compute in the model's loss; bf16 autocast forward)."""
+def per_token_loss(model: torch.nn.Module, micro: MicroBatch, *, bf16: bool, lm_head_scored_only: bool) -> torch.Tensor:
+    """Per-token cross-entropy ``[b, s]`` (fp32 compute in the model's loss; bf16 autocast forward).
+
+    ``lm_head_scored_only``: the LM head runs at the loss mask's positions only (0 elsewhere).
+    """
     batch = micro.objective
     labels = batch.labels.clamp(min=0)  # IGNORE_INDEX positions are zeroed by the loss mask
     with torch.autocast(platform.device().type, dtype=torch.bfloat16, enabled=bf16):
-        return model(batch.input_ids, causal=batch.causal, position_ids=micro.position_ids, labels=labels)
+        return model(batch.input_ids, causal=batch.causal, position_ids=micro.position_ids, labels=labels,
+                     loss_mask=batch.loss_mask if lm_head_scored_only else None)
 
 
 def masked_loss_sum(per_token: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,9 +78,10 @@ class PortableEngine:
 
     name = "portable"
 
-    def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig, *, bf16: bool):
+    def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig, *, bf16: bool, lm_head_scored_only: bool):
         self.model = model
         self.bf16 = bf16
+        self.lm_head_scored_only = lm_head_scored_only
         self.clip_grad = optimizer.clip_grad
         self.optimizer = build_optimizer(model, optimizer, lr=0.0)
 
@@ -84,12 +89,16 @@ class PortableEngine:
     def checkpoint_model(self) -> torch.nn.Module:
         return self.model
 
+    def _loss_sum(self, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        per_token = per_token_loss(self.model, micro, bf16=self.bf16, lm_head_scored_only=self.lm_head_scored_only)
+        return masked_loss_sum(per_token, micro)
+
     def train_step(self, micro_batches: Sequence[MicroBatch], lr: float) -> StepOutcome:
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         local_tokens, local_loss = 0, 0.0
         for micro in micro_batches:
-            loss_sum, n = masked_loss_sum(per_token_loss(self.model, micro, bf16=self.bf16), micro)
+            loss_sum, n = self._loss_sum(micro)
             loss_sum.backward()
             local_tokens += int(n)
             local_loss += float(loss_sum.item())
@@ -107,7 +116,7 @@ class PortableEngine:
         """(sum of token losses, token count) over the data-parallel group."""
         totals = torch.zeros(2, dtype=torch.float64, device=platform.device())
         for micro in micro_batches:
-            loss_sum, n = masked_loss_sum(per_token_loss(self.model, micro, bf16=self.bf16), micro)
+            loss_sum, n = self._loss_sum(micro)
             totals += torch.stack([loss_sum.double(), n.double()])
         if dist.is_initialized():
             dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
@@ -183,7 +192,8 @@ class MegatronEngine:
 
     def _forward_step(self, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         micro = next(data_iterator)
-        output = per_token_loss(model, micro, bf16=self.config.training.bf16)
+        t = self.config.training
+        output = per_token_loss(model, micro, bf16=t.bf16, lm_head_scored_only=t.lm_head_scored_only)
 
         def loss_func(per_token: torch.Tensor):
             loss_sum, n = masked_loss_sum(per_token, micro)
@@ -212,12 +222,24 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         loss_sum, tokens = self._run(micro_batches, forward_only=False)
         loss = loss_sum / tokens if tokens > 0 else math.nan
-        if not math.isfinite(loss):
+        if not (math.isfinite(loss) and self._gradients_finite()):
             self.ddp.zero_grad_buffer()
             return StepOutcome(loss=loss, grad_norm=math.nan, skipped=True)
         _, grad_norm, _ = self.optimizer.step()  # clips to optimizer.clip_grad, then updates
         grad_norm = math.nan if grad_norm is None else float(grad_norm)
         return StepOutcome(loss=loss, grad_norm=grad_norm, skipped=not math.isfinite(grad_norm))
+
+    @torch.no_grad()
+    def _gradients_finite(self) -> bool:
+        """Whether the gradients of every rank are finite. Checked before the update because
+        Megatron's fp32 and distributed optimizers step whatever the gradient norm is (only fp16
+        loss scaling skips), which would turn a non-finite gradient into NaN parameters. A NaN
+        or inf anywhere makes its buffer's sum non-finite, and the sum all-reduced over the
+        world (TP, PP and DP ranks) too: one pass over the buffers and one host sync."""
+        buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
+        total = torch.stack([b.grad_data.sum(dtype=torch.float32) for b in buffers]).sum()
+        dist.all_reduce(total)
+        return math.isfinite(float(total))
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: Sequence[MicroBatch]) -> tuple[float, float]:
@@ -237,7 +259,8 @@ class MegatronEngine:
 def build_engine(name: str, model: torch.nn.Module, config: RunConfig) -> PortableEngine | MegatronEngine:
     """The engine ``name`` (resolved: ``portable`` or ``megatron``) around ``model``."""
     if name == "portable":
-        return PortableEngine(model, config.optimizer, bf16=config.training.bf16)
+        return PortableEngine(model, config.optimizer, bf16=config.training.bf16,
+                              lm_head_scored_only=config.training.lm_head_scored_only)
     if name == "megatron":
         return MegatronEngine(model, config)
     raise ValueError(f"unknown engine {name!r}; expected 'portable' or 'megatron'")

@@ -34,7 +34,7 @@ from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training import data as data_lib
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engines import MicroBatch, build_engine, megatron_transformer_overrides
-from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, peak_flops_per_device
+from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device
 from megatron_ext.training.plan import make_plan
 
 logger = logging.getLogger(__name__)
@@ -97,11 +97,11 @@ class StepLogger:
         self.total_steps = total_steps
         self.is_writer = not dist.is_initialized() or dist.get_rank() == 0
         self.tokens_per_step = config.data.global_batch_size * config.data.seq_length
-        self.flops_per_token = flops_per_token(config.model, config.data.seq_length)
         self.peak = peak_flops_per_device(torch.cuda.get_device_name()) if platform.on_gpu() else None
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.window_start = time.perf_counter()
         self.window_steps = 0
+        self.window_flops = 0.0
         self.run_start = time.perf_counter()
         self.start_step = start_step
         self.wandb = None
@@ -131,18 +131,22 @@ class StepLogger:
 
     def step(self, step: int, phase: ResolvedPhase, loss: float, lr: float, grad_norm: float, skipped: bool) -> None:
         self.window_steps += 1
+        share = lm_head_share(phase, scored_only=self.config.training.lm_head_scored_only)
+        self.window_flops += self.tokens_per_step * flops_per_token(
+            self.config.model, self.config.data.seq_length, lm_head_share=share)
         values = {"objective": phase.objective, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped}
         interval = self.config.training.log_interval
         if interval and (step % interval == 0 or step == self.total_steps):
             now = time.perf_counter()
-            tokens_per_s = self.window_steps * self.tokens_per_step / max(now - self.window_start, 1e-9)
+            window_s = max(now - self.window_start, 1e-9)
+            tokens_per_s = self.window_steps * self.tokens_per_step / window_s
             elapsed = now - self.run_start
             eta = elapsed / max(step - self.start_step, 1) * (self.total_steps - step)
             values["tokens_per_s"] = tokens_per_s
             line = (f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | {_phase_name(phase):<7} | "
                     f"loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.3f} | {tokens_per_s:,.0f} tok/s")
             if self.peak:
-                mfu = tokens_per_s * self.flops_per_token / (self.peak * self.world)
+                mfu = self.window_flops / window_s / (self.peak * self.world)
                 values["mfu"] = mfu
                 line += f" | MFU {100 * mfu:.1f}%"
             line += f" | elapsed {_duration(elapsed)} | ETA {_duration(eta)}"
@@ -150,7 +154,7 @@ class StepLogger:
                 line += " | SKIPPED (non-finite)"
             if self.is_writer:
                 print(line, flush=True)
-            self.window_start, self.window_steps = now, 0
+            self.window_start, self.window_steps, self.window_flops = now, 0, 0.0
         self.record("train", step, values)
 
     def close(self) -> None:

@@ -1,18 +1,22 @@
 """Throughput accounting: FLOPs per token and model FLOPs utilisation (MFU).
 
 Convention (stated next to every MFU figure): FLOPs/token = 6 * N + 12 * L * h * s, where N
-counts the parameters of every matmul INCLUDING the LM head (computed over all positions) and
-excluding the embedding lookup and norms, and the attention term is for FULL (bidirectional)
-attention. Megatron-LM's own formula halves attention for causal masks; for an encoder that
-undercounts, and we use the full term for CLM steps too so that figures are comparable across
-phases (the kernels do skip the masked half for causal steps, so CLM MFU reads slightly high).
+counts the parameters of every matmul INCLUDING the LM head, excluding the embedding lookup and
+norms, and the attention term is for FULL (bidirectional) attention. The LM head (V * h) counts
+where it is computed: at every position, or with ``training.lm_head_scored_only`` on MLM steps
+at the scored (masked) share of positions only, so MFU is not inflated by FLOPs never run.
+Megatron-LM's own formula halves attention for causal masks; for an encoder that undercounts,
+and we use the full term for CLM steps too so that figures are comparable across phases (the
+kernels do skip the masked half for causal steps, so CLM MFU reads slightly high).
 """
 
 from __future__ import annotations
 
 from megatron_ext.model.config import EncoderModelConfig, layer_matmul_parameters
+from megatron_ext.schedule import ResolvedPhase
 
-MFU_CONVENTION = "6*N(matmul params incl. LM head) + 12*L*h*s (full bidirectional attention)"
+MFU_CONVENTION = ("6*N(matmul params incl. LM head, the head counted at the positions where it runs) "
+                  "+ 12*L*h*s (full bidirectional attention)")
 
 PEAK_TFLOPS = {
     # dense, no sparsity: (bf16, fp8)
@@ -22,14 +26,20 @@ PEAK_TFLOPS = {
 }
 
 
-def matmul_parameters(config: EncoderModelConfig) -> int:
-    """Parameters that take part in matmuls per token (LM head included, embedding lookup not)."""
-    return config.num_layers * layer_matmul_parameters(config) + config.vocab_size * config.hidden_size
+def flops_per_token(config: EncoderModelConfig, seq_length: int, *, lm_head_share: float = 1.0) -> float:
+    """Training FLOPs per token (forward + backward), see the module docstring.
+
+    ``lm_head_share``: share of the positions at which the LM head runs (see ``lm_head_share``).
+    """
+    body = config.num_layers * layer_matmul_parameters(config)
+    head = config.vocab_size * config.hidden_size
+    return 6.0 * (body + lm_head_share * head) + 12.0 * config.num_layers * config.hidden_size * seq_length
 
 
-def flops_per_token(config: EncoderModelConfig, seq_length: int) -> float:
-    """Training FLOPs per token (forward + backward), see the module docstring."""
-    return 6.0 * matmul_parameters(config) + 12.0 * config.num_layers * config.hidden_size * seq_length
+def lm_head_share(phase: ResolvedPhase, *, scored_only: bool) -> float:
+    """Expected share of a step's positions at which the LM head runs in ``phase``: all of them,
+    unless ``training.lm_head_scored_only`` limits an MLM step's head to its masked positions."""
+    return phase.mask_ratio if scored_only and phase.objective == "mlm" else 1.0
 
 
 def peak_flops_per_device(device_name: str, *, fp8: bool = False) -> float | None:

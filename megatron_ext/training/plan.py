@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from megatron_ext.model.config import parameter_count
 from megatron_ext.schedule import lr_at, resolve_phases
 from megatron_ext.training.config import RunConfig
-from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token
+from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,7 +22,8 @@ class RunPlan:
     tokens_per_step: int
     total_tokens: int
     parameters: int
-    flops_per_token: float
+    total_flops: float
+    """Training FLOPs of the whole run (``metrics.MFU_CONVENTION``)."""
     phases: tuple[tuple[str, int, int], ...]
     """(name, first step, end step) per phase."""
 
@@ -57,11 +58,16 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
         ("clm" if p.objective == "clm" else f"mlm-{round(100 * p.mask_ratio)}%", p.start, p.end) for p in phases
     )
     tokens_per_step = d.global_batch_size * d.seq_length
+    total_flops = sum(
+        (p.end - p.start) * tokens_per_step * flops_per_token(
+            m, d.seq_length, lm_head_share=lm_head_share(p, scored_only=config.training.lm_head_scored_only))
+        for p in phases
+    )
     return RunPlan(
         world_size=world_size, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
         micro_batches_per_step=d.global_batch_size // (d.micro_batch_size * dp),
         tokens_per_step=tokens_per_step, total_tokens=tokens_per_step * config.training.train_iters,
-        parameters=parameter_count(m), flops_per_token=flops_per_token(m, d.seq_length), phases=names,
+        parameters=parameter_count(m), total_flops=total_flops, phases=names,
     )
 
 
@@ -77,8 +83,8 @@ def format_plan(config: RunConfig, plan: RunPlan) -> str:
         f"batch             global {d.global_batch_size} = micro {d.micro_batch_size} x DP {plan.data_parallel} x "
         f"{plan.micro_batches_per_step} micro-batches/step, sequence {d.seq_length}",
         f"tokens            {plan.tokens_per_step:,}/step, {plan.total_tokens:,} in total ({plan.total_tokens / 1e9:.2f}B)",
-        f"compute           {plan.flops_per_token:.3e} FLOPs/token, {plan.flops_per_token * plan.total_tokens:.3e} "
-        f"FLOPs in total [{MFU_CONVENTION}]",
+        f"compute           {plan.total_flops / plan.total_tokens:.3e} FLOPs/token on average, "
+        f"{plan.total_flops:.3e} FLOPs in total [{MFU_CONVENTION}]",
         f"learning rate     {s.lr_decay_style}, peak {s.lr:g}, warmup {s.lr_warmup_iters}"
         + (f", decay {s.lr_wsd_decay_iters} ({s.lr_wsd_decay_style})" if s.lr_decay_style == "wsd" else "")
         + f", min {s.min_lr:g}",
@@ -100,6 +106,7 @@ def format_plan(config: RunConfig, plan: RunPlan) -> str:
                                       ("overlapped param gather", p.overlap_param_gather)) if on]
     if t.recompute_granularity:
         options.append(f"{t.recompute_granularity} recomputation")
+    options.append("LM head at scored positions only" if t.lm_head_scored_only else "LM head at every position")
     lines.append(f"step              engine {engine}; {precision}" + (f"; {', '.join(options)}" if options else ""))
     c = config.checkpoint
     lines.append(
