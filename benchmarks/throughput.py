@@ -41,7 +41,8 @@ from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E40
 from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
 from megatron_ext.training.config import run_config_from_dict  # noqa: E402
 from megatron_ext.training.engines import MicroBatch, build_engine, megatron_transformer_overrides  # noqa: E402
-from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, peak_flops_per_device  # noqa: E402
+from megatron_ext.schedule import resolve_phases  # noqa: E402
+from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device  # noqa: E402
 
 SPECIAL_IDS = (0, 1, 2, 3)  # bos, pad, eos, mask of the synthetic vocabulary
 MASK_ID = 3
@@ -180,8 +181,8 @@ def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
     hf_times, hf_peak = _hf(config, batches(), args)
     _release()
     hf_step_time = statistics.median(hf_times)
-    # MLM at 40 %: with the default scored-positions head, the head's FLOPs count at 40 % of tokens.
-    share = masking.mask_ratio if config.training.lm_head_scored_only else 1.0
+    (phase,) = resolve_phases(config.phases, config.training.train_iters)
+    share = lm_head_share(phase, scored_only=config.training.lm_head_scored_only)
     achieved = tokens / step_time * flops_per_token(config.model, seq_length, lm_head_share=share)
     peak = peak_flops_per_device(torch.cuda.get_device_name()) if platform.on_gpu() else None
     return {
