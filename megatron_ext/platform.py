@@ -16,22 +16,24 @@ Divergences, and why:
 4. Seeding and dropout RNG: ``model_parallel_cuda_manual_seed`` needs the CUDA RNG tracker
    (``tensor_parallel/random.py``); on CPU only ``torch.manual_seed`` is set, and dropout inside
    tensor-parallel regions draws from the default generator (see ``tensor_parallel_rng``).
-5. Features that cannot run on CPU, refused by ``check_model_parallel_supported``:
+5. Model features that cannot run on CPU, refused by ``check_model_parallel_supported``:
    Megatron's all-gather mappings allocate on ``torch.cuda.current_device()``
    (``tensor_parallel/mappings.py::_gather_along_last_dim`` and ``_gather_along_first_dim``),
    so on CPU there is no ``gather_output`` of vocab-parallel logits (use
    ``megatron_ext.model.gather_vocab_parallel_logits``), no sequence parallelism, and no
    tensor-parallel size above the number of KV heads. Transformer Engine is GPU-only.
-   Outside the model (see DESIGN.md section 3): Megatron DDP, ``get_megatron_optimizer`` and
-   pipeline schedules fail on CPU; the trainer owns that split.
-6. Training engine and kernels (``check_run_supported``): ``training.engine: auto`` is Megatron-Core's
-   DDP / optimizer / schedules on GPU and the portable engine on CPU (DESIGN.md section 3); FP8 needs
-   Transformer Engine on compute capability >= 8.9; activation recomputation checkpoints the CUDA
-   RNG tracker (``tensor_parallel/random.py::CheckpointFunction``), so it is GPU-only. Without
-   Transformer Engine, ``attention_backend: te`` falls back to the local spec, announced once.
-7. Checkpoint saving: megatron-core 0.19.2's synchronous ``dist_checkpointing.save`` calls
-   CUDA even when every tensor is on the CPU; ``dist_checkpoint_save_context`` redirects those
-   two calls on CPU. The writer, and so the checkpoint format, is Megatron's on both platforms.
+   Outside the model, see divergence 7.
+6. Kernels (``check_run_supported``): FP8 needs Transformer Engine on compute capability >= 8.9;
+   activation recomputation checkpoints the CUDA RNG tracker
+   (``tensor_parallel/random.py::CheckpointFunction``), so it is GPU-only. Without Transformer
+   Engine, ``attention_backend: te`` falls back to the local spec, announced once.
+7. Megatron-Core outside the model: its DDP, optimizers, gradient clipping, forward-backward
+   schedules (pipeline p2p included) and the distributed-checkpoint save place small tensors
+   on CUDA, use CUDA streams and check for ``torch.cuda`` tensor types even when every
+   parameter is on the CPU. ``megatron_cuda_calls_on_cpu`` redirects those calls to the CPU
+   while Megatron code runs, pinned to the megatron-core release it was checked against, so
+   the same Megatron engine (and the same checkpoint writer) runs on CPU over gloo and on GPU.
+   ``training.engine: auto`` picks the engine per platform (``resolve_engine``).
 
 Not divergences: core attention is ``megatron_ext.model.attention.SDPAttention`` on both CPU and
 GPU (Megatron's ``DotProductAttention`` needs ``GlobalMemoryBuffer`` and the CUDA RNG tracker);
@@ -50,6 +52,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from torch.overrides import TorchFunctionMode
 
 
 def accelerator_summary() -> str:
@@ -76,14 +79,12 @@ def transformer_engine_available() -> bool:
     return TEEncoderAttention is not None
 
 
-def resolve_engine(requested: str) -> str:
-    """``training.engine`` for this platform: ``auto`` -> megatron on GPU, portable on CPU."""
+def resolve_engine(requested: str, *, megatron_only: list[str] = ()) -> str:
+    """``training.engine`` for this platform: ``auto`` -> megatron on GPU, and on CPU when a
+    setting only it runs is on (``megatron_only``: distributed optimizer, pipeline parallelism,
+    ...), else portable."""
     if requested == "auto":
-        return "megatron" if on_gpu() else "portable"
-    if requested == "megatron" and not on_gpu():
-        raise ValueError("training.engine: megatron needs CUDA GPUs (Megatron-Core's DistributedDataParallel, "
-                         "distributed optimizer and pipeline schedules allocate CUDA buffers); use "
-                         "training.engine: portable or auto on this machine")
+        return "megatron" if on_gpu() or megatron_only else "portable"
     return requested
 
 
@@ -91,8 +92,8 @@ def check_run_supported(*, engine: str, fp8_recipe: str | None, recompute_granul
                         attention_backend: str, megatron_only: list[str]) -> None:
     """Raise ``ValueError`` naming the setting this machine cannot run (before any model is built)."""
     if megatron_only and engine != "megatron":
-        raise ValueError(f"{', '.join(megatron_only)} need(s) the megatron engine, which needs CUDA GPUs; "
-                         "on CPU use data and tensor parallelism without these options")
+        raise ValueError(f"{', '.join(megatron_only)} need(s) the megatron engine: set training.engine: megatron "
+                         "(or auto), or remove these options")
     if fp8_recipe is not None:
         if not on_gpu():
             raise ValueError(f"training.fp8_recipe={fp8_recipe!r}: FP8 needs a CUDA GPU with compute capability "
@@ -214,28 +215,116 @@ def tensor_parallel_rng() -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def dist_checkpoint_save_context() -> Iterator[None]:
-    """Context for ``megatron.core.dist_checkpointing.save`` (divergence 6).
+MEGATRON_CORE_CHECKED_ON_CPU = "0.19.2"
+"""The megatron-core release whose CUDA-only calls ``megatron_cuda_calls_on_cpu`` was checked against."""
 
-    The torch_dist save calls CUDA twice with CPU tensors (megatron-core 0.19.2):
-    ``FileSystemWriterAsync.preload_tensors`` runs ``torch.cuda.synchronize()`` after its
-    device-to-host copies (``dist_checkpointing/strategies/filesystem_async.py:248``), and
-    ``save_state_dict_async_finalize`` broadcasts its failure flag from a tensor on
-    ``torch.cuda.current_device()`` (``dist_checkpointing/strategies/state_dict_saver.py:252``).
-    On CPU, for the duration of the save only, the first becomes a no-op (no device work to wait
-    for) and the second names the CPU (the flag then travels over gloo). Nothing else changes.
+
+def _megatron_core_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("megatron-core")
+
+
+def _is_cuda(device) -> bool:
+    return isinstance(device, (str, torch.device)) and str(device).startswith("cuda")
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Tensor-level half of divergence 7: CUDA placements become CPU ones, and a CPU tensor's
+    ``type()`` answers with its ``torch.cuda`` name (Megatron's optimizers dispatch on it)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoStream:
+    """Stands in for ``torch.cuda.Stream``: CPU work is ordered already."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+_CUDA_STAND_INS = {
+    "current_device": lambda: torch.device("cpu"),
+    "synchronize": lambda device=None: None,
+    "empty_cache": lambda: None,
+    "Stream": _NoStream,
+    "current_stream": lambda device=None: _NoStream(),
+    "stream": lambda stream=None: contextlib.nullcontext(),
+}
+_redirect_depth = 0
+
+
+@contextlib.contextmanager
+def megatron_cuda_calls_on_cpu() -> Iterator[None]:
+    """Run Megatron-Core code that assumes CUDA on CPU tensors (divergence 7); nothing on GPU.
+
+    megatron-core 0.19.2's DDP, optimizers, gradient clipping, pipeline schedules and
+    distributed-checkpoint save place small tensors with ``device="cuda"`` or
+    ``torch.cuda.current_device()`` (e.g. ``optimizer/optimizer.py:698``, ``clip_grads.py:96``,
+    ``pipeline_parallel/schedules.py:749``, ``p2p_communication.py:211``,
+    ``dist_checkpointing/strategies/state_dict_saver.py:252``), order work with CUDA streams
+    and ``torch.cuda.synchronize`` (``distributed/param_and_grad_buffer.py:686``,
+    ``filesystem_async.py:248``) and accept parameters only if ``param.type()`` names a
+    ``torch.cuda`` type (``optimizer/distrib_optimizer.py:466``). Inside this context, on CPU:
+    those placements are the CPU, streams and synchronisation do nothing, and ``type()`` gives
+    the ``torch.cuda`` name. Everything is restored on exit; contexts nest.
+
+    The list was checked against megatron-core ``MEGATRON_CORE_CHECKED_ON_CPU`` only: with any
+    other version this raises ``RuntimeError`` on CPU rather than risk a call it does not cover.
     """
+    global _redirect_depth
     if on_gpu():
         yield
         return
-    synchronize, current_device = torch.cuda.synchronize, torch.cuda.current_device
-    torch.cuda.synchronize = lambda device=None: None
-    torch.cuda.current_device = lambda: torch.device("cpu")
+    installed = _megatron_core_version()
+    if installed != MEGATRON_CORE_CHECKED_ON_CPU:
+        raise RuntimeError(
+            f"megatron-core {installed} is installed, but megatron_ext runs Megatron-Core's DDP, optimizer, "
+            f"schedules and checkpoint save on CPU only for megatron-core {MEGATRON_CORE_CHECKED_ON_CPU}, whose "
+            "CUDA-only calls it redirects (megatron_ext/platform.py, megatron_cuda_calls_on_cpu). Install "
+            f"megatron-core=={MEGATRON_CORE_CHECKED_ON_CPU} (requirements.txt), or check the redirected calls "
+            "against the new release and update MEGATRON_CORE_CHECKED_ON_CPU")
+    if _redirect_depth:
+        _redirect_depth += 1
+        try:
+            yield
+        finally:
+            _redirect_depth -= 1
+        return
+    saved = {name: getattr(torch.cuda, name) for name in _CUDA_STAND_INS}
+    for name, stand_in in _CUDA_STAND_INS.items():
+        setattr(torch.cuda, name, stand_in)
+    _redirect_depth = 1
     try:
-        yield
+        with _CudaToCpu():
+            yield
     finally:
-        torch.cuda.synchronize, torch.cuda.current_device = synchronize, current_device
+        _redirect_depth = 0
+        for name, original in saved.items():
+            setattr(torch.cuda, name, original)
 
 
 def seed_model_parallel(seed: int) -> None:

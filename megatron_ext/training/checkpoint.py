@@ -37,10 +37,11 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -83,6 +84,13 @@ class CheckpointConfig:
     finetune: bool = False
     """Load weights only from ``load``: fresh optimizer, step 0 (continued pretraining; Megatron:
     ``--finetune``)."""
+    optimizer_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+    """How the distributed optimizer's state is written (Megatron's
+    ``distrib_optim_sharding_type``; ``parallel.use_distributed_optimizer`` only).
+    ``dp_reshardable``: each rank writes its own buffers, no communication; the run can resume
+    at another data-parallel size but the same tensor and pipeline sizes. ``fully_reshardable``
+    (Megatron-LM ``--dist-ckpt-optim-fully-reshardable``): the state is gathered into one tensor
+    per parameter, slower to save, resumable under any layout (needed to change TP or PP)."""
 
     def __post_init__(self) -> None:
         if self.save_interval < 1:
@@ -91,12 +99,79 @@ class CheckpointConfig:
             raise ValueError(f"CheckpointConfig.keep_last must be >= 1, got {self.keep_last}")
 
 
+@dataclass(frozen=True)
+class SavedOptimizerState:
+    """What a checkpoint says about the optimizer state it holds (read before loading it)."""
+
+    format: dict
+    """The format recorded at save (``OptimizerCheckpointState.format()``; ``{}`` for
+    checkpoints written before formats were recorded)."""
+    tensors: dict
+    """Global shapes and dtypes of the saved tensors (``dist_checkpointing.load_tensors_metadata``)."""
+
+
+class OptimizerCheckpointState(Protocol):
+    """How a training engine's optimizer state goes into and out of a distributed checkpoint."""
+
+    def format(self) -> dict:
+        """JSON-serialisable description of the layout written (recorded in the checkpoint as
+        Megatron's ``content_metadata``; e.g. the distributed optimizer's sharding type)."""
+
+    def sharded_state_dict(self, model_state: dict, *, saved: SavedOptimizerState | None = None) -> dict:
+        """The state to save (``saved`` None), or the placeholders to load ``saved`` into."""
+
+    def load_state_dict(self, loaded: dict) -> None:
+        """Take the state ``dist_checkpointing.load`` filled in."""
+
+
+class TorchOptimizerState:
+    """A torch optimizer whose parameters are sharded like the model's: its state is saved under
+    ``optimizer.state.<exp_avg|...>.<weight key>``; per-parameter ``step`` is stored once, as
+    Megatron's optimizers do."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def format(self) -> dict:
+        return {"optimizer": "torch"}
+
+    def sharded_state_dict(self, model_state: dict, *, saved: SavedOptimizerState | None = None) -> dict:
+        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        id_to_sharded = get_param_id_to_sharded_param_map(model_state, params)
+        state = self.optimizer.state_dict()
+        if saved is not None:
+            # A fresh optimizer has no state yet: give it placeholders of the saved kinds and dtypes.
+            kinds = {key.split(".")[2] for key in saved.tensors if key.startswith("optimizer.state.")}
+            state["state"] = {
+                i: {kind: torch.empty(param.shape, device=param.device,
+                                      dtype=saved.tensors[f"optimizer.state.{kind}.{id_to_sharded[i].key}"].dtype)
+                    for kind in kinds}
+                for i, param in enumerate(params)
+            }
+        steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
+        if len(steps) > 1:
+            raise ValueError(f"optimizer step differs between parameters ({sorted(steps)}); "
+                             "only a shared step can be checkpointed")
+        step = next((s["step"] for s in state["state"].values() if "step" in s), None)
+        optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
+        if step is not None:
+            state["state"]["common_step"] = step
+        return state
+
+    def load_state_dict(self, loaded: dict) -> None:
+        step = loaded["state"].pop("common_step", None)
+        if step is not None:
+            for param_state in loaded["state"].values():
+                param_state["step"] = step.clone() if torch.is_tensor(step) else step
+        self.optimizer.load_state_dict(loaded)
+
+
 def save_checkpoint(
     save_dir: str | os.PathLike,
     *,
     step: int,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: OptimizerCheckpointState | None,
     trainer_state: dict,
     run_config: dict,
     tokenizer_reference: dict,
@@ -109,8 +184,8 @@ def save_checkpoint(
         step: Optimizer steps done; names the checkpoint. A checkpoint of the same step is
             replaced.
         model: The model (its ``sharded_state_dict()`` is saved).
-        optimizer: A torch optimizer, sharded like the parameters it updates, or a Megatron
-            optimizer (its own ``sharded_state_dict``); None saves weights only.
+        optimizer: The engine's optimizer state (its format is recorded with it); None saves
+            weights only.
         trainer_state: Rank 0's loop state (consumed samples, RNG states, ...). Any value
             ``torch.load(weights_only=True)`` accepts (containers, numbers, strings, bytes,
             tensors, numpy arrays: checked here). ``step`` is added (or must equal ``step``).
@@ -143,10 +218,13 @@ def save_checkpoint(
 
     model_state = model.sharded_state_dict()
     state = {"model": model_state, "iteration": step, "trainer_state": trainer_state}
+    content_metadata = None
     if optimizer is not None:
-        state["optimizer"] = _optimizer_sharded_state_dict(optimizer, model_state)
-    with platform.dist_checkpoint_save_context():
-        dist_checkpointing.save(state, str(tmp))  # returns after a barrier: all shards written
+        state["optimizer"] = optimizer.sharded_state_dict(model_state)
+        content_metadata = optimizer.format()
+    with platform.megatron_cuda_calls_on_cpu():
+        # returns after a barrier: all shards written
+        dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata)
 
     if is_writer:
         for name, text in files.items():
@@ -182,7 +260,7 @@ def load_checkpoint(
     path_or_dir: str | os.PathLike,
     *,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: OptimizerCheckpointState | None = None,
     strict_shapes: bool = True,
 ) -> dict:
     """Load a checkpoint into ``model`` (and ``optimizer``) at the current parallel layout.
@@ -190,7 +268,8 @@ def load_checkpoint(
     Args:
         path_or_dir: One checkpoint directory, or a save directory (its newest checkpoint).
         model: Built for this run; its tensor-parallel size may differ from the saved one's.
-        optimizer: Restored too when given (same kind as saved); None loads weights only.
+        optimizer: Restored too when given (the engine that saved it; see
+            ``optimizer_format_problem``); None loads weights only.
         strict_shapes: Raise ``ValueError`` listing every tensor whose shape differs between
             checkpoint and model (or that only one of them has). False loads the tensors that
             fit, leaves the others as initialised and logs them (weights only).
@@ -226,15 +305,56 @@ def load_checkpoint(
 
     state = {"model": model_state}
     if optimizer is not None:
-        state["optimizer"] = _optimizer_sharded_state_dict(optimizer, model_state, metadata)
+        saved = SavedOptimizerState(format=saved_optimizer_format(checkpoint) or {}, tensors=metadata)
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, saved=saved)
     try:
-        loaded = dist_checkpointing.load(state, str(checkpoint))
+        with platform.megatron_cuda_calls_on_cpu():
+            loaded = dist_checkpointing.load(state, str(checkpoint))
     except _READ_ERRORS as error:
         raise ValueError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
     model.load_state_dict(loaded["model"], strict=not mismatches)
     if optimizer is not None:
-        _load_optimizer_state(optimizer, loaded["optimizer"])
+        optimizer.load_state_dict(loaded["optimizer"])
     return loaded["trainer_state"]
+
+
+def saved_optimizer_format(path: str | os.PathLike) -> dict | None:
+    """The optimizer format recorded in a checkpoint (None: weights only, or written before
+    formats were recorded)."""
+    checkpoint = _resolve(Path(path))
+    if not json.loads((checkpoint / COMPLETE).read_text())["has_optimizer"]:
+        return None
+    try:
+        recorded = dist_checkpointing.load_content_metadata(str(checkpoint))
+    except _READ_ERRORS as error:
+        raise ValueError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
+    if recorded is None:  # written before formats were recorded: the engine named in its run config
+        engine = json.loads((checkpoint / RUN_CONFIG).read_text()).get("training", {}).get("engine", "portable")
+        recorded = {"optimizer": "torch" if engine == "portable" else "megatron"}
+    return recorded
+
+
+def optimizer_format_problem(saved: dict | None, current: dict) -> str | None:
+    """Why optimizer state saved in format ``saved`` cannot resume into ``current`` (both from
+    ``OptimizerCheckpointState.format()``), or None when it can."""
+    if not saved:
+        return None  # weights only, or a checkpoint older than recorded formats: nothing to compare
+    kind, want = saved.get("optimizer"), current.get("optimizer")
+    if kind != want:
+        return (f"it holds the {kind} engine's optimizer state and this run uses the {want} engine; resume with "
+                f"training.engine: {'portable' if kind == 'torch' else 'megatron'}")
+    if saved.get("distributed_optimizer") != current.get("distributed_optimizer"):
+        return (f"it was saved with parallel.use_distributed_optimizer: {str(saved['distributed_optimizer']).lower()}"
+                " and the optimizer state layouts differ; set it back")
+    if saved.get("distrib_optim_sharding_type") == "dp_reshardable":
+        changed = [f"{name}={saved.get(name)} -> {current.get(name)}"
+                   for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+                   if saved.get(name) != current.get(name)]
+        if changed:
+            return (f"its distributed-optimizer state is in the dp_reshardable format, which resumes at another "
+                    f"data-parallel size only, and the layout changed ({', '.join(changed)}); resume at the saved "
+                    "tensor/pipeline sizes, or save with checkpoint.optimizer_format: fully_reshardable to change them")
+    return None
 
 
 def read_run_config(path: str | os.PathLike) -> dict:
@@ -272,45 +392,6 @@ def _to_json(what: str, value: dict) -> str:
         raise ValueError(f"{what} must be JSON-serialisable: {error}") from error
 
 
-def _optimizer_sharded_state_dict(
-    optimizer: torch.optim.Optimizer, model_state: dict, metadata: dict | None = None
-) -> dict:
-    """The optimizer state sharded like the parameters (``metadata``: the checkpoint's, when
-    loading). Per-parameter ``step`` is stored once, as Megatron's optimizers do."""
-    if hasattr(optimizer, "sharded_state_dict"):  # Megatron's optimizers shard themselves
-        return optimizer.sharded_state_dict(model_state, is_loading=metadata is not None)
-    params = [param for group in optimizer.param_groups for param in group["params"]]
-    id_to_sharded = get_param_id_to_sharded_param_map(model_state, params)
-    state = optimizer.state_dict()
-    if metadata is not None:
-        # A fresh optimizer has no state yet: give it placeholders of the saved kinds and dtypes.
-        kinds = {key.split(".")[2] for key in metadata if key.startswith("optimizer.state.")}
-        state["state"] = {
-            i: {kind: torch.empty(param.shape, device=param.device,
-                                  dtype=metadata[f"optimizer.state.{kind}.{id_to_sharded[i].key}"].dtype)
-                for kind in kinds}
-            for i, param in enumerate(params)
-        }
-    steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
-    if len(steps) > 1:
-        raise ValueError(f"optimizer step differs between parameters ({sorted(steps)}); "
-                         "only a shared step can be checkpointed")
-    step = next((s["step"] for s in state["state"].values() if "step" in s), None)
-    optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
-    if step is not None:
-        state["state"]["common_step"] = step
-    return state
-
-
-def _load_optimizer_state(optimizer: torch.optim.Optimizer, loaded: dict) -> None:
-    if not hasattr(optimizer, "sharded_state_dict"):
-        step = loaded["state"].pop("common_step", None)
-        if step is not None:
-            for param_state in loaded["state"].values():
-                param_state["step"] = step.clone() if torch.is_tensor(step) else step
-    optimizer.load_state_dict(loaded)
-
-
 def _shape_mismatches(
     model_state: dict, metadata: dict
 ) -> dict[str, tuple[tuple[int, ...] | None, tuple[int, ...] | None]]:
@@ -324,6 +405,10 @@ def _shape_mismatches(
             pending.extend(nested_values(built) if isinstance(built, (dict, list)) else [built])
         elif isinstance(item, ShardedTensor):
             expected[item.key] = tuple(item.global_shape)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # each stage holds its own layers
+        stages: list[dict] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(stages, expected, group=parallel_state.get_pipeline_model_parallel_group())
+        expected = {key: shape for stage in stages for key, shape in stage.items()}
     saved = {key: tuple(value.global_shape) for key, value in metadata.items()
              if not key.startswith("optimizer.")}
     return {key: (saved.get(key), expected.get(key))

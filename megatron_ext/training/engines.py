@@ -1,4 +1,4 @@
-"""How one optimizer step runs: the portable engine (CPU and GPU) and the Megatron-Core engine (GPU).
+"""How one optimizer step runs: the portable engine and the Megatron-Core engine, both on CPU and GPU.
 
 Both take a step's micro-batches (already turned into :class:`ObjectiveBatch` es by the loop) and
 return the global per-token mean loss, the gradient norm and whether the update was skipped; both
@@ -15,7 +15,11 @@ reduce-scatter/all-reduce), ``get_megatron_optimizer`` (Adam with Megatron's par
 no weight decay on 1-D parameters, as the portable engine; optionally the distributed optimizer),
 ``get_forward_backward_func`` (no-pipelining or 1F1B pipeline schedule) with
 ``calculate_per_token_loss`` so ``finalize_model_grads`` divides by the global token count as the
-portable engine does. Those pieces allocate CUDA buffers (DESIGN.md section 3): GPU only.
+portable engine does. Those pieces assume CUDA; on CPU they run over gloo inside
+``platform.megatron_cuda_calls_on_cpu`` (platform divergence 7), so a parallel layout can be
+debugged on a laptop with the code a cluster runs.
+
+Both satisfy :class:`Engine`, the contract the loop and the checkpoints use.
 
 Mixed precision is the same in both: fp32 parameters, bf16 autocast of the forward, fp32 loss
 and gradients; FP8 (Transformer Engine) comes from the model's ``TransformerConfig``.
@@ -24,8 +28,10 @@ and gradients; FP8 (Transformer Engine) comes from the model's ``TransformerConf
 from __future__ import annotations
 
 import math
+import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,6 +39,7 @@ from megatron.core import parallel_state
 
 from megatron_ext import platform
 from megatron_ext.objectives import ObjectiveBatch
+from megatron_ext.training.checkpoint import OptimizerCheckpointState, SavedOptimizerState, TorchOptimizerState
 from megatron_ext.training.config import OptimizerConfig, RunConfig
 from megatron_ext.training.optim import build_optimizer, grad_norm_and_clip, reduce_gradients, set_lr
 
@@ -53,6 +60,27 @@ class StepOutcome:
     """Gradient L2 norm before clipping (NaN when the step was skipped before computing it)."""
     skipped: bool
     """True when the loss or the gradient norm was non-finite: parameters were not updated."""
+
+
+class Engine(Protocol):
+    """What the loop and the checkpoints need of a training engine."""
+
+    name: Literal["portable", "megatron"]
+    model: torch.nn.Module
+    """The module that runs forward (``train()``/``eval()`` are set on it)."""
+    checkpoint_model: torch.nn.Module
+    """The bare model whose ``sharded_state_dict`` is saved and loaded."""
+    optimizer_state: OptimizerCheckpointState
+    """The optimizer's state as the checkpoint writes and reads it."""
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], lr: float) -> StepOutcome:
+        """One optimizer step over this rank's micro-batches (skipped when non-finite)."""
+
+    def eval_loss(self, micro_batches: Sequence[MicroBatch]) -> tuple[float, float]:
+        """(sum of token losses, token count) over the data-parallel group, no update."""
+
+    def checkpointing(self) -> contextlib.AbstractContextManager:
+        """Context around a checkpoint save or load."""
 
 
 def per_token_loss(model: torch.nn.Module, micro: MicroBatch, *, bf16: bool, lm_head_scored_only: bool) -> torch.Tensor:
@@ -79,15 +107,12 @@ class PortableEngine:
     name = "portable"
 
     def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig, *, bf16: bool, lm_head_scored_only: bool):
-        self.model = model
+        self.model = self.checkpoint_model = model
         self.bf16 = bf16
         self.lm_head_scored_only = lm_head_scored_only
         self.clip_grad = optimizer.clip_grad
         self.optimizer = build_optimizer(model, optimizer, lr=0.0)
-
-    @property
-    def checkpoint_model(self) -> torch.nn.Module:
-        return self.model
+        self.optimizer_state = TorchOptimizerState(self.optimizer)
 
     def _loss_sum(self, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         per_token = per_token_loss(self.model, micro, bf16=self.bf16, lm_head_scored_only=self.lm_head_scored_only)
@@ -122,11 +147,8 @@ class PortableEngine:
             dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
         return float(totals[0]), float(totals[1])
 
-    def before_checkpoint(self) -> None:
-        pass
-
-    def after_checkpoint(self) -> None:
-        pass
+    def checkpointing(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
 
 def megatron_transformer_overrides(config: RunConfig) -> dict:
@@ -143,8 +165,110 @@ def megatron_transformer_overrides(config: RunConfig) -> dict:
     return overrides
 
 
+class MegatronOptimizerState:
+    """A Megatron optimizer's checkpoint state, with the sharding metadata Megatron-LM passes.
+
+    The distributed optimizer's state is written in ``sharding_type`` (``dp_reshardable``:
+    per-rank buffers, no communication, resumable at another data-parallel size;
+    ``fully_reshardable``: gathered to the canonical per-parameter form, resumable at any
+    layout). The format is recorded in the checkpoint and read back from it on load.
+    """
+
+    def __init__(self, optimizer, *, distributed: bool, sharding_type: str):
+        self.optimizer = optimizer
+        self.distributed = distributed
+        self.sharding_type = sharding_type
+
+    def format(self) -> dict:
+        recorded = {"optimizer": "megatron", "distributed_optimizer": self.distributed,
+                    **_layout(), "chained_optim_avoid_prefix": True, "singleton_local_shards": False}
+        if self.distributed:
+            recorded["distrib_optim_sharding_type"] = self.sharding_type
+        return recorded
+
+    def sharded_state_dict(self, model_state: dict, *, saved: SavedOptimizerState | None = None) -> dict:
+        # Megatron's own metadata keys are what the optimizer reads; ours are ignored by it.
+        metadata = self.format() if saved is None else saved.format
+        with platform.megatron_cuda_calls_on_cpu():
+            if saved is not None:
+                self._allocate_state()
+            return self.optimizer.sharded_state_dict(model_state, is_loading=saved is not None, metadata=metadata)
+
+    def _allocate_state(self) -> None:
+        """Give a fresh distributed optimizer its state tensors before a load. With torch's Adam
+        (no TE/apex), megatron-core 0.19.2's ``DistributedOptimizer.state_dict`` reads the step
+        from the per-parameter state, which a fresh optimizer lacks (an assertion at
+        ``distrib_optimizer.py:839``); Megatron's own dummy initialisation (a zero-gradient step
+        at the current LR, 0 before training) allocates it without moving any parameter."""
+        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if not part.optimizer.state and hasattr(part, "_init_optimizer_states_with_dummy_values"):
+                lrs = [group["lr"] for group in part.optimizer.param_groups]
+                for group in part.optimizer.param_groups:
+                    group["lr"] = 0.0
+                part._init_optimizer_states_with_dummy_values()
+                for group, lr in zip(part.optimizer.param_groups, lrs):
+                    group["lr"] = lr
+
+    def load_state_dict(self, loaded: dict) -> None:
+        # no_grad: with fp32 parameters the distributed optimizer's main parameters are views of
+        # the model's, which require grad; the load copies into them.
+        with platform.megatron_cuda_calls_on_cpu(), torch.no_grad(), _torch_adam_step_kept():
+            self.optimizer.load_state_dict(loaded)
+        parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        saved_parts = [loaded] if len(parts) == 1 else [loaded[i] for i in range(len(parts))]
+        for part, saved in zip(parts, saved_parts):
+            # With torch's Adam (no TE/apex) the step lives per parameter; megatron-core 0.19.2
+            # stores it once per group and, for the distributed optimizer, does not bring it back
+            # into a state allocated before the load (the per-parameter steps stay as allocated),
+            # or shares one tensor between all parameters, which torch's Adam increments in place
+            # once per parameter. Each parameter gets its own copy of the saved step.
+            groups = saved.get("optimizer", saved).get("param_groups", [])
+            steps = {float(group["step"]) for group in groups if "step" in group}
+            if len(steps) != 1:
+                continue
+            step = steps.pop()
+            for param_state in part.optimizer.state.values():
+                if torch.is_tensor(param_state.get("step")):
+                    param_state["step"] = torch.tensor(step, dtype=param_state["step"].dtype,
+                                                       device=param_state["step"].device)
+
+
+@contextlib.contextmanager
+def _torch_adam_step_kept() -> Iterator[None]:
+    """During a distributed-optimizer load with torch's Adam (no TE/apex): megatron-core 0.19.2's
+    ``_set_main_param_and_optimizer_states`` copies every tensor of a parameter's optimizer state
+    from the checkpoint, torch's per-parameter ``step`` included, which the ``fully_reshardable``
+    format does not hold (``KeyError: 'step'``, distrib_optimizer.py:1223). The step is restored
+    from the common state just before; here it is kept as it is."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        yield
+        return
+    original = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def keep_step(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        if "step" in state and "step" not in tensors:
+            tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = keep_step
+    try:
+        yield
+    finally:
+        distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = original
+
+
+def _layout() -> dict:
+    return {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+            "data_parallel_size": parallel_state.get_data_parallel_world_size()}
+
+
 class MegatronEngine:
-    """Megatron-Core's DDP, optimizer and forward-backward schedules (module docstring); CUDA only."""
+    """Megatron-Core's DDP, optimizer and forward-backward schedules (module docstring)."""
 
     name = "megatron"
 
@@ -154,9 +278,6 @@ class MegatronEngine:
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        if not platform.on_gpu():
-            raise ValueError("training.engine: megatron needs CUDA (Megatron-Core's DDP and optimizer allocate CUDA "
-                             "buffers); use training.engine: portable or auto")
         self.config = config
         p = config.parallel
         ddp_config = DistributedDataParallelConfig(
@@ -165,17 +286,20 @@ class MegatronEngine:
             check_for_nan_in_grad=False,
         )
         transformer_config = model.config
-        self.ddp = DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=model)
         o = config.optimizer
-        self.optimizer = get_megatron_optimizer(
-            MegatronOptimizerConfig(
-                optimizer="adam", lr=0.0, min_lr=0.0, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-                adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=False,
-                params_dtype=torch.float32, use_distributed_optimizer=p.use_distributed_optimizer,
-                overlap_param_gather=p.overlap_param_gather,
-            ),
-            [self.ddp],
-        )
+        with platform.megatron_cuda_calls_on_cpu():
+            self.ddp = DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=model)
+            self.optimizer = get_megatron_optimizer(
+                MegatronOptimizerConfig(
+                    optimizer="adam", lr=0.0, min_lr=0.0, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                    adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=False,
+                    params_dtype=torch.float32, use_distributed_optimizer=p.use_distributed_optimizer,
+                    overlap_param_gather=p.overlap_param_gather,
+                ),
+                [self.ddp],
+            )
+        self.optimizer_state = MegatronOptimizerState(
+            self.optimizer, distributed=p.use_distributed_optimizer, sharding_type=config.checkpoint.optimizer_format)
         # What Megatron-LM's training loop wires into the model config for its schedules.
         transformer_config.finalize_model_grads_func = finalize_model_grads
         transformer_config.no_sync_func = self.ddp.no_sync
@@ -185,10 +309,7 @@ class MegatronEngine:
             transformer_config.param_sync_func = self.ddp.start_param_sync
         self.forward_backward = get_forward_backward_func()
         self.model = self.ddp
-
-    @property
-    def checkpoint_model(self) -> torch.nn.Module:
-        return self.ddp.module
+        self.checkpoint_model = self.ddp.module
 
     def _forward_step(self, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         micro = next(data_iterator)
@@ -217,17 +338,29 @@ class MegatronEngine:
         return float(totals[0]), float(totals[1])
 
     def train_step(self, micro_batches: Sequence[MicroBatch], lr: float) -> StepOutcome:
-        set_lr(self.optimizer, lr)
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        loss_sum, tokens = self._run(micro_batches, forward_only=False)
-        loss = loss_sum / tokens if tokens > 0 else math.nan
-        if not (math.isfinite(loss) and self._gradients_finite()):
+        with platform.megatron_cuda_calls_on_cpu():
+            self._set_lr(lr)
             self.ddp.zero_grad_buffer()
-            return StepOutcome(loss=loss, grad_norm=math.nan, skipped=True)
-        _, grad_norm, _ = self.optimizer.step()  # clips to optimizer.clip_grad, then updates
+            self.optimizer.zero_grad()
+            loss_sum, tokens = self._run(micro_batches, forward_only=False)
+            loss = loss_sum / tokens if tokens > 0 else math.nan
+            if not (math.isfinite(loss) and self._gradients_finite()):
+                self.ddp.zero_grad_buffer()
+                return StepOutcome(loss=loss, grad_norm=math.nan, skipped=True)
+            _, grad_norm, _ = self.optimizer.step()  # clips to optimizer.clip_grad, then updates
         grad_norm = math.nan if grad_norm is None else float(grad_norm)
         return StepOutcome(loss=loss, grad_norm=grad_norm, skipped=not math.isfinite(grad_norm))
+
+    def _set_lr(self, lr: float) -> None:
+        """What Megatron's ``OptimizerParamScheduler.step`` does to each parameter group: the
+        group's multipliers applied to the LR and the weight decay. ``get_megatron_optimizer``
+        builds every group with the full weight decay and marks the ones exempt from it (biases
+        and 1-D parameters such as norm weights) with ``wd_mult = 0``; without this they would
+        be decayed."""
+        weight_decay = self.config.optimizer.weight_decay
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
 
     @torch.no_grad()
     def _gradients_finite(self) -> bool:
@@ -243,20 +376,25 @@ class MegatronEngine:
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: Sequence[MicroBatch]) -> tuple[float, float]:
-        return self._run(micro_batches, forward_only=True)
+        with platform.megatron_cuda_calls_on_cpu():
+            return self._run(micro_batches, forward_only=True)
 
-    # Overlapped parameter all-gathers run from forward pre-hooks; Megatron-LM turns them off
-    # around checkpointing so the saved parameters are the gathered ones.
-    def before_checkpoint(self) -> None:
-        if self.config.parallel.overlap_param_gather:
+    @contextlib.contextmanager
+    def checkpointing(self) -> Iterator[None]:
+        # Overlapped parameter all-gathers run from forward pre-hooks; Megatron-LM turns them off
+        # around checkpointing so the saved parameters are the gathered ones.
+        gathering = self.config.parallel.overlap_param_gather
+        if gathering:
             self.ddp.disable_forward_pre_hook()
+        try:
+            with platform.megatron_cuda_calls_on_cpu():
+                yield
+        finally:
+            if gathering:
+                self.ddp.enable_forward_pre_hook()
 
-    def after_checkpoint(self) -> None:
-        if self.config.parallel.overlap_param_gather:
-            self.ddp.enable_forward_pre_hook()
 
-
-def build_engine(name: str, model: torch.nn.Module, config: RunConfig) -> PortableEngine | MegatronEngine:
+def build_engine(name: str, model: torch.nn.Module, config: RunConfig) -> Engine:
     """The engine ``name`` (resolved: ``portable`` or ``megatron``) around ``model``."""
     if name == "portable":
         return PortableEngine(model, config.optimizer, bf16=config.training.bf16,

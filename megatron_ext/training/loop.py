@@ -33,7 +33,7 @@ from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training import data as data_lib
 from megatron_ext.training.config import RunConfig
-from megatron_ext.training.engines import MicroBatch, build_engine, megatron_transformer_overrides
+from megatron_ext.training.engines import Engine, MicroBatch, build_engine, megatron_transformer_overrides
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device
 from megatron_ext.training.plan import make_plan
 
@@ -176,7 +176,7 @@ def _duration(seconds: float) -> str:
 
 
 @torch.no_grad()
-def evaluate(engine, batches: list[dict[str, torch.Tensor]], *, config: RunConfig,
+def evaluate(engine: Engine, batches: list[dict[str, torch.Tensor]], *, config: RunConfig,
              tokenizer: EncoderTokenizer) -> dict[str, float]:
     """Validation loss of both objectives on the same fixed batches (global token means)."""
     engine.model.eval()
@@ -219,13 +219,15 @@ def _restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
 
 
-def _check_same_engine(path: Path, engine: str) -> None:
-    """Optimizer states of the two engines differ in layout: resuming needs the engine that saved."""
-    saved = ckpt.read_run_config(path).get("training", {}).get("engine", "portable")
-    if saved != engine:
-        raise ValueError(f"checkpoint {path} holds the {saved} engine's optimizer state; resume it with "
-                         f"training.engine: {saved}, or start from its weights with checkpoint.load={path.parent} "
-                         f"and checkpoint.finetune: true (fresh optimizer). Model weights load under either engine.")
+def _resume(engine: Engine, path: Path) -> dict:
+    """Load model and optimizer state from ``path`` if the engine can take its optimizer state
+    (checked before anything is loaded); returns the trainer state."""
+    problem = ckpt.optimizer_format_problem(ckpt.saved_optimizer_format(path), engine.optimizer_state.format())
+    if problem:
+        raise ValueError(f"cannot resume from checkpoint {path}: {problem}. Or start from its weights only with "
+                         f"checkpoint.load={path.parent} and checkpoint.finetune: true (fresh optimizer and schedule).")
+    with engine.checkpointing():
+        return ckpt.load_checkpoint(path, model=engine.checkpoint_model, optimizer=engine.optimizer_state)
 
 
 def check_tokenizer_fits(config: RunConfig, tokenizer: EncoderTokenizer) -> None:
@@ -244,7 +246,7 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
     ``exit_after_step`` stops (after checkpointing) once that many steps are complete, like
     Megatron's ``--exit-interval``; used to test that resuming is exact.
     """
-    engine = platform.resolve_engine(config.training.engine)
+    engine = platform.resolve_engine(config.training.engine, megatron_only=config.parallel.needs_megatron_engine)
     platform.check_run_supported(
         engine=engine, fp8_recipe=config.training.fp8_recipe,
         recompute_granularity=config.training.recompute_granularity,
@@ -284,7 +286,7 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
     model = build_encoder_model(config.model, pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
                                 transformer_overrides=megatron_transformer_overrides(config)).to(device)
     engine = build_engine(engine_name, model, config)
-    model, optimizer = engine.checkpoint_model, engine.optimizer
+    model = engine.checkpoint_model
     state: dict = {}
     result_checkpoint = None
     cc = config.checkpoint
@@ -294,12 +296,12 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
         path = ckpt.latest_checkpoint(cc.load)
         if path is None:
             raise FileNotFoundError(f"checkpoint.load={cc.load!r}: no complete checkpoint found")
-        ckpt.load_checkpoint(path, model=model, optimizer=None)
+        with engine.checkpointing():
+            ckpt.load_checkpoint(path, model=model, optimizer=None)
         result_checkpoint = str(path)
         if cc.save and ckpt.latest_checkpoint(cc.save) is not None:  # a CPT run that was interrupted
             path = ckpt.latest_checkpoint(cc.save)
-            _check_same_engine(path, engine.name)
-            state = ckpt.load_checkpoint(path, model=model, optimizer=optimizer)
+            state = _resume(engine, path)
             result_checkpoint = str(path)
     else:
         load_dir = cc.load or cc.save
@@ -307,8 +309,7 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
         if cc.load and path is None:
             raise FileNotFoundError(f"checkpoint.load={cc.load!r}: no complete checkpoint found")
         if path is not None:
-            _check_same_engine(path, engine.name)
-            state = ckpt.load_checkpoint(path, model=model, optimizer=optimizer)
+            state = _resume(engine, path)
             result_checkpoint = str(path)
     _restore_rng(state)
     start = int(state.get("step", 0))
@@ -385,13 +386,12 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
                           f"mlm-{round(100 * config.training.eval_mask_ratio)} loss {result.valid[done]['mlm']:.4f}", flush=True)
             exiting = exit_after_step is not None and done >= exit_after_step
             if cc.save and (done % cc.save_interval == 0 or done == total or exiting):
-                engine.before_checkpoint()
-                path = ckpt.save_checkpoint(
-                    cc.save, step=done, model=model, optimizer=optimizer,
-                    trainer_state=_trainer_state(done, config, nonfinite, skipped_total, log.wandb_run_id),
-                    run_config=saved_config, tokenizer_reference=tokenizer.reference(), keep_last=cc.keep_last,
-                )
-                engine.after_checkpoint()
+                with engine.checkpointing():
+                    path = ckpt.save_checkpoint(
+                        cc.save, step=done, model=model, optimizer=engine.optimizer_state,
+                        trainer_state=_trainer_state(done, config, nonfinite, skipped_total, log.wandb_run_id),
+                        run_config=saved_config, tokenizer_reference=tokenizer.reference(), keep_last=cc.keep_last,
+                    )
                 result.checkpoint = str(path)
                 if log.is_writer:
                     print(f"saved checkpoint {path}", flush=True)
