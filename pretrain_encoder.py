@@ -23,7 +23,7 @@ warnings.filterwarnings("ignore", message=r"absl.logging is not installed")
 
 import yaml
 
-from megatron_ext.config_loading import ConfigError
+from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.training.config import (
     RunConfig,
     add_override_flags,
@@ -66,17 +66,26 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(yaml.safe_dump(config.to_dict(), sort_keys=False))
         if args.dry_run:
-            from megatron_ext.training.plan import format_plan, make_plan
+            from megatron_ext.training.plan import check_paths, format_plan, make_plan
 
             world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
             print(format_plan(config, make_plan(config, world)))
+            try:  # a plan made on a login node may name paths mounted only on the compute nodes
+                print("checked: " + ", ".join(check_paths(config)))
+            except UserError as err:
+                print(f"paths: NOT READY, a run would stop here: {err}")
             return 0
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"pretrain_encoder.py: error: {err}", file=sys.stderr)
         return 2
     from megatron_ext.training.loop import pretrain
 
-    result = pretrain(config)
+    try:
+        result = pretrain(config)
+    except UserError as err:  # bad data, a mismatched checkpoint, an unusable path: one line, every rank
+        rank = os.environ.get("RANK")
+        print(f"pretrain_encoder.py: error{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr, flush=True)
+        return 2
     print(f"done: steps {result.start_step} -> {result.final_step}; checkpoint {result.checkpoint}")
     return 0
 

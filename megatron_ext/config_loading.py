@@ -18,7 +18,13 @@ from collections.abc import Mapping
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 
-class ConfigError(ValueError):
+class UserError(ValueError):
+    """Bad input from the user (a recipe, data files, a checkpoint, a path): the message names the
+    file, key or flag and what was expected. Entry points print it as one line and exit with 2;
+    any other exception is a bug and keeps its traceback."""
+
+
+class ConfigError(UserError):
     """A recipe or override is invalid; the message names the key and what was expected."""
 
 

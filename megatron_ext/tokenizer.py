@@ -149,6 +149,19 @@ class EncoderTokenizer(abc.ABC):
         """JSON-able description; ``build_tokenizer(TokenizerConfig(**ref))`` rebuilds this tokenizer."""
         return dataclasses.asdict(self._config)
 
+    @abc.abstractmethod
+    def _pieces(self) -> list[str]:
+        """Every id's token string, in id order."""
+
+    def fingerprint(self) -> str:
+        """A hash of what the ids mean (every id's token and the special roles), not of where the
+        files are: two tokenizers with the same fingerprint give weights the same meaning."""
+        import hashlib
+        import json
+
+        content = {"pieces": self._pieces(), "roles": self._roles, "special": sorted(self.special_ids)}
+        return hashlib.sha256(json.dumps(content, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+
     @property
     def unique_identifiers(self) -> dict:
         """What Megatron-Core's datasets hash (with their config) to key their index caches."""
@@ -168,6 +181,12 @@ class _TokenizersBackend(EncoderTokenizer):
 
     def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _pieces(self) -> list[str]:
+        pieces = [""] * self.vocab_size
+        for token, index in self._backend.get_vocab(with_added_tokens=True).items():
+            pieces[index] = token
+        return pieces
 
     def tokenize_batch(self, texts: list[str], *, add_special_tokens: bool = False) -> list[list[int]]:
         encodings = self._backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
@@ -258,6 +277,9 @@ class SentencePieceTokenizer(EncoderTokenizer):
                 "mask": None,
             },
         )
+
+    def _pieces(self) -> list[str]:
+        return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
 
     def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return self._sp.encode(text)

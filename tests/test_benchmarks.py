@@ -19,7 +19,7 @@ def test_throughput_cpu_mode_writes_rows(tmp_path, capsys):
     assert result["flops_convention"].startswith("6*N") and result["versions"]["megatron_core"]
     (row,) = result["rows"]
     assert all(key in row for key in REQUIRED)
-    assert (row["model"], row["seq_length"], row["precision"], row["engine"]) == ("tiny", 128, "fp32", "portable")
+    assert (row["model"], row["seq_length"], row["precision"], row["engine"]) == ("tiny", 128, "fp32", "megatron")
     assert row["tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0 and row["tflops"] > 0
     assert row["mfu"] is None and row["peak_mem_gb"] is None  # no GPU peak to divide by on CPU
     assert len(row["rounds_s"]["megatron_ext"]) == 2

@@ -19,6 +19,7 @@ from megatron_ext.training.checkpoint import (
     COMPLETE,
     TRACKER,
     CheckpointConfig,
+    TorchOptimizerState,
     latest_checkpoint,
     load_checkpoint,
     read_run_config,
@@ -61,7 +62,7 @@ def train_step(model, optimizer, seed: int) -> None:
 def save(save_dir, step: int, model, optimizer, *, keep_last: int = 2, **trainer_state) -> Path:
     state = {"consumed_samples": 8 * step, "torch_rng_state": torch.get_rng_state(), **trainer_state}
     return save_checkpoint(
-        save_dir, step=step, model=model, optimizer=optimizer, trainer_state=state,
+        save_dir, step=step, model=model, optimizer=optimizer and TorchOptimizerState(optimizer), trainer_state=state,
         run_config=RUN_CONFIG, tokenizer_reference=TOKENIZER, keep_last=keep_last,
     )
 
@@ -103,7 +104,7 @@ def test_round_trip_resumes_exactly(single_rank, tmp_path):
     fresh, fresh_optimizer = build(seed=1)
     assert not torch.equal(fresh.output_layer.weight, model.output_layer.weight)
     torch.manual_seed(99)  # the loaded RNG state must not depend on the current one
-    state = load_checkpoint(tmp_path, model=fresh, optimizer=fresh_optimizer)
+    state = load_checkpoint(tmp_path, model=fresh, optimizer=TorchOptimizerState(fresh_optimizer))
 
     assert state["step"] == 2 and state["consumed_samples"] == 16
     assert state["wandb_run_id"] is None and state["numpy_rng"] == generator_state
@@ -127,7 +128,7 @@ def test_weights_only(single_rank, tmp_path):
 
     save(tmp_path / "weights", 1, model, None)
     with pytest.raises(ValueError, match="holds no optimizer state"):
-        load_checkpoint(tmp_path / "weights", model=fresh, optimizer=fresh_optimizer)
+        load_checkpoint(tmp_path / "weights", model=fresh, optimizer=TorchOptimizerState(fresh_optimizer))
     other, _ = build(seed=2)
     load_checkpoint(tmp_path / "weights", model=other)
     assert_same_weights(other, weights(model))
@@ -182,7 +183,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(single_rank, tmp_path, monkeyp
     with pytest.raises(ValueError, match=r"not a complete checkpoint: no checkpoint_complete.json"):
         load_checkpoint(half, model=model)
     fresh, fresh_optimizer = build(seed=1)
-    assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_optimizer)["step"] == 1
+    assert load_checkpoint(tmp_path, model=fresh, optimizer=TorchOptimizerState(fresh_optimizer))["step"] == 1
     assert_same_weights(fresh, saved)
 
     save(tmp_path, 2, model, optimizer)
@@ -195,7 +196,7 @@ def test_shape_mismatch_lists_tensors(single_rank, tmp_path):
     save(tmp_path, 1, model, optimizer)
     bigger, bigger_optimizer = build(preset("tiny", vocab_size=512), seed=1)
     with pytest.raises(ValueError) as error:
-        load_checkpoint(tmp_path, model=bigger, optimizer=bigger_optimizer)
+        load_checkpoint(tmp_path, model=bigger, optimizer=TorchOptimizerState(bigger_optimizer))
     message = str(error.value)
     assert "(2 tensors differ)" in message
     assert "embedding.word_embeddings.weight: checkpoint (256, 128), model (512, 128)" in message
@@ -230,10 +231,10 @@ def test_errors(single_rank, tmp_path):
     with pytest.raises(ValueError, match="weights_only"):
         save(tmp_path / "a", 1, model, optimizer, config=CheckpointConfig())
     with pytest.raises(ValueError, match="run_config must be JSON-serialisable"):
-        save_checkpoint(tmp_path / "a", step=1, model=model, optimizer=optimizer, trainer_state={},
+        save_checkpoint(tmp_path / "a", step=1, model=model, optimizer=TorchOptimizerState(optimizer), trainer_state={},
                         run_config={"x": {1, 2}}, tokenizer_reference={}, keep_last=1)
     with pytest.raises(ValueError, match=r"trainer_state\['step'\]=3 differs from step=1"):
-        save_checkpoint(tmp_path / "a", step=1, model=model, optimizer=optimizer,
+        save_checkpoint(tmp_path / "a", step=1, model=model, optimizer=TorchOptimizerState(optimizer),
                         trainer_state={"step": 3}, run_config={}, tokenizer_reference={},
                         keep_last=1)
     assert not (tmp_path / "a").exists()  # refused before anything is written
@@ -243,7 +244,7 @@ def test_errors(single_rank, tmp_path):
     (shard,) = path.glob("*.distcp")
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(ValueError, match="is corrupt or incomplete"):
-        load_checkpoint(path, model=model, optimizer=optimizer)
+        load_checkpoint(path, model=model, optimizer=TorchOptimizerState(optimizer))
     (path / COMPLETE).unlink()
     with pytest.raises(ValueError, match="the save did not finish"):
         load_checkpoint(path, model=model)
@@ -272,7 +273,7 @@ def resharding_worker(rank: int, rendezvous: str, root: str) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     whole, whole_optimizer = build(seed=1)
     assert whole.output_layer.weight.shape[0] == TINY.vocab_size
-    assert load_checkpoint(root_dir / "tp2", model=whole, optimizer=whole_optimizer)["step"] == 1
+    assert load_checkpoint(root_dir / "tp2", model=whole, optimizer=TorchOptimizerState(whole_optimizer))["step"] == 1
     with torch.no_grad():
         torch.testing.assert_close(whole(ids, causal=False), logits, atol=1e-5, rtol=1e-5)
     assert whole_optimizer.state[whole.output_layer.weight]["exp_avg"].abs().sum() > 0
@@ -281,7 +282,7 @@ def resharding_worker(rank: int, rendezvous: str, root: str) -> None:
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     again, again_optimizer = build(seed=2)
-    load_checkpoint(root_dir / "tp1", model=again, optimizer=again_optimizer)
+    load_checkpoint(root_dir / "tp1", model=again, optimizer=TorchOptimizerState(again_optimizer))
     assert_same_weights(again, shards)
     assert_same_optimizer(optimizer, model, again_optimizer, again)
     train_step(model, optimizer, 1)

@@ -36,11 +36,9 @@ def test_inconsistent_gpu_settings_are_config_errors(tmp_path, tiny_corpus, sect
 
 
 @pytest.mark.parametrize("sections, message", [
-    ({"training": {"train_iters": 8, "engine": "megatron"}}, "training.engine: megatron needs CUDA GPUs"),
     ({"training": {"train_iters": 8, "bf16": True, "fp8_recipe": "delayed"},
       "model": {"attention_backend": "te"}}, "FP8 needs a CUDA GPU with compute capability >= 8.9"),
-    ({"parallel": {"pipeline_model_parallel_size": 2}}, "need(s) the megatron engine, which needs CUDA"),
-    ({"parallel": {"use_distributed_optimizer": True}}, "parallel.use_distributed_optimizer need(s) the megatron"),
+    ({"parallel": {"pipeline_model_parallel_size": 2}}, "not divisible by tensor_parallel_size=1 x pipeline_parallel_size=2"),
     ({"training": {"train_iters": 8, "recompute_granularity": "full"}}, "recompute_granularity='full' runs on CUDA"),
     ({"parallel": {"tensor_model_parallel_size": 2}}, "world size 1 is not divisible by tensor_parallel_size=2"),
 ])
@@ -62,19 +60,18 @@ def test_te_spec_falls_back_to_local_loudly_and_records_the_engine(tmp_path, tin
     assert err.count("WARNING: model.attention_backend: te needs a CUDA GPU; this run uses the local spec") == 1
     assert result.final_step == 4 and all(math.isfinite(v) for v in result.losses.values())
     saved = ckpt.read_run_config(result.checkpoint)
-    assert saved["training"]["engine"] == "portable"
+    assert saved["training"]["engine"] == "megatron"
     assert saved["model"]["attention_backend"] == "local"
+    assert ckpt.saved_optimizer_format(result.checkpoint)["optimizer"] == "megatron"
 
 
 def test_resuming_with_another_engine_is_refused(tmp_path, tiny_corpus):
-    config = run_config_from_dict(_recipe(tiny_corpus, tmp_path, training={"train_iters": 4, "eval_interval": 0}))
-    first = pretrain(config, exit_after_step=2)
-    run_config = ckpt.read_run_config(first.checkpoint)
-    run_config["training"]["engine"] = "megatron"  # as a GPU run with the megatron engine writes it
-    (ckpt.latest_checkpoint(tmp_path / "ckpt") / ckpt.RUN_CONFIG).write_text(json.dumps(run_config))
-    with pytest.raises(ValueError, match="holds the megatron engine's optimizer state; resume it with "
-                                         "training.engine: megatron"):
-        pretrain(config)
+    portable = _recipe(tiny_corpus, tmp_path, training={"train_iters": 4, "eval_interval": 0, "engine": "portable"})
+    pretrain(run_config_from_dict(portable), exit_after_step=2)
+    auto = dict(portable, training={**portable["training"], "engine": "auto"})
+    with pytest.raises(ValueError, match="holds the portable engine's optimizer state and this run uses the megatron "
+                                         "engine; resume with training.engine: portable"):
+        pretrain(run_config_from_dict(auto))
 
 
 def test_transformer_overrides_carry_fp8_and_recomputation(tmp_path, tiny_corpus):
@@ -85,4 +82,4 @@ def test_transformer_overrides_carry_fp8_and_recomputation(tmp_path, tiny_corpus
     assert megatron_transformer_overrides(config) == {
         "calculate_per_token_loss": True, "fp8": "hybrid", "fp8_recipe": "tensorwise",
         "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}
-    assert platform.resolve_engine("auto") == "portable"
+    assert platform.resolve_engine("auto") == "megatron"

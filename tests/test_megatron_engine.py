@@ -94,11 +94,12 @@ def test_pipeline_parallel_matches_one_stage(tmp_path, tiny_corpus):
 
 
 def _distopt(corpus, run_dir: Path, *, steps: int, tp: int = 1, optimizer_format: str = "dp_reshardable",
-             save_interval: int = 3) -> dict:
+             save_interval: int = 3, async_save: bool = False) -> dict:
     return _engine_recipe(corpus, run_dir, steps=steps,
                           parallel={"use_distributed_optimizer": True, "tensor_model_parallel_size": tp},
                           checkpoint={"save": str(run_dir / "ckpt"), "save_interval": save_interval,
-                                      "optimizer_format": optimizer_format, "keep_last": 5})
+                                      "optimizer_format": optimizer_format, "keep_last": 5,
+                                      "async_save": async_save})
 
 
 def test_distributed_optimizer_reshards_across_data_parallel_sizes(tmp_path, tiny_corpus):
@@ -152,12 +153,16 @@ def _torchrun(recipe_path: Path, log: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def test_distributed_optimizer_killed_mid_save_resumes_exactly(tmp_path, tiny_corpus):
-    """DP=2 with the distributed optimizer: SIGKILL to every rank while the step-6 checkpoint is
-    being written; the step-3 checkpoint stays the newest complete one, and the rerun reproduces
-    the uninterrupted run's losses bitwise (CPU arithmetic is deterministic)."""
-    straight = _run(_distopt(tiny_corpus, tmp_path / "straight", steps=9), tmp_path, "straight", world=2)
-    raw = _distopt(tiny_corpus, tmp_path / "killed", steps=9)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync_save", "async_save"])
+def test_distributed_optimizer_killed_mid_save_resumes_exactly(tmp_path, tiny_corpus, async_save):
+    """DP=2 with the distributed optimizer: SIGKILL to every rank (and the background writers)
+    while the step-6 checkpoint is being written; the step-3 checkpoint stays the newest complete
+    one, and the rerun reproduces the uninterrupted run's losses bitwise (CPU arithmetic is
+    deterministic). With ``async_save`` training goes on while the writer works: the kill lands
+    while a save is in flight."""
+    straight = _run(_distopt(tiny_corpus, tmp_path / "straight", steps=9, async_save=async_save), tmp_path,
+                    "straight", world=2)
+    raw = _distopt(tiny_corpus, tmp_path / "killed", steps=9, async_save=async_save)
     recipe = tmp_path / "recipe.json"
     recipe.write_text(json.dumps(raw))  # JSON is YAML
     save_dir = tmp_path / "killed/ckpt"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -121,8 +122,13 @@ def test_resume_with_other_shapes_lists_mismatches(tmp_path, tiny_corpus):
     recipe = _recipe(tiny_corpus, tmp_path, training={"train_iters": 5, "eval_interval": 0})
     pretrain(run_config_from_dict(recipe))
     wider = _recipe(tiny_corpus, tmp_path, model={"ffn_hidden_size": 192}, training={"train_iters": 6, "eval_interval": 0})
-    with pytest.raises(ValueError, match=r"linear_fc1"):
+    with pytest.raises(ValueError, match=r"changes what its weights mean:\n  model.ffn_hidden_size: 128 -> 192"):
         pretrain(run_config_from_dict(wider))
+    # Starting from its weights (continued pretraining) lists the tensors that do not fit.
+    cpt = _recipe(tiny_corpus, tmp_path / "cpt", model={"ffn_hidden_size": 192}, training=wider["training"],
+                  checkpoint={"load": str(tmp_path / "ckpt"), "finetune": True})
+    with pytest.raises(ValueError, match=r"linear_fc1"):
+        pretrain(run_config_from_dict(cpt))
 
 
 def test_cli_unknown_key_and_override(tmp_path, tiny_corpus, capsys):
@@ -140,3 +146,82 @@ def test_cli_unknown_key_and_override(tmp_path, tiny_corpus, capsys):
     assert pretrain_encoder.main(["--config", str(path), "--dry-run", "--train-iters", "40", "--lr", "1e-4"]) == 0
     out = capsys.readouterr().out
     assert "clm       steps [     0,     20)" in out and "peak 0.0001" in out
+
+
+def test_resume_refuses_another_tokenizer_or_head_layout_of_the_same_shapes(tmp_path, tiny_corpus, news_texts):
+    """Same tensor shapes, other meaning: a different 1,024-token tokenizer, or 4/4 -> 4/2 heads
+    at the same widths, must not resume silently; settings that may change (LR) still resume."""
+    from tools import train_tokenizer
+
+    recipe = _recipe(tiny_corpus, tmp_path, model={"num_query_groups": 4},
+                     training={"train_iters": 4, "eval_interval": 0})
+    pretrain(run_config_from_dict(recipe), exit_after_step=2)
+    other = tmp_path / "other_tok"
+    jsonl = tmp_path / "reversed.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": " ".join(reversed(t.split()))[::-1]}) + "\n" for t in news_texts))
+    assert train_tokenizer.main(["--input", str(jsonl), "--output-dir", str(other), "--vocab-size", "1024",
+                                 "--no-progress"]) == 0
+    with pytest.raises(ValueError, match=r"changes what its weights mean:\n  tokenizer: .*other_tok"):
+        pretrain(run_config_from_dict(dict(recipe, tokenizer={"tokenizer_model": str(other)})))
+    with pytest.raises(ValueError, match=r"model.num_query_groups: 4 -> 2"):
+        pretrain(run_config_from_dict(dict(recipe, model={**recipe["model"], "num_query_groups": 2})))
+    resumed = pretrain(run_config_from_dict(dict(recipe, schedule={**recipe["schedule"], "lr": 1e-3})))
+    assert resumed.start_step == 2 and resumed.final_step == 4
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("save", "/proc/megatron_ext_ckpt", r"checkpoint.save='/proc/megatron_ext_ckpt' cannot be written"),
+    ("save", "FILE/ckpt", r"checkpoint.save=.*is a file, not a directory"),
+    ("load", "/nonexistent/ckpt", r"checkpoint.load='/nonexistent/ckpt' does not exist"),
+])
+def test_unusable_paths_fail_before_training_and_in_dry_run(tmp_path, tiny_corpus, capsys, field, value, message):
+    """Found before the first step (not at the first save, a whole save interval in), and reported
+    by --dry-run (which still prints the plan: a login node may lack the compute nodes' mounts)."""
+    import yaml
+
+    (tmp_path / "FILE").write_text("not a directory")
+    value = value.replace("FILE", str(tmp_path / "FILE"))
+    recipe = _recipe(tiny_corpus, tmp_path, checkpoint={field: value}, training={"train_iters": 4, "eval_interval": 0})
+    with pytest.raises(ValueError, match=message):
+        pretrain(run_config_from_dict(recipe))
+    assert not (tmp_path / "log").exists()  # nothing ran
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert pretrain_encoder.main(["--config", str(path), "--dry-run"]) == 0
+    assert re.search("paths: NOT READY, a run would stop here: " + message, capsys.readouterr().out)
+
+
+def test_dry_run_says_what_it_checked(tmp_path, tiny_corpus, capsys):
+    import yaml
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tiny_corpus, tmp_path)))
+    assert pretrain_encoder.main(["--config", str(path), "--dry-run"]) == 0
+    assert "checked: checkpoint.save writable, logging.log_dir writable, 1 data prefix(es) present" in capsys.readouterr().out
+
+
+def test_user_errors_after_start_up_are_one_line_and_exit_2(tmp_path, tiny_corpus):
+    """A corrupt index found after start-up: one line naming the file, exit code 2, no traceback."""
+    import shutil
+    import subprocess
+    import sys
+
+    import numpy as np
+    import yaml
+
+    prefix = tmp_path / "copy_text_document"
+    for suffix in (".bin", ".idx"):
+        shutil.copy(tiny_corpus["data"] + suffix, str(prefix) + suffix)
+    with open(str(prefix) + ".idx", "r+b") as f:  # zero the pointer area
+        n_sequences = int(np.frombuffer(f.read(34)[18:26], dtype=np.int64)[0])
+        f.seek(34 + 4 * n_sequences)
+        f.write(b"\0" * 8 * n_sequences)
+    recipe = _recipe(tiny_corpus, tmp_path, data={"data_path": [str(prefix)]}, training={"train_iters": 4})
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    run = subprocess.run([sys.executable, "pretrain_encoder.py", "--config", str(path)], cwd=Path(__file__).parent.parent,
+                         capture_output=True, text=True)
+    assert run.returncode == 2
+    errors = [line for line in run.stderr.splitlines() if "error" in line.lower() and "warn" not in line.lower()]
+    assert len(errors) == 1 and f"{prefix}.idx: corrupt index" in errors[0], run.stderr[-2000:]
+    assert "Traceback" not in run.stderr

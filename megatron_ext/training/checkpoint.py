@@ -51,6 +51,7 @@ from megatron.core.dist_checkpointing.optimizer import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_ext.config_loading import UserError
 from megatron_ext import platform
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 COMPLETE = "checkpoint_complete.json"
 RUN_CONFIG = "run_config.json"
 TOKENIZER_REFERENCE = "tokenizer_reference.json"
+TOKENIZER_FINGERPRINT = "fingerprint"
+"""Key of ``tokenizer_reference.json`` holding the tokenizer's content fingerprint."""
 _MEGATRON_METADATA = "metadata.json"  # written last by dist_checkpointing.save
 _CHECKPOINT = re.compile(r"^iter_(\d{7,})$")
 _LEFTOVER = re.compile(
@@ -84,6 +87,10 @@ class CheckpointConfig:
     finetune: bool = False
     """Load weights only from ``load``: fresh optimizer, step 0 (continued pretraining; Megatron:
     ``--finetune``)."""
+    async_save: bool = False
+    """Write checkpoints in the background (Megatron's asynchronous save, ``--async-save``):
+    training stalls only while the state is staged, and a checkpoint counts (tracker, marker)
+    only once every rank has written it."""
     optimizer_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     """How the distributed optimizer's state is written (Megatron's
     ``distrib_optim_sharding_type``; ``parallel.use_distributed_optimizer`` only).
@@ -94,9 +101,9 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.save_interval < 1:
-            raise ValueError(f"CheckpointConfig.save_interval must be >= 1, got {self.save_interval}")
+            raise UserError(f"CheckpointConfig.save_interval must be >= 1, got {self.save_interval}")
         if self.keep_last < 1:
-            raise ValueError(f"CheckpointConfig.keep_last must be >= 1, got {self.keep_last}")
+            raise UserError(f"CheckpointConfig.keep_last must be >= 1, got {self.keep_last}")
 
 
 @dataclass(frozen=True)
@@ -150,7 +157,7 @@ class TorchOptimizerState:
             }
         steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
         if len(steps) > 1:
-            raise ValueError(f"optimizer step differs between parameters ({sorted(steps)}); "
+            raise UserError(f"optimizer step differs between parameters ({sorted(steps)}); "
                              "only a shared step can be checkpointed")
         step = next((s["step"] for s in state["state"].values() if "step" in s), None)
         optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
@@ -193,53 +200,113 @@ def save_checkpoint(
         tokenizer_reference: Which tokenizer the weights expect, JSON-serialisable.
         keep_last: Keep this many newest complete checkpoints (the new one included).
     """
-    if not dist.is_initialized():
-        raise RuntimeError("save_checkpoint is a collective: initialise torch.distributed first "
-                           "(megatron_ext.platform.init_process_group_and_model_parallel)")
-    if step < 0:
-        raise ValueError(f"checkpoint step must be >= 0, got {step}")
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    trainer_state = _checked_trainer_state(trainer_state, step)
-    files = {RUN_CONFIG: _to_json("run_config", run_config),
-             TOKENIZER_REFERENCE: _to_json("tokenizer_reference", tokenizer_reference)}
-    save_dir = Path(save_dir)
-    final = save_dir / f"iter_{step:07d}"
+    saver = CheckpointSaver(async_save=False)
+    return saver.save(save_dir, step=step, model=model, optimizer=optimizer, trainer_state=trainer_state,
+                      run_config=run_config, tokenizer_reference=tokenizer_reference, keep_last=keep_last)
 
-    is_writer = dist.get_rank() == 0
-    announced: list[Path | None] = [None]
-    if is_writer:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(save_dir)
-        announced[0] = save_dir / f"{final.name}.tmp-{uuid.uuid4().hex[:12]}"
-        announced[0].mkdir()
-    dist.broadcast_object_list(announced, src=0)  # also: no rank writes before the dir exists
-    tmp = announced[0]
 
-    model_state = model.sharded_state_dict()
-    state = {"model": model_state, "iteration": step, "trainer_state": trainer_state}
-    content_metadata = None
-    if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_state)
-        content_metadata = optimizer.format()
-    with platform.megatron_cuda_calls_on_cpu():
-        # returns after a barrier: all shards written
-        dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata)
+class CheckpointSaver:
+    """Writes checkpoints, synchronously or with Megatron's asynchronous save.
 
-    if is_writer:
+    Asynchronous (``checkpoint.async_save``): the call returns once the state is staged (copied to
+    host memory on GPU; on CPU the writer is a forked process, whose memory is a snapshot) and a
+    background process writes the shards while training goes on. The checkpoint is published
+    (marker, rename, tracker) only when every rank's writer has finished, from
+    :meth:`poll` or :meth:`wait`, so the tracker never names an incomplete checkpoint: a run
+    killed while a save is in flight leaves a ``.tmp-`` directory that is ignored and removed
+    by the next save. Saves publish in order: a new save first waits for the previous one.
+    """
+
+    def __init__(self, *, async_save: bool):
+        self._queue = None
+        if async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._queue = AsyncCallsQueue(persistent=platform.persistent_checkpoint_writer())
+
+    def save(self, save_dir: str | os.PathLike, *, step: int, model: torch.nn.Module,
+             optimizer: OptimizerCheckpointState | None, trainer_state: dict, run_config: dict,
+             tokenizer_reference: dict, keep_last: int) -> Path:
+        """Start writing ``<save_dir>/iter_<step>`` (arguments: :func:`save_checkpoint`); returns
+        its final path, complete on return unless the save is asynchronous."""
+        if not dist.is_initialized():
+            raise RuntimeError("save_checkpoint is a collective: initialise torch.distributed first "
+                               "(megatron_ext.platform.init_process_group_and_model_parallel)")
+        if step < 0:
+            raise UserError(f"checkpoint step must be >= 0, got {step}")
+        if keep_last < 1:
+            raise UserError(f"keep_last must be >= 1, got {keep_last}")
+        trainer_state = _checked_trainer_state(trainer_state, step)
+        files = {RUN_CONFIG: _to_json("run_config", run_config),
+                 TOKENIZER_REFERENCE: _to_json("tokenizer_reference", tokenizer_reference)}
+        self.wait()
+        save_dir = Path(save_dir)
+        final = save_dir / f"iter_{step:07d}"
+
+        announced: list[Path | None] = [None]
+        if dist.get_rank() == 0:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(save_dir)
+            announced[0] = save_dir / f"{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+            announced[0].mkdir()
+        dist.broadcast_object_list(announced, src=0)  # also: no rank writes before the dir exists
+        tmp = announced[0]
+
+        model_state = model.sharded_state_dict()
+        state = {"model": model_state, "iteration": step, "trainer_state": trainer_state}
+        content_metadata = None
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(model_state)
+            content_metadata = optimizer.format()
+        info = {"step": step, "has_optimizer": optimizer is not None}
+
+        def publish() -> None:
+            _publish_checkpoint(tmp, final, files=files, info=info, keep_last=keep_last)
+
+        with platform.megatron_cuda_calls_on_cpu():
+            request = dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata,
+                                              async_sharded_save=self._queue is not None, async_strategy="mcore")
+            if request is None:  # synchronous: returned after a barrier, all shards written
+                publish()
+            else:
+                request.add_finalize_fn(publish)  # runs on every rank once every rank's writer is done
+                self._queue.schedule_async_request(request)
+        return final
+
+    def poll(self) -> None:
+        """Publish the asynchronous saves that have finished on every rank (a collective: call it
+        on every rank, e.g. after each step)."""
+        if self._queue is not None and self._queue.get_num_unfinalized_calls():
+            with platform.megatron_cuda_calls_on_cpu():
+                self._queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        """Block until every asynchronous save is written and published (a collective)."""
+        if self._queue is not None and self._queue.get_num_unfinalized_calls():
+            with platform.megatron_cuda_calls_on_cpu():
+                self._queue.maybe_finalize_async_calls(blocking=True)
+
+    @property
+    def in_flight(self) -> int:
+        """Asynchronous saves started and not yet published."""
+        return 0 if self._queue is None else self._queue.get_num_unfinalized_calls()
+
+
+def _publish_checkpoint(tmp: Path, final: Path, *, files: dict[str, str], info: dict, keep_last: int) -> None:
+    """Rank 0 completes ``tmp`` (our files, the marker last, fsyncs), renames it to ``final`` and
+    moves the tracker; every rank leaves after a barrier."""
+    if dist.get_rank() == 0:
         for name, text in files.items():
             (tmp / name).write_text(text)
-        info = {"step": step, "has_optimizer": optimizer is not None}
         for path in sorted(tmp.iterdir()):  # Megatron's writers fsync their shards; the rest here
             _fsync(path)
         (tmp / COMPLETE).write_text(json.dumps(info) + "\n")
         _fsync(tmp / COMPLETE)
         _fsync(tmp)
         _publish(tmp, final)
-        _write_tracker(save_dir, step)
-        _prune(save_dir, keep_last, keep=final)
+        _write_tracker(final.parent, info["step"])
+        _prune(final.parent, keep_last, keep=final)
     dist.barrier()
-    return final
 
 
 def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
@@ -280,14 +347,14 @@ def load_checkpoint(
     checkpoint = _resolve(Path(path_or_dir))
     info = json.loads((checkpoint / COMPLETE).read_text())
     if optimizer is not None and not info["has_optimizer"]:
-        raise ValueError(f"checkpoint {checkpoint} holds no optimizer state (saved weights only); "
+        raise UserError(f"checkpoint {checkpoint} holds no optimizer state (saved weights only); "
                          "load it with optimizer=None (e.g. checkpoint.finetune)")
     if optimizer is not None and not strict_shapes:
-        raise ValueError("strict_shapes=False loads weights only: pass optimizer=None")
+        raise UserError("strict_shapes=False loads weights only: pass optimizer=None")
     try:
         metadata = dist_checkpointing.load_tensors_metadata(str(checkpoint))
     except _READ_ERRORS as error:
-        raise ValueError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
+        raise UserError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
 
     model_state = model.sharded_state_dict()
     mismatches = _shape_mismatches(model_state, metadata)
@@ -297,7 +364,7 @@ def load_checkpoint(
             for key, (saved, current) in sorted(mismatches.items())
         )
         if strict_shapes:
-            raise ValueError(f"checkpoint {checkpoint} does not fit the model "
+            raise UserError(f"checkpoint {checkpoint} does not fit the model "
                              f"({len(mismatches)} tensors differ):\n{listing}")
         logger.warning("not loading %d tensors whose shapes differ:\n%s", len(mismatches), listing)
         model_state = {name: value for name, value in model_state.items()
@@ -311,7 +378,7 @@ def load_checkpoint(
         with platform.megatron_cuda_calls_on_cpu():
             loaded = dist_checkpointing.load(state, str(checkpoint))
     except _READ_ERRORS as error:
-        raise ValueError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
+        raise UserError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
     model.load_state_dict(loaded["model"], strict=not mismatches)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
@@ -327,7 +394,7 @@ def saved_optimizer_format(path: str | os.PathLike) -> dict | None:
     try:
         recorded = dist_checkpointing.load_content_metadata(str(checkpoint))
     except _READ_ERRORS as error:
-        raise ValueError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
+        raise UserError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
     if recorded is None:  # written before formats were recorded: the engine named in its run config
         engine = json.loads((checkpoint / RUN_CONFIG).read_text()).get("training", {}).get("engine", "portable")
         recorded = {"optimizer": "torch" if engine == "portable" else "megatron"}
@@ -341,8 +408,9 @@ def optimizer_format_problem(saved: dict | None, current: dict) -> str | None:
         return None  # weights only, or a checkpoint older than recorded formats: nothing to compare
     kind, want = saved.get("optimizer"), current.get("optimizer")
     if kind != want:
-        return (f"it holds the {kind} engine's optimizer state and this run uses the {want} engine; resume with "
-                f"training.engine: {'portable' if kind == 'torch' else 'megatron'}")
+        engines = {"torch": "portable", "megatron": "megatron"}
+        return (f"it holds the {engines.get(kind, kind)} engine's optimizer state and this run uses the "
+                f"{engines.get(want, want)} engine; resume with training.engine: {engines.get(kind, kind)}")
     if saved.get("distributed_optimizer") != current.get("distributed_optimizer"):
         return (f"it was saved with parallel.use_distributed_optimizer: {str(saved['distributed_optimizer']).lower()}"
                 " and the optimizer state layouts differ; set it back")
@@ -363,13 +431,22 @@ def read_run_config(path: str | os.PathLike) -> dict:
 
 
 def read_tokenizer_reference(path: str | os.PathLike) -> dict:
-    """The tokenizer reference saved with a checkpoint (or a save directory's newest one)."""
-    return json.loads((_resolve(Path(path)) / TOKENIZER_REFERENCE).read_text())
+    """The tokenizer reference saved with a checkpoint (or a save directory's newest one): the
+    ``TokenizerConfig`` fields that rebuild it."""
+    reference = json.loads((_resolve(Path(path)) / TOKENIZER_REFERENCE).read_text())
+    reference.pop(TOKENIZER_FINGERPRINT, None)
+    return reference
+
+
+def read_tokenizer_fingerprint(path: str | os.PathLike) -> str | None:
+    """The content fingerprint of the checkpoint's tokenizer (``EncoderTokenizer.fingerprint``;
+    None for checkpoints written without one)."""
+    return json.loads((_resolve(Path(path)) / TOKENIZER_REFERENCE).read_text()).get(TOKENIZER_FINGERPRINT)
 
 
 def _checked_trainer_state(trainer_state: dict, step: int) -> dict:
     if trainer_state.get("step", step) != step:
-        raise ValueError(f"trainer_state['step']={trainer_state['step']} differs from step={step}")
+        raise UserError(f"trainer_state['step']={trainer_state['step']} differs from step={step}")
     state = {**trainer_state, "step": step}
     # The common state is read back with weights_only=True: refuse now what resuming would.
     buffer = io.BytesIO()
@@ -378,7 +455,7 @@ def _checked_trainer_state(trainer_state: dict, step: int) -> dict:
     try:
         torch.load(buffer, weights_only=True)
     except pickle.UnpicklingError as error:
-        raise ValueError(
+        raise UserError(
             "trainer_state holds a value torch.load(weights_only=True) refuses (use containers, "
             f"numbers, strings, bytes, tensors or numpy arrays): {error}"
         ) from error
@@ -389,7 +466,7 @@ def _to_json(what: str, value: dict) -> str:
     try:
         return json.dumps(value, indent=2) + "\n"
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{what} must be JSON-serialisable: {error}") from error
+        raise UserError(f"{what} must be JSON-serialisable: {error}") from error
 
 
 def _shape_mismatches(
@@ -436,16 +513,16 @@ def _complete_checkpoints(save_dir: Path) -> list[Path]:
 def _resolve(path: Path) -> Path:
     """The checkpoint ``path`` names: itself if it is one, else the newest one inside it."""
     if not path.is_dir():
-        raise ValueError(f"no checkpoint at {path}: not a directory")
+        raise UserError(f"no checkpoint at {path}: not a directory")
     looks_like_one = _CHECKPOINT.match(path.name.split(".")[0]) or any(
         (path / name).exists() for name in (COMPLETE, _MEGATRON_METADATA))
     if looks_like_one:
         if reason := _incomplete_reason(path):
-            raise ValueError(f"{path} is not a complete checkpoint: {reason}")
+            raise UserError(f"{path} is not a complete checkpoint: {reason}")
         return path
     latest = latest_checkpoint(path)
     if latest is None:
-        raise ValueError(f"no complete checkpoint in {path} (expected iter_NNNNNNN directories "
+        raise UserError(f"no complete checkpoint in {path} (expected iter_NNNNNNN directories "
                          f"holding {COMPLETE})")
     return latest
 

@@ -84,11 +84,12 @@ class TrainingConfig:
     max_nonfinite_steps: int = 5
     """A step whose loss is NaN/inf is skipped and counted; stop after this many in a row."""
     engine: Literal["auto", "portable", "megatron"] = "auto"
-    """How a step runs. ``portable``: this project's loop (per-token loss, flat gradient
-    all-reduce, torch AdamW); runs on CPU and GPU. ``megatron``: Megatron-Core's
-    ``DistributedDataParallel``, ``get_megatron_optimizer`` and ``get_forward_backward_func``
-    (micro-batching, pipeline parallelism, distributed optimizer, overlapped gradient
-    reduction); GPU only. ``auto``: megatron on GPU, portable on CPU."""
+    """How a step runs. ``megatron``: Megatron-Core's ``DistributedDataParallel``,
+    ``get_megatron_optimizer`` and ``get_forward_backward_func`` (micro-batching, pipeline
+    parallelism, distributed optimizer, overlapped gradient reduction), on GPU and, through
+    ``platform.megatron_cuda_calls_on_cpu``, on CPU. ``portable``: this project's own step
+    (per-token loss, flat gradient all-reduce, torch AdamW), independent of Megatron's optimizer
+    internals; no pipeline parallelism or distributed optimizer. ``auto``: megatron."""
     fp8_recipe: Literal["delayed", "tensorwise"] | None = None
     """FP8 matmuls through Transformer Engine (Hopper or newer, ``attention_backend: te``,
     ``bf16: true``): ``delayed`` scaling (amax history) or ``tensorwise`` current scaling

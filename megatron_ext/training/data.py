@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.tokenizer import EncoderTokenizer
 
 if TYPE_CHECKING:
@@ -75,28 +76,28 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.data_path, str) or not self.data_path:
-            raise ValueError(f"data_path: expected a non-empty list of prefixes, got {self.data_path!r}")
+            raise UserError(f"data_path: expected a non-empty list of prefixes, got {self.data_path!r}")
         object.__setattr__(self, "data_path", tuple(self.data_path))
         prefixes, weights = self.blend
         if weights is None and any(_is_number(p) for p in prefixes):
-            raise ValueError(
+            raise UserError(
                 f"data_path {list(self.data_path)}: expected either only prefixes or alternating "
                 "'weight prefix' pairs, got a mix"
             )
         if weights is not None and not all(w > 0 for w in weights):
-            raise ValueError(f"data_path: blend weights must be > 0, got {weights}")
+            raise UserError(f"data_path: blend weights must be > 0, got {weights}")
         _split_vector(self.split)
         for name in ("seq_length", "micro_batch_size", "global_batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+                raise UserError(f"{name}: expected >= 1, got {getattr(self, name)}")
         if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(
+            raise UserError(
                 f"global_batch_size {self.global_batch_size} must be a multiple of micro_batch_size "
                 f"{self.micro_batch_size}"
             )
         for name in ("num_workers", "eval_iters", "max_tokens_to_scan"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
+                raise UserError(f"{name}: expected >= 0, got {getattr(self, name)}")
 
     @property
     def blend(self) -> tuple[list[str], list[float] | None]:
@@ -120,7 +121,7 @@ def _split_vector(split: str) -> list[float]:
     except ValueError:
         parts = []
     if not 1 <= len(parts) <= 3 or any(p < 0 or not math.isfinite(p) for p in parts) or parts[0] <= 0:
-        raise ValueError(
+        raise UserError(
             f"split: expected 'train,valid,test' proportions such as '98,2,0' (train > 0), got {split!r}"
         )
     return parts
@@ -149,49 +150,81 @@ def _read_index(prefix: str) -> _Index:
     for path in (idx_path, bin_path):
         if not os.path.isfile(path):
             hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
-            raise ValueError(f"data_path {prefix!r}: {path} does not exist{hint}")
+            raise UserError(f"data_path {prefix!r}: {path} does not exist{hint}")
     idx_size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as f:
         preamble = f.read(_INDEX_PREAMBLE.size)
     if preamble[:9] != _INDEX_HEADER:
-        raise ValueError(
+        raise UserError(
             f"{idx_path}: not a Megatron index; expected it to start with {_INDEX_HEADER!r}, "
             f"got {preamble[:9]!r}"
         )
     if len(preamble) < _INDEX_PREAMBLE.size:
-        raise ValueError(f"{idx_path}: truncated header ({idx_size} bytes)")
+        raise UserError(f"{idx_path}: truncated header ({idx_size} bytes)")
     _, version, code, n_sequences, n_documents = _INDEX_PREAMBLE.unpack(preamble)
     if version != 1:
-        raise ValueError(f"{idx_path}: index version {version}; Megatron-Core reads version 1")
+        raise UserError(f"{idx_path}: index version {version}; Megatron-Core reads version 1")
     try:
         dtype = np.dtype(DType.dtype_from_code(code))
     except ValueError:
-        raise ValueError(f"{idx_path}: unknown token dtype code {code}") from None
+        raise UserError(f"{idx_path}: unknown token dtype code {code}") from None
     expected = _INDEX_PREAMBLE.size + 12 * n_sequences + 8 * n_documents
     if idx_size < expected:
-        raise ValueError(
+        raise UserError(
             f"{idx_path}: {idx_size} bytes, expected {expected} for {n_sequences} sequences and "
             f"{n_documents} document boundaries (truncated?)"
         )
     index = np.memmap(idx_path, mode="r", dtype=np.uint8)
     offset = _INDEX_PREAMBLE.size
     lengths = np.frombuffer(index, dtype=np.int32, count=n_sequences, offset=offset)
+    pointers = np.frombuffer(index, dtype=np.int64, count=n_sequences, offset=offset + 4 * n_sequences)
     documents = np.frombuffer(index, dtype=np.int64, count=n_documents, offset=offset + 12 * n_sequences)
+    if n_sequences and int(lengths.min()) < 0:
+        bad = int(np.flatnonzero(lengths < 0)[0])
+        raise UserError(f"{idx_path}: corrupt index: sequence {bad} has length {int(lengths[bad])}")
     tokens_before = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     n_tokens = int(tokens_before[-1])
     bin_size = os.path.getsize(bin_path)
     if bin_size != n_tokens * dtype.itemsize:
-        raise ValueError(
+        raise UserError(
             f"{bin_path}: {bin_size} bytes, but {idx_path} lists {n_tokens} {dtype.name} tokens = "
             f"{n_tokens * dtype.itemsize} bytes (truncated, or not the pair of this index?)"
         )
+    _check_document_indices(idx_path, documents, n_sequences)
+    # Megatron reads sequence i at byte pointers[i] of the .bin; its writer lays sequences end to
+    # end, so each pointer is the byte size of everything before it. Anything else (a zeroed or
+    # random pointer area) would read other documents' tokens, or past the file.
+    expected_pointers = tokens_before[:-1] * dtype.itemsize
+    wrong = np.flatnonzero(pointers != expected_pointers)
+    if wrong.size:
+        sequence = int(wrong[0])
+        document = int(np.searchsorted(documents, sequence, side="right")) - 1
+        raise UserError(
+            f"{idx_path}: corrupt index: sequence {sequence} (document {document}) points at byte "
+            f"{int(pointers[sequence])} of {bin_path}, expected {int(expected_pointers[sequence])} "
+            f"({wrong.size} of {n_sequences} pointers wrong); re-run tools/preprocess_data.py or copy the file again"
+        )
     return _Index(prefix=prefix, dtype=dtype, tokens_before=tokens_before, document_indices=documents)
+
+
+def _check_document_indices(idx_path: str, documents: np.ndarray, n_sequences: int) -> None:
+    """Document boundaries: 0 first, the sequence count last, never decreasing."""
+    if documents.size == 0 or int(documents[0]) != 0 or int(documents[-1]) != n_sequences:
+        ends = (int(documents[0]), int(documents[-1])) if documents.size else "none"
+        raise UserError(f"{idx_path}: corrupt index: document boundaries must run from 0 to the sequence count "
+                         f"{n_sequences}, got {ends}")
+    falling = np.flatnonzero(np.diff(documents) < 0)
+    if falling.size:
+        document = int(falling[0]) + 1
+        raise UserError(f"{idx_path}: corrupt index: document {document} starts at sequence "
+                         f"{int(documents[document])}, before document {document - 1} "
+                         f"(sequence {int(documents[document - 1])})")
 
 
 def _check_token_dtype(index: _Index, tokenizer: EncoderTokenizer) -> None:
     dtype = index.dtype
     if dtype.kind not in "iu" or np.iinfo(dtype).max < tokenizer.vocab_size - 1:
-        raise ValueError(
+        raise UserError(
             f"{index.prefix}.bin: token dtype {dtype.name} cannot hold the ids [0, {tokenizer.vocab_size}) "
             f"of tokenizer {tokenizer.name}; the data was made with another tokenizer?"
         )
@@ -209,7 +242,7 @@ def _scan_token_ids(index: _Index, tokenizer: EncoderTokenizer) -> None:
     position = int(np.flatnonzero((tokens >= vocab) | (tokens < 0))[0])
     sequence = int(np.searchsorted(index.tokens_before, position, side="right")) - 1
     document = int(np.searchsorted(index.document_indices, sequence, side="right")) - 1
-    raise ValueError(
+    raise UserError(
         f"{index.prefix}.bin: token id {int(tokens[position])} (document {document}, token "
         f"{position - int(index.tokens_before[sequence])} of its sequence {sequence}) is outside the vocab "
         f"[0, {vocab}) of tokenizer {tokenizer.name}; the data was made with another tokenizer?"
@@ -266,7 +299,7 @@ def _check_splits(config: DataConfig, indexes: list[_Index], *, weighted: bool) 
             "some tokens (GPTDataset never finishes building an empty split)" if min_tokens == 1
             else f"seq_length + 1 = {min_tokens} tokens (one sample; an unweighted blend is one pass)"
         )
-        raise ValueError(
+        raise UserError(
             f"split {config.split!r}: each split with a share needs {need} in every dataset, split by "
             "sequence (documents, or sentences with --split-sentences): " + "; ".join(problems)
             + f". Try {_suggest_split(config.split, indexes, min_tokens)}"
@@ -307,9 +340,9 @@ def build_datasets(
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     if train_samples < 1:
-        raise ValueError(f"train_samples: expected >= 1, got {train_samples}")
+        raise UserError(f"train_samples: expected >= 1, got {train_samples}")
     if valid_samples < 0:
-        raise ValueError(f"valid_samples: expected >= 0, got {valid_samples}")
+        raise UserError(f"valid_samples: expected >= 0, got {valid_samples}")
     tokenizer.eod  # GPTDataset needs it for every sample; raises with the fix when missing
     prefixes, weights = config.blend
     indexes = [_read_index(prefix) for prefix in prefixes]
@@ -336,7 +369,7 @@ def build_datasets(
         create_attention_mask=config.reset_attention_mask,
     )
     if gpt_config.split_matrix[1] is None and valid_samples > 0:
-        raise ValueError(
+        raise UserError(
             f"split {config.split!r} gives the valid split no share, but valid_samples={valid_samples}; "
             "give it a share (e.g. 98,2,0) or set eval_iters to 0"
         )
@@ -346,7 +379,7 @@ def build_datasets(
     for name, dataset, wanted in (("train", train, train_samples), ("valid", valid, valid_samples)):
         if dataset is not None and len(dataset) < wanted:
             # Only unweighted blends stop short: Megatron caps them at one pass over each dataset.
-            raise ValueError(
+            raise UserError(
                 f"data_path: the {name} blend has {len(dataset)} samples, {wanted} are needed; an "
                 "unweighted blend is one pass over its datasets: give weights to repeat them"
             )
@@ -388,7 +421,7 @@ def _micro_batches(dataset: Dataset, sampler: _MicroBatchSampler, config: DataCo
             if int(ids.max()) >= tokenizer.vocab_size or int(ids.min()) < 0:
                 row = int(((ids >= tokenizer.vocab_size) | (ids < 0)).any(dim=1).nonzero()[0])
                 bad = ids[row][(ids[row] >= tokenizer.vocab_size) | (ids[row] < 0)][0]
-                raise ValueError(
+                raise UserError(
                     f"token id {int(bad)} in {key} of {dataset.index_split.name} sample {indices[row]}, "
                     f"from {_source(dataset, indices[row])}, is outside the vocab "
                     f"[0, {tokenizer.vocab_size}) of tokenizer {tokenizer.name}; the data was made with "
@@ -406,9 +439,9 @@ def _source(dataset: Dataset, index: int) -> str:
 
 def _check_dp(config: DataConfig, dp_rank: int, dp_size: int) -> None:
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank {dp_rank} / dp_size {dp_size}: expected 0 <= dp_rank < dp_size")
+        raise UserError(f"dp_rank {dp_rank} / dp_size {dp_size}: expected 0 <= dp_rank < dp_size")
     if config.global_batch_size % (config.micro_batch_size * dp_size):
-        raise ValueError(
+        raise UserError(
             f"global_batch_size {config.global_batch_size} must be a multiple of micro_batch_size "
             f"{config.micro_batch_size} x data-parallel size {dp_size}"
         )
@@ -429,12 +462,12 @@ def build_train_iterator(
     gbs = config.global_batch_size
     stop = len(dataset) // gbs * gbs
     if consumed_samples < 0 or consumed_samples % gbs:
-        raise ValueError(
+        raise UserError(
             f"consumed_samples: expected a multiple of global_batch_size {gbs} (steps x {gbs}), "
             f"got {consumed_samples}"
         )
     if consumed_samples >= stop:
-        raise ValueError(
+        raise UserError(
             f"consumed_samples {consumed_samples}: the train dataset has only {stop // gbs} global batches "
             f"of {gbs}; build it with more train_samples"
         )
@@ -459,7 +492,7 @@ def build_valid_iterator(
         return iter(())
     if dataset is None or len(dataset) < stop:
         have = "no valid dataset" if dataset is None else f"{len(dataset)} valid samples"
-        raise ValueError(
+        raise UserError(
             f"eval_iters {config.eval_iters} x global_batch_size {config.global_batch_size} = {stop} "
             f"samples needed, {have}; build with valid_samples >= {stop} and a split with a valid share"
         )

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_ext.config_loading import UserError
 from megatron_ext import platform
 from megatron_ext.model import build_encoder_model
 from megatron_ext.objectives import MaskingConfig, ObjectiveBatch, apply_clm, apply_mlm
@@ -35,7 +36,7 @@ from megatron_ext.training import data as data_lib
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engines import Engine, MicroBatch, build_engine, megatron_transformer_overrides
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device
-from megatron_ext.training.plan import make_plan
+from megatron_ext.training.plan import check_paths, make_plan
 
 logger = logging.getLogger(__name__)
 
@@ -219,12 +220,37 @@ def _restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
 
 
-def _resume(engine: Engine, path: Path) -> dict:
-    """Load model and optimizer state from ``path`` if the engine can take its optimizer state
-    (checked before anything is loaded); returns the trainer state."""
+# Model fields that may differ on resume: the attention kernels (te and local load the same weights).
+RESUME_MAY_CHANGE_MODEL = ("attention_backend",)
+
+
+def _meaning_changes(path: Path, config: RunConfig, tokenizer: EncoderTokenizer) -> list[str]:
+    """What differs between the run that wrote ``path`` and this one in a way that changes what the
+    weights mean: model fields (beyond ``RESUME_MAY_CHANGE_MODEL``) and the tokenizer's content.
+    Everything else (LR, schedule, intervals, data blend, engine and layout where the optimizer
+    format allows) may change on resume."""
+    saved = ckpt.read_run_config(path).get("model", {})
+    current = json.loads(json.dumps(config.to_dict()["model"]))  # as saved: tuples become lists
+    changes = [f"model.{key}: {saved.get(key)!r} -> {current.get(key)!r}" for key in sorted(saved.keys() | current.keys())
+               if key not in RESUME_MAY_CHANGE_MODEL and saved.get(key) != current.get(key)]
+    fingerprint = ckpt.read_tokenizer_fingerprint(path)
+    if fingerprint is not None and fingerprint != tokenizer.fingerprint():
+        changes.append(f"tokenizer: {ckpt.read_tokenizer_reference(path).get('tokenizer_model')!r} (content "
+                       f"{fingerprint}) -> {config.tokenizer.tokenizer_model!r} (content {tokenizer.fingerprint()})")
+    return changes
+
+
+def _resume(engine: Engine, path: Path, config: RunConfig, tokenizer: EncoderTokenizer) -> dict:
+    """Load model and optimizer state from ``path`` if the run is the same model and the engine can
+    take its optimizer state (both checked before anything is loaded); returns the trainer state."""
+    changes = _meaning_changes(path, config, tokenizer)
+    if changes:
+        raise UserError(f"cannot resume from checkpoint {path}: this run changes what its weights mean:\n  "
+                         + "\n  ".join(changes) + "\nUse the checkpoint's settings, or another checkpoint.save "
+                         "directory for a new run (checkpoint.load + checkpoint.finetune to start from its weights).")
     problem = ckpt.optimizer_format_problem(ckpt.saved_optimizer_format(path), engine.optimizer_state.format())
     if problem:
-        raise ValueError(f"cannot resume from checkpoint {path}: {problem}. Or start from its weights only with "
+        raise UserError(f"cannot resume from checkpoint {path}: {problem}. Or start from its weights only with "
                          f"checkpoint.load={path.parent} and checkpoint.finetune: true (fresh optimizer and schedule).")
     with engine.checkpointing():
         return ckpt.load_checkpoint(path, model=engine.checkpoint_model, optimizer=engine.optimizer_state)
@@ -232,7 +258,7 @@ def _resume(engine: Engine, path: Path) -> dict:
 
 def check_tokenizer_fits(config: RunConfig, tokenizer: EncoderTokenizer) -> None:
     if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(
+        raise UserError(
             f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size is "
             f"{config.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size} (or from_tokenizer)"
         )
@@ -246,7 +272,8 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
     ``exit_after_step`` stops (after checkpointing) once that many steps are complete, like
     Megatron's ``--exit-interval``; used to test that resuming is exact.
     """
-    engine = platform.resolve_engine(config.training.engine, megatron_only=config.parallel.needs_megatron_engine)
+    check_paths(config)  # unwritable outputs and missing inputs, before anything starts
+    engine = platform.resolve_engine(config.training.engine)
     platform.check_run_supported(
         engine=engine, fp8_recipe=config.training.fp8_recipe,
         recompute_granularity=config.training.recompute_granularity,
@@ -292,29 +319,29 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
     cc = config.checkpoint
     if cc.finetune:
         if not cc.load:
-            raise ValueError("checkpoint.finetune needs checkpoint.load (the checkpoint to start from)")
+            raise UserError("checkpoint.finetune needs checkpoint.load (the checkpoint to start from)")
         path = ckpt.latest_checkpoint(cc.load)
         if path is None:
-            raise FileNotFoundError(f"checkpoint.load={cc.load!r}: no complete checkpoint found")
+            raise UserError(f"checkpoint.load={cc.load!r}: no complete checkpoint found")
         with engine.checkpointing():
             ckpt.load_checkpoint(path, model=model, optimizer=None)
         result_checkpoint = str(path)
         if cc.save and ckpt.latest_checkpoint(cc.save) is not None:  # a CPT run that was interrupted
             path = ckpt.latest_checkpoint(cc.save)
-            state = _resume(engine, path)
+            state = _resume(engine, path, config, tokenizer)
             result_checkpoint = str(path)
     else:
         load_dir = cc.load or cc.save
         path = ckpt.latest_checkpoint(load_dir) if load_dir else None
         if cc.load and path is None:
-            raise FileNotFoundError(f"checkpoint.load={cc.load!r}: no complete checkpoint found")
+            raise UserError(f"checkpoint.load={cc.load!r}: no complete checkpoint found")
         if path is not None:
-            state = _resume(engine, path)
+            state = _resume(engine, path, config, tokenizer)
             result_checkpoint = str(path)
     _restore_rng(state)
     start = int(state.get("step", 0))
     if start > total:
-        raise ValueError(f"the checkpoint is at step {start}, beyond training.train_iters={total}")
+        raise UserError(f"the checkpoint is at step {start}, beyond training.train_iters={total}")
     if start == total:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"nothing to do: {result_checkpoint} already completed all {total} steps", flush=True)
@@ -346,6 +373,8 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
     result = TrainResult(start_step=start, final_step=start, checkpoint=result_checkpoint)
     nonfinite = int(state.get("nonfinite_in_a_row", 0))
     skipped_total = int(state.get("skipped_steps", 0))
+    saver = ckpt.CheckpointSaver(async_save=cc.async_save)
+    tokenizer_reference = {**tokenizer.reference(), ckpt.TOKENIZER_FINGERPRINT: tokenizer.fingerprint()}
     model.train()
     try:
         for step in range(start, total):
@@ -362,6 +391,7 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
                                      vocab_size=config.model.vocab_size, generator=gen)
                 micro_batches.append(MicroBatch(obj, batch.get("position_ids")))
             outcome = engine.train_step(micro_batches, lr)
+            saver.poll()  # publishes asynchronous saves that every rank has finished
             loss, grad_norm, skipped = outcome.loss, outcome.grad_norm, outcome.skipped
             if skipped:
                 nonfinite += 1
@@ -387,16 +417,18 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
             exiting = exit_after_step is not None and done >= exit_after_step
             if cc.save and (done % cc.save_interval == 0 or done == total or exiting):
                 with engine.checkpointing():
-                    path = ckpt.save_checkpoint(
+                    path = saver.save(
                         cc.save, step=done, model=model, optimizer=engine.optimizer_state,
                         trainer_state=_trainer_state(done, config, nonfinite, skipped_total, log.wandb_run_id),
-                        run_config=saved_config, tokenizer_reference=tokenizer.reference(), keep_last=cc.keep_last,
+                        run_config=saved_config, tokenizer_reference=tokenizer_reference, keep_last=cc.keep_last,
                     )
                 result.checkpoint = str(path)
                 if log.is_writer:
-                    print(f"saved checkpoint {path}", flush=True)
+                    print(f"{'writing checkpoint in the background' if saver.in_flight else 'saved checkpoint'} "
+                          f"{path}", flush=True)
             if exiting:
                 break
+        saver.wait()  # the last checkpoint is complete when the run returns
     finally:
         log.close()
     result.skipped_steps = skipped_total

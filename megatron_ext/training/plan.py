@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.model.config import parameter_count
 from megatron_ext.schedule import lr_at, resolve_phases
 from megatron_ext.training.config import RunConfig
@@ -32,24 +33,24 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
     """Check that the layout and batch sizes divide; raise ValueError naming what does not."""
     tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
     if world_size < 1 or world_size % (tp * pp):
-        raise ValueError(
+        raise UserError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size={tp} x "
             f"pipeline_model_parallel_size={pp}"
         )
     dp = world_size // (tp * pp)
     m = config.model
     if m.num_attention_heads % tp or m.num_query_groups % tp:
-        raise ValueError(
+        raise UserError(
             f"tensor_model_parallel_size={tp} must divide num_attention_heads={m.num_attention_heads} "
             f"and num_query_groups={m.num_query_groups}"
         )
     if m.vocab_size % tp:
-        raise ValueError(f"tensor_model_parallel_size={tp} must divide model.vocab_size={m.vocab_size}")
+        raise UserError(f"tensor_model_parallel_size={tp} must divide model.vocab_size={m.vocab_size}")
     if m.num_layers % pp:
-        raise ValueError(f"pipeline_model_parallel_size={pp} must divide num_layers={m.num_layers}")
+        raise UserError(f"pipeline_model_parallel_size={pp} must divide num_layers={m.num_layers}")
     d = config.data
     if d.global_batch_size % (d.micro_batch_size * dp):
-        raise ValueError(
+        raise UserError(
             f"data.global_batch_size={d.global_batch_size} is not divisible by micro_batch_size="
             f"{d.micro_batch_size} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp}))"
         )
@@ -100,7 +101,7 @@ def format_plan(config: RunConfig, plan: RunPlan) -> str:
         )
     p = config.parallel
     precision = ("bf16 autocast" if t.bf16 else "fp32") + (f" + FP8 ({t.fp8_recipe}, {t.fp8_format})" if t.fp8_recipe else "")
-    engine = t.engine + (" (megatron on GPU, portable on CPU)" if t.engine == "auto" else "")
+    engine = t.engine + (" (= megatron)" if t.engine == "auto" else "")
     options = [name for name, on in (("distributed optimizer", p.use_distributed_optimizer),
                                       ("overlapped grad reduce", p.overlap_grad_reduce),
                                       ("overlapped param gather", p.overlap_param_gather)) if on]
@@ -115,3 +116,43 @@ def format_plan(config: RunConfig, plan: RunPlan) -> str:
     )
     lines.append(f"data              {' '.join(map(str, d.data_path))} (split {d.split})")
     return "\n".join(lines)
+
+
+def check_paths(config: RunConfig) -> list[str]:
+    """Fail now, naming the field, on paths a run would trip over later: a save or log directory
+    that cannot be written (found otherwise at the first save, a whole save interval in), missing
+    ``.bin``/``.idx`` files of ``data.data_path``, a ``checkpoint.load`` that does not exist, or
+    ``checkpoint.finetune`` without ``checkpoint.load``. Writes nothing that stays (a probe file is
+    created and removed in the nearest existing directory). Returns what was checked."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    checked = []
+    cc = config.checkpoint
+    if cc.finetune and not cc.load:
+        raise UserError("checkpoint.finetune needs checkpoint.load (the checkpoint to start from)")
+    if cc.load and not Path(cc.load).exists():
+        raise UserError(f"checkpoint.load={cc.load!r} does not exist")
+    for field, directory in (("checkpoint.save", cc.save), ("logging.log_dir", config.logging.log_dir)):
+        if not directory:
+            continue
+        existing = Path(directory).absolute()
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            raise UserError(f"{field}={directory!r}: {existing} is a file, not a directory")
+        try:
+            with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-probe-"):
+                pass
+        except OSError as error:
+            raise UserError(f"{field}={directory!r} cannot be written ({existing}: {error.strerror}); "
+                             "choose a writable directory") from None
+        checked.append(f"{field} writable")
+    prefixes, _ = config.data.blend
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            if not os.path.isfile(prefix + suffix):
+                raise UserError(f"data.data_path: {prefix}{suffix} does not exist")
+    checked.append(f"{len(prefixes)} data prefix(es) present")
+    return checked
