@@ -6,6 +6,10 @@ import argparse
 import gzip
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +21,8 @@ from megatron_ext.data.readers import InputError
 from megatron_ext.data.sentences import SentenceSplitter, train_punkt
 from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
 from tools import preprocess_data
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +228,52 @@ def test_main_cli(tmp_path, corpus, sp_model, capsys):
         "--input", str(corpus), "--output-prefix", str(prefix), "--tokenizer-model", sp_model,
     ]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_non_utf8_byte_names_file_and_line_and_is_skipped_with_the_flag(tmp_path, corpus, sp_model):
+    data = corpus.read_bytes().split(b"\n")
+    data[6] = data[6][:20] + b"\xff" + data[6][20:]
+    corpus.write_bytes(b"\n".join(data))
+    with pytest.raises(InputError, match=r"news.jsonl:7: invalid UTF-8 \(byte 0xff at column 21\)"):
+        _run(tmp_path, [corpus], sp_model)
+    _, summary = _run(tmp_path, [corpus], sp_model, skip_invalid=True)
+    assert summary.invalid_skipped == 1 and summary.documents == 119
+    text = tmp_path / "plain.txt"
+    text.write_bytes(b"first line\nsecond \xfe line\n")
+    with pytest.raises(InputError, match=r"plain.txt:2: invalid UTF-8"):
+        _run(tmp_path, [text], sp_model, name="plain")
+
+
+def test_empty_input_is_refused_naming_the_file(tmp_path, sp_model):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(InputError, match=r"no documents in .*empty.jsonl"):
+        _run(tmp_path, [empty], sp_model)
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_stale_temporaries_of_a_killed_run_are_removed(tmp_path, corpus, sp_model, caplog):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs
+    stale = [tmp_path / f"out_text_document.bin.tmp{dead.pid}", tmp_path / f"out_text_document.idx.tmp{dead.pid}"]
+    other = tmp_path / f"other_text_document.bin.tmp{dead.pid}"  # another output's: left alone
+    for path in (*stale, other):
+        path.write_bytes(b"partial")
+    with caplog.at_level("WARNING"):
+        _run(tmp_path, [corpus], sp_model)
+    assert not any(p.exists() for p in stale) and other.exists()
+    assert "left by an interrupted run" in caplog.text
+
+
+def test_ctrl_c_prints_one_line(tmp_path, corpus, sp_model):
+    big = tmp_path / "big.jsonl"
+    big.write_text(corpus.read_text() * 600)
+    command = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(big), "--output-prefix",
+               str(tmp_path / "out"), "--tokenizer-model", sp_model, "--workers", "2", "--no-progress"]
+    run = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    time.sleep(6)  # past start-up, into tokenization
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err
+    assert "interrupted; no output written" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("out_text_document*"))

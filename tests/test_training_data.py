@@ -312,3 +312,76 @@ def test_config_errors_name_the_field(change, message):
     fields = {"data_path": ("x",), "seq_length": SEQ, "micro_batch_size": MBS, "global_batch_size": GBS}
     with pytest.raises(ValueError, match=message):
         DataConfig(**{**fields, **change})
+
+
+def _zero_pointers(prefix: str) -> None:
+    with open(prefix + ".idx", "r+b") as f:
+        header = f.read(34)
+        n_sequences = int(np.frombuffer(header[18:26], dtype=np.int64)[0])
+        f.seek(34 + 4 * n_sequences)
+        f.write(b"\0" * 8 * n_sequences)
+
+
+def test_zeroed_pointer_area_is_refused_naming_the_first_bad_document(tmp_path, corpora, tokenizer):
+    """What a crashed copy or a sparse-file hole leaves: sizes intact, every pointer 0. Megatron
+    would read every document from the start of the .bin."""
+    prefix = _copy_pair(corpora["small"], tmp_path)
+    _zero_pointers(prefix)
+    message = re.escape(f"{prefix}.idx: corrupt index: sequence 1 (document 1) points at byte 0 of {prefix}.bin")
+    with pytest.raises(ValueError, match=message):
+        _build_small(tmp_path, prefix, tokenizer)
+
+
+# Byte ranges of a .idx: the 34-byte preamble, then int32 lengths, int64 pointers, int64 document indices.
+def _index_regions(prefix: str) -> dict[str, tuple[int, int]]:
+    with open(prefix + ".idx", "rb") as f:
+        header = f.read(34)
+    n_sequences = int(np.frombuffer(header[18:26], dtype=np.int64)[0])
+    n_documents = int(np.frombuffer(header[26:34], dtype=np.int64)[0])
+    lengths_end = 34 + 4 * n_sequences
+    pointers_end = lengths_end + 8 * n_sequences
+    return {"header": (0, 34), "lengths": (34, lengths_end), "pointers": (lengths_end, pointers_end),
+            "documents": (pointers_end, pointers_end + 8 * n_documents)}
+
+
+def _all_tokens(prefix: str) -> list[list[int]]:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix, mmap=True)
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+@pytest.mark.parametrize("region", ["header", "lengths", "pointers", "documents"])
+def test_corrupt_index_fuzz(tmp_path, corpora, tokenizer, region):
+    """Random corruptions of one region of a real .idx (bytes zeroed, randomised, or the file cut
+    there): every one either reads exactly the original tokens of every document, or stops in the
+    start-up check (before any step) with a message naming the file."""
+    from megatron_ext.training.data import _read_index
+
+    original = _all_tokens(corpora["small"])
+    reference = (Path(corpora["small"] + ".idx")).read_bytes()
+    start, end = _index_regions(corpora["small"])[region]
+    rng = np.random.default_rng(sum(map(ord, region)))
+    refused = 0
+    for trial in range(40):
+        data = bytearray(reference)
+        at = int(rng.integers(start, end))
+        span = int(rng.integers(1, min(16, end - at) + 1))
+        kind = ("zero", "random", "truncate")[trial % 3]
+        if kind == "zero":
+            data[at:at + span] = bytes(span)
+        elif kind == "random":
+            data[at:at + span] = rng.integers(0, 256, span, dtype=np.uint8).tobytes()
+        else:
+            data = data[:at]
+        prefix = str(tmp_path / f"fuzz{trial}")
+        shutil.copy(corpora["small"] + ".bin", prefix + ".bin")
+        Path(prefix + ".idx").write_bytes(bytes(data))
+        try:
+            _read_index(prefix)
+        except ValueError as error:
+            assert prefix + ".idx" in str(error) or prefix + ".bin" in str(error), str(error)
+            refused += 1
+            continue
+        assert _all_tokens(prefix) == original, f"{kind} at byte {at} (+{span}) read other tokens"
+    assert refused >= 20  # most corruptions change something

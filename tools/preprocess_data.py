@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileExistsError) as err:  # user errors: one clear line, no traceback
         print(f"preprocess_data.py: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # temporaries are removed on the way out; existing outputs untouched
+        print("preprocess_data.py: interrupted; no output written", file=sys.stderr)
+        return 130
     print(summary.format())
     return 0
 

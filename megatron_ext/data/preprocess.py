@@ -23,6 +23,8 @@ import itertools
 import logging
 import multiprocessing
 import os
+import re
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -215,6 +217,7 @@ class _Encoder:
 
 def _init_worker(config: PreprocessConfig, splitter: SentenceSplitter | None, ready) -> None:
     global _worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle, once
     _worker = _Encoder(config, splitter)
     ready.put(os.getpid())
 
@@ -256,10 +259,39 @@ def _check_outputs(config: PreprocessConfig) -> None:
         if existing and not config.overwrite:
             raise FileExistsError(f"output {existing[0]} already exists; pass --overwrite to replace it")
     parent = Path(config.output_prefix).parent
+    _remove_stale_temporaries(config)
     if not parent.exists():
         raise InputError(f"--output-prefix {config.output_prefix!r}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise InputError(f"--output-prefix {config.output_prefix!r}: directory {parent} is not writable")
+
+
+_TEMPORARY = re.compile(r"\.(bin|idx)\.tmp(\d+)$")
+
+
+def _remove_stale_temporaries(config: PreprocessConfig) -> None:
+    """Remove ``<prefix>.bin.tmp<pid>`` / ``.idx.tmp<pid>`` files of this run's outputs that a killed
+    run left behind (their process is gone), saying so."""
+    for key in config.json_keys:
+        prefix = Path(config.output_prefix_for(key))
+        if not prefix.parent.is_dir():
+            continue
+        for path in prefix.parent.glob(prefix.name + ".*.tmp*"):
+            match = _TEMPORARY.search(path.name)
+            if not match or path.name[: match.start()] != prefix.name or _process_alive(int(match[2])):
+                continue
+            logger.warning("removing %s, left by an interrupted run (process %s is gone)", path, match[2])
+            path.unlink()
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def preprocess(config: PreprocessConfig) -> PreprocessSummary:
@@ -310,6 +342,10 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
             for key, chunk in encoded.items():
                 _write_chunk(builders[key], chunk, tokenizer.vocab_size, summary, count_docs=key == config.json_keys[0])
             progress.update(chars)
+        if summary.documents == 0:
+            raise InputError(f"no documents in {', '.join(paths)} (every input was empty"
+                             + (f", or {summary.invalid_skipped:,} invalid line(s) skipped" if summary.invalid_skipped
+                                else "") + "); nothing written")
         for key, builder in builders.items():
             builder.finalize(tmp[key][1])
         # Publish: drop any old index first, then bin, then idx. Readers need both files, so at

@@ -36,6 +36,8 @@ class Record:
     """An undecoded JSON line (JSONL inputs); decoded by :func:`decode_record`."""
     fields: dict[str, str] | None = None
     """Already-extracted text fields (text, Parquet and HF inputs)."""
+    error: str | None = None
+    """Why the record cannot be read (e.g. invalid UTF-8); :func:`decode_record` raises it."""
 
 
 class InputError(ValueError):
@@ -98,28 +100,48 @@ def detect_format(path: str, requested: str) -> str:
     )
 
 
-def _open_text(path: str) -> io.TextIOBase:
-    if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+def _open_binary(path: str) -> io.BufferedIOBase:
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def _decoded_lines(path: str) -> Iterator[tuple[int, str | None, str | None]]:
+    """``(line number, text, error)`` per line: lines are decoded one by one, so a byte that is not
+    UTF-8 is reported (or skipped) with its file and line instead of stopping the whole read."""
+    with _open_binary(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            try:
+                yield lineno, line.decode("utf-8"), None
+            except UnicodeDecodeError as err:
+                yield lineno, None, f"invalid UTF-8 (byte 0x{line[err.start]:02x} at column {err.start + 1})"
 
 
 def _read_jsonl(path: str) -> Iterator[Record]:
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                yield Record(location=f"{path}:{lineno}", raw=line)
+    for lineno, line, error in _decoded_lines(path):
+        if error is not None:
+            yield Record(location=f"{path}:{lineno}", error=error)
+        elif line.strip():
+            yield Record(location=f"{path}:{lineno}", raw=line)
 
 
 def _read_text(path: str, key: str, text_mode: str) -> Iterator[Record]:
     files = sorted(str(f) for f in Path(path).rglob("*") if f.is_file()) if os.path.isdir(path) else [path]
     for file in files:
-        with _open_text(file) as f:
-            if text_mode == "file":
-                yield Record(location=file, fields={key: f.read()})
+        if text_mode == "file":
+            with _open_binary(file) as f:
+                data = f.read()
+            try:
+                text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # universal newlines
+            except UnicodeDecodeError as err:
+                line = data.count(b"\n", 0, err.start) + 1
+                yield Record(location=f"{file}:{line}", error=f"invalid UTF-8 (byte 0x{data[err.start]:02x})")
                 continue
-            for lineno, line in enumerate(f, start=1):
-                yield Record(location=f"{file}:{lineno}", fields={key: line.rstrip("\n")})
+            yield Record(location=file, fields={key: text})
+            continue
+        for lineno, line, error in _decoded_lines(file):
+            if error is not None:
+                yield Record(location=f"{file}:{lineno}", error=error)
+            else:
+                yield Record(location=f"{file}:{lineno}", fields={key: line.rstrip("\r\n")})
 
 
 def _read_parquet(path: str, keys: Sequence[str]) -> Iterator[Record]:
@@ -187,6 +209,8 @@ def iter_records(
 
 def decode_record(record: Record, json_keys: Sequence[str]) -> dict[str, str]:
     """Text fields of ``record``; raises :class:`InputError` naming the location on bad input."""
+    if record.error is not None:
+        raise InputError(f"{record.location}: {record.error}")
     if record.fields is not None:
         return record.fields
     try:
