@@ -27,8 +27,8 @@ and gradients; FP8 (Transformer Engine) comes from the model's ``TransformerConf
 
 from __future__ import annotations
 
-import math
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
