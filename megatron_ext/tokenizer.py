@@ -159,8 +159,10 @@ class EncoderTokenizer(abc.ABC):
         import hashlib
         import json
 
-        content = {"pieces": self._pieces(), "roles": self._roles, "special": sorted(self.special_ids)}
-        return hashlib.sha256(json.dumps(content, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+        if getattr(self, "_fingerprint", None) is None:  # the whole vocabulary: computed once
+            content = {"pieces": self._pieces(), "roles": self._roles, "special": sorted(self.special_ids)}
+            self._fingerprint = hashlib.sha256(json.dumps(content, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+        return self._fingerprint
 
     @property
     def unique_identifiers(self) -> dict:

@@ -318,8 +318,6 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
     result_checkpoint = None
     cc = config.checkpoint
     if cc.finetune:
-        if not cc.load:
-            raise UserError("checkpoint.finetune needs checkpoint.load (the checkpoint to start from)")
         path = ckpt.latest_checkpoint(cc.load)
         if path is None:
             raise UserError(f"checkpoint.load={cc.load!r}: no complete checkpoint found")
