@@ -271,7 +271,10 @@ def test_ctrl_c_prints_one_line(tmp_path, corpus, sp_model):
     command = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(big), "--output-prefix",
                str(tmp_path / "out"), "--tokenizer-model", sp_model, "--workers", "2", "--no-progress"]
     run = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    time.sleep(6)  # past start-up, into tokenization
+    deadline = time.time() + 120
+    while not list(tmp_path.glob("out_text_document.bin.tmp*")) and run.poll() is None and time.time() < deadline:
+        time.sleep(0.01)  # until the output is being written: start-up is over, tokenization runs
+    assert run.poll() is None, "finished before it could be interrupted"
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=60)
     assert run.returncode == 130, err
