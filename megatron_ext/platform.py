@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
+import shutil
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -221,7 +223,8 @@ MEGATRON_CORE_CHECKED_ON_CPU = "0.19.2"
 """The megatron-core release whose CUDA-only calls ``megatron_cuda_calls_on_cpu`` was checked against."""
 
 
-def _megatron_core_version() -> str:
+@functools.cache
+def _megatron_core_version() -> str:  # read once: the redirection is entered on every CPU step
     import importlib.metadata
 
     return importlib.metadata.version("megatron-core")
@@ -374,7 +377,9 @@ def init_process_group_and_model_parallel(
         if init_method == "env://" and world_size == 1 and "MASTER_PORT" not in os.environ:
             # A lone process (no torchrun) still needs a rendezvous: a file store, no TCP port (a
             # probed "free" port can be taken by another process before the store binds it).
-            init_method = f"file://{tempfile.mkdtemp(prefix='megatron_ext_rendezvous_')}/store"
+            global _rendezvous_dir
+            _rendezvous_dir = tempfile.mkdtemp(prefix="megatron_ext_rendezvous_")
+            init_method = f"file://{_rendezvous_dir}/store"
         if on_gpu():
             local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
             torch.cuda.set_device(local_rank)
@@ -399,6 +404,10 @@ def init_process_group_and_model_parallel(
     seed_model_parallel(seed)
 
 
+_rendezvous_dir: str | None = None
+"""Directory of a lone process's file-store rendezvous (removed on teardown)."""
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -407,6 +416,10 @@ def _free_port() -> int:
 
 def destroy_process_group_and_model_parallel() -> None:
     """Undo ``init_process_group_and_model_parallel`` (tests, tools that run twice)."""
+    global _rendezvous_dir
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _rendezvous_dir is not None:  # a lone process's file store
+        shutil.rmtree(_rendezvous_dir, ignore_errors=True)
+        _rendezvous_dir = None
