@@ -6,10 +6,8 @@ import argparse
 import gzip
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +20,6 @@ from megatron_ext.data.sentences import SentenceSplitter, train_punkt
 from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
 from tools import preprocess_data
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -263,20 +260,3 @@ def test_stale_temporaries_of_a_killed_run_are_removed(tmp_path, corpus, sp_mode
         _run(tmp_path, [corpus], sp_model)
     assert not any(p.exists() for p in stale) and other.exists()
     assert "left by an interrupted run" in caplog.text
-
-
-def test_ctrl_c_prints_one_line(tmp_path, corpus, sp_model):
-    big = tmp_path / "big.jsonl"
-    big.write_text(corpus.read_text() * 600)
-    command = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(big), "--output-prefix",
-               str(tmp_path / "out"), "--tokenizer-model", sp_model, "--workers", "2", "--no-progress"]
-    run = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    deadline = time.time() + 120
-    while not list(tmp_path.glob("out_text_document.bin.tmp*")) and run.poll() is None and time.time() < deadline:
-        time.sleep(0.01)  # until the output is being written: start-up is over, tokenization runs
-    assert run.poll() is None, "finished before it could be interrupted"
-    run.send_signal(signal.SIGINT)
-    _, err = run.communicate(timeout=60)
-    assert run.returncode == 130, err
-    assert "interrupted; no output written" in err and "Traceback" not in err
-    assert not list(tmp_path.glob("out_text_document*"))
