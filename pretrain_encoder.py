@@ -68,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from megatron_ext.training.plan import check_paths, format_plan, make_plan
 
+            from megatron_ext.training.memory import memory_report
+
             world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
             print(format_plan(config, make_plan(config, world)))
+            print(memory_report(config, world_size=world))
             try:  # a plan made on a login node may name paths mounted only on the compute nodes
                 print("checked: " + ", ".join(check_paths(config)))
             except UserError as err:

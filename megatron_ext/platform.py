@@ -36,6 +36,9 @@ Divergences, and why:
    ``training.engine: auto`` is the Megatron engine on both (``resolve_engine``).
 8. Asynchronous checkpoint writer (``persistent_checkpoint_writer``): a persistent worker on GPU,
    a process forked per save on CPU (where staging copies nothing).
+9. Memory a process may use (``usable_memory_bytes``, checked against
+   ``training.memory.estimate_memory`` before a run allocates): the GPU's free memory, or on CPU
+   the machine's available memory shared by the processes started on it.
 
 Not divergences: core attention is ``megatron_ext.model.attention.SDPAttention`` on both CPU and
 GPU (Megatron's ``DotProductAttention`` needs ``GlobalMemoryBuffer`` and the CUDA RNG tracker);
@@ -173,6 +176,20 @@ def on_gpu() -> bool:
 def device() -> torch.device:
     """The device of this process's parameters and activations."""
     return torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
+
+
+def usable_memory_bytes() -> tuple[int, str]:
+    """Bytes this process may allocate, and where (divergence 9)."""
+    if on_gpu():
+        free, _ = torch.cuda.mem_get_info()
+        return free, f"GPU {torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    try:  # MemAvailable counts reclaimable page cache; free pages alone would be far too strict
+        with open("/proc/meminfo") as meminfo:
+            available = 1024 * next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):  # not Linux
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return available // local_processes, f"this machine's memory (shared by {local_processes} process(es))"
 
 
 def distributed_backend() -> str:

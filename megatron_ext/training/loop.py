@@ -36,6 +36,7 @@ from megatron_ext.training import data as data_lib
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engines import Engine, MicroBatch, build_engine, megatron_transformer_overrides
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device
+from megatron_ext.training.memory import check_fits, estimate_memory
 from megatron_ext.training.plan import check_paths, make_plan
 
 logger = logging.getLogger(__name__)
@@ -299,6 +300,7 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
 
 def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | None) -> TrainResult:
     make_plan(config, dist.get_world_size())  # layout and batch sizes divide: checked before any allocation
+    check_fits(estimate_memory(config, world_size=dist.get_world_size()), *platform.usable_memory_bytes())
     device = platform.device()
     tokenizer = build_tokenizer(config.tokenizer)
     check_tokenizer_fits(config, tokenizer)
