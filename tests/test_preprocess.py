@@ -260,3 +260,48 @@ def test_stale_temporaries_of_a_killed_run_are_removed(tmp_path, corpus, sp_mode
         _run(tmp_path, [corpus], sp_model)
     assert not any(p.exists() for p in stale) and other.exists()
     assert "left by an interrupted run" in caplog.text
+
+
+def test_ctrl_c_prints_one_line_and_keeps_the_previous_output(tmp_path, corpus, sp_model):
+    """Interrupted while reading its input: one line, exit 130, no temporaries, and the output of
+    an earlier run to the same prefix untouched. The input is a named pipe the test holds open, so
+    the run is certainly mid-way (its temporaries exist and it waits for more input) when the
+    signal arrives, however loaded the machine."""
+    import errno
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    _run(tmp_path, [corpus], sp_model)
+    previous = {p.name: p.read_bytes() for p in tmp_path.glob("out_text_document.*")}
+    assert len(previous) == 2
+    fifo = tmp_path / "stream.jsonl"
+    os.mkfifo(fifo)
+    repo = Path(__file__).resolve().parent.parent
+    run = subprocess.Popen([sys.executable, "tools/preprocess_data.py", "--input", str(fifo), "--output-prefix",
+                            str(tmp_path / "out"), "--tokenizer-model", sp_model, "--workers", "1", "--no-progress",
+                            "--overwrite"], stderr=subprocess.PIPE, text=True, cwd=repo)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # the pipe opens for writing once the run has opened its input, after start-up
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as error:  # ENXIO: no reader yet
+                assert error.errno == errno.ENXIO and run.poll() is None and time.monotonic() < deadline, \
+                    run.stderr.read() if run.poll() is not None else "no reader"
+                time.sleep(0.05)
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "w") as writer:
+            writer.write(corpus.read_text())
+            writer.flush()
+            assert list(tmp_path.glob("out_text_document.bin.tmp*")), "the run has not started writing"
+            run.send_signal(signal.SIGINT)
+            _, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "preprocess_data.py: interrupted; no output written"
+    assert "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("out_text_document.*")} == previous
