@@ -54,6 +54,8 @@ VARIANTS = {
     "full_lm_head": ({"training": {"lm_head_scored_only": False}}, "LM head + loss at every position"),
     "selective_recompute": ({"training": {"recompute_granularity": "selective"}}, "recompute core attention"),
     "full_recompute": ({"training": {"recompute_granularity": "full"}}, "recompute whole layers"),
+    "bf16_params": ({"model": {"params_dtype": "bfloat16"}},
+                    "bf16 weights, fp32 main params in Megatron's optimizer (Megatron-LM mixed precision)"),
     "unfused_adam": ({"optimizer": {"fused": False}}, "torch AdamW as Megatron builds it without TE/apex (not fused)"),
 }
 GPU_ONLY_VARIANTS = ("selective_recompute", "full_recompute")
@@ -88,7 +90,7 @@ def run_config(args, model_preset: str, seq_length: int, precision: str, variant
                      "fp8_recipe": args.fp8_recipe if precision == "fp8" else None},
     }
     for section, values in (VARIANTS[variant][0] if variant else {}).items():
-        raw[section] = {**raw[section], **values}
+        raw[section] = {**raw.get(section, {}), **values}
     return run_config_from_dict(raw)
 
 

@@ -62,7 +62,10 @@ class EncoderModelConfig:
     init_method_std: float = 0.02
     """Std of the normal init; output projections use Megatron's depth-scaled variant."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype of parameters and activations."""
+    """Dtype of parameters and activations. In training, ``bfloat16`` is Megatron-LM's mixed
+    precision (``--bf16``): bf16 weights and activations, fp32 main parameters and gradient
+    reduction in Megatron's optimizer (the Megatron engine only); ``float32`` keeps fp32 weights
+    (with ``training.bf16``: bf16 autocast of the forward)."""
     document_mask: bool = False
     """Stop attention across documents of a packed sequence. Documents end with
     ``eod_token_id`` (the EOD belongs to the document it ends); the block-diagonal mask is

@@ -197,6 +197,12 @@ class RunConfig:
         if megatron_only and self.training.engine == "portable":
             raise ConfigError(f"{', '.join(megatron_only)} need(s) training.engine: megatron (or auto on a GPU); "
                               "the portable engine has no pipeline schedule or distributed optimizer")
+        if self.model.params_dtype == "float16":
+            raise ConfigError("model.params_dtype: float16 needs loss scaling, which this trainer does not do; "
+                              "use bfloat16 (fp32 main parameters in Megatron's optimizer) or float32")
+        if self.model.params_dtype == "bfloat16" and self.training.engine == "portable":
+            raise ConfigError("model.params_dtype: bfloat16 trains with fp32 main parameters in Megatron's "
+                              "optimizer: needs training.engine: megatron (or auto)")
         if self.training.fp8_recipe is not None and self.model.attention_backend != "te":
             raise ConfigError(f"training.fp8_recipe={self.training.fp8_recipe!r} needs model.attention_backend: te "
                               "(FP8 matmuls are Transformer Engine layers)")

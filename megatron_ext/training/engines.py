@@ -79,6 +79,10 @@ class Engine(Protocol):
     def eval_loss(self, micro_batches: Sequence[MicroBatch]) -> tuple[float, float]:
         """(sum of token losses, token count) over the data-parallel group, no update."""
 
+    def weights_loaded(self) -> None:
+        """The model's weights were replaced without the optimizer's state (continued pretraining):
+        copies the optimizer keeps of them (fp32 main parameters) are refreshed."""
+
     def checkpointing(self) -> contextlib.AbstractContextManager:
         """Context around a checkpoint save or load."""
 
@@ -149,6 +153,9 @@ class PortableEngine:
 
     def checkpointing(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def weights_loaded(self) -> None:
+        """The optimizer updates the model's own (fp32) parameters: nothing to refresh."""
 
 
 def megatron_transformer_overrides(config: RunConfig) -> dict:
@@ -293,6 +300,7 @@ class MegatronEngine:
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.module import Float16Module
 
         self.config = config
         p = config.parallel
@@ -303,13 +311,18 @@ class MegatronEngine:
         )
         transformer_config = model.config
         o = config.optimizer
+        # bf16 parameters (model.params_dtype): Megatron-LM's mixed precision. Float16Module runs
+        # the model in bf16 (its fp32 outputs: the per-token loss, computed in fp32 inside the
+        # model); the optimizer keeps fp32 main parameters; gradients reduce into fp32 buffers.
+        low_precision = transformer_config.bf16  # float16 is refused with the run config
         with platform.megatron_cuda_calls_on_cpu():
-            self.ddp = DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=model)
+            wrapped = Float16Module(transformer_config, model) if low_precision else model
+            self.ddp = DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=wrapped)
             self.optimizer = get_megatron_optimizer(
                 MegatronOptimizerConfig(
                     optimizer="adam", lr=0.0, min_lr=0.0, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-                    adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=False,
-                    params_dtype=torch.float32, use_distributed_optimizer=p.use_distributed_optimizer,
+                    adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=low_precision,
+                    params_dtype=transformer_config.params_dtype, use_distributed_optimizer=p.use_distributed_optimizer,
                     overlap_param_gather=p.overlap_param_gather,
                 ),
                 [self.ddp],
@@ -327,7 +340,7 @@ class MegatronEngine:
             transformer_config.param_sync_func = self.ddp.start_param_sync
         self.forward_backward = get_forward_backward_func()
         self.model = self.ddp
-        self.checkpoint_model = self.ddp.module
+        self.checkpoint_model = model  # Float16Module delegates its (sharded) state dict to it
 
     def _forward_step(self, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         micro = next(data_iterator)
@@ -396,6 +409,13 @@ class MegatronEngine:
     def eval_loss(self, micro_batches: Sequence[MicroBatch]) -> tuple[float, float]:
         with platform.megatron_cuda_calls_on_cpu():
             return self._run(micro_batches, forward_only=True)
+
+    def weights_loaded(self) -> None:
+        """Megatron-LM's ``reload_model_params``: fp32 main parameters (bf16 models, distributed
+        optimizer) are copied again from the model, else the first step would write the
+        optimizer's stale copies (the random initialisation) over the loaded weights."""
+        with platform.megatron_cuda_calls_on_cpu():
+            self.optimizer.reload_model_params()
 
     @contextlib.contextmanager
     def checkpointing(self) -> Iterator[None]:

@@ -325,6 +325,7 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
             raise UserError(f"checkpoint.load={cc.load!r}: no complete checkpoint found")
         with engine.checkpointing():
             ckpt.load_checkpoint(path, model=model, optimizer=None)
+        engine.weights_loaded()
         result_checkpoint = str(path)
         if cc.save and ckpt.latest_checkpoint(cc.save) is not None:  # a CPT run that was interrupted
             path = ckpt.latest_checkpoint(cc.save)

@@ -8,8 +8,8 @@ The estimate is for the largest pipeline stage (the first holds the embedding an
 micro-batches in flight, the last the LM head) and counts:
 
 - parameters, gradients and optimizer state per byte width of the engine's mixed precision
-  (fp32 parameters and gradients, Adam's two fp32 moments, divided over data-parallel ranks
-  by the distributed optimizer);
+  (parameters in ``model.params_dtype``; fp32 gradients; Adam's two fp32 moments, plus fp32
+  main parameters for bf16 ones, divided over data-parallel ranks by the distributed optimizer);
 - activations saved for the backward pass, per token and layer (``layer_activation_bytes``):
   ``6 h`` values in the residual stream's dtype (norm inputs and outputs) plus
   ``3 q + 3 kv + 5 ffn`` values in the compute dtype (bf16 under autocast: attention inputs
@@ -149,7 +149,7 @@ def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:
     else:
         current = no_recompute
     return MemoryEstimate(
-        parameters=params * param_bytes, gradients=params * param_bytes,  # DDP's buffer: parameters' dtype
+        parameters=params * param_bytes, gradients=params * 4,  # gradients reduce into fp32 buffers
         optimizer_state=math.ceil(optimizer), activations=current,
         activations_no_recompute=no_recompute, activations_full_recompute=full,
         micro_batches_in_flight=in_flight,
