@@ -5,7 +5,10 @@
     .venv/bin/python benchmarks/throughput.py --presets 610m --seq-lengths 2048 --precisions bf16
 
 Per (preset, sequence length, precision) both sides train MLM-40 % on the same random-token
-batches (the objective and shapes set the speed, not the text), AdamW (0.9, 0.95), clip 1.0:
+batches (the objective and shapes set the speed, not the text), AdamW (0.9, 0.95), clip 1.0, at
+the recipes' shape: an optimizer step takes as many micro-batches as one rank gets in the paper
+recipe (global batch 1,152 over ``--data-parallel-size`` 64 ranks: 2 / 3 / 6 micro-batches of
+9 / 6 / 3 sequences at 210m / 610m / 1b), gradient accumulation on both sides:
 - megatron_ext: ``build_encoder_model`` (TE spec when Transformer Engine imports) driven by the
   training engine the trainer uses (``training.engine: auto``: Megatron-Core DDP + optimizer +
   forward-backward schedule on GPU, the portable engine on CPU), bf16 autocast, FP8 via TE;
@@ -39,7 +42,7 @@ import torch  # noqa: E402
 from megatron_ext import platform  # noqa: E402
 from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E402
 from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
-from megatron_ext.training.config import run_config_from_dict  # noqa: E402
+from megatron_ext.training.config import read_recipe, run_config_from_dict  # noqa: E402
 from megatron_ext.training.engines import MicroBatch, build_engine, megatron_transformer_overrides  # noqa: E402
 from megatron_ext.schedule import resolve_phases  # noqa: E402
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device  # noqa: E402
@@ -74,16 +77,30 @@ def hf_model(config):
     return EuroBertForMaskedLM(hf_config)
 
 
+def recipe_shape(args, model_preset: str) -> tuple[int, int]:
+    """(micro-batch size, micro-batches per step) of one rank: ``--micro-batch-size`` /
+    ``--micro-batches`` where given, else the paper recipe's (``examples/recipes/base``) at
+    ``--data-parallel-size`` ranks: global batch / (data-parallel size x micro-batch size)."""
+    base = REPO / "examples" / "recipes" / "base" / f"{model_preset}.yaml"
+    if not base.is_file():  # the CPU preset: the demo recipe's shape
+        return args.micro_batch_size or 8, args.micro_batches or 2
+    data = read_recipe(base)["data"]
+    micro = args.micro_batch_size or data["micro_batch_size"]
+    count = args.micro_batches or max(1, data["global_batch_size"] // (args.data_parallel_size * micro))
+    return micro, count
+
+
 def run_config(args, model_preset: str, seq_length: int, precision: str, variant: str | None = None):
     """The trainer's own config for this shape (the engine reads optimizer, data and precision),
     changed as ``VARIANTS[variant]`` says."""
+    micro, count = recipe_shape(args, model_preset)
     backend, _ = platform.attention_backend_fallback("te")
     raw = {
         "model": {"preset": model_preset, "vocab_size": args.vocab_size, "seq_length": seq_length,
                   "attention_backend": backend},
         "tokenizer": {"tokenizer_model": "unused-by-this-benchmark"},
         "data": {"data_path": ["unused-by-this-benchmark"], "seq_length": seq_length,
-                 "micro_batch_size": args.micro_batch_size, "global_batch_size": args.micro_batch_size},
+                 "micro_batch_size": micro, "global_batch_size": micro * count},
         "schedule": {"lr": 1e-4, "lr_decay_style": "constant", "lr_warmup_iters": 0},
         "phases": [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}],
         "training": {"train_iters": 1, "bf16": precision != "fp32",
@@ -125,7 +142,7 @@ def _ours(config, engine_name: str, batch, args) -> tuple[list[float], float | N
     torch.manual_seed(0)
     model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
     engine = build_engine(engine_name, model.to(platform.device()), config)
-    return _timed_rounds(lambda b: engine.train_step([MicroBatch(b, None)], lr=1e-4), batch, args)
+    return _timed_rounds(lambda step: engine.train_step([MicroBatch(b, None) for b in step], lr=1e-4), batch, args)
 
 
 def _hf(config, batch, args) -> tuple[list[float], float | None]:
@@ -136,11 +153,12 @@ def _hf(config, batch, args) -> tuple[list[float], float | None]:
                                   fused=True)
     forward = torch.compile(hf) if args.hf_compile else hf
 
-    def step(b):
+    def step(micro_batches):  # gradient accumulation as a transformers user writes it
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.training.bf16):
-            loss = forward(input_ids=b.input_ids, labels=b.labels).loss
-        loss.backward()
+        for b in micro_batches:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.training.bf16):
+                loss = forward(input_ids=b.input_ids, labels=b.labels).loss
+            (loss / len(micro_batches)).backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         optimizer.step()
 
@@ -159,20 +177,20 @@ def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
     config = run_config(args, model_preset, seq_length, precision)
     engine_name = platform.resolve_engine("auto")
     masking = MaskingConfig(mask_ratio=0.4)
+    micro, count = recipe_shape(args, model_preset)
 
     def batches():
         gen = torch.Generator(device=device).manual_seed(0)
 
-        def batch():
-            tokens = torch.randint(4, args.vocab_size, (args.micro_batch_size, seq_length), generator=gen,
-                                   device=device)
-            return apply_mlm(tokens, config=masking, mask_id=MASK_ID, vocab_size=args.vocab_size,
-                             special_ids=SPECIAL_IDS, generator=gen)
-        return batch
+        def step_batches():  # one optimizer step: `count` micro-batches
+            return [apply_mlm(torch.randint(4, args.vocab_size, (micro, seq_length), generator=gen, device=device),
+                              config=masking, mask_id=MASK_ID, vocab_size=args.vocab_size, special_ids=SPECIAL_IDS,
+                              generator=gen) for _ in range(count)]
+        return step_batches
 
     ours_times, ours_peak = _ours(config, engine_name, batches(), args)
     _release()
-    tokens = args.micro_batch_size * seq_length
+    tokens = count * micro * seq_length  # per optimizer step
     step_time = statistics.median(ours_times)
     variants = {}
     for name in args.variants:
@@ -190,7 +208,9 @@ def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
     peak = peak_flops_per_device(torch.cuda.get_device_name()) if platform.on_gpu() else None
     return {
         "model": model_preset, "seq_length": seq_length, "precision": precision,
-        "micro_batch_size": args.micro_batch_size, "parameters": parameter_count(config.model),
+        "micro_batch_size": micro, "micro_batches_per_step": count, "tokens_per_step": tokens,
+        "micro_batch_time_s": step_time / count, "hf_micro_batch_time_s": hf_step_time / count,
+        "parameters": parameter_count(config.model),
         "engine": engine_name, "attention_backend": config.model.attention_backend,
         "tokens_per_s": tokens / step_time, "tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
         "peak_mem_gb": ours_peak, "step_time_s": step_time,
@@ -200,7 +220,7 @@ def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--cpu-tiny", action="store_true", help="CI mode: --presets tiny --seq-lengths 128 --precisions fp32")
@@ -209,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     add("--precisions", nargs="+", choices=("fp32", "bf16", "fp8"), default=["bf16", "fp8"])
     add("--fp8-recipe", choices=("delayed", "tensorwise"), default="delayed")
     add("--vocab-size", type=int, default=128_256, help="the paper's Llama-3 vocabulary")
-    add("--micro-batch-size", type=int, default=4)
+    add("--micro-batch-size", type=int, default=None, help="default: the paper recipe's for the preset")
+    add("--micro-batches", type=int, default=None,
+        help="micro-batches per optimizer step (gradient accumulation, both sides); default: one rank's "
+             "share of the recipe's global batch at --data-parallel-size ranks")
+    add("--data-parallel-size", type=int, default=64,
+        help="the world the recipe shape is taken at (default 64: 8 nodes of 8 GPUs)")
     add("--steps", type=int, default=5, help="timed steps per round and side")
     add("--rounds", type=int, default=3)
     add("--warmup", type=int, default=2, help="untimed steps per side first")
@@ -218,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         help="optimisation steps to time against the default configuration, same batches: "
         + "; ".join(f"{k}: {v[1]}" for k, v in VARIANTS.items()))
     add("--output", type=Path, default=None, help="default: benchmarks/results/throughput_<device>.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.cpu_tiny:
         args.presets, args.seq_lengths, args.precisions = ["tiny"], [128], ["fp32"]
@@ -241,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                     mfu = "" if row["mfu"] is None else f" | MFU {100 * row['mfu']:.1f}%"
                     mem = "" if row["peak_mem_gb"] is None else f" | {row['peak_mem_gb']:.1f} GB"
-                    print(f"{model_preset} seq {seq_length} {precision}: {row['tokens_per_s']:,.0f} tok/s | "
+                    print(f"{model_preset} seq {seq_length} {precision}, {row['micro_batches_per_step']} x micro-batch "
+                          f"{row['micro_batch_size']}/step: {row['tokens_per_s']:,.0f} tok/s | "
+                          f"{1e3 * row['step_time_s']:.0f} ms/step, {1e3 * row['micro_batch_time_s']:.0f} ms/micro-batch | "
                           f"{row['tflops']:.1f} TFLOP/s{mfu}{mem} | HF {row['hf_tokens_per_s']:,.0f} tok/s | "
                           f"x{row['speedup_vs_hf']:.2f} vs HF", flush=True)
                     for name, v in row["variants"].items():
