@@ -74,7 +74,7 @@ def expected_parameters(c: EncoderModelConfig) -> int:
 PAPER_COUNTS = {
     "210m": (310_266_624, 211_766_016),
     "610m": (755_625_600, 607_874_688),
-    "1b": (1_409_482_944, 1_187_856_576),
+    "1b": (1_202_447_808, 980_821_440),  # 981M without the head: the paper's "1B"
 }
 
 

@@ -29,7 +29,7 @@ LAUNCH = ROOT / "examples" / "launch"
 
 TOKENS_PER_STEP = 1152 * 2048  # the paper's ~2.36M tokens per step
 PEAK_LR = "5.00e-04"
-SHAPES = {"210m": (12, 768, 12, 12), "610m": (26, 1152, 18, 6), "1b": (28, 1728, 18, 6)}
+SHAPES = {"210m": (12, 768, 12, 12), "610m": (26, 1152, 18, 6), "1b": (26, 1728, 18, 6)}  # the authors: EuroBERT commit 6e9d6b2
 PHASE_LINE = re.compile(r"^\s+(clm|mlm-\d+%)\s+steps \[\s*(\d+),\s*(\d+)\).*lr (\S+) -> (\S+)", re.M)
 
 

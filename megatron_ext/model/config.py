@@ -132,7 +132,9 @@ PRESETS: dict[str, EncoderModelConfig] = {
                     num_attention_heads=12, num_query_groups=12),
     "610m": _llama3(num_layers=26, hidden_size=1152, ffn_hidden_size=4096,
                     num_attention_heads=18, num_query_groups=6),
-    "1b": _llama3(num_layers=28, hidden_size=1728, ffn_hidden_size=5120,
+    # 1b: the authors' shape, EuroBERT repository (the paper's training code) commit 6e9d6b2 "Add
+    # 1.2b model size", optimus/trainer/model/encoder/eurobert.py: 981M without the LM head.
+    "1b": _llama3(num_layers=26, hidden_size=1728, ffn_hidden_size=4096,
                   num_attention_heads=18, num_query_groups=6),
     # CPU development shape. vocab_size is a placeholder: override it with the tokenizer's.
     "tiny": EncoderModelConfig(num_layers=4, hidden_size=128, ffn_hidden_size=384,
