@@ -59,6 +59,9 @@ VARIANTS = {
     "full_recompute": ({"training": {"recompute_granularity": "full"}}, "recompute whole layers"),
     "bf16_params": ({"model": {"params_dtype": "bfloat16"}},
                     "bf16 weights, fp32 main params in Megatron's optimizer (Megatron-LM mixed precision)"),
+    "swiglu_fusion": ({"training": {"bias_activation_fusion": True}}, "Megatron's fused SwiGLU (torch.compile)"),
+    "cross_entropy_fusion": ({"training": {"cross_entropy_loss_fusion": True}},
+                             "Megatron's native fused cross entropy (torch.compile)"),
     "unfused_adam": ({"optimizer": {"fused": False}}, "torch AdamW as Megatron builds it without TE/apex (not fused)"),
 }
 GPU_ONLY_VARIANTS = ("selective_recompute", "full_recompute")

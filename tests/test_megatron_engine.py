@@ -297,3 +297,25 @@ def test_low_precision_parameters_the_trainer_cannot_run_are_refused(tmp_path, t
 
     with pytest.raises(ConfigError, match=message):
         run_config_from_dict(_engine_recipe(tiny_corpus, tmp_path, steps=2, engine=engine, model={"params_dtype": dtype}))
+
+
+@pytest.mark.parametrize("fusion", ["bias_activation_fusion", "cross_entropy_loss_fusion"])
+def test_megatron_fusions_train_like_the_unfused_model(tmp_path, tiny_corpus, fusion):
+    """Megatron's fused SwiGLU and native fused cross entropy (``torch.compile``d, here on CPU):
+    the unfused run's losses to fp32 rounding over a CLM and an MLM phase."""
+    plain = _run(_engine_recipe(tiny_corpus, tmp_path / "plain", steps=6), tmp_path, "plain")["losses"]
+    recipe = _engine_recipe(tiny_corpus, tmp_path / fusion, steps=6)
+    recipe["training"][fusion] = True
+    fused = _run(recipe, tmp_path, fusion)["losses"]
+    for step in range(1, 7):
+        assert fused[step] == pytest.approx(plain[step], rel=2e-5), f"step {step}"
+    from megatron_ext.model import build_encoder_model
+    from megatron_ext.training.engines import megatron_transformer_overrides
+
+    config = run_config_from_dict(recipe)
+    platform.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:  # the switch reaches the TransformerConfig Megatron's MLP and loss read
+        model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
+        assert getattr(model.config, fusion) is True
+    finally:
+        platform.destroy_process_group_and_model_parallel()

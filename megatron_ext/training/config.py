@@ -104,6 +104,14 @@ class TrainingConfig:
     recomputes the core attention, ``full`` whole layers (see ``recompute_num_layers``)."""
     recompute_num_layers: int = 1
     """With ``full`` recomputation: layers per recomputed chunk (Megatron's uniform method)."""
+    bias_activation_fusion: bool = False
+    """Megatron's fused SwiGLU (``bias_swiglu_impl``, compiled by ``torch.compile``): one kernel
+    for the gate's SiLU and product forward and backward, and half the saved activations of the
+    gate/up projection. Megatron-LM ``--bias-swiglu-fusion``."""
+    cross_entropy_loss_fusion: bool = False
+    """Megatron's native fused vocabulary-parallel cross entropy (``torch.compile``d): the
+    softmax statistics and the gradient in fewer passes over the ``[tokens, vocab]`` logits.
+    Megatron-LM ``--cross-entropy-loss-fusion --cross-entropy-fusion-impl native``."""
     lm_head_scored_only: bool = True
     """Run the LM head and the cross entropy only at the positions the loss scores (MLM: the
     masked ones) instead of at every position: same loss and gradients, and on MLM steps
