@@ -105,6 +105,26 @@ def test_biphasic_run_falls_in_both_phases(tmp_path, tiny_corpus, fp8_recipe):
         {"losses": result.losses, "valid": result.valid}, indent=1))
 
 
+def test_bf16_parameters_and_fusions_train_like_the_default(tmp_path, tiny_corpus):
+    """The issue-15 switches together on GPU (bf16 parameters with fp32 main params, Megatron's
+    fused SwiGLU and cross entropy, fused AdamW, distributed optimizer): both phases fall, and the
+    last steps' mean loss stays within 3 % of the default (fp32 weights, bf16 autocast) run."""
+    parallel = {"parallel": {"use_distributed_optimizer": True}}
+    results = {}
+    for name, model, training in (
+        ("default", dict(GPU_MODEL), {}),
+        ("switches", {**GPU_MODEL, "params_dtype": "bfloat16"},
+         {"bias_activation_fusion": True, "cross_entropy_loss_fusion": True}),
+    ):
+        raw = _gpu_recipe(tiny_corpus, tmp_path / name, steps=200, model=model, **training) | parallel
+        results[name] = pretrain(run_config_from_dict(raw))
+    switched, default = results["switches"], results["default"]
+    assert switched.skipped_steps == 0
+    assert _phase_drop(switched, 0, 100) > 0.5 and _phase_drop(switched, 100, 200) > 0.3
+    last = {name: sum(r.losses[s] for s in range(191, 201)) / 10 for name, r in results.items()}
+    assert last["switches"] == pytest.approx(last["default"], rel=0.03), last
+
+
 def test_scored_positions_lm_head_matches_the_full_head_under_bf16(model_parallel, tmp_path, tiny_corpus):
     """The LM head at the masked positions only gives the full head's loss under bf16 autocast on
     GPU. (Skipping non-finite gradients before Megatron's optimizer is tested on CPU:
