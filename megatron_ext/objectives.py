@@ -32,7 +32,6 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 """Label value at positions that carry no loss (also ``torch.nn.CrossEntropyLoss``'s default)."""
@@ -173,33 +172,3 @@ def apply_clm(
         loss_mask=loss_mask.float(),
         causal=True,
     )
-
-
-def masked_token_loss(
-    logits_or_per_token_loss: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(sum of loss_mask-weighted token losses, sum of loss_mask)`` as tensors.
-
-    Accepts logits ``[b, s, v]`` (cross entropy computed here in float32) or a per-token loss
-    ``[b, s]`` (e.g. Megatron's vocab-parallel cross entropy). Returning sums lets callers
-    all-reduce both across micro-batches and data-parallel ranks and divide once: the mean over
-    all scored tokens of the global batch, not a mean of per-rank means.
-    """
-    if logits_or_per_token_loss.dim() == labels.dim() + 1:
-        per_token = F.cross_entropy(
-            logits_or_per_token_loss.flatten(0, -2).float(),
-            labels.flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="none",
-        ).view(labels.shape)
-    elif logits_or_per_token_loss.shape == labels.shape:
-        per_token = logits_or_per_token_loss.float()
-    else:
-        raise ValueError(
-            "logits_or_per_token_loss must be [*labels.shape, vocab] or labels.shape "
-            f"{tuple(labels.shape)}, got {tuple(logits_or_per_token_loss.shape)}"
-        )
-    weight = loss_mask.float()
-    # where() rather than a plain product: unscored positions may hold inf/nan per-token losses.
-    total = torch.where(weight > 0, per_token * weight, 0.0).sum()
-    return total, weight.sum()

@@ -305,12 +305,11 @@ def megatron_cuda_calls_on_cpu() -> Iterator[None]:
 
     megatron-core 0.19.2's DDP, optimizers, gradient clipping, pipeline schedules and
     distributed-checkpoint save place small tensors with ``device="cuda"`` or
-    ``torch.cuda.current_device()`` (e.g. ``optimizer/optimizer.py:698``, ``clip_grads.py:96``,
-    ``pipeline_parallel/schedules.py:749``, ``p2p_communication.py:211``,
-    ``dist_checkpointing/strategies/state_dict_saver.py:252``), order work with CUDA streams
-    and ``torch.cuda.synchronize`` (``distributed/param_and_grad_buffer.py:686``,
-    ``filesystem_async.py:248``) and accept parameters only if ``param.type()`` names a
-    ``torch.cuda`` type (``optimizer/distrib_optimizer.py:466``). Inside this context, on CPU:
+    ``torch.cuda.current_device()`` (the optimizers' step and gradient norm, the pipeline
+    schedules and their p2p communication, the distributed-checkpoint save), order work with
+    CUDA streams and ``torch.cuda.synchronize`` (the gradient buffers, the async file writer)
+    and accept parameters only if ``param.type()`` names a ``torch.cuda`` type (the
+    distributed optimizer). Inside this context, on CPU:
     those placements are the CPU, streams and synchronisation do nothing, and ``type()`` gives
     the ``torch.cuda`` name. Everything is restored on exit; contexts nest.
 

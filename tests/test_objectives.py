@@ -8,14 +8,12 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron_ext.objectives import (
     IGNORE_INDEX,
     MaskingConfig,
     apply_clm,
     apply_mlm,
-    masked_token_loss,
 )
 
 # all-MiniLM-L6-v2's WordPiece vocabulary.
@@ -255,32 +253,3 @@ def test_apply_clm_shape_error():
     with pytest.raises(ValueError, match="loss_mask"):
         ids = torch.zeros(2, 8, dtype=torch.long)
         apply_clm(ids, ids, loss_mask=torch.ones(2, 7))
-
-
-def test_masked_token_loss_sums_give_the_global_token_mean():
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, 16, 50, generator=gen)
-    labels = torch.randint(50, (4, 16), generator=gen)
-    loss_mask = torch.zeros(4, 16)
-    loss_mask[0, :12] = 1  # unequal token counts per "rank" make a mean of means differ
-    loss_mask[1:, :2] = 1
-    labels = labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
-    total, count = masked_token_loss(logits, labels, loss_mask)
-    reference = F.cross_entropy(logits[loss_mask > 0], labels[loss_mask > 0])
-    assert count == loss_mask.sum()
-    torch.testing.assert_close(total / count, reference)
-    # Two data-parallel "ranks" reduce sums, not means.
-    ranks = (slice(0, 1), slice(1, 4))
-    parts = [masked_token_loss(logits[r], labels[r], loss_mask[r]) for r in ranks]
-    torch.testing.assert_close(sum(p[0] for p in parts) / sum(p[1] for p in parts), reference)
-    mean_of_means = sum(p[0] / p[1] for p in parts) / 2
-    assert abs(mean_of_means - reference) > 1e-3
-
-
-def test_masked_token_loss_per_token_input_ignores_unscored_values():
-    per_token = torch.tensor([[1.0, float("inf"), 3.0], [float("nan"), 5.0, 0.5]])
-    loss_mask = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
-    total, count = masked_token_loss(per_token, torch.zeros(2, 3, dtype=torch.long), loss_mask)
-    assert total.item() == 9.5 and count.item() == 4
-    with pytest.raises(ValueError, match="logits_or_per_token_loss"):
-        masked_token_loss(torch.zeros(2, 4), torch.zeros(2, 3, dtype=torch.long), loss_mask)

@@ -23,15 +23,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_ext.eval.families import available
+from megatron_ext.eval.families import FAMILIES
 from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS
 from megatron_ext.eval.tasks import TASKS
 
 
 def default_tasks() -> list[str]:
-    """The suite's tasks whose family can be fine-tuned here."""
-    families = set(available())
-    return [name for name, spec in TASKS.items() if spec.family in families]
+    """The suite's tasks whose family the harness fine-tunes."""
+    return [name for name, spec in TASKS.items() if spec.family in FAMILIES]
 
 
 def build_parser() -> argparse.ArgumentParser:

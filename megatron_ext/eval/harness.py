@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.fileio import write_atomic
-from megatron_ext.eval.families import FAMILIES, FAMILY_DEFAULTS, available
+from megatron_ext.eval.families import FAMILIES, FAMILY_DEFAULTS
 from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS, FinetuneConfig
 from megatron_ext.eval.tasks import SPLITS, TASK_FILE, TASKS, build_task, default_suite_dir, load_task
 
@@ -158,9 +158,9 @@ def resolve_tasks(tasks: Sequence[str], suite_dir: str | Path | None = None) -> 
                              f"{TASK_FILE} (docs/eval_suite.md)")
         meta = json.loads((task_dir / TASK_FILE).read_text(encoding="utf-8"))
         family = meta.get("family")
-        if family not in available():
-            raise ValueError(f"task {task!r} has family {family!r}, which the harness cannot fine-tune here; "
-                             f"families: {available()}")
+        if family not in FAMILIES:
+            raise ValueError(f"task {task!r} has family {family!r}, which the harness cannot fine-tune; "
+                             f"families: {sorted(FAMILIES)}")
         name = task_dir.resolve().name
         if any(ref.name == name for ref in refs):
             raise ValueError(f"two tasks are named {name!r}")

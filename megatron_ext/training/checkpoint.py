@@ -14,7 +14,7 @@ Layout (Megatron-LM's names)::
     <save>/latest_checkpointed_iteration.txt   Megatron's tracker: the newest step
 
 Tensors are stored whole (global shapes; each rank writes its shards), so a checkpoint saved at
-one tensor-parallel size loads at any other, on CPU or GPU alike (``platform`` divergence 6).
+one tensor-parallel size loads at any other, on CPU or GPU alike.
 
 Atomicity: every rank writes into ``iter_0000100.tmp-<id>``; after Megatron's closing barrier
 rank 0 adds the JSON files, the completion marker last, fsyncs, renames the directory to its

@@ -16,7 +16,7 @@ no weight decay on 1-D parameters, as the portable engine; optionally the distri
 ``get_forward_backward_func`` (no-pipelining or 1F1B pipeline schedule) with
 ``calculate_per_token_loss`` so ``finalize_model_grads`` divides by the global token count as the
 portable engine does. Those pieces assume CUDA; on CPU they run over gloo inside
-``platform.megatron_cuda_calls_on_cpu`` (platform divergence 7), so a parallel layout can be
+``platform.megatron_cuda_calls_on_cpu``, so a parallel layout can be
 debugged on a laptop with the code a cluster runs.
 
 Both satisfy :class:`Engine`, the contract the loop and the checkpoints use.
@@ -214,8 +214,8 @@ class MegatronOptimizerState:
     def _allocate_state(self) -> None:
         """Give a fresh distributed optimizer its state tensors before a load. With torch's Adam
         (no TE/apex), megatron-core 0.19.2's ``DistributedOptimizer.state_dict`` reads the step
-        from the per-parameter state, which a fresh optimizer lacks (an assertion at
-        ``distrib_optimizer.py:839``); Megatron's own dummy initialisation (a zero-gradient step
+        from the per-parameter state, which a fresh optimizer lacks (an assertion in
+        ``DistributedOptimizer.state_dict``); Megatron's own dummy initialisation (a zero-gradient step
         at the current LR, 0 before training) allocates it without moving any parameter."""
         for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             if not part.optimizer.state and hasattr(part, "_init_optimizer_states_with_dummy_values"):
@@ -263,7 +263,7 @@ def _torch_adam_step_kept() -> Iterator[None]:
     """During a distributed-optimizer load with torch's Adam (no TE/apex): megatron-core 0.19.2's
     ``_set_main_param_and_optimizer_states`` copies every tensor of a parameter's optimizer state
     from the checkpoint, torch's per-parameter ``step`` included, which the ``fully_reshardable``
-    format does not hold (``KeyError: 'step'``, distrib_optimizer.py:1223). The step is restored
+    format does not hold (``KeyError: 'step'``). The step is restored
     from the common state just before; here it is kept as it is."""
     from megatron.core.optimizer import distrib_optimizer
 

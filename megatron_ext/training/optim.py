@@ -6,8 +6,8 @@ token counts are summed over the data-parallel group, and gradients are divided 
 token count. So the update does not depend on how the global batch is split into micro-batches
 or ranks (tested: data parallel 2 vs 1). Megatron-LM calls this ``--calculate-per-token-loss``.
 
-This is the portable path (CPU via gloo, and GPU via NCCL); Megatron-Core's
-``DistributedDataParallel`` and distributed optimizer need CUDA buffers (DESIGN.md, section 3).
+The portable engine's step (``training.engine: portable``); the Megatron engine uses
+Megatron-Core's DDP and optimizer instead, and shares only ``set_fused_adam``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ dependencies) present; :func:`available` says which families can run here.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,3 @@ FAMILIES: dict[str, FamilyRun] = {"sc": sc.run, "tc": tc.run, "qa": _lazy("qa"),
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {"tc": {"epochs": 1.0}}
 """FinetuneConfig values a family uses unless the caller sets the length of the run (the paper
 trains token classification for one epoch, everything else for ``max_steps``)."""
-
-
-def available() -> list[str]:
-    """Families whose module is importable here."""
-    return [family for family in FAMILIES if importlib.util.find_spec(f"{__name__}.{family}") is not None]
