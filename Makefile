@@ -12,7 +12,7 @@ DEMO_DATASET := $(DATA)/demo_dataset
 # Extra pretrain_encoder.py flags for the demo, e.g. DEMO_ARGS="--train-iters 200"
 DEMO_ARGS ?=
 
-.PHONY: setup demo miniature test bench clean
+.PHONY: setup demo miniature test test-quick bench clean
 
 # Idempotent: re-installs only when a requirements file changed.
 setup: $(VENV)/.installed
@@ -44,6 +44,10 @@ miniature: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# The edit loop: everything but the tests marked slow (whole-suite builds, the miniature, SmolLM2 CPT).
+test-quick: setup
+	$(PY) -m pytest -q -m "not slow" tests
 
 bench: setup
 	$(PY) benchmarks/preprocess.py

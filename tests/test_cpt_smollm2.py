@@ -45,6 +45,7 @@ def corpus() -> Path:
     return path
 
 
+@pytest.mark.slow  # a 135M model imported and trained
 def test_smollm2_continued_pretraining_into_an_encoder(tmp_path, corpus, capsys):
     out = tmp_path / "cpt"
     rc = _example().main([

@@ -46,6 +46,7 @@ def suite(tmp_path_factory) -> dict:
     return {"dir": here, "again": there, "report": out.getvalue(), "rows": rows, "meta": meta}
 
 
+@pytest.mark.slow  # the whole suite built twice
 def test_two_builds_are_byte_identical(suite):
     files = sorted(p.relative_to(suite["dir"]) for p in suite["dir"].rglob("*") if p.is_file())
     assert len(files) == sum(len(spec.splits) + 1 for spec in TASKS.values())
@@ -56,6 +57,7 @@ def test_two_builds_are_byte_identical(suite):
         assert re.search(rf"^{name} .*test [\d,]+", suite["report"], re.MULTILINE)
 
 
+@pytest.mark.slow  # the whole suite built twice
 def test_sizes_and_balance(suite):
     rows, meta = suite["rows"], suite["meta"]
     sizes = {name: {split: len(r) for split, r in task.items()} for name, task in rows.items()}
@@ -81,6 +83,7 @@ def test_sizes_and_balance(suite):
     assert sizes["lee_sts"] == {"test": 1225}
 
 
+@pytest.mark.slow  # the whole suite built twice
 def test_sc_and_sts_schemas(suite):
     for split_rows in suite["rows"]["rt_sentiment"].values():
         for r in split_rows:
@@ -92,6 +95,7 @@ def test_sc_and_sts_schemas(suite):
     assert len({r["id"] for r in pairs}) == 1225
 
 
+@pytest.mark.slow  # the whole suite built twice
 def test_tc_tags_are_well_formed_bio(suite):
     labels = suite["meta"]["wiki_mentions"]["labels"]
     assert labels == ["O", "B-ENT", "I-ENT"]
@@ -114,6 +118,7 @@ def test_tc_tags_are_well_formed_bio(suite):
     )
 
 
+@pytest.mark.slow  # the whole suite built twice
 def test_qa_answers_are_exact_spans(suite):
     for name in ("news_cloze", "news_cloze_v2"):
         for split_rows in suite["rows"][name].values():
@@ -132,6 +137,7 @@ def test_qa_answers_are_exact_spans(suite):
     assert answerable == {i for i, r in v2.items() if r["answers"]["text"]}
 
 
+@pytest.mark.slow  # the whole suite built twice
 def test_ir_qrels_point_into_the_corpus(suite):
     rows = suite["rows"]["wiki_sections"]
     corpus = {p["id"]: p["text"] for p in rows["corpus"]}
@@ -148,6 +154,7 @@ def test_ir_qrels_point_into_the_corpus(suite):
     assert lead["positive"].startswith("Anarchism is a political philosophy")
 
 
+@pytest.mark.slow  # the whole suite built twice
 def test_splits_are_disjoint_by_source_document(suite):
     for name, task in suite["rows"].items():
         docs = {split: {r["doc"] for r in rows} for split, rows in task.items() if split != "corpus"}
@@ -198,6 +205,7 @@ def test_rebuild_is_a_no_op_and_overwrite_is_explicit(tmp_path):
     assert not [p for p in task_dir.iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
+@pytest.mark.slow  # the whole suite built twice
 def test_load_task_errors_and_column_map(tmp_path, suite):
     with pytest.raises(ValueError, match=r"unknown task 'sst2'.*rt_sentiment"):
         load_task("sst2", "train")

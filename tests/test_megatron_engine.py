@@ -154,6 +154,7 @@ def _torchrun(recipe_path: Path, log: Path) -> subprocess.Popen:
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync_save", "async_save"])
+@pytest.mark.slow  # torchrun runs killed and resumed
 def test_distributed_optimizer_killed_mid_save_resumes_exactly(tmp_path, tiny_corpus, async_save):
     """DP=2 with the distributed optimizer: SIGKILL to every rank (and the background writers)
     while the step-6 checkpoint is being written; the step-3 checkpoint stays the newest complete

@@ -33,6 +33,7 @@ def test_every_scheme_gets_the_same_step_budget():
     assert cpt_stages[1].start_from == cpt_stages[0].name
 
 
+@pytest.mark.slow  # six pretraining runs and their evaluation
 def test_paper_in_miniature_at_ci_size(tmp_path, capsys):
     example = _example()
     out = tmp_path / "mini"
