@@ -17,11 +17,12 @@ DEMO_ARGS ?=
 # Idempotent: re-installs only when a requirements file changed.
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; megatron-core needs Python >= 3.12 (set PYTHON=/path/to/python3.12)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 2>&1 | { grep -v "is ignored: it is neither" || true; }
 	$(PY) -m pip install -q -r requirements-dev.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	$(PY) -m pip install -q --no-deps -e . 2>&1 | { grep -v "is ignored: it is neither" || true; }
 	$(PY) -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, '| torch', torch.__version__)" 2>/dev/null
 	touch $@
 

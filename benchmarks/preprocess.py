@@ -37,11 +37,11 @@ def _ensure_demo_inputs() -> tuple[Path, Path]:
     corpus = assets.data_dir() / "demo_corpus" / "train.jsonl"
     tokenizer_dir = assets.data_dir() / "demo_tokenizer"
     if not corpus.exists():
-        from tools import fetch_sample_data
+        from megatron_ext.cli import fetch_sample_data
 
         fetch_sample_data.main(["--output-dir", str(corpus.parent)])
     if not (tokenizer_dir / "tokenizer.json").exists():
-        from tools import train_tokenizer
+        from megatron_ext.cli import train_tokenizer
 
         train_tokenizer.main(["--input", str(corpus), "--output-dir", str(tokenizer_dir), "--vocab-size", "8192"])
     return corpus, tokenizer_dir

@@ -1,14 +1,12 @@
-"""Shared test set-up: GPU tests skip without CUDA; the repository root is importable."""
+"""Shared test set-up: GPU tests skip without CUDA (the repository root and tests/ are importable
+through ``pythonpath`` in pyproject.toml)."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -44,7 +42,7 @@ def tiny_corpus(tmp_path_factory, news_texts) -> dict[str, str]:
     """A BPE tokenizer trained on 300 real news articles and those articles preprocessed."""
     from megatron_ext.data.preprocess import PreprocessConfig, preprocess
     from megatron_ext.tokenizer import TokenizerConfig
-    from tools import train_tokenizer
+    from megatron_ext.cli import train_tokenizer
 
     root = tmp_path_factory.mktemp("corpus")
     jsonl = root / "news.jsonl"

@@ -37,7 +37,7 @@ def _example():
 @pytest.fixture(scope="module")
 def corpus() -> Path:
     """The demo corpus in the repository's data directory (built once, then cached)."""
-    from tools import fetch_sample_data
+    from megatron_ext.cli import fetch_sample_data
 
     path = assets.data_dir() / "demo_corpus"
     if not (path / "valid.jsonl").is_file():

@@ -16,7 +16,7 @@ from megatron_ext.eval import harness
 from megatron_ext.eval.families import FAMILIES, sc, tc
 from megatron_ext.eval.protocol import FinetuneConfig, eval_subset, load_encoder
 from megatron_ext.eval.tasks import TASK_FILE, build_task, default_suite_dir, load_task
-from tools import evaluate
+from megatron_ext.cli import evaluate
 
 TINY = {"max_steps": 3, "batch_size": 8, "max_eval_examples": 16, "max_length": 32, "device": "cpu"}
 """CI-sized runs: a few steps on short inputs, scored on 16 validation and 16 test examples."""
@@ -70,7 +70,7 @@ def tiny_checkpoint(tmp_path_factory, news_texts) -> dict[str, Path]:
     from megatron_ext.tokenizer import TokenizerConfig
     from megatron_ext.training.config import run_config_from_dict
     from megatron_ext.training.loop import pretrain
-    from tools import train_tokenizer
+    from megatron_ext.cli import train_tokenizer
 
     root = tmp_path_factory.mktemp("tiny")
     jsonl = root / "news.jsonl"

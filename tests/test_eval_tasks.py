@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.eval.tasks import PLACEHOLDER, TASKS, assign_splits, build_task, load_task
-from tools.build_eval_suite import main
+from megatron_ext.cli.build_eval_suite import main
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -3,7 +3,6 @@ the Transformer Engine fallback, and the engine recorded in checkpoints (CPU, no
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -15,7 +14,7 @@ from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.engines import megatron_transformer_overrides
 from megatron_ext.training.loop import pretrain
-from test_training import _recipe
+from helpers import tiny_recipe as _recipe
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a CPU-only machine refuses")
 

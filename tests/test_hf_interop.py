@@ -29,7 +29,7 @@ from megatron_ext.hf import (
 )
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, parameter_count
 from megatron_ext.training.checkpoint import load_checkpoint
-from tools import export_hf_checkpoint, import_hf_checkpoint
+from megatron_ext.cli import export_hf_checkpoint, import_hf_checkpoint
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 RESERVED = "<|reserved_special_token_0|>"

@@ -23,7 +23,7 @@ from megatron_ext import platform
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import pretrain
-from test_training import _recipe
+from helpers import tiny_recipe as _recipe
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -21,7 +21,7 @@ from megatron_ext.training.memory import (
     layer_activation_bytes,
     stage_parameters,
 )
-from test_training import _recipe
+from helpers import tiny_recipe as _recipe
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.readers import InputError
 from megatron_ext.data.sentences import SentenceSplitter, train_punkt
 from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
-from tools import preprocess_data
+from megatron_ext.cli import preprocess_data
 
 
 

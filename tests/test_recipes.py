@@ -158,7 +158,7 @@ def test_step_budget_overrides(capsys):
 @pytest.fixture(scope="session")
 def demo_tokenizer(tmp_path_factory) -> Path:
     """The demo's tokenizer, trained as `make demo` does on the demo corpus."""
-    from tools import fetch_sample_data, train_tokenizer
+    from megatron_ext.cli import fetch_sample_data, train_tokenizer
 
     root = tmp_path_factory.mktemp("demo")
     assert fetch_sample_data.main(["--output-dir", str(root / "corpus")]) == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.data.sample_corpus import SOURCES, is_valid_document
-from tools.fetch_sample_data import main
+from megatron_ext.cli.fetch_sample_data import main
 
 FILES = ("train.jsonl", "valid.jsonl", "manifest.json")
 

@@ -24,7 +24,7 @@ from megatron_ext.tokenizer import (
     TokenizerConfig,
     build_tokenizer,
 )
-from tools import train_tokenizer
+from megatron_ext.cli import train_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 LEE = "gensim/test/test_data/lee_background.cor"

@@ -12,32 +12,13 @@ import torch
 
 import pretrain_encoder
 from distributed import run_ranks
+from helpers import tiny_recipe as _recipe
 from megatron_ext import platform
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import NonFiniteLossError, pretrain
-from tools import plot_loss
+from megatron_ext.cli import plot_loss
 
 
-def _recipe(corpus: dict[str, str], run_dir: Path, **sections) -> dict:
-    recipe = {
-        "model": {"preset": "tiny", "vocab_size": 1024, "num_layers": 2, "hidden_size": 64,
-                  "ffn_hidden_size": 128, "num_attention_heads": 4, "num_query_groups": 2},
-        "tokenizer": {"tokenizer_model": corpus["tokenizer"]},
-        "data": {"data_path": [corpus["data"]], "split": "90,10,0", "seq_length": 64,
-                 "micro_batch_size": 4, "global_batch_size": 8, "eval_iters": 1,
-                 "data_cache_path": str(run_dir / "index_cache")},
-        "schedule": {"lr": 3e-3, "lr_decay_style": "wsd", "lr_warmup_iters": 2, "lr_wsd_decay_iters": 2},
-        "phases": [{"objective": "clm", "share": 0.5}, {"objective": "mlm", "mask_ratio": 0.4, "share": 0.5}],
-        "training": {"train_iters": 8, "eval_interval": 4, "log_interval": 1},
-        "checkpoint": {"save": str(run_dir / "ckpt"), "save_interval": 4},
-        "logging": {"log_dir": str(run_dir / "log"), "wandb_mode": "disabled"},
-    }
-    for section, values in sections.items():
-        if isinstance(values, dict) and isinstance(recipe.get(section), dict):
-            recipe[section] = {**recipe[section], **values}
-        else:
-            recipe[section] = values
-    return recipe
 
 
 def test_biphasic_run_logs_both_objectives_and_resumes_exactly(tmp_path, tiny_corpus):
@@ -151,7 +132,7 @@ def test_cli_unknown_key_and_override(tmp_path, tiny_corpus, capsys):
 def test_resume_refuses_another_tokenizer_or_head_layout_of_the_same_shapes(tmp_path, tiny_corpus, news_texts):
     """Same tensor shapes, other meaning: a different 1,024-token tokenizer, or 4/4 -> 4/2 heads
     at the same widths, must not resume silently; settings that may change (LR) still resume."""
-    from tools import train_tokenizer
+    from megatron_ext.cli import train_tokenizer
 
     recipe = _recipe(tiny_corpus, tmp_path, model={"num_query_groups": 4},
                      training={"train_iters": 4, "eval_interval": 0})

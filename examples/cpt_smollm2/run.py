@@ -30,8 +30,6 @@ from pathlib import Path
 import torch
 import yaml
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_ext import assets
 

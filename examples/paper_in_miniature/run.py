@@ -35,8 +35,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_ext import assets
 
@@ -112,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def ensure_demo_data(data_dir: Path) -> tuple[Path, Path]:
     """The demo tokenizer and training dataset prefix, built as ``make demo`` builds them if absent."""
-    from tools import fetch_sample_data, preprocess_data, train_tokenizer
+    from megatron_ext.cli import fetch_sample_data, preprocess_data, train_tokenizer
 
     corpus, tokenizer, dataset = data_dir / "demo_corpus", data_dir / "demo_tokenizer", data_dir / "demo_dataset"
     prefix = dataset / "train_text_document"

@@ -1,0 +1,1 @@
+"""The command-line tools (``tools/*.py`` and the ``megatron-ext-*`` commands): one ``main(argv=None)`` each."""

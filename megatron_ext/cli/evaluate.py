@@ -1,0 +1,80 @@
+"""Fine-tune encoders on the evaluation tasks over the paper's LR x seed grid and report like the paper.
+
+    python tools/evaluate.py --models runs/mlm40/checkpoints hf/clm --output-dir runs/eval
+    python tools/evaluate.py --models mlm=runs/mlm40/checkpoints --tasks rt_sentiment wiki_mentions \\
+        --lrs 2e-5 1e-4 --seeds 0 1 --max-steps 100 --output-dir /tmp/eval
+
+Models are Hugging Face encoder directories or Megatron checkpoints (a save directory: its newest
+checkpoint, or one iter_* directory), exported to EuroBERT under OUTPUT_DIR/exported/ first; name
+them with NAME=PATH. Tasks are names of the offline suite (built into --suite-dir when absent)
+or task directories with a task.json (docs/eval_suite.md). Each (model, task, LR, seed) is one
+run saved as OUTPUT_DIR/runs/<model>/<task>/lr<LR>_seed<SEED>.json; rerunning skips finished
+runs. The best LR maximises mean validation; test is mean +- 95 % CI over seeds; diverged runs
+count as 0. Writes summary.{json,md,csv} and plots/<task>.png (score vs LR).
+Defaults are the paper's: 6 LRs x 5 seeds, batch 32, 1,000 steps (token classification: one epoch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+from megatron_ext.eval.families import FAMILIES
+from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS
+from megatron_ext.eval.tasks import TASKS
+
+
+def default_tasks() -> list[str]:
+    """The suite's tasks whose family the harness fine-tunes."""
+    return [name for name, spec in TASKS.items() if spec.family in FAMILIES]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--models", nargs="+", required=True, metavar="[NAME=]PATH",
+        help="HF encoder directories or Megatron checkpoints (default name: the path's last component)")
+    add("--tasks", nargs="+", default=None, metavar="TASK",
+        help=f"suite task names or task directories (default: {' '.join(default_tasks())})")
+    add("--output-dir", type=Path, required=True, help="receives runs/, exported/, summaries and plots")
+    add("--lrs", nargs="+", type=float, default=list(PAPER_LR_GRID), metavar="LR", help="fine-tuning LR grid")
+    add("--seeds", nargs="+", type=int, default=list(PAPER_SEEDS), metavar="SEED", help="seeds per LR")
+    add("--max-steps", type=int, default=None,
+        help="optimizer steps per run (default 1,000; also replaces token classification's one epoch)")
+    add("--batch-size", type=int, default=None, help="examples per step (default 32)")
+    add("--max-length", type=int, default=None, help="truncate inputs to this many tokens (default 512)")
+    add("--max-eval-examples", type=int, default=None,
+        help="score at most this many validation/test examples (default: all)")
+    add("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    add("--suite-dir", type=Path, default=None, help="the offline suite (default: <data dir>/eval_suite)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from megatron_ext.eval.harness import evaluate_models
+
+    overrides = {key: value for key, value in (("max_steps", args.max_steps), ("batch_size", args.batch_size),
+                                               ("max_length", args.max_length),
+                                               ("max_eval_examples", args.max_eval_examples),
+                                               ("device", args.device)) if value is not None}
+    try:
+        evaluation = evaluate_models(args.models, args.tasks or default_tasks(), output_dir=args.output_dir,
+                                     lrs=args.lrs, seeds=args.seeds, overrides=overrides, suite_dir=args.suite_dir)
+    except ValueError as err:  # user errors: one clear line, no traceback
+        print(f"evaluate.py: error: {err}", file=sys.stderr)
+        return 2
+    print("model | task | family | metric | best LR | test (mean ± 95 % CI) | validation mean")
+    for row in evaluation.results:
+        ci = "" if row["test_ci95"] is None else f" ± {row['test_ci95']:.2f}"
+        print(f"{row['model']} | {row['task']} | {row['family']} | {row['metric']} | {row['best_lr']:g} | "
+              f"{row['test_mean']:.2f}{ci} | {row['validation_mean']:.2f}")
+    print(f"{evaluation.executed} run(s) fine-tuned, {evaluation.reused} reused; "
+          f"summary: {args.output_dir / 'summary.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

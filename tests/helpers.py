@@ -1,0 +1,29 @@
+"""Helpers shared by the test modules (imported as ``helpers``: tests/ is on ``pythonpath``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def tiny_recipe(corpus: dict[str, str], run_dir: Path, **sections) -> dict:
+    """A complete run config (as a dict) for a 2-layer model on ``corpus`` writing under ``run_dir``:
+    8 steps, CLM then MLM-40; ``sections`` replace keys of a section (or a whole non-dict section)."""
+    recipe = {
+        "model": {"preset": "tiny", "vocab_size": 1024, "num_layers": 2, "hidden_size": 64,
+                  "ffn_hidden_size": 128, "num_attention_heads": 4, "num_query_groups": 2},
+        "tokenizer": {"tokenizer_model": corpus["tokenizer"]},
+        "data": {"data_path": [corpus["data"]], "split": "90,10,0", "seq_length": 64,
+                 "micro_batch_size": 4, "global_batch_size": 8, "eval_iters": 1,
+                 "data_cache_path": str(run_dir / "index_cache")},
+        "schedule": {"lr": 3e-3, "lr_decay_style": "wsd", "lr_warmup_iters": 2, "lr_wsd_decay_iters": 2},
+        "phases": [{"objective": "clm", "share": 0.5}, {"objective": "mlm", "mask_ratio": 0.4, "share": 0.5}],
+        "training": {"train_iters": 8, "eval_interval": 4, "log_interval": 1},
+        "checkpoint": {"save": str(run_dir / "ckpt"), "save_interval": 4},
+        "logging": {"log_dir": str(run_dir / "log"), "wandb_mode": "disabled"},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict) and isinstance(recipe.get(section), dict):
+            recipe[section] = {**recipe[section], **values}
+        else:
+            recipe[section] = values
+    return recipe
