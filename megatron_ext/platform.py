@@ -67,7 +67,7 @@ def accelerator_summary() -> str:
     """One line on the optional GPU accelerators and what runs without them."""
     import importlib.util
 
-    te = importlib.util.find_spec("transformer_engine") is not None
+    te = transformer_engine_available()
     apex = importlib.util.find_spec("apex") is not None
     if not on_gpu():
         return "CPU: local SDPA attention, torch AdamW (Transformer Engine and apex are GPU-only)"
@@ -81,10 +81,11 @@ FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
 
 def transformer_engine_available() -> bool:
-    """True when Transformer Engine imports (the ``te`` spec can be built)."""
-    from megatron_ext.model.attention import TEEncoderAttention
+    """True when Transformer Engine imports: Megatron-Core's own probe, the one that decides
+    whether the ``te`` spec's modules exist (``megatron_ext.model.attention``)."""
+    from megatron.core.extensions.transformer_engine import HAVE_TE
 
-    return TEEncoderAttention is not None
+    return HAVE_TE
 
 
 def resolve_engine(requested: str) -> str:
@@ -171,6 +172,33 @@ def software_versions() -> dict[str, str | None]:
 def on_gpu() -> bool:
     """True when this process trains on CUDA devices."""
     return torch.cuda.is_available()
+
+
+def device_name() -> str | None:
+    """The GPU's name (for its peak FLOP/s), or None on CPU."""
+    return torch.cuda.get_device_name() if on_gpu() else None
+
+
+def rng_state() -> dict:
+    """Every random generator a training step draws from, for a checkpoint: torch's CPU
+    generator and, on GPU, the CUDA generator and Megatron's model-parallel RNG tracker (dropout
+    inside tensor-parallel regions), so that a resumed run draws the same dropout masks."""
+    state = {"torch_rng_state": torch.get_rng_state()}
+    if on_gpu():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+        state["megatron_rng_tracker_states"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what ``rng_state`` recorded (keys a checkpoint lacks are left as they are)."""
+    if "torch_rng_state" in state:
+        torch.set_rng_state(state["torch_rng_state"])
+    if on_gpu():
+        if "cuda_rng_state" in state:
+            torch.cuda.set_rng_state(state["cuda_rng_state"])
+        if "megatron_rng_tracker_states" in state:
+            tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_rng_tracker_states"])
 
 
 def device() -> torch.device:

@@ -82,3 +82,14 @@ def test_transformer_overrides_carry_fp8_and_recomputation(tmp_path, tiny_corpus
         "calculate_per_token_loss": True, "fp8": "hybrid", "fp8_recipe": "tensorwise",
         "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}
     assert platform.resolve_engine("auto") == "megatron"
+
+
+def test_platform_imports_no_model_code():
+    """platform.py sits below the model: importing it pulls in nothing of megatron_ext.model (the
+    Transformer Engine probe is Megatron-Core's own), so there is no import circle."""
+    import subprocess
+    import sys
+
+    probe = "import sys, megatron_ext.platform; print(sorted(m for m in sys.modules if m.startswith('megatron_ext.')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert "megatron_ext.model" not in out and "megatron_ext.platform" in out

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_ext import platform
+
 PAPER_LR_GRID = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4)
 PAPER_SEEDS = (0, 1, 2, 3, 4)
 
@@ -69,7 +71,7 @@ class FinetuneConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return torch.device(self.device or platform.device().type)
 
     @property
     def use_bf16(self) -> bool:
@@ -103,11 +105,10 @@ class RunResult:
 
 
 def set_seed(seed: int) -> None:
-    """Seed Python, numpy and torch (CPU and CUDA)."""
+    """Seed Python, numpy and torch (``torch.manual_seed`` seeds every device)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    torch.cuda.manual_seed_all(seed)
 
 
 def build_optimizer(model: torch.nn.Module, config: FinetuneConfig, total_steps: int):

@@ -408,11 +408,13 @@ class _MicroBatchSampler:
 def _micro_batches(dataset: Dataset, sampler: _MicroBatchSampler, config: DataConfig) -> Iterator[dict]:
     import torch
 
+    from megatron_ext import platform
+
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=config.num_workers,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=platform.on_gpu(),
     )
     tokenizer = dataset.config.tokenizer
     for indices, batch in zip(sampler, loader, strict=True):

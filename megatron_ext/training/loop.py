@@ -99,7 +99,8 @@ class StepLogger:
         self.total_steps = total_steps
         self.is_writer = not dist.is_initialized() or dist.get_rank() == 0
         self.tokens_per_step = config.data.global_batch_size * config.data.seq_length
-        self.peak = peak_flops_per_device(torch.cuda.get_device_name()) if platform.on_gpu() else None
+        name = platform.device_name()
+        self.peak = peak_flops_per_device(name) if name else None
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.window_start = time.perf_counter()
         self.window_steps = 0
@@ -207,18 +208,9 @@ def _trainer_state(step: int, config: RunConfig, nonfinite: int, skipped: int, w
         "nonfinite_in_a_row": nonfinite,
         "skipped_steps": skipped,
         "wandb_run_id": wandb_run_id,
-        "torch_rng_state": torch.get_rng_state(),
+        **platform.rng_state(),
     }
-    if platform.on_gpu():
-        state["cuda_rng_state"] = torch.cuda.get_rng_state()
     return state
-
-
-def _restore_rng(state: dict) -> None:
-    if "torch_rng_state" in state:
-        torch.set_rng_state(state["torch_rng_state"])
-    if platform.on_gpu() and "cuda_rng_state" in state:
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
 
 
 # Model fields that may differ on resume: the attention kernels (te and local load the same weights).
@@ -339,7 +331,7 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
         if path is not None:
             state = _resume(engine, path, config, tokenizer)
             result_checkpoint = str(path)
-    _restore_rng(state)
+    platform.set_rng_state(state)
     start = int(state.get("step", 0))
     if start > total:
         raise UserError(f"the checkpoint is at step {start}, beyond training.train_iters={total}")
