@@ -259,8 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if gpu_only and not platform.on_gpu():
         parser.error(f"--variants {' '.join(gpu_only)} need CUDA (Megatron's activation recomputation)")
     if "fp8" in args.precisions:
-        platform.check_run_supported(engine=platform.resolve_engine("auto"), fp8_recipe=args.fp8_recipe,
-                                     recompute_granularity=None, attention_backend="te", megatron_only=[])
+        platform.check_run_supported(fp8_recipe=args.fp8_recipe, recompute_granularity=None)
 
     platform.init_process_group_and_model_parallel(seed=1234)
     device_name = torch.cuda.get_device_name() if platform.on_gpu() else f"cpu{torch.get_num_threads()}"

@@ -96,12 +96,10 @@ def resolve_engine(requested: str) -> str:
     return "megatron" if requested == "auto" else requested
 
 
-def check_run_supported(*, engine: str, fp8_recipe: str | None, recompute_granularity: str | None,
-                        attention_backend: str, megatron_only: list[str]) -> None:
-    """Raise ``ValueError`` naming the setting this machine cannot run (before any model is built)."""
-    if megatron_only and engine != "megatron":
-        raise ValueError(f"{', '.join(megatron_only)} need(s) the megatron engine: set training.engine: megatron "
-                         "(or auto), or remove these options")
+def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | None) -> None:
+    """Raise ``ValueError`` naming the setting this machine cannot run (before any model is built).
+    What the config itself rules out (FP8 without the ``te`` backend, Megatron-only settings on
+    the portable engine) is refused once, by ``RunConfig``."""
     if fp8_recipe is not None:
         if not on_gpu():
             raise ValueError(f"training.fp8_recipe={fp8_recipe!r}: FP8 needs a CUDA GPU with compute capability "
@@ -116,8 +114,6 @@ def check_run_supported(*, engine: str, fp8_recipe: str | None, recompute_granul
         if not transformer_engine_available():
             raise ValueError(f"training.fp8_recipe={fp8_recipe!r} needs Transformer Engine, which does not import "
                              "here; install it (docs/gpu.md) or remove training.fp8_recipe")
-        if attention_backend != "te":
-            raise ValueError(f"training.fp8_recipe={fp8_recipe!r} needs model.attention_backend: te")
     if recompute_granularity is not None and not on_gpu():
         raise ValueError(f"training.recompute_granularity={recompute_granularity!r} runs on CUDA only (Megatron's "
                          "recomputation saves the CUDA RNG state); remove it on CPU")

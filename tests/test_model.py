@@ -290,3 +290,12 @@ def test_te_backend_errors_are_actionable():
     error = ImportError if not HAVE_TE else ValueError
     with pytest.raises(error, match="attention_backend='local'"):
         build_encoder_model(config)
+
+
+def test_one_tensor_parallel_rule_for_plan_builder_and_importer():
+    """Whole query heads per rank, and whole KV groups or replicas of one (heads 4, groups 2)."""
+    from megatron_ext.model.config import tensor_parallel_problem
+
+    config = preset("tiny")
+    assert [tp for tp in (1, 2, 3, 4, 8) if tensor_parallel_problem(config, tp) is None] == [1, 2, 4]
+    assert "must divide num_attention_heads=4" in tensor_parallel_problem(config, 8)

@@ -47,6 +47,7 @@ from megatron_ext.hf.runtime import (
     staging_dir,
 )
 from megatron_ext.model import EncoderModelConfig
+from megatron_ext.model.config import tensor_parallel_problem
 from megatron_ext.tokenizer import HUGGINGFACE, MissingSpecialTokenError, TokenizerConfig, build_tokenizer
 from megatron_ext.training.checkpoint import save_checkpoint
 
@@ -109,11 +110,8 @@ def padded_vocab_size(rows: int, tensor_parallel_size: int) -> int:
 
 
 def _check_tensor_parallel(config: EncoderModelConfig, tp: int) -> None:
-    heads, groups = config.num_attention_heads, config.num_query_groups
-    if heads % tp or (groups % tp and tp % groups):
-        raise ValueError(
-            f"--tensor-model-parallel-size {tp} does not fit this model: it must divide "
-            f"num_attention_heads={heads} and divide or be a multiple of num_query_groups={groups}")
+    if (problem := tensor_parallel_problem(config, tp)) is not None:
+        raise ValueError(f"--tensor-model-parallel-size {tp} does not fit this model: {problem}")
 
 
 def _recipe_snippet(config: EncoderModelConfig, tokenizer_dir: Path, output_dir: Path,

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from megatron_ext import platform
 from megatron_ext.model.attention import attention_mask_for
-from megatron_ext.model.config import EncoderModelConfig
+from megatron_ext.model.config import EncoderModelConfig, tensor_parallel_problem
 from megatron_ext.model.spec import encoder_block_spec, require_transformer_engine
 
 
@@ -206,19 +206,11 @@ def build_encoder_model(
             "megatron_ext.platform.init_process_group_and_model_parallel() first"
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    for name in ("vocab_size", "num_attention_heads"):
-        if getattr(config, name) % tp:
-            raise ValueError(
-                f"EncoderModelConfig.{name}={getattr(config, name)} is not divisible by the "
-                f"tensor-parallel size {tp}"
-                + (" (pad the vocabulary)" if name == "vocab_size" else "")
-            )
-    groups = config.num_query_groups
-    if groups % tp and tp % groups:
-        raise ValueError(
-            f"EncoderModelConfig.num_query_groups={groups} must divide or be divisible by the "
-            f"tensor-parallel size {tp}"
-        )
+    if (problem := tensor_parallel_problem(config, tp)) is not None:
+        raise ValueError(f"EncoderModelConfig: {problem}")
+    if config.vocab_size % tp:
+        raise ValueError(f"EncoderModelConfig.vocab_size={config.vocab_size} is not divisible by the "
+                         f"tensor-parallel size {tp} (pad the vocabulary)")
     if config.attention_backend == "te":
         require_transformer_engine()
     platform.check_model_parallel_supported(

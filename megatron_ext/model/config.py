@@ -150,6 +150,18 @@ def preset(name: str, **overrides: object) -> EncoderModelConfig:
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
+def tensor_parallel_problem(config: EncoderModelConfig, tensor_parallel_size: int) -> str | None:
+    """Why ``config`` cannot be split over ``tensor_parallel_size`` ranks, or None. The one rule
+    (the plan, the model builder and the Hugging Face importer ask it): every rank holds whole
+    query heads, and whole KV groups or a replica of one (Megatron replicates KV heads when the
+    TP size is a multiple of the groups). The vocabulary is padded to fit elsewhere."""
+    tp, heads, groups = tensor_parallel_size, config.num_attention_heads, config.num_query_groups
+    if heads % tp or (groups % tp and tp % groups):
+        return (f"tensor_model_parallel_size={tp} must divide num_attention_heads={heads} and divide or be a "
+                f"multiple of num_query_groups={groups}")
+    return None
+
+
 def layer_matmul_parameters(config: EncoderModelConfig) -> int:
     """Weights of one block's matmuls: fused QKV, output projection, gate/up and down."""
     h, kv = config.hidden_size, config.num_query_groups * config.head_dim

@@ -203,7 +203,7 @@ class RunConfig:
             )
         megatron_only = self.parallel.needs_megatron_engine
         if megatron_only and self.training.engine == "portable":
-            raise ConfigError(f"{', '.join(megatron_only)} need(s) training.engine: megatron (or auto on a GPU); "
+            raise ConfigError(f"{', '.join(megatron_only)} need(s) training.engine: megatron (or auto); "
                               "the portable engine has no pipeline schedule or distributed optimizer")
         if self.model.params_dtype == "float16":
             raise ConfigError("model.params_dtype: float16 needs loss scaling, which this trainer does not do; "

@@ -162,7 +162,9 @@ def megatron_transformer_overrides(config: RunConfig) -> dict:
     """``TransformerConfig`` fields the run sets on top of the model's architecture (both engines
     build the model; only the Megatron engine's schedules read ``calculate_per_token_loss``)."""
     t = config.training
-    overrides: dict = {"calculate_per_token_loss": True, "bias_activation_fusion": t.bias_activation_fusion}
+    overrides: dict = {"calculate_per_token_loss": True}
+    if t.bias_activation_fusion:
+        overrides["bias_activation_fusion"] = True
     if t.cross_entropy_loss_fusion:
         overrides.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
     if t.fp8_recipe is not None:

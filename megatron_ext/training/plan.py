@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.model.config import parameter_count
+from megatron_ext.model.config import parameter_count, tensor_parallel_problem
 from megatron_ext.schedule import lr_at, resolve_phases
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share
@@ -39,11 +39,8 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
         )
     dp = world_size // (tp * pp)
     m = config.model
-    if m.num_attention_heads % tp or m.num_query_groups % tp:
-        raise UserError(
-            f"tensor_model_parallel_size={tp} must divide num_attention_heads={m.num_attention_heads} "
-            f"and num_query_groups={m.num_query_groups}"
-        )
+    if (problem := tensor_parallel_problem(m, tp)) is not None:
+        raise UserError(problem)
     if m.vocab_size % tp:
         raise UserError(f"tensor_model_parallel_size={tp} must divide model.vocab_size={m.vocab_size}")
     if m.num_layers % pp:
