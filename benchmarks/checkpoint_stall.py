@@ -5,7 +5,7 @@
 
 Builds the model and the Megatron engine with the distributed optimizer (what the paper recipes
 run), takes one training step so the optimizer has state, then saves ``--rounds`` times each way
-(alternating) through ``megatron_ext.training.checkpoint.CheckpointSaver``:
+(alternating) through ``megatron_ext.checkpoint.core.CheckpointSaver``:
 - ``stall_s``: how long ``save`` keeps the training loop waiting (what the step log feels);
 - ``written_s``: from the call until the checkpoint is published (complete on disk);
 - ``next_step_s``: the training step right after the save returns (an asynchronous writer shares
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from megatron_ext import platform  # noqa: E402
 from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E402
 from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
-from megatron_ext.training import checkpoint as ckpt  # noqa: E402
+from megatron_ext.checkpoint import core as ckpt  # noqa: E402
 from megatron_ext.training.config import run_config_from_dict  # noqa: E402
 from megatron_ext.training.engines import MicroBatch, build_engine, megatron_transformer_overrides  # noqa: E402
 

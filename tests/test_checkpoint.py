@@ -15,10 +15,10 @@ from megatron.core import dist_checkpointing, parallel_state
 from distributed import run_ranks
 from megatron_ext import platform
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, preset
-from megatron_ext.training.checkpoint import (
+from megatron_ext.checkpoint.config import CheckpointConfig
+from megatron_ext.checkpoint.core import (
     COMPLETE,
     TRACKER,
-    CheckpointConfig,
     TorchOptimizerState,
     latest_checkpoint,
     load_checkpoint,

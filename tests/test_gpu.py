@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_ext import platform
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpoint import core as ckpt
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from helpers import tiny_recipe as _recipe

@@ -10,7 +10,7 @@ import torch
 
 from megatron_ext import platform
 from megatron_ext.config_loading import ConfigError
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpoint import core as ckpt
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.engines import megatron_transformer_overrides
 from megatron_ext.training.loop import pretrain

@@ -28,7 +28,7 @@ from megatron_ext.hf import (
     single_process_model_parallel,
 )
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, parameter_count
-from megatron_ext.training.checkpoint import load_checkpoint
+from megatron_ext.checkpoint.core import load_checkpoint
 from megatron_ext.cli import export_hf_checkpoint, import_hf_checkpoint
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}

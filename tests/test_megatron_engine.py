@@ -20,7 +20,7 @@ import torch
 
 from distributed import run_ranks
 from megatron_ext import platform
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpoint import core as ckpt
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from helpers import tiny_recipe as _recipe

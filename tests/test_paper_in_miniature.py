@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpoint import core as ckpt
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "paper_in_miniature" / "run.py"
 

@@ -99,7 +99,7 @@ def resolve_models(models: Sequence[str], output_dir: Path) -> list[ModelRef]:
 
     Each entry is ``PATH`` or ``NAME=PATH``; the name defaults to the path's last component.
     """
-    from megatron_ext.training.checkpoint import latest_checkpoint
+    from megatron_ext.checkpoint.core import latest_checkpoint
 
     refs = []
     for spec in models:

@@ -133,7 +133,7 @@ def checkpoint_mlm_loss(checkpoint: str | os.PathLike, texts: Sequence[str], **k
     from megatron_ext.hf.exporter import model_config_of
     from megatron_ext.hf.runtime import load_megatron_checkpoint, single_process_model_parallel
     from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
-    from megatron_ext.training.checkpoint import latest_checkpoint, read_tokenizer_reference
+    from megatron_ext.checkpoint.core import latest_checkpoint, read_tokenizer_reference
 
     path = latest_checkpoint(checkpoint)
     if path is None:

@@ -49,7 +49,7 @@ from megatron_ext.tokenizer import (
     _load_transformers_tokenizer,
     build_tokenizer,
 )
-from megatron_ext.training.checkpoint import (
+from megatron_ext.checkpoint.core import (
     latest_checkpoint,
     read_run_config,
     read_tokenizer_reference,

@@ -49,7 +49,7 @@ from megatron_ext.hf.runtime import (
 from megatron_ext.model import EncoderModelConfig
 from megatron_ext.model.config import tensor_parallel_problem
 from megatron_ext.tokenizer import HUGGINGFACE, MissingSpecialTokenError, TokenizerConfig, build_tokenizer
-from megatron_ext.training.checkpoint import save_checkpoint
+from megatron_ext.checkpoint.core import save_checkpoint
 
 LLAMA3_MASK_TOKEN = "<|reserved_special_token_0|>"
 NEW_MASK_TOKEN = "<|mask|>"

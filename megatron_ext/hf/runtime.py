@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 
 from megatron_ext import platform
 from megatron_ext.model import EncoderModel, EncoderModelConfig, build_encoder_model
-from megatron_ext.training.checkpoint import load_checkpoint
+from megatron_ext.checkpoint.core import load_checkpoint
 
 
 @contextlib.contextmanager

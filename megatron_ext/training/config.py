@@ -36,7 +36,7 @@ from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_
 from megatron_ext.model.config import PRESETS, EncoderModelConfig
 from megatron_ext.schedule import LRScheduleConfig, Phase, lr_at, resolve_phases
 from megatron_ext.tokenizer import TokenizerConfig
-from megatron_ext.training.checkpoint import CheckpointConfig
+from megatron_ext.checkpoint.config import CheckpointConfig
 from megatron_ext.training.data import DataConfig
 
 

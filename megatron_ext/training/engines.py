@@ -39,7 +39,7 @@ from megatron.core import parallel_state
 
 from megatron_ext import platform
 from megatron_ext.objectives import ObjectiveBatch
-from megatron_ext.training.checkpoint import OptimizerCheckpointState, SavedOptimizerState, TorchOptimizerState
+from megatron_ext.checkpoint.core import OptimizerCheckpointState, SavedOptimizerState, TorchOptimizerState
 from megatron_ext.training.config import OptimizerConfig, RunConfig
 from megatron_ext.training.optim import build_optimizer, grad_norm_and_clip, reduce_gradients, set_fused_adam, set_lr
 

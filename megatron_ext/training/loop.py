@@ -31,7 +31,7 @@ from megatron_ext.model import build_encoder_model
 from megatron_ext.objectives import MaskingConfig, ObjectiveBatch, apply_clm, apply_mlm
 from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at, resolve_phases
 from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpoint import core as ckpt
 from megatron_ext.training import data as data_lib
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engines import Engine, MicroBatch, build_engine, megatron_transformer_overrides
