@@ -53,3 +53,15 @@ def tiny_corpus(tmp_path_factory, news_texts) -> dict[str, str]:
                                 tokenizer=TokenizerConfig(tokenizer_model=str(root / "tok")),
                                 append_eod=True, progress=False))
     return {"tokenizer": str(root / "tok"), "data": str(root / "news_text_document")}
+
+
+@pytest.fixture(scope="module")
+def single_rank(tmp_path_factory):
+    """Megatron's parallel state for this one CPU process (gloo, world size 1), per test module."""
+    from megatron_ext import platform
+
+    platform.init_process_group_and_model_parallel(
+        init_method=f"file://{tmp_path_factory.mktemp('pg')}/rendezvous", rank=0, world_size=1
+    )
+    yield
+    platform.destroy_process_group_and_model_parallel()

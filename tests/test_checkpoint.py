@@ -32,15 +32,6 @@ RUN_CONFIG = {"model": dataclasses.asdict(TINY), "training": {"train_iters": 4}}
 TOKENIZER = {"kind": "sentencepiece", "path": "botchan_en_bpe_1000.model"}
 
 
-@pytest.fixture(scope="module")
-def single_rank(tmp_path_factory):
-    platform.init_process_group_and_model_parallel(
-        init_method=f"file://{tmp_path_factory.mktemp('pg')}/rendezvous", rank=0, world_size=1
-    )
-    yield
-    platform.destroy_process_group_and_model_parallel()
-
-
 def build(config=TINY, seed: int = 0):
     torch.manual_seed(seed)
     model = build_encoder_model(config)

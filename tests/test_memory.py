@@ -11,7 +11,6 @@ import torch
 import yaml
 
 import pretrain_encoder
-from megatron_ext import platform
 from megatron_ext.config_loading import UserError
 from megatron_ext.model import build_encoder_model, parameter_count, preset
 from megatron_ext.training.config import run_config_from_dict
@@ -22,15 +21,6 @@ from megatron_ext.training.memory import (
     stage_parameters,
 )
 from helpers import tiny_recipe as _recipe
-
-
-@pytest.fixture(scope="module")
-def model_parallel(tmp_path_factory):
-    platform.init_process_group_and_model_parallel(
-        init_method=f"file://{tmp_path_factory.mktemp('pg')}/rendezvous", rank=0, world_size=1
-    )
-    yield
-    platform.destroy_process_group_and_model_parallel()
 
 
 def saved_bytes(model, ids: torch.Tensor, loss_mask: torch.Tensor, *, bf16: bool) -> int:
@@ -55,7 +45,7 @@ SHAPES = [  # hidden, ffn, heads, kv heads: MHA, GQA, MQA and ffn/hidden ratios 
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
-def test_layer_activation_estimate_matches_saved_tensors(model_parallel, bf16):
+def test_layer_activation_estimate_matches_saved_tensors(single_rank, bf16):
     """Per token and layer, within 10 % of what the local spec saves (difference of 1 and 2 layers)."""
     batch, seq = 2, 64
     ids = torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(0))
@@ -70,7 +60,7 @@ def test_layer_activation_estimate_matches_saved_tensors(model_parallel, bf16):
         assert estimated == pytest.approx(measured, rel=0.10), (hidden, ffn, heads, groups)
 
 
-def test_lm_head_estimate_scales_with_scored_positions(model_parallel):
+def test_lm_head_estimate_scales_with_scored_positions(single_rank):
     """The cross entropy keeps an fp32 softmax per scored position: 4 bytes per vocabulary entry."""
     vocab, batch, seq = 4096, 2, 64
     model = build_encoder_model(preset("tiny", vocab_size=vocab, num_layers=1, seq_length=seq))
@@ -83,7 +73,7 @@ def test_lm_head_estimate_scales_with_scored_positions(model_parallel):
 
 
 @pytest.mark.parametrize("changes", [{}, {"tie_embeddings": True}, {"add_qkv_bias": True, "qk_layernorm": True}])
-def test_stage_parameters_without_model_parallelism_is_the_exact_count(model_parallel, changes):
+def test_stage_parameters_without_model_parallelism_is_the_exact_count(single_rank, changes):
     config = preset("tiny", vocab_size=512, **changes)
     model = build_encoder_model(config)
     assert stage_parameters(config, tensor_parallel=1, pipeline_parallel=1) == parameter_count(config) == sum(
