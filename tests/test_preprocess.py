@@ -281,7 +281,10 @@ def test_ctrl_c_prints_one_line_and_keeps_the_previous_output(tmp_path, corpus, 
     repo = Path(__file__).resolve().parent.parent
     run = subprocess.Popen([sys.executable, "tools/preprocess_data.py", "--input", str(fifo), "--output-prefix",
                             str(tmp_path / "out"), "--tokenizer-model", sp_model, "--workers", "1", "--no-progress",
-                            "--overwrite"], stderr=subprocess.PIPE, text=True, cwd=repo)
+                            "--overwrite"], stderr=subprocess.PIPE, text=True, cwd=repo,
+                           # A shell's background job ignores SIGINT and children inherit that, in
+                           # which case Python installs no Ctrl-C handler: give the run a terminal's.
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300
         while True:  # the pipe opens for writing once the run has opened its input, after start-up
