@@ -176,7 +176,7 @@ def _phase_label(phase: dict) -> str:
 
 def validation_curve(out: Path, name: str, train_iters: int) -> list[dict]:
     """Validation records of a model over its stages, steps counted from the model's first step."""
-    from tools.plot_loss import read_metrics
+    from megatron_ext.cli.plot_loss import read_metrics
 
     curve, offset = [], 0
     for stage in MODELS[name]:
