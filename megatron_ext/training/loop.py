@@ -259,6 +259,48 @@ def check_tokenizer_fits(config: RunConfig, tokenizer: EncoderTokenizer) -> None
         tokenizer.mask  # raises MissingSpecialTokenError with the fix
 
 
+def _restore(engine: Engine, config: RunConfig, tokenizer: EncoderTokenizer) -> tuple[dict, str | None]:
+    """The resume policy: (trainer state to continue from, checkpoint it came from).
+
+    ``checkpoint.finetune``: the weights of ``checkpoint.load``'s newest checkpoint and a fresh
+    optimizer and schedule, unless ``checkpoint.save`` already holds a checkpoint of this run (an
+    interrupted continued pretraining), which is resumed in full. Otherwise the newest checkpoint
+    in ``checkpoint.load`` (or ``checkpoint.save``) is resumed in full, or the run starts fresh."""
+    cc = config.checkpoint
+    if cc.finetune:
+        path = ckpt.latest_checkpoint(cc.load)
+        if path is None:
+            raise UserError(f"checkpoint.load={cc.load!r}: no complete checkpoint found")
+        with engine.checkpointing():
+            ckpt.load_checkpoint(path, model=engine.checkpoint_model, optimizer=None)
+        engine.weights_loaded()
+        own = ckpt.latest_checkpoint(cc.save) if cc.save else None
+        if own is not None:
+            return _resume(engine, own, config, tokenizer), str(own)
+        return {}, str(path)
+    load_dir = cc.load or cc.save
+    path = ckpt.latest_checkpoint(load_dir) if load_dir else None
+    if cc.load and path is None:
+        raise UserError(f"checkpoint.load={cc.load!r}: no complete checkpoint found")
+    if path is None:
+        return {}, None
+    return _resume(engine, path, config, tokenizer), str(path)
+
+
+def _micro_batch(batch: dict[str, torch.Tensor], step: int, phase: ResolvedPhase, group: int, *, config: RunConfig,
+                 tokenizer: EncoderTokenizer, device: torch.device) -> MicroBatch:
+    """One micro-batch of ``step`` under ``phase``'s objective; ``group`` (micro-batch index x
+    data-parallel size + rank) keys its masking stream, so the masks do not depend on the layout."""
+    masking = None if phase.objective == "clm" else MaskingConfig(
+        mask_ratio=phase.mask_ratio, mask_replace_prob=phase.mask_replace_prob,
+        random_replace_prob=phase.random_replace_prob)
+    batch = _to_device(batch, device)
+    gen = masking_generator(config.training.seed, step, group, device)
+    obj = make_objective(batch, objective=phase.objective, masking=masking, tokenizer=tokenizer,
+                         vocab_size=config.model.vocab_size, generator=gen)
+    return MicroBatch(obj, batch.get("position_ids"))
+
+
 def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainResult:
     """Run (or resume) the configured pretraining. Initialises distributed state if needed.
 
@@ -306,29 +348,8 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
                                 transformer_overrides=megatron_transformer_overrides(config)).to(device)
     engine = build_engine(engine_name, model, config)
     model = engine.checkpoint_model
-    state: dict = {}
-    result_checkpoint = None
     cc = config.checkpoint
-    if cc.finetune:
-        path = ckpt.latest_checkpoint(cc.load)
-        if path is None:
-            raise UserError(f"checkpoint.load={cc.load!r}: no complete checkpoint found")
-        with engine.checkpointing():
-            ckpt.load_checkpoint(path, model=model, optimizer=None)
-        engine.weights_loaded()
-        result_checkpoint = str(path)
-        if cc.save and ckpt.latest_checkpoint(cc.save) is not None:  # a CPT run that was interrupted
-            path = ckpt.latest_checkpoint(cc.save)
-            state = _resume(engine, path, config, tokenizer)
-            result_checkpoint = str(path)
-    else:
-        load_dir = cc.load or cc.save
-        path = ckpt.latest_checkpoint(load_dir) if load_dir else None
-        if cc.load and path is None:
-            raise UserError(f"checkpoint.load={cc.load!r}: no complete checkpoint found")
-        if path is not None:
-            state = _resume(engine, path, config, tokenizer)
-            result_checkpoint = str(path)
+    state, result_checkpoint = _restore(engine, config, tokenizer)
     platform.set_rng_state(state)
     start = int(state.get("step", 0))
     if start > total:
@@ -371,16 +392,8 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
         for step in range(start, total):
             phase = phase_at(phases, step)
             lr = lr_at(step, config=config.schedule, total_steps=total, phases=phases)
-            masking = None if phase.objective == "clm" else MaskingConfig(
-                mask_ratio=phase.mask_ratio, mask_replace_prob=phase.mask_replace_prob,
-                random_replace_prob=phase.random_replace_prob)
-            micro_batches = []
-            for micro in range(micro_per_step):
-                batch = _to_device(next(train_iter), device)
-                gen = masking_generator(config.training.seed, step, micro * dp_size + dp_rank, device)
-                obj = make_objective(batch, objective=phase.objective, masking=masking, tokenizer=tokenizer,
-                                     vocab_size=config.model.vocab_size, generator=gen)
-                micro_batches.append(MicroBatch(obj, batch.get("position_ids")))
+            micro_batches = [_micro_batch(next(train_iter), step, phase, micro * dp_size + dp_rank, config=config,
+                                          tokenizer=tokenizer, device=device) for micro in range(micro_per_step)]
             outcome = engine.train_step(micro_batches, lr)
             saver.poll()  # publishes asynchronous saves that every rank has finished
             loss, grad_norm, skipped = outcome.loss, outcome.grad_norm, outcome.skipped
