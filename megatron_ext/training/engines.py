@@ -185,18 +185,19 @@ class MegatronOptimizerState:
     layout). The format is recorded in the checkpoint and read back from it on load.
     """
 
-    def __init__(self, optimizer, *, distributed: bool, sharding_type: str, fused_torch_adam: bool):
+    def __init__(self, optimizer, *, distributed: bool, sharding_type: str, torch_adam_fused: bool | None):
         self.optimizer = optimizer
         self.distributed = distributed
         self.sharding_type = sharding_type
-        self.fused_torch_adam = fused_torch_adam
+        self.torch_adam_fused = torch_adam_fused
+        """``optimizer.fused`` where Megatron built torch's AdamW; None with TE/apex's FusedAdam."""
 
     def set_kernel(self) -> None:
-        """Torch's fused AdamW where Megatron built torch's AdamW (``optimizer.fused``); again
-        after each load, which brings back the saved parameter groups' flags."""
-        if self.fused_torch_adam:
+        """Torch's AdamW kernel as ``optimizer.fused`` says; again after each load, which brings
+        back the saved parameter groups' flags."""
+        if self.torch_adam_fused is not None:
             for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-                set_fused_adam(part.optimizer, True)
+                set_fused_adam(part.optimizer, self.torch_adam_fused)
 
     def format(self) -> dict:
         recorded = {"optimizer": "megatron", "distributed_optimizer": self.distributed,
@@ -333,7 +334,7 @@ class MegatronEngine:
             )
         self.optimizer_state = MegatronOptimizerState(
             self.optimizer, distributed=p.use_distributed_optimizer, sharding_type=config.checkpoint.optimizer_format,
-            fused_torch_adam=o.fused and _megatron_uses_torch_adam())
+            torch_adam_fused=o.fused if _megatron_uses_torch_adam() else None)
         self.optimizer_state.set_kernel()
         # What Megatron-LM's training loop wires into the model config for its schedules.
         transformer_config.finalize_model_grads_func = finalize_model_grads
