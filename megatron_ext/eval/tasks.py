@@ -37,7 +37,7 @@ from typing import Literal
 
 from megatron_ext.fileio import write_atomic
 from megatron_ext import assets
-from megatron_ext.data.sample_corpus import wikipedia_articles, wikitext_to_text
+from megatron_ext.data.wikipedia import DUMP_ASSET, DUMP_MEMBER, wikipedia_articles, wikitext_to_text
 from megatron_ext.data.sentences import train_punkt
 
 Family = Literal["sc", "tc", "qa", "ir", "sts"]
@@ -60,7 +60,6 @@ VALIDATION_FRACTION = 0.05
 """Share of the training documents held out for validation (the paper's 95/5)."""
 TASK_FILE = "task.json"
 
-_WIKI_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 _LEE_BACKGROUND_MEMBER = "gensim/test/test_data/lee_background.cor"
 _LEE_MEMBER = "gensim/test/test_data/lee.cor"
 _LEE_SIMILARITIES_MEMBER = "gensim/test/test_data/similarities0-1.txt"
@@ -216,14 +215,14 @@ class _Section:
 
 @functools.cache
 def _wikipedia_sections() -> tuple[_Section, ...]:
-    """Sections of the dump's articles, cleaned by sample_corpus.wikitext_to_text piece by piece.
+    """Sections of the dump's articles, cleaned by data.wikipedia.wikitext_to_text piece by piece.
 
     Cached: parsing the ~100 articles takes several seconds and two tasks use them.
     """
-    articles, _ = wikipedia_articles(assets.member("gensim", _WIKI_MEMBER))
+    articles, _ = wikipedia_articles(assets.member(DUMP_ASSET, DUMP_MEMBER))
     sections = []
     for article in articles:
-        # Cut at heading lines (outside tables, like sample_corpus._drop_blocks does).
+        # Cut at heading lines (outside tables, like data.wikipedia._drop_blocks does).
         pieces: list[tuple[int, str, list[str]]] = [(0, "", [])]
         table_depth = 0
         for line in _LINK.sub(_mark_link, article.wikitext).split("\n"):
@@ -704,7 +703,7 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec(
             name="wiki_mentions", family="tc", metric="entity-level F1 (seqeval, micro)", labels=TC_LABELS,
             description="Wikipedia sentences, BIO tags of name mentions derived from links (WikiNER-like)",
-            sources=(("gensim", _WIKI_MEMBER),), license=_WIKI_LICENSE,
+            sources=((DUMP_ASSET, DUMP_MEMBER),), license=_WIKI_LICENSE,
             construction=(
                 "Like WikiNER (Nothman et al. 2013), untyped. Internal links [[Target|anchor]] are kept "
                 "through sample_corpus.wikitext_to_text; a link is a mention when its anchor starts "
@@ -748,7 +747,7 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec(
             name="wiki_sections", family="ir", metric="NDCG@10", labels=(),
             description="Wikipedia section-heading queries against all paragraphs, graded qrels",
-            sources=(("gensim", _WIKI_MEMBER),), license=_WIKI_LICENSE,
+            sources=((DUMP_ASSET, DUMP_MEMBER),), license=_WIKI_LICENSE,
             construction=(
                 "MS MARCO-style (query, positive passage) pairs with graded qrels for NDCG@10. Corpus: "
                 f"every paragraph of >= {IR_MIN_WORDS} words of the dump's articles (all splits; test "
