@@ -19,13 +19,13 @@ from megatron_ext.checkpoint.config import CheckpointConfig
 from megatron_ext.checkpoint.core import (
     COMPLETE,
     TRACKER,
-    TorchOptimizerState,
     latest_checkpoint,
     load_checkpoint,
     read_run_config,
     read_tokenizer_reference,
     save_checkpoint,
 )
+from megatron_ext.training.optim import TorchOptimizerState
 
 TINY = preset("tiny", vocab_size=256)
 RUN_CONFIG = {"model": dataclasses.asdict(TINY), "training": {"train_iters": 4}}

@@ -45,15 +45,10 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-from megatron.core.dist_checkpointing.optimizer import (
-    get_param_id_to_sharded_param_map,
-    optim_state_to_sharding_state,
-)
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.config_loading import UserError
 from megatron_ext import platform
-from megatron_ext.training.optim import set_fused_adam
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +79,9 @@ class SavedOptimizerState:
 
 
 class OptimizerCheckpointState(Protocol):
-    """How a training engine's optimizer state goes into and out of a distributed checkpoint."""
+    """How a training engine's optimizer state goes into and out of a distributed checkpoint
+    (each engine brings its own: ``training.optim.TorchOptimizerState``,
+    ``training.engines.MegatronOptimizerState``)."""
 
     def format(self) -> dict:
         """JSON-serialisable description of the layout written (recorded in the checkpoint as
@@ -95,50 +92,6 @@ class OptimizerCheckpointState(Protocol):
 
     def load_state_dict(self, loaded: dict) -> None:
         """Take the state ``dist_checkpointing.load`` filled in."""
-
-
-class TorchOptimizerState:
-    """A torch optimizer whose parameters are sharded like the model's: its state is saved under
-    ``optimizer.state.<exp_avg|...>.<weight key>``; per-parameter ``step`` is stored once, as
-    Megatron's optimizers do."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
-        self.fused = bool(optimizer.param_groups[0].get("fused"))  # the kernel it was built with
-
-    def format(self) -> dict:
-        return {"optimizer": "torch"}
-
-    def sharded_state_dict(self, model_state: dict, *, saved: SavedOptimizerState | None = None) -> dict:
-        params = [param for group in self.optimizer.param_groups for param in group["params"]]
-        id_to_sharded = get_param_id_to_sharded_param_map(model_state, params)
-        state = self.optimizer.state_dict()
-        if saved is not None:
-            # A fresh optimizer has no state yet: give it placeholders of the saved kinds and dtypes.
-            kinds = {key.split(".")[2] for key in saved.tensors if key.startswith("optimizer.state.")}
-            state["state"] = {
-                i: {kind: torch.empty(param.shape, device=param.device,
-                                      dtype=saved.tensors[f"optimizer.state.{kind}.{id_to_sharded[i].key}"].dtype)
-                    for kind in kinds}
-                for i, param in enumerate(params)
-            }
-        steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
-        if len(steps) > 1:
-            raise UserError(f"optimizer step differs between parameters ({sorted(steps)}); "
-                             "only a shared step can be checkpointed")
-        step = next((s["step"] for s in state["state"].values() if "step" in s), None)
-        optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
-        if step is not None:
-            state["state"]["common_step"] = step
-        return state
-
-    def load_state_dict(self, loaded: dict) -> None:
-        step = loaded["state"].pop("common_step", None)
-        if step is not None:
-            for param_state in loaded["state"].values():
-                param_state["step"] = step.clone() if torch.is_tensor(step) else step
-        self.optimizer.load_state_dict(loaded)
-        set_fused_adam(self.optimizer, self.fused)  # the loaded groups carry the saving run's kernel
 
 
 def save_checkpoint(

@@ -39,9 +39,16 @@ from megatron.core import parallel_state
 
 from megatron_ext import platform
 from megatron_ext.objectives import ObjectiveBatch
-from megatron_ext.checkpoint.core import OptimizerCheckpointState, SavedOptimizerState, TorchOptimizerState
+from megatron_ext.checkpoint.core import OptimizerCheckpointState, SavedOptimizerState
 from megatron_ext.training.config import OptimizerConfig, RunConfig
-from megatron_ext.training.optim import build_optimizer, grad_norm_and_clip, reduce_gradients, set_fused_adam, set_lr
+from megatron_ext.training.optim import (
+    TorchOptimizerState,
+    build_optimizer,
+    grad_norm_and_clip,
+    reduce_gradients,
+    set_fused_adam,
+    set_lr,
+)
 
 
 @dataclass(frozen=True)

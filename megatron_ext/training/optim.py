@@ -6,23 +6,28 @@ token counts are summed over the data-parallel group, and gradients are divided 
 token count. So the update does not depend on how the global batch is split into micro-batches
 or ranks (tested: data parallel 2 vs 1). Megatron-LM calls this ``--calculate-per-token-loss``.
 
-The portable engine's step (``training.engine: portable``); the Megatron engine uses
-Megatron-Core's DDP and optimizer instead, and shares only ``set_fused_adam``.
+The portable engine's step (``training.engine: portable``) and how its torch optimizer goes into
+a checkpoint (``TorchOptimizerState``); the Megatron engine uses Megatron-Core's DDP and optimizer
+instead, and shares only ``set_fused_adam``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
+)
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_ext import platform
-if TYPE_CHECKING:  # config imports checkpoint, which imports this module
-    from megatron_ext.training.config import OptimizerConfig
+from megatron_ext.checkpoint.core import SavedOptimizerState
+from megatron_ext.config_loading import UserError
+from megatron_ext.training.config import OptimizerConfig
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, *, lr: float) -> torch.optim.AdamW:
@@ -109,3 +114,47 @@ def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> float:
         for grad in grads:
             grad.mul_(scale)
     return norm
+
+
+class TorchOptimizerState:
+    """A torch optimizer whose parameters are sharded like the model's: its state is saved under
+    ``optimizer.state.<exp_avg|...>.<weight key>``; per-parameter ``step`` is stored once, as
+    Megatron's optimizers do."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.fused = bool(optimizer.param_groups[0].get("fused"))  # the kernel it was built with
+
+    def format(self) -> dict:
+        return {"optimizer": "torch"}
+
+    def sharded_state_dict(self, model_state: dict, *, saved: SavedOptimizerState | None = None) -> dict:
+        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        id_to_sharded = get_param_id_to_sharded_param_map(model_state, params)
+        state = self.optimizer.state_dict()
+        if saved is not None:
+            # A fresh optimizer has no state yet: give it placeholders of the saved kinds and dtypes.
+            kinds = {key.split(".")[2] for key in saved.tensors if key.startswith("optimizer.state.")}
+            state["state"] = {
+                i: {kind: torch.empty(param.shape, device=param.device,
+                                      dtype=saved.tensors[f"optimizer.state.{kind}.{id_to_sharded[i].key}"].dtype)
+                    for kind in kinds}
+                for i, param in enumerate(params)
+            }
+        steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
+        if len(steps) > 1:
+            raise UserError(f"optimizer step differs between parameters ({sorted(steps)}); "
+                             "only a shared step can be checkpointed")
+        step = next((s["step"] for s in state["state"].values() if "step" in s), None)
+        optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
+        if step is not None:
+            state["state"]["common_step"] = step
+        return state
+
+    def load_state_dict(self, loaded: dict) -> None:
+        step = loaded["state"].pop("common_step", None)
+        if step is not None:
+            for param_state in loaded["state"].values():
+                param_state["step"] = step.clone() if torch.is_tensor(step) else step
+        self.optimizer.load_state_dict(loaded)
+        set_fused_adam(self.optimizer, self.fused)  # the loaded groups carry the saving run's kernel

@@ -1,0 +1,115 @@
+"""The package's import graph: no circles, and every import runs down the layers of docs/design.md.
+
+Read from the source (every ``import`` statement, function-local ones included), so it holds for
+lazy imports too and needs neither Megatron nor torch.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "megatron_ext"
+
+LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
+    # bottom: asks nothing of the rest of the package
+    {"config_loading", "fileio", "platform", "assets"},
+    {"tokenizer", "schedule", "objectives", "model"},
+    {"data", "checkpoint"},
+    {"training"},
+    {"hf"},
+    {"eval"},
+    {"cli"},
+))
+"""Units (a top-level module or a subpackage) from the bottom up; an import may only name a unit
+of its own layer or one below."""
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``name`` imports (``from pkg import module`` names the module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            submodules = {f"{source}.{alias.name}" for alias in node.names} & modules.keys()
+            found.update(submodules or ({source} & modules.keys()))
+    found.discard(name)
+    return found
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``edges`` (as a path that returns to its start), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_circle_between_modules(graph):
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_no_import_circle_between_packages(graph):
+    units: dict[str, set[str]] = defaultdict(set)
+    for module, imported in graph.items():
+        units[_unit(module)].update(_unit(m) for m in imported if _unit(m) != _unit(module))
+    assert _cycle(units) is None, " -> ".join(_cycle(units))
+
+
+def test_every_import_runs_down_the_layers(graph):
+    layer_of = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    units = {_unit(m) for m in graph} - {""}
+    assert units <= layer_of.keys(), f"place {sorted(units - layer_of.keys())} in LAYERS (and docs/design.md)"
+    upward = [f"{module} -> {imported}" for module, targets in sorted(graph.items()) for imported in sorted(targets)
+              if _unit(module) and _unit(imported) and layer_of[_unit(imported)] > layer_of[_unit(module)]]
+    assert not upward, "imports running up the layers:\n" + "\n".join(upward)
+
+
+def test_the_checker_sees_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}}) is None
