@@ -7,7 +7,9 @@ they see the same articles cleaned the same way. It owns:
 - streaming the bz2 XML dump (stdlib parser) and picking the articles: main namespace, no
   redirects, no empty or disambiguation pages (:func:`wikipedia_articles`);
 - wikitext to plain text (:func:`wikitext_to_text`): tables and citation sections cut by a line
-  scan, templates, refs and file/category links pruned with mwparserfromhell, then :func:`tidy`.
+  scan, templates, refs and file/category links pruned with mwparserfromhell, then :func:`tidy`;
+- an article's sections with their heading paths and paragraphs, the shown text of its internal
+  links marked so that it survives the cleaning (:func:`article_sections`, :func:`unmark`).
 """
 
 from __future__ import annotations
@@ -67,6 +69,22 @@ _HEADING_LINE = re.compile(r"^(={1,6})\s*(.*?)\s*\1\s*$")
 _DISAMBIGUATION = re.compile(r"\{\{\s*(?:[^{}|]*disambig[^{}|]*|dab|hndis|geodis)\s*[|}]", re.IGNORECASE)
 
 
+def _table_lines(wikitext: str) -> Iterator[tuple[str, bool]]:
+    """Every line of ``wikitext`` and whether it belongs to a ``{| ... |}`` table (possibly nested),
+    the delimiter lines included: a heading-like line inside a table is not a heading."""
+    table_depth = 0
+    for line in wikitext.split("\n"):
+        stripped = line.strip()
+        if stripped.startswith("{|"):
+            table_depth += 1
+            yield line, True
+        elif table_depth and stripped.startswith("|}"):
+            table_depth -= 1
+            yield line, True
+        else:
+            yield line, bool(table_depth)
+
+
 def _drop_blocks(wikitext: str) -> str:
     """Remove ``{| ... |}`` tables (possibly nested) and the sections in :data:`_DROP_SECTIONS`.
 
@@ -74,19 +92,15 @@ def _drop_blocks(wikitext: str) -> str:
     mwparserfromhell gives up on many real tables (templates in cells, stray attributes) and
     returns them as text, and an unclosed HTML tag makes it nest every later heading inside it.
     """
-    kept, table_depth, in_dropped_section = [], 0, False
-    for line in wikitext.split("\n"):
-        stripped = line.strip()
-        if stripped.startswith("{|"):
-            table_depth += 1
-        elif table_depth and stripped.startswith("|}"):
-            table_depth -= 1
-        elif not table_depth:
-            heading = _HEADING_LINE.match(stripped)
-            if heading and len(heading.group(1)) <= 2:
-                in_dropped_section = heading.group(2).lower() in _DROP_SECTIONS
-            if not in_dropped_section:
-                kept.append(line)
+    kept, in_dropped_section = [], False
+    for line, in_table in _table_lines(wikitext):
+        if in_table:
+            continue
+        heading = _HEADING_LINE.match(line.strip())
+        if heading and len(heading.group(1)) <= 2:
+            in_dropped_section = heading.group(2).lower() in _DROP_SECTIONS
+        if not in_dropped_section:
+            kept.append(line)
     return "\n".join(kept)
 
 
@@ -181,3 +195,92 @@ def wikipedia_articles(path: Path) -> tuple[list[WikiArticle], int]:
             continue
         articles.append(WikiArticle(page_id=page["id"], title=page["title"], wikitext=wikitext))
     return articles, skipped
+
+
+# ----------------------------------------------------------------------------- sections and links
+
+_LINK = re.compile(r"\[\[([^\[\]|]+)(?:\|([^\[\]]*))?\]\]")
+_OPEN, _CLOSE = "\ue000", "\ue001"
+"""Private-use characters wrapped around the shown text of internal links; wikitext_to_text keeps
+them as plain text, so the links' positions survive the markup stripping."""
+
+
+def _mark_link(match: re.Match) -> str:
+    target, anchor = match.group(1), match.group(2)
+    prefix, colon, _ = target.partition(":")
+    # Interwiki and interlanguage links (wikt:, fr:, :Category:) are not article mentions; File: and
+    # Category: links are dropped whole by wikitext_to_text, markers included.
+    if (colon and (not prefix or prefix.islower())) or target.startswith("#"):
+        return match.group(0)
+    shown = anchor if anchor is not None and anchor.strip() else target.replace("_", " ")
+    return f"[[{target}|{_OPEN}{shown}{_CLOSE}]]"
+
+
+def unmark(text: str) -> tuple[str, list[tuple[int, int]]]:
+    """Text without link markers, and the character spans the markers enclosed (the links' shown
+    text in a :attr:`Section.paragraphs` paragraph)."""
+    out, spans, start = [], [], None
+    length = 0
+    for piece in re.split(f"([{_OPEN}{_CLOSE}])", text):
+        if piece == _OPEN:
+            start = length
+        elif piece == _CLOSE:
+            if start is not None and length > start:
+                spans.append((start, length))
+            start = None
+        else:
+            out.append(piece)
+            length += len(piece)
+    return "".join(out), spans
+
+
+@dataclass(frozen=True, kw_only=True)
+class Section:
+    """The paragraphs of one section of an article (the lead counts as one)."""
+
+    article: str
+    """``wikipedia:<page id>``."""
+    title: str
+    headings: tuple[str, ...]
+    """Heading path from the top-level section down; empty for the lead."""
+    paragraphs: tuple[str, ...]
+    """Plain-text paragraphs with link markers (:func:`unmark` removes them)."""
+
+
+def article_sections(article: WikiArticle) -> list[Section]:
+    """The sections of ``article`` with paragraphs, cleaned by :func:`wikitext_to_text` piece by piece.
+
+    The sections :func:`wikitext_to_text` drops (References, See also, ...) and their subsections
+    are left out, as are sections without text; a heading's own text is cleaned like the body's.
+    """
+    # Cut at heading lines (outside tables, as _drop_blocks reads them).
+    pieces: list[tuple[int, str, list[str]]] = [(0, "", [])]
+    for line, in_table in _table_lines(_LINK.sub(_mark_link, article.wikitext)):
+        heading = None if in_table else _HEADING_LINE.match(line.strip())
+        if heading:
+            pieces.append((len(heading.group(1)), line, []))
+        else:
+            pieces[-1][2].append(line)
+    sections = []
+    path: list[tuple[int, str]] = []
+    dropped = False
+    for level, heading_line, body in pieces:
+        if level:
+            # wikitext_to_text erases a top-level heading of the sections it drops (References,
+            # See also, External links, ...): such a section and its subsections are skipped.
+            heading = unmark(wikitext_to_text(heading_line))[0].strip()
+            if level <= 2:
+                dropped = not heading
+            while path and path[-1][0] >= level:
+                path.pop()
+            path.append((level, heading))
+            if dropped or not heading:
+                continue
+        text = wikitext_to_text("\n".join(body))
+        paragraphs = tuple(p.strip() for p in text.split("\n\n") if p.strip())
+        if paragraphs:
+            sections.append(Section(
+                article=f"wikipedia:{article.page_id}", title=article.title,
+                headings=tuple(h for _, h in path), paragraphs=paragraphs,
+            ))
+    return sections

@@ -37,7 +37,14 @@ from typing import Literal
 
 from megatron_ext.fileio import write_atomic
 from megatron_ext import assets
-from megatron_ext.data.wikipedia import DUMP_ASSET, DUMP_MEMBER, wikipedia_articles, wikitext_to_text
+from megatron_ext.data.wikipedia import (
+    DUMP_ASSET,
+    DUMP_MEMBER,
+    Section,
+    article_sections,
+    unmark,
+    wikipedia_articles,
+)
 from megatron_ext.data.sentences import train_punkt
 
 Family = Literal["sc", "tc", "qa", "ir", "sts"]
@@ -167,104 +174,21 @@ class _Capitalisation:
 
 # ----------------------------------------------------------------------------- Wikipedia
 
-_LINK = re.compile(r"\[\[([^\[\]|]+)(?:\|([^\[\]]*))?\]\]")
-_OPEN, _CLOSE = "\ue000", "\ue001"
-"""Private-use characters wrapped around the shown text of internal links; wikitext_to_text keeps
-them as plain text, so the links' positions survive the markup stripping."""
-_HEADING = re.compile(r"^(={1,6})\s*(.*?)\s*\1\s*$")
-
-
-def _mark_link(match: re.Match) -> str:
-    target, anchor = match.group(1), match.group(2)
-    prefix, colon, _ = target.partition(":")
-    # Interwiki and interlanguage links (wikt:, fr:, :Category:) are not article mentions; File: and
-    # Category: links are dropped whole by wikitext_to_text, markers included.
-    if (colon and (not prefix or prefix.islower())) or target.startswith("#"):
-        return match.group(0)
-    shown = anchor if anchor is not None and anchor.strip() else target.replace("_", " ")
-    return f"[[{target}|{_OPEN}{shown}{_CLOSE}]]"
-
-
-def _unmark(text: str) -> tuple[str, list[tuple[int, int]]]:
-    """Text without link markers, and the character spans the markers enclosed."""
-    out, spans, start = [], [], None
-    length = 0
-    for piece in re.split(f"([{_OPEN}{_CLOSE}])", text):
-        if piece == _OPEN:
-            start = length
-        elif piece == _CLOSE:
-            if start is not None and length > start:
-                spans.append((start, length))
-            start = None
-        else:
-            out.append(piece)
-            length += len(piece)
-    return "".join(out), spans
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Section:
-    article: str
-    """``wikipedia:<page id>``."""
-    title: str
-    headings: tuple[str, ...]
-    """Heading path from the top-level section down; empty for the lead."""
-    paragraphs: tuple[str, ...]
-    """Plain-text paragraphs with link markers."""
-
-
 @functools.cache
-def _wikipedia_sections() -> tuple[_Section, ...]:
-    """Sections of the dump's articles, cleaned by data.wikipedia.wikitext_to_text piece by piece.
+def _wikipedia_sections() -> tuple[Section, ...]:
+    """Sections of the dump's articles (:func:`~megatron_ext.data.wikipedia.article_sections`).
 
     Cached: parsing the ~100 articles takes several seconds and two tasks use them.
     """
     articles, _ = wikipedia_articles(assets.member(DUMP_ASSET, DUMP_MEMBER))
-    sections = []
-    for article in articles:
-        # Cut at heading lines (outside tables, like data.wikipedia._drop_blocks does).
-        pieces: list[tuple[int, str, list[str]]] = [(0, "", [])]
-        table_depth = 0
-        for line in _LINK.sub(_mark_link, article.wikitext).split("\n"):
-            stripped = line.strip()
-            if stripped.startswith("{|"):
-                table_depth += 1
-            elif table_depth and stripped.startswith("|}"):
-                table_depth -= 1
-            heading = None if table_depth else _HEADING.match(stripped)
-            if heading:
-                pieces.append((len(heading.group(1)), line, []))
-            else:
-                pieces[-1][2].append(line)
-        path: list[tuple[int, str]] = []
-        dropped = False
-        for level, heading_line, body in pieces:
-            if level:
-                # wikitext_to_text erases a top-level heading of the sections it drops (References,
-                # See also, External links, ...): such a section and its subsections are skipped.
-                heading = _unmark(wikitext_to_text(heading_line))[0].strip()
-                if level <= 2:
-                    dropped = not heading
-                while path and path[-1][0] >= level:
-                    path.pop()
-                path.append((level, heading))
-                if dropped or not heading:
-                    continue
-            text = wikitext_to_text("\n".join(body))
-            paragraphs = tuple(p.strip() for p in text.split("\n\n") if p.strip())
-            if paragraphs:
-                sections.append(_Section(
-                    article=f"wikipedia:{article.page_id}", title=article.title,
-                    headings=tuple(h for _, h in path), paragraphs=paragraphs,
-                ))
-    return tuple(sections)
+    return tuple(section for article in articles for section in article_sections(article))
 
 
 @functools.cache
 def _wikipedia_splitter():
     """Punkt trained on the dump's own text (nltk's pretrained models are not downloadable here);
     400k characters learn its abbreviations well enough and keep the build fast."""
-    texts = (_unmark(paragraph)[0] for section in _wikipedia_sections() for paragraph in section.paragraphs)
+    texts = (unmark(paragraph)[0] for section in _wikipedia_sections() for paragraph in section.paragraphs)
     punkt, _ = train_punkt(texts, max_chars=400_000)
     return punkt
 
@@ -335,7 +259,7 @@ def _wiki_sentences() -> list[_Sentence]:
     sentences = []
     for section in _wikipedia_sections():
         for paragraph in section.paragraphs:
-            text, spans = _unmark(paragraph)
+            text, spans = unmark(paragraph)
             for s_start, s_end in splitter.span_tokenize(text):
                 tokens = [(s_start + a, s_start + b) for a, b in tokenize(text[s_start:s_end])]
                 links, broken = [], False
@@ -622,7 +546,7 @@ def _build_wiki_sections() -> TaskData:
     for section in _wikipedia_sections():
         ids, texts = [], []
         for paragraph in section.paragraphs:
-            text = _unmark(paragraph)[0]
+            text = unmark(paragraph)[0]
             if len(text.split()) < IR_MIN_WORDS:
                 continue
             pid = f"{section.article}:p{numbers[section.article, 'p']}"
