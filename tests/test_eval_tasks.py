@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.eval.tasks import PLACEHOLDER, TASKS, assign_splits, build_task, load_task
+from megatron_ext.eval.task_io import SUITE_TASKS, load_task
+from megatron_ext.eval.tasks import PLACEHOLDER, TASKS, assign_splits, build_task
 from megatron_ext.cli.build_eval_suite import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -243,6 +244,25 @@ def test_load_task_errors_and_column_map(tmp_path, suite):
     assert load_task(marco, "train", family="ir", column_map={"qid": "id"})[0]["id"] == "q1"
     with pytest.raises(ValueError, match=r"missing column\(s\) \['relevance'\] required for family 'ir'"):
         load_task(marco, "test", family="ir")
+
+
+def test_loader_knows_the_suite_task_names():
+    # load_task resolves suite names without importing the builders, from its own list.
+    assert SUITE_TASKS == tuple(TASKS)
+
+
+def test_loading_and_fine_tuning_do_not_import_the_builders_dependencies():
+    """The families and the loader work without the suite builders' parsers (fresh interpreter:
+    this process has imported them already)."""
+    code = (
+        "import sys\n"
+        "import megatron_ext.eval.task_io, megatron_ext.eval.families\n"
+        "from megatron_ext.eval.families import sc, tc, qa, ir\n"
+        "print(sorted(m for m in ('mwparserfromhell', 'nltk', 'megatron_ext.eval.tasks') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 
-from megatron_ext.eval.tasks import TASK_FILE, TASKS, build_task, default_suite_dir
+from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir
+from megatron_ext.eval.tasks import TASKS, build_task
 
 _SUMMARY_KEYS = ("negative", "positive", "mentions", "answerable", "unanswerable", "relevant_grade_1")
 

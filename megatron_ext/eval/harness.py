@@ -38,7 +38,8 @@ from typing import Any
 from megatron_ext.fileio import write_atomic
 from megatron_ext.eval.families import FAMILIES, FAMILY_DEFAULTS
 from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS, FinetuneConfig
-from megatron_ext.eval.tasks import SPLITS, TASK_FILE, TASKS, build_task, default_suite_dir, load_task
+from megatron_ext.eval.task_io import SPLITS, TASK_FILE, default_suite_dir, load_task
+from megatron_ext.eval.tasks import TASKS, build_task
 
 CONFIDENCE = 0.95
 """Level of the confidence interval over seeds."""
@@ -99,7 +100,7 @@ def resolve_models(models: Sequence[str], output_dir: Path) -> list[ModelRef]:
 
     Each entry is ``PATH`` or ``NAME=PATH``; the name defaults to the path's last component.
     """
-    from megatron_ext.checkpoint.core import latest_checkpoint
+    from megatron_ext.checkpoint.handle import Checkpoint
 
     refs = []
     for spec in models:
@@ -112,10 +113,10 @@ def resolve_models(models: Sequence[str], output_dir: Path) -> list[ModelRef]:
             raise ValueError(f"two models are named {name!r}; name them with NAME=PATH")
         if not path.is_dir():
             raise ValueError(f"model {spec!r}: {path} is not a directory")
-        checkpoint = latest_checkpoint(path)
+        checkpoint = Checkpoint.latest(path)
         if checkpoint is not None:
-            refs.append(ModelRef(name=name, hf_dir=_export(name, checkpoint, output_dir),
-                                 source=str(checkpoint.resolve())))
+            refs.append(ModelRef(name=name, hf_dir=_export(name, checkpoint.path, output_dir),
+                                 source=str(checkpoint.path.resolve())))
         elif (path / "config.json").is_file():
             refs.append(ModelRef(name=name, hf_dir=path.resolve(), source=str(path.resolve())))
         else:

@@ -17,8 +17,9 @@ Each task directory holds one JSONL file per split and a ``task.json`` (family, 
 sizes, sources, license, construction). Splits follow the paper's protocol: a test split held out
 by source document (the paper tests on the original validation sets), and 95/5 train/validation
 from the rest, also by document. Outputs are byte-for-byte deterministic and written atomically.
-:func:`load_task` reads these directories, and local copies of the paper's datasets converted to
-the same per-family schema (docs/eval_suite.md).
+This module builds the tasks (:data:`TASKS`, :func:`build_task`);
+:func:`megatron_ext.eval.task_io.load_task` reads them, and local copies of the paper's datasets
+converted to the same per-family schema (docs/eval_suite.md).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from megatron_ext.fileio import write_atomic
 from megatron_ext import assets
@@ -46,26 +46,10 @@ from megatron_ext.data.wikipedia import (
     wikipedia_articles,
 )
 from megatron_ext.data.sentences import train_punkt
+from megatron_ext.eval.task_io import SPLITS, TASK_FILE, Family, required_columns
 
-Family = Literal["sc", "tc", "qa", "ir", "sts"]
-
-COLUMNS: dict[str, tuple[str, ...]] = {
-    "sc": ("id", "text", "label"),
-    "tc": ("id", "tokens", "tags"),
-    "qa": ("id", "context", "question", "answers"),
-    "ir": ("id", "query", "relevance"),
-    "sts": ("id", "text", "text_pair", "score"),
-}
-"""Columns every row of a family's splits must have (docs/eval_suite.md), except as below."""
-IR_TRAIN_COLUMNS = ("id", "query", "positive")
-"""IR training needs (query, positive passage) pairs only, like MS MARCO's; validation and test
-need graded ``relevance`` for NDCG@10."""
-CORPUS_COLUMNS = ("id", "text")
-"""Columns of an IR task's ``corpus`` split."""
-SPLITS = ("train", "validation", "test")
 VALIDATION_FRACTION = 0.05
 """Share of the training documents held out for validation (the paper's 95/5)."""
-TASK_FILE = "task.json"
 
 _LEE_BACKGROUND_MEMBER = "gensim/test/test_data/lee_background.cor"
 _LEE_MEMBER = "gensim/test/test_data/lee.cor"
@@ -101,7 +85,8 @@ class TaskSpec:
     name: str
     """Directory name and key in :data:`TASKS`."""
     family: Family
-    """Which schema the rows follow (:data:`COLUMNS`) and which fine-tuning head applies."""
+    """Which schema the rows follow (:data:`~megatron_ext.eval.task_io.COLUMNS`) and which
+    fine-tuning head applies."""
     metric: str
     """What the paper reports for this family: accuracy, entity-level F1, SQuAD F1, NDCG@10."""
     labels: tuple[str, ...]
@@ -698,18 +683,6 @@ TASKS: dict[str, TaskSpec] = {
 }
 
 
-def default_suite_dir() -> Path:
-    """Where ``tools/build_eval_suite.py`` writes by default: ``<data dir>/eval_suite``."""
-    return assets.data_dir() / "eval_suite"
-
-
-def required_columns(family: Family, split: str) -> tuple[str, ...]:
-    """Columns :func:`load_task` requires in ``split`` of a ``family`` task."""
-    if split == "corpus":
-        return CORPUS_COLUMNS
-    return IR_TRAIN_COLUMNS if family == "ir" and split == "train" else COLUMNS[family]
-
-
 def _spec(name: str) -> TaskSpec:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid tasks: {sorted(TASKS)}")
@@ -831,62 +804,3 @@ def build_task(name: str, output_dir: str | Path, *, overwrite: bool = False) ->
         for filename, content in files.items():  # task.json last: it vouches for the others
             write_atomic(task_dir / filename, content)
     return task_dir
-
-
-# ----------------------------------------------------------------------------- load
-
-
-def load_task(name_or_dir: str | Path, split: str, *, column_map: Mapping[str, str] | None = None,
-              family: Family | None = None, suite_dir: str | Path | None = None) -> list[dict]:
-    """Rows of one split of a built task, or of a local dataset in the same per-family schema.
-
-    ``name_or_dir`` is a name in :data:`TASKS` (read from ``suite_dir``, default
-    :func:`default_suite_dir`) or a directory holding ``<split>.jsonl`` files. ``column_map`` renames
-    columns of every row first (``{"sentence": "text"}`` for a GLUE SST-2 copy). ``family`` says
-    which columns to require for a directory without a ``task.json``.
-    """
-    if isinstance(name_or_dir, str) and name_or_dir in TASKS:
-        task_dir = Path(suite_dir if suite_dir is not None else default_suite_dir()) / name_or_dir
-        if not (task_dir / TASK_FILE).exists():
-            raise ValueError(
-                f"task {name_or_dir!r} is not built in {task_dir.parent}; run "
-                f"tools/build_eval_suite.py --tasks {name_or_dir} --output-dir {task_dir.parent}"
-            )
-    elif Path(name_or_dir).is_dir():
-        task_dir = Path(name_or_dir)
-    else:
-        raise ValueError(f"unknown task {str(name_or_dir)!r}: not one of {sorted(TASKS)} and not a directory")
-    if (task_dir / TASK_FILE).exists():
-        built_family = json.loads((task_dir / TASK_FILE).read_text(encoding="utf-8"))["family"]
-        if family is not None and family != built_family:
-            raise ValueError(f"family={family!r} contradicts {task_dir / TASK_FILE}: {built_family!r}")
-        family = built_family
-    if family not in COLUMNS:
-        raise ValueError(
-            f"{task_dir} has no {TASK_FILE}: pass family= one of {list(COLUMNS)}, got {family!r}"
-        )
-    path = task_dir / f"{split}.jsonl"
-    if not path.exists():
-        present = sorted(p.stem for p in task_dir.glob("*.jsonl"))
-        raise ValueError(f"split {split!r} not found in {task_dir}; present splits: {present}")
-    required = required_columns(family, split)
-    column_map = dict(column_map or {})
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            try:
-                raw = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path} line {line_no}: not JSON ({err})") from None
-            unmapped = [c for c in column_map if c not in raw]
-            if unmapped:
-                raise ValueError(f"{path} line {line_no}: column_map names columns {unmapped} that the "
-                                 f"row lacks; it has {sorted(raw)}")
-            row = {column_map.get(k, k): v for k, v in raw.items()}
-            missing = [c for c in required if c not in row]
-            if missing:
-                raise ValueError(f"{path} line {line_no}: missing column(s) {missing} required for family "
-                                 f"{family!r} split {split!r}; the row has {sorted(row)} "
-                                 f"(rename columns with column_map)")
-            rows.append(row)
-    return rows

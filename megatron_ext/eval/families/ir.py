@@ -26,7 +26,7 @@ import torch
 
 from megatron_ext.eval import protocol
 from megatron_ext.eval.protocol import FinetuneConfig, RunResult, eval_subset
-from megatron_ext.eval.tasks import load_task
+from megatron_ext.eval.task_io import load_task
 
 TOP_K = 10
 """Cut-off of every reported metric (the paper's NDCG@10)."""

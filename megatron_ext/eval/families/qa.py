@@ -34,7 +34,7 @@ from torch.nn import functional as F
 
 from megatron_ext.eval import protocol
 from megatron_ext.eval.protocol import FinetuneConfig, RunResult, eval_subset
-from megatron_ext.eval.tasks import load_task
+from megatron_ext.eval.task_io import load_task
 
 MAX_QUESTION_TOKENS = 64
 """Longer questions are cut to their first 64 tokens (BERT's ``max_query_length``), so the

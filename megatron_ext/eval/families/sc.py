@@ -26,7 +26,7 @@ from megatron_ext.eval.protocol import (
     set_seed,
     train,
 )
-from megatron_ext.eval.tasks import TASK_FILE, load_task
+from megatron_ext.eval.task_io import TASK_FILE, load_task
 
 
 def encode(tokenizer: Any, rows: list[dict], device: torch.device) -> dict[str, torch.Tensor]:

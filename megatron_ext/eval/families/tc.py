@@ -29,7 +29,7 @@ from megatron_ext.eval.protocol import (
     set_seed,
     train,
 )
-from megatron_ext.eval.tasks import TASK_FILE, load_task
+from megatron_ext.eval.task_io import TASK_FILE, load_task
 
 IGNORE_INDEX = -100
 """Label of the sub-tokens that are not the first of a word (cross-entropy skips them)."""
