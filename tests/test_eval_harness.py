@@ -16,7 +16,7 @@ from megatron_ext.eval import harness
 from megatron_ext.eval.families import FAMILIES, sc, tc
 from megatron_ext.eval.protocol import FinetuneConfig, eval_subset, load_encoder
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task
-from megatron_ext.eval.tasks import build_task
+from megatron_ext.eval.suite import build_task
 from megatron_ext.cli import evaluate
 
 TINY = {"max_steps": 3, "batch_size": 8, "max_eval_examples": 16, "max_length": 32, "device": "cpu"}

@@ -14,7 +14,7 @@ import pytest
 from megatron_ext.eval.families import ir, qa
 from megatron_ext.eval.protocol import FinetuneConfig
 from megatron_ext.eval.task_io import load_task
-from megatron_ext.eval.tasks import build_task
+from megatron_ext.eval.suite import build_task
 
 TINY = {"lr": 5e-5, "seed": 0, "batch_size": 8, "max_steps": 10, "device": "cpu"}
 

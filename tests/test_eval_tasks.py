@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.eval.task_io import SUITE_TASKS, load_task
-from megatron_ext.eval.tasks import PLACEHOLDER, TASKS, assign_splits, build_task
+from megatron_ext.eval.suite import PLACEHOLDER, TASKS, assign_splits, build_task
 from megatron_ext.cli.build_eval_suite import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -258,7 +258,7 @@ def test_loading_and_fine_tuning_do_not_import_the_builders_dependencies():
         "import sys\n"
         "import megatron_ext.eval.task_io, megatron_ext.eval.families\n"
         "from megatron_ext.eval.families import sc, tc, qa, ir\n"
-        "print(sorted(m for m in ('mwparserfromhell', 'nltk', 'megatron_ext.eval.tasks') if m in sys.modules))\n"
+        "print(sorted(m for m in ('mwparserfromhell', 'nltk', 'megatron_ext.eval.suite') if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr

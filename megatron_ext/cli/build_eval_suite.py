@@ -7,7 +7,7 @@ directory's cache (``$MEGATRON_EXT_DATA`` or ``<repo>/data``); later runs work o
     python tools/build_eval_suite.py --tasks rt_sentiment wiki_sections --output-dir /tmp/suite
 
 Each task directory gets ``train/validation/test.jsonl`` (IR also ``corpus.jsonl``) and a
-``task.json``. See :mod:`megatron_ext.eval.tasks` and docs/eval_suite.md.
+``task.json``. See :mod:`megatron_ext.eval.suite` and docs/eval_suite.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir
-from megatron_ext.eval.tasks import TASKS, build_task
+from megatron_ext.eval.suite import TASKS, build_task
 
 _SUMMARY_KEYS = ("negative", "positive", "mentions", "answerable", "unanswerable", "relevant_grade_1")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from megatron_ext.eval.families import FAMILIES
 from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS
-from megatron_ext.eval.tasks import TASKS
+from megatron_ext.eval.suite import TASKS
 
 
 def default_tasks() -> list[str]:

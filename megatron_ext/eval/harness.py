@@ -39,7 +39,7 @@ from megatron_ext.fileio import write_atomic
 from megatron_ext.eval.families import FAMILIES, FAMILY_DEFAULTS
 from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS, FinetuneConfig
 from megatron_ext.eval.task_io import SPLITS, TASK_FILE, default_suite_dir, load_task
-from megatron_ext.eval.tasks import TASKS, build_task
+from megatron_ext.eval.suite import TASKS, build_task
 
 CONFIDENCE = 0.95
 """Level of the confidence interval over seeds."""
@@ -371,7 +371,7 @@ def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: 
 
     Args:
         models: HF encoder directories or Megatron checkpoints, each ``PATH`` or ``NAME=PATH``.
-        tasks: Names in :data:`~megatron_ext.eval.tasks.TASKS` or task directories with ``task.json``.
+        tasks: Names in :data:`~megatron_ext.eval.suite.TASKS` or task directories with ``task.json``.
         output_dir: Receives ``runs/``, ``exported/``, the summaries and plots (module docstring).
         lrs: Fine-tuning learning rates (default: the paper's grid).
         seeds: Seeds per LR (default: the paper's five).
