@@ -5,6 +5,7 @@ sizes 2 and 1."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from distributed import run_ranks
 from megatron_ext import platform
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, preset
 from megatron_ext.checkpoint.config import CheckpointConfig
+from megatron_ext.checkpoint.handle import Checkpoint
 from megatron_ext.checkpoint.core import (
     COMPLETE,
     TRACKER,
@@ -25,11 +27,12 @@ from megatron_ext.checkpoint.core import (
     read_tokenizer_reference,
     save_checkpoint,
 )
+from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.training.optim import TorchOptimizerState
 
 TINY = preset("tiny", vocab_size=256)
 RUN_CONFIG = {"model": dataclasses.asdict(TINY), "training": {"train_iters": 4}}
-TOKENIZER = {"kind": "sentencepiece", "path": "botchan_en_bpe_1000.model"}
+TOKENIZER = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "botchan_en_bpe_1000.model"}
 
 
 def build(config=TINY, seed: int = 0):
@@ -284,3 +287,32 @@ def resharding_worker(rank: int, rendezvous: str, root: str) -> None:
 
 def test_reshard_between_tensor_parallel_sizes(tmp_path):
     run_ranks(resharding_worker, str(tmp_path), world=WORLD, tmp_path=tmp_path)
+
+
+def test_handle_resolves_once_and_reads_what_was_saved(single_rank, tmp_path):
+    model, optimizer = build()
+    save(tmp_path, 1, model, optimizer)
+    train_step(model, optimizer, 1)
+    newest = save(tmp_path, 2, model, optimizer)
+
+    checkpoint = Checkpoint.open(tmp_path)  # a save directory names its newest checkpoint
+    assert checkpoint == Checkpoint.open(newest) == Checkpoint.latest(tmp_path)
+    assert (checkpoint.path, checkpoint.step) == (newest, 2)
+    assert checkpoint.model_config() == TINY
+    assert checkpoint.tokenizer_config() == TokenizerConfig(**TOKENIZER)
+    assert checkpoint.optimizer_format() == {"optimizer": "torch"}
+    fresh, _ = build(seed=1)
+    assert checkpoint.load(model=fresh)["step"] == 2
+    assert_same_weights(fresh, weights(model))
+
+    assert Checkpoint.latest(tmp_path / "missing") is None and Checkpoint.latest(None) is None
+    with pytest.raises(ValueError, match="no complete checkpoint at .*missing: not a directory"):
+        Checkpoint.open(tmp_path / "missing")
+    (newest / COMPLETE).unlink()
+    with pytest.raises(ValueError, match="not a complete checkpoint: no checkpoint_complete.json"):
+        Checkpoint.open(newest)
+    assert Checkpoint.open(tmp_path).step == 1  # the newest COMPLETE one
+    run_config = json.loads((tmp_path / "iter_0000001" / "run_config.json").read_text())
+    (tmp_path / "iter_0000001" / "run_config.json").write_text(json.dumps({**run_config, "model": {"hidden": 1}}))
+    with pytest.raises(ValueError, match=r"iter_0000001/run_config.json model.*hidden"):
+        Checkpoint.open(tmp_path).model_config()

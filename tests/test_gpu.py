@@ -175,20 +175,20 @@ def test_gpu_checkpoint_loads_on_cpu(tmp_path, tiny_corpus):
     ids = torch.randint(3, 1024, (1, 32), generator=torch.Generator().manual_seed(0))
     script = (
         "import sys, torch; sys.path.insert(0, sys.argv[1]);"
-        "from megatron_ext.hf import load_megatron_checkpoint, model_config_of, single_process_model_parallel;"
+        "from megatron_ext.hf import load_megatron_checkpoint, single_process_model_parallel;"
         "ids = torch.load(sys.argv[3]);"
         "ctx = single_process_model_parallel();"
         "ctx.__enter__();"
-        "m = load_megatron_checkpoint(sys.argv[2], model_config_of(sys.argv[2]));"
+        "m = load_megatron_checkpoint(sys.argv[2]);"
         "torch.save(m(ids, causal=False).detach(), sys.argv[4])"
     )
     torch.save(ids, tmp_path / "ids.pt")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     subprocess.run([sys.executable, "-c", script, str(REPO), result.checkpoint, str(tmp_path / "ids.pt"),
                     str(tmp_path / "cpu_logits.pt")], check=True, env=env, cwd=REPO)
-    from megatron_ext.hf import load_megatron_checkpoint, model_config_of, single_process_model_parallel
+    from megatron_ext.hf import load_megatron_checkpoint, single_process_model_parallel
 
     with single_process_model_parallel(), torch.no_grad():
-        gpu = load_megatron_checkpoint(result.checkpoint, model_config_of(result.checkpoint)).cuda()
+        gpu = load_megatron_checkpoint(result.checkpoint).cuda()
         gpu_logits = gpu(ids.cuda(), causal=False).cpu()
     torch.testing.assert_close(torch.load(tmp_path / "cpu_logits.pt"), gpu_logits, atol=1e-3, rtol=1e-3)

@@ -24,11 +24,10 @@ from megatron_ext.hf import (
     export_checkpoint,
     import_hf_model,
     load_megatron_checkpoint,
-    model_config_of,
     single_process_model_parallel,
 )
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, parameter_count
-from megatron_ext.checkpoint.core import load_checkpoint
+from megatron_ext.checkpoint.handle import Checkpoint
 from megatron_ext.cli import export_hf_checkpoint, import_hf_checkpoint
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -135,7 +134,7 @@ def random_ids(vocab: int, seed: int = 1) -> torch.Tensor:
 def megatron_logits(checkpoint: Path, ids: torch.Tensor) -> dict[bool, torch.Tensor]:
     """{causal: logits} of the checkpoint, loaded at TP=1."""
     with single_process_model_parallel(), torch.no_grad():
-        model = load_megatron_checkpoint(checkpoint, model_config_of(checkpoint))
+        model = load_megatron_checkpoint(checkpoint)
         assert sum(p.numel() for p in model.parameters()) == parameter_count(model.encoder_config)
         ids = ids.to(platform.device())
         return {causal: model(ids, causal=causal).cpu() for causal in (True, False)}
@@ -245,8 +244,9 @@ def _tp2_worker(rank: int, rendezvous: str, checkpoint: str, ids: torch.Tensor,
     torch.set_num_threads(1)
     platform.init_process_group_and_model_parallel(
         tensor_parallel_size=2, init_method=rendezvous, rank=rank, world_size=2)
-    model = build_encoder_model(model_config_of(Path(checkpoint))).eval()
-    load_checkpoint(checkpoint, model=model)
+    saved = Checkpoint.open(checkpoint)
+    model = build_encoder_model(saved.model_config()).eval()
+    saved.load(model=model)
     with torch.no_grad():
         logits = gather_vocab_parallel_logits(model(ids, causal=True))
     torch.testing.assert_close(logits[..., :reference.shape[-1]], reference, **TOL)

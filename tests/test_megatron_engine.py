@@ -223,7 +223,7 @@ def test_non_finite_gradients_are_skipped_before_megatrons_optimizer(tmp_path, t
 def test_megatron_engine_checkpoint_exports_with_logit_parity(tmp_path, tiny_corpus):
     import transformers
 
-    from megatron_ext.hf import export_checkpoint, load_megatron_checkpoint, model_config_of, single_process_model_parallel
+    from megatron_ext.hf import export_checkpoint, load_megatron_checkpoint, single_process_model_parallel
 
     recipe = _distopt(tiny_corpus, tmp_path, steps=3)
     pretrain(run_config_from_dict(recipe))
@@ -232,7 +232,7 @@ def test_megatron_engine_checkpoint_exports_with_logit_parity(tmp_path, tiny_cor
     hf = transformers.EuroBertForMaskedLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.randint(4, 1024, (2, 48), generator=torch.Generator().manual_seed(0))
     with single_process_model_parallel(), torch.no_grad():
-        ours = load_megatron_checkpoint(checkpoint, model_config_of(checkpoint))(ids, causal=False)
+        ours = load_megatron_checkpoint(checkpoint)(ids, causal=False)
         theirs = hf(input_ids=ids).logits
     torch.testing.assert_close(theirs, ours[..., : theirs.shape[-1]], atol=1e-5, rtol=1e-5)
 

@@ -206,3 +206,18 @@ def test_user_errors_after_start_up_are_one_line_and_exit_2(tmp_path, tiny_corpu
     errors = [line for line in run.stderr.splitlines() if "error" in line.lower() and "warn" not in line.lower()]
     assert len(errors) == 1 and f"{prefix}.idx: corrupt index" in errors[0], run.stderr[-2000:]
     assert "Traceback" not in run.stderr
+
+
+def test_step_line_names_phase_throughput_and_skips():
+    from megatron_ext.schedule import Phase, resolve_phases
+    from megatron_ext.training.step_log import format_step_line
+
+    clm, mlm = resolve_phases((Phase(objective="clm", share=0.5), Phase(objective="mlm", share=0.5, mask_ratio=0.3)), 100)
+    line = format_step_line(step=7, total_steps=100, phase=mlm, loss=5.26924, lr=1e-3, grad_norm=0.9123,
+                            tokens_per_s=12345.6, mfu=0.4123, elapsed_s=62, eta_s=3725, skipped=False)
+    assert line == ("step   7/100 | mlm-30  | loss 5.2692 | lr 1.00e-03 | gnorm 0.912 | 12,346 tok/s | MFU 41.2% | "
+                    "elapsed 1m02s | ETA 1h02m")
+    line = format_step_line(step=100, total_steps=100, phase=clm, loss=float("nan"), lr=0.0, grad_norm=float("inf"),
+                            tokens_per_s=10.0, mfu=None, elapsed_s=5, eta_s=0, skipped=True)
+    assert line.startswith("step 100/100 | clm     | loss nan") and "MFU" not in line
+    assert line.endswith("| SKIPPED (non-finite)")

@@ -265,7 +265,7 @@ def load_checkpoint(
     Returns:
         The ``trainer_state`` saved with it (with ``step``).
     """
-    checkpoint = _resolve(Path(path_or_dir))
+    checkpoint = resolve_checkpoint(Path(path_or_dir))
     info = json.loads((checkpoint / COMPLETE).read_text())
     if optimizer is not None and not info["has_optimizer"]:
         raise UserError(f"checkpoint {checkpoint} holds no optimizer state (saved weights only); "
@@ -309,7 +309,7 @@ def load_checkpoint(
 def saved_optimizer_format(path: str | os.PathLike) -> dict | None:
     """The optimizer format recorded in a checkpoint (None: weights only, or written before
     formats were recorded)."""
-    checkpoint = _resolve(Path(path))
+    checkpoint = resolve_checkpoint(Path(path))
     if not json.loads((checkpoint / COMPLETE).read_text())["has_optimizer"]:
         return None
     try:
@@ -348,13 +348,13 @@ def optimizer_format_problem(saved: dict | None, current: dict) -> str | None:
 
 def read_run_config(path: str | os.PathLike) -> dict:
     """The resolved run config saved with a checkpoint (or a save directory's newest one)."""
-    return json.loads((_resolve(Path(path)) / RUN_CONFIG).read_text())
+    return json.loads((resolve_checkpoint(Path(path)) / RUN_CONFIG).read_text())
 
 
 def read_tokenizer_reference(path: str | os.PathLike) -> dict:
     """The tokenizer reference saved with a checkpoint (or a save directory's newest one): the
     ``TokenizerConfig`` fields that rebuild it."""
-    reference = json.loads((_resolve(Path(path)) / TOKENIZER_REFERENCE).read_text())
+    reference = json.loads((resolve_checkpoint(Path(path)) / TOKENIZER_REFERENCE).read_text())
     reference.pop(TOKENIZER_FINGERPRINT, None)
     return reference
 
@@ -362,7 +362,7 @@ def read_tokenizer_reference(path: str | os.PathLike) -> dict:
 def read_tokenizer_fingerprint(path: str | os.PathLike) -> str | None:
     """The content fingerprint of the checkpoint's tokenizer (``EncoderTokenizer.fingerprint``;
     None for checkpoints written without one)."""
-    return json.loads((_resolve(Path(path)) / TOKENIZER_REFERENCE).read_text()).get(TOKENIZER_FINGERPRINT)
+    return json.loads((resolve_checkpoint(Path(path)) / TOKENIZER_REFERENCE).read_text()).get(TOKENIZER_FINGERPRINT)
 
 
 def _checked_trainer_state(trainer_state: dict, step: int) -> dict:
@@ -431,10 +431,11 @@ def _complete_checkpoints(save_dir: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def _resolve(path: Path) -> Path:
-    """The checkpoint ``path`` names: itself if it is one, else the newest one inside it."""
+def resolve_checkpoint(path: Path) -> Path:
+    """The checkpoint ``path`` names: itself if it is one, else the newest one inside it
+    (``UserError`` naming the path and what is missing when there is none)."""
     if not path.is_dir():
-        raise UserError(f"no checkpoint at {path}: not a directory")
+        raise UserError(f"no complete checkpoint at {path}: not a directory")
     looks_like_one = _CHECKPOINT.match(path.name.split(".")[0]) or any(
         (path / name).exists() for name in (COMPLETE, _MEGATRON_METADATA))
     if looks_like_one:

@@ -18,7 +18,7 @@ from megatron_ext.hf.architectures import (
     UnsupportedArchitectureError,
     encoder_config_from_hf,
 )
-from megatron_ext.hf.exporter import export_checkpoint, model_config_of
+from megatron_ext.hf.exporter import export_checkpoint
 from megatron_ext.hf.importer import (
     ImportResult,
     check_architecture,
@@ -47,7 +47,6 @@ __all__ = [
     "load_hf_tokenizer",
     "load_megatron_checkpoint",
     "megatron_to_hf",
-    "model_config_of",
     "padded_vocab_size",
     "single_process_model_parallel",
 ]

@@ -130,18 +130,14 @@ def mlm_loss(model: Any, tokenizer: EncoderTokenizer, texts: Sequence[str], *,
 def checkpoint_mlm_loss(checkpoint: str | os.PathLike, texts: Sequence[str], **kwargs: Any) -> MLMLoss:
     """:func:`mlm_loss` of a Megatron checkpoint (or a save directory: its newest), loaded at
     TP=1 in this process with the tokenizer it references; ``kwargs`` as for :func:`mlm_loss`."""
-    from megatron_ext.hf.exporter import model_config_of
+    from megatron_ext.checkpoint.handle import Checkpoint
     from megatron_ext.hf.runtime import load_megatron_checkpoint, single_process_model_parallel
-    from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
-    from megatron_ext.checkpoint.core import latest_checkpoint, read_tokenizer_reference
+    from megatron_ext.tokenizer import build_tokenizer
 
-    path = latest_checkpoint(checkpoint)
-    if path is None:
-        raise ValueError(f"{checkpoint}: no complete checkpoint there")
-    tokenizer = build_tokenizer(TokenizerConfig(**read_tokenizer_reference(path)))
+    source = Checkpoint.open(checkpoint)
+    tokenizer = build_tokenizer(source.tokenizer_config())
     with single_process_model_parallel():
-        model = load_megatron_checkpoint(path, model_config_of(path))
-        return mlm_loss(model, tokenizer, texts, **kwargs)
+        return mlm_loss(load_megatron_checkpoint(source), tokenizer, texts, **kwargs)
 
 
 __all__ = ["MLMLoss", "checkpoint_mlm_loss", "masked_windows", "mlm_loss"]

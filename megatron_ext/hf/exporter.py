@@ -1,7 +1,7 @@
 """Export a Megatron checkpoint as a Hugging Face model directory.
 
 The architecture comes from the ``model`` section of the run config saved with the checkpoint
-(``read_run_config``), the tokenizer from its ``tokenizer_reference.json`` (or ``tokenizer=``).
+(``Checkpoint.model_config``), the tokenizer from its ``tokenizer_reference.json`` (or ``tokenizer=``).
 The checkpoint is loaded in this one process at tensor-parallel size 1, whatever TP it was saved
 at: Megatron's dist checkpoints store whole tensors and reshard on load, so no shards are
 gathered by hand.
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.config_loading import ConfigError, build_dataclass
+from megatron_ext.config_loading import UserError
 from megatron_ext.hf.architectures import FORMATS
 from megatron_ext.hf.name_map import Layout, megatron_to_hf
 from megatron_ext.hf.runtime import (
@@ -41,7 +41,6 @@ from megatron_ext.hf.runtime import (
     single_process_model_parallel,
     staging_dir,
 )
-from megatron_ext.model import EncoderModelConfig
 from megatron_ext.tokenizer import (
     HuggingFaceTokenizer,
     MissingSpecialTokenError,
@@ -49,42 +48,17 @@ from megatron_ext.tokenizer import (
     _load_transformers_tokenizer,
     build_tokenizer,
 )
-from megatron_ext.checkpoint.core import (
-    latest_checkpoint,
-    read_run_config,
-    read_tokenizer_reference,
-)
+from megatron_ext.checkpoint.handle import Checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _checkpoint_path(checkpoint: str | os.PathLike) -> Path:
-    path = Path(checkpoint)
-    found = latest_checkpoint(path)
-    if found is None:
-        raise ValueError(f"--checkpoint {path}: no complete checkpoint there (expected a "
-                         "checkpoint directory or a save directory holding iter_NNNNNNN)")
-    return found
-
-
-def model_config_of(checkpoint: Path) -> EncoderModelConfig:
-    """The architecture saved with ``checkpoint`` (its run config's ``model`` section)."""
-    run_config = read_run_config(checkpoint)
-    if "model" not in run_config:
-        raise ValueError(f"{checkpoint}/run_config.json has no model section")
-    try:
-        return build_dataclass(EncoderModelConfig, run_config["model"],
-                               f"{checkpoint}/run_config.json model")
-    except ConfigError as error:
-        raise ValueError(str(error)) from error
-
-
-def _tokenizers(checkpoint: Path, tokenizer: str | None) -> tuple[HuggingFaceTokenizer, Any]:
+def _tokenizers(checkpoint: Checkpoint, tokenizer: str | None) -> tuple[HuggingFaceTokenizer, Any]:
     """This project's view of the checkpoint's tokenizer and the ``transformers`` one."""
     if tokenizer is not None:
         config, where = TokenizerConfig(tokenizer_model=tokenizer), f"--tokenizer {tokenizer}"
     else:
-        config = TokenizerConfig(**read_tokenizer_reference(checkpoint))
+        config = checkpoint.tokenizer_config()
         where = f"{checkpoint}/tokenizer_reference.json ({config.tokenizer_model})"
     try:
         encoder_tokenizer = build_tokenizer(config)
@@ -155,10 +129,13 @@ def export_checkpoint(
     export_format = FORMATS[hf_format]
     output_dir = Path(output_dir).resolve()
     is_empty_dir_or_absent(output_dir)  # a file there: fail before the work
-    path = _checkpoint_path(checkpoint)
-    config = model_config_of(path)
+    try:
+        source = Checkpoint.open(checkpoint)
+    except UserError as error:
+        raise UserError(f"--checkpoint: {error}") from error
+    config = source.model_config()
     export_format.check(config)
-    encoder_tokenizer, hf_tokenizer = _tokenizers(path, tokenizer)
+    encoder_tokenizer, hf_tokenizer = _tokenizers(source, tokenizer)
     vocab = encoder_tokenizer.vocab_size
     if vocab > config.vocab_size:
         raise ValueError(f"the tokenizer has {vocab} ids but the model only {config.vocab_size} "
@@ -174,9 +151,9 @@ def export_checkpoint(
         except MissingSpecialTokenError as error:
             raise ValueError(f"--format {hf_format} needs a mask token: {error}") from error
 
-    log(f"loading {path} (TP=1)")
+    log(f"loading {source} (TP=1)")
     with single_process_model_parallel():
-        model = load_megatron_checkpoint(path, config)
+        model = load_megatron_checkpoint(source)
         state = model.state_dict()
     hf_state = megatron_to_hf(state, Layout(config=config, hf_vocab_size=vocab))
     del model, state

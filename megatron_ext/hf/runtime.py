@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 
 from megatron_ext import platform
 from megatron_ext.model import EncoderModel, EncoderModelConfig, build_encoder_model
-from megatron_ext.checkpoint.core import load_checkpoint
+from megatron_ext.checkpoint.handle import Checkpoint
 
 
 @contextlib.contextmanager
@@ -50,15 +50,16 @@ def build_local_model(config: EncoderModelConfig) -> EncoderModel:
     return build_encoder_model(dataclasses.replace(config, attention_backend="local")).eval()
 
 
-def load_megatron_checkpoint(checkpoint: str | os.PathLike,
-                             config: EncoderModelConfig) -> EncoderModel:
-    """Build ``config`` at TP=1 and load ``checkpoint`` into it, whatever TP it was saved at.
+def load_megatron_checkpoint(checkpoint: str | os.PathLike | Checkpoint) -> EncoderModel:
+    """The checkpoint's model (its saved architecture) at TP=1, whatever TP it was saved at.
 
-    A checkpoint of another shape raises ``ValueError`` listing every mismatching tensor.
-    Needs the parallel state (:func:`single_process_model_parallel`).
+    ``checkpoint``: one checkpoint or a save directory (its newest). Needs the parallel state
+    (:func:`single_process_model_parallel`).
     """
-    model = build_local_model(config)
-    load_checkpoint(checkpoint, model=model, optimizer=None)
+    if not isinstance(checkpoint, Checkpoint):
+        checkpoint = Checkpoint.open(checkpoint)
+    model = build_local_model(checkpoint.model_config())
+    checkpoint.load(model=model)
     return model
 
 

@@ -1,0 +1,79 @@
+"""A checkpoint resolved once, and what the stages above training ask of it.
+
+Export, evaluation, inference and the resume policy all start from a path that names either one
+checkpoint or a save directory (then its newest complete checkpoint). :class:`Checkpoint` resolves
+that path once, refusing incomplete ones with the reason, and reads the files saved beside the
+weights: the run config, the model architecture, the tokenizer reference and the optimizer format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_ext.checkpoint import core
+from megatron_ext.config_loading import UserError, build_dataclass
+from megatron_ext.model.config import EncoderModelConfig
+from megatron_ext.tokenizer import TokenizerConfig
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One complete checkpoint directory (``iter_NNNNNNN``)."""
+
+    path: Path
+    """The checkpoint directory itself, never a save directory."""
+
+    @classmethod
+    def open(cls, location: str | os.PathLike) -> Checkpoint:
+        """The checkpoint ``location`` names: itself, or the newest complete one in a save
+        directory. ``UserError`` naming the path and what is missing otherwise."""
+        return cls(core.resolve_checkpoint(Path(location)))
+
+    @classmethod
+    def latest(cls, location: str | os.PathLike | None) -> Checkpoint | None:
+        """Like :meth:`open`, but None where there is no complete checkpoint (or no location)."""
+        found = core.latest_checkpoint(location) if location else None
+        return cls(found) if found is not None else None
+
+    @property
+    def step(self) -> int:
+        """The number of training steps the checkpoint has completed."""
+        return int(json.loads((self.path / core.COMPLETE).read_text())["step"])
+
+    def run_config(self) -> dict:
+        """The resolved run config the training run saved (``run_config.json``)."""
+        return core.read_run_config(self.path)
+
+    def model_config(self) -> EncoderModelConfig:
+        """The architecture of the saved weights (the run config's ``model`` section)."""
+        where = f"{self.path / core.RUN_CONFIG} model"
+        run_config = self.run_config()
+        if "model" not in run_config:
+            raise UserError(f"{where}: missing; expected the saved model section")
+        return build_dataclass(EncoderModelConfig, run_config["model"], where)
+
+    def tokenizer_config(self) -> TokenizerConfig:
+        """The tokenizer the weights expect (``tokenizer_reference.json``)."""
+        return TokenizerConfig(**core.read_tokenizer_reference(self.path))
+
+    def tokenizer_fingerprint(self) -> str | None:
+        """The content fingerprint of that tokenizer (None for checkpoints saved without one)."""
+        return core.read_tokenizer_fingerprint(self.path)
+
+    def optimizer_format(self) -> dict | None:
+        """The optimizer-state format saved (None: weights only, or older than recorded formats)."""
+        return core.saved_optimizer_format(self.path)
+
+    def load(self, *, model: torch.nn.Module, optimizer: core.OptimizerCheckpointState | None = None,
+             strict_shapes: bool = True) -> dict:
+        """Load the weights (and ``optimizer``'s state) into place; returns the trainer state.
+        See :func:`megatron_ext.checkpoint.core.load_checkpoint`."""
+        return core.load_checkpoint(self.path, model=model, optimizer=optimizer, strict_shapes=strict_shapes)
+
+    def __str__(self) -> str:
+        return str(self.path)

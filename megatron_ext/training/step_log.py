@@ -1,0 +1,144 @@
+"""What a run reports: one readable line per logged step, and every record to its sinks.
+
+``StepLogger`` keeps the throughput window (tokens/s, MFU, ETA) and prints the step line that
+:func:`format_step_line` builds; :class:`MetricSinks` writes every record (each step, each
+validation) to ``metrics.jsonl`` and, when enabled, to Weights & Biases. Only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_ext import platform
+from megatron_ext.schedule import ResolvedPhase
+from megatron_ext.training.config import LoggingConfig, RunConfig
+from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device
+
+
+def phase_name(phase: ResolvedPhase) -> str:
+    """``clm`` or ``mlm-<mask %>``, as the step line and the banner name a phase."""
+    return "clm" if phase.objective == "clm" else f"mlm-{round(100 * phase.mask_ratio)}"
+
+
+def duration(seconds: float) -> str:
+    """``1h05m`` or ``4m02s``."""
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def format_step_line(*, step: int, total_steps: int, phase: ResolvedPhase, loss: float, lr: float, grad_norm: float,
+                     tokens_per_s: float, mfu: float | None, elapsed_s: float, eta_s: float, skipped: bool) -> str:
+    """The step log line, e.g. ``step  40/100 | mlm-30  | loss 5.2692 | lr 1.00e-03 | gnorm 0.912 |
+    12,345 tok/s | MFU 41.2% | elapsed 1m02s | ETA 1m33s``."""
+    line = (f"step {step:>{len(str(total_steps))}}/{total_steps} | {phase_name(phase):<7} | loss {loss:.4f} | "
+            f"lr {lr:.2e} | gnorm {grad_norm:.3f} | {tokens_per_s:,.0f} tok/s")
+    if mfu is not None:
+        line += f" | MFU {100 * mfu:.1f}%"
+    line += f" | elapsed {duration(elapsed_s)} | ETA {duration(eta_s)}"
+    if skipped:
+        line += " | SKIPPED (non-finite)"
+    return line
+
+
+def is_writer() -> bool:
+    """Whether this process reports (rank 0, or a process outside torch.distributed)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class MetricSinks:
+    """``<log_dir>/metrics.jsonl`` (appended, so a resumed run continues it) and W&B (resumed by
+    run id). Does nothing on ranks other than 0."""
+
+    def __init__(self, config: LoggingConfig, *, run_config: dict, wandb_run_id: str | None):
+        self.wandb = None
+        self.wandb_run_id = wandb_run_id
+        self.metrics = None
+        if not is_writer():
+            return
+        log_dir = Path(config.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = open(log_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if config.wandb_mode != "disabled":
+            import wandb
+
+            self.wandb = wandb.init(
+                project=config.wandb_project, name=config.wandb_exp_name or log_dir.name, dir=str(log_dir),
+                mode=config.wandb_mode, config=run_config, id=wandb_run_id, resume="allow",
+            )
+            self.wandb_run_id = self.wandb.id
+
+    def record(self, kind: str, step: int, values: dict) -> None:
+        """One record: a JSON line ``{"kind", "step", **values}``; numbers also to W&B as ``kind/key``."""
+        if self.metrics is None:
+            return
+        self.metrics.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+        self.metrics.flush()
+        if self.wandb is not None:
+            self.wandb.log({f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class StepLogger:
+    """Throughput over the steps since the last logged one; a line every ``training.log_interval``
+    steps (and at the last), a record at every step."""
+
+    def __init__(self, config: RunConfig, sinks: MetricSinks, *, total_steps: int, start_step: int):
+        self.config = config
+        self.sinks = sinks
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.tokens_per_step = config.data.global_batch_size * config.data.seq_length
+        name = platform.device_name()
+        self.peak = peak_flops_per_device(name) if name else None
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.run_start = self.window_start = time.perf_counter()
+        self.window_steps = 0
+        self.window_flops = 0.0
+
+    def banner(self, phases: list[ResolvedPhase], *, engine_name: str) -> None:
+        """What the run will do and where: its phases, the MFU convention, the engine and device."""
+        if is_writer():
+            print(f"training {self.total_steps} steps from step {self.start_step}: " + ", ".join(
+                f"{phase_name(p)} [{p.start}, {p.end})" for p in phases) + f"; MFU convention: {MFU_CONVENTION}",
+                flush=True)
+            print(f"engine: {engine_name}; " + platform.accelerator_summary(), flush=True)
+
+    def step(self, step: int, phase: ResolvedPhase, loss: float, lr: float, grad_norm: float, skipped: bool) -> None:
+        self.window_steps += 1
+        share = lm_head_share(phase, scored_only=self.config.training.lm_head_scored_only)
+        self.window_flops += self.tokens_per_step * flops_per_token(
+            self.config.model, self.config.data.seq_length, lm_head_share=share)
+        values = {"objective": phase.objective, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped}
+        interval = self.config.training.log_interval
+        if interval and (step % interval == 0 or step == self.total_steps):
+            now = time.perf_counter()
+            window_s = max(now - self.window_start, 1e-9)
+            values["tokens_per_s"] = self.window_steps * self.tokens_per_step / window_s
+            mfu = self.window_flops / window_s / (self.peak * self.world) if self.peak else None
+            if mfu is not None:
+                values["mfu"] = mfu
+            elapsed = now - self.run_start
+            if is_writer():
+                print(format_step_line(
+                    step=step, total_steps=self.total_steps, phase=phase, loss=loss, lr=lr, grad_norm=grad_norm,
+                    tokens_per_s=values["tokens_per_s"], mfu=mfu, elapsed_s=elapsed, skipped=skipped,
+                    eta_s=elapsed / max(step - self.start_step, 1) * (self.total_steps - step)), flush=True)
+            self.window_start, self.window_steps, self.window_flops = now, 0, 0.0
+        self.sinks.record("train", step, values)
+
+    def validation(self, step: int, losses: dict[str, float]) -> None:
+        self.sinks.record("valid", step, losses)
+        if is_writer():
+            print(f"validation at step {step}: clm loss {losses['clm']:.4f} | "
+                  f"mlm-{round(100 * self.config.training.eval_mask_ratio)} loss {losses['mlm']:.4f}", flush=True)
