@@ -1,6 +1,7 @@
 """Task families of the evaluation harness: ``run(model_dir, task_dir, config) -> RunResult``.
 
 :data:`FAMILIES` maps the family of a task (``task.json``'s ``family``) to its fine-tuning run.
+SC and TC share one run with a linear head (:mod:`.linear_head`) and differ only in its pieces.
 QA and IR are imported when first run, so SC and TC work without their modules (and their
 dependencies) present; :func:`available` says which families can run here.
 """

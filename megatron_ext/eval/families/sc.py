@@ -8,25 +8,15 @@ The paper's SC tasks are SST-2 (single sentences), MNLI and QQP (sentence pairs)
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from sklearn.metrics import accuracy_score
 
-from megatron_ext.eval.protocol import (
-    FinetuneConfig,
-    LinearHeadModel,
-    RunResult,
-    autocast,
-    cycle_batches,
-    eval_subset,
-    load_encoder,
-    set_seed,
-    train,
-)
-from megatron_ext.eval.task_io import TASK_FILE, load_task
+from megatron_ext.eval.families.linear_head import LinearHeadTask, run_linear_head
+from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, RunResult, autocast
+from megatron_ext.eval.task_io import TASK_FILE
 
 
 def encode(tokenizer: Any, rows: list[dict], device: torch.device) -> dict[str, torch.Tensor]:
@@ -61,34 +51,32 @@ def predict(model: LinearHeadModel, tokenizer: Any, rows: list[dict], config: Fi
     return predictions
 
 
+def scores(rows: list[dict], predictions: list[int]) -> dict[str, float]:
+    """Accuracy (0-100) of ``predictions`` for ``rows``."""
+    return {"accuracy": 100.0 * accuracy_score([row["label"] for row in rows], predictions)}
+
+
 def accuracy(model: LinearHeadModel, tokenizer: Any, rows: list[dict], config: FinetuneConfig) -> float:
     """Accuracy (0-100) of ``model`` on ``rows``."""
-    return 100.0 * accuracy_score([row["label"] for row in rows], predict(model, tokenizer, rows, config))
+    return scores(rows, predict(model, tokenizer, rows, config))["accuracy"]
+
+
+def loss(model: LinearHeadModel, tokenizer: Any, rows: list[dict], names: list[str],
+         config: FinetuneConfig) -> torch.Tensor:
+    """Cross-entropy of the rows' labels."""
+    logits = model(encode(tokenizer, rows, config.torch_device))
+    labels = torch.tensor([row["label"] for row in rows], device=logits.device)
+    return torch.nn.functional.cross_entropy(logits.float(), labels)
+
+
+HEAD = LinearHeadTask(
+    family="sc", pooled=True, metric="accuracy", label_names=label_names, loss=loss,
+    predict=lambda model, tokenizer, rows, names, config: predict(model, tokenizer, rows, config),
+    score=scores,
+)
+"""Sequence classification for :func:`~megatron_ext.eval.families.linear_head.run_linear_head`."""
 
 
 def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
     """Fine-tune ``model_dir`` on the task's train split; accuracy on validation and test."""
-    started = time.perf_counter()
-    task_dir = Path(task_dir)
-    train_rows = load_task(task_dir, "train")
-    splits = {split: eval_subset(load_task(task_dir, split), config.max_eval_examples)
-              for split in ("validation", "test")}
-    names = label_names(task_dir, train_rows + splits["validation"] + splits["test"])
-    set_seed(config.seed)
-    tokenizer, encoder = load_encoder(model_dir, config)
-    model = LinearHeadModel(encoder, len(names), pooled=True).to(config.torch_device)
-    steps = config.steps_for(len(train_rows))
-
-    def loss_fn(model: LinearHeadModel, rows: list[dict]) -> torch.Tensor:
-        logits = model(encode(tokenizer, rows, config.torch_device))
-        labels = torch.tensor([row["label"] for row in rows], device=logits.device)
-        return torch.nn.functional.cross_entropy(logits.float(), labels)
-
-    losses = train(model, cycle_batches(train_rows, config.batch_size, config.seed), config=config,
-                   total_steps=steps, loss_fn=loss_fn, desc=f"sc lr={config.lr:g} seed={config.seed}")
-    return RunResult(
-        metric="accuracy", steps=steps, losses=losses,
-        validation=accuracy(model, tokenizer, splits["validation"], config),
-        test=accuracy(model, tokenizer, splits["test"], config),
-        seconds=time.perf_counter() - started,
-    )
+    return run_linear_head(HEAD, model_dir, task_dir, config)

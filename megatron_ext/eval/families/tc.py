@@ -11,25 +11,15 @@ is seqeval's micro F1 over entities (conlleval rules), as reported for CoNLL-200
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from seqeval.metrics import f1_score, precision_score, recall_score
 
-from megatron_ext.eval.protocol import (
-    FinetuneConfig,
-    LinearHeadModel,
-    RunResult,
-    autocast,
-    cycle_batches,
-    eval_subset,
-    load_encoder,
-    set_seed,
-    train,
-)
-from megatron_ext.eval.task_io import TASK_FILE, load_task
+from megatron_ext.eval.families.linear_head import LinearHeadTask, run_linear_head
+from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, RunResult, autocast
+from megatron_ext.eval.task_io import TASK_FILE
 
 IGNORE_INDEX = -100
 """Label of the sub-tokens that are not the first of a word (cross-entropy skips them)."""
@@ -96,41 +86,35 @@ def entity_scores(gold: list[list[str]], predicted: list[list[str]]) -> dict[str
             "recall": 100.0 * recall_score(gold, predicted)}
 
 
-def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
-    """Fine-tune ``model_dir`` on the task's train split; entity F1 on validation and test."""
-    started = time.perf_counter()
-    task_dir = Path(task_dir)
-    train_rows = load_task(task_dir, "train")
-    splits = {split: eval_subset(load_task(task_dir, split), config.max_eval_examples)
-              for split in ("validation", "test")}
-    names = tag_names(task_dir, train_rows + splits["validation"] + splits["test"])
+def loss(model: LinearHeadModel, tokenizer: Any, rows: list[dict], names: list[str],
+         config: FinetuneConfig) -> torch.Tensor:
+    """Cross-entropy of the words' tags at their first sub-tokens."""
     index = {name: i for i, name in enumerate(names)}
-    set_seed(config.seed)
-    tokenizer, encoder = load_encoder(model_dir, config)
+    inputs, firsts = encode(tokenizer, rows, config.torch_device)
+    labels = torch.full(inputs["input_ids"].shape, IGNORE_INDEX, dtype=torch.long)
+    for i, (row, first) in enumerate(zip(rows, firsts)):
+        for tag, position in zip(row["tags"], first):
+            if position >= 0:
+                labels[i, position] = index[tag]
+    logits = model(inputs)
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                             labels.flatten().to(logits.device), ignore_index=IGNORE_INDEX)
+
+
+def _require_fast_tokenizer(model_dir: str, tokenizer: Any) -> None:
     if not tokenizer.is_fast:
         raise ValueError(f"{model_dir}: token classification needs a fast tokenizer (tokenizer.json) for "
                          "character offsets")
-    model = LinearHeadModel(encoder, len(names), pooled=False).to(config.torch_device)
-    steps = config.steps_for(len(train_rows))
 
-    def loss_fn(model: LinearHeadModel, rows: list[dict]) -> torch.Tensor:
-        inputs, firsts = encode(tokenizer, rows, config.torch_device)
-        labels = torch.full(inputs["input_ids"].shape, IGNORE_INDEX, dtype=torch.long)
-        for i, (row, first) in enumerate(zip(rows, firsts)):
-            for tag, position in zip(row["tags"], first):
-                if position >= 0:
-                    labels[i, position] = index[tag]
-        logits = model(inputs)
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten().to(logits.device),
-                                                 ignore_index=IGNORE_INDEX)
 
-    losses = train(model, cycle_batches(train_rows, config.batch_size, config.seed), config=config,
-                   total_steps=steps, loss_fn=loss_fn, desc=f"tc lr={config.lr:g} seed={config.seed}")
-    scores = {split: entity_scores([row["tags"] for row in rows], predict(model, tokenizer, rows, names, config))
-              for split, rows in splits.items()}
-    return RunResult(
-        metric="f1", validation=scores["validation"]["f1"], test=scores["test"]["f1"], steps=steps,
-        extra={f"{split}_{key}": value for split, split_scores in scores.items()
-               for key, value in split_scores.items() if key != "f1"},
-        losses=losses, seconds=time.perf_counter() - started,
-    )
+HEAD = LinearHeadTask(
+    family="tc", pooled=False, metric="f1", label_names=tag_names, loss=loss, predict=predict,
+    score=lambda rows, predicted: entity_scores([row["tags"] for row in rows], predicted),
+    check_tokenizer=_require_fast_tokenizer,
+)
+"""Token classification for :func:`~megatron_ext.eval.families.linear_head.run_linear_head`."""
+
+
+def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
+    """Fine-tune ``model_dir`` on the task's train split; entity F1 on validation and test."""
+    return run_linear_head(HEAD, model_dir, task_dir, config)
