@@ -258,9 +258,11 @@ def test_loading_and_fine_tuning_do_not_import_the_builders_dependencies():
         "import sys\n"
         "import megatron_ext.eval.task_io, megatron_ext.eval.families\n"
         "from megatron_ext.eval.families import sc, tc, qa, ir\n"
-        "print(sorted(m for m in ('mwparserfromhell', 'nltk', 'megatron_ext.eval.suite') if m in sys.modules))\n"
+        "unwanted = ('mwparserfromhell', 'nltk', 'megatron_ext.eval.suite')\n"
+        "print(sorted(m for m in unwanted if m in sys.modules))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
