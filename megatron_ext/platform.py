@@ -59,8 +59,10 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
 from torch.overrides import TorchFunctionMode
+
+# Megatron-Core is imported inside the functions that use it: reading and checking a recipe
+# (``--dry-run``, the memory estimate) imports none of it.
 
 
 def accelerator_summary() -> str:
@@ -182,6 +184,7 @@ def rng_state() -> dict:
     state = {"torch_rng_state": torch.get_rng_state()}
     if on_gpu():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
+        from megatron.core import tensor_parallel
         state["megatron_rng_tracker_states"] = tensor_parallel.get_cuda_rng_tracker().get_states()
     return state
 
@@ -194,6 +197,7 @@ def set_rng_state(state: dict) -> None:
         if "cuda_rng_state" in state:
             torch.cuda.set_rng_state(state["cuda_rng_state"])
         if "megatron_rng_tracker_states" in state:
+            from megatron.core import tensor_parallel
             tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_rng_tracker_states"])
 
 
@@ -254,6 +258,7 @@ def tensor_parallel_rng() -> Iterator[None]:
     tensor-parallel ranks draw correlated masks (identical seeds). Dropout defaults to 0.
     """
     if on_gpu():
+        from megatron.core import tensor_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork():
             yield
     else:
@@ -386,6 +391,7 @@ def seed_model_parallel(seed: int) -> None:
     """Seed parameter initialisation and dropout for the current model-parallel layout."""
     torch.manual_seed(seed)
     if on_gpu():
+        from megatron.core import tensor_parallel
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -436,6 +442,7 @@ def init_process_group_and_model_parallel(
             f"world size {world_size} is not divisible by tensor_parallel_size="
             f"{tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size}"
         )
+    from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel_size,
         pipeline_model_parallel_size=pipeline_parallel_size,
@@ -457,6 +464,7 @@ def _free_port() -> int:
 def destroy_process_group_and_model_parallel() -> None:
     """Undo ``init_process_group_and_model_parallel`` (tests, tools that run twice)."""
     global _rendezvous_dir
+    from megatron.core import parallel_state
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -181,6 +181,24 @@ def test_dry_run_says_what_it_checked(tmp_path, tiny_corpus, capsys):
     assert "checked: checkpoint.save writable, logging.log_dir writable, 1 data prefix(es) present" in capsys.readouterr().out
 
 
+def test_dry_run_imports_no_megatron(tmp_path, tiny_corpus):
+    """Reading and checking a recipe (plan, paths, memory) needs no Megatron-Core import, which
+    costs seconds; the dry run stays quick on a login node."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tiny_corpus, tmp_path)))
+    script = ("import sys, pretrain_encoder; code = pretrain_encoder.main(['--config', sys.argv[1], '--dry-run']); "
+              "print(code, sorted(m for m in sys.modules if m.startswith('megatron.')))")
+    done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300,
+                          cwd=Path(pretrain_encoder.__file__).parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "0 []"
+
+
 def test_user_errors_after_start_up_are_one_line_and_exit_2(tmp_path, tiny_corpus):
     """A corrupt index found after start-up: one line naming the file, exit code 2, no traceback."""
     import shutil

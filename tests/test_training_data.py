@@ -313,6 +313,17 @@ def test_config_errors_name_the_field(change, message):
         DataConfig(**{**fields, **change})
 
 
+@pytest.mark.parametrize("data_path", [("a",), ("a", "b"), ("a", "b", "c"), ("0.3", "a", "0.7", "b"),
+                                       ("1", " a "), ("2e-1", "a", "3", "b", "5", "c"), ("x1", "a")])
+def test_blend_reads_data_path_as_megatron_does(data_path):
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    fields = {"seq_length": SEQ, "micro_batch_size": MBS, "global_batch_size": GBS}
+    prefixes, weights = DataConfig(data_path=data_path, **fields).blend
+    expected_prefixes, expected_weights = get_blend_from_list(list(data_path))
+    assert (prefixes, weights) == (list(expected_prefixes), expected_weights and list(expected_weights))
+
+
 def _zero_pointers(prefix: str) -> None:
     with open(prefix + ".idx", "r+b") as f:
         header = f.read(34)

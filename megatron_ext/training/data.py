@@ -101,10 +101,14 @@ class DataConfig:
 
     @property
     def blend(self) -> tuple[list[str], list[float] | None]:
-        """``data_path`` as Megatron's ``(prefixes, weights or None)``."""
-        from megatron.core.datasets.utils import get_blend_from_list
-
-        return get_blend_from_list(list(self.data_path))
+        """``data_path`` as Megatron's ``(prefixes, weights or None)``, the pair its
+        ``datasets.utils.get_blend_from_list`` returns (tested equal): ``weight prefix`` pairs when
+        every other entry from the first is a number, prefixes alone otherwise. Parsed here so that
+        reading a recipe (and ``--dry-run``) imports no Megatron."""
+        entries = [entry.strip() for entry in self.data_path]
+        if len(entries) % 2 == 0 and all(_is_number(weight) for weight in entries[::2]):
+            return entries[1::2], [float(weight) for weight in entries[::2]]
+        return entries, None
 
 
 def _is_number(text: str) -> bool:
