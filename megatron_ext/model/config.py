@@ -8,6 +8,7 @@ then a linear LM head.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -148,6 +149,18 @@ def preset(name: str, **overrides: object) -> EncoderModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
     return dataclasses.replace(PRESETS[name], **overrides)
+
+
+VOCAB_PADDING_MULTIPLE = 128
+"""Megatron-LM's ``--make-vocab-size-divisible-by`` default."""
+
+
+def padded_vocab_size(rows: int, tensor_parallel_size: int) -> int:
+    """``rows`` (the tokenizer's ids) rounded up to a multiple of ``VOCAB_PADDING_MULTIPLE`` x
+    ``tensor_parallel_size``, as Megatron pads the embedding and LM head: every tensor-parallel
+    rank then holds an equal, aligned slice of the vocabulary."""
+    multiple = VOCAB_PADDING_MULTIPLE * tensor_parallel_size
+    return math.ceil(rows / multiple) * multiple
 
 
 def tensor_parallel_problem(config: EncoderModelConfig, tensor_parallel_size: int) -> str | None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -33,7 +32,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce
-from megatron_ext.model.config import PRESETS, EncoderModelConfig
+from megatron_ext.model.config import PRESETS, EncoderModelConfig, padded_vocab_size
 from megatron_ext.schedule import LRScheduleConfig, Phase, lr_at, resolve_phases
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.checkpoint.config import CheckpointConfig
@@ -335,8 +334,7 @@ def _model_config(section: dict[str, Any], *, data_seq_length: int, tokenizer_vo
     if section["vocab_size"] == VOCAB_FROM_TOKENIZER:
         if tokenizer_vocab_size is None:
             raise ConfigError("model.vocab_size: from_tokenizer needs the tokenizer to be loadable")
-        multiple = 128 * tp
-        section["vocab_size"] = math.ceil(tokenizer_vocab_size / multiple) * multiple
+        section["vocab_size"] = padded_vocab_size(tokenizer_vocab_size, tp)
     return build_dataclass(EncoderModelConfig, section, "model")
 
 

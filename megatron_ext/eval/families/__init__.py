@@ -2,8 +2,8 @@
 
 :data:`FAMILIES` maps the family of a task (``task.json``'s ``family``) to its fine-tuning run.
 SC and TC share one run with a linear head (:mod:`.linear_head`) and differ only in its pieces.
-QA and IR are imported when first run, so SC and TC work without their modules (and their
-dependencies) present; :func:`available` says which families can run here.
+QA and IR are imported when first run, so a suite of SC and TC tasks never loads their
+dependencies.
 """
 
 from __future__ import annotations
