@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             platform.destroy_process_group_and_model_parallel()
 
     summary = {mode: {key: statistics.median(r[key] for r in rows) for key in rows[0]} for mode, rows in rounds.items()}
-    device = torch.cuda.get_device_name() if platform.on_gpu() else f"cpu{torch.get_num_threads()}"
+    device = platform.device_name() if platform.on_gpu() else f"cpu{torch.get_num_threads()}"
     record = {"device": device, **platform.software_versions(), "preset": args.preset, "vocab_size": args.vocab_size,
               "parameters": parameter_count(config.model), "distributed_optimizer": True, "median": summary,
               "stall_async_over_sync": summary["async"]["stall_s"] / summary["sync"]["stall_s"], "rounds": rounds}

@@ -43,9 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
+    if not platform.on_gpu():
         print("gpu_check.py: no CUDA device here; the GPU tests only run on a GPU machine", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         lines = [line for line in run.stdout.splitlines()
                  if re.match(r"^(PASSED|FAILED|SKIPPED|ERROR) ", line) or re.search(r"::\S+ (PASSED|FAILED|SKIPPED|ERROR)", line)]
         gaps = {recipe: loss_gap(Path(tmp), recipe) for recipe in ("delayed", "tensorwise")}
-    name = torch.cuda.get_device_name()
+    import torch
+
+    name = platform.device_name()
     record = {"device": name, "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())),
               **platform.software_versions(), "pytest_exit_code": run.returncode, "tests": lines, "fp8_vs_bf16_loss": gaps}
     args.output_dir.mkdir(parents=True, exist_ok=True)

@@ -208,7 +208,7 @@ def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
     (phase,) = resolve_phases(config.phases, config.training.train_iters)
     share = lm_head_share(phase, scored_only=config.training.lm_head_scored_only)
     achieved = tokens / step_time * flops_per_token(config.model, seq_length, lm_head_share=share)
-    peak = peak_flops_per_device(torch.cuda.get_device_name()) if platform.on_gpu() else None
+    peak = peak_flops_per_device(platform.device_name()) if platform.on_gpu() else None
     return {
         "model": model_preset, "seq_length": seq_length, "precision": precision,
         "micro_batch_size": micro, "micro_batches_per_step": count, "tokens_per_step": tokens,
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         platform.check_run_supported(fp8_recipe=args.fp8_recipe, recompute_granularity=None)
 
     platform.init_process_group_and_model_parallel(seed=1234)
-    device_name = torch.cuda.get_device_name() if platform.on_gpu() else f"cpu{torch.get_num_threads()}"
+    device_name = platform.device_name() if platform.on_gpu() else f"cpu{torch.get_num_threads()}"
     print(f"{device_name}; FLOPs/token = {MFU_CONVENTION}; MFU against the dense bf16 peak", flush=True)
     rows = []
     try:

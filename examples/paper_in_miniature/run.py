@@ -235,10 +235,10 @@ def eval_command(unit: EvalUnit, args: argparse.Namespace) -> list[str]:
 
 def run_units(units: Sequence[EvalUnit], args: argparse.Namespace, workers: int) -> None:
     """Run the units ``workers`` at a time (each a process with its share of the cores); logs per unit."""
-    import torch
+    from megatron_ext import platform
 
     env = dict(os.environ)
-    if not torch.cuda.is_available():
+    if not platform.on_gpu():
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
     ordered = sorted(units, key=lambda unit: -unit.cost)
     done = []
@@ -330,13 +330,12 @@ def comparison_markdown(rows: Sequence[dict], tasks: Sequence[str], args: argpar
 
 
 def run(args: argparse.Namespace) -> dict:
+    from megatron_ext import platform
     from megatron_ext.eval.harness import evaluate_models, resolve_models, resolve_tasks
     from megatron_ext.fileio import write_atomic
 
-    import torch
-
     out = args.output_dir = args.output_dir.resolve()
-    workers = args.workers or (1 if torch.cuda.is_available() else min(2, os.cpu_count() or 1))
+    workers = args.workers or (1 if platform.on_gpu() else min(2, os.cpu_count() or 1))
     if workers < 1 or args.train_iters < 4 or args.finetune_steps < 1:
         raise ValueError("--workers and --finetune-steps must be >= 1 and --train-iters >= 4")
     seconds: dict[str, float] = {}
