@@ -261,6 +261,38 @@ def test_fused_adam_matches_the_unfused_kernel(tmp_path, tiny_corpus, engine):
         assert losses[True][step] == pytest.approx(losses[False][step], rel=1e-4), f"step {step}"
 
 
+@pytest.mark.parametrize("engine", ["megatron", "portable"])
+def test_decay_norms_and_biases_decays_exactly_the_one_dimensional_parameters(tmp_path, tiny_corpus, engine):
+    """AdamW's decay is decoupled: after one step from the same initialisation and batch, the
+    switch changes no matrix and moves every norm weight (initialised to 1) by exactly -lr x wd,
+    on the Megatron engine's distributed optimizer (flat shards) as on the portable one."""
+    from megatron_ext.hf import load_megatron_checkpoint, single_process_model_parallel
+
+    weights, lrs = {}, {}
+    for decay_all in (False, True):
+        run_dir = tmp_path / f"{engine}{decay_all}"
+        recipe = _recipe(tiny_corpus, run_dir, training={"train_iters": 4, "eval_interval": 0, "engine": engine},
+                         schedule={"lr": 3e-3, "lr_decay_style": "wsd", "lr_warmup_iters": 0, "lr_wsd_decay_iters": 2},
+                         phases=[{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}],
+                         optimizer={"decay_norms_and_biases": decay_all, "weight_decay": 0.5},
+                         parallel={"use_distributed_optimizer": engine == "megatron"})
+        _run(recipe, tmp_path, run_dir.name, exit_after=1)
+        with single_process_model_parallel():
+            weights[decay_all] = {name: value for name, value in load_megatron_checkpoint(run_dir / "ckpt").state_dict().items()
+                                  if torch.is_tensor(value)}
+        (record,) = [json.loads(line) for line in (run_dir / "log" / "metrics.jsonl").read_text().splitlines()]
+        lrs[decay_all] = record["lr"]
+    assert lrs[False] == lrs[True] > 0
+    one_dimensional = [name for name, value in weights[False].items() if value.dim() == 1]
+    assert one_dimensional and all(name.endswith("layernorm.weight") or "norm" in name for name in one_dimensional)
+    for name, value in weights[False].items():
+        if value.dim() == 1:
+            torch.testing.assert_close(weights[True][name] - value, torch.full_like(value, -lrs[True] * 0.5),
+                                       rtol=0, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(weights[True][name], value), name
+
+
 def test_bf16_parameters_with_fp32_main_params(tmp_path, tiny_corpus):
     """``model.params_dtype: bfloat16`` (Megatron-LM's mixed precision: Float16Module, fp32 main
     parameters and gradient buffers): the fp32 run's losses to bf16 rounding, an exact resume, and

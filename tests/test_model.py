@@ -299,3 +299,20 @@ def test_one_tensor_parallel_rule_for_plan_builder_and_importer():
     config = preset("tiny")
     assert [tp for tp in (1, 2, 3, 4, 8) if tensor_parallel_problem(config, tp) is None] == [1, 2, 4]
     assert "must divide num_attention_heads=4" in tensor_parallel_problem(config, 8)
+
+
+@pytest.mark.parametrize("depth_scaled", [True, False])
+def test_depth_scaled_init_only_shrinks_the_residual_output_projections(depth_scaled):
+    """Megatron's default draws linear_proj and linear_fc2 from N(0, std / sqrt(2 L)); the authors'
+    trainer (``depth_scaled_init: false``) draws every matrix from N(0, std). Norms start at 1."""
+    layers, std = 8, 0.02
+    config = dataclasses.replace(TINY, num_layers=layers, init_method_std=std, depth_scaled_init=depth_scaled)
+    model = build(config)
+    output_std = std / (2 * layers) ** 0.5 if depth_scaled else std
+    for name, param in model.named_parameters():
+        if param.dim() == 1:
+            assert torch.equal(param, torch.ones_like(param)), name
+            continue
+        expected = output_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
+        assert param.mean().item() == pytest.approx(0.0, abs=4 * expected / param.numel() ** 0.5), name
+        assert param.std().item() == pytest.approx(expected, rel=0.05), name

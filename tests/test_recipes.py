@@ -91,6 +91,9 @@ def test_paper_recipe_plans(path: Path, capsys):
     assert f"global 1152 = micro {micro} x DP {world} x {1152 // (micro * world)} micro-batches/step" in plan
     assert total_tokens(plan) == (TOKENS_PER_STEP, TOKENS_PER_STEP * steps)
     assert "wsd, peak 0.0005, warmup 2000, decay 2000 (linear), min 0" in plan
+    # As the authors' Optimus trains: decay on every parameter, no depth-scaled init.
+    assert ("AdamW (0.9, 0.95), eps 1e-05, weight decay 0.1 on every parameter, clip 1; "
+            "init N(0, 0.02) for every matrix") in plan
     assert phases(plan) == expected_phases(path.stem, steps)
     assert f"save=/checkpoints/paper/{path.stem} every 1000 steps" in plan
 

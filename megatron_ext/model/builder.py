@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import init_method_normal
 from torch import Tensor
 
 from megatron_ext import platform
@@ -179,6 +180,8 @@ def transformer_config(config: EncoderModelConfig, overrides: Mapping[str, Any] 
         hidden_dropout=config.hidden_dropout,
         attention_dropout=config.attention_dropout,
         init_method_std=config.init_method_std,
+        # None lets Megatron derive its depth-scaled init for the output projections.
+        output_layer_init_method=None if config.depth_scaled_init else init_method_normal(config.init_method_std),
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,

@@ -61,7 +61,14 @@ class EncoderModelConfig:
     hidden_dropout: float = 0.0
     """Dropout on embeddings and on each residual branch."""
     init_method_std: float = 0.02
-    """Std of the normal init; output projections use Megatron's depth-scaled variant."""
+    """Std of the normal init of every matrix (embedding, projections, LM head); norm weights
+    start at 1."""
+    depth_scaled_init: bool = True
+    """True (Megatron's default): the residual branches' output projections (attention
+    ``linear_proj``, MLP ``linear_fc2``) start from N(0, init_method_std / sqrt(2 x num_layers)).
+    False: from N(0, init_method_std) like every other matrix, as the authors' trainer does
+    (Optimus' ``TransformerEncoder._init_weights``: EuroBERT repo, ``optimus/trainer/model/model.py``);
+    the paper recipes set it. Only the initialisation differs, so it may change on resume."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of parameters and activations. In training, ``bfloat16`` is Megatron-LM's mixed
     precision (``--bf16``): bf16 weights and activations, fp32 main parameters and gradient

@@ -41,7 +41,7 @@ from megatron_ext.training.data import DataConfig
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """AdamW, as in the paper (decoupled weight decay; none on norms and biases)."""
+    """AdamW, as in the paper (decoupled weight decay)."""
 
     adam_beta1: float = 0.9
     """AdamW beta1."""
@@ -50,7 +50,13 @@ class OptimizerConfig:
     adam_eps: float = 1e-5
     """AdamW epsilon (the paper: 1e-5)."""
     weight_decay: float = 0.1
-    """Decoupled weight decay on matrices (not on norms or biases)."""
+    """Decoupled weight decay (on matrices only unless ``decay_norms_and_biases``)."""
+    decay_norms_and_biases: bool = False
+    """False (Megatron's rule): no weight decay on 1-D parameters (norm weights, biases). True:
+    every parameter decays, as the authors' trainer does (Optimus builds AdamW over
+    ``model.parameters()`` with one weight decay: EuroBERT repo, ``optimus/trainer/pretrain.py``);
+    the paper recipes set it. Either way the parameter groups are the same, so a run may resume
+    with the other setting."""
     clip_grad: float = 1.0
     """Clip the global gradient L2 norm to this value; 0 disables clipping."""
     fused: bool = True

@@ -47,7 +47,8 @@ from megatron_ext.training.optim import (
     grad_norm_and_clip,
     reduce_gradients,
     set_fused_adam,
-    set_lr,
+    set_lr_and_weight_decay,
+    weight_decay_for,
 )
 
 
@@ -121,6 +122,7 @@ class PortableEngine:
         self.model = self.checkpoint_model = model
         self.bf16 = bf16
         self.lm_head_scored_only = lm_head_scored_only
+        self.optimizer_config = optimizer
         self.clip_grad = optimizer.clip_grad
         self.optimizer = build_optimizer(model, optimizer, lr=0.0)
         self.optimizer_state = TorchOptimizerState(self.optimizer)
@@ -130,7 +132,7 @@ class PortableEngine:
         return masked_loss_sum(per_token, micro)
 
     def train_step(self, micro_batches: Sequence[MicroBatch], lr: float) -> StepOutcome:
-        set_lr(self.optimizer, lr)
+        set_lr_and_weight_decay(self.optimizer, self.optimizer_config, lr)
         self.optimizer.zero_grad(set_to_none=True)
         local_tokens, local_loss = 0, 0.0
         for micro in micro_batches:
@@ -396,14 +398,15 @@ class MegatronEngine:
 
     def _set_lr(self, lr: float) -> None:
         """What Megatron's ``OptimizerParamScheduler.step`` does to each parameter group: the
-        group's multipliers applied to the LR and the weight decay. ``get_megatron_optimizer``
-        builds every group with the full weight decay and marks the ones exempt from it (biases
-        and 1-D parameters such as norm weights) with ``wd_mult = 0``; without this they would
-        be decayed."""
-        weight_decay = self.config.optimizer.weight_decay
+        group's LR multiplier applied. ``get_megatron_optimizer`` builds every group with the full
+        weight decay and groups the 1-D parameters (norm weights, biases) apart with ``wd_mult =
+        0``, which marks them here (with the distributed optimizer a group's parameters are flat
+        shards, so their shapes say nothing); the weight decay is the portable engine's rule
+        (``weight_decay_for``: Megatron's unless ``optimizer.decay_norms_and_biases``)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
-            group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+            group["weight_decay"] = weight_decay_for(self.config.optimizer,
+                                                     one_dimensional=group.get("wd_mult", 1.0) == 0.0)
 
     @torch.no_grad()
     def _gradients_finite(self) -> bool:

@@ -31,17 +31,25 @@ from megatron_ext.training.config import OptimizerConfig
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, *, lr: float) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm weights and biases are not decayed)."""
+    """AdamW over two groups, matrices and 1-D parameters (norm weights, biases); the second
+    decays only with ``optimizer.decay_norms_and_biases`` (:func:`set_lr_and_weight_decay`)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [{"params": decay}, {"params": no_decay}],
         lr=lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
     )
+    set_lr_and_weight_decay(optimizer, config, lr)
     set_fused_adam(optimizer, config.fused)
     return optimizer
+
+
+def weight_decay_for(config: OptimizerConfig, *, one_dimensional: bool) -> float:
+    """The weight decay of a parameter group: the configured one, except for a group of 1-D
+    parameters (norm weights, biases) unless ``optimizer.decay_norms_and_biases``."""
+    return 0.0 if one_dimensional and not config.decay_norms_and_biases else config.weight_decay
 
 
 def set_fused_adam(optimizer: torch.optim.Optimizer, fused: bool) -> None:
@@ -62,9 +70,15 @@ def set_fused_adam(optimizer: torch.optim.Optimizer, fused: bool) -> None:
                 state["step"] = state["step"].to(dtype=torch.float32, device=param.device if fused else "cpu")
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr_and_weight_decay(optimizer: torch.optim.Optimizer, config: OptimizerConfig, lr: float) -> None:
+    """The step's LR and each group's weight decay, set before every update: a loaded checkpoint
+    brings back the saving run's group settings, and this run's config decides."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+        # Read from the parameters, not from flags saved with the group: it holds whatever
+        # checkpoint the groups were loaded from.
+        group["weight_decay"] = weight_decay_for(
+            config, one_dimensional=all(param.dim() < 2 for param in group["params"]))
 
 
 def reduce_gradients(model: torch.nn.Module, local_tokens: int, local_loss_sum: float) -> tuple[int, float]:

@@ -70,7 +70,7 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
 
 
 def format_plan(config: RunConfig, plan: RunPlan) -> str:
-    d, s, t = config.data, config.schedule, config.training
+    d, s, t, o, m = config.data, config.schedule, config.training, config.optimizer, config.model
     total = t.train_iters
     phases = resolve_phases(config.phases, total)
     lines = [
@@ -83,6 +83,10 @@ def format_plan(config: RunConfig, plan: RunPlan) -> str:
         f"tokens            {plan.tokens_per_step:,}/step, {plan.total_tokens:,} in total ({plan.total_tokens / 1e9:.2f}B)",
         f"compute           {plan.total_flops / plan.total_tokens:.3e} FLOPs/token on average, "
         f"{plan.total_flops:.3e} FLOPs in total [{MFU_CONVENTION}]",
+        f"optimizer         AdamW ({o.adam_beta1:g}, {o.adam_beta2:g}), eps {o.adam_eps:g}, weight decay "
+        f"{o.weight_decay:g} on {'every parameter' if o.decay_norms_and_biases else 'matrices only'}, clip "
+        f"{o.clip_grad:g}; init N(0, {m.init_method_std:g})"
+        + (", output projections / sqrt(2 x layers)" if m.depth_scaled_init else " for every matrix"),
         f"learning rate     {s.lr_decay_style}, peak {s.lr:g}, warmup {s.lr_warmup_iters}"
         + (f", decay {s.lr_wsd_decay_iters} ({s.lr_wsd_decay_style})" if s.lr_decay_style == "wsd" else "")
         + f", min {s.min_lr:g}",
