@@ -3,11 +3,17 @@
     python tools/evaluate.py --models runs/mlm40/checkpoints hf/clm --output-dir runs/eval
     python tools/evaluate.py --models mlm=runs/mlm40/checkpoints --tasks rt_sentiment wiki_mentions \\
         --lrs 2e-5 1e-4 --seeds 0 1 --max-steps 100 --output-dir /tmp/eval
+    python tools/evaluate.py --models mlm=runs/mlm40/checkpoints --tasks sst2 conll2003 squad \\
+        --benchmarks-dir /shared/benchmarks --output-dir runs/eval_paper
 
 Models are Hugging Face encoder directories or Megatron checkpoints (a save directory: its newest
 checkpoint, or one iter_* directory), exported to EuroBERT under OUTPUT_DIR/exported/ first; name
-them with NAME=PATH. Tasks are names of the offline suite (built into --suite-dir when absent)
-or task directories with a task.json (docs/eval_suite.md). Each (model, task, LR, seed) is one
+them with NAME=PATH. Tasks are names of the offline suite (built into --suite-dir when absent),
+the paper's benchmarks from the Hugging Face hub (sst2 qqp mnli conll2003 ontonotes uner squad
+squad_v2 record qed msmarco nq mldr; "paper" = all but qed), converted into --suite-dir when
+absent, from --benchmarks-dir (tools/fetch_benchmarks.py) or the hub, or task directories with a
+task.json (docs/eval_suite.md). Without --tasks: the paper's benchmarks when the hub is reachable
+or --benchmarks-dir is given, else the offline suite. Each (model, task, LR, seed) is one
 run saved as OUTPUT_DIR/runs/<model>/<task>/lr<LR>_seed<SEED>.json; rerunning skips finished
 runs. The best LR maximises mean validation; test is mean +- 95 % CI over seeds; diverged runs
 count as 0. Writes summary.{json,md,csv} and plots/<task>.png (score vs LR).
@@ -21,6 +27,7 @@ import sys
 from pathlib import Path
 
 
+from megatron_ext.eval.benchmarks import BENCHMARKS, hub_offline, hub_reachable
 from megatron_ext.eval.families import FAMILIES
 from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS
 from megatron_ext.eval.suite import TASKS
@@ -31,13 +38,25 @@ def default_tasks() -> list[str]:
     return [name for name, spec in TASKS.items() if spec.family in FAMILIES]
 
 
+def tasks_without_flag(benchmarks_dir: Path | None) -> list[str]:
+    """What runs without ``--tasks``: the paper's benchmarks where their data can be had (a
+    ``--benchmarks-dir``, offline mode reading the Hugging Face cache, or a reachable hub), else the
+    offline suite."""
+    if benchmarks_dir is not None or hub_offline() or hub_reachable():
+        return ["paper"]
+    print("the Hugging Face hub is not reachable and no --benchmarks-dir was given: evaluating on the "
+          f"offline suite ({' '.join(default_tasks())})", flush=True)
+    return default_tasks()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--models", nargs="+", required=True, metavar="[NAME=]PATH",
         help="HF encoder directories or Megatron checkpoints (default name: the path's last component)")
     add("--tasks", nargs="+", default=None, metavar="TASK",
-        help=f"suite task names or task directories (default: {' '.join(default_tasks())})")
+        help=f"suite tasks ({' '.join(default_tasks())}), benchmarks ({' '.join(BENCHMARKS)}), 'paper' or "
+             "task directories (default: 'paper' when the hub or --benchmarks-dir has the data, else the suite)")
     add("--output-dir", type=Path, required=True, help="receives runs/, exported/, summaries and plots")
     add("--lrs", nargs="+", type=float, default=list(PAPER_LR_GRID), metavar="LR", help="fine-tuning LR grid")
     add("--seeds", nargs="+", type=int, default=list(PAPER_SEEDS), metavar="SEED", help="seeds per LR")
@@ -48,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-eval-examples", type=int, default=None,
         help="score at most this many validation/test examples (default: all)")
     add("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
-    add("--suite-dir", type=Path, default=None, help="the offline suite (default: <data dir>/eval_suite)")
+    add("--suite-dir", type=Path, default=None,
+        help="the offline suite and the converted benchmarks (default: <data dir>/eval_suite)")
+    add("--benchmarks-dir", type=Path, default=None,
+        help="local copies of the benchmarks' hub datasets (tools/fetch_benchmarks.py --output-dir); "
+             "default: the Hugging Face hub, or its cache with HF_HUB_OFFLINE=1")
     return parser
 
 
@@ -61,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
                                                ("max_eval_examples", args.max_eval_examples),
                                                ("device", args.device)) if value is not None}
     try:
-        evaluation = evaluate_models(args.models, args.tasks or default_tasks(), output_dir=args.output_dir,
-                                     lrs=args.lrs, seeds=args.seeds, overrides=overrides, suite_dir=args.suite_dir)
+        tasks = args.tasks or tasks_without_flag(args.benchmarks_dir)
+        evaluation = evaluate_models(args.models, tasks, output_dir=args.output_dir, lrs=args.lrs, seeds=args.seeds,
+                                     overrides=overrides, suite_dir=args.suite_dir,
+                                     benchmarks_dir=args.benchmarks_dir)
     except ValueError as err:  # user errors: one clear line, no traceback
         print(f"evaluate.py: error: {err}", file=sys.stderr)
         return 2

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.fileio import write_atomic
+from megatron_ext.eval.benchmarks import BENCHMARKS, TASK_GROUPS, expand_tasks, prepare_benchmarks
 from megatron_ext.eval.families import FAMILIES, FAMILY_DEFAULTS
 from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS, FinetuneConfig
 from megatron_ext.eval.task_io import SPLITS, TASK_FILE, default_suite_dir, load_task
@@ -139,12 +140,19 @@ def _export(name: str, checkpoint: Path, output_dir: Path) -> Path:
     return target
 
 
-def resolve_tasks(tasks: Sequence[str], suite_dir: str | Path | None = None) -> list[TaskRef]:
-    """Suite task names (built into ``suite_dir`` when absent) or task directories with ``task.json``.
+def resolve_tasks(tasks: Sequence[str], suite_dir: str | Path | None = None,
+                  benchmarks_dir: str | Path | None = None) -> list[TaskRef]:
+    """Suite task names (built into ``suite_dir`` when absent), the paper's benchmarks (converted into
+    ``suite_dir`` from ``benchmarks_dir`` or the hub when absent; ``paper`` names them all) or task
+    directories with ``task.json``.
 
-    Every split a run reads is loaded once here, so schema errors surface before any training.
+    Every split a run reads is loaded once here, so schema errors surface before any training; a
+    benchmark whose data is neither local nor on a reachable hub fails before anything is converted.
     """
     suite_dir = Path(suite_dir) if suite_dir is not None else default_suite_dir()
+    tasks = expand_tasks(tasks)
+    benchmark_dirs = prepare_benchmarks([t for t in tasks if t in BENCHMARKS and t not in TASKS], suite_dir,
+                                        benchmarks_dir, log=lambda line: print(line, flush=True))
     refs = []
     for task in tasks:
         if task in TASKS:
@@ -152,10 +160,13 @@ def resolve_tasks(tasks: Sequence[str], suite_dir: str | Path | None = None) -> 
             if not (task_dir / TASK_FILE).is_file():
                 print(f"building task {task} into {suite_dir}", flush=True)
                 build_task(task, suite_dir)
+        elif task in benchmark_dirs:
+            task_dir = benchmark_dirs[task]
         elif (Path(task) / TASK_FILE).is_file():
             task_dir = Path(task)
         else:
-            raise ValueError(f"unknown task {task!r}: expected one of {sorted(TASKS)} or a directory with a "
+            raise ValueError(f"unknown task {task!r}: expected one of {sorted(TASKS)}, a benchmark "
+                             f"{sorted(BENCHMARKS)}, a group {sorted(TASK_GROUPS)} or a directory with a "
                              f"{TASK_FILE} (docs/eval_suite.md)")
         meta = json.loads((task_dir / TASK_FILE).read_text(encoding="utf-8"))
         family = meta.get("family")
@@ -366,19 +377,25 @@ def write_outputs(output_dir: Path, results: Sequence[dict], lrs: Sequence[float
 
 def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: str | Path,
                     lrs: Sequence[float] = PAPER_LR_GRID, seeds: Sequence[int] = PAPER_SEEDS,
-                    overrides: Mapping[str, Any] | None = None, suite_dir: str | Path | None = None) -> Evaluation:
+                    overrides: Mapping[str, Any] | None = None, suite_dir: str | Path | None = None,
+                    benchmarks_dir: str | Path | None = None) -> Evaluation:
     """Fine-tune every model on every task at every LR and seed, then aggregate and write reports.
 
     Args:
         models: HF encoder directories or Megatron checkpoints, each ``PATH`` or ``NAME=PATH``.
-        tasks: Names in :data:`~megatron_ext.eval.suite.TASKS` or task directories with ``task.json``.
+        tasks: Names in :data:`~megatron_ext.eval.suite.TASKS`, benchmarks in
+            :data:`~megatron_ext.eval.benchmarks.BENCHMARKS` (``paper``: the paper's twelve), or task
+            directories with ``task.json``.
         output_dir: Receives ``runs/``, ``exported/``, the summaries and plots (module docstring).
         lrs: Fine-tuning learning rates (default: the paper's grid).
         seeds: Seeds per LR (default: the paper's five).
         overrides: :class:`FinetuneConfig` fields other than ``lr``/``seed`` (``max_steps``,
             ``batch_size``, ``max_eval_examples``, ``device`` ...). Setting ``max_steps`` or
             ``epochs`` also replaces token classification's one-epoch default.
-        suite_dir: Where suite tasks are (built when absent); default ``<data dir>/eval_suite``.
+        suite_dir: Where suite tasks are (built when absent) and benchmarks are converted to; default
+            ``<data dir>/eval_suite``.
+        benchmarks_dir: Local copies of the benchmarks' hub datasets (``tools/fetch_benchmarks.py``);
+            None: the hub (or its cache with ``HF_HUB_OFFLINE=1``).
     """
     from tqdm import tqdm
 
@@ -388,7 +405,7 @@ def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: 
         raise ValueError(f"lrs {list(lrs)} and seeds {list(seeds)} must not repeat values")
     output_dir = Path(output_dir)
     overrides = dict(overrides or {})
-    task_refs = resolve_tasks(tasks, suite_dir)
+    task_refs = resolve_tasks(tasks, suite_dir, benchmarks_dir)
     configs = {(task.name, lr, seed): finetune_config(task.family, lr, seed, overrides)
                for task in task_refs for lr in lrs for seed in seeds}
     model_refs = resolve_models(models, output_dir)
