@@ -114,6 +114,15 @@ def test_grid_runs_sc_and_tc_and_writes_reports(grid):
             assert record["status"] == "ok" and record["steps"] == 3 and record["config"]["max_steps"] == 3
             assert 0.0 <= record["validation"] <= 100.0 and 0.0 <= record["test"] <= 100.0
             assert math.isfinite(record["losses"]["first"]) and record["losses"]["min"] <= record["losses"]["last"]
+            # Each scored example keeps its own score, and they average to the run's metric.
+            for split in ("validation", "test"):
+                examples = record["per_example"][split]
+                scored = eval_subset(load_task(record["task_dir"], split), TINY["max_eval_examples"])
+                assert list(examples) == [row["id"] for row in scored]
+                assert all(0.0 <= value <= 100.0 for value in examples.values())
+                if task == "rt_sentiment":  # accuracy is the mean of the examples' 0 or 100
+                    assert set(examples.values()) <= {0.0, 100.0}
+                    assert sum(examples.values()) / len(examples) == pytest.approx(record[split])
         # The best LR is the argmax of the mean validation score; test is averaged at that LR.
         val_means = {lr: (runs[lr, 0]["validation"] + runs[lr, 1]["validation"]) / 2 for lr in LRS}
         best = max(LRS, key=lambda lr: val_means[lr])
@@ -202,6 +211,9 @@ def test_metrics_and_tags_on_known_values(suite):
     gold = [["B-ENT", "I-ENT", "O", "B-ENT"], ["O", "B-ENT", "I-ENT"]]
     pred = [["B-ENT", "I-ENT", "O", "O"], ["O", "B-ENT", "O"]]  # 1 of 3 gold entities right, 2 predicted
     assert tc.entity_scores(gold, pred) == pytest.approx({"f1": 40.0, "precision": 50.0, "recall": 100 / 3})
+    # Per sentence: 1 of 2 gold right with 1 predicted -> F1 2/3; 0 of 1 right with 1 predicted -> 0.
+    assert [tc.sentence_f1(g, p) for g, p in zip(gold, pred)] == pytest.approx([200 / 3, 0.0])
+    assert tc.sentence_f1(["O", "O"], ["O", "O"]) == 100.0 and tc.sentence_f1(["O"], ["B-ENT"]) == 0.0
     assert tc.entity_scores(gold, gold)["f1"] == 100.0
     # Integer tags (a hub dataset's ner_tags) become the task's tag names; foreign tags are refused.
     rows = [{"id": "a", "tokens": ["Ned", "Kelly"], "tags": [1, 2]}, {"id": "b", "tokens": ["x"], "tags": ["O"]}]

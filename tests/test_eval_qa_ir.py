@@ -73,6 +73,8 @@ def test_squad_scores_v1_and_v2_rules():
     assert scores["no_answer_f1"] == pytest.approx(50.0)
     assert scores["has_answer_f1"] == pytest.approx(100 * (1 + 2 / 3 + 1) / 3, abs=1e-4)
     assert qa.squad_scores({"a": ""}, [row("a", "Eiffel Tower")])["f1"] == 0.0
+    per_question = qa.question_f1(predictions, v2)
+    assert per_question == pytest.approx({"a": 100.0, "b": 200 / 3, "c": 100.0, "d": 100.0, "e": 0.0}, abs=1e-4)
     with pytest.raises(ValueError, match="no prediction"):
         qa.squad_scores({"a": "x"}, v2)
 
@@ -92,6 +94,8 @@ def test_ndcg_at_10_uses_graded_relevance():
     assert scores["mrr@10"] == pytest.approx(100 * (1 / 2 + 1 / 2) / 2)
     assert scores["recall@10"] == pytest.approx(100 * (2 / 3 + 1) / 2)
     # With binary relevance the same ranking scores differently: the grade is the gain.
+    per_query = ir.query_metrics(qrels, run)
+    assert per_query["q1"]["ndcg@10"] == pytest.approx(100 * dcg / ideal) and per_query["q2"]["mrr@10"] == 50.0
     binary = ir.retrieval_metrics({"q1": dict.fromkeys(qrels["q1"], 1), "q2": qrels["q2"]}, run)
     assert binary["ndcg@10"] != pytest.approx(scores["ndcg@10"])
     with pytest.raises(ValueError, match="no ranking"):

@@ -211,10 +211,11 @@ def _run_one(model: ModelRef, task: TaskRef, config: FinetuneConfig) -> dict:
     except FloatingPointError as error:
         return {**record, "status": "diverged", "error": str(error), "metric": None,
                 "validation": DIVERGED_SCORE, "test": DIVERGED_SCORE, "steps": None,
-                "seconds": time.perf_counter() - started, "extra": {}, "losses": None}
+                "seconds": time.perf_counter() - started, "extra": {}, "losses": None, "per_example": None}
     losses = result.losses
     return {**record, "status": "ok", "metric": result.metric, "validation": result.validation,
             "test": result.test, "steps": result.steps, "seconds": result.seconds, "extra": result.extra,
+            "per_example": result.per_example,
             "losses": {"first": losses[0], "last": losses[-1], "min": min(losses), "max": max(losses),
                        "mean_last_10pct": statistics.fmean(losses[-max(1, len(losses) // 10):])} if losses else None}
 

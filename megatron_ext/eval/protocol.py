@@ -102,6 +102,10 @@ class RunResult:
     """Other metrics (e.g. exact match next to F1)."""
     losses: list[float] = field(default_factory=list)
     """Training loss of every optimizer step (what :func:`train` returns)."""
+    per_example: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``{"validation": {row id: score}, "test": {...}}``: each scored example's own score (0-100;
+    correct or not, a sentence's entity F1, a question's F1, a query's NDCG@10), saved with the
+    run: the paper ranks models with paired tests on them (:mod:`megatron_ext.eval.ranking`)."""
 
 
 def set_seed(seed: int) -> None:

@@ -42,6 +42,17 @@ def retrieval_metrics(qrels: Mapping[str, Mapping[str, int]],
     ``qrels``: query id -> {passage id: grade > 0}; ``run``: query id -> {passage id: score}.
     NDCG uses the grade as gain and 1/log2(rank + 1) as discount (trec_eval's ``ndcg_cut``).
     """
+    return mean_metrics(query_metrics(qrels, run))
+
+
+def mean_metrics(per_query: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """The mean of each metric of :func:`query_metrics` over its queries."""
+    return {name: sum(values[name] for values in per_query.values()) / len(per_query) for name in _MEASURES}
+
+
+def query_metrics(qrels: Mapping[str, Mapping[str, int]],
+                  run: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Each query's NDCG@10, MRR@10 and Recall@10 (0-100), as :func:`retrieval_metrics` averages them."""
     import pytrec_eval
 
     missing = [q for q in qrels if q not in run]
@@ -52,8 +63,8 @@ def retrieval_metrics(qrels: Mapping[str, Mapping[str, int]],
                                                set(_MEASURES.values()))
     per_query = evaluator.evaluate(top)
     # trec_eval reports "ndcg_cut.10" as "ndcg_cut_10".
-    return {name: 100.0 * sum(per_query[q][measure.replace(".", "_")] for q in qrels) / len(qrels)
-            for name, measure in _MEASURES.items()}
+    return {q: {name: 100.0 * per_query[q][measure.replace(".", "_")] for name, measure in _MEASURES.items()}
+            for q in qrels}
 
 
 def qrels_of(rows: Sequence[dict], corpus_ids: set[str], where: str) -> dict[str, dict[str, int]]:
@@ -131,16 +142,18 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
 
     with torch.no_grad():
         passages = _embed(model, [row["text"] for row in corpus], config)
-        scores = {}
+        scores, per_example = {}, {}
         for split, split_rows in rows.items():
             hits = semantic_search(_embed(model, [row["query"] for row in split_rows], config), passages,
                                    top_k=TOP_K)
             ranking = {row["id"]: {corpus_ids[hit["corpus_id"]]: float(hit["score"]) for hit in found}
                        for row, found in zip(split_rows, hits, strict=True)}
-            scores[split] = retrieval_metrics(qrels[split], ranking)
+            per_query = query_metrics(qrels[split], ranking)
+            scores[split] = mean_metrics(per_query)
+            per_example[split] = {query: values["ndcg@10"] for query, values in per_query.items()}
     extra = {f"{split}_{name}": value
              for split in scores for name, value in scores[split].items() if name != "ndcg@10"}
     extra.update({f"{split}_examples": float(len(qrels[split])) for split in qrels})
     return RunResult(metric="ndcg@10", validation=scores["validation"]["ndcg@10"],
                      test=scores["test"]["ndcg@10"], steps=steps, seconds=time.perf_counter() - began,
-                     extra=extra, losses=losses)
+                     extra=extra, losses=losses, per_example=per_example)

@@ -50,6 +50,8 @@ class LinearHeadTask:
     """Predictions for rows, same arguments as ``loss``."""
     score: Callable[[list[dict], list], dict[str, float]]
     """Scores (0-100) of the predictions for rows."""
+    example_scores: Callable[[list[dict], list], list[float]]
+    """Each row's own score (0-100) from its prediction (:attr:`RunResult.per_example`)."""
     check_tokenizer: Callable[[str, Any], None] | None = None
     """Refuses a tokenizer the family cannot use (``model_dir``, tokenizer), before the head exists."""
 
@@ -77,11 +79,13 @@ def run_linear_head(task: LinearHeadTask, model_dir: str, task_dir: Path,
     losses = train(model, cycle_batches(train_rows, config.batch_size, config.seed), config=config,
                    total_steps=steps, loss_fn=loss_fn,
                    desc=f"{task.family} lr={config.lr:g} seed={config.seed}")
-    scores = {split: task.score(rows, task.predict(model, tokenizer, rows, names, config))
-              for split, rows in splits.items()}
+    predictions = {split: task.predict(model, tokenizer, rows, names, config) for split, rows in splits.items()}
+    scores = {split: task.score(rows, predictions[split]) for split, rows in splits.items()}
+    per_example = {split: dict(zip([row["id"] for row in rows], task.example_scores(rows, predictions[split]),
+                                   strict=True)) for split, rows in splits.items()}
     return RunResult(
         metric=task.metric, validation=scores["validation"][task.metric], test=scores["test"][task.metric],
-        steps=steps, losses=losses, seconds=time.perf_counter() - started,
+        steps=steps, losses=losses, seconds=time.perf_counter() - started, per_example=per_example,
         extra={f"{split}_{key}": value for split, split_scores in scores.items()
                for key, value in split_scores.items() if key != task.metric},
     )

@@ -196,14 +196,8 @@ def squad_scores(predictions: Mapping[str, str], rows: Sequence[dict]) -> dict[s
     unanswerable question's gold answers are ``[""]``. With unanswerable questions present,
     ``has_answer_f1`` and ``no_answer_f1`` break F1 down as the v2 script does.
     """
-    from torchmetrics.functional.text.squad import squad
-
     def score(subset: Sequence[dict]) -> dict[str, float]:
-        result = squad(
-            [{"id": r["id"], "prediction_text": predictions[r["id"]]} for r in subset],
-            [{"id": r["id"], "answers": {"text": list(r["answers"]["text"]) or [""]}} for r in subset],
-        )
-        return {"f1": float(result["f1"]), "exact_match": float(result["exact_match"])}
+        return _squad(predictions, subset)
 
     missing = [r["id"] for r in rows if r["id"] not in predictions]
     if missing:
@@ -216,6 +210,20 @@ def squad_scores(predictions: Mapping[str, str], rows: Sequence[dict]) -> dict[s
         if answerable:
             scores["has_answer_f1"] = score(answerable)["f1"]
     return scores
+
+
+def _squad(predictions: Mapping[str, str], rows: Sequence[dict]) -> dict[str, float]:
+    """torchmetrics' SQuAD F1 and exact match of ``rows`` (unanswerable: gold ``[""]``)."""
+    from torchmetrics.functional.text.squad import squad
+
+    result = squad([{"id": r["id"], "prediction_text": predictions[r["id"]]} for r in rows],
+                   [{"id": r["id"], "answers": {"text": list(r["answers"]["text"]) or [""]}} for r in rows])
+    return {"f1": float(result["f1"]), "exact_match": float(result["exact_match"])}
+
+
+def question_f1(predictions: Mapping[str, str], rows: Sequence[dict]) -> dict[str, float]:
+    """Each question's own SQuAD F1 (0-100), by the rules of :func:`squad_scores`."""
+    return {r["id"]: _squad(predictions, [r])["f1"] for r in rows}
 
 
 def _collate(features: Sequence[Feature], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -274,13 +282,16 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
                             config=config, total_steps=steps, loss_fn=span_loss,
                             desc=f"qa lr={config.lr:g} seed={config.seed}")
 
-    scores = {}
+    scores, per_example = {}, {}
     for split in ("validation", "test"):
         logits = _logits(model, features[split], pad_id, config)
         answers = decode(splits[split], features[split], logits, allow_empty=allow_empty)
-        scores[split] = squad_scores({k: a.text for k, a in answers.items()}, splits[split])
+        texts = {k: a.text for k, a in answers.items()}
+        scores[split] = squad_scores(texts, splits[split])
+        per_example[split] = question_f1(texts, splits[split])
     extra = {f"{split}_{name}": value
              for split in scores for name, value in scores[split].items() if name != "f1"}
     extra.update({f"{split}_examples": float(len(splits[split])) for split in scores})
     return RunResult(metric="f1", validation=scores["validation"]["f1"], test=scores["test"]["f1"],
-                     steps=steps, seconds=time.perf_counter() - began, extra=extra, losses=losses)
+                     steps=steps, seconds=time.perf_counter() - began, extra=extra, losses=losses,
+                     per_example=per_example)

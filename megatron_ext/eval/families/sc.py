@@ -56,6 +56,11 @@ def scores(rows: list[dict], predictions: list[int]) -> dict[str, float]:
     return {"accuracy": 100.0 * accuracy_score([row["label"] for row in rows], predictions)}
 
 
+def example_scores(rows: list[dict], predictions: list[int]) -> list[float]:
+    """100 for each correctly classified row, 0 otherwise."""
+    return [100.0 if prediction == row["label"] else 0.0 for row, prediction in zip(rows, predictions, strict=True)]
+
+
 def accuracy(model: LinearHeadModel, tokenizer: Any, rows: list[dict], config: FinetuneConfig) -> float:
     """Accuracy (0-100) of ``model`` on ``rows``."""
     return scores(rows, predict(model, tokenizer, rows, config))["accuracy"]
@@ -72,7 +77,7 @@ def loss(model: LinearHeadModel, tokenizer: Any, rows: list[dict], names: list[s
 HEAD = LinearHeadTask(
     family="sc", pooled=True, metric="accuracy", label_names=label_names, loss=loss,
     predict=lambda model, tokenizer, rows, names, config: predict(model, tokenizer, rows, config),
-    score=scores,
+    score=scores, example_scores=example_scores,
 )
 """Sequence classification for :func:`~megatron_ext.eval.families.linear_head.run_linear_head`."""
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from seqeval.metrics import f1_score, precision_score, recall_score
+from seqeval.metrics.sequence_labeling import get_entities
 
 from megatron_ext.eval.families.linear_head import LinearHeadTask, run_linear_head
 from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, RunResult, autocast
@@ -86,6 +87,15 @@ def entity_scores(gold: list[list[str]], predicted: list[list[str]]) -> dict[str
             "recall": 100.0 * recall_score(gold, predicted)}
 
 
+def sentence_f1(gold: list[str], predicted: list[str]) -> float:
+    """Entity F1 (0-100) of one sentence, by seqeval's entity rules (conlleval); a sentence with
+    no entity in either scores 100, as nothing was missed or invented."""
+    gold_entities, predicted_entities = set(get_entities(gold)), set(get_entities(predicted))
+    if not gold_entities and not predicted_entities:
+        return 100.0
+    return 200.0 * len(gold_entities & predicted_entities) / (len(gold_entities) + len(predicted_entities))
+
+
 def loss(model: LinearHeadModel, tokenizer: Any, rows: list[dict], names: list[str],
          config: FinetuneConfig) -> torch.Tensor:
     """Cross-entropy of the words' tags at their first sub-tokens."""
@@ -110,6 +120,7 @@ def _require_fast_tokenizer(model_dir: str, tokenizer: Any) -> None:
 HEAD = LinearHeadTask(
     family="tc", pooled=False, metric="f1", label_names=tag_names, loss=loss, predict=predict,
     score=lambda rows, predicted: entity_scores([row["tags"] for row in rows], predicted),
+    example_scores=lambda rows, predicted: [sentence_f1(row["tags"], p) for row, p in zip(rows, predicted, strict=True)],
     check_tokenizer=_require_fast_tokenizer,
 )
 """Token classification for :func:`~megatron_ext.eval.families.linear_head.run_linear_head`."""
