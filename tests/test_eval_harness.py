@@ -207,6 +207,38 @@ def test_aggregate_best_lr_ci_and_diverged_zeros():
     assert tie["best_lr"] == 1e-5 and tie["test_ci95"] is None  # ties: smaller LR; one seed: no CI
 
 
+def test_input_length_is_99_percent_of_the_models_by_default():
+    from megatron_ext.eval.protocol import input_length
+
+    paper = FinetuneConfig(lr=1e-5, seed=0)
+    assert input_length(paper, 2048, where="m") == 2028 and input_length(paper, 512, where="m") == 507
+    assert input_length(FinetuneConfig(lr=1e-5, seed=0, max_length=256), 2048, where="m") == 256
+    assert input_length(FinetuneConfig(lr=1e-5, seed=0, max_length=4096), 2048, where="m") == 2048
+    with pytest.raises(ValueError, match="m: config.json has no max_position_embeddings.*--max-length"):
+        input_length(paper, None, where="m")
+    with pytest.raises(ValueError, match="max_length must be >= 8"):
+        FinetuneConfig(lr=1e-5, seed=0, max_length=4)
+
+
+def test_models_are_ranked_on_their_test_examples():
+    """Per task, models that no paired test separates share a rank; one model alone is not ranked.
+    A diverged seed scores every example 0, as it scores the split."""
+    ok = {"status": "ok", "per_example": {"test": {str(i): 100.0 for i in range(40)}}}
+    assert harness._mean_examples([ok, {"status": "diverged", "per_example": None}], "test") == {
+        str(i): 50.0 for i in range(40)}
+    best = {str(i): 100.0 for i in range(40)}
+    half = {str(i): 100.0 * (i % 2) for i in range(40)}
+    results = [{"model": "a", "task": "t", "test_examples": best}, {"model": "b", "task": "t", "test_examples": half},
+               {"model": "c", "task": "t", "test_examples": dict(best)}, {"model": "a", "task": "u", "test_examples": best}]
+    rankings = harness.rank_models(results)
+    assert [(ranked.system, ranked.rank) for ranked in rankings["t"]] == [("a", 1), ("c", 1), ("b", 2)]
+    assert [r.get("rank") for r in results] == [1, 2, 1, None] and "u" not in rankings
+    markdown = harness.summary_markdown([{**r, "metric": "accuracy", "best_lr": 1e-5, "test_mean": 1.0, "test_ci95": None,
+                                          "validation_mean": 1.0, "validation_std": None, "test_std": None,
+                                          "diverged_runs": 0, "runs": 1, "lr_curve": []} for r in results], [1e-5], [0], rankings)
+    assert "## t: ranking" in markdown and "## u: ranking" not in markdown
+
+
 def test_metrics_and_tags_on_known_values(suite):
     gold = [["B-ENT", "I-ENT", "O", "B-ENT"], ["O", "B-ENT", "I-ENT"]]
     pred = [["B-ENT", "I-ENT", "O", "O"], ["O", "B-ENT", "O"]]  # 1 of 3 gold entities right, 2 predicted

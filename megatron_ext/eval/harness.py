@@ -8,6 +8,10 @@ the whole score-vs-LR curve. A run whose loss turns non-finite is recorded as ``
 counts as score 0 for validation and test, so an LR that blows up drags its mean down instead of
 vanishing from the curve.
 
+With several models, each task also ranks them as the paper does: on the test examples' own
+scores (each run saves them), averaged over the best LR's seeds, with paired tests between models
+(:mod:`.ranking`); models that no test separates share a rank.
+
 Models are Hugging Face encoder directories or Megatron checkpoints (a save directory or one
 ``iter_*``), which are exported to EuroBERT once. Runs are resumable: a finished run's JSON is
 reused, after checking it was made with the same config and model.
@@ -16,7 +20,7 @@ Layout of ``output_dir``::
 
     exported/<model>/, exported/<model>.json    export of a checkpoint model, and its source
     runs/<model>/<task>/lr<lr>_seed<seed>.json  one run: config, scores, steps, time, loss summary
-    summary.json, summary.md, summary.csv       one row per model x task, plus the LR curves
+    summary.json, summary.md, summary.csv       one row per model x task, plus the LR curves and rankings
     plots/<task>.png                            score vs LR, one line per model, CI bands
 """
 
@@ -39,6 +43,7 @@ from megatron_ext.fileio import write_atomic
 from megatron_ext.eval.benchmarks import BENCHMARKS, TASK_GROUPS, expand_tasks, prepare_benchmarks
 from megatron_ext.eval.families import FAMILIES, FAMILY_DEFAULTS
 from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS, FinetuneConfig
+from megatron_ext.eval.ranking import RankedSystem, format_ranking, rank_systems
 from megatron_ext.eval.task_io import SPLITS, TASK_FILE, default_suite_dir, load_task
 from megatron_ext.eval.suite import TASKS, build_task
 
@@ -280,7 +285,35 @@ def aggregate(records: Sequence[dict], lrs: Sequence[float], task: TaskRef) -> d
         "best_lr_scores": {"seeds": [r["seed"] for r in best_runs],
                            "validation": [r["validation"] for r in best_runs], "test": [r["test"] for r in best_runs]},
         "lr_curve": curve,
+        "test_examples": _mean_examples(best_runs, "test"),
     }
+
+
+def _mean_examples(runs: Sequence[dict], split: str) -> dict[str, float]:
+    """Each example's score averaged over ``runs`` (a diverged run scores every example
+    :data:`DIVERGED_SCORE`, as it scores the split); empty when no run saved per-example scores."""
+    saved = [r["per_example"][split] for r in runs if r["status"] == "ok" and r.get("per_example")]
+    if not saved:
+        return {}
+    ids = list(dict.fromkeys(example for scores in saved for example in scores))
+    diverged = sum(r["status"] == "diverged" for r in runs)
+    return {example: (sum(scores.get(example, DIVERGED_SCORE) for scores in saved) + diverged * DIVERGED_SCORE)
+            / (len(saved) + diverged) for example in ids}
+
+
+def rank_models(results: Sequence[dict]) -> dict[str, list[RankedSystem]]:
+    """Per task with two models or more: the models ranked on their test examples' scores at the
+    best LR (:func:`~megatron_ext.eval.ranking.rank_systems`); sets each result's ``rank``."""
+    rankings = {}
+    for task in dict.fromkeys(r["task"] for r in results):
+        rows = [r for r in results if r["task"] == task and r["test_examples"]]
+        if len(rows) < 2:
+            continue
+        rankings[task] = rank_systems({r["model"]: r["test_examples"] for r in rows})
+        rank_of = {ranked.system: ranked.rank for ranked in rankings[task]}
+        for r in rows:
+            r["rank"] = rank_of[r["model"]]
+    return rankings
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -295,11 +328,13 @@ def _std(value: float | None) -> str:
 
 
 CSV_COLUMNS = ("model", "task", "family", "metric", "best_lr", "test_mean", "test_ci95", "validation_mean",
-               "validation_std", "test_std", "seeds", "diverged_runs", "runs")
+               "validation_std", "test_std", "seeds", "diverged_runs", "runs", "rank")
 
 
-def summary_markdown(results: Sequence[dict], lrs: Sequence[float], seeds: Sequence[int]) -> str:
-    """``summary.md``: the model x task table, then each task's score-vs-LR table and plot."""
+def summary_markdown(results: Sequence[dict], lrs: Sequence[float], seeds: Sequence[int],
+                     rankings: Mapping[str, Sequence[RankedSystem]] | None = None) -> str:
+    """``summary.md``: the model x task table, then each task's ranking, score-vs-LR table and plot."""
+    rankings = rankings or {}
     diverged, runs = sum(r["diverged_runs"] for r in results), sum(r["runs"] for r in results)
     lines = [
         "# Fine-tuning evaluation", "",
@@ -308,14 +343,19 @@ def summary_markdown(results: Sequence[dict], lrs: Sequence[float], seeds: Seque
         f"(Student t). Diverged runs (non-finite training loss) count as score {DIVERGED_SCORE:g}: "
         f"{diverged} of {runs} runs.", "",
         "| model | task | metric | best LR | test (mean ± CI) | validation mean | seed std (validation / test) "
-        "| diverged runs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| diverged runs | rank |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(f"| {r['model']} | {r['task']} | {r['metric']} | {r['best_lr']:g} | "
                      f"{_pm(r['test_mean'], r['test_ci95'])} | {r['validation_mean']:.2f} | "
-                     f"{_std(r['validation_std'])} / {_std(r['test_std'])} | {r['diverged_runs']} |")
+                     f"{_std(r['validation_std'])} / {_std(r['test_std'])} | {r['diverged_runs']} | "
+                     f"{r.get('rank', '')} |")
     for task in dict.fromkeys(r["task"] for r in results):
+        if task in rankings:
+            lines += ["", f"## {task}: ranking", "",
+                      "On the test examples' scores at each model's best LR (mean over seeds); paired "
+                      "permutation tests, p < 0.05 opens a new rank.", "", format_ranking(rankings[task]).rstrip()]
         lines += ["", f"## {task}: score vs learning rate", "",
                   "Test mean ± CI (validation mean); a † marks diverged seeds.", "",
                   "| model | " + " | ".join(f"{lr:g}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
@@ -359,11 +399,14 @@ def plot_task(results: Sequence[dict], task: str) -> bytes:
 
 def write_outputs(output_dir: Path, results: Sequence[dict], lrs: Sequence[float], seeds: Sequence[int]) -> None:
     """``summary.{json,md,csv}`` and ``plots/<task>.png``."""
+    rankings = rank_models(results)
     summary = {"lrs": list(lrs), "seeds": list(seeds), "confidence": CONFIDENCE, "diverged_score": DIVERGED_SCORE,
                "selection": "best LR = argmax of the mean validation score over seeds; test at that LR",
-               "results": list(results)}
+               "results": [{key: value for key, value in r.items() if key != "test_examples"} for r in results],
+               "rankings": {task: [dataclasses.asdict(ranked) for ranked in ranked_systems]
+                            for task, ranked_systems in rankings.items()}}
     write_atomic(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    write_atomic(output_dir / "summary.md", summary_markdown(results, lrs, seeds))
+    write_atomic(output_dir / "summary.md", summary_markdown(results, lrs, seeds, rankings))
     table = io.StringIO()
     writer = csv.DictWriter(table, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()

@@ -50,8 +50,10 @@ class FinetuneConfig:
     """AdamW epsilon."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (not on norms and biases)."""
-    max_length: int = 512
-    """Inputs are truncated to this many tokens."""
+    max_length: int | None = None
+    """Inputs are truncated to this many tokens (capped by the model's positions). None: the
+    paper's protocol, 99 % of the model's maximum input length (EncodEval, ``abstract_eval.py``
+    on the MLM_vs_CLM branch), i.e. 2,028 tokens for the paper's 2,048-position encoders."""
     max_eval_examples: int | None = None
     """Score at most this many validation/test examples (CI-sized runs); None: all."""
     bf16: bool | None = None
@@ -66,6 +68,8 @@ class FinetuneConfig:
             raise ValueError("batch_size and max_steps must be >= 1")
         if self.epochs is not None and self.epochs <= 0:
             raise ValueError(f"epochs must be > 0, got {self.epochs}")
+        if self.max_length is not None and self.max_length < 8:
+            raise ValueError(f"max_length must be >= 8 tokens (or None: 99 % of the model's), got {self.max_length}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 
@@ -170,8 +174,8 @@ def train(model: torch.nn.Module, batches: Iterator[dict], *, config: FinetuneCo
 def load_encoder(model_dir: str, config: FinetuneConfig) -> tuple[Any, torch.nn.Module]:
     """The tokenizer and bare encoder (``AutoModel``, float32, on the run's device) of a HF directory.
 
-    The tokenizer's ``model_max_length`` is set to the run's input length: ``config.max_length``
-    capped by the model's position embeddings (an export's pretraining context). Causal LMs are
+    The tokenizer's ``model_max_length`` is set to the run's input length (:func:`input_length`).
+    Causal LMs are
     refused: their ``AutoModel`` attends causally while the protocol fine-tunes bidirectionally
     (export such checkpoints with ``--format eurobert``, which is bidirectional by construction).
     """
@@ -185,10 +189,25 @@ def load_encoder(model_dir: str, config: FinetuneConfig) -> tuple[Any, torch.nn.
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token is None:
         raise ValueError(f"{model_dir}: the tokenizer has no pad token (set pad_token in tokenizer_config.json)")
-    tokenizer.model_max_length = min(config.max_length,
-                                     getattr(hf_config, "max_position_embeddings", None) or config.max_length)
+    tokenizer.model_max_length = input_length(config, getattr(hf_config, "max_position_embeddings", None),
+                                              where=model_dir)
     encoder = AutoModel.from_pretrained(model_dir, dtype=torch.float32).to(config.torch_device)
     return tokenizer, encoder
+
+
+PAPER_LENGTH_SHARE = 0.99
+"""Share of the model's maximum input length the paper's protocol truncates to."""
+
+
+def input_length(config: FinetuneConfig, model_positions: int | None, *, where: str) -> int:
+    """Tokens per input: ``config.max_length`` capped by the model's positions (an export's
+    pretraining context), or by default ``PAPER_LENGTH_SHARE`` of those positions."""
+    if config.max_length is not None:
+        return min(config.max_length, model_positions or config.max_length)
+    if not model_positions:
+        raise ValueError(f"{where}: config.json has no max_position_embeddings to take 99 % of; set max_length "
+                         "(--max-length)")
+    return round(PAPER_LENGTH_SHARE * model_positions)
 
 
 def cycle_batches(examples: list, batch_size: int, seed: int) -> Iterator[list]:

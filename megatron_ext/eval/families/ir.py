@@ -86,7 +86,7 @@ def qrels_of(rows: Sequence[dict], corpus_ids: set[str], where: str) -> dict[str
 
 def load_bi_encoder(model_dir: str, config: FinetuneConfig):
     """``SentenceTransformer(model_dir)`` in float32 on the run's device, truncating at the run's
-    input length (``config.max_length`` capped by the model's positions, as ``protocol.load_encoder``).
+    input length (``protocol.input_length``, as ``protocol.load_encoder``).
     Causal LMs are refused as there: their ``AutoModel`` would attend causally."""
     from sentence_transformers import SentenceTransformer
     from transformers import AutoConfig
@@ -98,8 +98,8 @@ def load_bi_encoder(model_dir: str, config: FinetuneConfig):
                          "retrieval needs a bidirectional encoder (e.g. an export with --format eurobert)")
     model = SentenceTransformer(str(model_dir), device=str(config.torch_device),
                                 model_kwargs={"dtype": torch.float32})
-    model.max_seq_length = min(config.max_length,
-                               getattr(hf_config, "max_position_embeddings", None) or config.max_length)
+    model.max_seq_length = protocol.input_length(config, getattr(hf_config, "max_position_embeddings", None),
+                                                 where=model_dir)
     return model
 
 
