@@ -368,18 +368,24 @@ def test_cli_fine_tunes_converted_benchmarks(tmp_path, hub_copy, encoder):
     assert 0.0 <= run["test"] <= 100.0
 
 
-def test_harness_runs_converted_qa_and_ir(tmp_path, converted, encoder):
-    """The QA and IR families accept the converted rows (answer offsets, qrels against the corpus)."""
+def test_harness_runs_converted_qa_and_ir(tmp_path, converted, encoder, capsys):
+    """The QA and IR families accept the converted rows (answer offsets, qrels against the corpus).
+    MS MARCO and NQ train on the same MS MARCO pairs: one training, scored on each, as the paper."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         evaluation = harness.evaluate_models(
-            [f"minilm={encoder}"], ["squad_v2", "msmarco"], output_dir=tmp_path, lrs=(1e-4,), seeds=(0,),
+            [f"minilm={encoder}"], ["squad_v2", "msmarco", "nq"], output_dir=tmp_path, lrs=(1e-4,), seeds=(0,),
             overrides={"max_steps": 2, "batch_size": 4, "max_length": 128, "max_eval_examples": 8, "device": "cpu"},
             suite_dir=converted)
     finally:
         torch.set_num_threads(threads)
-    assert [(r["task"], r["metric"]) for r in evaluation.results] == [("squad_v2", "f1"), ("msmarco", "ndcg@10")]
-    assert evaluation.executed == 2
+    assert [(r["task"], r["metric"]) for r in evaluation.results] == [
+        ("squad_v2", "f1"), ("msmarco", "ndcg@10"), ("nq", "ndcg@10")]
+    assert evaluation.executed == 3
+    assert capsys.readouterr().out.count("minilm lr=0.0001 seed=0: one training for msmarco, nq") == 1
+    msmarco, nq = (json.loads(harness.run_path(tmp_path, "minilm", task, 1e-4, 0).read_text()) for task in ("msmarco", "nq"))
+    assert msmarco["losses"] == nq["losses"] and msmarco["steps"] == nq["steps"] == 2
+    assert set(msmarco["per_example"]["test"]) != set(nq["per_example"]["test"])  # each scored on its own queries

@@ -4,6 +4,7 @@ aggregation (best LR, Student-t CI, diverged runs), reports, checkpoint export a
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import shutil
@@ -205,6 +206,19 @@ def test_aggregate_best_lr_ci_and_diverged_zeros():
     assert result["best_lr_scores"]["test"] == [78, 80, 85]
     tie = harness.aggregate([_record(1e-5, 0, 50, 1), _record(1e-4, 0, 50, 2)], (1e-5, 1e-4), task)
     assert tie["best_lr"] == 1e-5 and tie["test_ci95"] is None  # ties: smaller LR; one seed: no CI
+
+
+def test_bf16_weights_by_default_with_bf16_as_the_paper_trains(suite, encoder):
+    """With bf16 the model is held and updated in bfloat16 (EncodEval's dtype: bfloat16); a run
+    trains and scores that way on CPU too. bf16_weights=False keeps float32 weights."""
+    small = {key: value for key, value in TINY.items() if key != "max_steps"}
+    paper = FinetuneConfig(lr=1e-4, seed=0, bf16=True, max_steps=2, **small)
+    assert load_encoder(encoder, paper)[1].dtype == torch.bfloat16 == paper.weights_dtype
+    assert load_encoder(encoder, dataclasses.replace(paper, bf16_weights=False))[1].dtype == torch.float32
+    assert FinetuneConfig(lr=1e-4, seed=0, device="cpu").weights_dtype == torch.float32  # CPU: no bf16 unless asked
+    result = sc.run(encoder, suite / "rt_sentiment", paper)
+    assert result.steps == 2 and all(math.isfinite(loss) for loss in result.losses)
+    assert 0.0 <= result.test <= 100.0
 
 
 def test_input_length_is_99_percent_of_the_models_by_default():

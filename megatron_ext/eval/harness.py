@@ -1,7 +1,8 @@
 """The evaluation grid: fine-tune every model on every task at every (learning rate, seed), as in the paper.
 
 One run per (model, task, LR, seed) through the task family's ``run`` (:mod:`.families`), under
-the shared protocol (:mod:`.protocol`). Aggregation follows the paper: per LR, the mean over seeds;
+the shared protocol (:mod:`.protocol`); retrieval tasks with the same training pairs (MS MARCO for
+MS MARCO, NQ and MLDR) share one training per LR and seed, as in the paper. Aggregation follows the paper: per LR, the mean over seeds;
 the best LR maximises the mean validation score; the test score at that LR is reported as mean ±
 95 % confidence half-width over seeds (Student t). Stability is the seed spread at the best LR and
 the whole score-vs-LR curve. A run whose loss turns non-finite is recorded as ``diverged`` and
@@ -41,8 +42,8 @@ from typing import Any
 
 from megatron_ext.fileio import write_atomic
 from megatron_ext.eval.benchmarks import BENCHMARKS, TASK_GROUPS, expand_tasks, prepare_benchmarks
-from megatron_ext.eval.families import FAMILIES, FAMILY_DEFAULTS
-from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS, FinetuneConfig
+from megatron_ext.eval.families import FAMILIES, FAMILY_DEFAULTS, run_shared, shared_training_key
+from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS, FinetuneConfig, RunResult
 from megatron_ext.eval.ranking import RankedSystem, format_ranking, rank_systems
 from megatron_ext.eval.task_io import SPLITS, TASK_FILE, default_suite_dir, load_task
 from megatron_ext.eval.suite import TASKS, build_task
@@ -205,24 +206,52 @@ def run_path(output_dir: Path, model: str, task: str, lr: float, seed: int) -> P
 # ----------------------------------------------------------------------------- runs
 
 
-def _run_one(model: ModelRef, task: TaskRef, config: FinetuneConfig) -> dict:
-    """Fine-tune once; the JSON record of the run (diverged runs scored :data:`DIVERGED_SCORE`)."""
-    record = {"model": model.name, "model_source": model.source, "model_dir": str(model.hf_dir),
-              "task": task.name, "task_dir": str(task.task_dir), "family": task.family,
-              "lr": config.lr, "seed": config.seed, "config": dataclasses.asdict(config)}
+def _run(model: ModelRef, tasks: Sequence[TaskRef], config: FinetuneConfig) -> list[dict]:
+    """Fine-tune once for ``tasks`` (one task, or tasks sharing their training: :func:`_shared_runs`);
+    the JSON record of each task's run (diverged runs scored :data:`DIVERGED_SCORE`)."""
     started = time.perf_counter()
     try:
-        result = FAMILIES[task.family](str(model.hf_dir), task.task_dir, config)
+        if len(tasks) == 1:
+            results = [FAMILIES[tasks[0].family](str(model.hf_dir), tasks[0].task_dir, config)]
+        else:
+            results = run_shared(tasks[0].family, str(model.hf_dir), [task.task_dir for task in tasks], config)
     except FloatingPointError as error:
-        return {**record, "status": "diverged", "error": str(error), "metric": None,
-                "validation": DIVERGED_SCORE, "test": DIVERGED_SCORE, "steps": None,
-                "seconds": time.perf_counter() - started, "extra": {}, "losses": None, "per_example": None}
+        return [{**_record_head(model, task, config), "status": "diverged", "error": str(error), "metric": None,
+                 "validation": DIVERGED_SCORE, "test": DIVERGED_SCORE, "steps": None,
+                 "seconds": time.perf_counter() - started, "extra": {}, "losses": None, "per_example": None}
+                for task in tasks]
+    return [_record(model, task, config, result) for task, result in zip(tasks, results, strict=True)]
+
+
+def _record_head(model: ModelRef, task: TaskRef, config: FinetuneConfig) -> dict:
+    return {"model": model.name, "model_source": model.source, "model_dir": str(model.hf_dir),
+            "task": task.name, "task_dir": str(task.task_dir), "family": task.family,
+            "lr": config.lr, "seed": config.seed, "config": dataclasses.asdict(config)}
+
+
+def _record(model: ModelRef, task: TaskRef, config: FinetuneConfig, result: RunResult) -> dict:
+    record = _record_head(model, task, config)
     losses = result.losses
     return {**record, "status": "ok", "metric": result.metric, "validation": result.validation,
             "test": result.test, "steps": result.steps, "seconds": result.seconds, "extra": result.extra,
             "per_example": result.per_example,
             "losses": {"first": losses[0], "last": losses[-1], "min": min(losses), "max": max(losses),
                        "mean_last_10pct": statistics.fmean(losses[-max(1, len(losses) // 10):])} if losses else None}
+
+
+def _shared_runs(tasks: Sequence[TaskRef], configs: Mapping[tuple[str, float, int], FinetuneConfig]
+                 ) -> dict[str, list[TaskRef]]:
+    """Task name -> the tasks that train the same model with it (same family, same training data
+    by :func:`~megatron_ext.eval.families.shared_training_key`, same run configs), itself first
+    among them in the given order; only for groups of two or more."""
+    groups: dict[tuple, list[TaskRef]] = {}
+    for task in tasks:
+        key = shared_training_key(task.family, task.task_dir)
+        if key is not None:
+            own = tuple(sorted((lr, seed, repr(config)) for (name, lr, seed), config in configs.items()
+                               if name == task.name))
+            groups.setdefault((task.family, key, own), []).append(task)
+    return {task.name: group for group in groups.values() if len(group) > 1 for task in group}
 
 
 def _reusable(path: Path, model: ModelRef, config: FinetuneConfig) -> dict | None:
@@ -453,6 +482,7 @@ def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: 
     configs = {(task.name, lr, seed): finetune_config(task.family, lr, seed, overrides)
                for task in task_refs for lr in lrs for seed in seeds}
     model_refs = resolve_models(models, output_dir)
+    shared = _shared_runs(task_refs, configs)
     executed = reused = 0
     results = []
     with tqdm(total=len(model_refs) * len(configs), desc="evaluate", unit="run") as bar:
@@ -465,10 +495,20 @@ def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: 
                         path = run_path(output_dir, model.name, task.name, lr, seed)
                         record = _reusable(path, model, config)
                         if record is None:
-                            record = _run_one(model, task, config)
-                            write_atomic(path, json.dumps(record, indent=2) + "\n")
-                            executed += 1
-                            bar.write(_describe(record))
+                            # Tasks sharing this one's training whose run is missing too train with it.
+                            pending = [other for other in shared.get(task.name, [task])
+                                       if _reusable(run_path(output_dir, model.name, other.name, lr, seed), model,
+                                                    configs[other.name, lr, seed]) is None]
+                            if len(pending) > 1:
+                                bar.write(f"{model.name} lr={lr:g} seed={seed}: one training for "
+                                          f"{', '.join(other.name for other in pending)}")
+                            for other, done in zip(pending, _run(model, pending, config), strict=True):
+                                write_atomic(run_path(output_dir, model.name, other.name, lr, seed),
+                                             json.dumps(done, indent=2) + "\n")
+                                executed += 1
+                                bar.write(_describe(done))
+                                if other.name == task.name:
+                                    record = done
                         else:
                             reused += 1
                         records.append(record)

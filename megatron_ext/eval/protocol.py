@@ -58,6 +58,11 @@ class FinetuneConfig:
     """Score at most this many validation/test examples (CI-sized runs); None: all."""
     bf16: bool | None = None
     """bfloat16 autocast; None: on when training on a GPU."""
+    bf16_weights: bool | None = None
+    """Hold the weights (encoder and head) and AdamW's state in bfloat16, as the paper's protocol
+    does (EncodEval loads the model with ``dtype: bfloat16`` and trains with ``bf16: true``: no
+    float32 master copy). None: with :attr:`bf16`. False: float32 weights under bf16 autocast
+    (finer updates, twice the memory)."""
     device: str | None = None
     """``cuda`` or ``cpu``; None: CUDA when available."""
 
@@ -80,6 +85,12 @@ class FinetuneConfig:
     @property
     def use_bf16(self) -> bool:
         return self.torch_device.type == "cuda" if self.bf16 is None else self.bf16
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype the run's model is held and updated in (:attr:`bf16_weights`)."""
+        bf16 = self.use_bf16 if self.bf16_weights is None else self.bf16_weights
+        return torch.bfloat16 if bf16 else torch.float32
 
     def steps_for(self, n_train: int) -> int:
         """Optimizer steps of this run for a training set of ``n_train`` examples."""
@@ -172,7 +183,7 @@ def train(model: torch.nn.Module, batches: Iterator[dict], *, config: FinetuneCo
 
 
 def load_encoder(model_dir: str, config: FinetuneConfig) -> tuple[Any, torch.nn.Module]:
-    """The tokenizer and bare encoder (``AutoModel``, float32, on the run's device) of a HF directory.
+    """The tokenizer and bare encoder (``AutoModel`` in the run's weights dtype, on its device) of a HF directory.
 
     The tokenizer's ``model_max_length`` is set to the run's input length (:func:`input_length`).
     Causal LMs are
@@ -191,7 +202,7 @@ def load_encoder(model_dir: str, config: FinetuneConfig) -> tuple[Any, torch.nn.
         raise ValueError(f"{model_dir}: the tokenizer has no pad token (set pad_token in tokenizer_config.json)")
     tokenizer.model_max_length = input_length(config, getattr(hf_config, "max_position_embeddings", None),
                                               where=model_dir)
-    encoder = AutoModel.from_pretrained(model_dir, dtype=torch.float32).to(config.torch_device)
+    encoder = AutoModel.from_pretrained(model_dir, dtype=config.weights_dtype).to(config.torch_device)
     return tokenizer, encoder
 
 

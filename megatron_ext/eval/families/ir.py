@@ -18,6 +18,7 @@ and Recall@10 (relevant = grade >= 1).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -85,7 +86,7 @@ def qrels_of(rows: Sequence[dict], corpus_ids: set[str], where: str) -> dict[str
 
 
 def load_bi_encoder(model_dir: str, config: FinetuneConfig):
-    """``SentenceTransformer(model_dir)`` in float32 on the run's device, truncating at the run's
+    """``SentenceTransformer(model_dir)`` in the run's weights dtype on its device, truncating at the run's
     input length (``protocol.input_length``, as ``protocol.load_encoder``).
     Causal LMs are refused as there: their ``AutoModel`` would attend causally."""
     from sentence_transformers import SentenceTransformer
@@ -97,7 +98,7 @@ def load_bi_encoder(model_dir: str, config: FinetuneConfig):
         raise ValueError(f"{model_dir} is a causal LM ({causal[0]}): its AutoModel attends causally; "
                          "retrieval needs a bidirectional encoder (e.g. an export with --format eurobert)")
     model = SentenceTransformer(str(model_dir), device=str(config.torch_device),
-                                model_kwargs={"dtype": torch.float32})
+                                model_kwargs={"dtype": config.weights_dtype})
     model.max_seq_length = protocol.input_length(config, getattr(hf_config, "max_position_embeddings", None),
                                                  where=model_dir)
     return model
@@ -112,19 +113,27 @@ def _embed(model, texts: list[str], config: FinetuneConfig) -> torch.Tensor:
 
 def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
     """Fine-tune ``model_dir`` on the task's (query, positive) pairs; NDCG@10 on validation and test."""
+    return run_shared([task_dir], model_dir, config)[0]
+
+
+def training_key(task_dir: Path) -> str:
+    """The content hash of a task's training pairs: tasks with the same key train the same model."""
+    return hashlib.sha256((Path(task_dir) / "train.jsonl").read_bytes()).hexdigest()
+
+
+def run_shared(task_dirs: Sequence[Path], model_dir: str, config: FinetuneConfig) -> list[RunResult]:
+    """Fine-tune once on the (query, positive) pairs the tasks share, then score that model on each
+    task's validation and test queries against its corpus, as the paper does (EncodEval trains on
+    MS MARCO pairs once per LR and seed and evaluates MS MARCO, NQ and MLDR with that model). Each
+    result reports the shared training's steps, losses and time plus its own evaluation time."""
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
-    from sentence_transformers.util import batch_to_device, semantic_search
+    from sentence_transformers.util import batch_to_device
 
     began = time.perf_counter()
-    train_rows = load_task(task_dir, "train", family="ir")
-    corpus = load_task(task_dir, "corpus", family="ir")
-    corpus_ids = [row["id"] for row in corpus]
-    if len(set(corpus_ids)) != len(corpus_ids):
-        raise ValueError(f"{task_dir} corpus: passage ids are not unique")
-    rows = {split: eval_subset(load_task(task_dir, split, family="ir"), config.max_eval_examples)
-            for split in ("validation", "test")}
-    qrels = {split: qrels_of(split_rows, set(corpus_ids), f"{task_dir} {split}")
-             for split, split_rows in rows.items()}
+    keys = {Path(task_dir): training_key(task_dir) for task_dir in task_dirs}
+    if len(set(keys.values())) != 1:
+        raise ValueError(f"tasks {[str(d) for d in keys]} do not share their training pairs (train.jsonl differs)")
+    train_rows = load_task(task_dirs[0], "train", family="ir")
 
     protocol.set_seed(config.seed)
     model = load_bi_encoder(model_dir, config)
@@ -139,7 +148,29 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
     losses = protocol.train(model, protocol.cycle_batches(train_rows, config.batch_size, config.seed),
                             config=config, total_steps=steps, loss_fn=loss_fn,
                             desc=f"ir lr={config.lr:g} seed={config.seed}")
+    trained = time.perf_counter() - began
+    results = []
+    for task_dir in task_dirs:
+        evaluated = time.perf_counter()
+        result = _evaluate(model, Path(task_dir), config)
+        results.append(RunResult(**{**result, "steps": steps, "losses": losses,
+                                    "seconds": trained + time.perf_counter() - evaluated}))
+    return results
 
+
+def _evaluate(model, task_dir: Path, config: FinetuneConfig) -> dict:
+    """NDCG@10 (and MRR@10, Recall@10 as extras; per-query NDCG@10) of ``model`` on a task's
+    validation and test queries against its corpus, as :class:`RunResult` fields."""
+    from sentence_transformers.util import semantic_search
+
+    corpus = load_task(task_dir, "corpus", family="ir")
+    corpus_ids = [row["id"] for row in corpus]
+    if len(set(corpus_ids)) != len(corpus_ids):
+        raise ValueError(f"{task_dir} corpus: passage ids are not unique")
+    rows = {split: eval_subset(load_task(task_dir, split, family="ir"), config.max_eval_examples)
+            for split in ("validation", "test")}
+    qrels = {split: qrels_of(split_rows, set(corpus_ids), f"{task_dir} {split}")
+             for split, split_rows in rows.items()}
     with torch.no_grad():
         passages = _embed(model, [row["text"] for row in corpus], config)
         scores, per_example = {}, {}
@@ -154,6 +185,5 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
     extra = {f"{split}_{name}": value
              for split in scores for name, value in scores[split].items() if name != "ndcg@10"}
     extra.update({f"{split}_examples": float(len(qrels[split])) for split in qrels})
-    return RunResult(metric="ndcg@10", validation=scores["validation"]["ndcg@10"],
-                     test=scores["test"]["ndcg@10"], steps=steps, seconds=time.perf_counter() - began,
-                     extra=extra, losses=losses, per_example=per_example)
+    return {"metric": "ndcg@10", "validation": scores["validation"]["ndcg@10"], "test": scores["test"]["ndcg@10"],
+            "extra": extra, "per_example": per_example}

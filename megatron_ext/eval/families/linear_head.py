@@ -70,7 +70,7 @@ def run_linear_head(task: LinearHeadTask, model_dir: str, task_dir: Path,
     if task.check_tokenizer is not None:
         task.check_tokenizer(model_dir, tokenizer)
     # Built right after the seed and the encoder: the head's initialisation draws from the seeded RNG.
-    model = LinearHeadModel(encoder, len(names), pooled=task.pooled).to(config.torch_device)
+    model = LinearHeadModel(encoder, len(names), pooled=task.pooled).to(config.torch_device, config.weights_dtype)
     steps = config.steps_for(len(train_rows))
 
     def loss_fn(model: LinearHeadModel, rows: list[dict]) -> torch.Tensor:

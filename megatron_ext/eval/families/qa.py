@@ -268,7 +268,7 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
     # Windows of the run's input length: config.max_length capped by the model's positions.
     features = {split: prepare_features(tokenizer, rows, max_length=tokenizer.model_max_length)
                 for split, rows in splits.items()}
-    model = SpanModel(encoder).to(config.torch_device)
+    model = SpanModel(encoder).to(config.torch_device, config.weights_dtype)
     pad_id = tokenizer.pad_token_id
 
     def span_loss(m: SpanModel, batch: list[Feature]) -> torch.Tensor:
