@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-steps", type=int, default=None,
         help="optimizer steps per run (default 1,000; also replaces token classification's one epoch)")
     add("--batch-size", type=int, default=None, help="examples per step (default 32)")
-    add("--max-length", type=int, default=None, help="truncate inputs to this many tokens (default: 99 %% of the model's maximum, the paper's)")
+    add("--max-length", type=int, default=None,
+        help="truncate inputs to this many tokens (default: 99 %% of the model's maximum, the paper's)")
     add("--max-eval-examples", type=int, default=None,
         help="score at most this many validation/test examples (default: all)")
     add("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")

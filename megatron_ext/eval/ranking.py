@@ -178,33 +178,21 @@ def rank_systems(
 
     ranked: list[RankedSystem] = []
     cluster: list[str] = []
-    rank = 0
-    for position, system in enumerate(order):
-        if position == 0:
-            cluster, rank = [system], 1
-            ranked.append(
-                RankedSystem(
-                    system=system,
-                    rank=rank,
-                    mean=means[system],
-                    n_examples=len(ids),
-                    p_value_vs_previous=None,
-                    p_value_vs_cluster=None,
-                )
+    rank = 1
+    for system in order:
+        p_previous = p_cluster = None
+        if cluster:
+            diffs = np.stack([matrix[member] - matrix[system] for member in cluster], axis=1)
+            p_values = _permutation_p_values(diffs, alternative, n_permutations, seed, tie_epsilon)
+            separated = any(
+                p < p_threshold and means[member] - means[system] > min_difference
+                for member, p in zip(cluster, p_values)
             )
-            continue
-        diffs = np.stack([matrix[member] - matrix[system] for member in cluster], axis=1)
-        p_values = _permutation_p_values(diffs, alternative, n_permutations, seed, tie_epsilon)
-        separated = any(
-            p < p_threshold and means[member] - means[system] > min_difference
-            for member, p in zip(cluster, p_values)
-        )
-        # The previous system is always the last member of the current cluster.
-        p_previous = float(p_values[-1])
-        if separated:
-            cluster, rank = [system], rank + 1
-        else:
-            cluster.append(system)
+            # The previous system is always the last member of the current cluster.
+            p_previous, p_cluster = float(p_values[-1]), float(min(p_values))
+            if separated:
+                cluster, rank = [], rank + 1
+        cluster.append(system)
         ranked.append(
             RankedSystem(
                 system=system,
@@ -212,7 +200,7 @@ def rank_systems(
                 mean=means[system],
                 n_examples=len(ids),
                 p_value_vs_previous=p_previous,
-                p_value_vs_cluster=float(min(p_values)),
+                p_value_vs_cluster=p_cluster,
             )
         )
     return ranked
