@@ -221,6 +221,20 @@ def test_bf16_weights_by_default_with_bf16_as_the_paper_trains(suite, encoder):
     assert 0.0 <= result.test <= 100.0
 
 
+def test_sc_fine_tunes_the_models_own_head_by_default(suite, encoder):
+    """The paper's protocol fine-tunes AutoModelForSequenceClassification; sc_head: mean_linear is
+    a linear layer on mean-pooled states. Both train; they are different heads."""
+    small = {key: value for key, value in TINY.items() if key != "max_steps"}
+    config = FinetuneConfig(lr=1e-4, seed=0, max_steps=2, **small)
+    assert type(load_encoder(encoder, config, num_labels=2)[1]).__name__ == "BertForSequenceClassification"
+    own = sc.run(encoder, suite / "rt_sentiment", config)
+    linear = sc.run(encoder, suite / "rt_sentiment", dataclasses.replace(config, sc_head="mean_linear"))
+    assert own.steps == linear.steps == 2 and own.losses != linear.losses
+    assert all(math.isfinite(loss) for loss in own.losses + linear.losses)
+    with pytest.raises(ValueError, match="sc_head must be 'model' or 'mean_linear'"):
+        FinetuneConfig(lr=1e-4, seed=0, sc_head="cls")
+
+
 def test_input_length_is_99_percent_of_the_models_by_default():
     from megatron_ext.eval.protocol import input_length
 

@@ -14,7 +14,7 @@ import contextlib
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -65,6 +65,12 @@ class FinetuneConfig:
     (finer updates, twice the memory)."""
     device: str | None = None
     """``cuda`` or ``cpu``; None: CUDA when available."""
+    sc_head: Literal["model", "mean_linear"] = "model"
+    """Sequence classification's head. ``model``: the model's own
+    ``AutoModelForSequenceClassification`` head, as the paper's protocol (EncodEval's SC configs
+    name that class; for this project's EuroBERT exports: mean pooling, dense, GELU, linear).
+    ``mean_linear``: a linear layer on the mean-pooled last hidden states, the same for every
+    architecture."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -75,6 +81,8 @@ class FinetuneConfig:
             raise ValueError(f"epochs must be > 0, got {self.epochs}")
         if self.max_length is not None and self.max_length < 8:
             raise ValueError(f"max_length must be >= 8 tokens (or None: 99 % of the model's), got {self.max_length}")
+        if self.sc_head not in ("model", "mean_linear"):
+            raise ValueError(f"sc_head must be 'model' or 'mean_linear', got {self.sc_head!r}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 
@@ -182,15 +190,17 @@ def train(model: torch.nn.Module, batches: Iterator[dict], *, config: FinetuneCo
     return losses
 
 
-def load_encoder(model_dir: str, config: FinetuneConfig) -> tuple[Any, torch.nn.Module]:
-    """The tokenizer and bare encoder (``AutoModel`` in the run's weights dtype, on its device) of a HF directory.
+def load_encoder(model_dir: str, config: FinetuneConfig, *, num_labels: int | None = None
+                 ) -> tuple[Any, torch.nn.Module]:
+    """The tokenizer and bare encoder (``AutoModel`` in the run's weights dtype, on its device) of a HF
+    directory; with ``num_labels``, its ``AutoModelForSequenceClassification`` (a new head) instead.
 
     The tokenizer's ``model_max_length`` is set to the run's input length (:func:`input_length`).
     Causal LMs are
     refused: their ``AutoModel`` attends causally while the protocol fine-tunes bidirectionally
     (export such checkpoints with ``--format eurobert``, which is bidirectional by construction).
     """
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     causal = [name for name in hf_config.architectures or [] if name.endswith("ForCausalLM")]
@@ -202,7 +212,12 @@ def load_encoder(model_dir: str, config: FinetuneConfig) -> tuple[Any, torch.nn.
         raise ValueError(f"{model_dir}: the tokenizer has no pad token (set pad_token in tokenizer_config.json)")
     tokenizer.model_max_length = input_length(config, getattr(hf_config, "max_position_embeddings", None),
                                               where=model_dir)
-    encoder = AutoModel.from_pretrained(model_dir, dtype=config.weights_dtype).to(config.torch_device)
+    if num_labels is None:
+        encoder = AutoModel.from_pretrained(model_dir, dtype=config.weights_dtype)
+    else:
+        encoder = AutoModelForSequenceClassification.from_pretrained(
+            model_dir, num_labels=num_labels, dtype=config.weights_dtype, pad_token_id=tokenizer.pad_token_id)
+    encoder = encoder.to(config.torch_device)
     return tokenizer, encoder
 
 
@@ -248,6 +263,18 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     """Mean of the token states over real (non-padding) tokens: ``[b, s, h] -> [b, h]``."""
     mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
     return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+
+class OwnHeadModel(torch.nn.Module):
+    """A transformers ``*For*Classification`` model called like :class:`LinearHeadModel`:
+    ``model(inputs) -> logits``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(**inputs).logits
 
 
 class LinearHeadModel(torch.nn.Module):

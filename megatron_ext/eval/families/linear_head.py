@@ -1,7 +1,7 @@
 """The fine-tuning run of the linear-head families: sequence (SC) and token (TC) classification.
 
-Both fine-tune the encoder with a linear head (:class:`~megatron_ext.eval.protocol.LinearHeadModel`)
-under the shared protocol, then score its predictions on the validation and test subsets. What
+Both fine-tune the encoder with a head (:class:`~megatron_ext.eval.protocol.LinearHeadModel`, or
+SC's own transformers head) under the shared protocol, then score its predictions on the validation and test subsets. What
 differs (the head's input, mean-pooled or per token; the label set; the loss; the prediction; the
 score) is a :class:`LinearHeadTask` that :mod:`.sc` and :mod:`.tc` pass to :func:`run_linear_head`.
 Not a family itself: :data:`megatron_ext.eval.families.FAMILIES` lists those.
@@ -20,6 +20,7 @@ import torch
 from megatron_ext.eval.protocol import (
     FinetuneConfig,
     LinearHeadModel,
+    OwnHeadModel,
     RunResult,
     cycle_batches,
     eval_subset,
@@ -54,6 +55,9 @@ class LinearHeadTask:
     """Each row's own score (0-100) from its prediction (:attr:`RunResult.per_example`)."""
     check_tokenizer: Callable[[str, Any], None] | None = None
     """Refuses a tokenizer the family cannot use (``model_dir``, tokenizer), before the head exists."""
+    own_head: Callable[[FinetuneConfig], bool] = lambda config: False
+    """Whether the run uses the model's own transformers classification head
+    (:class:`~megatron_ext.eval.protocol.OwnHeadModel`) instead of :class:`LinearHeadModel`."""
 
 
 def run_linear_head(task: LinearHeadTask, model_dir: str, task_dir: Path,
@@ -66,11 +70,13 @@ def run_linear_head(task: LinearHeadTask, model_dir: str, task_dir: Path,
               for split in ("validation", "test")}
     names = task.label_names(task_dir, train_rows + splits["validation"] + splits["test"])
     set_seed(config.seed)
-    tokenizer, encoder = load_encoder(model_dir, config)
+    own_head = task.own_head(config)
+    tokenizer, encoder = load_encoder(model_dir, config, num_labels=len(names) if own_head else None)
     if task.check_tokenizer is not None:
         task.check_tokenizer(model_dir, tokenizer)
     # Built right after the seed and the encoder: the head's initialisation draws from the seeded RNG.
-    model = LinearHeadModel(encoder, len(names), pooled=task.pooled).to(config.torch_device, config.weights_dtype)
+    model = OwnHeadModel(encoder) if own_head else LinearHeadModel(encoder, len(names), pooled=task.pooled)
+    model = model.to(config.torch_device, config.weights_dtype)
     steps = config.steps_for(len(train_rows))
 
     def loss_fn(model: LinearHeadModel, rows: list[dict]) -> torch.Tensor:

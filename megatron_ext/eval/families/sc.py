@@ -1,8 +1,10 @@
-"""Sequence classification (SC): mean-pooled encoder states and a linear head, scored by accuracy.
+"""Sequence classification (SC): the model's own classification head, scored by accuracy.
 
 The paper's SC tasks are SST-2 (single sentences), MNLI and QQP (sentence pairs): rows with a
 ``text_pair`` column are encoded as pairs (the tokenizer's own pair template, e.g. BERT's
-``[SEP]`` and token types). The head reads the mean of the last hidden states over real tokens.
+``[SEP]`` and token types). The head is the model's ``AutoModelForSequenceClassification`` one, as
+in the paper's protocol, or with ``sc_head: mean_linear`` a linear layer on the mean of the last
+hidden states over real tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from sklearn.metrics import accuracy_score
 
 from megatron_ext.eval.families.linear_head import LinearHeadTask, run_linear_head
-from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, RunResult, autocast
+from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, OwnHeadModel, RunResult, autocast
 from megatron_ext.eval.task_io import TASK_FILE
 
 
@@ -41,7 +43,8 @@ def label_names(task_dir: Path, rows: list[dict]) -> list[str]:
 
 
 @torch.no_grad()
-def predict(model: LinearHeadModel, tokenizer: Any, rows: list[dict], config: FinetuneConfig) -> list[int]:
+def predict(model: LinearHeadModel | OwnHeadModel, tokenizer: Any, rows: list[dict],
+            config: FinetuneConfig) -> list[int]:
     """Predicted class index of every row."""
     predictions = []
     for start in range(0, len(rows), config.batch_size):
@@ -61,12 +64,12 @@ def example_scores(rows: list[dict], predictions: list[int]) -> list[float]:
     return [100.0 if prediction == row["label"] else 0.0 for row, prediction in zip(rows, predictions, strict=True)]
 
 
-def accuracy(model: LinearHeadModel, tokenizer: Any, rows: list[dict], config: FinetuneConfig) -> float:
+def accuracy(model: LinearHeadModel | OwnHeadModel, tokenizer: Any, rows: list[dict], config: FinetuneConfig) -> float:
     """Accuracy (0-100) of ``model`` on ``rows``."""
     return scores(rows, predict(model, tokenizer, rows, config))["accuracy"]
 
 
-def loss(model: LinearHeadModel, tokenizer: Any, rows: list[dict], names: list[str],
+def loss(model: LinearHeadModel | OwnHeadModel, tokenizer: Any, rows: list[dict], names: list[str],
          config: FinetuneConfig) -> torch.Tensor:
     """Cross-entropy of the rows' labels."""
     logits = model(encode(tokenizer, rows, config.torch_device))
@@ -77,7 +80,7 @@ def loss(model: LinearHeadModel, tokenizer: Any, rows: list[dict], names: list[s
 HEAD = LinearHeadTask(
     family="sc", pooled=True, metric="accuracy", label_names=label_names, loss=loss,
     predict=lambda model, tokenizer, rows, names, config: predict(model, tokenizer, rows, config),
-    score=scores, example_scores=example_scores,
+    score=scores, example_scores=example_scores, own_head=lambda config: config.sc_head == "model",
 )
 """Sequence classification for :func:`~megatron_ext.eval.families.linear_head.run_linear_head`."""
 
