@@ -513,8 +513,6 @@ def local_copy(source: Source, benchmarks_dir: Path | None) -> tuple[str, Path] 
     return None
 
 
-
-
 PARQUET_REVISION = "refs/convert/parquet"
 """The hub's automatic parquet export of a dataset repository."""
 
