@@ -73,7 +73,7 @@ def test_squad_scores_v1_and_v2_rules():
     assert scores["no_answer_f1"] == pytest.approx(50.0)
     assert scores["has_answer_f1"] == pytest.approx(100 * (1 + 2 / 3 + 1) / 3, abs=1e-4)
     assert qa.squad_scores({"a": ""}, [row("a", "Eiffel Tower")])["f1"] == 0.0
-    per_question = qa.question_f1(predictions, v2)
+    per_question = {q: values["f1"] for q, values in qa.question_scores(predictions, v2).items()}
     assert per_question == pytest.approx({"a": 100.0, "b": 200 / 3, "c": 100.0, "d": 100.0, "e": 0.0}, abs=1e-4)
     with pytest.raises(ValueError, match="no prediction"):
         qa.squad_scores({"a": "x"}, v2)

@@ -187,43 +187,43 @@ def decode(rows: Sequence[dict], features: Sequence[Feature], logits: Sequence[t
     return answers
 
 
-def squad_scores(predictions: Mapping[str, str], rows: Sequence[dict]) -> dict[str, float]:
-    """SQuAD F1 and exact match (0-100) of ``predictions`` (id -> text) against the rows' answers.
+def question_scores(predictions: Mapping[str, str], rows: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """Each question's SQuAD ``f1`` and ``exact_match`` (0-100) for ``predictions`` (id -> text).
 
     torchmetrics implements the official v1.1 script (normalisation, token F1, max over the gold
     answers); its pairwise F1/EM already score an empty prediction against an empty gold answer as
     1 and against a non-empty one as 0. The v2 script's only other rule is applied here: an
-    unanswerable question's gold answers are ``[""]``. With unanswerable questions present,
-    ``has_answer_f1`` and ``no_answer_f1`` break F1 down as the v2 script does.
+    unanswerable question's gold answers are ``[""]``.
     """
-    def score(subset: Sequence[dict]) -> dict[str, float]:
-        return _squad(predictions, subset)
+    from torchmetrics.functional.text.squad import squad
 
     missing = [r["id"] for r in rows if r["id"] not in predictions]
     if missing:
         raise ValueError(f"no prediction for question(s) {missing[:5]}")
-    scores = score(rows)
+    return {r["id"]: {name: float(value) for name, value in squad(
+                [{"id": r["id"], "prediction_text": predictions[r["id"]]}],
+                [{"id": r["id"], "answers": {"text": list(r["answers"]["text"]) or [""]}}]).items()}
+            for r in rows}
+
+
+def squad_scores(predictions: Mapping[str, str], rows: Sequence[dict],
+                 per_question: Mapping[str, Mapping[str, float]] | None = None) -> dict[str, float]:
+    """SQuAD F1 and exact match (0-100): the means of :func:`question_scores` (pass them as
+    ``per_question`` when already computed). With unanswerable questions present,
+    ``has_answer_f1`` and ``no_answer_f1`` break F1 down as the v2 script does."""
+    per_question = question_scores(predictions, rows) if per_question is None else per_question
+
+    def mean(subset: Sequence[dict], name: str) -> float:
+        return sum(per_question[r["id"]][name] for r in subset) / len(subset)
+
+    scores = {"f1": mean(rows, "f1"), "exact_match": mean(rows, "exact_match")}
     unanswerable = [r for r in rows if not r["answers"]["text"]]
     if unanswerable:
         answerable = [r for r in rows if r["answers"]["text"]]
-        scores["no_answer_f1"] = score(unanswerable)["f1"]
+        scores["no_answer_f1"] = mean(unanswerable, "f1")
         if answerable:
-            scores["has_answer_f1"] = score(answerable)["f1"]
+            scores["has_answer_f1"] = mean(answerable, "f1")
     return scores
-
-
-def _squad(predictions: Mapping[str, str], rows: Sequence[dict]) -> dict[str, float]:
-    """torchmetrics' SQuAD F1 and exact match of ``rows`` (unanswerable: gold ``[""]``)."""
-    from torchmetrics.functional.text.squad import squad
-
-    result = squad([{"id": r["id"], "prediction_text": predictions[r["id"]]} for r in rows],
-                   [{"id": r["id"], "answers": {"text": list(r["answers"]["text"]) or [""]}} for r in rows])
-    return {"f1": float(result["f1"]), "exact_match": float(result["exact_match"])}
-
-
-def question_f1(predictions: Mapping[str, str], rows: Sequence[dict]) -> dict[str, float]:
-    """Each question's own SQuAD F1 (0-100), by the rules of :func:`squad_scores`."""
-    return {r["id"]: _squad(predictions, [r])["f1"] for r in rows}
 
 
 def _collate(features: Sequence[Feature], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -287,8 +287,9 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
         logits = _logits(model, features[split], pad_id, config)
         answers = decode(splits[split], features[split], logits, allow_empty=allow_empty)
         texts = {k: a.text for k, a in answers.items()}
-        scores[split] = squad_scores(texts, splits[split])
-        per_example[split] = question_f1(texts, splits[split])
+        per_question = question_scores(texts, splits[split])
+        scores[split] = squad_scores(texts, splits[split], per_question)
+        per_example[split] = {question: values["f1"] for question, values in per_question.items()}
     extra = {f"{split}_{name}": value
              for split in scores for name, value in scores[split].items() if name != "f1"}
     extra.update({f"{split}_examples": float(len(splits[split])) for split in scores})
