@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import socket
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -43,7 +42,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from megatron_ext.eval.task_io import TASK_FILE, Family, required_columns
-from megatron_ext.fileio import write_files
+from megatron_ext.fileio import publish_dir, staged_dir, write_files
 
 CONVERSION_VERSION = 1
 """Bumped when a conversion changes; a converted task of another version is converted again."""
@@ -675,10 +674,10 @@ def fetch(names: Sequence[str], output_dir: str | Path, *, log: Callable[[str], 
             continue
         log(f"fetching {source.describe()}")
         dataset = _hub_load(source)
-        tmp = target.with_name(target.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted fetch
-        dataset.save_to_disk(str(tmp))
-        tmp.rename(target)  # complete copies only: state.json marks a finished save
+        with staged_dir(target) as tmp:  # complete copies only: state.json marks a finished save
+            dataset.save_to_disk(str(tmp))
+            # What is at target lacks state.json (local_copy found none): an unfinished copy, ours to replace.
+            publish_dir(tmp, target, overwrite=True, identical_ok=True)
         log(f"  {len(dataset):,} rows -> {target}")
         written.append(target)
     return written

@@ -239,18 +239,16 @@ def _record(model: ModelRef, task: TaskRef, config: FinetuneConfig, result: RunR
                        "mean_last_10pct": statistics.fmean(losses[-max(1, len(losses) // 10):])} if losses else None}
 
 
-def _shared_runs(tasks: Sequence[TaskRef], configs: Mapping[tuple[str, float, int], FinetuneConfig]
-                 ) -> dict[str, list[TaskRef]]:
-    """Task name -> the tasks that train the same model with it (same family, same training data
-    by :func:`~megatron_ext.eval.families.shared_training_key`, same run configs), itself first
-    among them in the given order; only for groups of two or more."""
-    groups: dict[tuple, list[TaskRef]] = {}
+def _shared_runs(tasks: Sequence[TaskRef]) -> dict[str, list[TaskRef]]:
+    """Task name -> the tasks that train the same model with it (same family, whose run configs
+    are then the same, and the same training data by
+    :func:`~megatron_ext.eval.families.shared_training_key`), in the given order; only for groups
+    of two or more."""
+    groups: dict[tuple[str, str], list[TaskRef]] = {}
     for task in tasks:
         key = shared_training_key(task.family, task.task_dir)
         if key is not None:
-            own = tuple(sorted((lr, seed, repr(config)) for (name, lr, seed), config in configs.items()
-                               if name == task.name))
-            groups.setdefault((task.family, key, own), []).append(task)
+            groups.setdefault((task.family, key), []).append(task)
     return {task.name: group for group in groups.values() if len(group) > 1 for task in group}
 
 
@@ -482,7 +480,7 @@ def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: 
     configs = {(task.name, lr, seed): finetune_config(task.family, lr, seed, overrides)
                for task in task_refs for lr in lrs for seed in seeds}
     model_refs = resolve_models(models, output_dir)
-    shared = _shared_runs(task_refs, configs)
+    shared = _shared_runs(task_refs)
     executed = reused = 0
     results = []
     with tqdm(total=len(model_refs) * len(configs), desc="evaluate", unit="run") as bar:

@@ -19,6 +19,7 @@ and Recall@10 (relevant = grade >= 1).
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,7 +28,7 @@ import torch
 
 from megatron_ext.eval import protocol
 from megatron_ext.eval.protocol import FinetuneConfig, RunResult, eval_subset
-from megatron_ext.eval.task_io import load_task
+from megatron_ext.eval.task_io import TASK_FILE, load_task
 
 TOP_K = 10
 """Cut-off of every reported metric (the paper's NDCG@10)."""
@@ -117,7 +118,14 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
 
 
 def training_key(task_dir: Path) -> str:
-    """The content hash of a task's training pairs: tasks with the same key train the same model."""
+    """The content hash of a task's training pairs: tasks with the same key train the same model.
+    Built tasks record it in ``task.json`` (written with the file); MS MARCO's pairs are hundreds
+    of megabytes, so they are hashed here only for a task directory without one."""
+    meta = Path(task_dir) / TASK_FILE
+    if meta.is_file():
+        recorded = json.loads(meta.read_text(encoding="utf-8")).get("splits", {}).get("train", {}).get("sha256")
+        if recorded:
+            return recorded
     return hashlib.sha256((Path(task_dir) / "train.jsonl").read_bytes()).hexdigest()
 
 
