@@ -10,12 +10,15 @@ run), takes one training step so the optimizer has state, then saves ``--rounds`
 - ``written_s``: from the call until the checkpoint is published (complete on disk);
 - ``next_step_s``: the training step right after the save returns (an asynchronous writer shares
   the machine with it), against ``step_s``, a step with no save in flight.
-Writes ``benchmarks/results/checkpoint_stall_<device>.json`` with the medians and every round.
+On a GPU a third way, ``async_forked``: Megatron's writer forked per save (the CPU default)
+instead of its persistent worker. Writes ``benchmarks/results/checkpoint_stall_<device>.json``
+with the medians and every round.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -58,46 +61,48 @@ def main(argv: list[str] | None = None) -> int:
            "training": {"train_iters": 1, "bf16": platform.on_gpu(), "engine": "megatron"},
            "parallel": {"use_distributed_optimizer": True}}
     config = run_config_from_dict(raw)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         platform.init_process_group_and_model_parallel(init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
-        try:
-            model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
-            engine = build_engine("megatron", model.to(platform.device()), config)
-            gen = torch.Generator(device=platform.device()).manual_seed(0)
-            tokens = torch.randint(4, args.vocab_size, (args.micro_batch_size, args.seq_length),
-                                   device=platform.device(), generator=gen)
-            batch = [MicroBatch(apply_mlm(tokens, config=MaskingConfig(mask_ratio=0.4), mask_id=3,
-                                          vocab_size=args.vocab_size, special_ids=(0, 1, 2, 3), generator=gen), None)]
+        stack.callback(platform.destroy_process_group_and_model_parallel)
+        model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
+        engine = build_engine("megatron", model.to(platform.device()), config)
+        gen = torch.Generator(device=platform.device()).manual_seed(0)
+        tokens = torch.randint(4, args.vocab_size, (args.micro_batch_size, args.seq_length),
+                               device=platform.device(), generator=gen)
+        batch = [MicroBatch(apply_mlm(tokens, config=MaskingConfig(mask_ratio=0.4), mask_id=3,
+                                      vocab_size=args.vocab_size, special_ids=(0, 1, 2, 3), generator=gen), None)]
 
-            def step() -> float:
+        def step() -> float:
+            start = time.perf_counter()
+            engine.train_step(batch, lr=1e-4)
+            if platform.on_gpu():
+                torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        step()
+        savers = {"sync": ckpt.CheckpointSaver(async_save=False), "async": ckpt.CheckpointSaver(async_save=True)}
+        if platform.persistent_checkpoint_writer():  # GPU: also the writer forked per save, as on CPU
+            savers["async_forked"] = ckpt.CheckpointSaver(async_save=True, persistent_writer=False)
+        rounds = {mode: [] for mode in savers}
+        for saver in savers.values():  # closed before returning: no writer process outlives the benchmark
+            stack.enter_context(saver)
+        for i in range(args.rounds):
+            for mode, saver in savers.items():
+                plain = step()
                 start = time.perf_counter()
-                engine.train_step(batch, lr=1e-4)
-                if platform.on_gpu():
-                    torch.cuda.synchronize()
-                return time.perf_counter() - start
-
-            step()
-            rounds = {"sync": [], "async": []}
-            savers = {"sync": ckpt.CheckpointSaver(async_save=False), "async": ckpt.CheckpointSaver(async_save=True)}
-            for i in range(args.rounds):
-                for mode, saver in savers.items():
-                    plain = step()
-                    start = time.perf_counter()
-                    with engine.checkpointing():
-                        saver.save(Path(tmp) / mode, step=i + 1, model=engine.checkpoint_model,
-                                   optimizer=engine.optimizer_state, trainer_state={}, run_config={},
-                                   tokenizer_reference={}, keep_last=1)
-                    stall = time.perf_counter() - start
-                    next_step = step()
-                    saver.wait()
-                    written = time.perf_counter() - start
-                    assert ckpt.latest_checkpoint(Path(tmp) / mode).name == f"iter_{i + 1:07d}"
-                    rounds[mode].append({"stall_s": stall, "written_s": written, "next_step_s": next_step,
-                                         "step_s": plain})
-                    print(f"round {i + 1} {mode:>5}: stall {stall:.2f} s | written after {written:.2f} s | "
-                          f"next step {next_step:.3f} s (plain {plain:.3f} s)", flush=True)
-        finally:
-            platform.destroy_process_group_and_model_parallel()
+                with engine.checkpointing():
+                    saver.save(Path(tmp) / mode, step=i + 1, model=engine.checkpoint_model,
+                               optimizer=engine.optimizer_state, trainer_state={}, run_config={},
+                               tokenizer_reference={}, keep_last=1)
+                stall = time.perf_counter() - start
+                next_step = step()
+                saver.wait()
+                written = time.perf_counter() - start
+                assert ckpt.latest_checkpoint(Path(tmp) / mode).name == f"iter_{i + 1:07d}"
+                rounds[mode].append({"stall_s": stall, "written_s": written, "next_step_s": next_step,
+                                     "step_s": plain})
+                print(f"round {i + 1} {mode:>5}: stall {stall:.2f} s | written after {written:.2f} s | "
+                      f"next step {next_step:.3f} s (plain {plain:.3f} s)", flush=True)
 
     summary = {mode: {key: statistics.median(r[key] for r in rows) for key in rows[0]} for mode, rows in rounds.items()}
     device = platform.device_name() if platform.on_gpu() else f"cpu{torch.get_num_threads()}"

@@ -48,7 +48,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.config_loading import UserError
-from megatron_ext import platform
+from megatron_ext import platform, processes
 
 logger = logging.getLogger(__name__)
 
@@ -138,18 +138,57 @@ class CheckpointSaver:
     by the next save. Saves publish in order: a new save first waits for the previous one.
     """
 
-    def __init__(self, *, async_save: bool):
+    def __init__(self, *, async_save: bool, persistent_writer: bool | None = None):
+        """``persistent_writer``: Megatron's persistent worker instead of a process forked per save
+        (default: ``platform.persistent_checkpoint_writer()``, the worker on GPU only)."""
         self._queue = None
+        self._closed = False
         if async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-            self._queue = AsyncCallsQueue(persistent=platform.persistent_checkpoint_writer())
+            if persistent_writer is None:
+                persistent_writer = platform.persistent_checkpoint_writer()
+            self._queue = AsyncCallsQueue(persistent=persistent_writer)
+            _results_queue.acquire()
+
+    def __enter__(self) -> "CheckpointSaver":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(abort=exc_type is not None)
+
+    def close(self, *, abort: bool = False) -> None:
+        """End the asynchronous writers, so that no process of the saver outlives it.
+
+        ``abort`` False: wait for every save in flight and publish it (a collective), then stop
+        the persistent worker. True (after an error, when other ranks may not join a collective):
+        kill the writers; a save in flight stays an unpublished ``.tmp-`` directory, which the
+        next save removes. Megatron's own clean-up runs from ``__del__`` at interpreter shutdown,
+        after multiprocessing has already terminated the worker, and then waits forever on its
+        queue: it must be called here, while the worker is alive. Idempotent."""
+        self._closed = True
+        if self._queue is None:
+            return
+        queue, self._queue = self._queue, None
+        try:
+            if not abort and queue.get_num_unfinalized_calls():
+                with platform.megatron_cuda_calls_on_cpu():
+                    queue.maybe_finalize_async_calls(blocking=True)
+        finally:
+            for active in queue.async_calls:  # left unpublished by an abort or a failed finalize
+                active.async_caller.close(abort=True)
+            queue.async_calls.clear()
+            if queue.persistent:
+                _stop_persistent_writer(abort=abort)
+            _results_queue.release()
 
     def save(self, save_dir: str | os.PathLike, *, step: int, model: torch.nn.Module,
              optimizer: OptimizerCheckpointState | None, trainer_state: dict, run_config: dict,
              tokenizer_reference: dict, keep_last: int) -> Path:
         """Start writing ``<save_dir>/iter_<step>`` (arguments: :func:`save_checkpoint`); returns
         its final path, complete on return unless the save is asynchronous."""
+        if self._closed:
+            raise RuntimeError("this CheckpointSaver is closed")
         if not dist.is_initialized():
             raise RuntimeError("save_checkpoint is a collective: initialise torch.distributed first "
                                "(megatron_ext.platform.init_process_group_and_model_parallel)")
@@ -211,6 +250,70 @@ class CheckpointSaver:
     def in_flight(self) -> int:
         """Asynchronous saves started and not yet published."""
         return 0 if self._queue is None else self._queue.get_num_unfinalized_calls()
+
+
+class _ResultsQueue:
+    """The queue through which Megatron's asynchronous writers report, owned here.
+
+    Megatron-Core 0.19.2 creates it on first use (``filesystem_async.get_write_results_queue``)
+    with a spawn-context ``Manager()`` that nothing ever shuts down: a ~700 MB process alive after
+    the run and, after ``kill -9`` of the trainer, forever. This one is installed in its place
+    while any asynchronous saver is open, dies with the trainer (``processes.die_with_parent``),
+    and is shut down when the last saver closes."""
+
+    def __init__(self) -> None:
+        self._users = 0
+        self._manager = None
+
+    def acquire(self) -> None:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        if self._users == 0:
+            import multiprocessing
+            from multiprocessing.managers import SyncManager
+
+            self._manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+            self._manager.start(initializer=processes.die_with_parent, initargs=(os.getpid(),))
+            filesystem_async._results_queue = self._manager.Queue()
+        self._users += 1
+
+    def release(self) -> None:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        self._users -= 1
+        if self._users == 0:
+            filesystem_async._results_queue = None
+            self._manager.shutdown()
+            self._manager = None
+
+
+_results_queue = _ResultsQueue()
+_PERSISTENT_WRITER_STOP_SECONDS = 120
+
+
+def _stop_persistent_writer(*, abort: bool) -> None:
+    """Stop Megatron's persistent writer process (GPU) without ever waiting forever: its own
+    ``close()`` joins a queue that a dead worker never drains."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, PersistentAsyncCaller
+
+    caller = AsyncCallsQueue._persistent_caller
+    AsyncCallsQueue._persistent_caller = None
+    worker = PersistentAsyncCaller._persistent_process
+    if caller is None or worker is None:
+        return
+    if not abort and worker.is_alive():
+        PersistentAsyncCaller._persistent_queue.put("DONE")  # its loop ends after the saves queued before
+        worker.join(timeout=_PERSISTENT_WRITER_STOP_SECONDS)
+        if worker.is_alive():
+            logger.warning("the persistent checkpoint writer did not stop within %d s; killing it",
+                           _PERSISTENT_WRITER_STOP_SECONDS)
+    if worker.is_alive():
+        worker.kill()
+        worker.join()
+    # What Megatron's close() resets, so that a later asynchronous saver starts a new worker.
+    caller.process = None
+    PersistentAsyncCaller._persistent_process = PersistentAsyncCaller._persistent_queue = None
+    PersistentAsyncCaller._persistent_preload_q = PersistentAsyncCaller._persistent_comp_q = None
 
 
 def _publish_checkpoint(tmp: Path, final: Path, *, files: dict[str, str], info: dict, keep_last: int) -> None:

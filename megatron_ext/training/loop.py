@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ext.config_loading import UserError
-from megatron_ext import platform
+from megatron_ext import platform, processes
 from megatron_ext.model import build_encoder_model
 from megatron_ext.objectives import MaskingConfig, ObjectiveBatch, apply_clm, apply_mlm
 from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at, resolve_phases
@@ -164,6 +164,7 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
         if int(os.environ.get("RANK", "0")) == 0:
             print(warning, file=sys.stderr, flush=True)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, attention_backend=backend))
+    processes.end_orphans()  # what a killed run on this machine left behind
     owns_process_group = not dist.is_initialized()
     try:
         if owns_process_group:
@@ -172,7 +173,8 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
                 pipeline_parallel_size=config.parallel.pipeline_model_parallel_size,
                 seed=config.training.seed,
             )
-        return _pretrain(config, engine_name=engine, exit_after_step=exit_after_step)
+        with processes.trainer_session():
+            return _pretrain(config, engine_name=engine, exit_after_step=exit_after_step)
     finally:
         if owns_process_group:
             platform.destroy_process_group_and_model_parallel()
@@ -271,6 +273,11 @@ class _RunCheckpoints:
         """Return once every save started is complete."""
         self.saver.wait()
 
+    def close(self, *, abort: bool) -> None:
+        """Stop the background writers (``CheckpointSaver.close``): after the last save is
+        published, or, after an error, at once."""
+        self.saver.close(abort=abort)
+
 
 def _due(step: int, interval: int, total: int) -> bool:
     """Whether a periodic action (evaluation, saving) runs after ``step``: every ``interval``
@@ -314,6 +321,7 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
                             total=int(state.get("skipped_steps", 0)))
     checkpoints = _RunCheckpoints(config, engine, tokenizer)
     engine.checkpoint_model.train()
+    failed = True
     try:
         for step in range(start, total):
             done = step + 1
@@ -337,7 +345,11 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
             if exiting:
                 break
         checkpoints.wait()  # the last checkpoint is complete when the run returns
+        failed = False
     finally:
-        sinks.close()
+        try:  # no writer process outlives the run, whatever ended it
+            checkpoints.close(abort=failed)
+        finally:
+            sinks.close()
     result.skipped_steps = guard.total
     return result
