@@ -316,3 +316,99 @@ def test_handle_resolves_once_and_reads_what_was_saved(single_rank, tmp_path):
     (tmp_path / "iter_0000001" / "run_config.json").write_text(json.dumps({**run_config, "model": {"hidden": 1}}))
     with pytest.raises(ValueError, match=r"iter_0000001/run_config.json model.*hidden"):
         Checkpoint.open(tmp_path).model_config()
+
+
+class _NormWithExtraState(torch.nn.Module):
+    """What Transformer Engine's modules add to a state dict and the local spec's lack: an
+    ``_extra_state`` (TE keeps its FP8 scaling history there). Only the method pair matters; the
+    class is swapped onto a real local-spec norm, whose weights stay as they are."""
+
+    def get_extra_state(self):
+        return getattr(self, "fp8_meta", {"scale_history": torch.zeros(4)})
+
+    def set_extra_state(self, state) -> None:
+        self.fp8_meta = state
+
+
+def _with_extra_state(model):
+    norm = model.decoder.final_layernorm
+    norm.__class__ = type("NormWithExtraState", (_NormWithExtraState, type(norm)), {})
+    return model
+
+
+def test_checkpoints_cross_between_specs_with_and_without_extra_state(single_rank, tmp_path, caplog):
+    """A checkpoint of the local spec loads into a model whose modules carry Transformer Engine's
+    ``_extra_state`` (initialised fresh, one warning), weights and optimizer alike, and such a
+    model's checkpoint loads into the local spec (its extra entries are not read). The GPU test
+    ``test_checkpoints_cross_between_local_and_te_specs`` runs the real TE spec."""
+    local, local_optimizer = build(seed=0)
+    train_step(local, local_optimizer, seed=1)
+    save(tmp_path / "local", 1, local, local_optimizer)
+
+    te_like, te_optimizer = build(seed=5)
+    _with_extra_state(te_like)
+    with caplog.at_level("WARNING", logger="megatron_ext.checkpoint.core"):
+        load_checkpoint(tmp_path / "local", model=te_like, optimizer=TorchOptimizerState(te_optimizer))
+    assert "no Transformer Engine state for 1 modules" in caplog.text
+    assert not hasattr(te_like.decoder.final_layernorm, "fp8_meta")  # fresh: nothing was set
+    loaded = te_like.state_dict()
+    for name, value in local.state_dict().items():
+        if torch.is_tensor(value):
+            assert torch.equal(value, loaded[name]), name
+    assert local_optimizer.state_dict()["state"].keys() == te_optimizer.state_dict()["state"].keys()
+    for index, saved in local_optimizer.state_dict()["state"].items():
+        assert torch.equal(saved["exp_avg"], te_optimizer.state_dict()["state"][index]["exp_avg"])
+
+    te_like.decoder.final_layernorm.fp8_meta = {"scale_history": torch.arange(4.0)}
+    save(tmp_path / "te_like", 2, te_like, te_optimizer)
+    plain, _ = build(seed=7)
+    load_checkpoint(tmp_path / "te_like", model=plain, optimizer=None)
+    reloaded = _with_extra_state(build(seed=9)[0])
+    load_checkpoint(tmp_path / "te_like", model=reloaded, optimizer=None)  # and back: the state is read
+    assert torch.equal(reloaded.decoder.final_layernorm.fp8_meta["scale_history"], torch.arange(4.0))
+    assert torch.equal(plain.output_layer.weight, te_like.output_layer.weight)
+
+
+def test_only_extra_state_may_be_absent_from_a_checkpoint(single_rank, tmp_path):
+    """The key-matching rule: an absent ``_extra_state`` object starts fresh; any other absent
+    object is refused, its key named."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megatron_ext.checkpoint.core import _fresh_extra_states
+
+    saved = {"decoder.layers.self_attention.linear_qkv._extra_state/shard_0_1": None}
+    wanted = {name: ShardedObject(key, None, (1,), (0,)) for name, key in (
+        ("decoder.layers.0.self_attention.linear_qkv._extra_state", "decoder.layers.self_attention.linear_qkv._extra_state"),
+        ("decoder.final_layernorm._extra_state", "decoder.final_layernorm._extra_state"),
+        ("embedding.rng_state", "embedding.rng_state"))}
+    assert _fresh_extra_states({k: v for k, v in wanted.items() if k != "embedding.rng_state"}, saved,
+                               tmp_path) == ["decoder.final_layernorm._extra_state"]
+    with pytest.raises(ValueError, match=r"lacks 1 entries the model needs: embedding\.rng_state/shard_0_1"):
+        _fresh_extra_states(wanted, saved, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not platform.transformer_engine_available(),
+                    reason="needs Transformer Engine")
+def test_checkpoints_cross_between_local_and_te_specs(tmp_path, tiny_corpus):
+    """Resuming with the optimizer across specs (distributed optimizer, dp_reshardable): 3 steps
+    with one spec, 3 more with the other, against 6 straight steps of the local spec. The same
+    weights, data and masks, so only kernel rounding separates them (bf16: well under 2 % in 6
+    steps); optimizer state loaded into the wrong parameters would not stay within it."""
+    from helpers import tiny_recipe
+    from megatron_ext.training.config import run_config_from_dict
+    from megatron_ext.training.loop import pretrain
+
+    def recipe(run: str, backend: str) -> dict:
+        return tiny_recipe(tiny_corpus, tmp_path / run, model={"attention_backend": backend},
+                           training={"train_iters": 6, "eval_interval": 0, "bf16": True},
+                           parallel={"use_distributed_optimizer": True})
+
+    straight = pretrain(run_config_from_dict(recipe("straight", "local"))).losses
+    for first, then in (("local", "te"), ("te", "local")):
+        run = f"{first}_then_{then}"
+        pretrain(run_config_from_dict(recipe(run, first)), exit_after_step=3)
+        resumed = pretrain(run_config_from_dict(recipe(run, then)))
+        assert resumed.start_step == 3
+        for step in (4, 5, 6):
+            assert resumed.losses[step] == pytest.approx(straight[step], rel=2e-2), (run, step)

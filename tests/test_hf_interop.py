@@ -6,6 +6,7 @@ tensor-parallel loading, continued pretraining from an import, sentence-transfor
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,22 +268,18 @@ def test_import_at_tp1_loads_at_tp2(tmp_path, base_tokenizer_json):
     run_ranks(_tp2_worker, str(result.checkpoint), ids, reference, world=2, tmp_path=tmp_path)
 
 
-def test_continued_pretraining_from_an_import(imports, tmp_path, news_texts):
-    """pretrain_encoder's loop loads the import (finetune) through recipe_model.yaml, and a
-    recipe of another shape is refused with the mismatching tensors listed."""
+def _cpt_recipe(imported: Imported, tmp_path: Path, news_texts) -> Path:
+    """A 2-step MLM recipe continuing from ``imported`` (its recipe_model.yaml as the base)."""
     from megatron_ext.data.preprocess import PreprocessConfig, preprocess
     from megatron_ext.tokenizer import TokenizerConfig
-    from megatron_ext.training.config import read_recipe, run_config_from_dict
-    from megatron_ext.training.loop import pretrain
 
-    imp = imports("smollm")
     jsonl = tmp_path / "news.jsonl"
     jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in news_texts[:80]))
     preprocess(PreprocessConfig(
         inputs=(str(jsonl),), output_prefix=str(tmp_path / "news"), append_eod=True,
-        tokenizer=TokenizerConfig(tokenizer_model=str(imp.result.tokenizer_dir)), progress=False))
+        tokenizer=TokenizerConfig(tokenizer_model=str(imported.result.tokenizer_dir)), progress=False))
     recipe = {
-        "base": str(imp.result.recipe),
+        "base": str(imported.result.recipe),
         "data": {"data_path": [str(tmp_path / "news_text_document")], "split": "90,10,0",
                  "seq_length": 32, "micro_batch_size": 4, "global_batch_size": 4, "eval_iters": 1,
                  "data_cache_path": str(tmp_path / "cache")},
@@ -294,7 +291,17 @@ def test_continued_pretraining_from_an_import(imports, tmp_path, news_texts):
     }
     path = tmp_path / "cpt.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    raw = read_recipe(path)
+    return path
+
+
+def test_continued_pretraining_from_an_import(imports, tmp_path, news_texts):
+    """pretrain_encoder's loop loads the import (finetune) through recipe_model.yaml, and a
+    recipe of another shape is refused with the mismatching tensors listed."""
+    from megatron_ext.training.config import read_recipe, run_config_from_dict
+    from megatron_ext.training.loop import pretrain
+
+    imp = imports("smollm")
+    raw = read_recipe(_cpt_recipe(imp, tmp_path, news_texts))
     assert raw["checkpoint"] == {"load": str(imp.result.output_dir), "finetune": True,
                                  "save": str(tmp_path / "cpt")}
     result = pretrain(run_config_from_dict(raw))
@@ -304,6 +311,29 @@ def test_continued_pretraining_from_an_import(imports, tmp_path, news_texts):
     raw["model"]["ffn_hidden_size"] = 96
     with pytest.raises(ValueError, match=r"does not fit the model(.|\n)*linear_fc1"):
         pretrain(run_config_from_dict(raw))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not platform.transformer_engine_available(),
+                    reason="needs Transformer Engine")
+def test_continued_pretraining_from_an_import_with_transformer_engine(imports, tmp_path, news_texts):
+    """The import (a local-spec checkpoint, no TE ``_extra_state``) continues under the ``te``
+    spec: its weights load, and the first step's loss is the local spec's within bf16 rounding
+    (the same weights, batch and masks; only the kernels differ)."""
+    from megatron_ext.training.config import read_recipe, run_config_from_dict
+    from megatron_ext.training.loop import pretrain
+
+    imp = imports("llama")
+    raw = read_recipe(_cpt_recipe(imp, tmp_path, news_texts))
+    first = {}
+    for backend in ("local", "te"):
+        raw["model"]["attention_backend"] = backend
+        raw["training"]["bf16"] = True
+        raw["checkpoint"]["save"] = str(tmp_path / f"cpt_{backend}")
+        result = pretrain(run_config_from_dict(raw))
+        assert result.final_step == 2 and all(math.isfinite(v) for v in result.losses.values())
+        first[backend] = result.losses[1]
+    assert first["te"] == pytest.approx(first["local"], rel=2e-2)
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,

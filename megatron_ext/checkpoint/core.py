@@ -44,7 +44,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.config_loading import UserError
@@ -376,11 +377,17 @@ def load_checkpoint(
     if optimizer is not None and not strict_shapes:
         raise UserError("strict_shapes=False loads weights only: pass optimizer=None")
     try:
-        metadata = dist_checkpointing.load_tensors_metadata(str(checkpoint))
+        saved_entries = load_sharded_metadata(str(checkpoint))
     except _READ_ERRORS as error:
         raise UserError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
+    metadata = {key: value for key, value in saved_entries.items() if isinstance(value, ShardedTensor)}
 
     model_state = model.sharded_state_dict()
+    fresh_extra_states = _fresh_extra_states(model_state, saved_entries, checkpoint)
+    if fresh_extra_states:
+        logger.warning("checkpoint %s has no Transformer Engine state for %d modules (written with the local "
+                       "spec?): their FP8 scaling state starts fresh", checkpoint, len(fresh_extra_states))
+        model_state = {name: value for name, value in model_state.items() if name not in fresh_extra_states}
     mismatches = _shape_mismatches(model_state, metadata)
     if mismatches:
         listing = "\n".join(
@@ -391,8 +398,8 @@ def load_checkpoint(
             raise UserError(f"checkpoint {checkpoint} does not fit the model "
                              f"({len(mismatches)} tensors differ):\n{listing}")
         logger.warning("not loading %d tensors whose shapes differ:\n%s", len(mismatches), listing)
-        model_state = {name: value for name, value in model_state.items()
-                       if getattr(value, "key", None) not in mismatches}
+    unloaded = {name for name, value in model_state.items() if getattr(value, "key", None) in mismatches}
+    model_state = {name: value for name, value in model_state.items() if name not in unloaded}
 
     state = {"model": model_state}
     if optimizer is not None:
@@ -403,7 +410,10 @@ def load_checkpoint(
             loaded = dist_checkpointing.load(state, str(checkpoint))
     except _READ_ERRORS as error:
         raise UserError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
-    model.load_state_dict(loaded["model"], strict=not mismatches)
+    outcome = model.load_state_dict(loaded["model"], strict=False)
+    not_loaded = set(outcome.missing_keys) - set(fresh_extra_states) - unloaded
+    if not_loaded or outcome.unexpected_keys:  # the sharded state dict and the module disagree: a bug, not input
+        raise RuntimeError(f"loading {checkpoint}: missing {sorted(not_loaded)}, unexpected {outcome.unexpected_keys}")
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     return loaded["trainer_state"]
@@ -514,6 +524,29 @@ def _shape_mismatches(
              if not key.startswith("optimizer.")}
     return {key: (saved.get(key), expected.get(key))
             for key in saved.keys() | expected.keys() if saved.get(key) != expected.get(key)}
+
+
+EXTRA_STATE = "_extra_state"
+"""Suffix of a module's extra state in state dicts (Transformer Engine: FP8 scaling metadata)."""
+
+
+def _fresh_extra_states(model_state: dict, saved: dict, checkpoint: Path) -> list[str]:
+    """State-dict names of the model's ``_extra_state`` objects that the checkpoint lacks.
+
+    Transformer Engine's modules carry an ``_extra_state`` (FP8 scaling history) that the local
+    spec's modules (torch norms, SDPA attention) do not, so a checkpoint of the local spec lacks
+    them in a ``te`` model: those are initialised fresh. Any other object the checkpoint lacks is
+    refused, named (tensors are checked by shape, ``_shape_mismatches``). Objects only the
+    checkpoint holds (a ``te`` checkpoint read by the local spec) are not requested, so not read.
+    """
+    fresh, absent = [], []
+    for name, value in model_state.items():
+        if isinstance(value, ShardedObject) and value.unique_key not in saved:
+            (fresh if value.key.rsplit(".", 1)[-1] == EXTRA_STATE else absent).append(name)
+    if absent:
+        raise UserError(f"checkpoint {checkpoint} lacks {len(absent)} entries the model needs: "
+                        + ", ".join(model_state[name].unique_key for name in absent))
+    return fresh
 
 
 def _incomplete_reason(path: Path) -> str | None:
