@@ -44,19 +44,22 @@ SHAPES = [  # hidden, ffn, heads, kv heads: MHA, GQA, MQA and ffn/hidden ratios 
 ]
 
 
+@pytest.mark.parametrize("swiglu_fused", [False, True], ids=["torch-swiglu", "fused-swiglu"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
-def test_layer_activation_estimate_matches_saved_tensors(single_rank, bf16):
-    """Per token and layer, within 10 % of what the local spec saves (difference of 1 and 2 layers)."""
+def test_layer_activation_estimate_matches_saved_tensors(single_rank, bf16, swiglu_fused):
+    """Per token and layer, within 10 % of what the local spec saves (difference of 1 and 2 layers),
+    with torch's SwiGLU and Megatron's fused one (``training.bias_activation_fusion``)."""
     batch, seq = 2, 64
     ids = torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(batch, seq)
     for hidden, ffn, heads, groups in SHAPES:
         config = preset("tiny", vocab_size=512, hidden_size=hidden, ffn_hidden_size=ffn,
                         num_attention_heads=heads, num_query_groups=groups, seq_length=seq)
-        one, two = (saved_bytes(build_encoder_model(dataclasses.replace(config, num_layers=n)), ids, mask, bf16=bf16)
-                    for n in (1, 2))
+        one, two = (saved_bytes(build_encoder_model(dataclasses.replace(config, num_layers=n), transformer_overrides={
+            "bias_activation_fusion": swiglu_fused}), ids, mask, bf16=bf16) for n in (1, 2))
         measured = (two - one) / (batch * seq)
-        estimated = layer_activation_bytes(config, residual_bytes=4, compute_bytes=2 if bf16 else 4)
+        estimated = layer_activation_bytes(config, residual_bytes=4, compute_bytes=2 if bf16 else 4,
+                                           swiglu_fused=swiglu_fused)
         assert estimated == pytest.approx(measured, rel=0.10), (hidden, ffn, heads, groups)
 
 

@@ -13,7 +13,8 @@ micro-batches in flight, the last the LM head) and counts:
 - activations saved for the backward pass, per token and layer (``layer_activation_bytes``):
   ``6 h`` values in the residual stream's dtype (norm inputs and outputs) plus
   ``3 q + 3 kv + 5 ffn`` values in the compute dtype (bf16 under autocast: attention inputs
-  after RoPE and its output, the gate/up projection, SwiGLU's product). The coefficients were
+  after RoPE and its output, the gate/up projection, SwiGLU's product; ``3 ffn`` with Megatron's
+  fused SwiGLU, ``training.bias_activation_fusion``). The coefficients were
   measured with ``torch.autograd.graph.saved_tensors_hooks`` on the local spec and are checked
   within 10 % over several shapes by ``tests/test_memory.py``. Attention never stores the
   ``s x s`` scores (SDPA's flash / memory-efficient kernels, cuDNN or TE); a document mask stores
@@ -74,12 +75,17 @@ class MemoryEstimate:
 
 
 def layer_activation_bytes(config: EncoderModelConfig, *, residual_bytes: int, compute_bytes: int,
-                           tensor_parallel: int = 1) -> float:
-    """Bytes one transformer layer saves for its backward pass, per token (module docstring)."""
+                           tensor_parallel: int = 1, swiglu_fused: bool = False) -> float:
+    """Bytes one transformer layer saves for its backward pass, per token (module docstring).
+
+    ``swiglu_fused`` (``training.bias_activation_fusion``): Megatron's fused SwiGLU keeps only its
+    ``[gate; up]`` input, where torch's keeps the gate's SiLU input and output too: ``3 ffn``
+    instead of ``5 ffn`` (measured the same way)."""
     q = config.num_attention_heads * config.head_dim // tensor_parallel
     kv = config.num_query_groups * config.head_dim // tensor_parallel
     ffn = config.ffn_hidden_size // tensor_parallel
-    return 6 * config.hidden_size * residual_bytes + (3 * q + 3 * kv + 5 * ffn) * compute_bytes
+    ffn_saved = 3 if swiglu_fused else 5
+    return 6 * config.hidden_size * residual_bytes + (3 * q + 3 * kv + ffn_saved * ffn) * compute_bytes
 
 
 def lm_head_bytes_per_scored_token(config: EncoderModelConfig, *, compute_bytes: int, tensor_parallel: int = 1) -> float:
@@ -123,7 +129,7 @@ def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:
     residual_bytes = param_bytes  # the residual stream keeps the parameters' dtype under autocast
     compute_bytes = 2 if t.bf16 or param_bytes == 2 else 4
     per_layer = layer_activation_bytes(m, residual_bytes=residual_bytes, compute_bytes=compute_bytes,
-                                       tensor_parallel=tp)
+                                       tensor_parallel=tp, swiglu_fused=t.bias_activation_fusion)
     tokens = d.micro_batch_size * d.seq_length
     layers = m.num_layers // pp
     head_share = max(lm_head_share(phase, scored_only=t.lm_head_scored_only)

@@ -101,11 +101,16 @@ def format_plan(config: RunConfig, plan: RunPlan) -> str:
             + ("  (warmup restarts)" if phase.restart_warmup else "")
         )
     p = config.parallel
-    precision = ("bf16 autocast" if t.bf16 else "fp32") + (f" + FP8 ({t.fp8_recipe}, {t.fp8_format})" if t.fp8_recipe else "")
+    params = {"bfloat16": "bf16 parameters (fp32 main parameters)", "float32": "fp32 parameters"}.get(
+        config.model.params_dtype, f"{config.model.params_dtype} parameters")
+    precision = (params + (", bf16 autocast" if t.bf16 else "")
+                 + (f" + FP8 ({t.fp8_recipe}, {t.fp8_format})" if t.fp8_recipe else ""))
     engine = t.engine + (" (= megatron)" if t.engine == "auto" else "")
     options = [name for name, on in (("distributed optimizer", p.use_distributed_optimizer),
                                       ("overlapped grad reduce", p.overlap_grad_reduce),
                                       ("overlapped param gather", p.overlap_param_gather)) if on]
+    options += [name for name, on in (("fused SwiGLU", t.bias_activation_fusion),
+                                      ("fused cross entropy", t.cross_entropy_loss_fusion)) if on]
     if t.recompute_granularity:
         options.append(f"{t.recompute_granularity} recomputation")
     options.append("LM head at scored positions only" if t.lm_head_scored_only else "LM head at every position")
