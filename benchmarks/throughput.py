@@ -11,26 +11,37 @@ recipe (global batch 1,152 over ``--data-parallel-size`` 64 ranks: 2 / 3 / 6 mic
 9 / 6 / 3 sequences at 210m / 610m / 1b), gradient accumulation on both sides:
 - megatron_ext: ``build_encoder_model`` (TE spec when Transformer Engine imports) driven by the
   training engine the trainer uses (``training.engine: auto``: Megatron-Core DDP + optimizer +
-  forward-backward schedule on GPU, the portable engine on CPU), bf16 autocast, FP8 via TE;
+  forward-backward schedule, on GPU and CPU), bf16 autocast, FP8 via TE;
 - Hugging Face: ``transformers.EuroBertForMaskedLM`` (SDPA attention) with its own loss, bf16
   autocast, fused AdamW; ``--hf-compile`` adds ``torch.compile``.
-Each side runs warm-up steps, then timed rounds (the median round counts), one after the other on
-identical batches. Reported per row: tokens/s, achieved TFLOP/s and MFU (FLOPs convention of
-``megatron_ext.training.metrics``, printed; MFU against the dense bf16 peak, also for FP8 rows),
-peak GPU memory and step time, and the baseline's tokens/s and memory on the same shape; for each
-of ``--variants`` (an optimisation step undone or a tuning choice, as a run-config change) its
-tokens/s and how much faster the default is, timed on the same batches in the same run. Writes
-``benchmarks/results/throughput_<device>.json`` (a list of rows plus device and versions).
+Each side (ours, each of ``--variants``, the baseline) runs alone in a process of its own, one after
+the other on identical batches (same generator seed): nothing of one side is resident while another
+runs, so each fits or runs out of memory on its own (a side that runs out of memory is reported as
+such, the others still are), and each side's peak memory is its own: ``torch.cuda.max_memory_allocated``
+on GPU, the process's peak RSS on CPU (``resource.getrusage``; it includes Python and the libraries),
+labelled ``peak_mem_measure``. The process that starts them allocates nothing on the device. Each side
+runs warm-up steps, then timed rounds (the median round counts). Reported per row: tokens/s, achieved
+TFLOP/s and MFU (FLOPs convention of ``megatron_ext.training.metrics``, printed; MFU against the dense
+bf16 peak, also for FP8 rows), peak memory and step time, and the baseline's tokens/s and peak memory
+on the same shape; for each of ``--variants`` (an optimisation step undone or a tuning choice, as a
+run-config change) its tokens/s, peak memory and how much faster the default is, timed on the same
+batches in the same run. ``--profile DIR`` adds, per row, one profiled optimizer step of our engine
+after the timed rounds: the top ops and kernels by self device time (CUDA time on GPU, CPU time on
+CPU) as torch.profiler's table (``DIR/profile_<preset>_seq<S>_<precision>.txt``) and as JSON (same
+name, ``.json``). Writes ``benchmarks/results/throughput_<device>.json`` (a list of rows plus device
+and versions).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import os
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -119,12 +130,26 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _peak_gb() -> float | None:
-    return torch.cuda.max_memory_allocated() / 2**30 if platform.on_gpu() else None
+PEAK_MEMORY_MEASURE = {
+    "gpu": "torch.cuda.max_memory_allocated of the side's own process",
+    "cpu": "peak resident set size of the side's own process (resource.getrusage ru_maxrss: Python, torch and "
+           "the libraries included, not only tensors)",
+}
 
 
-def _timed_rounds(step, batch, args) -> tuple[list[float], float | None]:
-    """Seconds per step of each round (after warm-up steps) and peak GPU memory in GB."""
+def _peak_memory_gb() -> float:
+    """This process's peak memory in GB: what the caching allocator handed out on GPU, the peak RSS
+    on CPU (the only peak a CPU process has; it counts the interpreter and libraries too)."""
+    if platform.on_gpu():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak * (1 if sys.platform == "darwin" else 1024) / 2**30  # bytes on macOS, KiB on Linux
+
+
+def _timed_rounds(step, batch, args) -> list[float]:
+    """Seconds per step of each round, after warm-up steps."""
     def timed(n: int) -> float:
         batches = [batch() for _ in range(n)]
         _sync()
@@ -134,21 +159,60 @@ def _timed_rounds(step, batch, args) -> tuple[list[float], float | None]:
         _sync()
         return (time.perf_counter() - start) / n
 
-    if platform.on_gpu():
-        torch.cuda.reset_peak_memory_stats()
     timed(args.warmup)
-    times = [timed(args.steps) for _ in range(args.rounds)]
-    return times, _peak_gb()
+    return [timed(args.steps) for _ in range(args.rounds)]
 
 
-def _ours(config, engine_name: str, batch, args) -> tuple[list[float], float | None]:
+def profile_step(step, batch, out_dir: Path, stem: str, *, top: int = 40) -> dict:
+    """One optimizer step under torch.profiler (after the timed rounds, so warmed up); writes the
+    ``top`` ops and kernels by self device time (CUDA time on GPU, CPU time on CPU) to
+    ``<stem>.txt`` (torch's table) and ``<stem>.json``; returns both paths."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = platform.on_gpu()
+    b = batch()
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+        start = time.perf_counter()
+        step(b)
+        _sync()
+        wall = time.perf_counter() - start
+    # Self time: a kernel's (or op's) own time, so nothing is counted twice (a matmul op's time is
+    # its kernels' time); on GPU the kernels lead this list.
+    key = "self_device_time_total" if gpu else "self_cpu_time_total"
+    averages = prof.key_averages()
+    total = sum(getattr(e, key) for e in averages) or 1.0
+    ops = sorted(averages, key=lambda e: getattr(e, key), reverse=True)[:top]
+    record = {
+        "device": platform.device_name() or "cpu", "time": "CUDA (device) time" if gpu else "CPU time",
+        "sort_by": key, "step_wall_s": wall, "total_self_time_us": total,
+        "ops": [{"name": e.key, "calls": e.count, "self_time_us": getattr(e, key),
+                 "self_share": getattr(e, key) / total,
+                 "total_time_us": e.device_time_total if gpu else e.cpu_time_total} for e in ops],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table, as_json = out_dir / f"{stem}.txt", out_dir / f"{stem}.json"
+    table.write_text(f"one optimizer step of megatron_ext ({stem}), wall {1e3 * wall:.1f} ms; top {top} by "
+                     f"{key}\n\n" + averages.table(sort_by=key, row_limit=top) + "\n")
+    as_json.write_text(json.dumps(record, indent=2) + "\n")
+    return {"table": str(table), "json": str(as_json)}
+
+
+def _ours(config, engine_name: str, batch, args, profile_stem: str | None) -> dict:
     torch.manual_seed(0)
     model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
     engine = build_engine(engine_name, model.to(platform.device()), config)
-    return _timed_rounds(lambda step: engine.train_step([MicroBatch(b, None) for b in step], lr=1e-4), batch, args)
+
+    def step(micro_batches):
+        engine.train_step([MicroBatch(b, None) for b in micro_batches], lr=1e-4)
+
+    result = {"rounds_s": _timed_rounds(step, batch, args)}
+    if profile_stem is not None:
+        result["profile"] = profile_step(step, batch, Path(args.profile), profile_stem)
+    return result
 
 
-def _hf(config, batch, args) -> tuple[list[float], float | None]:
+def _hf(config, batch, args) -> dict:
     device = platform.device()
     torch.manual_seed(0)
     hf = hf_model(config.model).to(device)
@@ -165,62 +229,160 @@ def _hf(config, batch, args) -> tuple[list[float], float | None]:
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         optimizer.step()
 
-    return _timed_rounds(step, batch, args)
+    return {"rounds_s": _timed_rounds(step, batch, args)}
 
 
-def _release() -> None:
-    gc.collect()
+def _batches(args, model_preset: str, seq_length: int):
+    """A maker of one optimizer step's micro-batches; each side builds it from the same generator
+    seed, so every side of a row trains on identical batches."""
+    device = platform.device()
+    micro, count = recipe_shape(args, model_preset)
+    masking = MaskingConfig(mask_ratio=0.4)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def step_batches():  # one optimizer step: `count` micro-batches
+        return [apply_mlm(torch.randint(4, args.vocab_size, (micro, seq_length), generator=gen, device=device),
+                          config=masking, mask_id=MASK_ID, vocab_size=args.vocab_size, special_ids=SPECIAL_IDS,
+                          generator=gen) for _ in range(count)]
+    return step_batches
+
+
+def run_side(spec: dict) -> dict:
+    """Measure one side of one row in this process (``--run-side``): ``spec["side"]`` is
+    ``megatron_ext``, ``hf``, a variant name, or ``probe`` (what the machine is, checked before
+    anything is timed). Returns rounds and this process's peak memory, or an ``error`` when the
+    side does not fit in memory."""
+    args = argparse.Namespace(**spec["args"])
+    side = spec["side"]
+    if side == "probe":
+        if "fp8" in args.precisions:
+            platform.check_run_supported(fp8_recipe=args.fp8_recipe, recompute_granularity=None)
+        return {"device": platform.device_name() or f"cpu{torch.get_num_threads()}",
+                "versions": platform.software_versions()}
+    preset, seq_length, precision = spec["model"], spec["seq_length"], spec["precision"]
+    config = run_config(args, preset, seq_length, precision, None if side in ("megatron_ext", "hf") else side)
     if platform.on_gpu():
-        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    ours = side != "hf"
+    if ours:  # the engine needs Megatron's parallel state; the baseline needs nothing of it
+        platform.init_process_group_and_model_parallel(seed=1234)
+    try:
+        if side == "hf":
+            result = _hf(config, _batches(args, preset, seq_length), args)
+        else:
+            stem = f"profile_{preset}_seq{seq_length}_{precision}" if side == "megatron_ext" and args.profile else None
+            result = _ours(config, platform.resolve_engine("auto"), _batches(args, preset, seq_length), args, stem)
+    except torch.OutOfMemoryError as error:  # a measurement too: this side does not fit at this shape
+        result = {"error": f"out of memory: {str(error).splitlines()[0]}"}
+    finally:
+        if ours:
+            platform.destroy_process_group_and_model_parallel()
+    (phase,) = resolve_phases(config.phases, config.training.train_iters)
+    share = lm_head_share(phase, scored_only=config.training.lm_head_scored_only)
+    return {**result, "peak_mem_gb": _peak_memory_gb(), "engine": platform.resolve_engine("auto"),
+            "attention_backend": config.model.attention_backend, "parameters": parameter_count(config.model),
+            "flops_per_token": flops_per_token(config.model, seq_length, lm_head_share=share)}
+
+
+# A torchrun launch's rendezvous variables would make every side's process join the parent's
+# process group; each side is a lone process with its own file-store rendezvous instead.
+_LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def measure_alone(args, side: str, model_preset: str | None = None, seq_length: int | None = None,
+                  precision: str | None = None) -> dict:
+    """``run_side`` in a process of its own, so that nothing of another side (weights, gradients,
+    optimizer state, the caching allocator's blocks) is resident while this side runs and its
+    peak memory is its own. Raises with the process's output when it fails (other than by running
+    out of memory, which the side reports)."""
+    with tempfile.TemporaryDirectory(prefix="throughput_side_") as tmp:
+        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        spec_path.write_text(json.dumps({"side": side, "model": model_preset, "seq_length": seq_length,
+                                         "precision": precision, "args": settings}))
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+        run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--run-side", str(spec_path),
+                              "--side-result", str(result_path)], cwd=REPO, env=env, capture_output=True, text=True)
+        if run.returncode != 0 or not result_path.is_file():
+            output = (run.stdout + run.stderr).strip()
+            raise RuntimeError(f"throughput side {side!r} ({model_preset} seq {seq_length} {precision}) exited with "
+                               f"{run.returncode}; its last output:\n{output[-6000:]}")
+        return json.loads(result_path.read_text())
 
 
 def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
-    """One row: our engine, then the baseline, on batches from the same generator seed."""
-    device = platform.device()
-    config = run_config(args, model_preset, seq_length, precision)
-    engine_name = platform.resolve_engine("auto")
-    masking = MaskingConfig(mask_ratio=0.4)
+    """One row: our engine, each variant, then the baseline, each alone in its own process, on
+    batches from the same generator seed."""
     micro, count = recipe_shape(args, model_preset)
-
-    def batches():
-        gen = torch.Generator(device=device).manual_seed(0)
-
-        def step_batches():  # one optimizer step: `count` micro-batches
-            return [apply_mlm(torch.randint(4, args.vocab_size, (micro, seq_length), generator=gen, device=device),
-                              config=masking, mask_id=MASK_ID, vocab_size=args.vocab_size, special_ids=SPECIAL_IDS,
-                              generator=gen) for _ in range(count)]
-        return step_batches
-
-    ours_times, ours_peak = _ours(config, engine_name, batches(), args)
-    _release()
     tokens = count * micro * seq_length  # per optimizer step
-    step_time = statistics.median(ours_times)
+
+    def speed(side: dict) -> tuple[float | None, float | None]:
+        if "error" in side:
+            return None, None
+        step_time = statistics.median(side["rounds_s"])
+        return step_time, tokens / step_time
+
+    ours = measure_alone(args, "megatron_ext", model_preset, seq_length, precision)
+    step_time, tokens_per_s = speed(ours)
     variants = {}
     for name in args.variants:
-        times, peak_mem = _ours(run_config(args, model_preset, seq_length, precision, name), engine_name, batches(), args)
-        _release()
-        variants[name] = {"change": VARIANTS[name][1], "tokens_per_s": tokens / statistics.median(times),
-                          "peak_mem_gb": peak_mem, "default_speedup": statistics.median(times) / step_time,
-                          "rounds_s": times}
-    hf_times, hf_peak = _hf(config, batches(), args)
-    _release()
-    hf_step_time = statistics.median(hf_times)
-    (phase,) = resolve_phases(config.phases, config.training.train_iters)
-    share = lm_head_share(phase, scored_only=config.training.lm_head_scored_only)
-    achieved = tokens / step_time * flops_per_token(config.model, seq_length, lm_head_share=share)
-    peak = peak_flops_per_device(platform.device_name()) if platform.on_gpu() else None
+        side = measure_alone(args, name, model_preset, seq_length, precision)
+        v_time, v_speed = speed(side)
+        variants[name] = {"change": VARIANTS[name][1], "tokens_per_s": v_speed, "peak_mem_gb": side["peak_mem_gb"],
+                          "default_speedup": v_time / step_time if v_time and step_time else None,
+                          "rounds_s": side.get("rounds_s"), "error": side.get("error")}
+    hf = measure_alone(args, "hf", model_preset, seq_length, precision)
+    hf_step_time, hf_tokens_per_s = speed(hf)
+    achieved = tokens_per_s * ours["flops_per_token"] if tokens_per_s else None
+    peak = peak_flops_per_device(args.device_name) if platform.on_gpu() else None
     return {
         "model": model_preset, "seq_length": seq_length, "precision": precision,
         "micro_batch_size": micro, "micro_batches_per_step": count, "tokens_per_step": tokens,
-        "micro_batch_time_s": step_time / count, "hf_micro_batch_time_s": hf_step_time / count,
-        "parameters": parameter_count(config.model),
-        "engine": engine_name, "attention_backend": config.model.attention_backend,
-        "tokens_per_s": tokens / step_time, "tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
-        "peak_mem_gb": ours_peak, "step_time_s": step_time,
-        "hf_tokens_per_s": tokens / hf_step_time, "hf_peak_mem_gb": hf_peak, "hf_step_time_s": hf_step_time,
-        "speedup_vs_hf": hf_step_time / step_time, "variants": variants,
-        "rounds_s": {"megatron_ext": ours_times, "hf": hf_times},
+        "micro_batch_time_s": step_time / count if step_time else None,
+        "hf_micro_batch_time_s": hf_step_time / count if hf_step_time else None,
+        "parameters": ours["parameters"], "engine": ours["engine"], "attention_backend": ours["attention_backend"],
+        "tokens_per_s": tokens_per_s, "tflops": achieved / 1e12 if achieved else None,
+        "mfu": achieved / peak if achieved and peak else None,
+        "peak_mem_gb": ours["peak_mem_gb"], "step_time_s": step_time,
+        "hf_tokens_per_s": hf_tokens_per_s, "hf_peak_mem_gb": hf["peak_mem_gb"], "hf_step_time_s": hf_step_time,
+        "peak_mem_measure": PEAK_MEMORY_MEASURE["gpu" if platform.on_gpu() else "cpu"],
+        "speedup_vs_hf": hf_step_time / step_time if step_time and hf_step_time else None,
+        "errors": {name: side["error"] for name, side in (("megatron_ext", ours), ("hf", hf)) if "error" in side},
+        "variants": variants, "profile": ours.get("profile"),
+        "rounds_s": {"megatron_ext": ours.get("rounds_s"), "hf": hf.get("rounds_s")},
     }
+
+
+def _format_row(row: dict) -> list[str]:
+    """The printed lines of a row: speed and peak memory of each side side by side, the ratio,
+    then the variants."""
+    def speed(value):
+        return "out of memory" if value is None else f"{value:,.0f} tok/s"
+
+    gpu = row["peak_mem_measure"] == PEAK_MEMORY_MEASURE["gpu"]
+    mem_label = "peak GPU mem" if gpu else "peak RSS"
+    head = (f"{row['model']} seq {row['seq_length']} {row['precision']}, {row['micro_batches_per_step']} x "
+            f"micro-batch {row['micro_batch_size']}/step: ")
+    if row["tokens_per_s"] is None:
+        ours = f"megatron_ext {row['errors']['megatron_ext']}"
+    else:
+        mfu = "" if row["mfu"] is None else f" | MFU {100 * row['mfu']:.1f}%"
+        ours = (f"{speed(row['tokens_per_s'])} | {1e3 * row['step_time_s']:.0f} ms/step, "
+                f"{1e3 * row['micro_batch_time_s']:.0f} ms/micro-batch | {row['tflops']:.1f} TFLOP/s{mfu}")
+    hf = speed(row["hf_tokens_per_s"])
+    ratio = "" if row["speedup_vs_hf"] is None else f" | x{row['speedup_vs_hf']:.2f} vs HF"
+    lines = [f"{head}{ours} | {mem_label} {row['peak_mem_gb']:.2f} GB | HF {hf}, {mem_label} "
+             f"{row['hf_peak_mem_gb']:.2f} GB{ratio}"]
+    for name, v in row["variants"].items():
+        if v["tokens_per_s"] is None:
+            lines.append(f"    default vs {name} ({v['change']}): {v['error']}")
+        else:
+            ratio = "" if v["default_speedup"] is None else f"x{v['default_speedup']:.2f} "
+            lines.append(f"    default vs {name} ({v['change']}): {ratio}({v['tokens_per_s']:,.0f} tok/s, "
+                         f"{mem_label} {v['peak_mem_gb']:.2f} GB)")
+    if row["profile"]:
+        lines.append(f"    profile of one optimizer step: {row['profile']['table']}")
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,48 +407,50 @@ def build_parser() -> argparse.ArgumentParser:
     add("--variants", nargs="*", choices=sorted(VARIANTS), default=["full_lm_head"],
         help="optimisation steps to time against the default configuration, same batches: "
         + "; ".join(f"{k}: {v[1]}" for k, v in VARIANTS.items()))
+    add("--profile", type=Path, default=None, metavar="DIR",
+        help="after the timed rounds, profile one optimizer step of megatron_ext per row (torch.profiler) and "
+             "write the top ops and kernels by self device time (CUDA time on GPU, CPU time on CPU) to "
+             "DIR/profile_<preset>_seq<S>_<precision>.txt (table) and .json")
     add("--output", type=Path, default=None, help="default: benchmarks/results/throughput_<device>.json")
+    # Internal: one side of one row in this process (see measure_alone).
+    add("--run-side", type=Path, default=None, help=argparse.SUPPRESS)
+    add("--side-result", type=Path, default=None, help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.run_side is not None:
+        args.side_result.write_text(json.dumps(run_side(json.loads(args.run_side.read_text()))))
+        return 0
     if args.cpu_tiny:
         args.presets, args.seq_lengths, args.precisions = ["tiny"], [128], ["fp32"]
         args.vocab_size = min(args.vocab_size, 8192)
     gpu_only = [v for v in args.variants if v in GPU_ONLY_VARIANTS]
     if gpu_only and not platform.on_gpu():
         parser.error(f"--variants {' '.join(gpu_only)} need CUDA (Megatron's activation recomputation)")
-    if "fp8" in args.precisions:
-        platform.check_run_supported(fp8_recipe=args.fp8_recipe, recompute_granularity=None)
 
-    platform.init_process_group_and_model_parallel(seed=1234)
-    device_name = platform.device_name() if platform.on_gpu() else f"cpu{torch.get_num_threads()}"
-    print(f"{device_name}; FLOPs/token = {MFU_CONVENTION}; MFU against the dense bf16 peak", flush=True)
+    # This process only starts the sides and reads their results: it allocates nothing on the
+    # device (not even a CUDA context), so each side's process has the device to itself.
+    args.device_name = None
+    probe = measure_alone(args, "probe")  # FP8 support is checked there, before anything is timed
+    args.device_name = probe["device"]
+    print(f"{args.device_name}; FLOPs/token = {MFU_CONVENTION}; MFU against the dense bf16 peak; each side (ours, "
+          f"each variant, HF) measured alone in its own process", flush=True)
     rows = []
-    try:
-        for model_preset in args.presets:
-            for seq_length in args.seq_lengths:
-                for precision in args.precisions:
-                    row = measure(args, model_preset, seq_length, precision)
-                    rows.append(row)
-                    mfu = "" if row["mfu"] is None else f" | MFU {100 * row['mfu']:.1f}%"
-                    mem = "" if row["peak_mem_gb"] is None else f" | {row['peak_mem_gb']:.1f} GB"
-                    print(f"{model_preset} seq {seq_length} {precision}, {row['micro_batches_per_step']} x micro-batch "
-                          f"{row['micro_batch_size']}/step: {row['tokens_per_s']:,.0f} tok/s | "
-                          f"{1e3 * row['step_time_s']:.0f} ms/step, {1e3 * row['micro_batch_time_s']:.0f} ms/micro-batch | "
-                          f"{row['tflops']:.1f} TFLOP/s{mfu}{mem} | HF {row['hf_tokens_per_s']:,.0f} tok/s | "
-                          f"x{row['speedup_vs_hf']:.2f} vs HF", flush=True)
-                    for name, v in row["variants"].items():
-                        print(f"    default vs {name} ({v['change']}): x{v['default_speedup']:.2f} "
-                              f"({v['tokens_per_s']:,.0f} tok/s)", flush=True)
-    finally:
-        platform.destroy_process_group_and_model_parallel()
-    result = {"benchmark": "throughput", "device": device_name, "flops_convention": MFU_CONVENTION,
-              "mfu_peak": "dense bf16 peak of the device (also for fp8 rows)", "versions": platform.software_versions(),
-              "settings": {k: v for k, v in vars(args).items() if k != "output"}, "rows": rows}
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_").lower()
+    for model_preset in args.presets:
+        for seq_length in args.seq_lengths:
+            for precision in args.precisions:
+                row = measure(args, model_preset, seq_length, precision)
+                rows.append(row)
+                print("\n".join(_format_row(row)), flush=True)
+    result = {"benchmark": "throughput", "device": args.device_name, "flops_convention": MFU_CONVENTION,
+              "mfu_peak": "dense bf16 peak of the device (also for fp8 rows)", "versions": probe["versions"],
+              "peak_mem_measure": PEAK_MEMORY_MEASURE["gpu" if platform.on_gpu() else "cpu"],
+              "settings": {k: v for k, v in vars(args).items() if k not in ("output", "run_side", "side_result")},
+              "rows": rows}
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", args.device_name).strip("_").lower()
     out = args.output or REPO / "benchmarks" / "results" / f"throughput_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -12,11 +12,16 @@ REQUIRED = ("model", "seq_length", "precision", "tokens_per_s", "tflops", "mfu",
 
 
 def test_throughput_cpu_mode_writes_rows(tmp_path, capsys):
-    out = tmp_path / "throughput_cpu.json"
-    assert throughput.main(["--cpu-tiny", "--steps", "1", "--rounds", "2", "--warmup", "1", "--output", str(out)]) == 0
-    assert "tok/s" in capsys.readouterr().out
+    """Each side (ours, the variant, HF) runs in its own process and reports that process's peak
+    memory (peak RSS on CPU, labelled as such); --profile writes one profiled step's top ops."""
+    out, profile = tmp_path / "throughput_cpu.json", tmp_path / "profile"
+    assert throughput.main(["--cpu-tiny", "--steps", "1", "--rounds", "2", "--warmup", "1", "--output", str(out),
+                            "--profile", str(profile)]) == 0
+    printed = capsys.readouterr().out
+    assert "tok/s" in printed and printed.count("peak RSS") == 3  # ours, HF, the variant
     result = json.loads(out.read_text())
     assert result["flops_convention"].startswith("6*N") and result["versions"]["megatron_core"]
+    assert result["peak_mem_measure"].startswith("peak resident set size")
     (row,) = result["rows"]
     assert all(key in row for key in REQUIRED)
     assert (row["model"], row["seq_length"], row["precision"], row["engine"]) == ("tiny", 128, "fp32", "megatron")
@@ -24,10 +29,25 @@ def test_throughput_cpu_mode_writes_rows(tmp_path, capsys):
     # The demo recipe's shape: 2 micro-batches of 8 sequences per optimizer step, on both sides.
     assert (row["micro_batches_per_step"], row["micro_batch_size"], row["tokens_per_step"]) == (2, 8, 2 * 8 * 128)
     assert row["micro_batch_time_s"] == pytest.approx(row["step_time_s"] / 2)
-    assert row["mfu"] is None and row["peak_mem_gb"] is None  # no GPU peak to divide by on CPU
+    assert row["mfu"] is None  # no GPU peak to divide by on CPU
+    # Each side's own process: its peak RSS holds torch, the libraries and the model (well over 100 MB).
+    assert row["peak_mem_measure"] == result["peak_mem_measure"] and row["errors"] == {}
+    assert 0.1 < row["peak_mem_gb"] < 16 and 0.1 < row["hf_peak_mem_gb"] < 16
+    assert row["speedup_vs_hf"] == pytest.approx(row["hf_step_time_s"] / row["step_time_s"])
     assert len(row["rounds_s"]["megatron_ext"]) == 2
     variant = row["variants"]["full_lm_head"]  # the default step vs the full LM head, same batches
     assert variant["tokens_per_s"] > 0 and variant["default_speedup"] > 0 and len(variant["rounds_s"]) == 2
+    assert 0.1 < variant["peak_mem_gb"] < 16
+    # --profile: one optimizer step of our engine, the top ops by CPU time, as a table and as JSON.
+    stem = profile / "profile_tiny_seq128_fp32"
+    assert row["profile"] == {"table": f"{stem}.txt", "json": f"{stem}.json"}
+    assert "Self CPU" in (profile / "profile_tiny_seq128_fp32.txt").read_text()
+    profiled = json.loads((profile / "profile_tiny_seq128_fp32.json").read_text())
+    assert profiled["sort_by"] == "self_cpu_time_total" and profiled["step_wall_s"] > 0
+    ops = profiled["ops"]
+    assert ops and any(op["name"] == "aten::mm" for op in ops)  # the matmuls are where a step goes
+    assert [op["self_time_us"] for op in ops] == sorted((op["self_time_us"] for op in ops), reverse=True)
+    assert 0 < sum(op["self_share"] for op in ops) <= 1 + 1e-9
 
 
 def test_recipe_shape_is_one_ranks_share_of_the_paper_batch():
