@@ -28,6 +28,7 @@ accepts such labels (out-of-partition ids give a finite value), which the loss m
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -80,6 +81,11 @@ class ObjectiveBatch:
 
     causal: bool
     """True: causal attention (CLM). False: bidirectional attention (MLM)."""
+
+    max_scored_per_sequence: int
+    """No sequence of the batch has more scored positions than this: a bound known on the host
+    without reading ``loss_mask`` (the LM head at the scored positions selects this many rows per
+    sequence, so the GPU never waits for the host). MLM: ``floor(mask_ratio * s + 0.5)``; CLM: ``s``."""
 
 
 def apply_mlm(
@@ -153,6 +159,8 @@ def apply_mlm(
         labels=tokens.masked_fill(~selected, IGNORE_INDEX),
         loss_mask=selected.float(),
         causal=False,
+        # n_selected's formula at n = s, its largest value (in float64, as n_selected).
+        max_scored_per_sequence=math.floor(tokens.shape[1] * config.mask_ratio + 0.5),
     )
 
 
@@ -171,4 +179,5 @@ def apply_clm(
         labels=labels.masked_fill(~scored, IGNORE_INDEX),
         loss_mask=loss_mask.float(),
         causal=True,
+        max_scored_per_sequence=tokens.shape[1],
     )

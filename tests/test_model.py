@@ -224,13 +224,17 @@ def test_lm_head_at_scored_positions_only_gives_the_same_loss_and_gradients(tie)
         return per_token.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     full, full_grads = loss_and_grads()
-    scored, scored_grads = loss_and_grads(loss_mask=loss_mask)
     keep = loss_mask > 0
-    assert scored.shape == full.shape and keep.sum() > 5
-    torch.testing.assert_close(scored[keep], full[keep])
-    assert (scored[~keep] == 0).all()
-    for name, grad in full_grads.items():
-        torch.testing.assert_close(scored_grads[name], grad, msg=name)
+    most = int(keep.sum(1).max())
+    # Rows per sequence read from the mask (a host sync), a host-side bound above the largest
+    # count (training: ObjectiveBatch.max_scored_per_sequence), and every position.
+    for bound in (None, most + 3, ids.shape[1]):
+        scored, scored_grads = loss_and_grads(loss_mask=loss_mask, max_scored_per_sequence=bound)
+        assert scored.shape == full.shape and keep.sum() > 5
+        torch.testing.assert_close(scored[keep], full[keep])
+        assert (scored[~keep] == 0).all()
+        for name, grad in full_grads.items():
+            torch.testing.assert_close(scored_grads[name], grad, msg=f"{name}, bound {bound}")
 
     with torch.no_grad():  # nothing scored at all: an empty head, zero loss
         empty = model(ids, causal=False, labels=labels, loss_mask=torch.zeros_like(loss_mask))

@@ -73,6 +73,11 @@ def test_exact_masked_count_per_sequence(news_batch, ratio):
     assert torch.equal(out.labels[selected], news_batch[selected])
     assert (out.labels[~selected] == IGNORE_INDEX).all()
     assert out.loss_mask.dtype == torch.float32 and out.causal is False
+    # The host-side bound the LM head selects by: never below a row's count, reached by a row
+    # with nothing excluded.
+    assert out.max_scored_per_sequence >= int(selected.sum(1).max())
+    full_row = _mlm(torch.full((1, news_batch.shape[1]), 100), mask_ratio=ratio)
+    assert out.max_scored_per_sequence == int(full_row.loss_mask.sum())
 
 
 def test_selection_is_uniform_over_positions(news_batch):
@@ -229,6 +234,7 @@ def test_clm_on_gpt_dataset_output(gpt_dataset):
     assert (batch["tokens"] == SEP).any()
     assert (out.labels[batch["tokens"] == SEP] == IGNORE_INDEX).all()
     assert out.loss_mask[-1].sum() == 0 and out.loss_mask[:-1].sum() > 0
+    assert out.max_scored_per_sequence == batch["tokens"].shape[1]  # the LM head runs everywhere
 
 
 def test_mlm_on_gpt_dataset_output(gpt_dataset):

@@ -7,6 +7,7 @@ block, so checkpoints map 1:1 onto ``EuroBertForMaskedLM`` and ``LlamaForCausalL
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -91,6 +92,7 @@ class EncoderModel(GPTModel):
         position_ids: Tensor | None = None,
         labels: Tensor | None = None,
         loss_mask: Tensor | None = None,
+        max_scored_per_sequence: int | None = None,
     ) -> Tensor:
         """Run the encoder with a causal (CLM) or bidirectional (MLM, evaluation) pattern.
 
@@ -107,6 +109,11 @@ class EncoderModel(GPTModel):
                 LM head and the cross entropy run only at positions of positive weight (MLM: the
                 masked ~40 %, so most of the head's FLOPs and its ``[s, b, vocab]`` logits are
                 saved); the other positions get loss 0, which their zero weight ignores anyway.
+            max_scored_per_sequence: With ``loss_mask``: no row of ``loss_mask`` has more positive
+                entries (``ObjectiveBatch.max_scored_per_sequence``). The head then runs at this many
+                positions per sequence, chosen on the device, with no host sync; a value below the
+                truth drops scored positions. None reads the largest count from the mask (one host
+                sync).
 
         Returns:
             Without ``labels``: logits ``[b, s, vocab_size / tp]``, this tensor-parallel rank's
@@ -123,36 +130,48 @@ class EncoderModel(GPTModel):
             )
         eod = self.encoder_config.eod_token_id if self.encoder_config.document_mask else None
         mask = attention_mask_for(input_ids, causal=causal, eod_token_id=eod)
-        scored_only = labels is not None and loss_mask is not None
-        return super().forward(
-            input_ids, position_ids, mask, labels=labels, loss_mask=loss_mask,
-            output_processor=self._loss_at_scored_positions if scored_only else None,
-        )
+        processor = None
+        if labels is not None and loss_mask is not None:
+            if max_scored_per_sequence is None:
+                max_scored_per_sequence = int((loss_mask > 0).sum(dim=1).max()) if loss_mask.numel() else 0
+            processor = functools.partial(self._loss_at_scored_positions, rows_per_sequence=max_scored_per_sequence)
+        return super().forward(input_ids, position_ids, mask, labels=labels, loss_mask=loss_mask,
+                               output_processor=processor)
 
     def _loss_at_scored_positions(
         self, *, hidden_states: Tensor, output_layer, output_weight: Tensor | None, labels: Tensor,
-        loss_mask: Tensor, compute_language_model_loss, scale_logits, **_: Any,
+        loss_mask: Tensor, compute_language_model_loss, scale_logits, rows_per_sequence: int, **_: Any,
     ) -> Tensor:
         """GPTModel ``output_processor``: LM head + cross entropy at the scored positions only.
 
-        Every tensor-parallel rank holds the same batch and the full sequence (no sequence
-        parallelism), so each selects the same rows and the vocabulary-parallel head and loss
-        stay exact. Selecting a data-dependent number of rows syncs with the host once per
-        micro-batch and rules out CUDA graphs of the head.
+        Each sequence contributes ``rows_per_sequence`` positions (at least as many as it scores):
+        its scored ones first, in order, then unscored ones whose loss is zeroed. The count is
+        known on the host, so nothing waits for the device (a data-dependent ``nonzero()`` did,
+        once per micro-batch). Every tensor-parallel rank holds the same batch and the full
+        sequence (no sequence parallelism), so each selects the same rows and the
+        vocabulary-parallel head and loss stay exact.
         """
         if output_layer.sequence_parallel:
             raise NotImplementedError(
                 "the scored-positions LM head does not support sequence parallelism; set "
                 "training.lm_head_scored_only: false"
             )
-        seq, batch = hidden_states.shape[:2]
-        rows = (loss_mask.t() > 0).reshape(-1).nonzero().squeeze(1)  # hidden_states' [s, b] order
-        selected = hidden_states.reshape(seq * batch, -1).index_select(0, rows).unsqueeze(1)
-        logits, _ = output_layer(selected, weight=output_weight)  # [n, 1, vocab / tp]
-        selected_labels = labels.t().reshape(-1).index_select(0, rows).unsqueeze(0)  # [1, n] = [b, s]
-        loss = compute_language_model_loss(selected_labels, scale_logits(logits)).reshape(-1)
-        per_token = loss.new_zeros(seq * batch).index_put((rows,), loss)
-        return per_token.view(seq, batch).t()
+        seq, batch, hidden = hidden_states.shape
+        scored = loss_mask.t() > 0  # [s, b], hidden_states' order
+        if rows_per_sequence >= seq:  # e.g. CLM: every position runs the head
+            rows, weight, selected, selected_labels = None, scored, hidden_states, labels
+        else:
+            # A stable sort puts each column's scored positions first, in position order.
+            rows = torch.sort(scored.to(torch.uint8), dim=0, descending=True, stable=True).indices[:rows_per_sequence]
+            weight = scored.gather(0, rows)  # [k, b]
+            selected = hidden_states.gather(0, rows.unsqueeze(-1).expand(-1, -1, hidden))  # [k, b, h]
+            selected_labels = labels.t().gather(0, rows).t()  # [b, k]
+        logits, _ = output_layer(selected, weight=output_weight)  # [k, b, vocab / tp]
+        loss = compute_language_model_loss(selected_labels, scale_logits(logits))  # [b, k]
+        loss = torch.where(weight.t(), loss, 0.0)  # unscored picks: 0, even where a diverged head gives inf
+        if rows is None:
+            return loss
+        return loss.new_zeros(batch, seq).scatter(1, rows.t(), loss)
 
 
 def transformer_config(config: EncoderModelConfig, overrides: Mapping[str, Any] | None = None) -> TransformerConfig:

@@ -104,7 +104,8 @@ def per_token_loss(model: torch.nn.Module, micro: MicroBatch, *, bf16: bool, lm_
     labels = batch.labels.clamp(min=0)  # IGNORE_INDEX positions are zeroed by the loss mask
     with torch.autocast(platform.device().type, dtype=torch.bfloat16, enabled=bf16):
         return model(batch.input_ids, causal=batch.causal, position_ids=micro.position_ids, labels=labels,
-                     loss_mask=batch.loss_mask if lm_head_scored_only else None)
+                     loss_mask=batch.loss_mask if lm_head_scored_only else None,
+                     max_scored_per_sequence=batch.max_scored_per_sequence)
 
 
 def masked_loss_sum(per_token: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
