@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/gpu_check.py                      # on a CUDA machine
     .venv/bin/python benchmarks/gpu_check.py --output-dir $OUT    # e.g. on a lent GPU machine
 
-Runs ``pytest -m gpu tests/test_gpu.py`` and writes, into ``--output-dir`` (default
-``benchmarks/results``):
+Runs ``pytest -m gpu tests`` (every ``gpu``-marked test: tests/test_gpu.py and those next to their
+CPU counterparts, e.g. in test_checkpoint.py, test_hf_interop.py, test_processes.py) and writes, into
+``--output-dir`` (default ``benchmarks/results``):
 
 - ``gpu_check_<device>.log``: pytest's whole output (stdout and stderr, written as it runs, so a
   run killed by a time limit still leaves what it printed). torch.distributed.checkpoint's DEBUG
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"running the GPU tests; pytest's output goes to {log_path}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        code = run_pytest(["tests/test_gpu.py"], log_path=log_path, junit_path=junit,
+        code = run_pytest(["tests"], log_path=log_path, junit_path=junit,
                           env={**os.environ, "GPU_CHECK_OUT": tmp})
         # No XML when pytest could not even start (usage error, crash while collecting).
         tests = parse_junit(junit) if junit.is_file() else []
