@@ -6,6 +6,9 @@
 
 Every config field has a flag named like Megatron-LM's (see --help); the recipe's values are
 the defaults. Resumes automatically from the newest complete checkpoint in --save (or --load).
+
+Exit status: 0 done; 2 bad input (one line naming it); 75 stopped on request after saving
+(SIGTERM/SIGUSR1, --exit-duration-in-mins, --exit-interval): run the same command to resume.
 """
 
 from __future__ import annotations
@@ -58,6 +61,20 @@ def load_config(args: argparse.Namespace, dests: dict) -> RunConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_ext.training.stop import write_exit_status
+
+    try:
+        code, reason = _main(argv)
+    except BaseException as error:  # SystemExit from argparse included: recorded, then as it was
+        code = error.code if isinstance(error, SystemExit) and isinstance(error.code, int) else 1
+        write_exit_status(code, f"{type(error).__name__}: {error}")
+        raise
+    write_exit_status(code, reason)
+    return code
+
+
+def _main(argv: list[str] | None) -> tuple[int, str]:
+    """The exit code and a one-line reason."""
     parser, dests = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -77,20 +94,28 @@ def main(argv: list[str] | None = None) -> int:
                 print("checked: " + ", ".join(check_paths(config)))
             except UserError as err:
                 print(f"paths: NOT READY, a run would stop here: {err}")
-            return 0
+            return 0, "dry run"
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"pretrain_encoder.py: error: {err}", file=sys.stderr)
-        return 2
+        return 2, f"error: {err}"
     from megatron_ext.training.loop import pretrain
+    from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
 
     try:
         result = pretrain(config)
     except UserError as err:  # bad data, a mismatched checkpoint, an unusable path: one line, every rank
         rank = os.environ.get("RANK")
         print(f"pretrain_encoder.py: error{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr, flush=True)
-        return 2
+        return 2, f"error: {err}"
+    if result.stopped:
+        reason = f"stopped after step {result.final_step}: {result.stopped}"
+        if not config.checkpoint.save:  # nothing to resume from: a rerun would start over
+            return 1, reason + " (nothing saved)"
+        print(f"stopped: steps {result.start_step} -> {result.final_step} ({result.stopped}); checkpoint "
+              f"{result.checkpoint}; the same command resumes (exit code {RESUMABLE_EXIT_CODE})", flush=True)
+        return RESUMABLE_EXIT_CODE, reason
     print(f"done: steps {result.start_step} -> {result.final_step}; checkpoint {result.checkpoint}")
-    return 0
+    return 0, f"done at step {result.final_step}"
 
 
 if __name__ == "__main__":

@@ -123,9 +123,25 @@ class TrainingConfig:
     ``1 - mask_ratio`` of the head's FLOPs and logits memory saved (the head is ~20 % of a
     step's FLOPs at 610M with the 128k vocabulary). ``false``: GPTModel's full head."""
 
+    exit_signal_handler: bool = True
+    """SIGTERM and SIGUSR1 (what SLURM sends at a time limit, on preemption and on ``scancel``, and
+    ``sbatch --signal`` ahead of the limit) finish the step in flight, save it and exit with code
+    75 (``training.stop``). Megatron-LM ``--exit-signal-handler``; off: the signals kill at once."""
+    exit_duration_in_mins: float | None = None
+    """Stop, save and exit with code 75 once this many minutes have passed since the process
+    started (set it below the job's time limit by more than a step and a save). Megatron-LM
+    ``--exit-duration-in-mins``."""
+    exit_interval: int | None = None
+    """Stop, save and exit with code 75 after every step that is a multiple of this. Megatron-LM
+    ``--exit-interval``."""
+
     def __post_init__(self) -> None:
         if self.train_iters < 1:
             raise ValueError(f"training.train_iters must be >= 1, got {self.train_iters}")
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ValueError(f"training.exit_duration_in_mins must be > 0, got {self.exit_duration_in_mins}")
+        if self.exit_interval is not None and self.exit_interval < 1:
+            raise ValueError(f"training.exit_interval must be >= 1, got {self.exit_interval}")
         for name in ("eval_interval", "log_interval", "max_nonfinite_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"training.{name} must be >= 0, got {getattr(self, name)}")

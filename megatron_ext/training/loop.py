@@ -37,6 +37,7 @@ from megatron_ext.training.engines import Engine, MicroBatch, build_engine, mega
 from megatron_ext.training.memory import check_fits, estimate_memory
 from megatron_ext.training.plan import check_paths, make_plan
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
+from megatron_ext.training.stop import StopPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class TrainResult:
     skipped_steps: int = 0
     checkpoint: str | None = None
     """The last checkpoint written or loaded."""
+    stopped: str | None = None
+    """Why the run stopped before ``training.train_iters`` (a signal, the time budget, the exit
+    interval), after saving ``final_step`` when ``checkpoint.save`` is set; None: it ran to the end."""
 
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
@@ -152,8 +156,8 @@ def _micro_batch(batch: dict[str, torch.Tensor], step: int, phase: ResolvedPhase
 def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainResult:
     """Run (or resume) the configured pretraining. Initialises distributed state if needed.
 
-    ``exit_after_step`` stops (after checkpointing) once that many steps are complete, like
-    Megatron's ``--exit-interval``; used to test that resuming is exact.
+    ``exit_after_step`` stops (after checkpointing) once that many steps are complete; used to
+    test that resuming is exact. Signals and ``training.exit_*`` stop runs too (``training.stop``).
     """
     check_paths(config)  # unwritable outputs and missing inputs, before anything starts
     engine = platform.resolve_engine(config.training.engine)
@@ -311,8 +315,6 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
                            skipped_steps=int(state.get("skipped_steps", 0)))
 
     batches = _build_batches(config, tokenizer, start=start, device=device)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
     sinks = MetricSinks(config.logging, run_config=config.to_dict(), wandb_run_id=state.get("wandb_run_id"))
     log = StepLogger(config, sinks, total_steps=total, start_step=start)
     log.banner(phases, engine_name=engine.name)
@@ -320,31 +322,17 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
     guard = _NonFiniteGuard(config.training.max_nonfinite_steps, in_a_row=int(state.get("nonfinite_in_a_row", 0)),
                             total=int(state.get("skipped_steps", 0)))
     checkpoints = _RunCheckpoints(config, engine, tokenizer)
+    t = config.training
+    stop = StopPolicy(handle_signals=t.exit_signal_handler, duration_minutes=t.exit_duration_in_mins,
+                      interval=t.exit_interval)
     engine.checkpoint_model.train()
     failed = True
     try:
-        for step in range(start, total):
-            done = step + 1
-            phase = phase_at(phases, step)
-            lr = lr_at(step, config=config.schedule, total_steps=total, phases=phases)
-            micro_batches = [_micro_batch(next(batches.train), step, phase, micro * dp_size + dp_rank, config=config,
-                                          tokenizer=tokenizer, device=device) for micro in range(batches.micro_per_step)]
-            outcome = engine.train_step(micro_batches, lr)
-            checkpoints.poll()
-            guard.update(done, outcome.loss, outcome.grad_norm, outcome.skipped)
-            result.final_step = done
-            result.losses[done] = outcome.loss
-            log.step(done, phase, outcome.loss, lr, outcome.grad_norm, outcome.skipped)
-            if batches.valid and _due(done, config.training.eval_interval, total):
-                result.valid[done] = evaluate(engine, batches.valid, config=config, tokenizer=tokenizer)
-                log.validation(done, result.valid[done])
-            exiting = exit_after_step is not None and done >= exit_after_step
-            if config.checkpoint.save and (_due(done, config.checkpoint.save_interval, total) or exiting):
-                result.checkpoint = checkpoints.save(done, _trainer_state(
-                    done, config, guard.in_a_row, guard.total, sinks.wandb_run_id))
-            if exiting:
-                break
-        checkpoints.wait()  # the last checkpoint is complete when the run returns
+        with stop.signals_handled():  # a stop signal from here on ends the run after a step, saved
+            _train_steps(config, start=start, total=total, phases=phases, batches=batches, engine=engine,
+                         tokenizer=tokenizer, device=device, log=log, guard=guard, checkpoints=checkpoints,
+                         stop=stop, sinks=sinks, result=result, exit_after_step=exit_after_step)
+            checkpoints.wait()  # the last checkpoint is complete when the run returns
         failed = False
     finally:
         try:  # no writer process outlives the run, whatever ended it
@@ -352,4 +340,43 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
         finally:
             sinks.close()
     result.skipped_steps = guard.total
+    if result.stopped and is_writer():
+        saved = f"checkpoint {result.checkpoint} is complete" if config.checkpoint.save else (
+            "NOTHING SAVED (checkpoint.save is not set)")
+        print(f"stopped after step {result.final_step}/{total} ({result.stopped}); {saved}", flush=True)
     return result
+
+
+def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: _Batches, engine: Engine,
+                 tokenizer: EncoderTokenizer, device: torch.device, log: StepLogger, guard: _NonFiniteGuard,
+                 checkpoints: _RunCheckpoints, stop: StopPolicy, sinks: MetricSinks, result: TrainResult,
+                 exit_after_step: int | None) -> None:
+    """Steps ``start`` to ``total`` (or to the step a stop asks for), with their validations and saves."""
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    for step in range(start, total):
+        done = step + 1
+        phase = phase_at(phases, step)
+        lr = lr_at(step, config=config.schedule, total_steps=total, phases=phases)
+        micro_batches = [_micro_batch(next(batches.train), step, phase, micro * dp_size + dp_rank, config=config,
+                                      tokenizer=tokenizer, device=device) for micro in range(batches.micro_per_step)]
+        outcome = engine.train_step(micro_batches, lr)
+        checkpoints.poll()
+        guard.update(done, outcome.loss, outcome.grad_norm, outcome.skipped)
+        result.final_step = done
+        result.losses[done] = outcome.loss
+        log.step(done, phase, outcome.loss, lr, outcome.grad_norm, outcome.skipped)
+        if batches.valid and _due(done, config.training.eval_interval, total):
+            result.valid[done] = evaluate(engine, batches.valid, config=config, tokenizer=tokenizer)
+            log.validation(done, result.valid[done])
+        stopping = stop.reason_to_stop(done, device)  # a collective: every rank, every step
+        if stopping is None and exit_after_step is not None and done >= exit_after_step:
+            stopping = f"exit_after_step={exit_after_step}"
+        if done == total:
+            stopping = None  # the run is complete, not stopped
+        if config.checkpoint.save and (_due(done, config.checkpoint.save_interval, total) or stopping):
+            result.checkpoint = checkpoints.save(done, _trainer_state(
+                done, config, guard.in_a_row, guard.total, sinks.wandb_run_id))
+        if stopping:
+            result.stopped = stopping
+            return

@@ -1,0 +1,113 @@
+"""Stopping a run early without losing work: signals, a wall-clock budget, a step interval.
+
+Clusters end jobs with signals: SLURM sends SIGTERM at a time limit, on preemption and on
+``scancel`` (then SIGKILL after its ``KillWait``), and ``sbatch --signal=USR1@N`` sends SIGUSR1
+``N`` seconds before the limit. With ``training.exit_signal_handler`` (on by default) SIGTERM and
+SIGUSR1 only raise a flag: the step in flight finishes, every rank agrees to stop after the same
+step (a MAX all-reduce of the flag each step, so no rank waits for one that went on), the loop
+saves that step, waits until the checkpoint is published, and the process exits with
+:data:`RESUMABLE_EXIT_CODE`. A second signal while that save runs is recorded and otherwise
+ignored; publication is atomic anyway (``checkpoint.core``), so even SIGKILL loses only the save in
+flight. The same path serves Megatron-LM's ``--exit-duration-in-mins`` (a wall-clock budget from
+the process's start, checked after every step) and ``--exit-interval`` (stop after every step that
+is a multiple of it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psutil
+import torch
+import torch.distributed as dist
+
+RESUMABLE_EXIT_CODE = 75
+"""Exit status of a run that stopped on request after saving (sysexits' EX_TEMPFAIL: try again).
+``examples/launch/slurm.sbatch`` requeues the job on it and on nothing else."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+EXIT_STATUS_ENV = "MEGATRON_EXT_EXIT_STATUS_FILE"
+"""When set, global rank 0 writes its exit status there (one line: the code, then a reason).
+torchrun reports 1 whenever a worker exits non-zero, so a launch script behind it reads the
+trainer's own status from this file (``examples/launch/slurm.sbatch`` requeues on 75)."""
+
+
+def write_exit_status(code: int, reason: str) -> None:
+    """Record ``code`` at ``$MEGATRON_EXT_EXIT_STATUS_FILE`` (global rank 0 only; written whole,
+    through a temporary file and a rename). Nothing happens when the variable is unset."""
+    path = os.environ.get(EXIT_STATUS_ENV)
+    if not path or int(os.environ.get("RANK", "0")) != 0:
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as out:
+        out.write(f"{code} {reason}\n")
+    os.replace(tmp, path)
+
+# Reasons, by priority in the all-reduce (MAX): a signal outranks the budget, the budget the interval.
+_NONE, _INTERVAL, _DURATION, _SIGNAL = 0, 1, 2, 3
+
+
+class StopPolicy:
+    """When a run stops early (module docstring); one per run, on every rank.
+
+    Args:
+        handle_signals: Turn SIGTERM/SIGUSR1 into a stop after the current step
+            (``training.exit_signal_handler``); handlers are installed by :meth:`signals_handled`.
+        duration_minutes: Stop once this much wall-clock time has passed since the process started
+            (``training.exit_duration_in_mins``); None: no budget.
+        interval: Stop after a step that is a multiple of it (``training.exit_interval``); None: never.
+    """
+
+    def __init__(self, *, handle_signals: bool, duration_minutes: float | None, interval: int | None):
+        self.handle_signals = handle_signals
+        self.duration_minutes = duration_minutes
+        self.interval = interval
+        self.started = psutil.Process().create_time()
+        self.received: list[str] = []
+        """Names of the stop signals received, in order."""
+
+    def _on_signal(self, signum: int, frame) -> None:  # only records: the loop acts between steps
+        self.received.append(signal.Signals(signum).name)
+
+    @contextmanager
+    def signals_handled(self) -> Iterator[None]:
+        """Install the stop-signal handlers for the block (main thread only, as Python requires);
+        the previous handlers come back after it."""
+        if not self.handle_signals:
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _local_reason(self, step: int) -> int:
+        if self.received:
+            return _SIGNAL
+        if self.duration_minutes is not None and (time.time() - self.started) / 60 >= self.duration_minutes:
+            return _DURATION
+        if self.interval and step % self.interval == 0:
+            return _INTERVAL
+        return _NONE
+
+    def reason_to_stop(self, step: int, device: torch.device) -> str | None:
+        """After ``step``: why every rank stops now (the same answer on every rank: a collective),
+        or None to go on."""
+        code = torch.tensor([self._local_reason(step)], dtype=torch.int32, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        code = int(code.item())
+        if code == _SIGNAL:
+            return f"signal {self.received[0]}" if self.received else "a signal on another rank"
+        if code == _DURATION:
+            return f"training.exit_duration_in_mins={self.duration_minutes:g} reached"
+        if code == _INTERVAL:
+            return f"training.exit_interval={self.interval}"
+        return None
