@@ -38,11 +38,15 @@ def _live_children() -> set[int]:
             if p.status() != psutil.STATUS_ZOMBIE and "multiprocessing.resource_tracker" not in " ".join(p.cmdline())}
 
 
-def test_async_saves_leave_no_process_when_the_run_returns_or_raises(tmp_path, tiny_corpus):
+def test_saves_leave_no_process_when_the_run_returns_or_raises(tmp_path, tiny_corpus):
     before = _live_children()
     result = pretrain(run_config_from_dict(_async_recipe(tiny_corpus, tmp_path / "ok", steps=4)))
     assert result.final_step == 4
     assert ckpt.latest_checkpoint(tmp_path / "ok/ckpt").name == "iter_0000004"  # published before returning
+    assert _live_children() - before == set()
+    synchronous = _async_recipe(tiny_corpus, tmp_path / "sync", steps=4)
+    synchronous["checkpoint"]["async_save"] = False  # Megatron's results queue serves these too
+    pretrain(run_config_from_dict(synchronous))
     assert _live_children() - before == set()
     assert processes.TRAINER_ENV not in os.environ  # the session is over
 
