@@ -1,6 +1,12 @@
-"""The GPU path on a CUDA machine: TE attention modes, bf16 and FP8 biphasic runs, kill and resume,
+"""The GPU path on a CUDA machine: TE attention modes, bf16 and FP8 biphasic runs against an fp32
+run of the same recipe on CPU, bf16 parameters and fusions against the default, kill and resume,
 TE <-> local and GPU <-> CPU checkpoint interchange. Every test carries the ``gpu`` marker and is
-skipped without CUDA; ``benchmarks/gpu_check.py`` runs them and records the outcome."""
+skipped without CUDA; ``benchmarks/gpu_check.py`` runs them and records the outcome.
+
+No test asserts how far a loss falls: the tiny model's MLM loss sits on a plateau (near the unigram
+entropy) that a run leaves by chance, so thresholds on the drop flaked on the H100 (2026-11-24).
+Runs are compared with a reference run from the same weights on the same batches instead, where
+the measured rounding effects bound the gap (each test says by how much, and why)."""
 
 from __future__ import annotations
 
@@ -29,32 +35,88 @@ needs_te = pytest.mark.skipif(not torch.cuda.is_available() or not platform.tran
 needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available()
                                or torch.cuda.get_device_capability() < platform.FP8_MIN_COMPUTE_CAPABILITY,
                                reason="needs compute capability >= 8.9")
-GPU_MODEL = {"preset": "tiny", "vocab_size": 1024, "attention_backend": "local"}
-"""tiny (4 layers, hidden 128, 4/2 heads): every matmul dimension a multiple of 16, as FP8 needs.
-The local spec unless the test's subject is Transformer Engine (``_te_model``)."""
+GPU_MODEL = {"preset": "tiny", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+             "num_query_groups": 2, "vocab_size": 1024, "attention_backend": "local"}
+"""The tiny preset cut to 2 layers of hidden 64 (FFN 128, 4 heads over 2 KV groups; the shape
+tests/helpers.tiny_recipe gives, and the GPU tests have always trained): every matmul dimension a
+multiple of 16, as FP8 needs. The local spec unless the test's subject is Transformer Engine
+(``_te_model``)."""
+STEPS, SWITCH = 200, 100
+"""The biphasic runs: CLM for steps 1-100, MLM-40 for steps 101-200 (the step numbers are those
+of ``TrainResult.losses``: the loss of step ``s`` is computed on the weights after ``s - 1`` updates)."""
+DISTRIBUTED_OPTIMIZER = {"parallel": {"use_distributed_optimizer": True, "overlap_grad_reduce": True}}
 
 
 def _te_model() -> dict:
     return {**GPU_MODEL, "attention_backend": "te"}
 
 
-def _gpu_recipe(corpus, run_dir: Path, *, steps: int, model: dict | None = None, **training) -> dict:
+def _gpu_recipe(corpus, run_dir: Path, *, steps: int, model: dict | None = None, start_from: str | None = None,
+                **training) -> dict:
     # The schedule scales with the run: 5 % warmup, the last 20 % decay (a 10 + 40-step schedule
-    # does not fit a 20-step run).
+    # does not fit a 20-step run). start_from: a checkpoint directory whose weights the run starts
+    # from (checkpoint.finetune: fresh optimizer, step 0).
+    checkpoint = {"save": str(run_dir / "ckpt"), "save_interval": steps // 2}
+    if start_from is not None:
+        checkpoint |= {"load": start_from, "finetune": True}
     return _recipe(corpus, run_dir, model=model or dict(GPU_MODEL),
                    data={"seq_length": 128, "micro_batch_size": 8, "global_batch_size": 16},
                    schedule={"lr": 2e-3, "lr_decay_style": "wsd", "lr_warmup_iters": max(steps // 20, 1),
                              "lr_wsd_decay_iters": max(steps // 5, 1)},
                    training={"train_iters": steps, "eval_interval": steps // 2, "log_interval": 20, "bf16": True,
                              **training},
-                   checkpoint={"save": str(run_dir / "ckpt"), "save_interval": steps // 2})
+                   checkpoint=checkpoint)
 
 
-def _phase_drop(result, start: int, end: int, window: int = 10) -> float:
-    """Mean loss of the first `window` steps of a phase minus that of its last `window` steps."""
-    first = [result.losses[s] for s in range(start + 1, start + 1 + window)]
-    last = [result.losses[s] for s in range(end - window + 1, end + 1)]
-    return sum(first) / window - sum(last) / window
+def _run_log(run_dir: Path) -> dict:
+    """What a run wrote to ``metrics.jsonl``: per step its objective and loss, and its validations."""
+    records = [json.loads(line) for line in (run_dir / "log" / "metrics.jsonl").read_text().splitlines()]
+    return {"objective": {r["step"]: r["objective"] for r in records if r["kind"] == "train"},
+            "losses": {r["step"]: r["loss"] for r in records if r["kind"] == "train"},
+            "valid": {r["step"]: {"clm": r["clm"], "mlm": r["mlm"]} for r in records if r["kind"] == "valid"}}
+
+
+def _check_phases(run_dir: Path) -> None:
+    """The run really was CLM for steps 1-100 and MLM for steps 101-200 (as its log says)."""
+    objective = _run_log(run_dir)["objective"]
+    assert objective == {s: "clm" if s <= SWITCH else "mlm" for s in range(1, STEPS + 1)}, objective
+
+
+def _window_gaps(run: dict[int, float], reference: dict[int, float], first: int, last: int,
+                 width: int = 10) -> dict[str, float]:
+    """Relative gap of the mean loss of each ``width``-step window of steps first..last."""
+    gaps = {}
+    for start in range(first, last + 1, width):
+        steps = range(start, min(start + width, last + 1))
+        ours, theirs = (sum(losses[s] for s in steps) / len(steps) for losses in (run, reference))
+        gaps[f"{steps[0]}-{steps[-1]}"] = abs(ours - theirs) / theirs
+    return gaps
+
+
+def _assert_windows_close(run, reference, first: int, last: int, rel: float, what: str) -> None:
+    gaps = _window_gaps(run, reference, first, last)
+    worst = max(gaps, key=gaps.get)
+    assert gaps[worst] <= rel, (f"{what}: steps {worst} mean loss {100 * gaps[worst]:.2f} % off (tolerance "
+                                f"{100 * rel:.1f} %); every window: " + ", ".join(f"{k}: {100 * v:.2f} %"
+                                                                                   for k, v in gaps.items()))
+
+
+def _completed(process: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
+    """``process`` if it exited 0, else an assertion error that carries its exit code, the last line
+    of its stderr first (the exception, usually) and then its stderr's tail (a bare
+    CalledProcessError loses the cause)."""
+    if process.returncode != 0:
+        stderr = process.stderr or ""
+        last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "(no stderr)")
+        raise AssertionError(f"{what} exited with {process.returncode}: {last.strip()}\n--- stderr (tail) ---\n"
+                             f"{stderr[-8000:]}\n--- stdout (tail) ---\n{(process.stdout or '')[-2000:]}")
+    return process
+
+
+def _cpu_process(command: list[str], what: str) -> subprocess.CompletedProcess:
+    """Run ``command`` in a process that sees no GPU (the CPU platform: gloo, CPU tensors)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return _completed(subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True), what)
 
 
 @pytest.fixture(scope="module")
@@ -89,40 +151,135 @@ def test_te_attention_modes_and_agreement_with_local(model_parallel, tmp_path):
             torch.testing.assert_close(a.float(), local(ids, causal=causal).float(), atol=5e-2, rtol=5e-2)
 
 
+@pytest.fixture(scope="module")
+def initial_weights(model_parallel, tmp_path_factory, tiny_corpus) -> str:
+    """One set of initial weights (the GPU's initialisation, saved as a step-0 checkpoint) that every
+    biphasic run of this module starts from (``checkpoint.finetune``): the CPU reference, the GPU
+    runs, the local and the TE spec then differ by their arithmetic only, not by how each platform
+    draws its initial weights (CPU and GPU initialise from different generators)."""
+    from megatron_ext.model import build_encoder_model
+
+    root = tmp_path_factory.mktemp("initial_weights")
+    config = run_config_from_dict(_gpu_recipe(tiny_corpus, root, steps=STEPS))
+    torch.manual_seed(0)
+    model = build_encoder_model(config.model).cuda()
+    ckpt.save_checkpoint(root / "ckpt", step=0, model=model, optimizer=None, trainer_state={"step": 0},
+                         run_config=config.to_dict(), tokenizer_reference={}, keep_last=1)
+    return str(root / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(initial_weights, tmp_path_factory, tiny_corpus) -> dict:
+    """The biphasic recipe in fp32 on CPU (a process that sees no GPU, ``pretrain_encoder.py``),
+    from the same initial weights: what its log says (objective and loss per step, validations)."""
+    root = tmp_path_factory.mktemp("cpu_reference")
+    recipe = root / "recipe.json"
+    recipe.write_text(json.dumps(  # JSON is YAML
+        _gpu_recipe(tiny_corpus, root, steps=STEPS, start_from=initial_weights, bf16=False) | DISTRIBUTED_OPTIMIZER))
+    _cpu_process([sys.executable, str(REPO / "pretrain_encoder.py"), "--config", str(recipe)], "the CPU reference run")
+    _check_phases(root)
+    return _run_log(root)
+
+
+# How far a GPU run may be from a reference run that starts from the same weights and reads the
+# same batches (see the docstrings of the two tests below for the measurements behind them):
+FIRST_STEPS_TOLERANCE = {"bf16": 1e-3, "fp8": 1e-2}
+"""Per step, steps 1-10: relative."""
+WINDOW_TOLERANCE = {"bf16": 0.03, "fp8": 0.05}
+"""Mean loss of each 10-step window of the CLM phase (1-100) and of the first 20 MLM steps
+(101-120), and the CLM validation loss at the switch: relative."""
+JUMP_AT_SWITCH = 1.0
+"""The MLM loss of the CLM-trained model (step 101) exceeds its CLM loss (step 100) by at least this."""
+
+
 @pytest.mark.parametrize("fp8_recipe", [None, pytest.param("delayed", marks=[needs_te, needs_fp8]),
                                         pytest.param("tensorwise", marks=[needs_te, needs_fp8])])
-def test_biphasic_run_falls_in_both_phases(tmp_path, tiny_corpus, fp8_recipe):
-    """200 steps (CLM 100, MLM-40 100) with the megatron engine and the distributed optimizer; bf16
-    on the local spec (TE when FP8 is the subject)."""
+def test_biphasic_run_follows_the_cpu_fp32_reference(tmp_path, tiny_corpus, initial_weights, cpu_reference,
+                                                     fp8_recipe):
+    """200 steps (CLM 1-100, MLM-40 101-200) with the megatron engine and the distributed optimizer
+    (bf16 autocast on the local spec; TE when FP8 is the subject) from the same weights as an fp32
+    run of the same recipe on CPU: the same curve, step by step at first and per 10-step window
+    after, and the switch from CLM to MLM where the recipe puts it.
+
+    Why the tolerances hold. Both runs start from the same weights and read the same batches, so
+    they differ only by rounding (bf16 or FP8 on GPU, fp32 on CPU) and, in the MLM phase, by the
+    masks (the mask generator is the device's: CUDA and CPU draw different streams). Measured on
+    CPU (2 cores) with this recipe and model, ``training.seed`` 1-8, bf16 parameters (alone, and
+    with both fusions) against fp32 from the seed's initialisation (16 pairs): steps 1-10 agree to
+    0.004 %; after the warmup rounding moves single-step loss spikes (one step 8.6 % off, the curves
+    together again the next step), so 10-step windows are compared: worst window gap 0.87 % in the
+    CLM phase, 0.36 % over steps 101-120, 0.31 % for the CLM validation loss at step 100. Resuming
+    each fp32 run at step 100 with other masks (a shifted mask seed, as a GPU draws others) moved
+    the windows 101-110 and 111-120 by at most 0.51 % (step 101 alone by up to 0.08 nats, hence
+    windows). Tolerances: 0.1 % per step for steps 1-10 and 3 % per window, at least 2x the worst
+    measured (rounding and masks together; GPU bf16 autocast rounds less than bf16 parameters, which
+    keep the residual stream in bf16 too). FP8 cannot run on CPU: e4m3 has 3 mantissa bits to bf16's
+    7, so 1 % and 5 % until a GPU run measures it (``gpu_check.py`` records the FP8-vs-bf16 gap).
+    After step 120 the curves are not compared: that is where a run leaves the MLM loss plateau
+    (near the unigram entropy) or does not, a matter of chance (in the same measurements the
+    last-10-step means ended up to 8.1 % apart, 6.2 % with other masks alone; the old threshold on
+    the MLM phase's drop failed on the H100 at 0.18 and 0.13).
+
+    The switch: the log names CLM for steps 1-100 and MLM for 101-200, and the MLM loss of the
+    CLM-trained model (step 101, before its first MLM update) is at least 1.0 above its CLM loss
+    (step 100): it was never trained on masked inputs or bidirectional context; measured 1.49 to
+    1.84 on CPU (the 32 runs above) and 1.60 on the H100 (2026-11-24, FP8 tensorwise)."""
+    kind = "fp8" if fp8_recipe else "bf16"
     model = _te_model() if fp8_recipe else None
-    config = run_config_from_dict(_gpu_recipe(tiny_corpus, tmp_path, steps=200, model=model, fp8_recipe=fp8_recipe) | {
-        "parallel": {"use_distributed_optimizer": True, "overlap_grad_reduce": True}})
-    result = pretrain(config)
-    assert result.final_step == 200 and result.skipped_steps == 0
-    assert _phase_drop(result, 0, 100) > 0.5 and _phase_drop(result, 100, 200) > 0.3
+    raw = _gpu_recipe(tiny_corpus, tmp_path, steps=STEPS, model=model, start_from=initial_weights,
+                      fp8_recipe=fp8_recipe) | DISTRIBUTED_OPTIMIZER
+    result = pretrain(run_config_from_dict(raw))
     out = Path(os.environ.get("GPU_CHECK_OUT", tmp_path))
     (out / f"biphasic_{fp8_recipe or 'bf16'}.json").write_text(json.dumps(
-        {"losses": result.losses, "valid": result.valid}, indent=1))
+        {"losses": result.losses, "valid": result.valid, "cpu_reference": cpu_reference["losses"]}, indent=1))
+    assert result.final_step == STEPS and result.skipped_steps == 0
+    _check_phases(tmp_path)
+    gpu, cpu = result.losses, cpu_reference["losses"]
+    for step in range(1, 11):
+        assert gpu[step] == pytest.approx(cpu[step], rel=FIRST_STEPS_TOLERANCE[kind]), f"step {step}"
+    _assert_windows_close(gpu, cpu, 1, SWITCH, WINDOW_TOLERANCE[kind], "CLM phase, GPU vs CPU fp32")
+    _assert_windows_close(gpu, cpu, SWITCH + 1, SWITCH + 20, WINDOW_TOLERANCE[kind], "first MLM steps, GPU vs CPU")
+    assert result.valid[SWITCH]["clm"] == pytest.approx(cpu_reference["valid"][SWITCH]["clm"],
+                                                        rel=WINDOW_TOLERANCE[kind])
+    for run in (gpu, cpu):
+        assert run[SWITCH + 1] - run[SWITCH] > JUMP_AT_SWITCH, (run[SWITCH], run[SWITCH + 1])
 
 
-def test_bf16_parameters_and_fusions_train_like_the_default(tmp_path, tiny_corpus):
+def test_bf16_parameters_and_fusions_train_like_the_default(tmp_path, tiny_corpus, initial_weights):
     """The issue-15 switches together on GPU (bf16 parameters with fp32 main params, Megatron's
-    fused SwiGLU and cross entropy, fused AdamW, distributed optimizer): both phases fall, and the
-    last steps' mean loss stays within 3 % of the default (fp32 weights, bf16 autocast) run."""
-    parallel = {"parallel": {"use_distributed_optimizer": True}}
+    fused SwiGLU and cross entropy, fused AdamW, distributed optimizer) against the default (fp32
+    weights, bf16 autocast), both from the same weights, on the same batches and, both being on the
+    GPU, the same masks: the same losses step by step for steps 1-10, and per 10-step window over
+    the CLM phase and the first 20 MLM steps; the switch from CLM to MLM in both.
+
+    Why the tolerances hold: the two runs differ only by rounding. Measured on CPU (2 cores) with
+    this recipe and model, ``training.seed`` 1-8, these switches (and bf16 parameters alone)
+    against fp32 from the seed's initialisation (16 pairs; CPU has no bf16 autocast under the
+    Megatron engine, and fp32 is the stricter reference): steps 1-10 within 0.004 %; worst 10-step
+    window 0.87 % over the CLM phase and 0.36 % over steps 101-120 (single steps up to 8.6 % apart
+    where a loss spike comes a step earlier or later, hence windows). Tolerances 0.1 % and 3 %: more
+    than 3x the worst measured. After step 120 the runs are not compared: leaving the MLM plateau
+    is chance (the same pairs ended with last-10-step means up to 8.1 % apart; on the H100 these two
+    configurations ended at 5.69 and 6.02 on 2026-11-24, which failed the old 3 % test)."""
     results = {}
     for name, model, training in (
         ("default", dict(GPU_MODEL), {}),
         ("switches", {**GPU_MODEL, "params_dtype": "bfloat16"},
          {"bias_activation_fusion": True, "cross_entropy_loss_fusion": True}),
     ):
-        raw = _gpu_recipe(tiny_corpus, tmp_path / name, steps=200, model=model, **training) | parallel
+        raw = _gpu_recipe(tiny_corpus, tmp_path / name, steps=STEPS, model=model, start_from=initial_weights,
+                          **training) | DISTRIBUTED_OPTIMIZER
         results[name] = pretrain(run_config_from_dict(raw))
-    switched = results["switches"]
-    assert switched.skipped_steps == 0
-    assert _phase_drop(switched, 0, 100) > 0.5 and _phase_drop(switched, 100, 200) > 0.3
-    last = {name: sum(r.losses[s] for s in range(191, 201)) / 10 for name, r in results.items()}
-    assert last["switches"] == pytest.approx(last["default"], rel=0.03), last
+        assert results[name].final_step == STEPS and results[name].skipped_steps == 0
+        _check_phases(tmp_path / name)
+    default, switched = results["default"].losses, results["switches"].losses
+    for step in range(1, 11):
+        assert switched[step] == pytest.approx(default[step], rel=FIRST_STEPS_TOLERANCE["bf16"]), f"step {step}"
+    _assert_windows_close(switched, default, 1, SWITCH, WINDOW_TOLERANCE["bf16"], "CLM phase, switches vs default")
+    _assert_windows_close(switched, default, SWITCH + 1, SWITCH + 20, WINDOW_TOLERANCE["bf16"],
+                          "first MLM steps, switches vs default")
+    for run in (default, switched):
+        assert run[SWITCH + 1] - run[SWITCH] > JUMP_AT_SWITCH, (run[SWITCH], run[SWITCH + 1])
 
 
 def test_scored_positions_lm_head_matches_the_full_head_under_bf16(model_parallel, tmp_path, tiny_corpus):
@@ -154,21 +311,25 @@ def test_kill_and_resume(tmp_path, tiny_corpus):
     raw["model"]["attention_backend"] = "te" if platform.transformer_engine_available() else "local"
     recipe.write_text(json.dumps(raw))  # JSON is YAML
     command = [sys.executable, str(REPO / "pretrain_encoder.py"), "--config", str(recipe)]
-    run = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while ckpt.latest_checkpoint(tmp_path / "ckpt") is None and time.time() < deadline and run.poll() is None:
-        time.sleep(0.2)
-    run.send_signal(signal.SIGKILL)
-    run.wait()
+    log = tmp_path / "first_run.log"  # what the killed run said, for the assertion message
+    with open(log, "w") as output:
+        run = subprocess.Popen(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while ckpt.latest_checkpoint(tmp_path / "ckpt") is None and time.time() < deadline and run.poll() is None:
+            time.sleep(0.2)
+        run.send_signal(signal.SIGKILL)
+        run.wait()
     first = ckpt.latest_checkpoint(tmp_path / "ckpt")
-    assert first is not None and first.name == "iter_0000100"
+    assert first is not None and first.name == "iter_0000100", log.read_text()[-8000:]
     resumed = pretrain(run_config_from_dict(raw))
     assert resumed.start_step == 100 and resumed.final_step == 200
     assert all(math.isfinite(v) for v in resumed.losses.values())
 
 
 def test_gpu_checkpoint_loads_on_cpu(tmp_path, tiny_corpus):
-    """Weights saved by a GPU run give the same fp32 logits when loaded by a CPU-only process."""
+    """Weights saved by a GPU run give the same fp32 logits when loaded by a CPU-only process. (If
+    that process fails, the assertion carries its exit code and stderr: once on the H100 it failed
+    with a bare CalledProcessError whose cause was lost.)"""
     raw = _gpu_recipe(tiny_corpus, tmp_path, steps=20, bf16=False)
     raw["model"]["attention_backend"] = "local"
     result = pretrain(run_config_from_dict(raw))
@@ -183,9 +344,8 @@ def test_gpu_checkpoint_loads_on_cpu(tmp_path, tiny_corpus):
         "torch.save(m(ids, causal=False).detach(), sys.argv[4])"
     )
     torch.save(ids, tmp_path / "ids.pt")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    subprocess.run([sys.executable, "-c", script, str(REPO), result.checkpoint, str(tmp_path / "ids.pt"),
-                    str(tmp_path / "cpu_logits.pt")], check=True, env=env, cwd=REPO)
+    _cpu_process([sys.executable, "-c", script, str(REPO), result.checkpoint, str(tmp_path / "ids.pt"),
+                  str(tmp_path / "cpu_logits.pt")], "loading the GPU checkpoint in a CPU-only process")
     from megatron_ext.hf import load_megatron_checkpoint, single_process_model_parallel
 
     with single_process_model_parallel(), torch.no_grad():
