@@ -98,7 +98,8 @@ def resolve_engine(requested: str) -> str:
     return "megatron" if requested == "auto" else requested
 
 
-def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | None) -> None:
+def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | None,
+                        bf16_autocast: bool = False, params_dtype: str = "float32") -> None:
     """Raise ``ValueError`` naming the setting this machine cannot run (before any model is built).
     What the config itself rules out (FP8 without the ``te`` backend, Megatron-only settings on
     the portable engine) is refused once, by ``RunConfig``."""
@@ -119,6 +120,11 @@ def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | 
     if recompute_granularity is not None and not on_gpu():
         raise ValueError(f"training.recompute_granularity={recompute_granularity!r} runs on CUDA only (Megatron's "
                          "recomputation saves the CUDA RNG state); remove it on CPU")
+    if bf16_autocast and params_dtype == "float32" and not on_gpu():
+        # Megatron's linear layers compute their backward in a custom autograd function that is
+        # autocast-aware on CUDA only: on CPU it multiplies bf16 gradients by fp32 weights and fails.
+        raise ValueError("training.bf16: true with fp32 parameters (bf16 autocast) runs on CUDA only; on CPU "
+                         "train in fp32 (training.bf16: false) or with model.params_dtype: bfloat16")
 
 
 def attention_backend_fallback(attention_backend: str) -> tuple[str, str | None]:

@@ -82,7 +82,8 @@ class TrainingConfig:
     seed: int = 1234
     """Seed of parameter initialisation, data order and MLM masking."""
     bf16: bool = False
-    """Train in bfloat16 autocast with fp32 master weights (GPU; slow but supported on CPU)."""
+    """Train in bfloat16 autocast (GPU; on CPU only with ``model.params_dtype: bfloat16``: Megatron's
+    linear backward is autocast-aware on CUDA only)."""
     eval_interval: int = 1000
     """Steps between validation passes (both objectives); 0 disables validation."""
     eval_mask_ratio: float = 0.4

@@ -162,7 +162,8 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
     check_paths(config)  # unwritable outputs and missing inputs, before anything starts
     engine = platform.resolve_engine(config.training.engine)
     platform.check_run_supported(fp8_recipe=config.training.fp8_recipe,
-                                 recompute_granularity=config.training.recompute_granularity)
+                                 recompute_granularity=config.training.recompute_granularity,
+                                 bf16_autocast=config.training.bf16, params_dtype=config.model.params_dtype)
     backend, warning = platform.attention_backend_fallback(config.model.attention_backend)
     if warning is not None:
         if int(os.environ.get("RANK", "0")) == 0:
