@@ -1,9 +1,10 @@
-"""Shared test set-up: GPU tests skip without CUDA (the repository root and tests/ are importable
-through ``pythonpath`` in pyproject.toml)."""
+"""Shared test set-up: GPU tests skip without CUDA, SLURM tests without SLURM (the repository root
+and tests/ are importable through ``pythonpath`` in pyproject.toml)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -12,12 +13,34 @@ import pytest
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    from slurm_cluster import missing_binaries
+
+    # Without SLURM the `slurm` tests skip, except under CI=true, where the slurm_cluster fixture fails them.
+    missing = missing_binaries()
+    if missing and os.environ.get("CI", "").lower() != "true":
+        skip_slurm = pytest.mark.skip(reason=f"needs SLURM and munge ({', '.join(missing)} missing; "
+                                             "Debian: apt-get install slurm-wlm munge)")
+        for item in items:
+            if item.get_closest_marker("slurm"):
+                item.add_marker(skip_slurm)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A private SLURM cluster on this host (tests/slurm_cluster.py): two nodes (two slurmd), so a job
+    can span nodes; stopped at the end of the session."""
+    from slurm_cluster import missing_binaries, start_cluster
+
+    if missing := missing_binaries():
+        pytest.fail(f"CI=true and SLURM is missing ({', '.join(missing)}): .ci/run installs slurm-wlm and munge")
+    with start_cluster(nodes=2) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")
