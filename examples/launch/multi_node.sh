@@ -12,8 +12,9 @@
 #
 # Environment (defaults in brackets):
 #   RECIPE          recipe YAML [examples/recipes/paper/610m_biphasic_25_75.yaml]
-#   NNODES          number of nodes [2]
-#   GPUS_PER_NODE   processes per node [8]
+#   NNODES          number of nodes [$SLURM_JOB_NUM_NODES in a SLURM job, else 2]
+#   GPUS_PER_NODE   processes per node [in a SLURM job: its GPUs on this node ($SLURM_GPUS_ON_NODE),
+#                   or 1 without GPUs; else 8]
 #   MASTER_ADDR     host of the rendezvous store, reachable from every node [localhost]
 #   MASTER_PORT     its TCP port [29500]
 #   RDZV_ID         job id shared by the nodes of one run [encoder-$MASTER_ADDR-$MASTER_PORT]
@@ -28,8 +29,15 @@ set -euo pipefail
 
 REPO_DIR="${REPO_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 RECIPE="${RECIPE:-$REPO_DIR/examples/recipes/paper/610m_biphasic_25_75.yaml}"
-NNODES="${NNODES:-2}"
-GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+NNODES="${NNODES:-${SLURM_JOB_NUM_NODES:-2}}"
+if [[ -z "${GPUS_PER_NODE:-}" ]]; then  # inside a SLURM job: the GPUs it gave this node, 1 without GPUs
+    gpus="${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-}}"
+    gpus="${gpus##*:}"  # a100:8 -> 8
+    if [[ "$gpus" =~ ^[1-9][0-9]*$ ]]; then GPUS_PER_NODE="$gpus"
+    elif [[ -n "${SLURM_JOB_ID:-}" ]]; then GPUS_PER_NODE=1
+    else GPUS_PER_NODE=8
+    fi
+fi
 MASTER_ADDR="${MASTER_ADDR:-localhost}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 RDZV_ID="${RDZV_ID:-encoder-$MASTER_ADDR-$MASTER_PORT}"
@@ -52,6 +60,10 @@ fi
 # As in Megatron-LM's launch scripts: one hardware work queue keeps tensor-parallel communication
 # kernels in issue order, which Megatron-Core's compute/communication overlap relies on.
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+# torchrun passes SIGTERM (and, with this, SIGUSR1) on to the workers, which stop at a checkpoint
+# (exit code 75); it kills them if they take longer than its shutdown timeout (30 s by default).
+export PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
 # shellcheck disable=SC2086
 exec $TORCHRUN --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID" \

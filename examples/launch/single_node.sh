@@ -10,7 +10,8 @@
 #
 # Environment (defaults in brackets):
 #   RECIPE          recipe YAML [examples/recipes/paper/610m_biphasic_25_75.yaml]
-#   GPUS_PER_NODE   processes to start [8]
+#   GPUS_PER_NODE   processes to start [in a SLURM job: its GPUs on this node ($SLURM_GPUS_ON_NODE),
+#                   or 1 without GPUs; else 8]
 #   PYTHON          Python with this project's requirements [python]
 #   TORCHRUN        torchrun command ["$PYTHON -m torch.distributed.run"]
 #   REPO_DIR        repository root [two levels above this script]
@@ -19,7 +20,14 @@ set -euo pipefail
 
 REPO_DIR="${REPO_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 RECIPE="${RECIPE:-$REPO_DIR/examples/recipes/paper/610m_biphasic_25_75.yaml}"
-GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+if [[ -z "${GPUS_PER_NODE:-}" ]]; then  # inside a SLURM job: the GPUs it gave this node, 1 without GPUs
+    gpus="${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-}}"
+    gpus="${gpus##*:}"  # a100:8 -> 8
+    if [[ "$gpus" =~ ^[1-9][0-9]*$ ]]; then GPUS_PER_NODE="$gpus"
+    elif [[ -n "${SLURM_JOB_ID:-}" ]]; then GPUS_PER_NODE=1
+    else GPUS_PER_NODE=8
+    fi
+fi
 PYTHON="${PYTHON:-python}"
 TORCHRUN="${TORCHRUN:-$PYTHON -m torch.distributed.run}"
 DRY_RUN="${DRY_RUN:-0}"
@@ -31,6 +39,10 @@ fi
 # As in Megatron-LM's launch scripts: one hardware work queue keeps tensor-parallel communication
 # kernels in issue order, which Megatron-Core's compute/communication overlap relies on.
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+# torchrun passes SIGTERM (and, with this, SIGUSR1) on to the workers, which stop at a checkpoint
+# (exit code 75); it kills them if they take longer than its shutdown timeout (30 s by default).
+export PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
 # $TORCHRUN is split on purpose: it may be a command with arguments.
 # shellcheck disable=SC2086
 exec $TORCHRUN --standalone --nproc-per-node "$GPUS_PER_NODE" \
