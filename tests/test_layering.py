@@ -21,6 +21,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {"tokenizer", "schedule", "objectives", "model"},
     {"data", "checkpoint"},
     {"training"},
+    {"study"},  # reads training configs; executors will run the trainer
     {"hf"},
     {"eval"},
     {"cli"},

@@ -270,11 +270,12 @@ VOCAB_FROM_TOKENIZER = "from_tokenizer"
 _FLAG_RENAMES = {("model", "seq_length"): "max_position_embeddings"}
 
 
-def _deep_merge(base: dict, override: dict) -> dict:
+def deep_merge(base: dict, override: dict) -> dict:
+    """``override`` on top of ``base``, section by section (how ``base:`` recipes combine)."""
     out = copy.deepcopy(base)
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -296,7 +297,7 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: unknown section(s) {unknown}; valid sections: {sorted(TOP_LEVEL_KEYS)}")
     if "base" in raw:
         base = read_recipe(path.parent / raw.pop("base"))
-        raw = _deep_merge(base, raw)
+        raw = deep_merge(base, raw)
     return raw
 
 

@@ -1,0 +1,57 @@
+"""Plan a study: expand a study file to its runs and the tree of training segments they share.
+
+    python tools/plan_study.py examples/studies/paper_610m.yaml --dry-run
+    python tools/plan_study.py examples/studies/paper_610m.yaml --plan-json plan.json
+
+A study file (examples/studies/) names base recipes per size, budgets, objectives, biphasic CLM
+shares, continued pretraining and seeds. --dry-run prints the segment tree (where each run
+starts from, the steps it trains, the checkpoints it keeps for its children), each run's steps
+alone and in the tree, and the steps and tokens the tree saves against separate runs. --plan-json
+writes the runs (full recipes) and segments as JSON. Reads no data and no tokenizer.
+
+Exit status: 0 done; 2 bad input (one line naming the file and key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("study", help="study file (YAML, see examples/studies/)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan; train nothing")
+    parser.add_argument("--plan-json", default=None, metavar="PATH",
+                        help="write the plan (runs and segments) as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.dry_run and args.plan_json is None:
+        parser.error("nothing to do: give --dry-run (print the plan) and/or --plan-json PATH; training a study "
+                     "(the executors) is not implemented yet")
+    from megatron_ext.config_loading import UserError
+    from megatron_ext.fileio import write_atomic
+    from megatron_ext.study.plan import plan_study, plan_to_dict
+    from megatron_ext.study.render import format_plan
+    from megatron_ext.study.spec import read_study
+
+    try:
+        plan = plan_study(read_study(args.study), args.study)
+    except UserError as err:
+        print(f"plan_study.py: error: {err}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(format_plan(plan))
+    if args.plan_json is not None:
+        write_atomic(args.plan_json, json.dumps(plan_to_dict(plan), indent=1) + "\n")
+        print(f"wrote {args.plan_json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

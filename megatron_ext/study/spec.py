@@ -1,0 +1,311 @@
+"""The study file: a grid of pretraining runs named by sizes, objectives, budgets, CPT and seeds.
+
+A YAML mapping (``examples/studies/``)::
+
+    name: paper_610m                      # used in output paths ({study})
+    sizes:                                # one base recipe per model size (relative to this file)
+      - {name: 610m, base: ../recipes/base/610m.yaml}
+    budgets: [12000, 22000, 42000]        # train_iters of every from-scratch run
+    objectives:                           # one run per objective x budget
+      - {objective: mlm, mask_ratio: 0.4}
+      - {objective: clm}
+    biphasic:                             # CLM for a share of the steps, then MLM
+      clm_shares: [0.25, 0.5, 0.75]
+      mask_ratio: 0.4
+    cpt:                                  # continued pretraining from decayed runs of this study
+      sources: [clm, mlm_40]              # run kinds: objectives (clm, mlm_40) or biphasic_25_75
+      source_budget: 42000                # which budget of each source (default: the largest)
+      mask_ratio: 0.4
+      continuations:
+        - {steps: 2000, overrides: {schedule: {lr_warmup_iters: 200, lr_wsd_decay_iters: 200}}}
+        - {steps: 12000}
+    seeds: [1234]                         # default: each base recipe's training.seed
+    overrides: {data: {data_path: [/data/fineweb_edu_text_document]}}   # over every run
+    output: {save: /checkpoints/{study}/{run}, log_dir: runs/{study}/{run}}
+
+Every section is a kw-only frozen dataclass read with ``config_loading.build_dataclass``: unknown
+keys are errors naming the key and the valid ones, values are converted or refused by key.
+``overrides`` are partial recipes (the sections of ``pretrain_encoder.py --config``); the keys the
+study sets itself (phases, train_iters, seed, output and start paths) are refused there.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from megatron_ext.config_loading import ConfigError, build_dataclass
+from megatron_ext.training.config import SECTIONS
+
+PLANNER_KEYS = {
+    "base": None, "phases": None,
+    "training": ("train_iters", "seed"),
+    "checkpoint": ("save", "load", "finetune"),
+    "logging": ("log_dir",),
+}
+"""Recipe keys the study sets for every run (None: the whole key); ``overrides`` may not."""
+
+OUTPUT_FIELDS = ("study", "run", "size", "seed")
+"""Placeholders of ``output`` templates."""
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _percent(share: float) -> str:
+    return f"{share * 100:.6g}"
+
+
+def _unique(values, what: str) -> None:
+    seen = [v for i, v in enumerate(values) if v in values[:i]]
+    if seen:
+        raise ValueError(f"{what}: {seen[0]!r} is listed twice")
+
+
+def check_overrides(overrides: Any, where: str) -> None:
+    """``overrides`` is a partial recipe that leaves the study's own keys alone."""
+    if overrides is None:
+        return
+    if not isinstance(overrides, dict):
+        raise ValueError(f"{where}: expected a mapping of recipe sections, got {overrides!r}")
+    valid = sorted((*SECTIONS, "phases", "base"))
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ValueError(f"{where}: unknown section(s) {unknown}; valid sections: {sorted(SECTIONS)}")
+    for section, value in overrides.items():
+        owned = PLANNER_KEYS.get(section, ())
+        if owned is None:
+            raise ValueError(f"{where}.{section}: set by the study for every run; remove it")
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}.{section}: expected a mapping of fields, got {value!r}")
+        for key in owned:
+            if key in value:
+                raise ValueError(f"{where}.{section}.{key}: set by the study for every run "
+                                 "(budgets, seeds, cpt, output); remove it")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SizeSpec:
+    """One model size and the recipe its runs start from."""
+
+    name: str
+    """Short name used in run names, e.g. ``610m``."""
+    base: str
+    """Base recipe (a YAML of ``pretrain_encoder.py --config``, ``base:`` links followed), relative
+    to the study file; it must not set ``phases`` (the study does)."""
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(f"name {self.name!r}: use letters, digits, '_', '.', '-'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObjectiveSpec:
+    """A single-objective run from scratch."""
+
+    objective: Literal["mlm", "clm"]
+    """``mlm`` or ``clm``."""
+    mask_ratio: float | None = None
+    """MLM only, required there: the masking ratio, in (0, 1)."""
+
+    def __post_init__(self) -> None:
+        if self.objective == "mlm" and (self.mask_ratio is None or not 0.0 < self.mask_ratio < 1.0):
+            raise ValueError(f"mask_ratio must be in (0, 1) for mlm, got {self.mask_ratio}")
+        if self.objective == "clm" and self.mask_ratio is not None:
+            raise ValueError(f"mask_ratio must be unset for clm, got {self.mask_ratio}")
+
+    @property
+    def kind(self) -> str:
+        """``clm`` or ``mlm_<percent>`` (``mlm_40``)."""
+        return "clm" if self.objective == "clm" else f"mlm_{_percent(self.mask_ratio)}"
+
+    def phases(self) -> list[dict]:
+        if self.objective == "clm":
+            return [{"objective": "clm", "share": 1.0}]
+        return [{"objective": "mlm", "mask_ratio": self.mask_ratio, "share": 1.0}]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BiphasicSpec:
+    """CLM from step 0 for a share of the steps, then MLM, under one schedule."""
+
+    clm_shares: tuple[float, ...]
+    """Shares of the CLM phase, each in (0, 1): one run per share and budget."""
+    mask_ratio: float = 0.4
+    """Masking ratio of the MLM phase."""
+
+    def __post_init__(self) -> None:
+        if not self.clm_shares:
+            raise ValueError("clm_shares: give at least one share")
+        for share in self.clm_shares:
+            if not 0.0 < share < 1.0:
+                raise ValueError(f"clm_shares: each share must be in (0, 1), got {share}")
+        _unique(list(self.clm_shares), "clm_shares")
+        if not 0.0 < self.mask_ratio < 1.0:
+            raise ValueError(f"mask_ratio must be in (0, 1), got {self.mask_ratio}")
+
+    def kind(self, share: float) -> str:
+        """``biphasic_25_75`` for share 0.25."""
+        return f"biphasic_{_percent(share)}_{_percent(1.0 - share)}"
+
+    def phases(self, share: float) -> list[dict]:
+        return [{"objective": "clm", "share": share},
+                {"objective": "mlm", "mask_ratio": self.mask_ratio, "share": 1.0 - share}]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContinuationSpec:
+    """One continued-pretraining length."""
+
+    steps: int
+    """train_iters of the continuation (its own step count, from 0)."""
+    overrides: Any = None
+    """A partial recipe over this continuation's runs, e.g. a shorter warmup and decay where the
+    base's do not fit in ``steps``: ``{schedule: {lr_warmup_iters: 200, lr_wsd_decay_iters: 200}}``."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        check_overrides(self.overrides, "overrides")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CptSpec:
+    """Continued pretraining with MLM from the final (decayed) checkpoint of runs of the study:
+    weights only, a fresh optimizer and schedule (``checkpoint.finetune``)."""
+
+    sources: tuple[str, ...]
+    """Kinds of from-scratch runs to continue: an objective's (``clm``, ``mlm_40``) or a biphasic
+    split's (``biphasic_25_75``)."""
+    continuations: tuple[ContinuationSpec, ...]
+    """The continuation lengths: one run per source and continuation."""
+    source_budget: int | None = None
+    """Which budget of each source is continued (one of ``budgets``; default: the largest)."""
+    mask_ratio: float = 0.4
+    """Masking ratio of the continuation."""
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ValueError("sources: give at least one run kind to continue")
+        _unique(list(self.sources), "sources")
+        if not self.continuations:
+            raise ValueError("continuations: give at least one")
+        _unique([c.steps for c in self.continuations], "continuations[*].steps")
+        if not 0.0 < self.mask_ratio < 1.0:
+            raise ValueError(f"mask_ratio must be in (0, 1), got {self.mask_ratio}")
+
+    @property
+    def kind(self) -> str:
+        return f"cpt_mlm_{_percent(self.mask_ratio)}"
+
+    def phases(self) -> list[dict]:
+        return [{"objective": "mlm", "mask_ratio": self.mask_ratio, "share": 1.0}]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputSpec:
+    """Where each run writes, as templates over ``{study}``, ``{run}``, ``{size}``, ``{seed}``."""
+
+    save: str = "checkpoints/{study}/{run}"
+    """``checkpoint.save`` of each run (a CPT run's ``checkpoint.load`` is its source's)."""
+    log_dir: str = "runs/{study}/{run}"
+    """``logging.log_dir`` of each run."""
+
+    def __post_init__(self) -> None:
+        for name in ("save", "log_dir"):
+            template = getattr(self, name)
+            used = {m.group(1) for m in re.finditer(r"\{([^{}]*)\}", template)}
+            unknown = sorted(used - set(OUTPUT_FIELDS))
+            if unknown:
+                raise ValueError(f"{name}: unknown placeholder(s) {unknown}; valid: {list(OUTPUT_FIELDS)}")
+            if "{run}" not in template:
+                raise ValueError(f"{name}: {template!r} must contain {{run}} (one directory per run)")
+
+    def render(self, name: str, **values: Any) -> str:
+        return getattr(self, name).format(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Study:
+    """A study file, validated (see the module docstring)."""
+
+    name: str
+    """The study's name (``{study}`` in ``output``)."""
+    sizes: tuple[SizeSpec, ...]
+    """Model sizes and their base recipes."""
+    budgets: tuple[int, ...]
+    """``train_iters`` of the from-scratch runs (the paper: 12,000, 22,000 and 42,000)."""
+    objectives: tuple[ObjectiveSpec, ...] = ()
+    """Single-objective runs from scratch."""
+    biphasic: BiphasicSpec | None = None
+    """CLM then MLM runs from scratch."""
+    cpt: CptSpec | None = None
+    """Continued pretraining from runs of the study."""
+    seeds: tuple[int, ...] = ()
+    """``training.seed`` of every run; empty: each base recipe's seed. Runs at a seed other than
+    the base's get ``_s<seed>`` in their name."""
+    overrides: Any = None
+    """A partial recipe over every run's base (e.g. ``data.data_path``, ``tokenizer``)."""
+    output: OutputSpec = field(default_factory=OutputSpec)
+    """Output paths of each run."""
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(f"name {self.name!r}: use letters, digits, '_', '.', '-'")
+        if not self.sizes:
+            raise ValueError("sizes: give at least one size")
+        _unique([s.name for s in self.sizes], "sizes[*].name")
+        if not self.budgets:
+            raise ValueError("budgets: give at least one")
+        for budget in self.budgets:
+            if budget < 1:
+                raise ValueError(f"budgets: each must be >= 1, got {budget}")
+        _unique(list(self.budgets), "budgets")
+        _unique(list(self.seeds), "seeds")
+        _unique([o.kind for o in self.objectives], "objectives")
+        if not self.objectives and self.biphasic is None:
+            raise ValueError("no runs: give objectives and/or biphasic")
+        check_overrides(self.overrides, "overrides")
+        if self.cpt is not None:
+            kinds = self.scratch_kinds()
+            unknown = [s for s in self.cpt.sources if s not in kinds]
+            if unknown:
+                raise ValueError(f"cpt.sources: unknown run kind(s) {unknown}; the study's: {kinds}")
+            if self.cpt.source_budget is not None and self.cpt.source_budget not in self.budgets:
+                raise ValueError(f"cpt.source_budget: {self.cpt.source_budget} is not one of budgets "
+                                 f"{list(self.budgets)}")
+
+    def scratch_kinds(self) -> list[str]:
+        """The kinds of from-scratch runs, in study order."""
+        kinds = [o.kind for o in self.objectives]
+        if self.biphasic is not None:
+            kinds += [self.biphasic.kind(s) for s in self.biphasic.clm_shares]
+        return kinds
+
+    @property
+    def cpt_source_budget(self) -> int:
+        return max(self.budgets) if self.cpt is None or self.cpt.source_budget is None else self.cpt.source_budget
+
+
+def steps_label(steps: int) -> str:
+    """``12k`` for 12,000, ``10.5k`` for 10,500, ``750`` for 750."""
+    return f"{steps / 1000:g}k" if steps >= 1000 and steps % 100 == 0 else str(steps)
+
+
+def read_study(path: str | Path) -> Study:
+    """Load and validate a study file; every problem is a :class:`ConfigError` naming the file and
+    the key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such study file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from err
+    try:
+        return build_dataclass(Study, raw if raw is not None else {}, "study")
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
