@@ -1,0 +1,209 @@
+"""The launch scripts under a real SLURM: ``examples/launch/slurm.sbatch`` submitted unchanged to a
+private cluster on this host (``slurm_cluster`` fixture, tests/slurm_cluster.py: munged, slurmctld
+and two slurmd), with only what a user of a CPU partition passes: ``--nodes=1 --gpus-per-node=0``,
+``GPUS_PER_NODE``, ``PYTHON``, ``RECIPE`` (and ``--output``, ``--time``, ``--signal``).
+
+What they check: a 2-rank job through srun + torchrun ends COMPLETED soon after its last step; a bad
+recipe fails once, not requeued, its error in the log; ``scancel --signal=TERM`` mid-run leaves a
+checkpoint of the step in flight and the requeued job resumes from it with the losses of an
+uninterrupted run; so does a real time limit (``--time=1``) with the script's warning signal
+(SIGUSR1 to the batch shell, which passes it on); 2 nodes x 1 rank train like 1 node x 2 ranks
+through the script's c10d rendezvous.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from helpers import tiny_recipe
+from megatron_ext.checkpoint import core as ckpt
+from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
+
+
+REPO = Path(__file__).resolve().parent.parent
+SBATCH = REPO / "examples" / "launch" / "slurm.sbatch"
+# Launch-script settings of the test process's own environment that must not reach the jobs.
+LAUNCH_ENV = ("RECIPE", "NNODES", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "TORCHRUN", "REPO_DIR",
+              "DRY_RUN", "MAX_REQUEUES", "OMP_NUM_THREADS", "MEGATRON_EXT_EXIT_STATUS_FILE", "PYTHON")
+
+SHORT_STEPS = 100
+"""The short recipe: a few seconds of steps after ~10 s of start-up."""
+LONG = {"steps": 300, "data": {"micro_batch_size": 16, "global_batch_size": 128}}
+"""The long recipe: 8,192 tokens a step, ~0.15 s on 2 idle cores (the tiny one's steps are mostly
+overhead), so that its time-limit job is still training 50 s after it starts, when the warning comes
+at the latest, even alone on the machine. Its reference runs at the same time on the other node,
+which slows both: the pair takes about as long as the time-limit job alone."""
+
+
+@dataclass
+class Job:
+    id: int
+    run_dir: Path
+    info: dict[str, str]
+    """``scontrol show job`` at the end."""
+
+    @property
+    def log(self) -> str:
+        return Path(self.info["StdOut"]).read_text(errors="replace")
+
+    def losses(self) -> list[tuple[int, float]]:
+        """(step, loss) of every train record in ``metrics.jsonl``, in the order written."""
+        records = [json.loads(line) for line in (self.run_dir / "log" / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+
+    def starts(self) -> list[int]:
+        """The step each run of the job started from (the trainer's banner)."""
+        return [int(m) for m in re.findall(r"^training \d+ steps from step (\d+)", self.log, re.M)]
+
+
+def _recipe(tiny_corpus, run_dir: Path, steps: int, training: dict | None = None, data: dict | None = None) -> Path:
+    """The tiny recipe, saving only at its end (so a checkpoint mid-run is the one a stop wrote)."""
+    recipe = tiny_recipe(tiny_corpus, run_dir,
+                         training={"train_iters": steps, "eval_interval": 0, "log_interval": 1, **(training or {})},
+                         checkpoint={"save": str(run_dir / "ckpt"), "save_interval": steps}, data=data or {})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "recipe.yaml"
+    path.write_text(json.dumps(recipe))  # JSON is YAML
+    return path
+
+
+def _submit(cluster, recipe: Path, *flags: str, nodes: int = 1, procs: int = 2) -> int:
+    """sbatch the launch script from the repository root, as its header shows."""
+    env = {**{k: v for k, v in cluster.env.items() if k not in LAUNCH_ENV},
+           "GPUS_PER_NODE": str(procs), "PYTHON": sys.executable, "RECIPE": str(recipe)}
+    return cluster.sbatch([f"--nodes={nodes}", "--gpus-per-node=0", f"--output={recipe.parent}/%x-%j.out", *flags,
+                           str(SBATCH)], env=env, cwd=REPO, replace_env=True)
+
+
+def _finish(cluster, job_id: int, run_dir: Path, timeout: float = 600) -> Job:
+    info = cluster.wait(job_id, timeout=timeout)
+    return Job(job_id, run_dir, info)
+
+
+def _steps_logged(run_dir: Path) -> int:
+    path = run_dir / "log" / "metrics.jsonl"
+    return path.read_text().count('"kind": "train"') if path.exists() else 0
+
+
+def _end_time(info: dict[str, str]) -> float:
+    return datetime.strptime(info["EndTime"], "%Y-%m-%dT%H:%M:%S").timestamp()
+
+
+def _assert_resumed_exactly(job: Job, reference: Job, steps: int) -> None:
+    """Every step logged once, in order, with the reference's loss; each run after the first started
+    from the step the previous one stopped at (the checkpoint of its step in flight)."""
+    losses = job.losses()
+    assert [s for s, _ in losses] == list(range(1, steps + 1)), "a step was lost or run twice"
+    assert dict(losses) == dict(reference.losses())
+    stops = [int(m) for m in re.findall(r"^stopped after step (\d+)/", job.log, re.M)]
+    assert job.starts() == [0, *stops], job.log
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tiny_corpus, tmp_path_factory) -> dict[str, tuple[int, Path]]:
+    """The jobs that need no test's attention, submitted together so that they share the two nodes:
+    the long recipe uninterrupted (the reference) and with ``--time=1`` and the warning 10 s before
+    it (SLURM sends SIGUSR1 to the batch shell 20 to 50 s into each run, as it looks every 30 s; the
+    script passes it on, the trainer saves and the job requeues, until a run finishes before its
+    warning), then the short recipe uninterrupted. Job id and run folder of each."""
+    submitted = {}
+    for name, steps, data, flags in [("long_reference", LONG["steps"], LONG["data"], ()),
+                                     ("time_limit", LONG["steps"], LONG["data"], ("--time=1", "--signal=B:USR1@10")),
+                                     ("short_reference", SHORT_STEPS, None, ())]:
+        run_dir = tmp_path_factory.mktemp(name)
+        submitted[name] = (_submit(slurm_cluster, _recipe(tiny_corpus, run_dir, steps, data=data), *flags), run_dir)
+    return submitted
+
+
+@pytest.fixture(scope="module")
+def long_reference(slurm_cluster, jobs) -> Job:
+    return _finish(slurm_cluster, *jobs["long_reference"])
+
+
+@pytest.fixture(scope="module")
+def short_reference(slurm_cluster, jobs) -> Job:
+    return _finish(slurm_cluster, *jobs["short_reference"])
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_bad_recipe_fails_once_and_is_not_requeued(slurm_cluster, tiny_corpus, tmp_path):
+    recipe = _recipe(tiny_corpus, tmp_path, 8, training={"no_such_key": 1})
+    job = _finish(slurm_cluster, _submit(slurm_cluster, recipe), tmp_path)
+    assert job.info["JobState"] == "FAILED" and job.info["Restarts"] == "0", job.info
+    assert "pretrain_encoder.py: error: " in job.log and "no_such_key" in job.log
+    assert "not requeued" in job.log and "(run 2)" not in job.log
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_two_rank_job_completes_within_a_minute_of_its_last_step(long_reference):
+    job = long_reference
+    assert job.info["JobState"] == "COMPLETED" and job.info["ExitCode"] == "0:0", (job.info, job.log)
+    assert job.info["Restarts"] == "0"
+    assert "1 nodes x 2 processes" in job.log and "training finished" in job.log
+    assert [s for s, _ in job.losses()] == list(range(1, LONG["steps"] + 1))
+    assert ckpt.latest_checkpoint(job.run_dir / "ckpt").name == f"iter_{LONG['steps']:07d}"
+    last_step_at = (job.run_dir / "log" / "metrics.jsonl").stat().st_mtime
+    assert _end_time(job.info) - last_step_at < 60
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_signal_mid_run_saves_the_step_in_flight_and_the_requeued_job_resumes_it(
+        slurm_cluster, tiny_corpus, tmp_path, short_reference):
+    """``scancel --signal=TERM JOB``: SIGTERM to every process of the job's steps, as preemption does."""
+    job_id = _submit(slurm_cluster, _recipe(tiny_corpus, tmp_path, SHORT_STEPS))
+    deadline = time.monotonic() + 600  # it may wait for a node first
+    checked = time.monotonic()
+    while (seen := _steps_logged(tmp_path)) < 20:
+        if time.monotonic() - checked > 2:  # fail, not hang, if the job ends first
+            info = slurm_cluster.job(job_id)
+            assert time.monotonic() < deadline and info["JobState"] in {"PENDING", "RUNNING"}, info
+            checked = time.monotonic()
+        time.sleep(0.05)
+    slurm_cluster.run(["scancel", "--signal=TERM", str(job_id)])
+    job = _finish(slurm_cluster, job_id, tmp_path)
+    assert job.info["JobState"] == "COMPLETED" and job.info["Restarts"] == "1", (job.info, job.log)
+    (stopped_at,) = [int(m) for m in re.findall(r"^stopped after step (\d+)/\d+ \(signal SIGTERM\)", job.log, re.M)]
+    assert seen <= stopped_at < SHORT_STEPS
+    assert f"resumable (stopped after step {stopped_at}" in job.log and "requeueing" in job.log
+    _assert_resumed_exactly(job, short_reference, SHORT_STEPS)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_time_limit_warning_saves_and_the_requeued_job_resumes(slurm_cluster, jobs, long_reference):
+    job = _finish(slurm_cluster, *jobs["time_limit"], timeout=900)
+    assert job.info["JobState"] == "COMPLETED", (job.info, job.log)
+    assert int(job.info["Restarts"]) >= 1, f"the job finished before its warning: LONG is too short\n{job.log}"
+    assert "SIGUSR1 received" in job.log
+    assert re.search(r"^stopped after step \d+/\d+ \(signal SIGUSR1\)", job.log, re.M), job.log
+    _assert_resumed_exactly(job, long_reference, LONG["steps"])
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_two_nodes_one_rank_each_train_like_one_node_with_two(slurm_cluster, tiny_corpus, tmp_path, short_reference):
+    """Two slurmd on this host are two nodes; the script's c10d rendezvous joins one torchrun on each."""
+    if len(slurm_cluster.nodes) < 2:
+        pytest.skip("the private cluster has one node")
+    job = _finish(slurm_cluster, _submit(slurm_cluster, _recipe(tiny_corpus, tmp_path, SHORT_STEPS), nodes=2, procs=1),
+                  tmp_path)
+    assert job.info["JobState"] == "COMPLETED", (job.info, job.log)
+    assert job.info["NumNodes"] == "2" and "2 nodes x 1 processes" in job.log
+    assert job.losses() == short_reference.losses()
+
+
+def test_the_script_requeues_on_the_trainers_resumable_exit_code():
+    """The script hard-codes the trainer's code (it decides before any Python runs)."""
+    assert f"RESUMABLE_EXIT_CODE={RESUMABLE_EXIT_CODE}  # megatron_ext.training.stop.RESUMABLE_EXIT_CODE" in \
+        SBATCH.read_text()
