@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext import assets
-from megatron_ext.hf.evaluate import checkpoint_mlm_loss, masked_windows
+from megatron_ext.hf.mlm_loss import checkpoint_mlm_loss, masked_windows
 from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "cpt_smollm2" / "run.py"

@@ -382,7 +382,7 @@ def test_harness_runs_converted_qa_and_ir(tmp_path, converted, encoder, capsys):
             suite_dir=converted)
     finally:
         torch.set_num_threads(threads)
-    assert [(r["task"], r["metric"]) for r in evaluation.results] == [
+    assert [(r.task, r.metric) for r in evaluation.results] == [
         ("squad_v2", "f1"), ("msmarco", "ndcg@10"), ("nq", "ndcg@10")]
     assert evaluation.executed == 3
     assert capsys.readouterr().out.count("minilm lr=0.0001 seed=0: one training for msmarco, nq") == 1

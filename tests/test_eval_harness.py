@@ -180,17 +180,24 @@ def test_diverged_run_is_recorded_and_scored_zero(tmp_path, suite, encoder):
     assert record["status"] == "diverged" and "non-finite loss" in record["error"]
     assert record["validation"] == record["test"] == 0.0 and record["losses"] is None
     (result,) = evaluation.results
-    assert result["diverged_runs"] == 1 and result["test_mean"] == 0.0 and result["test_ci95"] is None
+    assert result.diverged_runs == 1 and result.test_mean == 0.0 and result.test_ci95 is None
     assert "1 of 1 runs" in (tmp_path / "summary.md").read_text()
 
 
-def _record(lr: float, seed: int, validation: float, test: float, status: str = "ok") -> dict:
-    return {"model": "m", "lr": lr, "seed": seed, "validation": validation, "test": test, "status": status,
-            "metric": "accuracy" if status == "ok" else None}
+TASK = harness.TaskRef(name="t", task_dir=Path("."), family="sc", metric="accuracy")
+
+
+def _record(lr: float, seed: int, validation: float, test: float, status: str = "ok",
+            per_example: dict | None = None) -> harness.RunRecord:
+    spec = harness.RunSpec(model=harness.ModelRef(name="m", hf_dir=Path("m"), source="m"), task=TASK,
+                           config=FinetuneConfig(lr=lr, seed=seed), path=Path("run.json"))
+    return harness.RunRecord(spec=spec, status=status, metric="accuracy" if status == "ok" else None,
+                             validation=validation, test=test, steps=None, seconds=0.0, extra={},
+                             per_example=per_example, losses=None)
 
 
 def test_aggregate_best_lr_ci_and_diverged_zeros():
-    task = harness.TaskRef(name="t", task_dir=Path("."), family="sc", metric="accuracy")
+    task = TASK
     records = [
         _record(1e-5, 0, 80, 88), _record(1e-5, 1, 82, 90), _record(1e-5, 2, 84, 92),  # best test, not val
         _record(1e-4, 0, 85, 78), _record(1e-4, 1, 86, 80), _record(1e-4, 2, 90, 85),
@@ -198,14 +205,14 @@ def test_aggregate_best_lr_ci_and_diverged_zeros():
     ]
     result = harness.aggregate(records, (1e-5, 1e-4, 1e-3), task)
     # 1e-3 has the best single seed but two diverged seeds count as 0: mean validation 31.67 < 87.
-    assert result["best_lr"] == 1e-4 and result["validation_mean"] == pytest.approx(87.0)
+    assert result.best_lr == 1e-4 and result.validation_mean == pytest.approx(87.0)
     # Test at 1e-4: 78, 80, 85 -> mean 81, sample variance 26 / 2 = 13; t(0.975, 2) = 4.302653.
-    assert result["test_mean"] == pytest.approx(81.0) and result["test_std"] == pytest.approx(math.sqrt(13))
-    assert result["test_ci95"] == pytest.approx(4.302653 * math.sqrt(13) / math.sqrt(3), rel=1e-6)
-    assert result["diverged_runs"] == 2 and result["lr_curve"][2]["test_mean"] == pytest.approx(95 / 3)
-    assert result["best_lr_scores"]["test"] == [78, 80, 85]
+    assert result.test_mean == pytest.approx(81.0) and result.test_std == pytest.approx(math.sqrt(13))
+    assert result.test_ci95 == pytest.approx(4.302653 * math.sqrt(13) / math.sqrt(3), rel=1e-6)
+    assert result.diverged_runs == 2 and result.lr_curve[2].test_mean == pytest.approx(95 / 3)
+    assert result.best_lr_scores.test == (78, 80, 85)
     tie = harness.aggregate([_record(1e-5, 0, 50, 1), _record(1e-4, 0, 50, 2)], (1e-5, 1e-4), task)
-    assert tie["best_lr"] == 1e-5 and tie["test_ci95"] is None  # ties: smaller LR; one seed: no CI
+    assert tie.best_lr == 1e-5 and tie.test_ci95 is None  # ties: smaller LR; one seed: no CI
 
 
 def test_bf16_weights_by_default_with_bf16_as_the_paper_trains(suite, encoder):
@@ -251,19 +258,25 @@ def test_input_length_is_99_percent_of_the_models_by_default():
 def test_models_are_ranked_on_their_test_examples():
     """Per task, models that no paired test separates share a rank; one model alone is not ranked.
     A diverged seed scores every example 0, as it scores the split."""
-    ok = {"status": "ok", "per_example": {"test": {str(i): 100.0 for i in range(40)}}}
-    assert harness._mean_examples([ok, {"status": "diverged", "per_example": None}], "test") == {
+    ok = _record(1e-5, 0, 100, 100, per_example={"test": {str(i): 100.0 for i in range(40)}})
+    assert harness._mean_examples([ok, _record(1e-5, 1, 0, 0, "diverged")], "test") == {
         str(i): 50.0 for i in range(40)}
     best = {str(i): 100.0 for i in range(40)}
     half = {str(i): 100.0 * (i % 2) for i in range(40)}
-    results = [{"model": "a", "task": "t", "test_examples": best}, {"model": "b", "task": "t", "test_examples": half},
-               {"model": "c", "task": "t", "test_examples": dict(best)}, {"model": "a", "task": "u", "test_examples": best}]
-    rankings = harness.rank_models(results)
+
+    def result(model: str, task: str, test_examples: dict) -> harness.TaskResult:
+        return harness.TaskResult(
+            model=model, task=task, family="sc", metric="accuracy", best_lr=1e-5, test_mean=1.0, test_ci95=None,
+            test_std=None, validation_mean=1.0, validation_std=None, seeds=1, diverged_runs=0, runs=1,
+            best_lr_scores=harness.BestLRScores(seeds=(0,), validation=(1.0,), test=(1.0,)), lr_curve=(),
+            test_examples=test_examples)
+
+    results = [result("a", "t", best), result("b", "t", half), result("c", "t", dict(best)), result("a", "u", best)]
+    ranked, rankings = harness.rank_models(results)
     assert [(ranked.system, ranked.rank) for ranked in rankings["t"]] == [("a", 1), ("c", 1), ("b", 2)]
-    assert [r.get("rank") for r in results] == [1, 2, 1, None] and "u" not in rankings
-    markdown = harness.summary_markdown([{**r, "metric": "accuracy", "best_lr": 1e-5, "test_mean": 1.0, "test_ci95": None,
-                                          "validation_mean": 1.0, "validation_std": None, "test_std": None,
-                                          "diverged_runs": 0, "runs": 1, "lr_curve": []} for r in results], [1e-5], [0], rankings)
+    assert [r.rank for r in ranked] == [1, 2, 1, None] and "u" not in rankings
+    assert [r.rank for r in results] == [None] * 4  # the results themselves are left as they were
+    markdown = harness.summary_markdown(ranked, [1e-5], [0], rankings)
     assert "## t: ranking" in markdown and "## u: ranking" not in markdown
 
 

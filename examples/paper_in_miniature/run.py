@@ -34,9 +34,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
+from typing import TYPE_CHECKING
 
 from megatron_ext import assets
+
+if TYPE_CHECKING:  # the harness loads the fine-tuning stack: imported where it runs
+    from megatron_ext.eval.harness import TaskResult
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = Path(__file__).resolve().with_name("recipe.yaml")
@@ -266,24 +269,25 @@ def run_units(units: Sequence[EvalUnit], args: argparse.Namespace, workers: int)
 # ----------------------------------------------------------------------------- 4. report
 
 
-def lr_sensitivity(result: dict) -> float | None:
+def lr_sensitivity(result: TaskResult) -> float | None:
     """Best minus worst mean test score over the LR grid (0 = insensitive); None with one LR."""
-    means = [point["test_mean"] for point in result["lr_curve"]]
+    means = [point.test_mean for point in result.lr_curve]
     return max(means) - min(means) if len(means) > 1 else None
 
 
-def comparison(results: Sequence[dict], tasks: Sequence[str], curves: dict[str, list[dict]]) -> list[dict]:
+def comparison(results: Sequence[TaskResult], tasks: Sequence[str], curves: dict[str, list[dict]]) -> list[dict]:
     """One row per model: per-task test at the best LR, the average, LR sensitivity, final losses."""
     rows = []
-    for model in dict.fromkeys(r["model"] for r in results):
-        by_task = {r["task"]: r for r in results if r["model"] == model}
+    for model in dict.fromkeys(r.model for r in results):
+        by_task = {r.task: r for r in results if r.model == model}
         sensitivities = [s for s in (lr_sensitivity(by_task[t]) for t in tasks if t in by_task) if s is not None]
         curve = curves.get(model) or [{}]
         rows.append({
             "model": model,
-            "tasks": {t: {key: by_task[t][key] for key in ("metric", "best_lr", "test_mean", "test_ci95", "test_std",
-                                                         "seeds", "diverged_runs")} for t in tasks if t in by_task},
-            "average": statistics.fmean(by_task[t]["test_mean"] for t in tasks if t in by_task),
+            "tasks": {t: {key: getattr(by_task[t], key) for key in ("metric", "best_lr", "test_mean", "test_ci95",
+                                                                  "test_std", "seeds", "diverged_runs")}
+                      for t in tasks if t in by_task},
+            "average": statistics.fmean(by_task[t].test_mean for t in tasks if t in by_task),
             "lr_sensitivity": statistics.fmean(sensitivities) if sensitivities else None,
             "final_valid_mlm_loss": curve[-1].get("mlm"), "final_valid_clm_loss": curve[-1].get("clm"),
         })

@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print("model | task | family | metric | best LR | test (mean ± 95 % CI) | validation mean")
     for row in evaluation.results:
-        ci = "" if row["test_ci95"] is None else f" ± {row['test_ci95']:.2f}"
-        print(f"{row['model']} | {row['task']} | {row['family']} | {row['metric']} | {row['best_lr']:g} | "
-              f"{row['test_mean']:.2f}{ci} | {row['validation_mean']:.2f}")
+        ci = "" if row.test_ci95 is None else f" ± {row.test_ci95:.2f}"
+        print(f"{row.model} | {row.task} | {row.family} | {row.metric} | {row.best_lr:g} | "
+              f"{row.test_mean:.2f}{ci} | {row.validation_mean:.2f}")
     print(f"{evaluation.executed} run(s) fine-tuned, {evaluation.reused} reused; "
           f"summary: {args.output_dir / 'summary.md'}")
     return 0

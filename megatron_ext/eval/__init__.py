@@ -1,1 +1,4 @@
-"""Downstream evaluation data: the offline mini-suite of SC, TC, QA and IR tasks and its loader."""
+"""Downstream evaluation by fine-tuning, as in the paper: the tasks (the offline mini-suite,
+:mod:`.suite`; the paper's benchmarks, :mod:`.benchmarks`; both read through :mod:`.task_io`), the
+fine-tuning protocol and task families (:mod:`.protocol`, :mod:`.families`), the LR x seed grid
+and its reports (:mod:`.harness`) and the ranking of models (:mod:`.ranking`)."""

@@ -1,10 +1,11 @@
 """The fine-tuning protocol shared by every task family (the paper's, after EncodEval).
 
 One fine-tuning run = one (model, task, learning rate, seed). Defaults follow the paper: batch 32,
-AdamW (0.9, 0.95), eps 1e-5, weight decay 0.1, linear schedule with 10 % warmup, 1,000 steps
-(token classification: one epoch), bf16 autocast on GPU, bidirectional attention always (the
-exported EuroBERT models are bidirectional). Each family module (``families/{sc,tc,qa,ir}.py``)
-exposes ``run(model_dir, task_dir, config) -> RunResult`` and uses the helpers below, so the
+AdamW (0.9, 0.95), eps 1e-5, weight decay 0.1, linear schedule with 10 % warmup, gradient clipping
+at 1.0, 1,000 steps (token classification: one epoch), bfloat16 on GPU (autocast, and the weights
+and AdamW state held in bfloat16), bidirectional attention always (the exported EuroBERT models
+are bidirectional). Each family module (``families/{sc,tc,qa,ir}.py``) exposes
+``run(model_dir, task_dir, config) -> RunResult`` and fine-tunes with :func:`finetune`, so the
 optimizer, schedule, seeding and precision are the same for every task.
 """
 
@@ -107,7 +108,7 @@ class FinetuneConfig:
         return max(1, round(self.epochs * n_train / self.batch_size))
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class RunResult:
     """Scores of one fine-tuning run (validation picks the LR; test is reported)."""
 
@@ -124,7 +125,7 @@ class RunResult:
     extra: dict[str, float] = field(default_factory=dict)
     """Other metrics (e.g. exact match next to F1)."""
     losses: list[float] = field(default_factory=list)
-    """Training loss of every optimizer step (what :func:`train` returns)."""
+    """Training loss of every optimizer step (what :func:`finetune` returns)."""
     per_example: dict[str, dict[str, float]] = field(default_factory=dict)
     """``{"validation": {row id: score}, "test": {...}}``: each scored example's own score (0-100;
     correct or not, a sentence's entity F1, a question's F1, a query's NDCG@10), saved with the
@@ -138,7 +139,7 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_optimizer(model: torch.nn.Module, config: FinetuneConfig, total_steps: int):
+def finetune_optimizer(model: torch.nn.Module, config: FinetuneConfig, total_steps: int):
     """AdamW (no decay on 1-D parameters) and the linear warmup/decay schedule."""
     from transformers import get_linear_schedule_with_warmup
 
@@ -161,8 +162,8 @@ def autocast(config: FinetuneConfig):
     return torch.autocast(config.torch_device.type, dtype=torch.bfloat16)
 
 
-def train(model: torch.nn.Module, batches: Iterator[dict], *, config: FinetuneConfig, total_steps: int,
-          loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor], desc: str = "fine-tune") -> list[float]:
+def finetune(model: torch.nn.Module, batches: Iterator[dict], *, config: FinetuneConfig, total_steps: int,
+             loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor], desc: str = "fine-tune") -> list[float]:
     """Run ``total_steps`` optimizer steps of ``loss_fn(model, batch)``; returns the losses.
 
     ``batches`` must yield at least ``total_steps`` batches (cycle the training set as needed).
@@ -171,7 +172,7 @@ def train(model: torch.nn.Module, batches: Iterator[dict], *, config: FinetuneCo
     """
     from tqdm import tqdm
 
-    optimizer, scheduler = build_optimizer(model, config, total_steps)
+    optimizer, scheduler = finetune_optimizer(model, config, total_steps)
     model.train()
     losses = []
     for step in tqdm(range(total_steps), desc=desc, leave=False, mininterval=2.0):

@@ -7,6 +7,8 @@
 - ``export_checkpoint`` (``tools/export_hf_checkpoint.py``): a checkpoint -> ``EuroBertForMaskedLM``
   with sentence-transformers files, or ``LlamaForCausalLM`` (or Mistral/Qwen2/Qwen3).
 - ``name_map``: the one declarative parameter map both directions use.
+- ``mlm_loss`` (import it from ``megatron_ext.hf.mlm_loss``): held-out MLM loss of a Hugging Face
+  masked LM or a Megatron checkpoint, on the same masked inputs for both.
 
 Conversions run in one process at tensor-parallel size 1; Megatron's dist checkpoints reshard
 on load, so an import loads at any TP and an export reads a checkpoint saved at any TP.

@@ -4,7 +4,7 @@ A sentence-transformers bi-encoder (``SentenceTransformer(model_dir)``: the expo
 or mean pooling added for a bare HF encoder) is fine-tuned with InfoNCE over in-batch negatives
 (``MultipleNegativesRankingLoss``: cosine similarity x 20, cross-entropy against the other
 positives of the batch) on the task's (query, positive) pairs. The steps run through
-:func:`protocol.train` with the loss on the sentence-transformers model's forward, so optimizer,
+:func:`protocol.finetune` with the loss on the sentence-transformers model's forward, so optimizer,
 schedule, clipping, seeding and precision are exactly the other families'. (The
 sentence-transformers trainer would bring the transformers ``Trainer``, whose optimizer grouping,
 scheduler and bf16 handling differ in the details.)
@@ -153,23 +153,22 @@ def run_shared(task_dirs: Sequence[Path], model_dir: str, config: FinetuneConfig
         return infonce(features, None)
 
     steps = config.steps_for(len(train_rows))
-    losses = protocol.train(model, protocol.cycle_batches(train_rows, config.batch_size, config.seed),
-                            config=config, total_steps=steps, loss_fn=loss_fn,
-                            desc=f"ir lr={config.lr:g} seed={config.seed}")
+    losses = protocol.finetune(model, protocol.cycle_batches(train_rows, config.batch_size, config.seed),
+                               config=config, total_steps=steps, loss_fn=loss_fn,
+                               desc=f"ir lr={config.lr:g} seed={config.seed}")
     trained = time.perf_counter() - began
-    results = []
-    for task_dir in task_dirs:
-        evaluated = time.perf_counter()
-        result = _evaluate(model, Path(task_dir), config)
-        results.append(RunResult(**{**result, "steps": steps, "losses": losses,
-                                    "seconds": trained + time.perf_counter() - evaluated}))
-    return results
+    return [_score(model, Path(task_dir), config, steps=steps, losses=losses, trained_seconds=trained)
+            for task_dir in task_dirs]
 
 
-def _evaluate(model, task_dir: Path, config: FinetuneConfig) -> dict:
-    """NDCG@10 (and MRR@10, Recall@10 as extras; per-query NDCG@10) of ``model`` on a task's
-    validation and test queries against its corpus, as :class:`RunResult` fields."""
+def _score(model, task_dir: Path, config: FinetuneConfig, *, steps: int, losses: list[float],
+           trained_seconds: float) -> RunResult:
+    """NDCG@10 (and MRR@10, Recall@10 as extras; per-query NDCG@10) of the fine-tuned ``model`` on a
+    task's validation and test queries against its corpus; the result carries the training's
+    ``steps`` and ``losses`` and, as its time, ``trained_seconds`` plus this scoring's."""
     from sentence_transformers.util import semantic_search
+
+    began = time.perf_counter()
 
     corpus = load_task(task_dir, "corpus", family="ir")
     corpus_ids = [row["id"] for row in corpus]
@@ -193,5 +192,6 @@ def _evaluate(model, task_dir: Path, config: FinetuneConfig) -> dict:
     extra = {f"{split}_{name}": value
              for split in scores for name, value in scores[split].items() if name != "ndcg@10"}
     extra.update({f"{split}_examples": float(len(qrels[split])) for split in qrels})
-    return {"metric": "ndcg@10", "validation": scores["validation"]["ndcg@10"], "test": scores["test"]["ndcg@10"],
-            "extra": extra, "per_example": per_example}
+    return RunResult(metric="ndcg@10", validation=scores["validation"]["ndcg@10"], test=scores["test"]["ndcg@10"],
+                     steps=steps, seconds=trained_seconds + time.perf_counter() - began, extra=extra, losses=losses,
+                     per_example=per_example)

@@ -24,9 +24,9 @@ from megatron_ext.eval.protocol import (
     RunResult,
     cycle_batches,
     eval_subset,
+    finetune,
     load_encoder,
     set_seed,
-    train,
 )
 from megatron_ext.eval.task_io import load_task
 
@@ -82,9 +82,9 @@ def run_linear_head(task: LinearHeadTask, model_dir: str, task_dir: Path,
     def loss_fn(model: LinearHeadModel, rows: list[dict]) -> torch.Tensor:
         return task.loss(model, tokenizer, rows, names, config)
 
-    losses = train(model, cycle_batches(train_rows, config.batch_size, config.seed), config=config,
-                   total_steps=steps, loss_fn=loss_fn,
-                   desc=f"{task.family} lr={config.lr:g} seed={config.seed}")
+    losses = finetune(model, cycle_batches(train_rows, config.batch_size, config.seed), config=config,
+                      total_steps=steps, loss_fn=loss_fn,
+                      desc=f"{task.family} lr={config.lr:g} seed={config.seed}")
     predictions = {split: task.predict(model, tokenizer, rows, names, config) for split, rows in splits.items()}
     scores = {split: task.score(rows, predictions[split]) for split, rows in splits.items()}
     per_example = {split: dict(zip([row["id"] for row in rows], task.example_scores(rows, predictions[split]),

@@ -278,9 +278,9 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
         return (F.cross_entropy(start, start_target) + F.cross_entropy(end, end_target)) / 2
 
     steps = config.steps_for(len(features["train"]))
-    losses = protocol.train(model, protocol.cycle_batches(features["train"], config.batch_size, config.seed),
-                            config=config, total_steps=steps, loss_fn=span_loss,
-                            desc=f"qa lr={config.lr:g} seed={config.seed}")
+    losses = protocol.finetune(model, protocol.cycle_batches(features["train"], config.batch_size, config.seed),
+                               config=config, total_steps=steps, loss_fn=span_loss,
+                               desc=f"qa lr={config.lr:g} seed={config.seed}")
 
     scores, per_example = {}, {}
     for split in ("validation", "test"):
