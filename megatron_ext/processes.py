@@ -9,7 +9,9 @@ agent) nothing in it runs any more, so two mechanisms keep its children from liv
 1. They die with it (Linux): while :func:`trainer_session` is active, every process the trainer
    forks from its main thread, and the checkpoint results-queue manager it starts
    (``die_with_parent`` as the manager's initializer), asks the kernel for SIGKILL when its parent
-   dies (``prctl(PR_SET_PDEATHSIG)``).
+   dies (``prctl(PR_SET_PDEATHSIG)``). The spawned ones ignore the stop signals a scheduler
+   sends to every process of a job (:func:`helpers_ignore_stop_signals`): they must outlive the
+   trainer's last save, not die before it.
 2. The next run ends the rest: every child inherits ``TRAINER_ENV`` = ``<pid>:<start time>`` of
    its trainer in its environment. :func:`end_orphans`, called as a run starts, ends the
    processes of this user whose tag names a trainer that is no longer running, with one warning
@@ -50,6 +52,29 @@ def die_with_parent(parent_pid: int) -> None:
         return  # the next run's end_orphans is the fallback
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+
+
+IGNORED_BY_HELPERS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+"""Signals a trainer's helper processes ignore for life. A scheduler signals every process of a
+job step (SLURM: SIGTERM at a time limit, the ``--signal`` warning) and a terminal its whole
+foreground group (Ctrl-C); the trainer answers by saving, which needs its helpers alive (the
+checkpoint writers, their results queue). They end when the trainer closes them or dies."""
+
+
+@contextlib.contextmanager
+def helpers_ignore_stop_signals() -> Iterator[None]:
+    """Processes spawned in the block ignore ``IGNORED_BY_HELPERS`` for life: an ignored
+    disposition survives ``exec``, a Python handler does not. The trainer's own handlers are
+    restored after the block. Main thread only (elsewhere: no change)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in IGNORED_BY_HELPERS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _before_fork() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -83,6 +84,21 @@ def test_a_trainer_killed_during_async_saves_leaves_no_process(tmp_path, tiny_co
         survivors = {pid for pid in survivors if psutil.pid_exists(pid)
                      and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE}
     assert not survivors, [" ".join(psutil.Process(pid).cmdline()) for pid in survivors]
+
+
+def test_the_results_queue_outlives_the_signals_a_scheduler_sends_to_every_process():
+    """SLURM signals every process of a job step; the trainer saves on SIGTERM/SIGUSR1, through a
+    results-queue manager that must still be there: it ignores them (and Ctrl-C's SIGINT) and
+    ends when the saver closes."""
+    before = _live_children()
+    with ckpt.CheckpointSaver(async_save=False):
+        manager, = [psutil.Process(pid) for pid in _live_children() - before]
+        for sig in processes.IGNORED_BY_HELPERS:
+            manager.send_signal(sig)
+        time.sleep(1.0)
+        assert manager.is_running() and manager.status() != psutil.STATUS_ZOMBIE
+    assert not manager.is_running() or manager.status() == psutil.STATUS_ZOMBIE
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # this process's own handling is back
 
 
 def _sleeper(tag: str) -> subprocess.Popen:

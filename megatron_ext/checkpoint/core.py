@@ -151,6 +151,10 @@ class CheckpointSaver:
             if persistent_writer is None:
                 persistent_writer = platform.persistent_checkpoint_writer()
             self._queue = AsyncCallsQueue(persistent=persistent_writer)
+            if persistent_writer:  # started now, not at the first save: its start-up (~30 s on an
+                # H100) leaves the save's stall, and it ignores the stop signals a scheduler sends
+                with processes.helpers_ignore_stop_signals():
+                    AsyncCallsQueue.warmup_persistent_caller(dist.get_rank() if dist.is_initialized() else 0)
 
     def __enter__(self) -> "CheckpointSaver":
         return self
@@ -275,7 +279,8 @@ class _ResultsQueue:
             from multiprocessing.managers import SyncManager
 
             self._manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-            self._manager.start(initializer=processes.die_with_parent, initargs=(os.getpid(),))
+            with processes.helpers_ignore_stop_signals():  # alive for the save a stop signal asks for
+                self._manager.start(initializer=processes.die_with_parent, initargs=(os.getpid(),))
             filesystem_async._results_queue = self._manager.Queue()
         self._users += 1
 
@@ -298,10 +303,10 @@ def _stop_persistent_writer(*, abort: bool) -> None:
     ``close()`` joins a queue that a dead worker never drains."""
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, PersistentAsyncCaller
 
-    caller = AsyncCallsQueue._persistent_caller
+    caller = AsyncCallsQueue._persistent_caller  # None when no save was scheduled (the worker may run)
     AsyncCallsQueue._persistent_caller = None
     worker = PersistentAsyncCaller._persistent_process
-    if caller is None or worker is None:
+    if worker is None:
         return
     if not abort and worker.is_alive():
         PersistentAsyncCaller._persistent_queue.put("DONE")  # its loop ends after the saves queued before
@@ -313,7 +318,8 @@ def _stop_persistent_writer(*, abort: bool) -> None:
         worker.kill()
         worker.join()
     # What Megatron's close() resets, so that a later asynchronous saver starts a new worker.
-    caller.process = None
+    if caller is not None:
+        caller.process = None
     PersistentAsyncCaller._persistent_process = PersistentAsyncCaller._persistent_queue = None
     PersistentAsyncCaller._persistent_preload_q = PersistentAsyncCaller._persistent_comp_q = None
 
