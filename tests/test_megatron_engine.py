@@ -1,7 +1,7 @@
 """The Megatron engine (Megatron-Core DDP, optimizers, schedules) on CPU over gloo: what GPU users
-run, under CI. Parity with the portable engine, distributed-optimizer checkpoints (resume after a
-kill, reshard across data- and tensor-parallel sizes), pipeline parallelism, non-finite gradients,
-Hugging Face export of its checkpoints."""
+run, under CI. Parity with the portable engine, the CPU redirection of Megatron's CUDA calls,
+distributed-optimizer checkpoints (resume after a kill, reshard across data- and tensor-parallel
+sizes), pipeline parallelism, non-finite gradients, Hugging Face export of its checkpoints."""
 
 from __future__ import annotations
 
@@ -77,6 +77,43 @@ def test_megatron_engine_matches_portable_engine_at_dp2(tmp_path, tiny_corpus):
         assert runs["megatron"][step] == pytest.approx(runs["portable"][step], rel=5e-4), f"step {step}"
     for step in (1, 2, 3):
         assert runs["megatron"][step] == pytest.approx(runs["portable"][step], rel=1e-6), f"step {step}"
+
+
+def test_megatrons_cuda_calls_are_redirected_from_process_group_set_up_to_teardown(tmp_path, monkeypatch):
+    """Divergence 7 of ``platform``: on CPU, from ``init_process_group_and_model_parallel`` until
+    ``destroy_process_group_and_model_parallel`` (off for a while inside
+    ``cuda_calls_not_redirected``, where Megatron code is refused with the fix), pinned to
+    megatron-core 0.19.2; nothing at all on GPU."""
+    import torch.distributed as dist
+    from torch.overrides import _get_current_function_mode_stack
+
+    original = torch.cuda.current_device
+    assert not platform.cuda_calls_redirected() and not _get_current_function_mode_stack()
+    platform.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        assert platform.cuda_calls_redirected() is not platform.on_gpu()
+        if not platform.on_gpu():
+            assert torch.zeros(1, device="cuda").device.type == "cpu" and torch.cuda.current_device() == torch.device("cpu")
+            assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+            with platform.cuda_calls_not_redirected():
+                assert not platform.cuda_calls_redirected() and torch.cuda.current_device is original
+                assert torch.zeros(1).type() == "torch.FloatTensor" and not _get_current_function_mode_stack()
+                with pytest.raises((RuntimeError, AssertionError)):
+                    torch.zeros(1, device="cuda")
+                with pytest.raises(RuntimeError, match="saving a checkpoint runs Megatron-Core code that calls CUDA.*"
+                                                       "init_process_group_and_model_parallel"):
+                    ckpt.save_checkpoint(tmp_path / "ckpt", step=1, model=torch.nn.Linear(1, 1), optimizer=None,
+                                         trainer_state={}, run_config={}, tokenizer_reference={}, keep_last=1)
+            assert platform.cuda_calls_redirected() and torch.zeros(1, device="cuda").device.type == "cpu"
+    finally:
+        platform.destroy_process_group_and_model_parallel()
+    assert not platform.cuda_calls_redirected() and torch.cuda.current_device is original
+    assert not _get_current_function_mode_stack()
+    if not platform.on_gpu():
+        monkeypatch.setattr(platform, "_megatron_core_version", lambda: "0.20.0")
+        with pytest.raises(RuntimeError, match=r"megatron-core 0.20.0 is installed.*megatron-core==0.19.2"):
+            platform.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg2", rank=0, world_size=1)
+        assert not dist.is_initialized() and not platform.cuda_calls_redirected()  # nothing was started
 
 
 def test_pipeline_parallel_matches_one_stage(tmp_path, tiny_corpus):

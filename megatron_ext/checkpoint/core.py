@@ -142,6 +142,7 @@ class CheckpointSaver:
     def __init__(self, *, async_save: bool, persistent_writer: bool | None = None):
         """``persistent_writer``: Megatron's persistent worker instead of a process forked per save
         (default: ``platform.persistent_checkpoint_writer()``, the worker on GPU only)."""
+        platform.check_megatron_runs_here("saving a checkpoint")
         self._queue = None
         self._closed = False
         _results_queue.acquire()  # synchronous saves report through it too
@@ -173,8 +174,7 @@ class CheckpointSaver:
         queue, self._queue = self._queue, None
         try:
             if queue is not None and not abort and queue.get_num_unfinalized_calls():
-                with platform.megatron_cuda_calls_on_cpu():
-                    queue.maybe_finalize_async_calls(blocking=True)
+                queue.maybe_finalize_async_calls(blocking=True)
         finally:
             if queue is not None:
                 for active in queue.async_calls:  # left unpublished by an abort or a failed finalize
@@ -225,28 +225,25 @@ class CheckpointSaver:
         def publish() -> None:
             _publish_checkpoint(tmp, final, files=files, info=info, keep_last=keep_last)
 
-        with platform.megatron_cuda_calls_on_cpu():
-            request = dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata,
-                                              async_sharded_save=self._queue is not None, async_strategy="mcore")
-            if request is None:  # synchronous: returned after a barrier, all shards written
-                publish()
-            else:
-                request.add_finalize_fn(publish)  # runs on every rank once every rank's writer is done
-                self._queue.schedule_async_request(request)
+        request = dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata,
+                                          async_sharded_save=self._queue is not None, async_strategy="mcore")
+        if request is None:  # synchronous: returned after a barrier, all shards written
+            publish()
+        else:
+            request.add_finalize_fn(publish)  # runs on every rank once every rank's writer is done
+            self._queue.schedule_async_request(request)
         return final
 
     def poll(self) -> None:
         """Publish the asynchronous saves that have finished on every rank (a collective: call it
         on every rank, e.g. after each step)."""
         if self._queue is not None and self._queue.get_num_unfinalized_calls():
-            with platform.megatron_cuda_calls_on_cpu():
-                self._queue.maybe_finalize_async_calls(blocking=False)
+            self._queue.maybe_finalize_async_calls(blocking=False)
 
     def wait(self) -> None:
         """Block until every asynchronous save is written and published (a collective)."""
         if self._queue is not None and self._queue.get_num_unfinalized_calls():
-            with platform.megatron_cuda_calls_on_cpu():
-                self._queue.maybe_finalize_async_calls(blocking=True)
+            self._queue.maybe_finalize_async_calls(blocking=True)
 
     @property
     def in_flight(self) -> int:
@@ -370,6 +367,7 @@ def load_checkpoint(
     Returns:
         The ``trainer_state`` saved with it (with ``step``).
     """
+    platform.check_megatron_runs_here("loading a checkpoint")
     checkpoint = resolve_checkpoint(Path(path_or_dir))
     info = json.loads((checkpoint / COMPLETE).read_text())
     if optimizer is not None and not info["has_optimizer"]:
@@ -407,8 +405,7 @@ def load_checkpoint(
         saved = SavedOptimizerState(format=saved_optimizer_format(checkpoint) or {}, tensors=metadata)
         state["optimizer"] = optimizer.sharded_state_dict(model_state, saved=saved)
     try:
-        with platform.megatron_cuda_calls_on_cpu():
-            loaded = dist_checkpointing.load(state, str(checkpoint))
+        loaded = dist_checkpointing.load(state, str(checkpoint))
     except _READ_ERRORS as error:
         raise UserError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
     outcome = model.load_state_dict(loaded["model"], strict=False)

@@ -96,7 +96,7 @@ class TrainingConfig:
     """How a step runs. ``megatron``: Megatron-Core's ``DistributedDataParallel``,
     ``get_megatron_optimizer`` and ``get_forward_backward_func`` (micro-batching, pipeline
     parallelism, distributed optimizer, overlapped gradient reduction), on GPU and, through
-    ``platform.megatron_cuda_calls_on_cpu``, on CPU. ``portable``: this project's own step
+    ``platform``'s redirection of Megatron's CUDA calls, on CPU. ``portable``: this project's own step
     (per-token loss, flat gradient all-reduce, torch AdamW), independent of Megatron's optimizer
     internals; no pipeline parallelism or distributed optimizer. ``auto``: megatron."""
     fp8_recipe: Literal["delayed", "tensorwise"] | None = None

@@ -15,9 +15,10 @@ reduce-scatter/all-reduce), ``get_megatron_optimizer`` (Adam with Megatron's par
 no weight decay on 1-D parameters, as the portable engine; optionally the distributed optimizer),
 ``get_forward_backward_func`` (no-pipelining or 1F1B pipeline schedule) with
 ``calculate_per_token_loss`` so ``finalize_model_grads`` divides by the global token count as the
-portable engine does. Those pieces assume CUDA; on CPU they run over gloo inside
-``platform.megatron_cuda_calls_on_cpu``, so a parallel layout can be
-debugged on a laptop with the code a cluster runs.
+portable engine does. Those pieces assume CUDA; on CPU they run over gloo with Megatron's
+CUDA-only calls redirected (``platform``, divergence 7, on from
+``platform.init_process_group_and_model_parallel``), so a parallel layout can be debugged on a
+laptop with the code a cluster runs.
 
 Both satisfy :class:`Engine`, the contract the loop and the checkpoints use.
 
@@ -219,10 +220,9 @@ class MegatronOptimizerState:
     def sharded_state_dict(self, model_state: dict, *, saved: SavedOptimizerState | None = None) -> dict:
         # Megatron's own metadata keys are what the optimizer reads; ours are ignored by it.
         metadata = self.format() if saved is None else saved.format
-        with platform.megatron_cuda_calls_on_cpu():
-            if saved is not None:
-                self._allocate_state()
-            return self.optimizer.sharded_state_dict(model_state, is_loading=saved is not None, metadata=metadata)
+        if saved is not None:
+            self._allocate_state()
+        return self.optimizer.sharded_state_dict(model_state, is_loading=saved is not None, metadata=metadata)
 
     def _allocate_state(self) -> None:
         """Give a fresh distributed optimizer its state tensors before a load. With torch's Adam
@@ -242,7 +242,7 @@ class MegatronOptimizerState:
     def load_state_dict(self, loaded: dict) -> None:
         # no_grad: with fp32 parameters the distributed optimizer's main parameters are views of
         # the model's, which require grad; the load copies into them.
-        with platform.megatron_cuda_calls_on_cpu(), torch.no_grad(), _torch_adam_step_kept():
+        with torch.no_grad(), _torch_adam_step_kept():
             self.optimizer.load_state_dict(loaded)
         parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         saved_parts = [loaded] if len(parts) == 1 else [loaded[i] for i in range(len(parts))]
@@ -311,6 +311,7 @@ class MegatronEngine:
     name = "megatron"
 
     def __init__(self, model: torch.nn.Module, config: RunConfig):
+        platform.check_megatron_runs_here("the Megatron engine")
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer
@@ -330,18 +331,17 @@ class MegatronEngine:
         # the model in bf16 (its fp32 outputs: the per-token loss, computed in fp32 inside the
         # model); the optimizer keeps fp32 main parameters; gradients reduce into fp32 buffers.
         low_precision = transformer_config.bf16  # float16 is refused with the run config
-        with platform.megatron_cuda_calls_on_cpu():
-            wrapped = Float16Module(transformer_config, model) if low_precision else model
-            self.ddp = DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=wrapped)
-            self.optimizer = get_megatron_optimizer(
-                MegatronOptimizerConfig(
-                    optimizer="adam", lr=0.0, min_lr=0.0, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-                    adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=low_precision,
-                    params_dtype=transformer_config.params_dtype, use_distributed_optimizer=p.use_distributed_optimizer,
-                    overlap_param_gather=p.overlap_param_gather,
-                ),
-                [self.ddp],
-            )
+        wrapped = Float16Module(transformer_config, model) if low_precision else model
+        self.ddp = DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=wrapped)
+        self.optimizer = get_megatron_optimizer(
+            MegatronOptimizerConfig(
+                optimizer="adam", lr=0.0, min_lr=0.0, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=low_precision,
+                params_dtype=transformer_config.params_dtype, use_distributed_optimizer=p.use_distributed_optimizer,
+                overlap_param_gather=p.overlap_param_gather,
+            ),
+            [self.ddp],
+        )
         self.optimizer_state = MegatronOptimizerState(
             self.optimizer, distributed=p.use_distributed_optimizer, sharding_type=config.checkpoint.optimizer_format,
             torch_adam_fused=o.fused if _megatron_uses_torch_adam() else None)
@@ -384,16 +384,15 @@ class MegatronEngine:
         return float(totals[0]), float(totals[1])
 
     def train_step(self, micro_batches: Sequence[MicroBatch], lr: float) -> StepOutcome:
-        with platform.megatron_cuda_calls_on_cpu():
-            self._set_lr(lr)
+        self._set_lr(lr)
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss_sum, tokens = self._run(micro_batches, forward_only=False)
+        loss = loss_sum / tokens if tokens > 0 else math.nan
+        if not (math.isfinite(loss) and self._gradients_finite()):
             self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            loss_sum, tokens = self._run(micro_batches, forward_only=False)
-            loss = loss_sum / tokens if tokens > 0 else math.nan
-            if not (math.isfinite(loss) and self._gradients_finite()):
-                self.ddp.zero_grad_buffer()
-                return StepOutcome(loss=loss, grad_norm=math.nan, skipped=True)
-            _, grad_norm, _ = self.optimizer.step()  # clips to optimizer.clip_grad, then updates
+            return StepOutcome(loss=loss, grad_norm=math.nan, skipped=True)
+        _, grad_norm, _ = self.optimizer.step()  # clips to optimizer.clip_grad, then updates
         grad_norm = math.nan if grad_norm is None else float(grad_norm)
         return StepOutcome(loss=loss, grad_norm=grad_norm, skipped=not math.isfinite(grad_norm))
 
@@ -423,15 +422,13 @@ class MegatronEngine:
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: Sequence[MicroBatch]) -> tuple[float, float]:
-        with platform.megatron_cuda_calls_on_cpu():
-            return self._run(micro_batches, forward_only=True)
+        return self._run(micro_batches, forward_only=True)
 
     def weights_loaded(self) -> None:
         """Megatron-LM's ``reload_model_params``: fp32 main parameters (bf16 models, distributed
         optimizer) are copied again from the model, else the first step would write the
         optimizer's stale copies (the random initialisation) over the loaded weights."""
-        with platform.megatron_cuda_calls_on_cpu():
-            self.optimizer.reload_model_params()
+        self.optimizer.reload_model_params()
 
     @contextlib.contextmanager
     def checkpointing(self) -> Iterator[None]:
@@ -441,8 +438,7 @@ class MegatronEngine:
         if gathering:
             self.ddp.disable_forward_pre_hook()
         try:
-            with platform.megatron_cuda_calls_on_cpu():
-                yield
+            yield
         finally:
             if gathering:
                 self.ddp.enable_forward_pre_hook()
