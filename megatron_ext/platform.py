@@ -35,7 +35,6 @@ Divergences, and why:
    (``cuda_calls_not_redirected`` turns it off for a while, e.g. in a test), pinned to the
    megatron-core release it was checked against, so the same Megatron engine (and the same
    checkpoint writer) runs on CPU over gloo and on GPU.
-   ``training.engine: auto`` is the Megatron engine on both (``resolve_engine``).
 8. Asynchronous checkpoint writer (``persistent_checkpoint_writer``): a persistent worker on GPU,
    a process forked per save on CPU (where staging copies nothing).
 9. Memory a process may use (``usable_memory_bytes``, checked against
@@ -91,19 +90,11 @@ def transformer_engine_available() -> bool:
     return HAVE_TE
 
 
-def resolve_engine(requested: str) -> str:
-    """``training.engine``: ``auto`` is the Megatron engine on every platform, so the demo and CI
-    run the arithmetic GPU clusters run (on CPU through divergence 7; measured as fast as the
-    portable engine on the demo recipe, docs/design.md). ``portable`` stays available where the
-    redirection does not cover the installed megatron-core."""
-    return "megatron" if requested == "auto" else requested
-
-
 def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | None,
                         bf16_autocast: bool = False, params_dtype: str = "float32") -> None:
     """Raise ``ValueError`` naming the setting this machine cannot run (before any model is built).
-    What the config itself rules out (FP8 without the ``te`` backend, Megatron-only settings on
-    the portable engine) is refused once, by ``RunConfig``."""
+    What the config itself rules out (FP8 without the ``te`` backend) is refused once, by
+    ``RunConfig``."""
     if fp8_recipe is not None:
         if not on_gpu():
             raise ValueError(f"training.fp8_recipe={fp8_recipe!r}: FP8 needs a CUDA GPU with compute capability "

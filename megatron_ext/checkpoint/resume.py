@@ -8,8 +8,9 @@ full, or the run starts fresh.
 
 A full resume first checks, before anything is loaded, that the run is the same model (its
 ``model`` fields and tokenizer content; only ``RESUME_MAY_CHANGE_MODEL`` may differ) and that
-the engine can take the saved optimizer-state format. Everything else (learning rate, schedule,
-intervals, data blend, engine and layout where the optimizer format allows) may change.
+this run's optimizer can take the saved optimizer-state format. Everything else (learning rate,
+schedule, intervals, data blend, the parallel layout where the optimizer format allows) may
+change.
 """
 
 from __future__ import annotations
@@ -33,16 +34,20 @@ weights) and how weights are initialised (loaded weights replace them)."""
 
 
 class TrainingState(Protocol):
-    """What the policy loads into: a training engine's model and optimizer state."""
+    """What checkpoints save and load of a training engine (``training.engines.MegatronEngine``):
+    the policy loads into it, the training loop saves it."""
 
     checkpoint_model: torch.nn.Module
+    """The bare model whose ``sharded_state_dict`` is saved and loaded."""
     optimizer_state: OptimizerCheckpointState
+    """The optimizer's state as the checkpoint writes and reads it."""
 
     def checkpointing(self) -> contextlib.AbstractContextManager:
         """The context in which the engine's state may be saved or loaded."""
 
     def weights_loaded(self) -> None:
-        """Called after weights alone were loaded (e.g. to refresh mixed-precision copies)."""
+        """The model's weights were replaced without the optimizer's state (continued pretraining):
+        copies the optimizer keeps of them (fp32 main parameters) are refreshed."""
 
 
 @dataclass(kw_only=True)
