@@ -315,7 +315,7 @@ def test_reshard_between_tensor_parallel_sizes(tmp_path):
     run_ranks(resharding_worker, str(tmp_path), world=WORLD, tmp_path=tmp_path)
 
 
-def test_handle_resolves_once_and_reads_what_was_saved(single_rank, tmp_path):
+def test_handle_resolves_once_and_reads_what_was_saved(single_rank, tmp_path, monkeypatch):
     engine = build()
     save(tmp_path, 1, engine)
     train_step(engine, 1)
@@ -331,6 +331,20 @@ def test_handle_resolves_once_and_reads_what_was_saved(single_rank, tmp_path):
     assert checkpoint.load(model=fresh)["step"] == 2
     assert_same_weights(fresh, weights(engine.checkpoint_model))
 
+    # Resolved once: no read goes back to the save directory (a newer checkpoint appearing there
+    # changes nothing for this handle).
+    from megatron_ext.checkpoint import core
+
+    def resolving_again(*args, **kwargs):
+        raise AssertionError("resolved again")
+
+    monkeypatch.setattr(core, "resolve_checkpoint", resolving_again)
+    monkeypatch.setattr(core, "latest_checkpoint", resolving_again)
+    assert (checkpoint.step, checkpoint.run_config(), checkpoint.model_config(), checkpoint.tokenizer_config(),
+            checkpoint.tokenizer_fingerprint(), checkpoint.optimizer_format()["optimizer"]) == (
+        2, RUN_CONFIG, TINY, TokenizerConfig(**TOKENIZER), None, "megatron")
+    assert checkpoint.load(model=build(seed=3).checkpoint_model)["step"] == 2
+    monkeypatch.undo()
 
     assert Checkpoint.latest(tmp_path / "missing") is None and Checkpoint.latest(None) is None
     with pytest.raises(ValueError, match="no complete checkpoint at .*missing: not a directory"):

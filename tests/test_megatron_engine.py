@@ -190,7 +190,7 @@ def test_distributed_optimizer_reshards_across_data_parallel_sizes(tmp_path, tin
     straight = _run(_distopt(tiny_corpus, tmp_path / "straight", steps=6), tmp_path, "straight", world=2)
     recipe = _distopt(tiny_corpus, tmp_path / "resharded", steps=6)
     _run(recipe, tmp_path, "dp2_first", world=2, exit_after=3)
-    saved = ckpt.saved_optimizer_format(tmp_path / "resharded/ckpt")
+    saved = Checkpoint.open(tmp_path / "resharded/ckpt").optimizer_format()
     assert saved["distrib_optim_sharding_type"] == "dp_reshardable" and saved["data_parallel_size"] == 2
     resumed = _run(recipe, tmp_path, "dp1_rest", world=1)
     assert resumed["start"] == 3

@@ -336,7 +336,7 @@ def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
 
 
 def load_checkpoint(
-    path_or_dir: str | os.PathLike,
+    checkpoint: Path,
     *,
     model: torch.nn.Module,
     optimizer: OptimizerCheckpointState | None = None,
@@ -345,7 +345,8 @@ def load_checkpoint(
     """Load a checkpoint into ``model`` (and ``optimizer``) at the current parallel layout.
 
     Args:
-        path_or_dir: One checkpoint directory, or a save directory (its newest checkpoint).
+        checkpoint: One complete checkpoint directory, as ``resolve_checkpoint`` returns it (the
+            readers above training go through ``handle.Checkpoint``, which resolves it once).
         model: Built for this run; its tensor-parallel size may differ from the saved one's.
         optimizer: Restored too when given (in a format it can take; see
             ``optimizer_format_problem``); None loads weights only.
@@ -357,7 +358,6 @@ def load_checkpoint(
         The ``trainer_state`` saved with it (with ``step``).
     """
     platform.check_megatron_runs_here("loading a checkpoint")
-    checkpoint = resolve_checkpoint(Path(path_or_dir))
     info = json.loads((checkpoint / COMPLETE).read_text())
     if optimizer is not None and not info["has_optimizer"]:
         raise UserError(f"checkpoint {checkpoint} holds no optimizer state (saved weights only); "
@@ -412,11 +412,10 @@ portable``, removed after commit b763d8e): torch's AdamW state, which the Megatr
 take. Their weights still load (continued pretraining, export)."""
 
 
-def saved_optimizer_format(path: str | os.PathLike) -> dict | None:
-    """The optimizer format recorded in a checkpoint (None: weights only). Checkpoints written
-    before formats were recorded get the format of the engine their run config names (the portable
-    engine, the only one then, where it names none)."""
-    checkpoint = resolve_checkpoint(Path(path))
+def saved_optimizer_format(checkpoint: Path) -> dict | None:
+    """The optimizer format recorded in a complete checkpoint directory (None: weights only).
+    Checkpoints written before formats were recorded get the format of the engine their run config
+    names (the portable engine, the only one then, where it names none)."""
     if not json.loads((checkpoint / COMPLETE).read_text())["has_optimizer"]:
         return None
     try:
@@ -452,25 +451,6 @@ def optimizer_format_problem(saved: dict | None, current: dict) -> str | None:
                     f"data-parallel size only, and the layout changed ({', '.join(changed)}); resume at the saved "
                     "tensor/pipeline sizes, or save with checkpoint.optimizer_format: fully_reshardable to change them")
     return None
-
-
-def read_run_config(path: str | os.PathLike) -> dict:
-    """The resolved run config saved with a checkpoint (or a save directory's newest one)."""
-    return json.loads((resolve_checkpoint(Path(path)) / RUN_CONFIG).read_text())
-
-
-def read_tokenizer_reference(path: str | os.PathLike) -> dict:
-    """The tokenizer reference saved with a checkpoint (or a save directory's newest one): the
-    ``TokenizerConfig`` fields that rebuild it."""
-    reference = json.loads((resolve_checkpoint(Path(path)) / TOKENIZER_REFERENCE).read_text())
-    reference.pop(TOKENIZER_FINGERPRINT, None)
-    return reference
-
-
-def read_tokenizer_fingerprint(path: str | os.PathLike) -> str | None:
-    """The content fingerprint of the checkpoint's tokenizer (``EncoderTokenizer.fingerprint``;
-    None for checkpoints written without one)."""
-    return json.loads((resolve_checkpoint(Path(path)) / TOKENIZER_REFERENCE).read_text()).get(TOKENIZER_FINGERPRINT)
 
 
 def _checked_trainer_state(trainer_state: dict, step: int) -> dict:

@@ -1,4 +1,5 @@
-"""The resume policy: which checkpoint a run continues from, and what it may change on the way.
+"""The resume policy: where a run starts from (nothing, a checkpoint's weights, or a whole
+checkpoint), and what it may change on the way.
 
 ``checkpoint.finetune``: the weights of ``checkpoint.load``'s newest checkpoint and a fresh
 optimizer and schedule (continued pretraining), unless ``checkpoint.save`` already holds a
@@ -51,8 +52,8 @@ class TrainingState(Protocol):
 
 
 @dataclass(kw_only=True)
-class Restored:
-    """Where a run continues from."""
+class StartingPoint:
+    """Where a run starts from."""
 
     trainer_state: dict = field(default_factory=dict)
     """The saved trainer state of a full resume (step, RNG, counters); empty for a fresh start
@@ -77,8 +78,8 @@ def meaning_changes(checkpoint: Checkpoint, *, model_fields: Mapping, tokenizer:
     return changes
 
 
-def resume(target: TrainingState, checkpoint: Checkpoint, *, model_fields: Mapping, tokenizer: EncoderTokenizer,
-           tokenizer_model: str) -> dict:
+def _resume_in_full(target: TrainingState, checkpoint: Checkpoint, *, model_fields: Mapping,
+                    tokenizer: EncoderTokenizer, tokenizer_model: str) -> dict:
     """Load model and optimizer state from ``checkpoint`` if the run is the same model and the
     engine can take its optimizer state (both checked before anything is loaded); returns the
     trainer state."""
@@ -97,8 +98,8 @@ def resume(target: TrainingState, checkpoint: Checkpoint, *, model_fields: Mappi
         return checkpoint.load(model=target.checkpoint_model, optimizer=target.optimizer_state)
 
 
-def restore(target: TrainingState, config: CheckpointConfig, *, model_fields: Mapping, tokenizer: EncoderTokenizer,
-            tokenizer_model: str) -> Restored:
+def load_starting_point(target: TrainingState, config: CheckpointConfig, *, model_fields: Mapping,
+                        tokenizer: EncoderTokenizer, tokenizer_model: str) -> StartingPoint:
     """Apply the policy of the module docstring to ``target``. ``model_fields`` and
     ``tokenizer_model``: this run's model section (as saved, JSON types) and tokenizer setting."""
     identity = dict(model_fields=model_fields, tokenizer=tokenizer, tokenizer_model=tokenizer_model)
@@ -111,11 +112,11 @@ def restore(target: TrainingState, config: CheckpointConfig, *, model_fields: Ma
         target.weights_loaded()
         own = Checkpoint.latest(config.save)
         if own is not None:
-            return Restored(trainer_state=resume(target, own, **identity), checkpoint=own)
-        return Restored(checkpoint=weights)
+            return StartingPoint(trainer_state=_resume_in_full(target, own, **identity), checkpoint=own)
+        return StartingPoint(checkpoint=weights)
     found = Checkpoint.latest(config.load or config.save)
     if config.load and found is None:
         raise UserError(f"checkpoint.load={config.load!r}: no complete checkpoint found")
     if found is None:
-        return Restored()
-    return Restored(trainer_state=resume(target, found, **identity), checkpoint=found)
+        return StartingPoint()
+    return StartingPoint(trainer_state=_resume_in_full(target, found, **identity), checkpoint=found)

@@ -30,7 +30,7 @@ from megatron_ext.objectives import MaskingConfig, ObjectiveBatch, apply_clm, ap
 from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at, resolve_phases
 from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
 from megatron_ext.checkpoint import core as ckpt
-from megatron_ext.checkpoint.resume import restore
+from megatron_ext.checkpoint.resume import load_starting_point
 from megatron_ext.training import data as data_lib
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides
@@ -298,12 +298,13 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
     phases = resolve_phases(config.phases, total)
 
     engine = _build_model_and_engine(config, device)
-    restored = restore(engine, config.checkpoint, tokenizer=tokenizer, tokenizer_model=config.tokenizer.tokenizer_model,
-                       model_fields=json.loads(json.dumps(config.to_dict()["model"])))  # as saved: lists, not tuples
-    state = restored.trainer_state
+    starting_point = load_starting_point(
+        engine, config.checkpoint, tokenizer=tokenizer, tokenizer_model=config.tokenizer.tokenizer_model,
+        model_fields=json.loads(json.dumps(config.to_dict()["model"])))  # as saved: lists, not tuples
+    state = starting_point.trainer_state
     platform.set_rng_state(state)
     start = int(state.get("step", 0))
-    first_checkpoint = str(restored.checkpoint) if restored.checkpoint else None
+    first_checkpoint = str(starting_point.checkpoint) if starting_point.checkpoint else None
     if start > total:
         raise UserError(f"the checkpoint is at step {start}, beyond training.train_iters={total}")
     if start == total:
