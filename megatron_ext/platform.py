@@ -53,7 +53,6 @@ import contextlib
 import datetime
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator
 
@@ -490,12 +489,6 @@ def init_process_group_and_model_parallel(
 
 _rendezvous_dir: str | None = None
 """Directory of a lone process's file-store rendezvous (removed on teardown)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def destroy_process_group_and_model_parallel() -> None:

@@ -286,8 +286,8 @@ def test_a_recipe_naming_the_removed_engine_key_is_refused_with_the_fix(tmp_path
 
 
 def _torchrun(recipe_path: Path, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(platform._free_port()), str(REPO / "pretrain_encoder.py"), "--config", str(recipe_path)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(REPO / "pretrain_encoder.py"), "--config", str(recipe_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
