@@ -37,7 +37,7 @@ from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E40
 from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
 from megatron_ext.checkpoint import core as ckpt  # noqa: E402
 from megatron_ext.training.config import run_config_from_dict  # noqa: E402
-from megatron_ext.training.engines import MicroBatch, build_engine, megatron_transformer_overrides  # noqa: E402
+from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,14 +58,14 @@ def main(argv: list[str] | None = None) -> int:
                     "global_batch_size": args.micro_batch_size},
            "schedule": {"lr": 1e-4, "lr_decay_style": "constant", "lr_warmup_iters": 0},
            "phases": [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}],
-           "training": {"train_iters": 1, "bf16": platform.on_gpu(), "engine": "megatron"},
+           "training": {"train_iters": 1, "bf16": platform.on_gpu()},
            "parallel": {"use_distributed_optimizer": True}}
     config = run_config_from_dict(raw)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         platform.init_process_group_and_model_parallel(init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
         stack.callback(platform.destroy_process_group_and_model_parallel)
         model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
-        engine = build_engine("megatron", model.to(platform.device()), config)
+        engine = MegatronEngine(model.to(platform.device()), config)
         gen = torch.Generator(device=platform.device()).manual_seed(0)
         tokens = torch.randint(4, args.vocab_size, (args.micro_batch_size, args.seq_length),
                                device=platform.device(), generator=gen)

@@ -10,7 +10,7 @@ the recipes' shape: an optimizer step takes as many micro-batches as one rank ge
 recipe (global batch 1,152 over ``--data-parallel-size`` 64 ranks: 2 / 3 / 6 micro-batches of
 9 / 6 / 3 sequences at 210m / 610m / 1b), gradient accumulation on both sides:
 - megatron_ext: ``build_encoder_model`` (TE spec when Transformer Engine imports) driven by the
-  training engine the trainer uses (``training.engine: auto``: Megatron-Core DDP + optimizer +
+  trainer's engine (``training.engines.MegatronEngine``: Megatron-Core DDP + optimizer +
   forward-backward schedule, on GPU and CPU), bf16 autocast, FP8 via TE;
 - Hugging Face: ``transformers.EuroBertForMaskedLM`` (SDPA attention) with its own loss, bf16
   autocast, fused AdamW; ``--hf-compile`` adds ``torch.compile``.
@@ -54,7 +54,7 @@ from megatron_ext import platform  # noqa: E402
 from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E402
 from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
 from megatron_ext.training.config import read_recipe, run_config_from_dict  # noqa: E402
-from megatron_ext.training.engines import MicroBatch, build_engine, megatron_transformer_overrides  # noqa: E402
+from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
 from megatron_ext.schedule import resolve_phases  # noqa: E402
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device  # noqa: E402
 
@@ -198,10 +198,10 @@ def profile_step(step, batch, out_dir: Path, stem: str, *, top: int = 40) -> dic
     return {"table": str(table), "json": str(as_json)}
 
 
-def _ours(config, engine_name: str, batch, args, profile_stem: str | None) -> dict:
+def _ours(config, batch, args, profile_stem: str | None) -> dict:
     torch.manual_seed(0)
     model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
-    engine = build_engine(engine_name, model.to(platform.device()), config)
+    engine = MegatronEngine(model.to(platform.device()), config)
 
     def step(micro_batches):
         engine.train_step([MicroBatch(b, None) for b in micro_batches], lr=1e-4)
@@ -271,7 +271,7 @@ def run_side(spec: dict) -> dict:
             result = _hf(config, _batches(args, preset, seq_length), args)
         else:
             stem = f"profile_{preset}_seq{seq_length}_{precision}" if side == "megatron_ext" and args.profile else None
-            result = _ours(config, platform.resolve_engine("auto"), _batches(args, preset, seq_length), args, stem)
+            result = _ours(config, _batches(args, preset, seq_length), args, stem)
     except torch.OutOfMemoryError as error:  # a measurement too: this side does not fit at this shape
         result = {"error": f"out of memory: {str(error).splitlines()[0]}"}
     finally:
@@ -279,7 +279,7 @@ def run_side(spec: dict) -> dict:
             platform.destroy_process_group_and_model_parallel()
     (phase,) = resolve_phases(config.phases, config.training.train_iters)
     share = lm_head_share(phase, scored_only=config.training.lm_head_scored_only)
-    return {**result, "peak_mem_gb": _peak_memory_gb(), "engine": platform.resolve_engine("auto"),
+    return {**result, "peak_mem_gb": _peak_memory_gb(), "engine": "megatron",
             "attention_backend": config.model.attention_backend, "parameters": parameter_count(config.model),
             "flops_per_token": flops_per_token(config.model, seq_length, lm_head_share=share)}
 

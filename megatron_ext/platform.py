@@ -30,10 +30,11 @@ Divergences, and why:
 7. Megatron-Core outside the model: its DDP, optimizers, gradient clipping, forward-backward
    schedules (pipeline p2p included) and the distributed-checkpoint save place small tensors
    on CUDA, use CUDA streams and check for ``torch.cuda`` tensor types even when every
-   parameter is on the CPU. ``megatron_cuda_calls_on_cpu`` redirects those calls to the CPU
-   while Megatron code runs, pinned to the megatron-core release it was checked against, so
-   the same Megatron engine (and the same checkpoint writer) runs on CPU over gloo and on GPU.
-   ``training.engine: auto`` is the Megatron engine on both (``resolve_engine``).
+   parameter is on the CPU. On CPU, ``init_process_group_and_model_parallel`` redirects those
+   calls to the CPU for the whole process, until ``destroy_process_group_and_model_parallel``
+   (``cuda_calls_not_redirected`` turns it off for a while, e.g. in a test), pinned to the
+   megatron-core release it was checked against, so the same Megatron engine (and the same
+   checkpoint writer) runs on CPU over gloo and on GPU.
 8. Asynchronous checkpoint writer (``persistent_checkpoint_writer``): a persistent worker on GPU,
    a process forked per save on CPU (where staging copies nothing).
 9. Memory a process may use (``usable_memory_bytes``, checked against
@@ -50,10 +51,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator
 
@@ -90,19 +89,11 @@ def transformer_engine_available() -> bool:
     return HAVE_TE
 
 
-def resolve_engine(requested: str) -> str:
-    """``training.engine``: ``auto`` is the Megatron engine on every platform, so the demo and CI
-    run the arithmetic GPU clusters run (on CPU through divergence 7; measured as fast as the
-    portable engine on the demo recipe, docs/design.md). ``portable`` stays available where the
-    redirection does not cover the installed megatron-core."""
-    return "megatron" if requested == "auto" else requested
-
-
 def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | None,
                         bf16_autocast: bool = False, params_dtype: str = "float32") -> None:
     """Raise ``ValueError`` naming the setting this machine cannot run (before any model is built).
-    What the config itself rules out (FP8 without the ``te`` backend, Megatron-only settings on
-    the portable engine) is refused once, by ``RunConfig``."""
+    What the config itself rules out (FP8 without the ``te`` backend) is refused once, by
+    ``RunConfig``."""
     if fp8_recipe is not None:
         if not on_gpu():
             raise ValueError(f"training.fp8_recipe={fp8_recipe!r}: FP8 needs a CUDA GPU with compute capability "
@@ -272,11 +263,10 @@ def tensor_parallel_rng() -> Iterator[None]:
 
 
 MEGATRON_CORE_CHECKED_ON_CPU = "0.19.2"
-"""The megatron-core release whose CUDA-only calls ``megatron_cuda_calls_on_cpu`` was checked against."""
+"""The megatron-core release whose CUDA-only calls divergence 7 was checked against."""
 
 
-@functools.cache
-def _megatron_core_version() -> str:  # read once: the redirection is entered on every CPU step
+def _megatron_core_version() -> str:
     import importlib.metadata
 
     return importlib.metadata.version("megatron-core")
@@ -331,12 +321,23 @@ _CUDA_STAND_INS = {
     "current_stream": lambda device=None: _NoStream(),
     "stream": lambda stream=None: contextlib.nullcontext(),
 }
-_redirect_depth = 0
+_redirection: tuple[_CudaToCpu, dict] | None = None
+"""While divergence 7 is on: the mode entered and the ``torch.cuda`` functions it replaced."""
 
 
-@contextlib.contextmanager
-def megatron_cuda_calls_on_cpu() -> Iterator[None]:
-    """Run Megatron-Core code that assumes CUDA on CPU tensors (divergence 7); nothing on GPU.
+def _check_megatron_core_version() -> None:
+    installed = _megatron_core_version()
+    if installed != MEGATRON_CORE_CHECKED_ON_CPU:
+        raise RuntimeError(
+            f"megatron-core {installed} is installed, but megatron_ext runs Megatron-Core's DDP, optimizer, "
+            f"schedules and checkpoint save on CPU only for megatron-core {MEGATRON_CORE_CHECKED_ON_CPU}, whose "
+            "CUDA-only calls it redirects (megatron_ext/platform.py, divergence 7). Install "
+            f"megatron-core=={MEGATRON_CORE_CHECKED_ON_CPU} (requirements.txt), or check the redirected calls "
+            "against the new release and update MEGATRON_CORE_CHECKED_ON_CPU")
+
+
+def _redirect_cuda_calls() -> None:
+    """Turn divergence 7 on for this process (CPU only; already on: nothing to do).
 
     megatron-core 0.19.2's DDP, optimizers, gradient clipping, pipeline schedules and
     distributed-checkpoint save place small tensors with ``device="cuda"`` or
@@ -344,43 +345,66 @@ def megatron_cuda_calls_on_cpu() -> Iterator[None]:
     schedules and their p2p communication, the distributed-checkpoint save), order work with
     CUDA streams and ``torch.cuda.synchronize`` (the gradient buffers, the async file writer)
     and accept parameters only if ``param.type()`` names a ``torch.cuda`` type (the
-    distributed optimizer). Inside this context, on CPU:
-    those placements are the CPU, streams and synchronisation do nothing, and ``type()`` gives
-    the ``torch.cuda`` name. Everything is restored on exit; contexts nest.
+    distributed optimizer). While on: those placements are the CPU, streams and synchronisation
+    do nothing, and ``type()`` gives the ``torch.cuda`` name (a ``TorchFunctionMode`` of this
+    thread and stand-ins in ``torch.cuda``).
 
     The list was checked against megatron-core ``MEGATRON_CORE_CHECKED_ON_CPU`` only: with any
-    other version this raises ``RuntimeError`` on CPU rather than risk a call it does not cover.
+    other version this raises ``RuntimeError`` rather than risk a call it does not cover.
     """
-    global _redirect_depth
-    if on_gpu():
-        yield
+    global _redirection
+    if on_gpu() or _redirection is not None:
         return
-    installed = _megatron_core_version()
-    if installed != MEGATRON_CORE_CHECKED_ON_CPU:
-        raise RuntimeError(
-            f"megatron-core {installed} is installed, but megatron_ext runs Megatron-Core's DDP, optimizer, "
-            f"schedules and checkpoint save on CPU only for megatron-core {MEGATRON_CORE_CHECKED_ON_CPU}, whose "
-            "CUDA-only calls it redirects (megatron_ext/platform.py, megatron_cuda_calls_on_cpu). Install "
-            f"megatron-core=={MEGATRON_CORE_CHECKED_ON_CPU} (requirements.txt), or check the redirected calls "
-            "against the new release and update MEGATRON_CORE_CHECKED_ON_CPU")
-    if _redirect_depth:
-        _redirect_depth += 1
-        try:
-            yield
-        finally:
-            _redirect_depth -= 1
-        return
-    saved = {name: getattr(torch.cuda, name) for name in _CUDA_STAND_INS}
+    _check_megatron_core_version()
+    replaced = {name: getattr(torch.cuda, name) for name in _CUDA_STAND_INS}
     for name, stand_in in _CUDA_STAND_INS.items():
         setattr(torch.cuda, name, stand_in)
-    _redirect_depth = 1
+    mode = _CudaToCpu()
+    mode.__enter__()
+    _redirection = (mode, replaced)
+
+
+def _stop_redirecting_cuda_calls() -> None:
+    """Turn divergence 7 off again (off already: nothing to do)."""
+    global _redirection
+    if _redirection is None:
+        return
+    mode, replaced = _redirection
+    if torch.overrides._get_current_function_mode_stack()[-1:] != [mode]:
+        raise RuntimeError("the CUDA-call redirection is being turned off inside another TorchFunctionMode; "
+                           "leave that mode first")
+    _redirection = None
+    mode.__exit__(None, None, None)
+    for name, original in replaced.items():
+        setattr(torch.cuda, name, original)
+
+
+def cuda_calls_redirected() -> bool:
+    """Whether divergence 7 is on in this process (always False on GPU)."""
+    return _redirection is not None
+
+
+@contextlib.contextmanager
+def cuda_calls_not_redirected() -> Iterator[None]:
+    """Divergence 7 off inside the block (e.g. a test of real ``torch.cuda`` behaviour), back on
+    after it if it was on."""
+    was_on = cuda_calls_redirected()
+    _stop_redirecting_cuda_calls()
     try:
-        with _CudaToCpu():
-            yield
+        yield
     finally:
-        _redirect_depth = 0
-        for name, original in saved.items():
-            setattr(torch.cuda, name, original)
+        if was_on:
+            _redirect_cuda_calls()
+
+
+def check_megatron_runs_here(what: str) -> None:
+    """Raise ``RuntimeError`` when ``what`` (Megatron-Core code outside the model) would reach
+    for CUDA on a CPU process whose process group was not set up by
+    ``init_process_group_and_model_parallel`` (which turns divergence 7 on)."""
+    if not on_gpu() and not cuda_calls_redirected():
+        raise RuntimeError(
+            f"{what} runs Megatron-Core code that calls CUDA; on CPU those calls are redirected from "
+            "megatron_ext.platform.init_process_group_and_model_parallel on: set up the process group with it")
 
 
 def persistent_checkpoint_writer() -> bool:
@@ -422,7 +446,12 @@ def init_process_group_and_model_parallel(
         rank: This process's rank; ``None`` reads ``RANK`` (default 0).
         world_size: Number of processes; ``None`` reads ``WORLD_SIZE`` (default 1).
         timeout_minutes: Collective timeout.
+
+    On CPU this also turns divergence 7 on, until ``destroy_process_group_and_model_parallel``
+    (after checking the megatron-core version first, so a refused version starts nothing).
     """
+    if not on_gpu():
+        _check_megatron_core_version()
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
@@ -455,25 +484,24 @@ def init_process_group_and_model_parallel(
         distributed_timeout_minutes=timeout_minutes,
     )
     seed_model_parallel(seed)
+    _redirect_cuda_calls()  # divergence 7, on until destroy_process_group_and_model_parallel
 
 
 _rendezvous_dir: str | None = None
 """Directory of a lone process's file-store rendezvous (removed on teardown)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def destroy_process_group_and_model_parallel() -> None:
-    """Undo ``init_process_group_and_model_parallel`` (tests, tools that run twice)."""
+    """Undo ``init_process_group_and_model_parallel`` (tests, tools that run twice), divergence 7
+    included."""
     global _rendezvous_dir
     from megatron.core import parallel_state
-    parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if _rendezvous_dir is not None:  # a lone process's file store
-        shutil.rmtree(_rendezvous_dir, ignore_errors=True)
-        _rendezvous_dir = None
+    try:
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if _rendezvous_dir is not None:  # a lone process's file store
+            shutil.rmtree(_rendezvous_dir, ignore_errors=True)
+            _rendezvous_dir = None
+    finally:
+        _stop_redirecting_cuda_calls()

@@ -1,6 +1,6 @@
-"""Checkpoints: exact resume (weights, AdamW state, trainer state), weights-only loads, keep-last,
-crash safety, shape checks and error messages (CPU, gloo), and resharding between tensor-parallel
-sizes 2 and 1."""
+"""Checkpoints: exact resume (weights, the Megatron engine's AdamW state, trainer state), weights-only
+loads, keep-last, crash safety, shape checks and error messages (CPU, gloo), and resharding between
+tensor-parallel sizes 2 and 1."""
 
 from __future__ import annotations
 
@@ -16,49 +16,63 @@ from megatron.core import dist_checkpointing, parallel_state
 from distributed import run_ranks
 from megatron_ext import platform
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, preset
+from megatron_ext.objectives import MaskingConfig, apply_mlm
 from megatron_ext.checkpoint.config import CheckpointConfig
 from megatron_ext.checkpoint.handle import Checkpoint
-from megatron_ext.checkpoint.core import (
-    COMPLETE,
-    TRACKER,
-    latest_checkpoint,
-    load_checkpoint,
-    read_run_config,
-    read_tokenizer_reference,
-    save_checkpoint,
-)
+from megatron_ext.checkpoint.core import COMPLETE, TRACKER, latest_checkpoint, save_checkpoint
 from megatron_ext.tokenizer import TokenizerConfig
-from megatron_ext.training.optim import TorchOptimizerState
+from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides
 
 TINY = preset("tiny", vocab_size=256)
 RUN_CONFIG = {"model": dataclasses.asdict(TINY), "training": {"train_iters": 4}}
 TOKENIZER = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "botchan_en_bpe_1000.model"}
+SEQ, MICRO = 16, 2
 
 
-def build(config=TINY, seed: int = 0):
+def run_config(model=TINY):
+    """The run config the engine reads (optimizer, batch shape); its data is never read."""
+    raw = {"model": {"preset": "tiny", "vocab_size": model.vocab_size}, "tokenizer": {"tokenizer_model": "unused"},
+           "data": {"data_path": ["unused"], "seq_length": SEQ, "micro_batch_size": MICRO,
+                    "global_batch_size": MICRO},
+           "schedule": {"lr": 1e-2, "lr_decay_style": "constant", "lr_warmup_iters": 0},
+           "phases": [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}], "training": {"train_iters": 10}}
+    return dataclasses.replace(run_config_from_dict(raw), model=model)
+
+
+def build_model(config=TINY, seed: int = 0):
     torch.manual_seed(seed)
-    model = build_encoder_model(config)
-    matrices = [p for p in model.parameters() if p.dim() > 1]
-    norms = [p for p in model.parameters() if p.dim() == 1]
-    optimizer = torch.optim.AdamW(
-        [{"params": matrices}, {"params": norms, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1
-    )
-    return model, optimizer
+    return build_encoder_model(config, transformer_overrides=megatron_transformer_overrides(run_config(config)))
 
 
-def train_step(model, optimizer, seed: int) -> None:
-    ids = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
-    optimizer.zero_grad()
-    model(ids, causal=False, labels=ids).mean().backward()
-    optimizer.step()
+def build(config=TINY, seed: int = 0) -> MegatronEngine:
+    """The model and the trainer's engine around it (Megatron-Core DDP and AdamW)."""
+    return MegatronEngine(build_model(config, seed), run_config(config))
 
 
-def save(save_dir, step: int, model, optimizer, *, keep_last: int = 2, **trainer_state) -> Path:
+def train_step(engine: MegatronEngine, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, TINY.vocab_size, (MICRO, SEQ), generator=gen)
+    batch = apply_mlm(tokens, config=MaskingConfig(mask_ratio=0.4), mask_id=3, vocab_size=TINY.vocab_size,
+                      special_ids=(0, 1, 2, 3), generator=gen)
+    assert not engine.train_step([MicroBatch(batch, None)], lr=1e-2).skipped
+
+
+def save(save_dir, step: int, engine: MegatronEngine, *, weights_only: bool = False, keep_last: int = 2,
+         **trainer_state) -> Path:
     state = {"consumed_samples": 8 * step, "torch_rng_state": torch.get_rng_state(), **trainer_state}
     return save_checkpoint(
-        save_dir, step=step, model=model, optimizer=optimizer and TorchOptimizerState(optimizer), trainer_state=state,
-        run_config=RUN_CONFIG, tokenizer_reference=TOKENIZER, keep_last=keep_last,
+        save_dir, step=step, model=engine.checkpoint_model, optimizer=None if weights_only else engine.optimizer_state,
+        trainer_state=state, run_config=RUN_CONFIG, tokenizer_reference=TOKENIZER, keep_last=keep_last,
     )
+
+
+def load(location, target, **kwargs) -> dict:
+    """Load into an engine (weights and optimizer state) or a bare model (weights only)."""
+    if isinstance(target, MegatronEngine):
+        return Checkpoint.open(location).load(model=target.checkpoint_model, optimizer=target.optimizer_state,
+                                              **kwargs)
+    return Checkpoint.open(location).load(model=target, **kwargs)
 
 
 def weights(model) -> dict[str, torch.Tensor]:
@@ -70,79 +84,87 @@ def assert_same_weights(model, expected: dict[str, torch.Tensor]) -> None:
         assert torch.equal(p, expected[name]), name
 
 
-def assert_same_optimizer(opt_a, model_a, opt_b, model_b) -> None:
-    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
-        state_a, state_b = opt_a.state[a], opt_b.state[b]
-        assert set(state_a) == set(state_b) == {"step", "exp_avg", "exp_avg_sq"}, name
-        for kind in state_a:
-            assert torch.equal(state_a[kind], state_b[kind]), (name, kind)
-    for group_a, group_b in zip(opt_a.param_groups, opt_b.param_groups, strict=True):
-        assert {k: v for k, v in group_a.items() if k != "params"} == {
-            k: v for k, v in group_b.items() if k != "params"}
+def optimizer_state(engine: MegatronEngine) -> dict:
+    """The AdamW state of each named parameter, and the parameter groups' settings."""
+    adam = engine.optimizer.optimizer
+    per_param = {name: {kind: value.clone() for kind, value in adam.state[p].items()}
+                 for name, p in engine.checkpoint_model.named_parameters()}
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in adam.param_groups]
+    return {"params": per_param, "groups": groups}
+
+
+def assert_same_optimizer(engine: MegatronEngine, expected: dict) -> None:
+    found = optimizer_state(engine)
+    for name, state in expected["params"].items():
+        assert set(state) == set(found["params"][name]) == {"step", "exp_avg", "exp_avg_sq"}, name
+        for kind in state:
+            assert torch.equal(state[kind], found["params"][name][kind]), (name, kind)
+    assert found["groups"] == expected["groups"]
 
 
 def test_round_trip_resumes_exactly(single_rank, tmp_path):
-    model, optimizer = build(seed=0)
+    engine = build(seed=0)
     for seed in range(2):
-        train_step(model, optimizer, seed)
+        train_step(engine, seed)
     rng = torch.get_rng_state()
     generator_state = np.random.default_rng(3).bit_generator.state
-    path = save(tmp_path, 2, model, optimizer, numpy_rng=generator_state, wandb_run_id=None)
+    path = save(tmp_path, 2, engine, numpy_rng=generator_state, wandb_run_id=None)
 
     assert path == tmp_path / "iter_0000002" and latest_checkpoint(tmp_path) == path
     assert latest_checkpoint(path) == path  # checkpoint.load may name one checkpoint
     assert (tmp_path / TRACKER).read_text().strip() == "2"
-    assert read_run_config(tmp_path) == RUN_CONFIG == read_run_config(path)
-    assert read_tokenizer_reference(path) == TOKENIZER
+    assert Checkpoint.open(tmp_path).run_config() == RUN_CONFIG == Checkpoint.open(path).run_config()
+    assert Checkpoint.open(path).tokenizer_config() == TokenizerConfig(**TOKENIZER)
 
-    fresh, fresh_optimizer = build(seed=1)
-    assert not torch.equal(fresh.output_layer.weight, model.output_layer.weight)
+    fresh = build(seed=1)
+    model = engine.checkpoint_model
+    assert not torch.equal(fresh.checkpoint_model.output_layer.weight, model.output_layer.weight)
     torch.manual_seed(99)  # the loaded RNG state must not depend on the current one
-    state = load_checkpoint(tmp_path, model=fresh, optimizer=TorchOptimizerState(fresh_optimizer))
+    state = load(tmp_path, fresh)
 
     assert state["step"] == 2 and state["consumed_samples"] == 16
     assert state["wandb_run_id"] is None and state["numpy_rng"] == generator_state
     assert torch.equal(state["torch_rng_state"], rng)
-    assert_same_weights(fresh, weights(model))
-    assert_same_optimizer(optimizer, model, fresh_optimizer, fresh)
-    train_step(model, optimizer, seed=5)
-    train_step(fresh, fresh_optimizer, seed=5)
-    assert_same_weights(fresh, weights(model))
+    assert_same_weights(fresh.checkpoint_model, weights(model))
+    assert_same_optimizer(fresh, optimizer_state(engine))
+    train_step(engine, seed=5)
+    train_step(fresh, seed=5)
+    assert_same_weights(fresh.checkpoint_model, weights(model))
 
 
 def test_weights_only(single_rank, tmp_path):
-    model, optimizer = build(seed=0)
-    train_step(model, optimizer, 0)
-    save(tmp_path / "full", 1, model, optimizer)
-    fresh, fresh_optimizer = build(seed=1)
-    state = load_checkpoint(tmp_path / "full", model=fresh)  # finetune: weights only
+    engine = build(seed=0)
+    train_step(engine, 0)
+    save(tmp_path / "full", 1, engine)
+    fresh = build(seed=1)
+    state = load(tmp_path / "full", fresh.checkpoint_model)  # finetune: weights only
     assert state["step"] == 1
-    assert_same_weights(fresh, weights(model))
-    assert not fresh_optimizer.state
+    assert_same_weights(fresh.checkpoint_model, weights(engine.checkpoint_model))
+    assert not fresh.optimizer.optimizer.state
 
-    save(tmp_path / "weights", 1, model, None)
+    save(tmp_path / "weights", 1, engine, weights_only=True)
     with pytest.raises(ValueError, match="holds no optimizer state"):
-        load_checkpoint(tmp_path / "weights", model=fresh, optimizer=TorchOptimizerState(fresh_optimizer))
-    other, _ = build(seed=2)
-    load_checkpoint(tmp_path / "weights", model=other)
-    assert_same_weights(other, weights(model))
+        load(tmp_path / "weights", fresh)
+    other = build_model(seed=2)
+    load(tmp_path / "weights", other)
+    assert_same_weights(other, weights(engine.checkpoint_model))
 
 
 def test_keep_last_and_same_step_replaced(single_rank, tmp_path):
-    model, optimizer = build()
+    engine = build()
     for step in range(1, 5):
-        train_step(model, optimizer, step)
-        save(tmp_path, step, model, optimizer, keep_last=2)
+        train_step(engine, step)
+        save(tmp_path, step, engine, keep_last=2)
     expected = ["iter_0000003", "iter_0000004", TRACKER]
     assert sorted(p.name for p in tmp_path.iterdir()) == expected
     assert latest_checkpoint(tmp_path) == tmp_path / "iter_0000004"
 
-    train_step(model, optimizer, 9)
-    save(tmp_path, 4, model, optimizer, keep_last=2)  # e.g. the final save of a resumed run
+    train_step(engine, 9)
+    save(tmp_path, 4, engine, keep_last=2)  # e.g. the final save of a resumed run
     assert sorted(p.name for p in tmp_path.iterdir()) == expected
-    fresh, _ = build(seed=1)
-    load_checkpoint(tmp_path, model=fresh)
-    assert_same_weights(fresh, weights(model))
+    fresh = build_model(seed=1)
+    load(tmp_path, fresh)
+    assert_same_weights(fresh, weights(engine.checkpoint_model))
 
 
 class SimulatedCrash(BaseException):
@@ -150,11 +172,11 @@ class SimulatedCrash(BaseException):
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(single_rank, tmp_path, monkeypatch):
-    model, optimizer = build()
-    train_step(model, optimizer, 0)
-    first = save(tmp_path, 1, model, optimizer)
-    saved = weights(model)
-    train_step(model, optimizer, 1)
+    engine = build()
+    train_step(engine, 0)
+    first = save(tmp_path, 1, engine)
+    saved = weights(engine.checkpoint_model)
+    train_step(engine, 1)
 
     real_save = dist_checkpointing.save
 
@@ -164,7 +186,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(single_rank, tmp_path, monkeyp
 
     monkeypatch.setattr(dist_checkpointing, "save", save_then_die)
     with pytest.raises(SimulatedCrash):
-        save(tmp_path, 2, model, optimizer)
+        save(tmp_path, 2, engine)
     monkeypatch.undo()
 
     (half,) = tmp_path.glob("iter_0000002.tmp-*")
@@ -175,37 +197,38 @@ def test_crash_mid_save_keeps_previous_checkpoint(single_rank, tmp_path, monkeyp
     assert latest_checkpoint(tmp_path) == first
     assert (tmp_path / TRACKER).read_text().strip() == "1"
     with pytest.raises(ValueError, match=r"not a complete checkpoint: no checkpoint_complete.json"):
-        load_checkpoint(half, model=model)
-    fresh, fresh_optimizer = build(seed=1)
-    assert load_checkpoint(tmp_path, model=fresh, optimizer=TorchOptimizerState(fresh_optimizer))["step"] == 1
-    assert_same_weights(fresh, saved)
+        load(half, engine.checkpoint_model)
+    fresh = build(seed=1)
+    assert load(tmp_path, fresh)["step"] == 1
+    assert_same_weights(fresh.checkpoint_model, saved)
 
-    save(tmp_path, 2, model, optimizer)
+    save(tmp_path, 2, engine)
     assert not list(tmp_path.glob("*.tmp-*"))
     assert latest_checkpoint(tmp_path) == tmp_path / "iter_0000002"
 
 
 def test_shape_mismatch_lists_tensors(single_rank, tmp_path):
-    model, optimizer = build()
-    save(tmp_path, 1, model, optimizer)
-    bigger, bigger_optimizer = build(preset("tiny", vocab_size=512), seed=1)
+    engine = build()
+    save(tmp_path, 1, engine)
+    bigger = build(preset("tiny", vocab_size=512), seed=1)
     with pytest.raises(ValueError) as error:
-        load_checkpoint(tmp_path, model=bigger, optimizer=TorchOptimizerState(bigger_optimizer))
+        load(tmp_path, bigger)
     message = str(error.value)
     assert "(2 tensors differ)" in message
     assert "embedding.word_embeddings.weight: checkpoint (256, 128), model (512, 128)" in message
     assert "output_layer.weight: checkpoint (256, 128), model (512, 128)" in message
 
-    shallower, _ = build(preset("tiny", vocab_size=256, num_layers=2), seed=1)
+    shallower = build_model(preset("tiny", vocab_size=256, num_layers=2), seed=1)
     with pytest.raises(ValueError, match=r"decoder.layers.mlp.linear_fc2.weight: checkpoint "
                                          r"\(4, 128, 384\), model \(2, 128, 384\)"):
-        load_checkpoint(tmp_path, model=shallower)
+        load(tmp_path, shallower)
 
     # Non-strict (weights only): what fits is loaded, the rest keeps its initialisation.
+    bigger = bigger.checkpoint_model
     embedding = bigger.embedding.word_embeddings.weight.detach().clone()
-    load_checkpoint(tmp_path, model=bigger, strict_shapes=False)
+    load(tmp_path, bigger, strict_shapes=False)
     assert torch.equal(bigger.embedding.word_embeddings.weight, embedding)
-    expected = weights(model)
+    expected = weights(engine.checkpoint_model)
     for name, p in bigger.named_parameters():
         if name.startswith("decoder."):
             assert torch.equal(p, expected[name]), name
@@ -213,75 +236,78 @@ def test_shape_mismatch_lists_tensors(single_rank, tmp_path):
 
 def test_errors(single_rank, tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
-        load_checkpoint(tmp_path / "missing", model=torch.nn.Linear(1, 1))
+        load(tmp_path / "missing", torch.nn.Linear(1, 1))
     with pytest.raises(ValueError, match="no complete checkpoint in"):
-        load_checkpoint(tmp_path, model=torch.nn.Linear(1, 1))
+        load(tmp_path, torch.nn.Linear(1, 1))
     assert latest_checkpoint(tmp_path / "missing") is None
     for field, value in (("keep_last", 0), ("save_interval", 0)):
         with pytest.raises(ValueError, match=f"CheckpointConfig.{field}"):
             CheckpointConfig(**{field: value})
 
-    model, optimizer = build()
+    engine = build()
+    model = engine.checkpoint_model
     with pytest.raises(ValueError, match="weights_only"):
-        save(tmp_path / "a", 1, model, optimizer, config=CheckpointConfig())
+        save(tmp_path / "a", 1, engine, config=CheckpointConfig())
     with pytest.raises(ValueError, match="run_config must be JSON-serialisable"):
-        save_checkpoint(tmp_path / "a", step=1, model=model, optimizer=TorchOptimizerState(optimizer), trainer_state={},
+        save_checkpoint(tmp_path / "a", step=1, model=model, optimizer=engine.optimizer_state, trainer_state={},
                         run_config={"x": {1, 2}}, tokenizer_reference={}, keep_last=1)
     with pytest.raises(ValueError, match=r"trainer_state\['step'\]=3 differs from step=1"):
-        save_checkpoint(tmp_path / "a", step=1, model=model, optimizer=TorchOptimizerState(optimizer),
+        save_checkpoint(tmp_path / "a", step=1, model=model, optimizer=engine.optimizer_state,
                         trainer_state={"step": 3}, run_config={}, tokenizer_reference={},
                         keep_last=1)
     assert not (tmp_path / "a").exists()  # refused before anything is written
 
-    train_step(model, optimizer, 0)
-    path = save(tmp_path / "b", 1, model, optimizer)
+    train_step(engine, 0)
+    path = save(tmp_path / "b", 1, engine)
     (shard,) = path.glob("*.distcp")
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(ValueError, match="is corrupt or incomplete"):
-        load_checkpoint(path, model=model, optimizer=TorchOptimizerState(optimizer))
+        load(path, engine)
     (path / COMPLETE).unlink()
     with pytest.raises(ValueError, match="the save did not finish"):
-        load_checkpoint(path, model=model)
+        load(path, model)
     with pytest.raises(ValueError, match="no complete checkpoint in"):
-        read_run_config(tmp_path / "b")
+        Checkpoint.open(tmp_path / "b")
 
 
 WORLD = 2
 
 
 def resharding_worker(rank: int, rendezvous: str, root: str) -> None:
-    """TP=2 -> save -> load at TP=1 -> save -> load at TP=2: weights and AdamW state exact."""
+    """TP=2 -> save -> load at TP=1 -> save -> load at TP=2: weights and AdamW state exact, and the
+    next step the same as the saving engine's."""
     root_dir = Path(root)
     platform.init_process_group_and_model_parallel(
         tensor_parallel_size=2, init_method=rendezvous, rank=rank, world_size=WORLD
     )
-    model, optimizer = build(seed=0)
-    train_step(model, optimizer, 0)
+    engine = build(seed=0)
+    train_step(engine, 0)
     ids = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        logits = gather_vocab_parallel_logits(model(ids, causal=False))
-    shards = weights(model)
-    save(root_dir / "tp2", 1, model, optimizer)
+        logits = gather_vocab_parallel_logits(engine.checkpoint_model(ids, causal=False))
+    shards, saved_optimizer = weights(engine.checkpoint_model), optimizer_state(engine)
+    save(root_dir / "tp2", 1, engine)
+    train_step(engine, 1)
+    after_next_step = weights(engine.checkpoint_model)
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    whole, whole_optimizer = build(seed=1)
-    assert whole.output_layer.weight.shape[0] == TINY.vocab_size
-    assert load_checkpoint(root_dir / "tp2", model=whole, optimizer=TorchOptimizerState(whole_optimizer))["step"] == 1
+    whole = build(seed=1)
+    assert whole.checkpoint_model.output_layer.weight.shape[0] == TINY.vocab_size
+    assert load(root_dir / "tp2", whole)["step"] == 1
     with torch.no_grad():
-        torch.testing.assert_close(whole(ids, causal=False), logits, atol=1e-5, rtol=1e-5)
-    assert whole_optimizer.state[whole.output_layer.weight]["exp_avg"].abs().sum() > 0
-    save(root_dir / "tp1", 1, whole, whole_optimizer)
+        torch.testing.assert_close(whole.checkpoint_model(ids, causal=False), logits, atol=1e-5, rtol=1e-5)
+    assert optimizer_state(whole)["params"]["output_layer.weight"]["exp_avg"].abs().sum() > 0
+    save(root_dir / "tp1", 1, whole)
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    again, again_optimizer = build(seed=2)
-    load_checkpoint(root_dir / "tp1", model=again, optimizer=TorchOptimizerState(again_optimizer))
-    assert_same_weights(again, shards)
-    assert_same_optimizer(optimizer, model, again_optimizer, again)
-    train_step(model, optimizer, 1)
-    train_step(again, again_optimizer, 1)
-    assert_same_weights(again, weights(model))
+    again = build(seed=2)
+    load(root_dir / "tp1", again)
+    assert_same_weights(again.checkpoint_model, shards)
+    assert_same_optimizer(again, saved_optimizer)
+    train_step(again, 1)
+    assert_same_weights(again.checkpoint_model, after_next_step)
     platform.destroy_process_group_and_model_parallel()
 
 
@@ -289,21 +315,36 @@ def test_reshard_between_tensor_parallel_sizes(tmp_path):
     run_ranks(resharding_worker, str(tmp_path), world=WORLD, tmp_path=tmp_path)
 
 
-def test_handle_resolves_once_and_reads_what_was_saved(single_rank, tmp_path):
-    model, optimizer = build()
-    save(tmp_path, 1, model, optimizer)
-    train_step(model, optimizer, 1)
-    newest = save(tmp_path, 2, model, optimizer)
+def test_handle_resolves_once_and_reads_what_was_saved(single_rank, tmp_path, monkeypatch):
+    engine = build()
+    save(tmp_path, 1, engine)
+    train_step(engine, 1)
+    newest = save(tmp_path, 2, engine)
 
     checkpoint = Checkpoint.open(tmp_path)  # a save directory names its newest checkpoint
     assert checkpoint == Checkpoint.open(newest) == Checkpoint.latest(tmp_path)
     assert (checkpoint.path, checkpoint.step) == (newest, 2)
     assert checkpoint.model_config() == TINY
     assert checkpoint.tokenizer_config() == TokenizerConfig(**TOKENIZER)
-    assert checkpoint.optimizer_format() == {"optimizer": "torch"}
-    fresh, _ = build(seed=1)
+    assert checkpoint.optimizer_format()["optimizer"] == "megatron"
+    fresh = build_model(seed=1)
     assert checkpoint.load(model=fresh)["step"] == 2
-    assert_same_weights(fresh, weights(model))
+    assert_same_weights(fresh, weights(engine.checkpoint_model))
+
+    # Resolved once: no read goes back to the save directory (a newer checkpoint appearing there
+    # changes nothing for this handle).
+    from megatron_ext.checkpoint import core
+
+    def resolving_again(*args, **kwargs):
+        raise AssertionError("resolved again")
+
+    monkeypatch.setattr(core, "resolve_checkpoint", resolving_again)
+    monkeypatch.setattr(core, "latest_checkpoint", resolving_again)
+    assert (checkpoint.step, checkpoint.run_config(), checkpoint.model_config(), checkpoint.tokenizer_config(),
+            checkpoint.tokenizer_fingerprint(), checkpoint.optimizer_format()["optimizer"]) == (
+        2, RUN_CONFIG, TINY, TokenizerConfig(**TOKENIZER), None, "megatron")
+    assert checkpoint.load(model=build(seed=3).checkpoint_model)["step"] == 2
+    monkeypatch.undo()
 
     assert Checkpoint.latest(tmp_path / "missing") is None and Checkpoint.latest(None) is None
     with pytest.raises(ValueError, match="no complete checkpoint at .*missing: not a directory"):
@@ -341,32 +382,30 @@ def test_checkpoints_cross_between_specs_with_and_without_extra_state(single_ran
     ``_extra_state`` (initialised fresh, one warning), weights and optimizer alike, and such a
     model's checkpoint loads into the local spec (its extra entries are not read). The GPU test
     ``test_checkpoints_cross_between_local_and_te_specs`` runs the real TE spec."""
-    local, local_optimizer = build(seed=0)
-    train_step(local, local_optimizer, seed=1)
-    save(tmp_path / "local", 1, local, local_optimizer)
+    local = build(seed=0)
+    train_step(local, seed=1)
+    save(tmp_path / "local", 1, local)
 
-    te_like, te_optimizer = build(seed=5)
-    _with_extra_state(te_like)
+    te_like = MegatronEngine(_with_extra_state(build_model(seed=5)), run_config())
     with caplog.at_level("WARNING", logger="megatron_ext.checkpoint.core"):
-        load_checkpoint(tmp_path / "local", model=te_like, optimizer=TorchOptimizerState(te_optimizer))
+        load(tmp_path / "local", te_like)
     assert "no Transformer Engine state for 1 modules" in caplog.text
-    assert not hasattr(te_like.decoder.final_layernorm, "fp8_meta")  # fresh: nothing was set
-    loaded = te_like.state_dict()
-    for name, value in local.state_dict().items():
+    te_model = te_like.checkpoint_model
+    assert not hasattr(te_model.decoder.final_layernorm, "fp8_meta")  # fresh: nothing was set
+    loaded = te_model.state_dict()
+    for name, value in local.checkpoint_model.state_dict().items():
         if torch.is_tensor(value):
             assert torch.equal(value, loaded[name]), name
-    assert local_optimizer.state_dict()["state"].keys() == te_optimizer.state_dict()["state"].keys()
-    for index, saved in local_optimizer.state_dict()["state"].items():
-        assert torch.equal(saved["exp_avg"], te_optimizer.state_dict()["state"][index]["exp_avg"])
+    assert_same_optimizer(te_like, optimizer_state(local))
 
-    te_like.decoder.final_layernorm.fp8_meta = {"scale_history": torch.arange(4.0)}
-    save(tmp_path / "te_like", 2, te_like, te_optimizer)
-    plain, _ = build(seed=7)
-    load_checkpoint(tmp_path / "te_like", model=plain, optimizer=None)
-    reloaded = _with_extra_state(build(seed=9)[0])
-    load_checkpoint(tmp_path / "te_like", model=reloaded, optimizer=None)  # and back: the state is read
+    te_model.decoder.final_layernorm.fp8_meta = {"scale_history": torch.arange(4.0)}
+    save(tmp_path / "te_like", 2, te_like)
+    plain = build_model(seed=7)
+    load(tmp_path / "te_like", plain)
+    reloaded = _with_extra_state(build_model(seed=9))
+    load(tmp_path / "te_like", reloaded)  # and back: the state is read
     assert torch.equal(reloaded.decoder.final_layernorm.fp8_meta["scale_history"], torch.arange(4.0))
-    assert torch.equal(plain.output_layer.weight, te_like.output_layer.weight)
+    assert torch.equal(plain.output_layer.weight, te_model.output_layer.weight)
 
 
 def test_only_extra_state_may_be_absent_from_a_checkpoint(single_rank, tmp_path):

@@ -1,5 +1,5 @@
 """The GPU path's settings on a machine without a GPU: clear errors before any model is built,
-the Transformer Engine fallback, and the engine recorded in checkpoints (CPU, no mocks)."""
+the Transformer Engine fallback, and the optimizer format recorded in checkpoints (CPU, no mocks)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 
-from megatron_ext import platform
 from megatron_ext.config_loading import ConfigError
-from megatron_ext.checkpoint import core as ckpt
+from megatron_ext.checkpoint.handle import Checkpoint
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.engines import megatron_transformer_overrides
 from megatron_ext.training.loop import pretrain
@@ -23,8 +22,6 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a
     ({"training": {"train_iters": 8, "fp8_recipe": "delayed"}}, "training.fp8_recipe='delayed' needs training.bf16"),
     ({"training": {"train_iters": 8, "bf16": True, "fp8_recipe": "tensorwise"}},
      "needs model.attention_backend: te"),
-    ({"parallel": {"pipeline_model_parallel_size": 2}, "training": {"train_iters": 8, "engine": "portable"}},
-     "parallel.pipeline_model_parallel_size=2 need(s) training.engine: megatron"),
     ({"parallel": {"overlap_param_gather": True}}, "overlap_param_gather needs parallel.use_distributed_optimizer"),
     ({"training": {"train_iters": 8, "recompute_num_layers": 0}}, "recompute_num_layers must be >= 1"),
 ])
@@ -50,28 +47,18 @@ def test_unsupported_requests_fail_before_the_model_is_built(tmp_path, tiny_corp
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "log").exists()  # nothing ran
 
 
-def test_te_spec_falls_back_to_local_loudly_and_records_the_engine(tmp_path, tiny_corpus, capsys):
+def test_te_spec_falls_back_to_local_loudly_and_records_the_optimizer_format(tmp_path, tiny_corpus, capsys):
     """A recipe asking for Transformer Engine trains here with the local spec, says so once, and
-    its checkpoint records the engine that wrote its optimizer state."""
+    its checkpoint records the spec it ran and the format of its optimizer state."""
     config = run_config_from_dict(_recipe(tiny_corpus, tmp_path, model={"attention_backend": "te"},
                                           training={"train_iters": 4, "eval_interval": 0, "log_interval": 1}))
     result = pretrain(config)
     err = capsys.readouterr().err
     assert err.count("WARNING: model.attention_backend: te needs a CUDA GPU; this run uses the local spec") == 1
     assert result.final_step == 4 and all(math.isfinite(v) for v in result.losses.values())
-    saved = ckpt.read_run_config(result.checkpoint)
-    assert saved["training"]["engine"] == "megatron"
-    assert saved["model"]["attention_backend"] == "local"
-    assert ckpt.saved_optimizer_format(result.checkpoint)["optimizer"] == "megatron"
-
-
-def test_resuming_with_another_engine_is_refused(tmp_path, tiny_corpus):
-    portable = _recipe(tiny_corpus, tmp_path, training={"train_iters": 4, "eval_interval": 0, "engine": "portable"})
-    pretrain(run_config_from_dict(portable), exit_after_step=2)
-    auto = dict(portable, training={**portable["training"], "engine": "auto"})
-    with pytest.raises(ValueError, match="holds the portable engine's optimizer state and this run uses the megatron "
-                                         "engine; resume with training.engine: portable"):
-        pretrain(run_config_from_dict(auto))
+    checkpoint = Checkpoint.open(result.checkpoint)
+    assert checkpoint.run_config()["model"]["attention_backend"] == "local"
+    assert checkpoint.optimizer_format()["optimizer"] == "megatron"
 
 
 def test_transformer_overrides_carry_fp8_and_recomputation(tmp_path, tiny_corpus):
@@ -82,7 +69,6 @@ def test_transformer_overrides_carry_fp8_and_recomputation(tmp_path, tiny_corpus
     assert megatron_transformer_overrides(config) == {
         "calculate_per_token_loss": True, "fp8": "hybrid", "fp8_recipe": "tensorwise",
         "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}
-    assert platform.resolve_engine("auto") == "megatron"
 
 
 def test_platform_imports_no_model_code():

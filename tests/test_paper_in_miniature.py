@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.checkpoint import core as ckpt
+from megatron_ext.checkpoint.handle import Checkpoint
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "paper_in_miniature" / "run.py"
 
@@ -55,7 +55,7 @@ def test_paper_in_miniature_at_ci_size(tmp_path, capsys):
     # CPT: 6 CLM steps with their own decay, then 2 MLM steps from that checkpoint (weights only).
     curve = summary["pretraining_curves"]["cpt"]
     assert [(r["stage"], r["step"]) for r in curve][-1] == ("cpt", 8)
-    cpt_config = ckpt.read_run_config(out / "pretrain" / "cpt" / "checkpoints")
+    cpt_config = Checkpoint.open(out / "pretrain" / "cpt" / "checkpoints").run_config()
     assert cpt_config["checkpoint"]["finetune"] and cpt_config["checkpoint"]["load"].endswith("cpt_stage1_clm/checkpoints")
     assert cpt_config["training"]["train_iters"] == 2 and cpt_config["phases"][0]["objective"] == "mlm"
     assert (out / "pretraining_loss.png").stat().st_size > 10_000

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.checkpoint import core as ckpt
+from megatron_ext.checkpoint.handle import Checkpoint
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from megatron_ext.training.stop import EXIT_STATUS_ENV, RESUMABLE_EXIT_CODE
@@ -110,7 +111,7 @@ def test_every_torchrun_worker_saves_on_a_signal_to_the_agent(tmp_path, tiny_cor
     assert status.read_text().startswith(f"{RESUMABLE_EXIT_CODE} stopped after step"), output
     step = int(re.search(r"stopped after step (\d+)", status.read_text())[1])
     assert step >= 5 and ckpt.latest_checkpoint(tmp_path / "ckpt").name == f"iter_{step:07d}"
-    saved = ckpt.saved_optimizer_format(tmp_path / "ckpt")
+    saved = Checkpoint.open(tmp_path / "ckpt").optimizer_format()
     assert saved["data_parallel_size"] == 2  # both ranks wrote their part of the one checkpoint
     resumed = pretrain(run_config_from_dict(_stop_recipe(tiny_corpus, tmp_path)))  # at DP=1
     assert resumed.start_step == step and resumed.final_step == STEPS

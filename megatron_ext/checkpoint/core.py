@@ -4,10 +4,11 @@ Layout (Megatron-LM's names)::
 
     <save>/iter_0000100/                  one checkpoint
         .metadata, __<rank>_<n>.distcp,   Megatron dist checkpoint (torch_dist backend): weights
-        metadata.json                     under ``model.sharded_state_dict()`` keys, AdamW state
-                                          under ``optimizer.state.<exp_avg|...>.<weight key>``,
-                                          and a common state (``iteration``, ``trainer_state``,
-                                          the optimizer's param groups and step)
+        metadata.json                     under ``model.sharded_state_dict()`` keys, the
+                                          optimizer's state in Megatron's layout (its format
+                                          recorded as Megatron's ``content_metadata``), and a
+                                          common state (``iteration``, ``trainer_state``, the
+                                          optimizer's param groups and step)
         run_config.json                   the run's resolved config
         tokenizer_reference.json          the tokenizer the weights expect
         checkpoint_complete.json          written last: marks a complete checkpoint
@@ -35,7 +36,6 @@ import pickle
 import re
 import shutil
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -68,28 +68,17 @@ _LEFTOVER = re.compile(
 _READ_ERRORS = (CheckpointingException, CheckpointException, OSError, pickle.UnpicklingError)
 
 
-@dataclass(frozen=True)
-class SavedOptimizerState:
-    """What a checkpoint says about the optimizer state it holds (read before loading it)."""
-
-    format: dict
-    """The format recorded at save (``OptimizerCheckpointState.format()``; ``{}`` for
-    checkpoints written before formats were recorded)."""
-    tensors: dict
-    """Global shapes and dtypes of the saved tensors (``dist_checkpointing.load_tensors_metadata``)."""
-
-
 class OptimizerCheckpointState(Protocol):
-    """How a training engine's optimizer state goes into and out of a distributed checkpoint
-    (each engine brings its own: ``training.optim.TorchOptimizerState``,
-    ``training.engines.MegatronOptimizerState``)."""
+    """How the training engine's optimizer state goes into and out of a distributed checkpoint
+    (``training.optim.MegatronOptimizerState``)."""
 
     def format(self) -> dict:
         """JSON-serialisable description of the layout written (recorded in the checkpoint as
         Megatron's ``content_metadata``; e.g. the distributed optimizer's sharding type)."""
 
-    def sharded_state_dict(self, model_state: dict, *, saved: SavedOptimizerState | None = None) -> dict:
-        """The state to save (``saved`` None), or the placeholders to load ``saved`` into."""
+    def sharded_state_dict(self, model_state: dict, *, saved_format: dict | None = None) -> dict:
+        """The state to save (``saved_format`` None), or the placeholders to load a state saved in
+        ``saved_format`` (``saved_optimizer_format``) into."""
 
     def load_state_dict(self, loaded: dict) -> None:
         """Take the state ``dist_checkpointing.load`` filled in."""
@@ -142,6 +131,7 @@ class CheckpointSaver:
     def __init__(self, *, async_save: bool, persistent_writer: bool | None = None):
         """``persistent_writer``: Megatron's persistent worker instead of a process forked per save
         (default: ``platform.persistent_checkpoint_writer()``, the worker on GPU only)."""
+        platform.check_megatron_runs_here("saving a checkpoint")
         self._queue = None
         self._closed = False
         _results_queue.acquire()  # synchronous saves report through it too
@@ -177,8 +167,7 @@ class CheckpointSaver:
         queue, self._queue = self._queue, None
         try:
             if queue is not None and not abort and queue.get_num_unfinalized_calls():
-                with platform.megatron_cuda_calls_on_cpu():
-                    queue.maybe_finalize_async_calls(blocking=True)
+                queue.maybe_finalize_async_calls(blocking=True)
         finally:
             if queue is not None:
                 for active in queue.async_calls:  # left unpublished by an abort or a failed finalize
@@ -229,28 +218,25 @@ class CheckpointSaver:
         def publish() -> None:
             _publish_checkpoint(tmp, final, files=files, info=info, keep_last=keep_last)
 
-        with platform.megatron_cuda_calls_on_cpu():
-            request = dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata,
-                                              async_sharded_save=self._queue is not None, async_strategy="mcore")
-            if request is None:  # synchronous: returned after a barrier, all shards written
-                publish()
-            else:
-                request.add_finalize_fn(publish)  # runs on every rank once every rank's writer is done
-                self._queue.schedule_async_request(request)
+        request = dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata,
+                                          async_sharded_save=self._queue is not None, async_strategy="mcore")
+        if request is None:  # synchronous: returned after a barrier, all shards written
+            publish()
+        else:
+            request.add_finalize_fn(publish)  # runs on every rank once every rank's writer is done
+            self._queue.schedule_async_request(request)
         return final
 
     def poll(self) -> None:
         """Publish the asynchronous saves that have finished on every rank (a collective: call it
         on every rank, e.g. after each step)."""
         if self._queue is not None and self._queue.get_num_unfinalized_calls():
-            with platform.megatron_cuda_calls_on_cpu():
-                self._queue.maybe_finalize_async_calls(blocking=False)
+            self._queue.maybe_finalize_async_calls(blocking=False)
 
     def wait(self) -> None:
         """Block until every asynchronous save is written and published (a collective)."""
         if self._queue is not None and self._queue.get_num_unfinalized_calls():
-            with platform.megatron_cuda_calls_on_cpu():
-                self._queue.maybe_finalize_async_calls(blocking=True)
+            self._queue.maybe_finalize_async_calls(blocking=True)
 
     @property
     def in_flight(self) -> int:
@@ -356,7 +342,7 @@ def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
 
 
 def load_checkpoint(
-    path_or_dir: str | os.PathLike,
+    checkpoint: Path,
     *,
     model: torch.nn.Module,
     optimizer: OptimizerCheckpointState | None = None,
@@ -365,9 +351,10 @@ def load_checkpoint(
     """Load a checkpoint into ``model`` (and ``optimizer``) at the current parallel layout.
 
     Args:
-        path_or_dir: One checkpoint directory, or a save directory (its newest checkpoint).
+        checkpoint: One complete checkpoint directory, as ``resolve_checkpoint`` returns it (the
+            readers above training go through ``handle.Checkpoint``, which resolves it once).
         model: Built for this run; its tensor-parallel size may differ from the saved one's.
-        optimizer: Restored too when given (the engine that saved it; see
+        optimizer: Restored too when given (in a format it can take; see
             ``optimizer_format_problem``); None loads weights only.
         strict_shapes: Raise ``ValueError`` listing every tensor whose shape differs between
             checkpoint and model (or that only one of them has). False loads the tensors that
@@ -376,7 +363,7 @@ def load_checkpoint(
     Returns:
         The ``trainer_state`` saved with it (with ``step``).
     """
-    checkpoint = resolve_checkpoint(Path(path_or_dir))
+    platform.check_megatron_runs_here("loading a checkpoint")
     info = json.loads((checkpoint / COMPLETE).read_text())
     if optimizer is not None and not info["has_optimizer"]:
         raise UserError(f"checkpoint {checkpoint} holds no optimizer state (saved weights only); "
@@ -410,11 +397,10 @@ def load_checkpoint(
 
     state = {"model": model_state}
     if optimizer is not None:
-        saved = SavedOptimizerState(format=saved_optimizer_format(checkpoint) or {}, tensors=metadata)
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, saved=saved)
+        state["optimizer"] = optimizer.sharded_state_dict(model_state,
+                                                          saved_format=saved_optimizer_format(checkpoint) or {})
     try:
-        with platform.megatron_cuda_calls_on_cpu():
-            loaded = dist_checkpointing.load(state, str(checkpoint))
+        loaded = dist_checkpointing.load(state, str(checkpoint))
     except _READ_ERRORS as error:
         raise UserError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
     outcome = model.load_state_dict(loaded["model"], strict=False)
@@ -426,10 +412,16 @@ def load_checkpoint(
     return loaded["trainer_state"]
 
 
-def saved_optimizer_format(path: str | os.PathLike) -> dict | None:
-    """The optimizer format recorded in a checkpoint (None: weights only, or written before
-    formats were recorded)."""
-    checkpoint = resolve_checkpoint(Path(path))
+PORTABLE_ENGINE_FORMAT = {"optimizer": "torch"}
+"""The optimizer format of checkpoints written by the portable engine (``training.engine:
+portable``, removed after commit b763d8e): torch's AdamW state, which the Megatron engine cannot
+take. Their weights still load (continued pretraining, export)."""
+
+
+def saved_optimizer_format(checkpoint: Path) -> dict | None:
+    """The optimizer format recorded in a complete checkpoint directory (None: weights only).
+    Checkpoints written before formats were recorded get the format of the engine their run config
+    names (the portable engine, the only one then, where it names none)."""
     if not json.loads((checkpoint / COMPLETE).read_text())["has_optimizer"]:
         return None
     try:
@@ -438,7 +430,7 @@ def saved_optimizer_format(path: str | os.PathLike) -> dict | None:
         raise UserError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
     if recorded is None:  # written before formats were recorded: the engine named in its run config
         engine = json.loads((checkpoint / RUN_CONFIG).read_text()).get("training", {}).get("engine", "portable")
-        recorded = {"optimizer": "torch" if engine == "portable" else "megatron"}
+        recorded = dict(PORTABLE_ENGINE_FORMAT) if engine == "portable" else {"optimizer": "megatron"}
     return recorded
 
 
@@ -446,12 +438,13 @@ def optimizer_format_problem(saved: dict | None, current: dict) -> str | None:
     """Why optimizer state saved in format ``saved`` cannot resume into ``current`` (both from
     ``OptimizerCheckpointState.format()``), or None when it can."""
     if not saved:
-        return None  # weights only, or a checkpoint older than recorded formats: nothing to compare
+        return None  # weights only: nothing to compare
     kind, want = saved.get("optimizer"), current.get("optimizer")
+    if kind == PORTABLE_ENGINE_FORMAT["optimizer"]:
+        return ("it holds the optimizer state of the portable engine (training.engine: portable), which "
+                "megatron_ext no longer has (removed after commit b763d8e); resume it with that version")
     if kind != want:
-        engines = {"torch": "portable", "megatron": "megatron"}
-        return (f"it holds the {engines.get(kind, kind)} engine's optimizer state and this run uses the "
-                f"{engines.get(want, want)} engine; resume with training.engine: {engines.get(kind, kind)}")
+        return f"it holds optimizer state of kind {kind!r} and this run's optimizer is {want!r}"
     if saved.get("distributed_optimizer") != current.get("distributed_optimizer"):
         return (f"it was saved with parallel.use_distributed_optimizer: {str(saved['distributed_optimizer']).lower()}"
                 " and the optimizer state layouts differ; set it back")
@@ -464,25 +457,6 @@ def optimizer_format_problem(saved: dict | None, current: dict) -> str | None:
                     f"data-parallel size only, and the layout changed ({', '.join(changed)}); resume at the saved "
                     "tensor/pipeline sizes, or save with checkpoint.optimizer_format: fully_reshardable to change them")
     return None
-
-
-def read_run_config(path: str | os.PathLike) -> dict:
-    """The resolved run config saved with a checkpoint (or a save directory's newest one)."""
-    return json.loads((resolve_checkpoint(Path(path)) / RUN_CONFIG).read_text())
-
-
-def read_tokenizer_reference(path: str | os.PathLike) -> dict:
-    """The tokenizer reference saved with a checkpoint (or a save directory's newest one): the
-    ``TokenizerConfig`` fields that rebuild it."""
-    reference = json.loads((resolve_checkpoint(Path(path)) / TOKENIZER_REFERENCE).read_text())
-    reference.pop(TOKENIZER_FINGERPRINT, None)
-    return reference
-
-
-def read_tokenizer_fingerprint(path: str | os.PathLike) -> str | None:
-    """The content fingerprint of the checkpoint's tokenizer (``EncoderTokenizer.fingerprint``;
-    None for checkpoints written without one)."""
-    return json.loads((resolve_checkpoint(Path(path)) / TOKENIZER_REFERENCE).read_text()).get(TOKENIZER_FINGERPRINT)
 
 
 def _checked_trainer_state(trainer_state: dict, step: int) -> dict:

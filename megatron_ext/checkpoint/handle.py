@@ -2,8 +2,9 @@
 
 Export, evaluation, inference and the resume policy all start from a path that names either one
 checkpoint or a save directory (then its newest complete checkpoint). :class:`Checkpoint` resolves
-that path once, refusing incomplete ones with the reason, and reads the files saved beside the
-weights: the run config, the model architecture, the tokenizer reference and the optimizer format.
+that path once, refusing incomplete ones with the reason; its reads (the files saved beside the
+weights: the run config, the model architecture, the tokenizer reference, the optimizer format;
+and the weights) go to that directory without resolving it again.
 """
 
 from __future__ import annotations
@@ -40,14 +41,17 @@ class Checkpoint:
         found = core.latest_checkpoint(location) if location else None
         return cls(found) if found is not None else None
 
+    def _json(self, name: str) -> dict:
+        return json.loads((self.path / name).read_text())
+
     @property
     def step(self) -> int:
         """The number of training steps the checkpoint has completed."""
-        return int(json.loads((self.path / core.COMPLETE).read_text())["step"])
+        return int(self._json(core.COMPLETE)["step"])
 
     def run_config(self) -> dict:
         """The resolved run config the training run saved (``run_config.json``)."""
-        return core.read_run_config(self.path)
+        return self._json(core.RUN_CONFIG)
 
     def model_config(self) -> EncoderModelConfig:
         """The architecture of the saved weights (the run config's ``model`` section)."""
@@ -58,15 +62,19 @@ class Checkpoint:
         return build_dataclass(EncoderModelConfig, run_config["model"], where)
 
     def tokenizer_config(self) -> TokenizerConfig:
-        """The tokenizer the weights expect (``tokenizer_reference.json``)."""
-        return TokenizerConfig(**core.read_tokenizer_reference(self.path))
+        """The tokenizer the weights expect (``tokenizer_reference.json``: the ``TokenizerConfig``
+        fields that rebuild it)."""
+        reference = self._json(core.TOKENIZER_REFERENCE)
+        reference.pop(core.TOKENIZER_FINGERPRINT, None)
+        return TokenizerConfig(**reference)
 
     def tokenizer_fingerprint(self) -> str | None:
-        """The content fingerprint of that tokenizer (None for checkpoints saved without one)."""
-        return core.read_tokenizer_fingerprint(self.path)
+        """The content fingerprint of that tokenizer (``EncoderTokenizer.fingerprint``; None for
+        checkpoints saved without one)."""
+        return self._json(core.TOKENIZER_REFERENCE).get(core.TOKENIZER_FINGERPRINT)
 
     def optimizer_format(self) -> dict | None:
-        """The optimizer-state format saved (None: weights only, or older than recorded formats)."""
+        """The optimizer-state format saved (None: weights only); see ``core.saved_optimizer_format``."""
         return core.saved_optimizer_format(self.path)
 
     def load(self, *, model: torch.nn.Module, optimizer: core.OptimizerCheckpointState | None = None,

@@ -1,4 +1,5 @@
-"""The resume policy: which checkpoint a run continues from, and what it may change on the way.
+"""The resume policy: where a run starts from (nothing, a checkpoint's weights, or a whole
+checkpoint), and what it may change on the way.
 
 ``checkpoint.finetune``: the weights of ``checkpoint.load``'s newest checkpoint and a fresh
 optimizer and schedule (continued pretraining), unless ``checkpoint.save`` already holds a
@@ -8,8 +9,9 @@ full, or the run starts fresh.
 
 A full resume first checks, before anything is loaded, that the run is the same model (its
 ``model`` fields and tokenizer content; only ``RESUME_MAY_CHANGE_MODEL`` may differ) and that
-the engine can take the saved optimizer-state format. Everything else (learning rate, schedule,
-intervals, data blend, engine and layout where the optimizer format allows) may change.
+this run's optimizer can take the saved optimizer-state format. Everything else (learning rate,
+schedule, intervals, data blend, the parallel layout where the optimizer format allows) may
+change.
 """
 
 from __future__ import annotations
@@ -33,21 +35,25 @@ weights) and how weights are initialised (loaded weights replace them)."""
 
 
 class TrainingState(Protocol):
-    """What the policy loads into: a training engine's model and optimizer state."""
+    """What checkpoints save and load of a training engine (``training.engines.MegatronEngine``):
+    the policy loads into it, the training loop saves it."""
 
     checkpoint_model: torch.nn.Module
+    """The bare model whose ``sharded_state_dict`` is saved and loaded."""
     optimizer_state: OptimizerCheckpointState
+    """The optimizer's state as the checkpoint writes and reads it."""
 
     def checkpointing(self) -> contextlib.AbstractContextManager:
         """The context in which the engine's state may be saved or loaded."""
 
     def weights_loaded(self) -> None:
-        """Called after weights alone were loaded (e.g. to refresh mixed-precision copies)."""
+        """The model's weights were replaced without the optimizer's state (continued pretraining):
+        copies the optimizer keeps of them (fp32 main parameters) are refreshed."""
 
 
 @dataclass(kw_only=True)
-class Restored:
-    """Where a run continues from."""
+class StartingPoint:
+    """Where a run starts from."""
 
     trainer_state: dict = field(default_factory=dict)
     """The saved trainer state of a full resume (step, RNG, counters); empty for a fresh start
@@ -72,8 +78,8 @@ def meaning_changes(checkpoint: Checkpoint, *, model_fields: Mapping, tokenizer:
     return changes
 
 
-def resume(target: TrainingState, checkpoint: Checkpoint, *, model_fields: Mapping, tokenizer: EncoderTokenizer,
-           tokenizer_model: str) -> dict:
+def _resume_in_full(target: TrainingState, checkpoint: Checkpoint, *, model_fields: Mapping,
+                    tokenizer: EncoderTokenizer, tokenizer_model: str) -> dict:
     """Load model and optimizer state from ``checkpoint`` if the run is the same model and the
     engine can take its optimizer state (both checked before anything is loaded); returns the
     trainer state."""
@@ -92,8 +98,8 @@ def resume(target: TrainingState, checkpoint: Checkpoint, *, model_fields: Mappi
         return checkpoint.load(model=target.checkpoint_model, optimizer=target.optimizer_state)
 
 
-def restore(target: TrainingState, config: CheckpointConfig, *, model_fields: Mapping, tokenizer: EncoderTokenizer,
-            tokenizer_model: str) -> Restored:
+def load_starting_point(target: TrainingState, config: CheckpointConfig, *, model_fields: Mapping,
+                        tokenizer: EncoderTokenizer, tokenizer_model: str) -> StartingPoint:
     """Apply the policy of the module docstring to ``target``. ``model_fields`` and
     ``tokenizer_model``: this run's model section (as saved, JSON types) and tokenizer setting."""
     identity = dict(model_fields=model_fields, tokenizer=tokenizer, tokenizer_model=tokenizer_model)
@@ -106,11 +112,11 @@ def restore(target: TrainingState, config: CheckpointConfig, *, model_fields: Ma
         target.weights_loaded()
         own = Checkpoint.latest(config.save)
         if own is not None:
-            return Restored(trainer_state=resume(target, own, **identity), checkpoint=own)
-        return Restored(checkpoint=weights)
+            return StartingPoint(trainer_state=_resume_in_full(target, own, **identity), checkpoint=own)
+        return StartingPoint(checkpoint=weights)
     found = Checkpoint.latest(config.load or config.save)
     if config.load and found is None:
         raise UserError(f"checkpoint.load={config.load!r}: no complete checkpoint found")
     if found is None:
-        return Restored()
-    return Restored(trainer_state=resume(target, found, **identity), checkpoint=found)
+        return StartingPoint()
+    return StartingPoint(trainer_state=_resume_in_full(target, found, **identity), checkpoint=found)

@@ -60,8 +60,8 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     """Clip the global gradient L2 norm to this value; 0 disables clipping."""
     fused: bool = True
-    """Torch's fused AdamW kernel where torch's AdamW runs (the portable engine, and the Megatron
-    engine without Transformer Engine or apex, whose own FusedAdam is used when present)."""
+    """Torch's fused AdamW kernel where Megatron-Core runs torch's AdamW (without Transformer
+    Engine or apex, whose own FusedAdam is used when present)."""
 
     def __post_init__(self) -> None:
         for name in ("adam_beta1", "adam_beta2"):
@@ -92,13 +92,6 @@ class TrainingConfig:
     """Steps between step log lines."""
     max_nonfinite_steps: int = 5
     """A step whose loss is NaN/inf is skipped and counted; stop after this many in a row."""
-    engine: Literal["auto", "portable", "megatron"] = "auto"
-    """How a step runs. ``megatron``: Megatron-Core's ``DistributedDataParallel``,
-    ``get_megatron_optimizer`` and ``get_forward_backward_func`` (micro-batching, pipeline
-    parallelism, distributed optimizer, overlapped gradient reduction), on GPU and, through
-    ``platform.megatron_cuda_calls_on_cpu``, on CPU. ``portable``: this project's own step
-    (per-token loss, flat gradient all-reduce, torch AdamW), independent of Megatron's optimizer
-    internals; no pipeline parallelism or distributed optimizer. ``auto``: megatron."""
     fp8_recipe: Literal["delayed", "tensorwise"] | None = None
     """FP8 matmuls through Transformer Engine (Hopper or newer, ``attention_backend: te``,
     ``bf16: true``): ``delayed`` scaling (amax history) or ``tensorwise`` current scaling
@@ -162,12 +155,12 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size (Megatron-Core column/row-parallel linears)."""
     pipeline_model_parallel_size: int = 1
-    """Pipeline-parallel size (``training.engine: megatron`` only: Megatron's 1F1B schedule)."""
+    """Pipeline-parallel size (Megatron's 1F1B schedule)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer states and fp32 gradients over data parallelism (Megatron's distributed
-    optimizer; ``training.engine: megatron``)."""
+    optimizer)."""
     overlap_grad_reduce: bool = False
-    """Reduce gradient buckets during the backward pass (``training.engine: megatron``)."""
+    """Reduce gradient buckets during the backward pass."""
     overlap_param_gather: bool = False
     """All-gather updated parameters during the next forward pass (needs
     ``use_distributed_optimizer``)."""
@@ -178,15 +171,6 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer: true")
-
-    @property
-    def needs_megatron_engine(self) -> list[str]:
-        """The settings here that only ``training.engine: megatron`` can run."""
-        wanted = [f"parallel.{name}" for name in ("use_distributed_optimizer", "overlap_grad_reduce",
-                                                   "overlap_param_gather") if getattr(self, name)]
-        if self.pipeline_model_parallel_size > 1:
-            wanted.append(f"parallel.pipeline_model_parallel_size={self.pipeline_model_parallel_size}")
-        return wanted
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,16 +207,9 @@ class RunConfig:
             raise ConfigError(
                 f"data.seq_length={self.data.seq_length} exceeds model.seq_length={self.model.seq_length}"
             )
-        megatron_only = self.parallel.needs_megatron_engine
-        if megatron_only and self.training.engine == "portable":
-            raise ConfigError(f"{', '.join(megatron_only)} need(s) training.engine: megatron (or auto); "
-                              "the portable engine has no pipeline schedule or distributed optimizer")
         if self.model.params_dtype == "float16":
             raise ConfigError("model.params_dtype: float16 needs loss scaling, which this trainer does not do; "
                               "use bfloat16 (fp32 main parameters in Megatron's optimizer) or float32")
-        if self.model.params_dtype == "bfloat16" and self.training.engine == "portable":
-            raise ConfigError("model.params_dtype: bfloat16 trains with fp32 main parameters in Megatron's "
-                              "optimizer: needs training.engine: megatron (or auto)")
         if self.training.fp8_recipe is not None and self.model.attention_backend != "te":
             raise ConfigError(f"training.fp8_recipe={self.training.fp8_recipe!r} needs model.attention_backend: te "
                               "(FP8 matmuls are Transformer Engine layers)")
@@ -362,12 +339,22 @@ def _model_config(section: dict[str, Any], *, data_seq_length: int, tokenizer_vo
     return build_dataclass(EncoderModelConfig, section, "model")
 
 
+REMOVED_KEYS = {
+    ("training", "engine"): "removed: every run trains with the Megatron engine (Megatron-Core's DDP, optimizer and "
+                            "schedules, on CPU and GPU) since the portable engine was removed; delete the key",
+}
+"""Keys older recipes may hold, and why each is refused (rather than only listed as unknown)."""
+
+
 def run_config_from_dict(raw: dict[str, Any], *, tokenizer_vocab_size: int | None = None) -> RunConfig:
     """Validate a merged recipe into a :class:`RunConfig` (errors name the section and key)."""
     missing = [s for s in ("model", "tokenizer", "data", "phases", "training") if s not in raw]
     if missing:
         raise ConfigError(f"recipe: missing section(s) {missing}")
     sections = {name: raw.get(name, {}) or {} for name in SECTIONS}
+    for (section, key), why in REMOVED_KEYS.items():
+        if isinstance(sections[section], dict) and key in sections[section]:
+            raise ConfigError(f"{section}.{key}: {why}")
     data = build_dataclass(DataConfig, sections["data"], "data")
     parallel = build_dataclass(ParallelConfig, sections["parallel"], "parallel")
     if not isinstance(raw["phases"], list) or not raw["phases"]:

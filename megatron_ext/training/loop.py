@@ -30,10 +30,10 @@ from megatron_ext.objectives import MaskingConfig, ObjectiveBatch, apply_clm, ap
 from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at, resolve_phases
 from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
 from megatron_ext.checkpoint import core as ckpt
-from megatron_ext.checkpoint.resume import restore
+from megatron_ext.checkpoint.resume import load_starting_point
 from megatron_ext.training import data as data_lib
 from megatron_ext.training.config import RunConfig
-from megatron_ext.training.engines import Engine, MicroBatch, build_engine, megatron_transformer_overrides
+from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides
 from megatron_ext.training.memory import check_fits, estimate_memory
 from megatron_ext.training.plan import check_paths, make_plan
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
@@ -95,7 +95,7 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, batches: list[dict[str, torch.Tensor]], *, config: RunConfig,
+def evaluate(engine: MegatronEngine, batches: list[dict[str, torch.Tensor]], *, config: RunConfig,
              tokenizer: EncoderTokenizer) -> dict[str, float]:
     """Validation loss of both objectives on the same fixed batches (global token means)."""
     engine.model.eval()
@@ -160,7 +160,6 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
     test that resuming is exact. Signals and ``training.exit_*`` stop runs too (``training.stop``).
     """
     check_paths(config)  # unwritable outputs and missing inputs, before anything starts
-    engine = platform.resolve_engine(config.training.engine)
     platform.check_run_supported(fp8_recipe=config.training.fp8_recipe,
                                  recompute_granularity=config.training.recompute_granularity,
                                  bf16_autocast=config.training.bf16, params_dtype=config.model.params_dtype)
@@ -179,19 +178,19 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
                 seed=config.training.seed,
             )
         with processes.trainer_session():
-            return _pretrain(config, engine_name=engine, exit_after_step=exit_after_step)
+            return _pretrain(config, exit_after_step=exit_after_step)
     finally:
         if owns_process_group:
             platform.destroy_process_group_and_model_parallel()
 
 
-def _build_model_and_engine(config: RunConfig, engine_name: str, device: torch.device) -> Engine:
-    """This pipeline stage's encoder on ``device``, wrapped by the named engine."""
+def _build_model_and_engine(config: RunConfig, device: torch.device) -> MegatronEngine:
+    """This pipeline stage's encoder on ``device``, wrapped by the engine."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     model = build_encoder_model(config.model, pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
                                 transformer_overrides=megatron_transformer_overrides(config)).to(device)
-    return build_engine(engine_name, model, config)
+    return MegatronEngine(model, config)
 
 
 @dataclass(kw_only=True)
@@ -248,12 +247,10 @@ class _RunCheckpoints:
     """The run's saves into ``checkpoint.save``: the engine's state with the run config and the
     tokenizer reference, synchronously or in the background (``checkpoint.async_save``)."""
 
-    def __init__(self, config: RunConfig, engine: Engine, tokenizer: EncoderTokenizer):
+    def __init__(self, config: RunConfig, engine: MegatronEngine, tokenizer: EncoderTokenizer):
         self.config = config.checkpoint
         self.engine = engine
-        # The resolved engine is recorded: its optimizer state is what the checkpoint holds.
-        self.run_config = dataclasses.replace(
-            config, training=dataclasses.replace(config.training, engine=engine.name)).to_dict()
+        self.run_config = config.to_dict()
         self.tokenizer_reference = {**tokenizer.reference(), ckpt.TOKENIZER_FINGERPRINT: tokenizer.fingerprint()}
         self.saver = ckpt.CheckpointSaver(async_save=self.config.async_save)
 
@@ -290,7 +287,7 @@ def _due(step: int, interval: int, total: int) -> bool:
     return step % interval == 0 or step == total
 
 
-def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | None) -> TrainResult:
+def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
     # Everything a launch can get wrong is refused here, before the model is allocated.
     make_plan(config, dist.get_world_size())  # layout and batch sizes divide
     check_fits(estimate_memory(config, world_size=dist.get_world_size()), *platform.usable_memory_bytes())
@@ -300,13 +297,14 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
     total = config.training.train_iters
     phases = resolve_phases(config.phases, total)
 
-    engine = _build_model_and_engine(config, engine_name, device)
-    restored = restore(engine, config.checkpoint, tokenizer=tokenizer, tokenizer_model=config.tokenizer.tokenizer_model,
-                       model_fields=json.loads(json.dumps(config.to_dict()["model"])))  # as saved: lists, not tuples
-    state = restored.trainer_state
+    engine = _build_model_and_engine(config, device)
+    starting_point = load_starting_point(
+        engine, config.checkpoint, tokenizer=tokenizer, tokenizer_model=config.tokenizer.tokenizer_model,
+        model_fields=json.loads(json.dumps(config.to_dict()["model"])))  # as saved: lists, not tuples
+    state = starting_point.trainer_state
     platform.set_rng_state(state)
     start = int(state.get("step", 0))
-    first_checkpoint = str(restored.checkpoint) if restored.checkpoint else None
+    first_checkpoint = str(starting_point.checkpoint) if starting_point.checkpoint else None
     if start > total:
         raise UserError(f"the checkpoint is at step {start}, beyond training.train_iters={total}")
     if start == total:
@@ -318,7 +316,7 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
     batches = _build_batches(config, tokenizer, start=start, device=device)
     sinks = MetricSinks(config.logging, run_config=config.to_dict(), wandb_run_id=state.get("wandb_run_id"))
     log = StepLogger(config, sinks, total_steps=total, start_step=start)
-    log.banner(phases, engine_name=engine.name)
+    log.banner(phases)
     result = TrainResult(start_step=start, final_step=start, checkpoint=first_checkpoint)
     guard = _NonFiniteGuard(config.training.max_nonfinite_steps, in_a_row=int(state.get("nonfinite_in_a_row", 0)),
                             total=int(state.get("skipped_steps", 0)))
@@ -348,7 +346,7 @@ def _pretrain(config: RunConfig, *, engine_name: str, exit_after_step: int | Non
     return result
 
 
-def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: _Batches, engine: Engine,
+def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: _Batches, engine: MegatronEngine,
                  tokenizer: EncoderTokenizer, device: torch.device, log: StepLogger, guard: _NonFiniteGuard,
                  checkpoints: _RunCheckpoints, stop: StopPolicy, sinks: MetricSinks, result: TrainResult,
                  exit_after_step: int | None) -> None:

@@ -1,49 +1,25 @@
-"""Optimizer, data-parallel gradient reduction and tensor-parallel-aware gradient clipping.
+"""Megatron-Core's optimizer as the trainer uses it: the weight decay of each parameter group,
+torch's fused AdamW kernel, and the optimizer's state in a checkpoint.
 
-The loss of a step is the mean over every scored token of the global batch (all micro-batches,
-all data-parallel ranks): each rank back-propagates the SUM of its token losses, gradients and
-token counts are summed over the data-parallel group, and gradients are divided by the global
-token count. So the update does not depend on how the global batch is split into micro-batches
-or ranks (tested: data parallel 2 vs 1). Megatron-LM calls this ``--calculate-per-token-loss``.
-
-The portable engine's step (``training.engine: portable``) and how its torch optimizer goes into
-a checkpoint (``TorchOptimizerState``); the Megatron engine uses Megatron-Core's DDP and optimizer
-instead, and shares only ``set_fused_adam``.
+The engine (``engines.py``) builds the optimizer with ``get_megatron_optimizer`` (Adam with
+Megatron's parameter groups, optionally the distributed optimizer) and sets each group's LR and
+weight decay before every step (:func:`weight_decay_for`). :class:`MegatronOptimizerState` is how
+that optimizer goes into and out of a distributed checkpoint (the
+``checkpoint.core.OptimizerCheckpointState`` protocol): the recorded format, Megatron-LM's
+sharding metadata, and the megatron-core 0.19.2 bugs with torch's Adam (no TE/apex) worked
+around at load.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
+import types
+from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.optimizer import (
-    get_param_id_to_sharded_param_map,
-    optim_state_to_sharding_state,
-)
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megatron_ext import platform
-from megatron_ext.checkpoint.core import SavedOptimizerState
-from megatron_ext.config_loading import UserError
 from megatron_ext.training.config import OptimizerConfig
-
-
-def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, *, lr: float) -> torch.optim.AdamW:
-    """AdamW over two groups, matrices and 1-D parameters (norm weights, biases); the second
-    decays only with ``optimizer.decay_norms_and_biases`` (:func:`set_lr_and_weight_decay`)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    optimizer = torch.optim.AdamW(
-        [{"params": decay}, {"params": no_decay}],
-        lr=lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-    )
-    set_lr_and_weight_decay(optimizer, config, lr)
-    set_fused_adam(optimizer, config.fused)
-    return optimizer
 
 
 def weight_decay_for(config: OptimizerConfig, *, one_dimensional: bool) -> float:
@@ -70,105 +46,123 @@ def set_fused_adam(optimizer: torch.optim.Optimizer, fused: bool) -> None:
                 state["step"] = state["step"].to(dtype=torch.float32, device=param.device if fused else "cpu")
 
 
-def set_lr_and_weight_decay(optimizer: torch.optim.Optimizer, config: OptimizerConfig, lr: float) -> None:
-    """The step's LR and each group's weight decay, set before every update: a loaded checkpoint
-    brings back the saving run's group settings, and this run's config decides."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-        # Read from the parameters, not from flags saved with the group: it holds whatever
-        # checkpoint the groups were loaded from.
-        group["weight_decay"] = weight_decay_for(
-            config, one_dimensional=all(param.dim() < 2 for param in group["params"]))
+def megatron_uses_torch_adam() -> bool:
+    """Whether Megatron-Core fell back to torch's AdamW (neither Transformer Engine nor apex)."""
+    from megatron.core import optimizer
+
+    return optimizer.USING_PYTORCH_OPTIMIZER
 
 
-def reduce_gradients(model: torch.nn.Module, local_tokens: int, local_loss_sum: float) -> tuple[int, float]:
-    """Sum gradients, token counts and loss sums over data parallelism; scale grads to the mean.
+class MegatronOptimizerState:
+    """A Megatron optimizer's checkpoint state, with the sharding metadata Megatron-LM passes.
 
-    Returns ``(global_tokens, global_mean_loss)``.
+    The distributed optimizer's state is written in ``sharding_type`` (``dp_reshardable``:
+    per-rank buffers, no communication, resumable at another data-parallel size;
+    ``fully_reshardable``: gathered to the canonical per-parameter form, resumable at any
+    layout). The format is recorded in the checkpoint and read back from it on load.
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    stats = torch.tensor([float(local_tokens), local_loss_sum], dtype=torch.float64, device=platform.device())
-    group = parallel_state.get_data_parallel_group()
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        grads = [p.grad for p in params]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(reduced)
-        dist.all_reduce(stats, group=group)
-    tokens, loss_sum = int(stats[0].item()), float(stats[1].item())
-    if tokens > 0:
-        for p in params:
-            p.grad.div_(tokens)
-    return tokens, (loss_sum / tokens if tokens > 0 else math.nan)
 
-
-def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> float:
-    """Global gradient L2 norm over the whole (tensor-parallel sharded) model; clip if > max_norm.
-
-    Tensor-parallel shards (``param.tensor_model_parallel``) are summed over the tensor-parallel
-    group; replicated parameters (norms) are counted once, as Megatron's ``clip_grad_norm_fp32``
-    does with ``param_is_not_tensor_parallel_duplicate``.
-    """
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    squares = torch.zeros((), dtype=torch.float64, device=platform.device())
-    grads = []
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        grads.append(p.grad)
-        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-            squares += p.grad.detach().double().pow(2).sum()
-    group = parallel_state.get_model_parallel_group()
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(squares, group=group)
-    norm = math.sqrt(float(squares))
-    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for grad in grads:
-            grad.mul_(scale)
-    return norm
-
-
-class TorchOptimizerState:
-    """A torch optimizer whose parameters are sharded like the model's: its state is saved under
-    ``optimizer.state.<exp_avg|...>.<weight key>``; per-parameter ``step`` is stored once, as
-    Megatron's optimizers do."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer, *, distributed: bool, sharding_type: str, torch_adam_fused: bool | None):
         self.optimizer = optimizer
-        self.fused = bool(optimizer.param_groups[0].get("fused"))  # the kernel it was built with
+        self.distributed = distributed
+        self.sharding_type = sharding_type
+        self.torch_adam_fused = torch_adam_fused
+        """``optimizer.fused`` where Megatron built torch's AdamW; None with TE/apex's FusedAdam."""
+
+    def _parts(self) -> list:
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+
+    def set_kernel(self) -> None:
+        """Torch's AdamW kernel as ``optimizer.fused`` says; again after each load, which brings
+        back the saved parameter groups' flags."""
+        if self.torch_adam_fused is not None:
+            for part in self._parts():
+                set_fused_adam(part.optimizer, self.torch_adam_fused)
 
     def format(self) -> dict:
-        return {"optimizer": "torch"}
+        recorded = {"optimizer": "megatron", "distributed_optimizer": self.distributed,
+                    **_layout(), "chained_optim_avoid_prefix": True, "singleton_local_shards": False}
+        if self.distributed:
+            recorded["distrib_optim_sharding_type"] = self.sharding_type
+        return recorded
 
-    def sharded_state_dict(self, model_state: dict, *, saved: SavedOptimizerState | None = None) -> dict:
-        params = [param for group in self.optimizer.param_groups for param in group["params"]]
-        id_to_sharded = get_param_id_to_sharded_param_map(model_state, params)
-        state = self.optimizer.state_dict()
-        if saved is not None:
-            # A fresh optimizer has no state yet: give it placeholders of the saved kinds and dtypes.
-            kinds = {key.split(".")[2] for key in saved.tensors if key.startswith("optimizer.state.")}
-            state["state"] = {
-                i: {kind: torch.empty(param.shape, device=param.device,
-                                      dtype=saved.tensors[f"optimizer.state.{kind}.{id_to_sharded[i].key}"].dtype)
-                    for kind in kinds}
-                for i, param in enumerate(params)
-            }
-        steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
-        if len(steps) > 1:
-            raise UserError(f"optimizer step differs between parameters ({sorted(steps)}); "
-                             "only a shared step can be checkpointed")
-        step = next((s["step"] for s in state["state"].values() if "step" in s), None)
-        optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
-        if step is not None:
-            state["state"]["common_step"] = step
-        return state
+    def sharded_state_dict(self, model_state: dict, *, saved_format: dict | None = None) -> dict:
+        # Megatron's own metadata keys are what the optimizer reads; ours are ignored by it.
+        loading = saved_format is not None
+        if loading:
+            self._allocate_state()
+        return self.optimizer.sharded_state_dict(model_state, is_loading=loading,
+                                                 metadata=saved_format if loading else self.format())
+
+    def _allocate_state(self) -> None:
+        """Give a fresh distributed optimizer its state tensors before a load. With torch's Adam
+        (no TE/apex), megatron-core 0.19.2's ``DistributedOptimizer.state_dict`` reads the step
+        from the per-parameter state, which a fresh optimizer lacks (an assertion in
+        ``DistributedOptimizer.state_dict``); Megatron's own dummy initialisation (a zero-gradient step
+        at the current LR, 0 before training) allocates it without moving any parameter."""
+        for part in self._parts():
+            if not part.optimizer.state and hasattr(part, "_init_optimizer_states_with_dummy_values"):
+                lrs = [group["lr"] for group in part.optimizer.param_groups]
+                for group in part.optimizer.param_groups:
+                    group["lr"] = 0.0
+                part._init_optimizer_states_with_dummy_values()
+                for group, lr in zip(part.optimizer.param_groups, lrs):
+                    group["lr"] = lr
 
     def load_state_dict(self, loaded: dict) -> None:
-        step = loaded["state"].pop("common_step", None)
-        if step is not None:
-            for param_state in loaded["state"].values():
-                param_state["step"] = step.clone() if torch.is_tensor(step) else step
-        self.optimizer.load_state_dict(loaded)
-        set_fused_adam(self.optimizer, self.fused)  # the loaded groups carry the saving run's kernel
+        # no_grad: with fp32 parameters the distributed optimizer's main parameters are views of
+        # the model's, which require grad; the load copies into them.
+        parts = self._parts()
+        with torch.no_grad(), _torch_adam_step_kept(parts):
+            self.optimizer.load_state_dict(loaded)
+        saved_parts = [loaded] if len(parts) == 1 else [loaded[i] for i in range(len(parts))]
+        for part, saved in zip(parts, saved_parts):
+            # With torch's Adam (no TE/apex) the step lives per parameter; megatron-core 0.19.2
+            # stores it once per group and, for the distributed optimizer, does not bring it back
+            # into a state allocated before the load (the per-parameter steps stay as allocated),
+            # or shares one tensor between all parameters, which torch's Adam increments in place
+            # once per parameter. Each parameter gets its own copy of the saved step.
+            groups = saved.get("optimizer", saved).get("param_groups", [])
+            steps = {float(group["step"]) for group in groups if "step" in group}
+            if len(steps) != 1:
+                continue
+            step = steps.pop()
+            for param_state in part.optimizer.state.values():
+                if torch.is_tensor(param_state.get("step")):
+                    param_state["step"] = torch.tensor(step, dtype=param_state["step"].dtype,
+                                                       device=param_state["step"].device)
+        self.set_kernel()
+
+
+@contextlib.contextmanager
+def _torch_adam_step_kept(parts: list) -> Iterator[None]:
+    """During a distributed-optimizer load with torch's Adam (no TE/apex): megatron-core 0.19.2's
+    ``_set_main_param_and_optimizer_states`` copies every tensor of a parameter's optimizer state
+    from the checkpoint, torch's per-parameter ``step`` included, which the ``fully_reshardable``
+    format does not hold (``KeyError: 'step'``). The step is restored from the common state just
+    before; here it is kept as it is, on these optimizer instances only (not their class)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    patched = [] if distrib_optimizer.HAVE_APEX_OR_TE else [
+        part for part in parts if isinstance(part, distrib_optimizer.DistributedOptimizer)]
+
+    def keep_step(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        if "step" in state and "step" not in tensors:
+            tensors = {**tensors, "step": state["step"]}
+        return type(self)._set_main_param_and_optimizer_states(self, model_param, tensors)
+
+    for part in patched:
+        part._set_main_param_and_optimizer_states = types.MethodType(keep_step, part)
+    try:
+        yield
+    finally:
+        for part in patched:
+            del part._set_main_param_and_optimizer_states
+
+
+def _layout() -> dict:
+    return {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+            "data_parallel_size": parallel_state.get_data_parallel_world_size()}

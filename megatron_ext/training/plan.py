@@ -105,7 +105,6 @@ def format_plan(config: RunConfig, plan: RunPlan) -> str:
         config.model.params_dtype, f"{config.model.params_dtype} parameters")
     precision = (params + (", bf16 autocast" if t.bf16 else "")
                  + (f" + FP8 ({t.fp8_recipe}, {t.fp8_format})" if t.fp8_recipe else ""))
-    engine = t.engine + (" (= megatron)" if t.engine == "auto" else "")
     options = [name for name, on in (("distributed optimizer", p.use_distributed_optimizer),
                                       ("overlapped grad reduce", p.overlap_grad_reduce),
                                       ("overlapped param gather", p.overlap_param_gather)) if on]
@@ -114,7 +113,7 @@ def format_plan(config: RunConfig, plan: RunPlan) -> str:
     if t.recompute_granularity:
         options.append(f"{t.recompute_granularity} recomputation")
     options.append("LM head at scored positions only" if t.lm_head_scored_only else "LM head at every position")
-    lines.append(f"step              engine {engine}; {precision}" + (f"; {', '.join(options)}" if options else ""))
+    lines.append(f"step              {precision}" + (f"; {', '.join(options)}" if options else ""))
     c = config.checkpoint
     lines.append(
         f"checkpoints       save={c.save or '-'} every {c.save_interval} steps, keep {c.keep_last}; "

@@ -106,13 +106,13 @@ class StepLogger:
         self.window_steps = 0
         self.window_flops = 0.0
 
-    def banner(self, phases: list[ResolvedPhase], *, engine_name: str) -> None:
+    def banner(self, phases: list[ResolvedPhase]) -> None:
         """What the run will do and where: its phases, the MFU convention, the engine and device."""
         if is_writer():
             print(f"training {self.total_steps} steps from step {self.start_step}: " + ", ".join(
                 f"{phase_name(p)} [{p.start}, {p.end})" for p in phases) + f"; MFU convention: {MFU_CONVENTION}",
                 flush=True)
-            print(f"engine: {engine_name}; " + platform.accelerator_summary(), flush=True)
+            print("engine: megatron; " + platform.accelerator_summary(), flush=True)
 
     def step(self, step: int, phase: ResolvedPhase, loss: float, lr: float, grad_norm: float, skipped: bool) -> None:
         self.window_steps += 1
