@@ -86,7 +86,7 @@ def test_a_trainer_killed_during_async_saves_leaves_no_process(tmp_path, tiny_co
     assert not survivors, [" ".join(psutil.Process(pid).cmdline()) for pid in survivors]
 
 
-def test_the_results_queue_outlives_the_signals_a_scheduler_sends_to_every_process():
+def test_the_results_queue_outlives_the_signals_a_scheduler_sends_to_every_process(single_rank):
     """SLURM signals every process of a job step; the trainer saves on SIGTERM/SIGUSR1, through a
     results-queue manager that must still be there: it ignores them (and Ctrl-C's SIGINT) and
     ends when the saver closes."""

@@ -45,7 +45,7 @@ NOT_COMPARED: dict[str, frozenset[str] | None] = {
     "optimizer": frozenset({"fused"}),
     "training": frozenset({
         "train_iters",  # compared through the step functions it feeds
-        "eval_interval", "eval_mask_ratio", "log_interval", "max_nonfinite_steps", "engine",
+        "eval_interval", "eval_mask_ratio", "log_interval", "max_nonfinite_steps",
         "recompute_granularity", "recompute_num_layers", "bias_activation_fusion",
         "cross_entropy_loss_fusion", "lm_head_scored_only",
         "exit_signal_handler", "exit_duration_in_mins", "exit_interval",
