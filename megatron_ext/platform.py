@@ -61,6 +61,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from megatron_ext.config_loading import UserError
+
 # Megatron-Core is imported inside the functions that use it: reading and checking a recipe
 # (``--dry-run``, the memory estimate) imports none of it.
 
@@ -99,26 +101,26 @@ def resolve_engine(requested: str) -> str:
 
 
 def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | None) -> None:
-    """Raise ``ValueError`` naming the setting this machine cannot run (before any model is built).
+    """Raise ``UserError`` naming the setting this machine cannot run (before any model is built).
     What the config itself rules out (FP8 without the ``te`` backend, Megatron-only settings on
     the portable engine) is refused once, by ``RunConfig``."""
     if fp8_recipe is not None:
         if not on_gpu():
-            raise ValueError(f"training.fp8_recipe={fp8_recipe!r}: FP8 needs a CUDA GPU with compute capability "
-                             f">= {FP8_MIN_COMPUTE_CAPABILITY[0]}.{FP8_MIN_COMPUTE_CAPABILITY[1]} "
-                             "(Ada, Hopper or newer); this machine has none. Remove training.fp8_recipe")
+            raise UserError(f"training.fp8_recipe={fp8_recipe!r}: FP8 needs a CUDA GPU with compute capability "
+                            f">= {FP8_MIN_COMPUTE_CAPABILITY[0]}.{FP8_MIN_COMPUTE_CAPABILITY[1]} "
+                            "(Ada, Hopper or newer); this machine has none. Remove training.fp8_recipe")
         capability = torch.cuda.get_device_capability()
         if capability < FP8_MIN_COMPUTE_CAPABILITY:
-            raise ValueError(f"training.fp8_recipe={fp8_recipe!r}: {torch.cuda.get_device_name()} has compute "
-                             f"capability {capability[0]}.{capability[1]}; FP8 needs >= "
-                             f"{FP8_MIN_COMPUTE_CAPABILITY[0]}.{FP8_MIN_COMPUTE_CAPABILITY[1]}. Train in bf16 "
-                             "(remove training.fp8_recipe)")
+            raise UserError(f"training.fp8_recipe={fp8_recipe!r}: {torch.cuda.get_device_name()} has compute "
+                            f"capability {capability[0]}.{capability[1]}; FP8 needs >= "
+                            f"{FP8_MIN_COMPUTE_CAPABILITY[0]}.{FP8_MIN_COMPUTE_CAPABILITY[1]}. Train in bf16 "
+                            "(remove training.fp8_recipe)")
         if not transformer_engine_available():
-            raise ValueError(f"training.fp8_recipe={fp8_recipe!r} needs Transformer Engine, which does not import "
-                             "here; install it (docs/gpu.md) or remove training.fp8_recipe")
+            raise UserError(f"training.fp8_recipe={fp8_recipe!r} needs Transformer Engine, which does not import "
+                            "here; install it (docs/gpu.md) or remove training.fp8_recipe")
     if recompute_granularity is not None and not on_gpu():
-        raise ValueError(f"training.recompute_granularity={recompute_granularity!r} runs on CUDA only (Megatron's "
-                         "recomputation saves the CUDA RNG state); remove it on CPU")
+        raise UserError(f"training.recompute_granularity={recompute_granularity!r} runs on CUDA only (Megatron's "
+                        "recomputation saves the CUDA RNG state); remove it on CPU")
 
 
 def attention_backend_fallback(attention_backend: str) -> tuple[str, str | None]:
@@ -233,16 +235,16 @@ def use_cpu_initialization() -> bool:
 def check_model_parallel_supported(
     *, tensor_parallel_size: int, num_query_groups: int, attention_backend: str
 ) -> None:
-    """Raise ``ValueError`` for model-parallel features this platform cannot run (divergence 5)."""
+    """Raise ``UserError`` for model-parallel features this platform cannot run (divergence 5)."""
     if on_gpu():
         return
     if attention_backend == "te":
-        raise ValueError(
+        raise UserError(
             "attention_backend='te' runs on CUDA only (Transformer Engine); "
             "use attention_backend='local' on CPU"
         )
     if tensor_parallel_size > num_query_groups:
-        raise ValueError(
+        raise UserError(
             f"tensor_parallel_size={tensor_parallel_size} exceeds num_query_groups="
             f"{num_query_groups}: Megatron then all-gathers QKV through a CUDA-only mapping; "
             "on CPU use tensor_parallel_size <= num_query_groups"

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from megatron_ext import platform
+from megatron_ext.config_loading import UserError
 
 PAPER_LR_GRID = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4)
 PAPER_SEEDS = (0, 1, 2, 3, 4)
@@ -74,17 +75,17 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+            raise UserError(f"lr must be > 0, got {self.lr}")
         if self.batch_size < 1 or self.max_steps < 1:
-            raise ValueError("batch_size and max_steps must be >= 1")
+            raise UserError("batch_size and max_steps must be >= 1")
         if self.epochs is not None and self.epochs <= 0:
-            raise ValueError(f"epochs must be > 0, got {self.epochs}")
+            raise UserError(f"epochs must be > 0, got {self.epochs}")
         if self.max_length is not None and self.max_length < 8:
-            raise ValueError(f"max_length must be >= 8 tokens (or None: 99 % of the model's), got {self.max_length}")
+            raise UserError(f"max_length must be >= 8 tokens (or None: 99 % of the model's), got {self.max_length}")
         if self.sc_head not in ("model", "mean_linear"):
-            raise ValueError(f"sc_head must be 'model' or 'mean_linear', got {self.sc_head!r}")
+            raise UserError(f"sc_head must be 'model' or 'mean_linear', got {self.sc_head!r}")
         if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+            raise UserError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -205,11 +206,11 @@ def load_encoder(model_dir: str, config: FinetuneConfig, *, num_labels: int | No
     hf_config = AutoConfig.from_pretrained(model_dir)
     causal = [name for name in hf_config.architectures or [] if name.endswith("ForCausalLM")]
     if causal:
-        raise ValueError(f"{model_dir} is a causal LM ({causal[0]}): its AutoModel attends causally; "
-                         "fine-tuning needs a bidirectional encoder (e.g. an export with --format eurobert)")
+        raise UserError(f"{model_dir} is a causal LM ({causal[0]}): its AutoModel attends causally; "
+                        "fine-tuning needs a bidirectional encoder (e.g. an export with --format eurobert)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token is None:
-        raise ValueError(f"{model_dir}: the tokenizer has no pad token (set pad_token in tokenizer_config.json)")
+        raise UserError(f"{model_dir}: the tokenizer has no pad token (set pad_token in tokenizer_config.json)")
     tokenizer.model_max_length = input_length(config, getattr(hf_config, "max_position_embeddings", None),
                                               where=model_dir)
     if num_labels is None:
@@ -231,8 +232,8 @@ def input_length(config: FinetuneConfig, model_positions: int | None, *, where: 
     if config.max_length is not None:
         return min(config.max_length, model_positions or config.max_length)
     if not model_positions:
-        raise ValueError(f"{where}: config.json has no max_position_embeddings to take 99 % of; set max_length "
-                         "(--max-length)")
+        raise UserError(f"{where}: config.json has no max_position_embeddings to take 99 % of; set max_length "
+                        "(--max-length)")
     return round(PAPER_LENGTH_SHARE * model_positions)
 
 

@@ -42,8 +42,9 @@ from megatron_ext.training.stop import StopPolicy
 logger = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(RuntimeError):
-    """Too many consecutive steps had a non-finite loss or gradient norm."""
+class NonFiniteLossError(UserError):
+    """Too many consecutive steps had a non-finite loss or gradient norm: caused by the data or the
+    learning rate, so reported as one line (exit code 2) like any bad input."""
 
 
 @dataclass(kw_only=True)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.eval import protocol
 from megatron_ext.eval.protocol import FinetuneConfig, RunResult, eval_subset
 from megatron_ext.eval.task_io import TASK_FILE, load_task
@@ -78,10 +79,10 @@ def qrels_of(rows: Sequence[dict], corpus_ids: set[str], where: str) -> dict[str
                if doc not in corpus_ids or isinstance(grade, bool) or not isinstance(grade, int | float)
                or grade != int(grade) or grade < 1}
         if not relevance or bad:
-            raise ValueError(f"{where} row {row['id']!r}: relevance must map corpus ids to integer "
-                             f"grades >= 1, got {dict(list((bad or relevance).items())[:5])}")
+            raise UserError(f"{where} row {row['id']!r}: relevance must map corpus ids to integer "
+                            f"grades >= 1, got {dict(list((bad or relevance).items())[:5])}")
         if row["id"] in qrels:
-            raise ValueError(f"{where}: query id {row['id']!r} occurs twice")
+            raise UserError(f"{where}: query id {row['id']!r} occurs twice")
         qrels[row["id"]] = {doc: int(grade) for doc, grade in relevance.items()}
     return qrels
 
@@ -140,7 +141,7 @@ def run_shared(task_dirs: Sequence[Path], model_dir: str, config: FinetuneConfig
     began = time.perf_counter()
     keys = {Path(task_dir): training_key(task_dir) for task_dir in task_dirs}
     if len(set(keys.values())) != 1:
-        raise ValueError(f"tasks {[str(d) for d in keys]} do not share their training pairs (train.jsonl differs)")
+        raise UserError(f"tasks {[str(d) for d in keys]} do not share their training pairs (train.jsonl differs)")
     train_rows = load_task(task_dirs[0], "train", family="ir")
 
     protocol.set_seed(config.seed)
@@ -174,7 +175,7 @@ def _evaluate(model, task_dir: Path, config: FinetuneConfig) -> dict:
     corpus = load_task(task_dir, "corpus", family="ir")
     corpus_ids = [row["id"] for row in corpus]
     if len(set(corpus_ids)) != len(corpus_ids):
-        raise ValueError(f"{task_dir} corpus: passage ids are not unique")
+        raise UserError(f"{task_dir} corpus: passage ids are not unique")
     rows = {split: eval_subset(load_task(task_dir, split, family="ir"), config.max_eval_examples)
             for split in ("validation", "test")}
     qrels = {split: qrels_of(split_rows, set(corpus_ids), f"{task_dir} {split}")
