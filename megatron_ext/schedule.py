@@ -27,6 +27,13 @@ from megatron_ext.config_loading import UserError
 Objective = Literal["mlm", "clm"]
 
 
+def objective_name(objective: Objective, mask_ratio: float | None = None) -> str:
+    """The one name of an objective (and of a phase, :attr:`ResolvedPhase.name`) in the plan, the
+    step log, validation lines, ``metrics.jsonl`` and the docs: ``clm``, or ``mlm-<mask %>``
+    (``mlm-40`` at mask ratio 0.4)."""
+    return "clm" if objective == "clm" else f"mlm-{round(100 * mask_ratio)}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Phase:
     """One phase of a run, before its length is resolved against the step budget."""
@@ -121,6 +128,11 @@ class ResolvedPhase:
 
     restart_warmup: bool
     """See :class:`Phase`."""
+
+    @property
+    def name(self) -> str:
+        """``clm`` or ``mlm-<mask %>`` (:func:`objective_name`)."""
+        return objective_name(self.objective, self.mask_ratio)
 
     @property
     def steps(self) -> int:

@@ -1,4 +1,4 @@
-"""Continued pretraining of a real decoder into an encoder: SmolLM2-135M -> MLM-40 % -> EuroBERT.
+"""Continued pretraining of a real decoder into an encoder: SmolLM2-135M -> MLM-40 -> EuroBERT.
 
     python examples/cpt_smollm2/run.py            # 21-25 min measured on 2 shared CPU cores
     python examples/cpt_smollm2/run.py --train-iters 300 --seq-length 256
@@ -9,11 +9,11 @@
    ``transformers``' on a real sentence (both run the same float32 weights).
 3. The demo corpus (``tools/fetch_sample_data.py``; built if absent) is tokenized with the
    imported tokenizer into ``<out>/data``.
-4. The imported model's held-out MLM-40 % loss (bidirectional attention) on ``valid.jsonl``.
-5. ``pretrain()`` continues it with MLM-40 % (``recipe.yaml`` on top of the import's
+4. The imported model's held-out MLM-40 loss (bidirectional attention) on ``valid.jsonl``.
+5. ``pretrain()`` continues it with MLM-40 (``recipe.yaml`` on top of the import's
    ``recipe_model.yaml``) into ``<out>/checkpoints``.
 6. The last checkpoint is exported as EuroBERT into ``<out>/hf_eurobert``, loaded with plain
-   ``transformers`` for ``pipeline("fill-mask")``, and its held-out MLM-40 % loss is measured on the
+   ``transformers`` for ``pipeline("fill-mask")``, and its held-out MLM-40 loss is measured on the
    same masked inputs as in step 4. Numbers go to ``<out>/summary.json``.
 """
 
@@ -146,7 +146,7 @@ def fill_mask(model, tokenizer) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     summary = run(args)
-    print(f"\nheld-out MLM-40 % loss: {summary['mlm_loss_before']['loss']:.3f} before -> "
+    print(f"\nheld-out MLM-40 loss: {summary['mlm_loss_before']['loss']:.3f} before -> "
           f"{summary['mlm_loss_after']['loss']:.3f} after {summary['train_iters']} steps "
           f"({summary['seconds']['total'] / 60:.1f} min); {args.output_dir / 'summary.json'}")
     return 0
@@ -219,13 +219,13 @@ def run(args: argparse.Namespace) -> dict:
     valid_texts = [json.loads(line)["text"] for line in (corpus / "valid.jsonl").open()]
     heldout = {"mask_ratio": 0.4, "seq_length": seq_length, "seed": args.eval_seed,
                "max_sequences": args.eval_sequences}
-    _step(4, "held-out MLM-40 % loss of the imported decoder, bidirectional attention")
+    _step(4, "held-out MLM-40 loss of the imported decoder, bidirectional attention")
     before = checkpoint_mlm_loss(imported.output_dir, valid_texts, **heldout)
     print(f"{before.loss:.3f} nats (accuracy {before.accuracy:.3f}) over {before.masked_tokens:,} "
           f"masked tokens in {before.sequences} windows of {seq_length}")
     lap("eval_before")
 
-    _step(5, f"continued pretraining, MLM-40 %, {config.training.train_iters} steps of "
+    _step(5, f"continued pretraining, MLM-40, {config.training.train_iters} steps of "
              f"{config.data.global_batch_size} x {seq_length} tokens ({recipe_path})")
     result = pretrain(config)
     lap("train")

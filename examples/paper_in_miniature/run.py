@@ -6,10 +6,10 @@
 1. Data: the demo corpus, tokenizer and dataset of ``make demo`` (built when absent).
 2. Pretraining: five tiny encoders (4 layers, hidden 128, ``recipe.yaml``), each for the same
    ``--train-iters`` steps of 2,048 tokens (default 400, ~0.8M tokens):
-   ``mlm40`` (MLM-40 %), ``clm`` (CLM), ``biphasic_25_75`` and ``biphasic_50_50`` (CLM then MLM-40 %
+   ``mlm40`` (MLM-40), ``clm`` (CLM), ``biphasic_25_75`` and ``biphasic_50_50`` (CLM then MLM-40
    under one warmup-stable-decay schedule, the MLM phase starting from the undecayed CLM weights),
    and ``cpt`` (continued pretraining: a CLM run of 75 % of the steps with its own full decay, then
-   MLM-40 % for the remaining 25 % from that decayed checkpoint with a fresh warmup and decay,
+   MLM-40 for the remaining 25 % from that decayed checkpoint with a fresh warmup and decay,
    as the paper continues decayed CLM checkpoints). Rerunning skips finished runs.
 3. Fine-tuning: every model on the offline suite (``rt_sentiment`` SC, ``wiki_mentions`` TC,
    ``news_cloze`` QA; ``--tasks ... wiki_sections`` adds IR, see ``TASKS``) over an LR grid x seeds with the
@@ -37,6 +37,9 @@ from pathlib import Path
 
 
 from megatron_ext import assets
+from megatron_ext.schedule import objective_name
+from megatron_ext.cli.entry import ArgumentParser, entry_point
+from megatron_ext.config_loading import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = Path(__file__).resolve().with_name("recipe.yaml")
@@ -170,8 +173,7 @@ def pretrain_models(names: Sequence[str], args: argparse.Namespace, tokenizer: P
 
 
 def _phase_label(phase: dict) -> str:
-    kind = "clm" if phase["objective"] == "clm" else f"mlm-{round(100 * phase['mask_ratio'])}"
-    return f"{kind} {phase['share']:.0%}"
+    return f"{objective_name(phase['objective'], phase.get('mask_ratio'))} {phase['share']:.0%}"
 
 
 def validation_curve(out: Path, name: str, train_iters: int) -> list[dict]:
@@ -189,14 +191,14 @@ def validation_curve(out: Path, name: str, train_iters: int) -> list[dict]:
 
 
 def plot_pretraining(curves: dict[str, list[dict]], path: Path) -> None:
-    """Validation MLM-40 % and CLM loss vs step, one line per model."""
+    """Validation MLM-40 and CLM loss vs step, one line per model."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, objective, title in ((axes[0], "mlm", "validation MLM-40 % loss"), (axes[1], "clm", "validation CLM loss")):
+    for ax, objective, title in ((axes[0], "mlm", "validation MLM-40 loss"), (axes[1], "clm", "validation CLM loss")):
         for name, curve in curves.items():
             ax.plot([r["step"] for r in curve], [r[objective] for r in curve], marker="o", markersize=3, label=name)
         ax.set_xlabel("pretraining step (2,048 tokens each)")
@@ -294,7 +296,7 @@ def comparison_markdown(rows: Sequence[dict], tasks: Sequence[str], args: argpar
     metrics = {t: next((row["tasks"][t]["metric"] for row in rows if t in row["tasks"]), "") for t in tasks}
     lines = [
         "| model | " + " | ".join(f"{t} ({metrics[t]})" for t in tasks) + " | average | LR sensitivity "
-        "| valid MLM-40 % loss | valid CLM loss |",
+        "| valid MLM-40 loss | valid CLM loss |",
         "|---|" + "---|" * (len(tasks) + 4),
     ]
     for row in rows:

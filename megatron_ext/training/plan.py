@@ -52,9 +52,7 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
             f"{d.micro_batch_size} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp}))"
         )
     phases = resolve_phases(config.phases, config.training.train_iters)
-    names = tuple(
-        ("clm" if p.objective == "clm" else f"mlm-{round(100 * p.mask_ratio)}%", p.start, p.end) for p in phases
-    )
+    names = tuple((p.name, p.start, p.end) for p in phases)
     tokens_per_step = d.global_batch_size * d.seq_length
     total_flops = sum(
         (p.end - p.start) * tokens_per_step * flops_per_token(
