@@ -411,7 +411,9 @@ def init_process_group_and_model_parallel(
 
     Args:
         tensor_parallel_size: Tensor-parallel size.
-        pipeline_parallel_size: Pipeline-parallel size; data parallelism takes the rest.
+        pipeline_parallel_size: Pipeline-parallel size; data parallelism takes the rest. Whether the
+            world size divides is the plan's rule (``training.plan.make_plan``, checked before a run
+            starts); Megatron's ``initialize_model_parallel`` refuses it too.
         seed: Seed for parameter initialisation (same on every rank, see divergence 3/4).
         init_method: ``torch.distributed`` rendezvous; ``env://`` reads ``MASTER_ADDR``,
             ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` as set by torchrun or SLURM scripts.
@@ -437,12 +439,6 @@ def init_process_group_and_model_parallel(
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
-        )
-    world_size = dist.get_world_size()
-    if world_size % (tensor_parallel_size * pipeline_parallel_size):
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor_parallel_size="
-            f"{tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size}"
         )
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(

@@ -30,7 +30,9 @@ class RunPlan:
 
 
 def make_plan(config: RunConfig, world_size: int) -> RunPlan:
-    """Check that the layout and batch sizes divide; raise ValueError naming what does not."""
+    """Check that the layout and batch sizes divide, raising a ``UserError`` naming what does not:
+    the one statement of these rules (``pretrain`` checks them before the process group exists,
+    ``--dry-run`` for any world size)."""
     tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
     if world_size < 1 or world_size % (tp * pp):
         raise UserError(
