@@ -11,6 +11,7 @@ optimizer, schedule, seeding and precision are the same for every task.
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -214,12 +215,72 @@ def load_encoder(model_dir: str, config: FinetuneConfig, *, num_labels: int | No
     tokenizer.model_max_length = input_length(config, getattr(hf_config, "max_position_embeddings", None),
                                               where=model_dir)
     if num_labels is None:
-        encoder = AutoModel.from_pretrained(model_dir, dtype=config.weights_dtype)
+        encoder = load_pretrained(AutoModel, model_dir, dtype=config.weights_dtype)
     else:
-        encoder = AutoModelForSequenceClassification.from_pretrained(
-            model_dir, num_labels=num_labels, dtype=config.weights_dtype, pad_token_id=tokenizer.pad_token_id)
+        encoder = load_pretrained(AutoModelForSequenceClassification, model_dir, num_labels=num_labels,
+                                  dtype=config.weights_dtype, pad_token_id=tokenizer.pad_token_id)
     encoder = encoder.to(config.torch_device)
     return tokenizer, encoder
+
+
+class _LoadReports(logging.Filter):
+    """Holds back transformers' weight-loading report (a table of every key not loaded) until
+    :meth:`release` (the caller found it says something unexpected)."""
+
+    logger = logging.getLogger("transformers.modeling_utils")
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            self.records.append(record)
+            return False
+        return True
+
+    def release(self) -> None:
+        for record in self.records:
+            self.logger.handle(record)
+        self.records = []
+
+
+@contextlib.contextmanager
+def held_load_reports() -> Iterator[_LoadReports]:
+    """While loading Hugging Face weights: no progress bar, and the load report held back (printed
+    if the load fails, since it explains the failure; otherwise when the caller releases it).
+
+    Every fine-tuning run printed the report: its new task head is missing from the checkpoint and
+    an exported encoder's LM head is unused, both expected."""
+    from transformers.utils import logging as hf_logging
+
+    held = _LoadReports()
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    held.logger.addFilter(held)
+    try:
+        yield held
+    except BaseException:
+        held.logger.removeFilter(held)
+        held.release()
+        raise
+    finally:
+        held.logger.removeFilter(held)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
+def load_pretrained(model_class: Any, model_dir: str, **kwargs: Any) -> torch.nn.Module:
+    """``model_class.from_pretrained(model_dir, **kwargs)`` printing transformers' load report only
+    when weights of the encoder itself are missing or mismatched (:func:`held_load_reports`): a task
+    head that the checkpoint lacks, or checkpoint weights the model does not use, are expected."""
+    with held_load_reports() as reports:
+        model, loading = model_class.from_pretrained(model_dir, output_loading_info=True, **kwargs)
+    body_only = model.base_model is model  # a bare encoder: every weight is the encoder's
+    prefix = f"{model.base_model_prefix}."
+    if loading["mismatched_keys"] or any(body_only or key.startswith(prefix) for key in loading["missing_keys"]):
+        reports.release()
+    return model
 
 
 PAPER_LENGTH_SHARE = 0.99

@@ -97,10 +97,13 @@ def load_bi_encoder(model_dir: str, config: FinetuneConfig):
     hf_config = AutoConfig.from_pretrained(model_dir)
     causal = [name for name in hf_config.architectures or [] if name.endswith("ForCausalLM")]
     if causal:
-        raise ValueError(f"{model_dir} is a causal LM ({causal[0]}): its AutoModel attends causally; "
-                         "retrieval needs a bidirectional encoder (e.g. an export with --format eurobert)")
-    model = SentenceTransformer(str(model_dir), device=str(config.torch_device),
-                                model_kwargs={"dtype": config.weights_dtype})
+        raise UserError(f"{model_dir} is a causal LM ({causal[0]}): its AutoModel attends causally; "
+                        "retrieval needs a bidirectional encoder (e.g. an export with --format eurobert)")
+    with protocol.held_load_reports() as reports:  # an encoder export's unused LM head is expected
+        model = SentenceTransformer(str(model_dir), device=str(config.torch_device),
+                                    model_kwargs={"dtype": config.weights_dtype})
+    if any(status in record.getMessage() for record in reports.records for status in ("MISSING", "MISMATCH")):
+        reports.release()  # the bare encoder it loads lacks weights of its own
     model.max_seq_length = protocol.input_length(config, getattr(hf_config, "max_position_embeddings", None),
                                                  where=model_dir)
     return model
