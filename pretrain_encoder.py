@@ -17,16 +17,13 @@ import argparse
 import logging
 import os
 import sys
-import warnings
 
-# Megatron-Core warns once per module when Transformer Engine / apex are missing; the run's
-# start-up line states the fallback once instead (megatron_ext.platform.accelerator_summary).
-warnings.filterwarnings("ignore", message=r"Transformer Engine and Apex are not installed")
-warnings.filterwarnings("ignore", message=r"absl.logging is not installed")
+# First: importing megatron_ext.cli keeps third-party warnings to one per job, before Megatron is
+# imported (megatron_ext.cli.entry.THIRD_PARTY_WARNINGS).
+from megatron_ext.cli.entry import ArgumentParser, report_user_error
 
 import yaml
 
-from megatron_ext.cli.entry import ArgumentParser, report_user_error
 from megatron_ext.config_loading import UserError
 from megatron_ext.training.config import (
     RunConfig,
@@ -101,14 +98,17 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
     from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
 
     result = pretrain(config)
+    reports = int(os.environ.get("RANK", "0")) == 0  # every rank returns the same result; rank 0 says it
     if result.stopped:
         reason = f"stopped after step {result.final_step}: {result.stopped}"
         if not config.checkpoint.save:  # nothing to resume from: a rerun would start over
             return 1, reason + " (nothing saved)"
-        print(f"stopped: steps {result.start_step} -> {result.final_step} ({result.stopped}); checkpoint "
-              f"{result.checkpoint}; the same command resumes (exit code {RESUMABLE_EXIT_CODE})", flush=True)
+        if reports:
+            print(f"stopped: steps {result.start_step} -> {result.final_step} ({result.stopped}); checkpoint "
+                  f"{result.checkpoint}; the same command resumes (exit code {RESUMABLE_EXIT_CODE})", flush=True)
         return RESUMABLE_EXIT_CODE, reason
-    print(f"done: steps {result.start_step} -> {result.final_step}; checkpoint {result.checkpoint}")
+    if reports:
+        print(f"done: steps {result.start_step} -> {result.final_step}; checkpoint {result.checkpoint}")
     return 0, f"done at step {result.final_step}"
 
 

@@ -209,6 +209,9 @@ def transformer_config(config: EncoderModelConfig, overrides: Mapping[str, Any] 
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         use_cpu_initialization=platform.use_cpu_initialization(),
+        # Megatron's default ("full") means the same (no CUDA graphs are captured unless
+        # cuda_graph_impl is set) but warns "full scope is deprecated" on every rank.
+        cuda_graph_modules=[],
         **(overrides or {}),
     )
 
