@@ -17,16 +17,14 @@ import argparse
 import logging
 import os
 import sys
-import warnings
 
-# Megatron-Core warns once per module when Transformer Engine / apex are missing; the run's
-# start-up line states the fallback once instead (megatron_ext.platform.accelerator_summary).
-warnings.filterwarnings("ignore", message=r"Transformer Engine and Apex are not installed")
-warnings.filterwarnings("ignore", message=r"absl.logging is not installed")
+# First: importing megatron_ext.cli keeps third-party warnings to one per job, before Megatron is
+# imported (megatron_ext.cli.entry.THIRD_PARTY_WARNINGS).
+from megatron_ext.cli.entry import ArgumentParser, report_user_error
 
 import yaml
 
-from megatron_ext.config_loading import ConfigError, UserError
+from megatron_ext.config_loading import UserError
 from megatron_ext.training.config import (
     RunConfig,
     add_override_flags,
@@ -38,7 +36,7 @@ from megatron_ext.training.config import (
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML recipe (see examples/recipes)")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the plan; no training")
     parser.add_argument("--world-size", type=int, default=None,
@@ -65,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         code, reason = _main(argv)
-    except BaseException as error:  # SystemExit from argparse included: recorded, then as it was
+    except UserError as error:  # a bad recipe, flag, data, checkpoint or path, on any rank
+        code, reason = report_user_error("pretrain_encoder.py", error), f"error: {error}"
+    except BaseException as error:  # a bug, or SystemExit (--help): recorded, then as it was
         code = error.code if isinstance(error, SystemExit) and isinstance(error.code, int) else 1
         write_exit_status(code, f"{type(error).__name__}: {error}")
         raise
@@ -78,43 +78,37 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
     parser, dests = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        config = load_config(args, dests)
-        if args.print_config:
-            print(yaml.safe_dump(config.to_dict(), sort_keys=False))
-        if args.dry_run:
-            from megatron_ext.training.plan import check_paths, format_plan, make_plan
+    config = load_config(args, dests)
+    if args.print_config:
+        print(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    if args.dry_run:
+        from megatron_ext.training.plan import check_paths, format_plan, make_plan
 
-            from megatron_ext.training.memory import memory_report
+        from megatron_ext.training.memory import memory_report
 
-            world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-            print(format_plan(config, make_plan(config, world)))
-            print(memory_report(config, world_size=world))
-            try:  # a plan made on a login node may name paths mounted only on the compute nodes
-                print("checked: " + ", ".join(check_paths(config)))
-            except UserError as err:
-                print(f"paths: NOT READY, a run would stop here: {err}")
-            return 0, "dry run"
-    except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"pretrain_encoder.py: error: {err}", file=sys.stderr)
-        return 2, f"error: {err}"
+        world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        print(format_plan(config, make_plan(config, world)))
+        print(memory_report(config, world_size=world))
+        try:  # a plan made on a login node may name paths mounted only on the compute nodes
+            print("checked: " + ", ".join(check_paths(config)))
+        except UserError as err:
+            print(f"paths: NOT READY, a run would stop here: {err}")
+        return 0, "dry run"
     from megatron_ext.training.loop import pretrain
     from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
 
-    try:
-        result = pretrain(config)
-    except UserError as err:  # bad data, a mismatched checkpoint, an unusable path: one line, every rank
-        rank = os.environ.get("RANK")
-        print(f"pretrain_encoder.py: error{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr, flush=True)
-        return 2, f"error: {err}"
+    result = pretrain(config)
+    reports = int(os.environ.get("RANK", "0")) == 0  # every rank returns the same result; rank 0 says it
     if result.stopped:
         reason = f"stopped after step {result.final_step}: {result.stopped}"
         if not config.checkpoint.save:  # nothing to resume from: a rerun would start over
             return 1, reason + " (nothing saved)"
-        print(f"stopped: steps {result.start_step} -> {result.final_step} ({result.stopped}); checkpoint "
-              f"{result.checkpoint}; the same command resumes (exit code {RESUMABLE_EXIT_CODE})", flush=True)
+        if reports:
+            print(f"stopped: steps {result.start_step} -> {result.final_step} ({result.stopped}); checkpoint "
+                  f"{result.checkpoint}; the same command resumes (exit code {RESUMABLE_EXIT_CODE})", flush=True)
         return RESUMABLE_EXIT_CODE, reason
-    print(f"done: steps {result.start_step} -> {result.final_step}; checkpoint {result.checkpoint}")
+    if reports:
+        print(f"done: steps {result.start_step} -> {result.final_step}; checkpoint {result.checkpoint}")
     return 0, f"done at step {result.final_step}"
 
 

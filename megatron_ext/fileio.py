@@ -23,6 +23,8 @@ import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from megatron_ext.config_loading import UserError
+
 
 @contextlib.contextmanager
 def staged_file(path: str | os.PathLike) -> Iterator[Path]:
@@ -50,14 +52,14 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
 def _refuse_differences(differing: list[str], what: str, overwrite: bool) -> None:
     if differing and not overwrite:
         listing = ", ".join(differing[:6]) + (" ..." if len(differing) > 6 else "")
-        raise ValueError(f"{what} (files that differ: {listing}); pass --overwrite (overwrite=True) to replace "
-                         "them")
+        raise UserError(f"{what} (files that differ: {listing}); pass --overwrite (overwrite=True) to replace "
+                        "them")
 
 
 def write_files(files: Mapping[Path, bytes], *, overwrite: bool) -> bool:
     """Write each of ``files`` atomically, in order (so the last one, a manifest, vouches for
     the others); returns False when they all already held exactly these bytes (nothing written).
-    Existing files with other bytes are a ``ValueError`` naming them unless ``overwrite``."""
+    Existing files with other bytes are a ``UserError`` naming them unless ``overwrite``."""
     existing = {path: path.read_bytes() for path in files if path.exists()}
     differing = [str(path) for path, data in existing.items() if data != files[path]]
     _refuse_differences(differing, "outputs exist with different content", overwrite)
@@ -84,9 +86,9 @@ def staged_dir(target: Path) -> Iterator[Path]:
 
 def is_empty_dir_or_absent(path: Path) -> bool:
     """True when ``path`` does not exist or is an empty directory; False for a non-empty
-    directory; ``ValueError`` when it is a file."""
+    directory; ``UserError`` when it is a file."""
     if path.exists() and not path.is_dir():
-        raise ValueError(f"{path} exists and is not a directory")
+        raise UserError(f"{path} exists and is not a directory")
     return not path.exists() or not any(path.iterdir())
 
 
@@ -104,7 +106,7 @@ def publish_dir(tmp: Path, target: Path, *, overwrite: bool, identical_ok: bool)
 
     ``created``: ``target`` was absent or empty. ``unchanged``: ``identical_ok`` and ``target``
     already holds byte-identical files. ``replaced``: ``overwrite`` (the old tree is swapped out,
-    then deleted). Otherwise ``ValueError`` naming the files that differ.
+    then deleted). Otherwise ``UserError`` naming the files that differ.
     """
     if is_empty_dir_or_absent(target):
         if target.exists():

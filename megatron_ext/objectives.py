@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_ext.config_loading import UserError
+
 IGNORE_INDEX = -100
 """Label value at positions that carry no loss (also ``torch.nn.CrossEntropyLoss``'s default)."""
 
@@ -55,12 +57,12 @@ class MaskingConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.mask_ratio < 1.0:
-            raise ValueError(f"mask_ratio must be in (0, 1), got {self.mask_ratio}")
+            raise UserError(f"mask_ratio must be in (0, 1), got {self.mask_ratio}")
         for name in ("mask_replace_prob", "random_replace_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+                raise UserError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.mask_replace_prob + self.random_replace_prob > 1.0 + 1e-12:
-            raise ValueError(
+            raise UserError(
                 "mask_replace_prob + random_replace_prob must be <= 1, got "
                 f"{self.mask_replace_prob} + {self.random_replace_prob}"
             )

@@ -60,6 +60,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from megatron_ext.config_loading import UserError
+
 # Megatron-Core is imported inside the functions that use it: reading and checking a recipe
 # (``--dry-run``, the memory estimate) imports none of it.
 
@@ -91,31 +93,31 @@ def transformer_engine_available() -> bool:
 
 def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | None,
                         bf16_autocast: bool = False, params_dtype: str = "float32") -> None:
-    """Raise ``ValueError`` naming the setting this machine cannot run (before any model is built).
+    """Raise ``UserError`` naming the setting this machine cannot run (before any model is built).
     What the config itself rules out (FP8 without the ``te`` backend) is refused once, by
     ``RunConfig``."""
     if fp8_recipe is not None:
         if not on_gpu():
-            raise ValueError(f"training.fp8_recipe={fp8_recipe!r}: FP8 needs a CUDA GPU with compute capability "
-                             f">= {FP8_MIN_COMPUTE_CAPABILITY[0]}.{FP8_MIN_COMPUTE_CAPABILITY[1]} "
-                             "(Ada, Hopper or newer); this machine has none. Remove training.fp8_recipe")
+            raise UserError(f"training.fp8_recipe={fp8_recipe!r}: FP8 needs a CUDA GPU with compute capability "
+                            f">= {FP8_MIN_COMPUTE_CAPABILITY[0]}.{FP8_MIN_COMPUTE_CAPABILITY[1]} "
+                            "(Ada, Hopper or newer); this machine has none. Remove training.fp8_recipe")
         capability = torch.cuda.get_device_capability()
         if capability < FP8_MIN_COMPUTE_CAPABILITY:
-            raise ValueError(f"training.fp8_recipe={fp8_recipe!r}: {torch.cuda.get_device_name()} has compute "
-                             f"capability {capability[0]}.{capability[1]}; FP8 needs >= "
-                             f"{FP8_MIN_COMPUTE_CAPABILITY[0]}.{FP8_MIN_COMPUTE_CAPABILITY[1]}. Train in bf16 "
-                             "(remove training.fp8_recipe)")
+            raise UserError(f"training.fp8_recipe={fp8_recipe!r}: {torch.cuda.get_device_name()} has compute "
+                            f"capability {capability[0]}.{capability[1]}; FP8 needs >= "
+                            f"{FP8_MIN_COMPUTE_CAPABILITY[0]}.{FP8_MIN_COMPUTE_CAPABILITY[1]}. Train in bf16 "
+                            "(remove training.fp8_recipe)")
         if not transformer_engine_available():
-            raise ValueError(f"training.fp8_recipe={fp8_recipe!r} needs Transformer Engine, which does not import "
-                             "here; install it (docs/gpu.md) or remove training.fp8_recipe")
+            raise UserError(f"training.fp8_recipe={fp8_recipe!r} needs Transformer Engine, which does not import "
+                            "here; install it (docs/gpu.md) or remove training.fp8_recipe")
     if recompute_granularity is not None and not on_gpu():
-        raise ValueError(f"training.recompute_granularity={recompute_granularity!r} runs on CUDA only (Megatron's "
-                         "recomputation saves the CUDA RNG state); remove it on CPU")
+        raise UserError(f"training.recompute_granularity={recompute_granularity!r} runs on CUDA only (Megatron's "
+                        "recomputation saves the CUDA RNG state); remove it on CPU")
     if bf16_autocast and params_dtype == "float32" and not on_gpu():
         # Megatron's linear layers compute their backward in a custom autograd function that is
         # autocast-aware on CUDA only: on CPU it multiplies bf16 gradients by fp32 weights and fails.
-        raise ValueError("training.bf16: true with fp32 parameters (bf16 autocast) runs on CUDA only; on CPU "
-                         "train in fp32 (training.bf16: false) or with model.params_dtype: bfloat16")
+        raise UserError("training.bf16: true with fp32 parameters (bf16 autocast) runs on CUDA only; on CPU "
+                        "train in fp32 (training.bf16: false) or with model.params_dtype: bfloat16")
 
 
 def attention_backend_fallback(attention_backend: str) -> tuple[str, str | None]:
@@ -230,16 +232,16 @@ def use_cpu_initialization() -> bool:
 def check_model_parallel_supported(
     *, tensor_parallel_size: int, num_query_groups: int, attention_backend: str
 ) -> None:
-    """Raise ``ValueError`` for model-parallel features this platform cannot run (divergence 5)."""
+    """Raise ``UserError`` for model-parallel features this platform cannot run (divergence 5)."""
     if on_gpu():
         return
     if attention_backend == "te":
-        raise ValueError(
+        raise UserError(
             "attention_backend='te' runs on CUDA only (Transformer Engine); "
             "use attention_backend='local' on CPU"
         )
     if tensor_parallel_size > num_query_groups:
-        raise ValueError(
+        raise UserError(
             f"tensor_parallel_size={tensor_parallel_size} exceeds num_query_groups="
             f"{num_query_groups}: Megatron then all-gathers QKV through a CUDA-only mapping; "
             "on CPU use tensor_parallel_size <= num_query_groups"
@@ -439,7 +441,9 @@ def init_process_group_and_model_parallel(
 
     Args:
         tensor_parallel_size: Tensor-parallel size.
-        pipeline_parallel_size: Pipeline-parallel size; data parallelism takes the rest.
+        pipeline_parallel_size: Pipeline-parallel size; data parallelism takes the rest. Whether the
+            world size divides is the plan's rule (``training.plan.make_plan``, checked before a run
+            starts); Megatron's ``initialize_model_parallel`` refuses it too.
         seed: Seed for parameter initialisation (same on every rank, see divergence 3/4).
         init_method: ``torch.distributed`` rendezvous; ``env://`` reads ``MASTER_ADDR``,
             ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` as set by torchrun or SLURM scripts.
@@ -470,12 +474,6 @@ def init_process_group_and_model_parallel(
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
-        )
-    world_size = dist.get_world_size()
-    if world_size % (tensor_parallel_size * pipeline_parallel_size):
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor_parallel_size="
-            f"{tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size}"
         )
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(

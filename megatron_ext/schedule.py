@@ -22,7 +22,16 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
+from megatron_ext.config_loading import UserError
+
 Objective = Literal["mlm", "clm"]
+
+
+def objective_name(objective: Objective, mask_ratio: float | None = None) -> str:
+    """The one name of an objective (and of a phase, :attr:`ResolvedPhase.name`) in the plan, the
+    step log, validation lines, ``metrics.jsonl`` and the docs: ``clm``, or ``mlm-<mask %>``
+    (``mlm-40`` at mask ratio 0.4)."""
+    return "clm" if objective == "clm" else f"mlm-{round(100 * mask_ratio)}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,37 +61,37 @@ class Phase:
 
     def __post_init__(self) -> None:
         if self.objective not in ("mlm", "clm"):
-            raise ValueError(f"objective must be 'mlm' or 'clm', got {self.objective!r}")
+            raise UserError(f"objective must be 'mlm' or 'clm', got {self.objective!r}")
         if self.objective == "mlm":
             if self.mask_ratio is None or not 0.0 < self.mask_ratio < 1.0:
-                raise ValueError(
+                raise UserError(
                     f"mask_ratio must be in (0, 1) for an mlm phase, got {self.mask_ratio}"
                 )
             for name in ("mask_replace_prob", "random_replace_prob"):
                 value = getattr(self, name)
                 if value is not None and not 0.0 <= value <= 1.0:
-                    raise ValueError(f"{name} must be in [0, 1], got {value}")
+                    raise UserError(f"{name} must be in [0, 1], got {value}")
             mask_prob, random_prob = self.replacement_probs()
             if mask_prob + random_prob > 1.0 + 1e-12:
-                raise ValueError(
+                raise UserError(
                     "mask_replace_prob + random_replace_prob must be <= 1, "
                     f"got {mask_prob} + {random_prob}"
                 )
         else:
             for name in ("mask_ratio", "mask_replace_prob", "random_replace_prob"):
                 if getattr(self, name) is not None:
-                    raise ValueError(
+                    raise UserError(
                         f"{name} must be unset for a clm phase, got {getattr(self, name)}"
                     )
         if (self.steps is None) == (self.share is None):
-            raise ValueError(
+            raise UserError(
                 "exactly one of steps and share must be set, "
                 f"got steps={self.steps}, share={self.share}"
             )
         if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
-            raise ValueError(f"steps must be a positive integer, got {self.steps!r}")
+            raise UserError(f"steps must be a positive integer, got {self.steps!r}")
         if self.share is not None and not 0.0 < self.share <= 1.0:
-            raise ValueError(f"share must be in (0, 1], got {self.share}")
+            raise UserError(f"share must be in (0, 1], got {self.share}")
 
     def replacement_probs(self) -> tuple[float, float]:
         """``(mask_replace_prob, random_replace_prob)`` with defaults applied (MLM phases)."""
@@ -121,6 +130,11 @@ class ResolvedPhase:
     """See :class:`Phase`."""
 
     @property
+    def name(self) -> str:
+        """``clm`` or ``mlm-<mask %>`` (:func:`objective_name`)."""
+        return objective_name(self.objective, self.mask_ratio)
+
+    @property
     def steps(self) -> int:
         """Number of steps in the phase."""
         return self.end - self.start
@@ -130,20 +144,20 @@ def _phase_lengths(phases: Sequence[Phase], total_steps: int) -> list[int]:
     uses_steps = phases[0].steps is not None
     for i, phase in enumerate(phases):
         if (phase.steps is not None) != uses_steps:
-            raise ValueError(
+            raise UserError(
                 f"phases[{i}] sets {'share' if uses_steps else 'steps'} but phases[0] sets "
                 f"{'steps' if uses_steps else 'share'}: give every phase steps or every phase share"
             )
     if uses_steps:
         lengths = [phase.steps for phase in phases]
         if sum(lengths) != total_steps:
-            raise ValueError(
+            raise UserError(
                 f"phases[*].steps sum to {sum(lengths)}, expected total_steps={total_steps}"
             )
         return lengths
     shares = [phase.share for phase in phases]
     if abs(math.fsum(shares) - 1.0) > 1e-9:
-        raise ValueError(f"phases[*].share sum to {math.fsum(shares)}, expected 1")
+        raise UserError(f"phases[*].share sum to {math.fsum(shares)}, expected 1")
     # Largest remainder in exact rational arithmetic (normalised by the float sum), so lengths
     # sum to total_steps exactly; ties go to the earlier phase.
     exact = [Fraction(s) * total_steps / sum(map(Fraction, shares)) for s in shares]
@@ -153,7 +167,7 @@ def _phase_lengths(phases: Sequence[Phase], total_steps: int) -> list[int]:
         lengths[i] += 1
     for i, length in enumerate(lengths):
         if length == 0:
-            raise ValueError(
+            raise UserError(
                 f"phases[{i}].share={shares[i]} gives 0 of total_steps={total_steps} steps"
             )
     return lengths
@@ -162,9 +176,9 @@ def _phase_lengths(phases: Sequence[Phase], total_steps: int) -> list[int]:
 def resolve_phases(phases: Sequence[Phase], total_steps: int) -> list[ResolvedPhase]:
     """Place ``phases`` back to back on ``[0, total_steps)``; shares become whole steps."""
     if not isinstance(total_steps, int) or total_steps < 1:
-        raise ValueError(f"total_steps must be a positive integer, got {total_steps!r}")
+        raise UserError(f"total_steps must be a positive integer, got {total_steps!r}")
     if not phases:
-        raise ValueError("phases must not be empty")
+        raise UserError("phases must not be empty")
     resolved, start = [], 0
     for i, (phase, length) in enumerate(zip(phases, _phase_lengths(phases, total_steps))):
         mlm = phase.objective == "mlm"
@@ -225,33 +239,33 @@ class LRScheduleConfig:
 
     def __post_init__(self) -> None:
         if self.lr_decay_style not in ("wsd", "cosine", "linear", "constant"):
-            raise ValueError(
+            raise UserError(
                 "lr_decay_style must be one of wsd, cosine, linear, constant, "
                 f"got {self.lr_decay_style!r}"
             )
         if self.lr_wsd_decay_style not in ("linear", "cosine", "exponential", "minus_sqrt"):
-            raise ValueError(
+            raise UserError(
                 "lr_wsd_decay_style must be one of linear, cosine, exponential, minus_sqrt, "
                 f"got {self.lr_wsd_decay_style!r}"
             )
         if not self.lr > 0.0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+            raise UserError(f"lr must be > 0, got {self.lr}")
         if not 0.0 <= self.min_lr <= self.lr:
-            raise ValueError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+            raise UserError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
         if not 0.0 <= self.lr_warmup_init <= self.lr:
-            raise ValueError(
+            raise UserError(
                 f"lr_warmup_init must be in [0, lr={self.lr}], got {self.lr_warmup_init}"
             )
         if self.lr_warmup_iters < 0:
-            raise ValueError(f"lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
+            raise UserError(f"lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
         if self.lr_decay_style == "wsd":
             if self.lr_wsd_decay_iters is None or self.lr_wsd_decay_iters < 1:
-                raise ValueError(
+                raise UserError(
                     "lr_wsd_decay_iters must be >= 1 with lr_decay_style='wsd', "
                     f"got {self.lr_wsd_decay_iters}"
                 )
         elif self.lr_wsd_decay_iters is not None:
-            raise ValueError(
+            raise UserError(
                 f"lr_wsd_decay_iters is only used with lr_decay_style='wsd', got "
                 f"{self.lr_wsd_decay_iters} with {self.lr_decay_style!r}"
             )
@@ -305,11 +319,11 @@ def lr_at(
     """
     warmup = config.lr_warmup_iters
     if not isinstance(total_steps, int) or total_steps <= warmup:
-        raise ValueError(
+        raise UserError(
             f"total_steps must be an integer > lr_warmup_iters={warmup}, got {total_steps!r}"
         )
     if config.lr_decay_style == "wsd" and warmup + config.lr_wsd_decay_iters > total_steps:
-        raise ValueError(
+        raise UserError(
             f"lr_warmup_iters + lr_wsd_decay_iters = {warmup} + {config.lr_wsd_decay_iters} "
             f"exceeds total_steps={total_steps}"
         )
@@ -318,11 +332,11 @@ def lr_at(
     warmup_start = 0
     for phase in phases or ():
         if phase.restart_warmup and warmup == 0:
-            raise ValueError(f"phases[{phase.index}].restart_warmup needs lr_warmup_iters > 0")
+            raise UserError(f"phases[{phase.index}].restart_warmup needs lr_warmup_iters > 0")
         if phase.restart_warmup and phase.start <= step:
             warmup_start = max(warmup_start, phase.start)
     if phases and phases[-1].end != total_steps:
-        raise ValueError(f"phases end at step {phases[-1].end}, expected total_steps={total_steps}")
+        raise UserError(f"phases end at step {phases[-1].end}, expected total_steps={total_steps}")
 
     target = _after_warmup(step, config, total_steps)
     if warmup > 0 and step - warmup_start <= warmup:

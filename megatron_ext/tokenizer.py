@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ext.config_loading import UserError
+
 HUGGINGFACE = "HuggingFaceTokenizer"
 SENTENCEPIECE = "SentencePieceTokenizer"
 GPT2BPE = "GPT2BPETokenizer"
@@ -45,7 +47,7 @@ TRAIN_HINT = "train one with `python tools/train_tokenizer.py --input CORPUS --o
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-class MissingSpecialTokenError(ValueError):
+class MissingSpecialTokenError(UserError):
     """The tokenizer has no token for a role (mask, pad, eod, bos) that the caller needs."""
 
 
@@ -67,7 +69,7 @@ class TokenizerConfig:
 
     def __post_init__(self) -> None:
         if self.tokenizer_type is not None and self.tokenizer_type not in _ALIASES:
-            raise ValueError(
+            raise UserError(
                 f"tokenizer_type {self.tokenizer_type!r} is not supported; valid: {list(TOKENIZER_TYPES)} "
                 "(or None to infer it from tokenizer_model / vocab_file)"
             )
@@ -204,7 +206,7 @@ class HuggingFaceTokenizer(_TokenizersBackend):
     def __init__(self, config: TokenizerConfig) -> None:
         hf = _load_transformers_tokenizer(config.tokenizer_model)
         if getattr(hf, "backend_tokenizer", None) is None:
-            raise ValueError(
+            raise UserError(
                 f"tokenizer_model {config.tokenizer_model!r} loads as {type(hf).__name__}, which has no "
                 "tokenizers backend (tokenizer.json); save it as a fast tokenizer, or pass its "
                 "SentencePiece .model with tokenizer_type SentencePieceTokenizer"
@@ -354,7 +356,7 @@ def _load_transformers_tokenizer(model: str):
             return PreTrainedTokenizerFast(tokenizer_file=str(path))
         return AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as err:
-        raise ValueError(f"tokenizer_model {model!r}: transformers could not load it: {err}") from err
+        raise UserError(f"tokenizer_model {model!r}: transformers could not load it: {err}") from err
 
 
 def _is_hub_id(model: str) -> bool:
@@ -372,34 +374,34 @@ def _resolve(config: TokenizerConfig) -> TokenizerConfig:
             elif Path(model).is_dir() or model.endswith(".json") or _is_hub_id(model):
                 kind = HUGGINGFACE
             else:
-                raise ValueError(
+                raise UserError(
                     f"cannot infer tokenizer_type from tokenizer_model {model!r}: expected a directory, "
                     "a .json, a hub id or a SentencePiece .model; or set tokenizer_type"
                 )
         elif vocab is not None or merges is not None:
             kind = GPT2BPE
         else:
-            raise ValueError("no tokenizer given: set tokenizer_model, or vocab_file and merge_file")
+            raise UserError("no tokenizer given: set tokenizer_model, or vocab_file and merge_file")
 
     needed = {"tokenizer_model": model} if kind != GPT2BPE else {"vocab_file": vocab, "merge_file": merges}
     unused = {"vocab_file": vocab, "merge_file": merges} if kind != GPT2BPE else {"tokenizer_model": model}
     for field, value in needed.items():
         if value is None:
-            raise ValueError(f"{kind} needs {field}")
+            raise UserError(f"{kind} needs {field}")
     for field, value in unused.items():
         if value is not None:
-            raise ValueError(f"{kind} does not use {field} (got {value!r}); needs {sorted(needed)}")
+            raise UserError(f"{kind} does not use {field} (got {value!r}); needs {sorted(needed)}")
 
     resolved = {}
     for field, value in needed.items():
         if kind == HUGGINGFACE and _is_hub_id(value):
             resolved[field] = value  # a hub id stays as it is
         elif not Path(value).exists():
-            raise ValueError(f"{field} {value!r} does not exist")
+            raise UserError(f"{field} {value!r} does not exist")
         else:
             resolved[field] = str(Path(value).resolve())
     if kind == SENTENCEPIECE and not Path(resolved["tokenizer_model"]).is_file():
-        raise ValueError(f"tokenizer_model {model!r} must be a SentencePiece .model file")
+        raise UserError(f"tokenizer_model {model!r} must be a SentencePiece .model file")
     return TokenizerConfig(tokenizer_type=kind, **resolved)
 
 

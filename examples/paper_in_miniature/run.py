@@ -6,10 +6,10 @@
 1. Data: the demo corpus, tokenizer and dataset of ``make demo`` (built when absent).
 2. Pretraining: five tiny encoders (4 layers, hidden 128, ``recipe.yaml``), each for the same
    ``--train-iters`` steps of 2,048 tokens (default 400, ~0.8M tokens):
-   ``mlm40`` (MLM-40 %), ``clm`` (CLM), ``biphasic_25_75`` and ``biphasic_50_50`` (CLM then MLM-40 %
+   ``mlm40`` (MLM-40), ``clm`` (CLM), ``biphasic_25_75`` and ``biphasic_50_50`` (CLM then MLM-40
    under one warmup-stable-decay schedule, the MLM phase starting from the undecayed CLM weights),
    and ``cpt`` (continued pretraining: a CLM run of 75 % of the steps with its own full decay, then
-   MLM-40 % for the remaining 25 % from that decayed checkpoint with a fresh warmup and decay,
+   MLM-40 for the remaining 25 % from that decayed checkpoint with a fresh warmup and decay,
    as the paper continues decayed CLM checkpoints). Rerunning skips finished runs.
 3. Fine-tuning: every model on the offline suite (``rt_sentiment`` SC, ``wiki_mentions`` TC,
    ``news_cloze`` QA; ``--tasks ... wiki_sections`` adds IR, see ``TASKS``) over an LR grid x seeds with the
@@ -37,6 +37,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_ext import assets
+from megatron_ext.schedule import objective_name
+from megatron_ext.cli.entry import ArgumentParser, entry_point
+from megatron_ext.config_loading import UserError
 
 if TYPE_CHECKING:  # the harness loads the fine-tuning stack: imported where it runs
     from megatron_ext.eval.harness import TaskResult
@@ -85,7 +88,7 @@ MODELS: dict[str, tuple[Stage, ...]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--output-dir", type=Path, default=Path("runs/paper_in_miniature"),
         help="pretrain/, eval/, eval_reference/, comparison.{md,json}, pretraining_loss.png; rerunning resumes")
@@ -141,7 +144,7 @@ def _check(rc: int, tool: str) -> None:
 def stage_steps(stage: Stage, train_iters: int) -> int:
     steps = round(stage.share * train_iters)
     if steps < 1:
-        raise ValueError(f"--train-iters {train_iters} leaves stage {stage.name} with no steps")
+        raise UserError(f"--train-iters {train_iters} leaves stage {stage.name} with no steps")
     return steps
 
 
@@ -173,8 +176,7 @@ def pretrain_models(names: Sequence[str], args: argparse.Namespace, tokenizer: P
 
 
 def _phase_label(phase: dict) -> str:
-    kind = "clm" if phase["objective"] == "clm" else f"mlm-{round(100 * phase['mask_ratio'])}"
-    return f"{kind} {phase['share']:.0%}"
+    return f"{objective_name(phase['objective'], phase.get('mask_ratio'))} {phase['share']:.0%}"
 
 
 def validation_curve(out: Path, name: str, train_iters: int) -> list[dict]:
@@ -192,14 +194,14 @@ def validation_curve(out: Path, name: str, train_iters: int) -> list[dict]:
 
 
 def plot_pretraining(curves: dict[str, list[dict]], path: Path) -> None:
-    """Validation MLM-40 % and CLM loss vs step, one line per model."""
+    """Validation MLM-40 and CLM loss vs step, one line per model."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, objective, title in ((axes[0], "mlm", "validation MLM-40 % loss"), (axes[1], "clm", "validation CLM loss")):
+    for ax, objective, title in ((axes[0], "mlm", "validation MLM-40 loss"), (axes[1], "clm", "validation CLM loss")):
         for name, curve in curves.items():
             ax.plot([r["step"] for r in curve], [r[objective] for r in curve], marker="o", markersize=3, label=name)
         ax.set_xlabel("pretraining step (2,048 tokens each)")
@@ -298,7 +300,7 @@ def comparison_markdown(rows: Sequence[dict], tasks: Sequence[str], args: argpar
     metrics = {t: next((row["tasks"][t]["metric"] for row in rows if t in row["tasks"]), "") for t in tasks}
     lines = [
         "| model | " + " | ".join(f"{t} ({metrics[t]})" for t in tasks) + " | average | LR sensitivity "
-        "| valid MLM-40 % loss | valid CLM loss |",
+        "| valid MLM-40 loss | valid CLM loss |",
         "|---|" + "---|" * (len(tasks) + 4),
     ]
     for row in rows:
@@ -341,7 +343,7 @@ def run(args: argparse.Namespace) -> dict:
     out = args.output_dir = args.output_dir.resolve()
     workers = args.workers or (1 if platform.on_gpu() else min(2, os.cpu_count() or 1))
     if workers < 1 or args.train_iters < 4 or args.finetune_steps < 1:
-        raise ValueError("--workers and --finetune-steps must be >= 1 and --train-iters >= 4")
+        raise UserError("--workers and --finetune-steps must be >= 1 and --train-iters >= 4")
     seconds: dict[str, float] = {}
     started = time.perf_counter()
 
@@ -391,13 +393,9 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
+@entry_point("run.py")
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except ValueError as err:  # user errors: one line
-        print(f"run.py: error: {err}", file=sys.stderr)
-        return 2
+    run(build_parser().parse_args(argv))
     return 0
 
 

@@ -20,12 +20,13 @@ from pathlib import Path
 
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir
 from megatron_ext.eval.suite import TASKS, build_task
+from megatron_ext.cli.entry import ArgumentParser, entry_point
 
 _SUMMARY_KEYS = ("negative", "positive", "mentions", "answerable", "unanswerable", "relevant_grade_1")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--output-dir", type=Path, default=None,
@@ -47,6 +48,7 @@ def format_row(task_dir: Path) -> str:
     return f"{meta['name']:<14} {meta['family']:<4} {'; '.join(parts)}"
 
 
+@entry_point("build_eval_suite.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     output_dir = args.output_dir if args.output_dir is not None else default_suite_dir()

@@ -31,6 +31,7 @@ from megatron_ext.eval.benchmarks import BENCHMARKS, hub_offline, hub_reachable
 from megatron_ext.eval.families import FAMILIES
 from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS
 from megatron_ext.eval.suite import TASKS
+from megatron_ext.cli.entry import ArgumentParser, entry_point
 
 
 def default_tasks() -> list[str]:
@@ -50,7 +51,7 @@ def tasks_without_flag(benchmarks_dir: Path | None) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--models", nargs="+", required=True, metavar="[NAME=]PATH",
         help="HF encoder directories or Megatron checkpoints (default name: the path's last component)")
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@entry_point("evaluate.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_ext.eval.harness import evaluate_models
@@ -84,14 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                                                ("max_length", args.max_length),
                                                ("max_eval_examples", args.max_eval_examples),
                                                ("device", args.device)) if value is not None}
-    try:
-        tasks = args.tasks or tasks_without_flag(args.benchmarks_dir)
-        evaluation = evaluate_models(args.models, tasks, output_dir=args.output_dir, lrs=args.lrs, seeds=args.seeds,
-                                     overrides=overrides, suite_dir=args.suite_dir,
-                                     benchmarks_dir=args.benchmarks_dir)
-    except ValueError as err:  # user errors: one clear line, no traceback
-        print(f"evaluate.py: error: {err}", file=sys.stderr)
-        return 2
+    tasks = args.tasks or tasks_without_flag(args.benchmarks_dir)
+    evaluation = evaluate_models(args.models, tasks, output_dir=args.output_dir, lrs=args.lrs, seeds=args.seeds,
+                                 overrides=overrides, suite_dir=args.suite_dir, benchmarks_dir=args.benchmarks_dir)
     print("model | task | family | metric | best LR | test (mean ± 95 % CI) | validation mean")
     for row in evaluation.results:
         ci = "" if row.test_ci95 is None else f" ± {row.test_ci95:.2f}"

@@ -21,12 +21,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_ext.cli.entry import ArgumentParser, entry_point
+
 
 FORMAT_CHOICES = ("eurobert", "llama", "mistral", "qwen2", "qwen3")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--checkpoint", required=True, help="a checkpoint directory, or a save directory (its newest)")
@@ -40,17 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@entry_point("export_hf_checkpoint.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_ext.hf import export_checkpoint
 
-    try:
-        export_checkpoint(args.checkpoint, args.output_dir, hf_format=args.format, dtype=args.dtype,
-                          tokenizer=args.tokenizer, overwrite=args.overwrite,
-                          log=lambda line: print(line, flush=True))
-    except ValueError as err:  # user errors: one clear line, no traceback
-        print(f"export_hf_checkpoint.py: error: {err}", file=sys.stderr)
-        return 2
+    export_checkpoint(args.checkpoint, args.output_dir, hf_format=args.format, dtype=args.dtype,
+                      tokenizer=args.tokenizer, overwrite=args.overwrite, log=lambda line: print(line, flush=True))
     return 0
 
 

@@ -24,10 +24,12 @@ import sys
 from pathlib import Path
 
 from megatron_ext.eval.benchmarks import BENCHMARKS, TASK_GROUPS, expand_tasks, fetch, hub_endpoint, hub_reachable
+from megatron_ext.cli.entry import ArgumentParser, entry_point
+from megatron_ext.config_loading import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=["paper"], choices=[*BENCHMARKS, *TASK_GROUPS],
                         metavar="TASK", help=f"benchmarks among {list(BENCHMARKS)} or 'paper' (default: paper)")
     parser.add_argument("--output-dir", type=Path, default=None,
@@ -36,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@entry_point("fetch_benchmarks.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     names = expand_tasks(args.tasks)
@@ -46,12 +49,10 @@ def main(argv: list[str] | None = None) -> int:
                                                           for role, source in bench.sources.items()))
         return 0
     if args.output_dir is None:
-        print("fetch_benchmarks.py: error: --output-dir is required (unless --list)", file=sys.stderr)
-        return 2
+        raise UserError("--output-dir is required (unless --list)")
     if not hub_reachable():
-        print(f"fetch_benchmarks.py: error: the Hugging Face hub ({hub_endpoint()}) is not reachable from "
-              "here (or HF_HUB_OFFLINE is set); run this on a machine with network access", file=sys.stderr)
-        return 2
+        raise UserError(f"the Hugging Face hub ({hub_endpoint()}) is not reachable from here (or HF_HUB_OFFLINE "
+                        "is set); run this on a machine with network access")
     written = fetch(names, args.output_dir)
     print(f"{len(written)} split(s) fetched into {args.output_dir}; evaluate with --benchmarks-dir {args.output_dir}")
     return 0

@@ -18,10 +18,11 @@ from pathlib import Path
 
 from megatron_ext import assets
 from megatron_ext.data.sample_corpus import SOURCES, CorpusConfig, build_corpus, format_report
+from megatron_ext.cli.entry import ArgumentParser, entry_point
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--output-dir", type=Path, default=None,
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@entry_point("fetch_sample_data.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = CorpusConfig(

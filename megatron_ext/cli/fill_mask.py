@@ -10,7 +10,11 @@ works without this project's code.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from megatron_ext.cli.entry import ArgumentParser, entry_point
+from megatron_ext.config_loading import UserError
 
 DEFAULT_SENTENCES = (
     "The prime minister said the [MASK] would be announced next week.",
@@ -33,20 +37,28 @@ def _with_mask(sentence: str, mask: str, tokenizer) -> str:
     return sentence.replace("[MASK]", mask, 1)
 
 
+@entry_point("fill_mask.py")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", help="a Hugging Face masked-LM directory (e.g. tools/export_hf_checkpoint.py output)")
     parser.add_argument("sentences", nargs="*", default=list(DEFAULT_SENTENCES), help="sentences with [MASK]")
     parser.add_argument("--top-k", type=int, default=5)
     args = parser.parse_args(argv)
-    from transformers import pipeline
-
-    fill = pipeline("fill-mask", model=args.model_dir, device="cpu")
-    mask = fill.tokenizer.mask_token
     for sentence in args.sentences:
         if "[MASK]" not in sentence:
-            print(f"fill_mask.py: error: {sentence!r} has no [MASK]", file=sys.stderr)
-            return 2
+            raise UserError(f"{sentence!r} has no [MASK]")
+    if not os.path.isdir(args.model_dir) and args.model_dir.startswith(("/", ".", "~")):
+        raise UserError(f"model_dir {args.model_dir}: no such directory (expected a Hugging Face masked-LM "
+                        "directory, e.g. tools/export_hf_checkpoint.py's output)")
+    from transformers import pipeline
+
+    try:
+        fill = pipeline("fill-mask", model=args.model_dir, device="cpu")
+    except OSError as error:  # transformers' "not a local folder and not a valid model identifier"
+        raise UserError(f"model_dir {args.model_dir}: cannot load a fill-mask model "
+                        f"({str(error).strip().splitlines()[0]})") from error
+    mask = fill.tokenizer.mask_token
+    for sentence in args.sentences:
         predictions = fill(_with_mask(sentence, mask, fill.tokenizer), top_k=args.top_k)
         ranked = ", ".join(f"{p['token_str'].strip()!r} {p['score']:.2f}" for p in predictions)
         print(f"{sentence}\n    -> {ranked}")

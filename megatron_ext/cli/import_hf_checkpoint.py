@@ -26,10 +26,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_ext.cli.entry import ArgumentParser, entry_point
+
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--hf-model", required=True,
@@ -48,25 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@entry_point("import_hf_checkpoint.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_ext.hf import importer
 
-    try:
-        print(f"loading {args.hf_model}", flush=True)
-        config = importer.load_hf_config(args.hf_model)
-        importer.check_architecture(config, args.seq_length)  # before loading any weights
-        tokenizer = importer.load_hf_tokenizer(args.tokenizer or args.hf_model,
-                                               flag="--tokenizer" if args.tokenizer else "--hf-model")
-        model = importer.load_hf_model(args.hf_model)
-        importer.import_hf_model(
-            model, tokenizer, args.output_dir, tensor_parallel_size=args.tensor_model_parallel_size,
-            seq_length=args.seq_length, mask_token=args.mask_token, overwrite=args.overwrite,
-            source=args.hf_model, log=lambda line: print(line, flush=True),
-        )
-    except ValueError as err:  # user errors (incl. unsupported architectures): one clear line
-        print(f"import_hf_checkpoint.py: error: {err}", file=sys.stderr)
-        return 2
+    print(f"loading {args.hf_model}", flush=True)
+    config = importer.load_hf_config(args.hf_model)
+    importer.check_architecture(config, args.seq_length)  # before loading any weights
+    tokenizer = importer.load_hf_tokenizer(args.tokenizer or args.hf_model,
+                                           flag="--tokenizer" if args.tokenizer else "--hf-model")
+    model = importer.load_hf_model(args.hf_model)
+    importer.import_hf_model(
+        model, tokenizer, args.output_dir, tensor_parallel_size=args.tensor_model_parallel_size,
+        seq_length=args.seq_length, mask_token=args.mask_token, overwrite=args.overwrite,
+        source=args.hf_model, log=lambda line: print(line, flush=True),
+    )
     return 0
 
 

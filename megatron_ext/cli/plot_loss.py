@@ -15,18 +15,21 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_ext.cli.entry import ArgumentParser, entry_point
+from megatron_ext.config_loading import UserError
+
 
 def read_metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl" if run.is_dir() else run
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no metrics.jsonl (is {run} a logging.log_dir of pretrain_encoder.py?)")
+        raise UserError(f"{path}: no metrics.jsonl (is {run} a logging.log_dir of pretrain_encoder.py?)")
     records = []
     for lineno, line in enumerate(path.read_text().splitlines(), start=1):
         if line.strip():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+                raise UserError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
     # A resumed run appends; keep the last record per (kind, step).
     latest = {(r["kind"], r["step"]): r for r in records}
     return sorted(latest.values(), key=lambda r: r["step"])
@@ -71,17 +74,14 @@ def plot(runs: list[Path], output: Path) -> Path:
     return output
 
 
+@entry_point("plot_loss.py")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="log dirs (or metrics.jsonl files)")
     parser.add_argument("--output", type=Path, default=None, help="PNG path (default: <first run>/loss.png)")
     args = parser.parse_args(argv)
     output = args.output or (args.runs[0] if args.runs[0].is_dir() else args.runs[0].parent) / "loss.png"
-    try:
-        print(f"wrote {plot(args.runs, output)}")
-    except (FileNotFoundError, ValueError) as err:
-        print(f"plot_loss.py: error: {err}", file=sys.stderr)
-        return 2
+    print(f"wrote {plot(args.runs, output)}")
     return 0
 
 

@@ -18,10 +18,11 @@ import sys
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.readers import INPUT_FORMATS
 from megatron_ext.tokenizer import TokenizerConfig
+from megatron_ext.cli.entry import ArgumentParser, entry_point
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
     group.add_argument("--input", nargs="+", required=True,
                        help="input files, globs, directories, HF save_to_disk dirs or hub ids")
@@ -78,14 +79,12 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
     )
 
 
+@entry_point("preprocess_data.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         summary = preprocess(config_from_args(args))
-    except (ValueError, FileExistsError) as err:  # user errors: one clear line, no traceback
-        print(f"preprocess_data.py: error: {err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:  # temporaries are removed on the way out; existing outputs untouched
         print("preprocess_data.py: interrupted; no output written", file=sys.stderr)
         return 130

@@ -25,14 +25,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from megatron_ext.data.readers import INPUT_FORMATS, decode_record, expand_inputs, iter_records
+from megatron_ext.config_loading import UserError
+from megatron_ext.data.readers import INPUT_FORMATS, decode_record, detect_format, expand_inputs, iter_records
+from megatron_ext.cli.entry import ArgumentParser, entry_point
 
 BOS, PAD, EOS, MASK = "<s>", "<pad>", "</s>", "<mask>"
 SPECIAL_TOKENS = (BOS, PAD, EOS, MASK)  # this order fixes their ids: 0, 1, 2, 3
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add = parser.add_argument
@@ -105,16 +107,19 @@ def _replace_dir(new: Path, target: Path) -> None:
     shutil.rmtree(old)
 
 
+@entry_point("train_tokenizer.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     output = Path(args.output_dir).resolve()
     if output.exists() and not output.is_dir():
-        raise ValueError(f"--output-dir {str(output)!r} exists and is not a directory")
+        raise UserError(f"--output-dir {str(output)!r} exists and is not a directory")
     if output.is_dir() and any(output.iterdir()) and not args.overwrite:
-        raise ValueError(f"--output-dir {str(output)!r} is not empty; pass --overwrite to replace it")
+        raise UserError(f"--output-dir {str(output)!r} is not empty; pass --overwrite to replace it")
     minimum = len(SPECIAL_TOKENS) + 256  # specials + the byte alphabet
     if args.vocab_size <= minimum:
-        raise ValueError(f"--vocab-size {args.vocab_size} must exceed {minimum} (special tokens + 256 bytes)")
+        raise UserError(f"--vocab-size {args.vocab_size} must exceed {minimum} (special tokens + 256 bytes)")
+    for path in expand_inputs(args.input):  # every input usable, before reading any
+        detect_format(path, args.input_format)
 
     start = time.perf_counter()
     n_docs = [0]
@@ -123,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(texts, desc="reading documents", unit="doc", disable=args.no_progress) as bar:
         tokenizer = train(bar, vocab_size=args.vocab_size, min_frequency=args.min_frequency)
     if n_docs[0] == 0:
-        raise ValueError(f"--input {args.input}: no non-empty text under --json-keys {args.json_keys}")
+        raise UserError(f"--input {args.input}: no non-empty text under --json-keys {args.json_keys}")
 
     output.parent.mkdir(parents=True, exist_ok=True)
     # Build the directory beside the target and rename it into place: readers never see a

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.data.readers import InputError, Record, decode_record, detect_format, expand_inputs, iter_records
 from megatron_ext.data.sentences import SentenceSplitter, build_splitter
 from megatron_ext.tokenizer import EncoderTokenizer, TokenizerConfig, build_tokenizer
@@ -81,15 +82,15 @@ class PreprocessConfig:
 
     def __post_init__(self) -> None:
         if not self.inputs:
-            raise ValueError("inputs: at least one --input is required")
+            raise UserError("inputs: at least one --input is required")
         if self.workers < 1:
-            raise ValueError(f"workers: expected >= 1, got {self.workers}")
+            raise UserError(f"workers: expected >= 1, got {self.workers}")
         if self.text_mode not in ("line", "file"):
-            raise ValueError(f"text_mode: expected 'line' or 'file', got {self.text_mode!r}")
+            raise UserError(f"text_mode: expected 'line' or 'file', got {self.text_mode!r}")
         if not self.json_keys:
-            raise ValueError("json_keys: at least one key is required")
+            raise UserError("json_keys: at least one key is required")
         if self.keep_newlines and not self.split_sentences:
-            raise ValueError("keep_newlines only applies with split_sentences")
+            raise UserError("keep_newlines only applies with split_sentences")
 
     @property
     def level(self) -> str:
@@ -257,7 +258,7 @@ def _check_outputs(config: PreprocessConfig) -> None:
         prefix = config.output_prefix_for(key)
         existing = [p for p in (prefix + ".bin", prefix + ".idx") if os.path.exists(p)]
         if existing and not config.overwrite:
-            raise FileExistsError(f"output {existing[0]} already exists; pass --overwrite to replace it")
+            raise UserError(f"output {existing[0]} already exists; pass --overwrite to replace it")
     parent = Path(config.output_prefix).parent
     _remove_stale_temporaries(config)
     if not parent.exists():
@@ -373,7 +374,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
 
 def _write_chunk(builder, chunk: EncodedChunk, vocab_size: int, summary: PreprocessSummary, *, count_docs: bool) -> None:
     if chunk.ids.size and int(chunk.ids.max()) >= vocab_size:
-        raise ValueError(
+        raise UserError(
             f"token id {int(chunk.ids.max())} >= vocab size {vocab_size}: the tokenizer reports a "
             "vocab smaller than the ids it produces"
         )

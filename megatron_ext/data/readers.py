@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from megatron_ext.config_loading import UserError
+
 InputFormat = Literal["auto", "jsonl", "text", "parquet", "hf"]
 INPUT_FORMATS: tuple[str, ...] = ("auto", "jsonl", "text", "parquet", "hf")
 TextMode = Literal["line", "file"]
@@ -40,7 +42,7 @@ class Record:
     """Why the record cannot be read (e.g. invalid UTF-8); :func:`decode_record` raises it."""
 
 
-class InputError(ValueError):
+class InputError(UserError):
     """Bad input: the message names the file, line or key, and what was expected."""
 
 
@@ -147,7 +149,10 @@ def _read_text(path: str, key: str, text_mode: str) -> Iterator[Record]:
 def _read_parquet(path: str, keys: Sequence[str]) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise InputError(f"--input {path!r}: not a readable Parquet file ({err})") from None
     present = pf.schema_arrow.names
     missing = [k for k in keys if k not in present]
     if missing:
@@ -163,10 +168,11 @@ def _read_parquet(path: str, keys: Sequence[str]) -> Iterator[Record]:
 def _read_hf(path: str, keys: Sequence[str], split: str) -> Iterator[Record]:
     import datasets
 
-    if os.path.isdir(path):
-        ds = datasets.load_from_disk(path)
-    else:
-        ds = datasets.load_dataset(path, split=split)
+    try:
+        ds = datasets.load_from_disk(path) if os.path.isdir(path) else datasets.load_dataset(path, split=split)
+    except (OSError, ValueError) as err:  # a missing hub dataset is a FileNotFoundError
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InputError(f"--input {path!r}: cannot load it as a Hugging Face dataset ({first_line})") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise InputError(f"{path}: split {split!r} not found; splits present: {list(ds)}")

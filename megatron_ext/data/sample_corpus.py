@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import write_files
 from megatron_ext import assets
 from megatron_ext.data.wikipedia import (
@@ -81,11 +82,11 @@ class CorpusConfig:
     def __post_init__(self) -> None:
         unknown = [name for name in self.sources if name not in SOURCES]
         if unknown:
-            raise ValueError(f"sources: unknown {unknown}; valid names are {list(SOURCES)}")
+            raise UserError(f"sources: unknown {unknown}; valid names are {list(SOURCES)}")
         if not 0.0 <= self.valid_fraction < 1.0:
-            raise ValueError(f"valid_fraction must be in [0, 1), got {self.valid_fraction}")
+            raise UserError(f"valid_fraction must be in [0, 1), got {self.valid_fraction}")
         if self.min_chars < 1 or self.book_part_chars < self.min_chars:
-            raise ValueError(
+            raise UserError(
                 f"need 1 <= min_chars <= book_part_chars, got {self.min_chars} and {self.book_part_chars}"
             )
 
@@ -343,7 +344,7 @@ def build_corpus(config: CorpusConfig) -> CorpusResult:
             else:
                 train.append(doc)
         if not s.documents:
-            raise ValueError(f"source {name!r} gave no document of at least min_chars={config.min_chars}")
+            raise UserError(f"source {name!r} gave no document of at least min_chars={config.min_chars}")
         asset = assets.ASSETS[source.asset]
         manifest_sources[name] = {
             "description": source.description,
@@ -355,7 +356,7 @@ def build_corpus(config: CorpusConfig) -> CorpusResult:
             **vars(s),
         }
     if not train or (config.valid_fraction > 0 and not valid):
-        raise ValueError(
+        raise UserError(
             f"valid_fraction={config.valid_fraction} over sources {config.selected} gives "
             f"{len(train)} train and {len(valid)} valid documents; both splits must be non-empty"
         )

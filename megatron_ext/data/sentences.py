@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from megatron_ext.config_loading import UserError
+
 logger = logging.getLogger(__name__)
 
 TRAINING_SAMPLE_CHARS = 4_000_000
@@ -66,7 +68,7 @@ def train_punkt(texts: Iterable[str], *, max_chars: int = TRAINING_SAMPLE_CHARS)
         trainer.train(piece, finalize=False)
         used += len(piece)
     if used == 0:
-        raise ValueError("cannot train a Punkt sentence splitter: the input has no text")
+        raise UserError("cannot train a Punkt sentence splitter: the input has no text")
     trainer.finalize_training()
     return PunktSentenceTokenizer(trainer.get_params()), used
 

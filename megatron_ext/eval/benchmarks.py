@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.eval.task_io import TASK_FILE, Family, required_columns
 from megatron_ext.fileio import publish_dir, staged_dir, write_files
 
@@ -127,8 +128,8 @@ def _label_names(dataset, column: str, fallback: Sequence[str]) -> list[str]:
 def _require(dataset, columns: Iterable[str], where: str) -> None:
     missing = [c for c in columns if c not in dataset.column_names]
     if missing:
-        raise ValueError(f"{where}: missing column(s) {missing}; it has {dataset.column_names} "
-                         "(docs/eval_suite.md lists the schema each benchmark expects)")
+        raise UserError(f"{where}: missing column(s) {missing}; it has {dataset.column_names} "
+                        "(docs/eval_suite.md lists the schema each benchmark expects)")
 
 
 def _cut_validation(loaded: Mapping[str, Any]) -> dict[str, Any]:
@@ -165,13 +166,13 @@ def convert_sc(bench: Benchmark, loaded: Mapping[str, Any]) -> dict[str, list[di
         _require(dataset, needed, f"{bench.name} {split}")
         split_names = _label_names(dataset, "label", bench.labels)
         if names is not None and split_names != names:
-            raise ValueError(f"{bench.name}: split {split} has labels {split_names}, another split {names}")
+            raise UserError(f"{bench.name}: split {split} has labels {split_names}, another split {names}")
         names = split_names
         rows = []
         for row in _rows(dataset, needed):
             if not 0 <= row["label"] < len(names):
-                raise ValueError(f"{bench.name} {split}: row idx {row['idx']} has label {row['label']}; "
-                                 f"expected 0..{len(names) - 1} ({names}); test splits of GLUE are unlabelled")
+                raise UserError(f"{bench.name} {split}: row idx {row['idx']} has label {row['label']}; "
+                                f"expected 0..{len(names) - 1} ({names}); test splits of GLUE are unlabelled")
             rows.append({"id": str(row["idx"]), "text": bench.text_template.format(**row), "label": row["label"]})
         out[split] = rows
     out["labels"] = names
@@ -189,8 +190,8 @@ def convert_tc(bench: Benchmark, loaded: Mapping[str, Any]) -> dict[str, list[di
         _require(dataset, (tokens_col, tags_col), f"{bench.name} {split}")
         names = _label_names(dataset, tags_col, bench.labels)
         if not names:
-            raise ValueError(f"{bench.name} {split}: {tags_col!r} has no ClassLabel names and the benchmark "
-                             "defines none")
+            raise UserError(f"{bench.name} {split}: {tags_col!r} has no ClassLabel names and the benchmark "
+                            "defines none")
         has_idx = "idx" in dataset.column_names
         rows = []
         for i, row in enumerate(_rows(dataset, (tokens_col, tags_col) + (("idx",) if has_idx else ()))):
@@ -199,8 +200,8 @@ def convert_tc(bench: Benchmark, loaded: Mapping[str, Any]) -> dict[str, list[di
                 dropped += 1
                 continue
             if len(tokens) != len(tags) or not all(0 <= t < len(names) for t in tags):
-                raise ValueError(f"{bench.name} {split} row {i}: {len(tokens)} tokens, tags {tags[:10]}...; "
-                                 f"expected one tag index in 0..{len(names) - 1} per token")
+                raise UserError(f"{bench.name} {split} row {i}: {len(tokens)} tokens, tags {tags[:10]}...; "
+                                f"expected one tag index in 0..{len(names) - 1} per token")
             rows.append({"id": str(row["idx"]) if has_idx else f"{split}-{i}", "tokens": tokens,
                          "tags": [names[t] for t in tags]})
         out[split] = rows
@@ -255,13 +256,13 @@ def _ir_splits(qrels: Mapping[str, dict[str, dict[str, int]]], judged: Iterable[
     corpus = [{"id": doc, "text": DOCUMENT_PREFIX + text} for doc, text in corpus_rows if doc in judged]
     missing = judged - {row["id"] for row in corpus}
     if missing:
-        raise ValueError(f"{where}: {len(missing)} judged passage(s) are not in the corpus, "
-                         f"e.g. {sorted(missing)[:5]}")
+        raise UserError(f"{where}: {len(missing)} judged passage(s) are not in the corpus, "
+                        f"e.g. {sorted(missing)[:5]}")
     out = {"corpus": corpus}
     for split, by_query in qrels.items():
         absent = [q for q in by_query if q not in queries]
         if absent:
-            raise ValueError(f"{where}: {len(absent)} {split} query id(s) are not in the queries, e.g. {absent[:5]}")
+            raise UserError(f"{where}: {len(absent)} {split} query id(s) are not in the queries, e.g. {absent[:5]}")
         out[split] = [{"id": q, "query": QUERY_PREFIX + queries[q], "relevance": relevant}
                       for q, relevant in by_query.items() if relevant]
     return out
@@ -553,11 +554,11 @@ def fetch_command(names: Iterable[str]) -> str:
     return f"python tools/fetch_benchmarks.py --tasks {' '.join(names)} --output-dir DIR"
 
 
-def missing_error(missing: Mapping[str, list[Source]], benchmarks_dir: Path | None, reason: str) -> ValueError:
+def missing_error(missing: Mapping[str, list[Source]], benchmarks_dir: Path | None, reason: str) -> UserError:
     """The error for benchmarks whose data is neither local nor on a reachable hub."""
     lines = [f"{name} needs " + "; ".join(s.describe() for s in sources) for name, sources in missing.items()]
     where = f"no copy under --benchmarks-dir {benchmarks_dir}" if benchmarks_dir else "no --benchmarks-dir given"
-    return ValueError(
+    return UserError(
         f"benchmark data not available ({where}; {reason}):\n  " + "\n  ".join(lines) +
         f"\nOn a machine with network access run\n  {fetch_command(missing)}\n"
         "copy DIR to this machine and pass --benchmarks-dir DIR (or set HF_HUB_OFFLINE=1 if the datasets "
@@ -588,7 +589,7 @@ def render(bench: Benchmark, loaded: Mapping[str, Any], origins: Mapping[str, st
     notes = converted.pop("notes", {})
     empty = [split for split, rows in converted.items() if not rows]
     if empty:
-        raise ValueError(f"benchmark {bench.name}: split(s) {empty} came out empty")
+        raise UserError(f"benchmark {bench.name}: split(s) {empty} came out empty")
     files = {f"{split}.jsonl": _jsonl(rows) for split, rows in converted.items()}
     meta = {
         "name": bench.name, "family": bench.family, "metric": bench.metric, "labels": labels,
@@ -635,15 +636,15 @@ def prepare_benchmarks(names: Sequence[str], output_dir: str | Path, benchmarks_
     benchmarks_dir = Path(benchmarks_dir) if benchmarks_dir is not None else None
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
-        raise ValueError(f"unknown benchmark(s) {unknown}; expected some of {sorted(BENCHMARKS)}")
+        raise UserError(f"unknown benchmark(s) {unknown}; expected some of {sorted(BENCHMARKS)}")
     todo = [n for n in names if not is_converted(output_dir / n)]
     check_available(todo, benchmarks_dir)
     for name in todo:
         bench = BENCHMARKS[name]
         task_dir = output_dir / name
         if (task_dir / TASK_FILE).is_file() and "benchmark" not in json.loads((task_dir / TASK_FILE).read_text()):
-            raise ValueError(f"{task_dir} holds a task that is not a conversion of benchmark {name}; "
-                             "move it or use another --suite-dir")
+            raise UserError(f"{task_dir} holds a task that is not a conversion of benchmark {name}; "
+                            "move it or use another --suite-dir")
         loaded, origins = {}, {}
         for role, source in bench.sources.items():
             found = local_copy(source, benchmarks_dir)

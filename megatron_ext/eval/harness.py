@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import write_atomic
 from megatron_ext.eval.benchmarks import BENCHMARKS, TASK_GROUPS, expand_tasks, prepare_benchmarks
 from megatron_ext.eval.families import FAMILIES, FAMILY_DEFAULTS, run_shared, shared_training_key
@@ -169,12 +170,12 @@ class RunRecord:
             return None
         data = json.loads(spec.path.read_text(encoding="utf-8"))
         if data["model_source"] != spec.model.source:
-            raise ValueError(f"{spec.path} was made with model {data['model_source']}, not {spec.model.source}; "
+            raise UserError(f"{spec.path} was made with model {data['model_source']}, not {spec.model.source}; "
                              "use another output directory or model name")
         config = dataclasses.asdict(spec.config)
         if data["config"] != config:
             differing = sorted(k for k, v in config.items() if data["config"].get(k) != v)
-            raise ValueError(f"{spec.path} was made with a different config ({', '.join(differing)}); use another "
+            raise UserError(f"{spec.path} was made with a different config ({', '.join(differing)}); use another "
                              "output directory or the same settings")
         losses = data["losses"]
         return cls(spec=spec, status=data["status"], error=data.get("error"), metric=data["metric"],
@@ -307,11 +308,11 @@ def resolve_models(models: Sequence[str], output_dir: Path) -> list[ModelRef]:
         path = Path(path)
         name = name or path.resolve().name
         if not _NAME.match(name):
-            raise ValueError(f"model {spec!r}: name {name!r} must be letters, digits, '.', '+', '-' or '_'")
+            raise UserError(f"model {spec!r}: name {name!r} must be letters, digits, '.', '+', '-' or '_'")
         if any(ref.name == name for ref in refs):
-            raise ValueError(f"two models are named {name!r}; name them with NAME=PATH")
+            raise UserError(f"two models are named {name!r}; name them with NAME=PATH")
         if not path.is_dir():
-            raise ValueError(f"model {spec!r}: {path} is not a directory")
+            raise UserError(f"model {spec!r}: {path} is not a directory")
         checkpoint = Checkpoint.latest(path)
         if checkpoint is not None:
             refs.append(ModelRef(name=name, hf_dir=_export(name, checkpoint.path, output_dir),
@@ -319,8 +320,8 @@ def resolve_models(models: Sequence[str], output_dir: Path) -> list[ModelRef]:
         elif (path / "config.json").is_file():
             refs.append(ModelRef(name=name, hf_dir=path.resolve(), source=str(path.resolve())))
         else:
-            raise ValueError(f"model {spec!r}: {path} is neither a Hugging Face model directory (no config.json) "
-                             "nor a Megatron checkpoint (no complete iter_* checkpoint)")
+            raise UserError(f"model {spec!r}: {path} is neither a Hugging Face model directory (no config.json) "
+                            "nor a Megatron checkpoint (no complete iter_* checkpoint)")
     return refs
 
 
@@ -363,17 +364,17 @@ def resolve_tasks(tasks: Sequence[str], suite_dir: str | Path | None = None,
         elif (Path(task) / TASK_FILE).is_file():
             task_dir = Path(task)
         else:
-            raise ValueError(f"unknown task {task!r}: expected one of {sorted(TASKS)}, a benchmark "
-                             f"{sorted(BENCHMARKS)}, a group {sorted(TASK_GROUPS)} or a directory with a "
-                             f"{TASK_FILE} (docs/eval_suite.md)")
+            raise UserError(f"unknown task {task!r}: expected one of {sorted(TASKS)}, a benchmark "
+                            f"{sorted(BENCHMARKS)}, a group {sorted(TASK_GROUPS)} or a directory with a "
+                            f"{TASK_FILE} (docs/eval_suite.md)")
         meta = json.loads((task_dir / TASK_FILE).read_text(encoding="utf-8"))
         family = meta.get("family")
         if family not in FAMILIES:
-            raise ValueError(f"task {task!r} has family {family!r}, which the harness cannot fine-tune; "
-                             f"families: {sorted(FAMILIES)}")
+            raise UserError(f"task {task!r} has family {family!r}, which the harness cannot fine-tune; "
+                            f"families: {sorted(FAMILIES)}")
         name = task_dir.resolve().name
         if any(ref.name == name for ref in refs):
-            raise ValueError(f"two tasks are named {name!r}")
+            raise UserError(f"two tasks are named {name!r}")
         for split in SPLITS + (("corpus",) if family == "ir" else ()):
             load_task(task_dir, split)
         refs.append(TaskRef(name=name, task_dir=task_dir.resolve(), family=family, metric=meta.get("metric", "")))
@@ -385,7 +386,7 @@ def finetune_config(family: str, lr: float, seed: int, overrides: Mapping[str, A
     fields = {f.name for f in dataclasses.fields(FinetuneConfig)} - {"lr", "seed"}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ValueError(f"unknown FinetuneConfig override(s) {unknown}; expected some of {sorted(fields)}")
+        raise UserError(f"unknown FinetuneConfig override(s) {unknown}; expected some of {sorted(fields)}")
     sets_length = "max_steps" in overrides or "epochs" in overrides
     defaults = {} if sets_length else FAMILY_DEFAULTS.get(family, {})
     return FinetuneConfig(**{**defaults, **overrides}, lr=lr, seed=seed)
@@ -660,9 +661,9 @@ def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: 
     from tqdm import tqdm
 
     if not models or not tasks or not lrs or not seeds:
-        raise ValueError("models, tasks, lrs and seeds must each be non-empty")
+        raise UserError("models, tasks, lrs and seeds must each be non-empty")
     if len(set(lrs)) != len(lrs) or len(set(seeds)) != len(seeds):
-        raise ValueError(f"lrs {list(lrs)} and seeds {list(seeds)} must not repeat values")
+        raise UserError(f"lrs {list(lrs)} and seeds {list(seeds)} must not repeat values")
     output_dir = Path(output_dir)
     overrides = dict(overrides or {})
     task_refs = resolve_tasks(tasks, suite_dir, benchmarks_dir)

@@ -12,6 +12,7 @@ optimizer, schedule, seeding and precision are the same for every task.
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from megatron_ext import platform
+from megatron_ext.config_loading import UserError
 
 PAPER_LR_GRID = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4)
 PAPER_SEEDS = (0, 1, 2, 3, 4)
@@ -75,17 +77,17 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+            raise UserError(f"lr must be > 0, got {self.lr}")
         if self.batch_size < 1 or self.max_steps < 1:
-            raise ValueError("batch_size and max_steps must be >= 1")
+            raise UserError("batch_size and max_steps must be >= 1")
         if self.epochs is not None and self.epochs <= 0:
-            raise ValueError(f"epochs must be > 0, got {self.epochs}")
+            raise UserError(f"epochs must be > 0, got {self.epochs}")
         if self.max_length is not None and self.max_length < 8:
-            raise ValueError(f"max_length must be >= 8 tokens (or None: 99 % of the model's), got {self.max_length}")
+            raise UserError(f"max_length must be >= 8 tokens (or None: 99 % of the model's), got {self.max_length}")
         if self.sc_head not in ("model", "mean_linear"):
-            raise ValueError(f"sc_head must be 'model' or 'mean_linear', got {self.sc_head!r}")
+            raise UserError(f"sc_head must be 'model' or 'mean_linear', got {self.sc_head!r}")
         if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+            raise UserError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -206,20 +208,80 @@ def load_encoder(model_dir: str, config: FinetuneConfig, *, num_labels: int | No
     hf_config = AutoConfig.from_pretrained(model_dir)
     causal = [name for name in hf_config.architectures or [] if name.endswith("ForCausalLM")]
     if causal:
-        raise ValueError(f"{model_dir} is a causal LM ({causal[0]}): its AutoModel attends causally; "
-                         "fine-tuning needs a bidirectional encoder (e.g. an export with --format eurobert)")
+        raise UserError(f"{model_dir} is a causal LM ({causal[0]}): its AutoModel attends causally; "
+                        "fine-tuning needs a bidirectional encoder (e.g. an export with --format eurobert)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token is None:
-        raise ValueError(f"{model_dir}: the tokenizer has no pad token (set pad_token in tokenizer_config.json)")
+        raise UserError(f"{model_dir}: the tokenizer has no pad token (set pad_token in tokenizer_config.json)")
     tokenizer.model_max_length = input_length(config, getattr(hf_config, "max_position_embeddings", None),
                                               where=model_dir)
     if num_labels is None:
-        encoder = AutoModel.from_pretrained(model_dir, dtype=config.weights_dtype)
+        encoder = load_pretrained(AutoModel, model_dir, dtype=config.weights_dtype)
     else:
-        encoder = AutoModelForSequenceClassification.from_pretrained(
-            model_dir, num_labels=num_labels, dtype=config.weights_dtype, pad_token_id=tokenizer.pad_token_id)
+        encoder = load_pretrained(AutoModelForSequenceClassification, model_dir, num_labels=num_labels,
+                                  dtype=config.weights_dtype, pad_token_id=tokenizer.pad_token_id)
     encoder = encoder.to(config.torch_device)
     return tokenizer, encoder
+
+
+class _LoadReports(logging.Filter):
+    """Holds back transformers' weight-loading report (a table of every key not loaded) until
+    :meth:`release` (the caller found it says something unexpected)."""
+
+    logger = logging.getLogger("transformers.modeling_utils")
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            self.records.append(record)
+            return False
+        return True
+
+    def release(self) -> None:
+        for record in self.records:
+            self.logger.handle(record)
+        self.records = []
+
+
+@contextlib.contextmanager
+def held_load_reports() -> Iterator[_LoadReports]:
+    """While loading Hugging Face weights: no progress bar, and the load report held back (printed
+    if the load fails, since it explains the failure; otherwise when the caller releases it).
+
+    Every fine-tuning run printed the report: its new task head is missing from the checkpoint and
+    an exported encoder's LM head is unused, both expected."""
+    from transformers.utils import logging as hf_logging
+
+    held = _LoadReports()
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    held.logger.addFilter(held)
+    try:
+        yield held
+    except BaseException:
+        held.logger.removeFilter(held)
+        held.release()
+        raise
+    finally:
+        held.logger.removeFilter(held)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
+def load_pretrained(model_class: Any, model_dir: str, **kwargs: Any) -> torch.nn.Module:
+    """``model_class.from_pretrained(model_dir, **kwargs)`` printing transformers' load report only
+    when weights of the encoder itself are missing or mismatched (:func:`held_load_reports`): a task
+    head that the checkpoint lacks, or checkpoint weights the model does not use, are expected."""
+    with held_load_reports() as reports:
+        model, loading = model_class.from_pretrained(model_dir, output_loading_info=True, **kwargs)
+    body_only = model.base_model is model  # a bare encoder: every weight is the encoder's
+    prefix = f"{model.base_model_prefix}."
+    if loading["mismatched_keys"] or any(body_only or key.startswith(prefix) for key in loading["missing_keys"]):
+        reports.release()
+    return model
 
 
 PAPER_LENGTH_SHARE = 0.99
@@ -232,8 +294,8 @@ def input_length(config: FinetuneConfig, model_positions: int | None, *, where: 
     if config.max_length is not None:
         return min(config.max_length, model_positions or config.max_length)
     if not model_positions:
-        raise ValueError(f"{where}: config.json has no max_position_embeddings to take 99 % of; set max_length "
-                         "(--max-length)")
+        raise UserError(f"{where}: config.json has no max_position_embeddings to take 99 % of; set max_length "
+                        "(--max-length)")
     return round(PAPER_LENGTH_SHARE * model_positions)
 
 

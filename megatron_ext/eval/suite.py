@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import write_files
 from megatron_ext import assets
 from megatron_ext.data.wikipedia import (
@@ -685,7 +686,7 @@ TASKS: dict[str, TaskSpec] = {
 
 def _spec(name: str) -> TaskSpec:
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; valid tasks: {sorted(TASKS)}")
+        raise UserError(f"unknown task {name!r}; valid tasks: {sorted(TASKS)}")
     return TASKS[name]
 
 

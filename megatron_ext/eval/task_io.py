@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
+from megatron_ext.config_loading import UserError
 from megatron_ext import assets
 
 Family = Literal["sc", "tc", "qa", "ir", "sts"]
@@ -67,29 +68,29 @@ def load_task(name_or_dir: str | Path, split: str, *, column_map: Mapping[str, s
     if isinstance(name_or_dir, str) and name_or_dir in SUITE_TASKS:
         task_dir = Path(suite_dir if suite_dir is not None else default_suite_dir()) / name_or_dir
         if not (task_dir / TASK_FILE).exists():
-            raise ValueError(
+            raise UserError(
                 f"task {name_or_dir!r} is not built in {task_dir.parent}; run "
                 f"tools/build_eval_suite.py --tasks {name_or_dir} --output-dir {task_dir.parent}"
             )
     elif Path(name_or_dir).is_dir():
         task_dir = Path(name_or_dir)
     else:
-        raise ValueError(
+        raise UserError(
             f"unknown task {str(name_or_dir)!r}: not one of {sorted(SUITE_TASKS)} and not a directory"
         )
     if (task_dir / TASK_FILE).exists():
         built_family = json.loads((task_dir / TASK_FILE).read_text(encoding="utf-8"))["family"]
         if family is not None and family != built_family:
-            raise ValueError(f"family={family!r} contradicts {task_dir / TASK_FILE}: {built_family!r}")
+            raise UserError(f"family={family!r} contradicts {task_dir / TASK_FILE}: {built_family!r}")
         family = built_family
     if family not in COLUMNS:
-        raise ValueError(
+        raise UserError(
             f"{task_dir} has no {TASK_FILE}: pass family= one of {list(COLUMNS)}, got {family!r}"
         )
     path = task_dir / f"{split}.jsonl"
     if not path.exists():
         present = sorted(p.stem for p in task_dir.glob("*.jsonl"))
-        raise ValueError(f"split {split!r} not found in {task_dir}; present splits: {present}")
+        raise UserError(f"split {split!r} not found in {task_dir}; present splits: {present}")
     required = required_columns(family, split)
     column_map = dict(column_map or {})
     rows = []
@@ -98,16 +99,16 @@ def load_task(name_or_dir: str | Path, split: str, *, column_map: Mapping[str, s
             try:
                 raw = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path} line {line_no}: not JSON ({err})") from None
+                raise UserError(f"{path} line {line_no}: not JSON ({err})") from None
             unmapped = [c for c in column_map if c not in raw]
             if unmapped:
-                raise ValueError(f"{path} line {line_no}: column_map names columns {unmapped} that the "
-                                 f"row lacks; it has {sorted(raw)}")
+                raise UserError(f"{path} line {line_no}: column_map names columns {unmapped} that the "
+                                f"row lacks; it has {sorted(raw)}")
             row = {column_map.get(k, k): v for k, v in raw.items()}
             missing = [c for c in required if c not in row]
             if missing:
-                raise ValueError(f"{path} line {line_no}: missing column(s) {missing} required for family "
-                                 f"{family!r} split {split!r}; the row has {sorted(row)} "
-                                 f"(rename columns with column_map)")
+                raise UserError(f"{path} line {line_no}: missing column(s) {missing} required for family "
+                                f"{family!r} split {split!r}; the row has {sorted(row)} "
+                                f"(rename columns with column_map)")
             rows.append(row)
     return rows

@@ -11,13 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.model.config import EncoderModelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
-class UnsupportedArchitectureError(ValueError):
+class UnsupportedArchitectureError(UserError):
     """The Hugging Face model (or the export format) cannot represent this architecture."""
 
 

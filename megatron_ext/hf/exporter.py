@@ -58,10 +58,10 @@ def _tokenizers(checkpoint: Checkpoint, tokenizer: str | None) -> tuple[HuggingF
     try:
         encoder_tokenizer = build_tokenizer(config)
     except ValueError as error:
-        raise ValueError(f"{where}: {error}; pass --tokenizer DIR") from error
+        raise UserError(f"{where}: {error}; pass --tokenizer DIR") from error
     if not isinstance(encoder_tokenizer, HuggingFaceTokenizer):
-        raise ValueError(f"{where} is a {encoder_tokenizer.name}; export writes Hugging Face "
-                         "tokenizer files: pass --tokenizer with a transformers tokenizer directory")
+        raise UserError(f"{where} is a {encoder_tokenizer.name}; export writes Hugging Face "
+                        "tokenizer files: pass --tokenizer with a transformers tokenizer directory")
     # The same loading rules (directory, tokenizer.json, hub id) as the tokenizer built above.
     return encoder_tokenizer, _load_transformers_tokenizer(encoder_tokenizer.reference()["tokenizer_model"])
 
@@ -118,9 +118,9 @@ def export_checkpoint(
         ``output_dir``, resolved.
     """
     if hf_format not in FORMATS:
-        raise ValueError(f"--format {hf_format!r}: expected one of {sorted(FORMATS)}")
+        raise UserError(f"--format {hf_format!r}: expected one of {sorted(FORMATS)}")
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+        raise UserError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
     export_format = FORMATS[hf_format]
     output_dir = Path(output_dir).resolve()
     is_empty_dir_or_absent(output_dir)  # a file there: fail before the work
@@ -133,8 +133,8 @@ def export_checkpoint(
     encoder_tokenizer, hf_tokenizer = _tokenizers(source, tokenizer)
     vocab = encoder_tokenizer.vocab_size
     if vocab > config.vocab_size:
-        raise ValueError(f"the tokenizer has {vocab} ids but the model only {config.vocab_size} "
-                         "embedding rows: wrong tokenizer (pass --tokenizer)")
+        raise UserError(f"the tokenizer has {vocab} ids but the model only {config.vocab_size} "
+                        "embedding rows: wrong tokenizer (pass --tokenizer)")
     if hf_tokenizer.pad_token is None and hf_tokenizer.eos_token is not None:
         hf_tokenizer.pad_token = hf_tokenizer.eos_token  # Llama-3/EuroBERT convention: pad = eos
     hf_tokenizer.model_max_length = config.seq_length
@@ -144,7 +144,7 @@ def export_checkpoint(
         try:
             encoder_tokenizer.mask
         except MissingSpecialTokenError as error:
-            raise ValueError(f"--format {hf_format} needs a mask token: {error}") from error
+            raise UserError(f"--format {hf_format} needs a mask token: {error}") from error
 
     log(f"loading {source} (TP=1)")
     with single_process_model_parallel():

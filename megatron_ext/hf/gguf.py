@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from megatron_ext.config_loading import UserError
+
 
 def load_gguf(path: str | Path, *, num_layers: int | None = None) -> tuple[Any, Any]:
     """The causal LM (float32, eval mode, tied embeddings tied) and fast tokenizer of a GGUF file.
@@ -25,18 +27,18 @@ def load_gguf(path: str | Path, *, num_layers: int | None = None) -> tuple[Any, 
             LM head are kept): a smaller, still real, model for quick tests. Default: all.
 
     Raises:
-        ValueError: ``path`` is not a file, or ``num_layers`` is out of range.
+        UserError: ``path`` is not a file, or ``num_layers`` is out of range.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"GGUF file {path} does not exist")
+        raise UserError(f"GGUF file {path} does not exist")
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     if num_layers is not None:
         if not 1 <= num_layers <= config.num_hidden_layers:
-            raise ValueError(f"num_layers must be in [1, {config.num_hidden_layers}], got {num_layers}")
+            raise UserError(f"num_layers must be in [1, {config.num_hidden_layers}], got {num_layers}")
         config.num_hidden_layers = num_layers
     config.name_or_path = str(path)
     with torch.device("meta"):  # only its parameter names are read, to map the GGUF tensor names

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import yaml
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.hf.architectures import UnsupportedArchitectureError, encoder_config_from_hf
 from megatron_ext.hf.name_map import Layout, hf_to_megatron
 from megatron_ext.fileio import is_empty_dir_or_absent, publish_dir, staged_dir
@@ -92,14 +93,14 @@ def check_architecture(hf_config: Any, seq_length: int | None = None) -> int:
     sequence length (``seq_length``, default the model's ``max_position_embeddings``)."""
     seq_length = seq_length or getattr(hf_config, "max_position_embeddings", None)
     if not seq_length:
-        raise ValueError("the model config has no max_position_embeddings: pass --seq-length")
+        raise UserError("the model config has no max_position_embeddings: pass --seq-length")
     encoder_config_from_hf(hf_config, vocab_size=1, seq_length=seq_length, eod_token_id=None)
     return seq_length
 
 
 def _check_tensor_parallel(config: EncoderModelConfig, tp: int) -> None:
     if (problem := tensor_parallel_problem(config, tp)) is not None:
-        raise ValueError(f"--tensor-model-parallel-size {tp} does not fit this model: {problem}")
+        raise UserError(f"--tensor-model-parallel-size {tp} does not fit this model: {problem}")
 
 
 def _recipe_snippet(config: EncoderModelConfig, tokenizer_dir: Path, output_dir: Path,
@@ -152,14 +153,14 @@ def import_hf_model(
 
     Raises:
         UnsupportedArchitectureError: the architecture cannot be converted (names the field).
-        ValueError: a bad argument or output directory.
+        UserError: a bad argument or output directory.
     """
     if tensor_parallel_size < 1:
-        raise ValueError(f"--tensor-model-parallel-size must be >= 1, got {tensor_parallel_size}")
+        raise UserError(f"--tensor-model-parallel-size must be >= 1, got {tensor_parallel_size}")
     output_dir = Path(output_dir).resolve()
     if not overwrite and not is_empty_dir_or_absent(output_dir):
-        raise ValueError(f"output directory {output_dir} is not empty; pass --overwrite "
-                         "(overwrite=True) to replace it")
+        raise UserError(f"output directory {output_dir} is not empty; pass --overwrite "
+                        "(overwrite=True) to replace it")
     hf_config = model.config
     source = source or getattr(hf_config, "name_or_path", None) or type(model).__name__
     seq_length = check_architecture(hf_config, seq_length)
@@ -229,23 +230,23 @@ def import_hf_model(
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
-def _load_error(reference: str, what: str, error: Exception, flag: str) -> ValueError:
+def _load_error(reference: str, what: str, error: Exception, flag: str) -> UserError:
     path = Path(reference).expanduser()
     if path.is_dir():
-        return ValueError(f"{flag} {reference}: cannot load the {what} from this directory: "
-                          f"{error}")
+        return UserError(f"{flag} {reference}: cannot load the {what} from this directory: "
+                         f"{error}")
     if path.exists():
-        return ValueError(f"{flag} {reference} is a file; expected a directory "
-                          "(config.json, weights, tokenizer files) or a hub id")
+        return UserError(f"{flag} {reference} is a file; expected a directory "
+                         "(config.json, weights, tokenizer files) or a hub id")
     if _HUB_ID.match(reference) and not reference.startswith("."):
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return ValueError(
+        return UserError(
             f"could not load the {what} of {reference!r} from the Hugging Face hub ({first_line}; "
             "no local directory of that name exists either). "
             "The hub may be unreachable from here: download the model where it is reachable "
             f"(e.g. `hf download {reference} --local-dir DIR`) and pass that local directory "
             f"to {flag}")
-    return ValueError(f"{flag} {reference}: no such directory")
+    return UserError(f"{flag} {reference}: no such directory")
 
 
 _LOAD_ERRORS = (OSError, ValueError, KeyError)

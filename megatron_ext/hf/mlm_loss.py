@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.objectives import IGNORE_INDEX, MaskingConfig, ObjectiveBatch, apply_mlm
 from megatron_ext.tokenizer import EncoderTokenizer
 
@@ -51,7 +52,7 @@ def masked_windows(tokenizer: EncoderTokenizer, texts: Sequence[str], *, seq_len
     """The texts as packed ``[n, seq_length]`` windows, MLM-masked (see the module docstring).
 
     Raises:
-        ValueError: the texts do not fill one window.
+        UserError: the texts do not fill one window.
     """
     stream: list[int] = []
     for ids in tokenizer.tokenize_batch(list(texts), add_special_tokens=True):
@@ -61,8 +62,8 @@ def masked_windows(tokenizer: EncoderTokenizer, texts: Sequence[str], *, seq_len
     if max_sequences is not None:
         n = min(n, max_sequences)
     if n < 1:
-        raise ValueError(f"the held-out texts give {len(stream)} tokens, fewer than one window of "
-                         f"seq_length={seq_length}")
+        raise UserError(f"the held-out texts give {len(stream)} tokens, fewer than one window of "
+                        f"seq_length={seq_length}")
     tokens = torch.tensor(stream[: n * seq_length], dtype=torch.long).view(n, seq_length)
     return apply_mlm(tokens, config=MaskingConfig(mask_ratio=mask_ratio), mask_id=tokenizer.mask,
                      vocab_size=tokenizer.vocab_size, special_ids=tokenizer.special_ids,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.model.config import EncoderModelConfig
 
 
@@ -43,8 +44,8 @@ class Layout:
 
     def __post_init__(self) -> None:
         if not 0 < self.hf_vocab_size <= self.config.vocab_size:
-            raise ValueError(f"Hugging Face vocabulary of {self.hf_vocab_size} rows does not fit "
-                             f"EncoderModelConfig.vocab_size={self.config.vocab_size}")
+            raise UserError(f"Hugging Face vocabulary of {self.hf_vocab_size} rows does not fit "
+                            f"EncoderModelConfig.vocab_size={self.config.vocab_size}")
 
 
 @dataclass(frozen=True)
@@ -158,9 +159,9 @@ def expanded_rules(config: EncoderModelConfig) -> list[tuple[str, tuple[str, ...
 def _check_keys(given: set[str], expected: set[str], side: str) -> None:
     missing, unexpected = sorted(expected - given), sorted(given - expected)
     if missing or unexpected:
-        raise ValueError(f"{side} weights do not match the expected layout: missing {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
-                         f"{' ...' if len(unexpected) > 8 else ''}")
+        raise UserError(f"{side} weights do not match the expected layout: missing {missing[:8]}"
+                        f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                        f"{' ...' if len(unexpected) > 8 else ''}")
 
 
 def megatron_to_hf(state: dict[str, Tensor], layout: Layout) -> dict[str, Tensor]:

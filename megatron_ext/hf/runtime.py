@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ext import platform
+from megatron_ext.config_loading import UserError
 from megatron_ext.model import EncoderModel, EncoderModelConfig, build_encoder_model
 from megatron_ext.checkpoint.handle import Checkpoint
 
@@ -27,7 +28,7 @@ def single_process_model_parallel() -> Iterator[None]:
         if dist.is_initialized():
             if (dist.get_world_size() != 1 or not parallel_state.model_parallel_is_initialized()
                     or parallel_state.get_tensor_model_parallel_world_size() != 1):
-                raise RuntimeError(
+                raise UserError(
                     "Hugging Face conversion runs in a single process at tensor-parallel size 1 "
                     "(Megatron's dist checkpoints reshard on load); run it outside torchrun")
             yield

@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal
 from torch import Tensor
 
+from megatron_ext.config_loading import UserError
 from megatron_ext import platform
 from megatron_ext.model.attention import attention_mask_for
 from megatron_ext.model.config import EncoderModelConfig, tensor_parallel_problem
@@ -208,6 +209,9 @@ def transformer_config(config: EncoderModelConfig, overrides: Mapping[str, Any] 
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         use_cpu_initialization=platform.use_cpu_initialization(),
+        # Megatron's default ("full") means the same (no CUDA graphs are captured unless
+        # cuda_graph_impl is set) but warns "full scope is deprecated" on every rank.
+        cuda_graph_modules=[],
         **(overrides or {}),
     )
 
@@ -229,10 +233,10 @@ def build_encoder_model(
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if (problem := tensor_parallel_problem(config, tp)) is not None:
-        raise ValueError(f"EncoderModelConfig: {problem}")
+        raise UserError(f"EncoderModelConfig: {problem}")
     if config.vocab_size % tp:
-        raise ValueError(f"EncoderModelConfig.vocab_size={config.vocab_size} is not divisible by the "
-                         f"tensor-parallel size {tp} (pad the vocabulary)")
+        raise UserError(f"EncoderModelConfig.vocab_size={config.vocab_size} is not divisible by the "
+                        f"tensor-parallel size {tp} (pad the vocabulary)")
     if config.attention_backend == "te":
         require_transformer_engine()
     platform.check_model_parallel_supported(

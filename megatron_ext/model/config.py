@@ -14,6 +14,8 @@ from typing import Literal
 
 import torch
 
+from megatron_ext.config_loading import UserError
+
 LLAMA3_VOCAB_SIZE = 128_256
 LLAMA3_EOD_TOKEN_ID = 128_001
 """``<|end_of_text|>``, appended after every document by the Llama-3 preprocessing."""
@@ -86,35 +88,35 @@ class EncoderModelConfig:
                     "num_query_groups", "vocab_size", "seq_length")
         for name in positive:
             if (value := getattr(self, name)) <= 0:
-                raise ValueError(f"EncoderModelConfig.{name} must be > 0, got {value}")
+                raise UserError(f"EncoderModelConfig.{name} must be > 0, got {value}")
         if self.kv_channels is not None and self.kv_channels <= 0:
-            raise ValueError(f"EncoderModelConfig.kv_channels must be > 0, got {self.kv_channels}")
+            raise UserError(f"EncoderModelConfig.kv_channels must be > 0, got {self.kv_channels}")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(
+            raise UserError(
                 f"EncoderModelConfig.hidden_size={self.hidden_size} is not divisible by "
                 f"num_attention_heads={self.num_attention_heads} (or set kv_channels)"
             )
         if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(
+            raise UserError(
                 f"EncoderModelConfig.num_attention_heads={self.num_attention_heads} is not "
                 f"divisible by num_query_groups={self.num_query_groups}"
             )
         if self.head_dim % 2:
-            raise ValueError(f"EncoderModelConfig: RoPE needs an even head dim, got {self.head_dim}")
+            raise UserError(f"EncoderModelConfig: RoPE needs an even head dim, got {self.head_dim}")
         if self.attention_backend not in ("local", "te"):
-            raise ValueError(
+            raise UserError(
                 f"EncoderModelConfig.attention_backend must be 'local' or 'te', "
                 f"got {self.attention_backend!r}"
             )
         if self.params_dtype not in _DTYPES:
-            raise ValueError(f"EncoderModelConfig.params_dtype must be one of {sorted(_DTYPES)}, "
-                             f"got {self.params_dtype!r}")
+            raise UserError(f"EncoderModelConfig.params_dtype must be one of {sorted(_DTYPES)}, "
+                            f"got {self.params_dtype!r}")
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"EncoderModelConfig.{name} must be in [0, 1), "
+                raise UserError(f"EncoderModelConfig.{name} must be in [0, 1), "
                                  f"got {getattr(self, name)}")
         if self.document_mask and self.eod_token_id is None:
-            raise ValueError("EncoderModelConfig.document_mask=True needs eod_token_id")
+            raise UserError("EncoderModelConfig.document_mask=True needs eod_token_id")
 
     @property
     def head_dim(self) -> int:
@@ -154,7 +156,7 @@ PRESETS: dict[str, EncoderModelConfig] = {
 def preset(name: str, **overrides: object) -> EncoderModelConfig:
     """A copy of ``PRESETS[name]`` with fields replaced, e.g. ``preset("tiny", vocab_size=n)``."""
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
+        raise UserError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
     return dataclasses.replace(PRESETS[name], **overrides)
 
 

@@ -21,6 +21,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.model.attention import SDPAttention, TEEncoderAttention
 
 # Core attention reads the pattern per call (attention.py); this construction-time type only
@@ -112,7 +113,7 @@ def encoder_block_spec(
 
         final_norm = TENorm
     else:
-        raise ValueError(f"attention_backend must be 'local' or 'te', got {attention_backend!r}")
+        raise UserError(f"attention_backend must be 'local' or 'te', got {attention_backend!r}")
     return ModuleSpec(
         module=TransformerBlock,
         submodules=TransformerBlockSubmodules(

@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import yaml
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce
 from megatron_ext.model.config import PRESETS, EncoderModelConfig, padded_vocab_size
 from megatron_ext.schedule import LRScheduleConfig, Phase, lr_at, resolve_phases
@@ -66,11 +67,11 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
+                raise UserError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.adam_eps <= 0:
-            raise ValueError(f"optimizer.adam_eps must be > 0, got {self.adam_eps}")
+            raise UserError(f"optimizer.adam_eps must be > 0, got {self.adam_eps}")
         if self.weight_decay < 0 or self.clip_grad < 0:
-            raise ValueError("optimizer.weight_decay and optimizer.clip_grad must be >= 0")
+            raise UserError("optimizer.weight_decay and optimizer.clip_grad must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,21 +132,21 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         if self.train_iters < 1:
-            raise ValueError(f"training.train_iters must be >= 1, got {self.train_iters}")
+            raise UserError(f"training.train_iters must be >= 1, got {self.train_iters}")
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
-            raise ValueError(f"training.exit_duration_in_mins must be > 0, got {self.exit_duration_in_mins}")
+            raise UserError(f"training.exit_duration_in_mins must be > 0, got {self.exit_duration_in_mins}")
         if self.exit_interval is not None and self.exit_interval < 1:
-            raise ValueError(f"training.exit_interval must be >= 1, got {self.exit_interval}")
+            raise UserError(f"training.exit_interval must be >= 1, got {self.exit_interval}")
         for name in ("eval_interval", "log_interval", "max_nonfinite_steps"):
             if getattr(self, name) < 0:
-                raise ValueError(f"training.{name} must be >= 0, got {getattr(self, name)}")
+                raise UserError(f"training.{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 < self.eval_mask_ratio < 1.0:
-            raise ValueError(f"training.eval_mask_ratio must be in (0, 1), got {self.eval_mask_ratio}")
+            raise UserError(f"training.eval_mask_ratio must be in (0, 1), got {self.eval_mask_ratio}")
         if self.fp8_recipe is not None and not self.bf16:
-            raise ValueError(f"training.fp8_recipe={self.fp8_recipe!r} needs training.bf16: true "
-                             "(FP8 matmuls run inside a bf16 mixed-precision step)")
+            raise UserError(f"training.fp8_recipe={self.fp8_recipe!r} needs training.bf16: true "
+                            "(FP8 matmuls run inside a bf16 mixed-precision step)")
         if self.recompute_num_layers < 1:
-            raise ValueError(f"training.recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
+            raise UserError(f"training.recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,9 +169,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer: true")
+            raise UserError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer: true")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -90,11 +90,6 @@ class DataConfig:
         for name in ("seq_length", "micro_batch_size", "global_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}: expected >= 1, got {getattr(self, name)}")
-        if self.global_batch_size % self.micro_batch_size:
-            raise UserError(
-                f"global_batch_size {self.global_batch_size} must be a multiple of micro_batch_size "
-                f"{self.micro_batch_size}"
-            )
         for name in ("num_workers", "eval_iters", "max_tokens_to_scan"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name}: expected >= 0, got {getattr(self, name)}")
@@ -444,13 +439,10 @@ def _source(dataset: Dataset, index: int) -> str:
 
 
 def _check_dp(config: DataConfig, dp_rank: int, dp_size: int) -> None:
+    """The rank is one of the group's. That ``global_batch_size`` divides by ``micro_batch_size x
+    dp_size`` is the plan's rule (``training.plan.make_plan``, checked before a run starts)."""
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise UserError(f"dp_rank {dp_rank} / dp_size {dp_size}: expected 0 <= dp_rank < dp_size")
-    if config.global_batch_size % (config.micro_batch_size * dp_size):
-        raise UserError(
-            f"global_batch_size {config.global_batch_size} must be a multiple of micro_batch_size "
-            f"{config.micro_batch_size} x data-parallel size {dp_size}"
-        )
 
 
 def build_train_iterator(

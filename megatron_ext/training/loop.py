@@ -42,8 +42,9 @@ from megatron_ext.training.stop import StopPolicy
 logger = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(RuntimeError):
-    """Too many consecutive steps had a non-finite loss or gradient norm."""
+class NonFiniteLossError(UserError):
+    """Too many consecutive steps had a non-finite loss or gradient norm: caused by the data or the
+    learning rate, so reported as one line (exit code 2) like any bad input."""
 
 
 @dataclass(kw_only=True)
@@ -160,6 +161,8 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
     test that resuming is exact. Signals and ``training.exit_*`` stop runs too (``training.stop``).
     """
     check_paths(config)  # unwritable outputs and missing inputs, before anything starts
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    make_plan(config, world_size)  # the layout and batch sizes divide, before the process group exists
     platform.check_run_supported(fp8_recipe=config.training.fp8_recipe,
                                  recompute_granularity=config.training.recompute_granularity,
                                  bf16_autocast=config.training.bf16, params_dtype=config.model.params_dtype)
@@ -289,7 +292,6 @@ def _due(step: int, interval: int, total: int) -> bool:
 
 def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
     # Everything a launch can get wrong is refused here, before the model is allocated.
-    make_plan(config, dist.get_world_size())  # layout and batch sizes divide
     check_fits(estimate_memory(config, world_size=dist.get_world_size()), *platform.usable_memory_bytes())
     device = platform.device()
     tokenizer = build_tokenizer(config.tokenizer)

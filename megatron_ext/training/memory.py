@@ -25,7 +25,7 @@ micro-batches in flight, the last the LM head) and counts:
   still held.
 
 Calibration against peak memory measured on an H100 (``torch.cuda.max_memory_allocated``,
-bf16 autocast, seq 2,048, MLM-40 %, micro-batch 4; ../shared/gpu at commit bf033a0): 610m
+bf16 autocast, seq 2,048, MLM-40, micro-batch 4; ../shared/gpu at commit bf033a0): 610m
 29.1 GiB estimated vs 27.4 measured, 1b 46.2 vs 43.5, i.e. about 6 % above; with the LM head
 at every position 32.6 vs 30.9 and 49.7 vs 47.0.
 

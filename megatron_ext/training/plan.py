@@ -30,7 +30,9 @@ class RunPlan:
 
 
 def make_plan(config: RunConfig, world_size: int) -> RunPlan:
-    """Check that the layout and batch sizes divide; raise ValueError naming what does not."""
+    """Check that the layout and batch sizes divide, raising a ``UserError`` naming what does not:
+    the one statement of these rules (``pretrain`` checks them before the process group exists,
+    ``--dry-run`` for any world size)."""
     tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
     if world_size < 1 or world_size % (tp * pp):
         raise UserError(
@@ -52,9 +54,7 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
             f"{d.micro_batch_size} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp}))"
         )
     phases = resolve_phases(config.phases, config.training.train_iters)
-    names = tuple(
-        ("clm" if p.objective == "clm" else f"mlm-{round(100 * p.mask_ratio)}%", p.start, p.end) for p in phases
-    )
+    names = tuple((p.name, p.start, p.end) for p in phases)
     tokens_per_step = d.global_batch_size * d.seq_length
     total_flops = sum(
         (p.end - p.start) * tokens_per_step * flops_per_token(

@@ -14,14 +14,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_ext import platform
-from megatron_ext.schedule import ResolvedPhase
+from megatron_ext.schedule import ResolvedPhase, objective_name
 from megatron_ext.training.config import LoggingConfig, RunConfig
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device
-
-
-def phase_name(phase: ResolvedPhase) -> str:
-    """``clm`` or ``mlm-<mask %>``, as the step line and the banner name a phase."""
-    return "clm" if phase.objective == "clm" else f"mlm-{round(100 * phase.mask_ratio)}"
 
 
 def duration(seconds: float) -> str:
@@ -36,7 +31,7 @@ def format_step_line(*, step: int, total_steps: int, phase: ResolvedPhase, loss:
                      tokens_per_s: float, mfu: float | None, elapsed_s: float, eta_s: float, skipped: bool) -> str:
     """The step log line, e.g. ``step  40/100 | mlm-30  | loss 5.2692 | lr 1.00e-03 | gnorm 0.912 |
     12,345 tok/s | MFU 41.2% | elapsed 1m02s | ETA 1m33s``."""
-    line = (f"step {step:>{len(str(total_steps))}}/{total_steps} | {phase_name(phase):<7} | loss {loss:.4f} | "
+    line = (f"step {step:>{len(str(total_steps))}}/{total_steps} | {phase.name:<7} | loss {loss:.4f} | "
             f"lr {lr:.2e} | gnorm {grad_norm:.3f} | {tokens_per_s:,.0f} tok/s")
     if mfu is not None:
         line += f" | MFU {100 * mfu:.1f}%"
@@ -110,7 +105,7 @@ class StepLogger:
         """What the run will do and where: its phases, the MFU convention, the engine and device."""
         if is_writer():
             print(f"training {self.total_steps} steps from step {self.start_step}: " + ", ".join(
-                f"{phase_name(p)} [{p.start}, {p.end})" for p in phases) + f"; MFU convention: {MFU_CONVENTION}",
+                f"{p.name} [{p.start}, {p.end})" for p in phases) + f"; MFU convention: {MFU_CONVENTION}",
                 flush=True)
             print("engine: megatron; " + platform.accelerator_summary(), flush=True)
 
@@ -119,7 +114,7 @@ class StepLogger:
         share = lm_head_share(phase, scored_only=self.config.training.lm_head_scored_only)
         self.window_flops += self.tokens_per_step * flops_per_token(
             self.config.model, self.config.data.seq_length, lm_head_share=share)
-        values = {"objective": phase.objective, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped}
+        values = {"objective": phase.objective, "phase": phase.name, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped}
         interval = self.config.training.log_interval
         if interval and (step % interval == 0 or step == self.total_steps):
             now = time.perf_counter()
@@ -141,4 +136,4 @@ class StepLogger:
         self.sinks.record("valid", step, losses)
         if is_writer():
             print(f"validation at step {step}: clm loss {losses['clm']:.4f} | "
-                  f"mlm-{round(100 * self.config.training.eval_mask_ratio)} loss {losses['mlm']:.4f}", flush=True)
+                  f"{objective_name('mlm', self.config.training.eval_mask_ratio)} loss {losses['mlm']:.4f}", flush=True)

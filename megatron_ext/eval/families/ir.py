@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.eval import protocol
 from megatron_ext.eval.protocol import FinetuneConfig, RunResult, eval_subset
 from megatron_ext.eval.task_io import TASK_FILE, load_task
@@ -78,10 +79,10 @@ def qrels_of(rows: Sequence[dict], corpus_ids: set[str], where: str) -> dict[str
                if doc not in corpus_ids or isinstance(grade, bool) or not isinstance(grade, int | float)
                or grade != int(grade) or grade < 1}
         if not relevance or bad:
-            raise ValueError(f"{where} row {row['id']!r}: relevance must map corpus ids to integer "
-                             f"grades >= 1, got {dict(list((bad or relevance).items())[:5])}")
+            raise UserError(f"{where} row {row['id']!r}: relevance must map corpus ids to integer "
+                            f"grades >= 1, got {dict(list((bad or relevance).items())[:5])}")
         if row["id"] in qrels:
-            raise ValueError(f"{where}: query id {row['id']!r} occurs twice")
+            raise UserError(f"{where}: query id {row['id']!r} occurs twice")
         qrels[row["id"]] = {doc: int(grade) for doc, grade in relevance.items()}
     return qrels
 
@@ -96,10 +97,13 @@ def load_bi_encoder(model_dir: str, config: FinetuneConfig):
     hf_config = AutoConfig.from_pretrained(model_dir)
     causal = [name for name in hf_config.architectures or [] if name.endswith("ForCausalLM")]
     if causal:
-        raise ValueError(f"{model_dir} is a causal LM ({causal[0]}): its AutoModel attends causally; "
-                         "retrieval needs a bidirectional encoder (e.g. an export with --format eurobert)")
-    model = SentenceTransformer(str(model_dir), device=str(config.torch_device),
-                                model_kwargs={"dtype": config.weights_dtype})
+        raise UserError(f"{model_dir} is a causal LM ({causal[0]}): its AutoModel attends causally; "
+                        "retrieval needs a bidirectional encoder (e.g. an export with --format eurobert)")
+    with protocol.held_load_reports() as reports:  # an encoder export's unused LM head is expected
+        model = SentenceTransformer(str(model_dir), device=str(config.torch_device),
+                                    model_kwargs={"dtype": config.weights_dtype})
+    if any(status in record.getMessage() for record in reports.records for status in ("MISSING", "MISMATCH")):
+        reports.release()  # the bare encoder it loads lacks weights of its own
     model.max_seq_length = protocol.input_length(config, getattr(hf_config, "max_position_embeddings", None),
                                                  where=model_dir)
     return model
@@ -140,7 +144,7 @@ def run_shared(task_dirs: Sequence[Path], model_dir: str, config: FinetuneConfig
     began = time.perf_counter()
     keys = {Path(task_dir): training_key(task_dir) for task_dir in task_dirs}
     if len(set(keys.values())) != 1:
-        raise ValueError(f"tasks {[str(d) for d in keys]} do not share their training pairs (train.jsonl differs)")
+        raise UserError(f"tasks {[str(d) for d in keys]} do not share their training pairs (train.jsonl differs)")
     train_rows = load_task(task_dirs[0], "train", family="ir")
 
     protocol.set_seed(config.seed)
@@ -173,7 +177,7 @@ def _score(model, task_dir: Path, config: FinetuneConfig, *, steps: int, losses:
     corpus = load_task(task_dir, "corpus", family="ir")
     corpus_ids = [row["id"] for row in corpus]
     if len(set(corpus_ids)) != len(corpus_ids):
-        raise ValueError(f"{task_dir} corpus: passage ids are not unique")
+        raise UserError(f"{task_dir} corpus: passage ids are not unique")
     rows = {split: eval_subset(load_task(task_dir, split, family="ir"), config.max_eval_examples)
             for split in ("validation", "test")}
     qrels = {split: qrels_of(split_rows, set(corpus_ids), f"{task_dir} {split}")

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.eval import protocol
 from megatron_ext.eval.protocol import FinetuneConfig, RunResult, eval_subset
 from megatron_ext.eval.task_io import load_task
@@ -101,12 +102,12 @@ def check_answers(rows: Sequence[dict], where: str) -> None:
     for row in rows:
         answers = row["answers"]
         if len(answers["text"]) != len(answers["answer_start"]):
-            raise ValueError(f"{where} row {row['id']!r}: answers.text and answers.answer_start "
-                             "differ in length")
+            raise UserError(f"{where} row {row['id']!r}: answers.text and answers.answer_start "
+                            "differ in length")
         for text, start in zip(answers["text"], answers["answer_start"], strict=True):
             if row["context"][start:start + len(text)] != text:
-                raise ValueError(f"{where} row {row['id']!r}: answer {text!r} is not at context "
-                                 f"offset {start}")
+                raise UserError(f"{where} row {row['id']!r}: answer {text!r} is not at context "
+                                f"offset {start}")
 
 
 def prepare_features(tokenizer, rows: Sequence[dict], *, max_length: int) -> list[Feature]:
@@ -115,10 +116,10 @@ def prepare_features(tokenizer, rows: Sequence[dict], *, max_length: int) -> lis
     The training target is a question's first answer, as in SQuAD training.
     """
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(f"{type(tokenizer).__name__}: QA needs a fast tokenizer (offset mappings)")
+        raise UserError(f"{type(tokenizer).__name__}: QA needs a fast tokenizer (offset mappings)")
     if max_length < 2 * MAX_QUESTION_TOKENS:
-        raise ValueError(f"max_length must be >= {2 * MAX_QUESTION_TOKENS} for QA (questions take up to "
-                         f"{MAX_QUESTION_TOKENS} tokens), got {max_length}")
+        raise UserError(f"max_length must be >= {2 * MAX_QUESTION_TOKENS} for QA (questions take up to "
+                        f"{MAX_QUESTION_TOKENS} tokens), got {max_length}")
     questions = [row["question"].lstrip() for row in rows]
     question_tokens = tokenizer(questions, add_special_tokens=False, return_offsets_mapping=True)
     questions = [q if len(o) <= MAX_QUESTION_TOKENS else q[:o[MAX_QUESTION_TOKENS - 1][1]]
@@ -134,8 +135,8 @@ def prepare_features(tokenizer, rows: Sequence[dict], *, max_length: int) -> lis
                    for o, s in zip(encoded["offset_mapping"][i], sequence_ids, strict=True)]
         context_tokens = [j for j, s in enumerate(sequence_ids) if s == 1]
         if sequence_ids[0] == 1 or not context_tokens:
-            raise ValueError(f"{type(tokenizer).__name__} does not put the question first: "
-                             "cannot build QA windows")
+            raise UserError(f"{type(tokenizer).__name__} does not put the question first: "
+                            "cannot build QA windows")
         first, last = context_tokens[0], context_tokens[-1]
         start = end = 0
         answers = rows[example]["answers"]

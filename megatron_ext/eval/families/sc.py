@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from sklearn.metrics import accuracy_score
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.eval.families.linear_head import LinearHeadTask, run_linear_head
 from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, OwnHeadModel, RunResult, autocast
 from megatron_ext.eval.task_io import TASK_FILE
@@ -37,8 +38,8 @@ def label_names(task_dir: Path, rows: list[dict]) -> list[str]:
         names = [str(i) for i in range(max((r["label"] for r in rows if type(r["label"]) is int), default=-1) + 1)]
     for row in rows:
         if type(row["label"]) is not int or not 0 <= row["label"] < len(names):
-            raise ValueError(f"{task_dir}: row {row['id']!r} has label {row['label']!r}; expected an int "
-                             f"index into the task's labels {names}")
+            raise UserError(f"{task_dir}: row {row['id']!r} has label {row['label']!r}; expected an int "
+                            f"index into the task's labels {names}")
     return names
 
 

@@ -18,6 +18,7 @@ import torch
 from seqeval.metrics import f1_score, precision_score, recall_score
 from seqeval.metrics.sequence_labeling import get_entities
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.eval.families.linear_head import LinearHeadTask, run_linear_head
 from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, RunResult, autocast
 from megatron_ext.eval.task_io import TASK_FILE
@@ -55,8 +56,8 @@ def tag_names(task_dir: Path, rows: list[dict]) -> list[str]:
     names = json.loads(meta_path.read_text(encoding="utf-8")).get("labels") if meta_path.exists() else None
     for row in rows:
         if len(row["tags"]) != len(row["tokens"]):
-            raise ValueError(f"{task_dir}: row {row['id']!r} has {len(row['tokens'])} tokens but "
-                             f"{len(row['tags'])} tags")
+            raise UserError(f"{task_dir}: row {row['id']!r} has {len(row['tokens'])} tokens but "
+                            f"{len(row['tags'])} tags")
         if names and all(type(tag) is int and 0 <= tag < len(names) for tag in row["tags"]):
             row["tags"] = [names[tag] for tag in row["tags"]]
     names = names or sorted({tag for row in rows for tag in row["tags"]})
@@ -64,7 +65,7 @@ def tag_names(task_dir: Path, rows: list[dict]) -> list[str]:
     for row in rows:
         unknown = [tag for tag in row["tags"] if tag not in known]
         if unknown:
-            raise ValueError(f"{task_dir}: row {row['id']!r} has tag(s) {unknown} outside the tag set {names}")
+            raise UserError(f"{task_dir}: row {row['id']!r} has tag(s) {unknown} outside the tag set {names}")
     return names
 
 
@@ -113,8 +114,8 @@ def loss(model: LinearHeadModel, tokenizer: Any, rows: list[dict], names: list[s
 
 def _require_fast_tokenizer(model_dir: str, tokenizer: Any) -> None:
     if not tokenizer.is_fast:
-        raise ValueError(f"{model_dir}: token classification needs a fast tokenizer (tokenizer.json) for "
-                         "character offsets")
+        raise UserError(f"{model_dir}: token classification needs a fast tokenizer (tokenizer.json) for "
+                        "character offsets")
 
 
 HEAD = LinearHeadTask(

@@ -1,0 +1,153 @@
+"""What every entry point shares (``pretrain_encoder.py``, each tool under ``tools/`` and its
+``megatron-ext-*`` command): how a bad input ends, and which third-party warnings reach the log.
+
+An error the user can cause is a :class:`~megatron_ext.config_loading.UserError` naming the file,
+key or flag and what was expected, wherever it is raised; an entry point prints it as ONE line,
+``<tool>: error: <message>`` (`` (rank N)`` after ``error`` under torchrun, where every rank
+reports its own), and exits with :data:`USER_ERROR_EXIT_CODE`. Command-line mistakes that argparse
+finds are user errors too (:class:`ArgumentParser`). Any other exception is a bug and keeps its
+traceback.
+
+Third-party libraries warn at import and at first use, once per process, so a job of N ranks
+printed each warning N times. :func:`third_party_warnings_once` (run when ``megatron_ext.cli`` is
+imported, before any tool imports Megatron) shows each known one at most once, on rank 0, or not
+at all where it says nothing to a user of this project (:data:`THIRD_PARTY_WARNINGS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import re
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatron_ext.config_loading import UserError
+
+USER_ERROR_EXIT_CODE = 2
+"""Exit status of a run stopped by bad input (argparse's own code for a bad command line)."""
+
+
+def error_line(tool: str, error: BaseException | str) -> str:
+    """``<tool>: error[ (rank N)]: <message>`` on one line: a message listing several problems on
+    lines of their own gets them joined with ``; ``."""
+    parts = [part.strip() for part in str(error).splitlines() if part.strip()] or [type(error).__name__]
+    message = parts[0]
+    for part in parts[1:]:
+        message += (" " if message.endswith(":") else "; ") + part
+    rank = os.environ.get("RANK")
+    return f"{tool}: error{f' (rank {rank})' if rank else ''}: {message}"
+
+
+def report_user_error(tool: str, error: UserError) -> int:
+    """Print ``error`` as :func:`error_line` to stderr; returns :data:`USER_ERROR_EXIT_CODE`."""
+    print(error_line(tool, error), file=sys.stderr, flush=True)
+    return USER_ERROR_EXIT_CODE
+
+
+def entry_point(tool: str) -> Callable[[Callable[[list[str] | None], int]], Callable[[list[str] | None], int]]:
+    """Decorate a tool's ``main(argv)``: a :class:`UserError` becomes :func:`report_user_error`'s
+    line and exit code; anything else propagates (a traceback). ``tool``: the name the line starts
+    with, the script's under ``tools/`` (e.g. ``train_tokenizer.py``)."""
+
+    def decorate(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+        @functools.wraps(main)
+        def run(argv: list[str] | None = None) -> int:
+            try:
+                return main(argv)
+            except UserError as error:
+                return report_user_error(tool, error)
+
+        return run
+
+    return decorate
+
+
+class UsageError(UserError):
+    """A command line argparse rejects (unknown flag, missing or malformed value); argparse names
+    the flag."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are :class:`UsageError` (so one line, exit code 2,
+    like every other bad input) instead of the usage text and ``SystemExit``; ``--help`` is unchanged."""
+
+    def error(self, message: str):  # noqa: D102 (argparse's hook)
+        raise UsageError(f"{message} (see --help)")
+
+
+@dataclass(frozen=True)
+class ThirdPartyWarning:
+    """A warning some library prints the same way on every rank."""
+
+    message: str
+    """A regular expression its text starts with."""
+    show: bool
+    """Once, on rank 0 (True), or never (False)."""
+    why: str
+    """The reason for ``show``, kept next to the rule."""
+    logger: str | None = None
+    """The ``logging`` logger that emits it; None: a Python ``warnings.warn``."""
+
+
+THIRD_PARTY_WARNINGS = (
+    ThirdPartyWarning("Transformer Engine and Apex are not installed", False,
+                      "the run's start-up line states the fallback (platform.accelerator_summary)"),
+    ThirdPartyWarning("Apex is not installed", False,
+                      "the run's start-up line says whether apex is there (platform.accelerator_summary)"),
+    ThirdPartyWarning("absl.logging is not installed", False,
+                      "Megatron logs through the logging module instead; nothing is lost"),
+    ThirdPartyWarning("MimoModelConfig is experimental", False,
+                      "Megatron imports it for itself; this project does not use MIMO models"),
+    ThirdPartyWarning("GPTModel IS DEPRECATED", True,
+                      "true, and docs/design.md says why the encoder still subclasses it",
+                      logger="megatron.core.models.gpt.gpt_model"),
+    ThirdPartyWarning("MCore's async save is deprecated", True,
+                      "true of checkpoint.async_save (Megatron's CheckpointSaver); logged per rank otherwise",
+                      logger="megatron.core.dist_checkpointing.strategies.torch"),
+    ThirdPartyWarning("No CUDA runtime is found", False,
+                      "torch's note for building CUDA extensions, which nothing here does, on a machine "
+                      "without CUDA", logger="torch.utils.cpp_extension"),
+)
+"""Megatron's own ``full scope is deprecated`` (its default ``cuda_graph_modules``) is avoided at
+the source instead: ``model.builder`` passes the empty list it recommends."""
+
+
+class _OnceFilter(logging.Filter):
+    """Passes the first record matching each pattern (none where ``show`` is False), and every
+    record matching none."""
+
+    def __init__(self, entries: list[ThirdPartyWarning], *, rank0: bool):
+        super().__init__()
+        self.entries = [(re.compile(entry.message), entry.show and rank0) for entry in entries]
+        self.seen: set[int] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        for index, (pattern, show) in enumerate(self.entries):
+            if pattern.match(message):
+                if not show or index in self.seen:
+                    return False
+                self.seen.add(index)
+        return True
+
+
+def third_party_warnings_once() -> None:
+    """Install the filters of :data:`THIRD_PARTY_WARNINGS` in this process (rank from ``$RANK``,
+    as torchrun sets it; a process without it is rank 0). Idempotent."""
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    by_logger: dict[str, list[ThirdPartyWarning]] = {}
+    for entry in THIRD_PARTY_WARNINGS:
+        if entry.logger is None:
+            warnings.filterwarnings("once" if entry.show and rank0 else "ignore", message=entry.message)
+        else:
+            by_logger.setdefault(entry.logger, []).append(entry)
+    for name, entries in by_logger.items():
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, _OnceFilter)]:
+            logger.removeFilter(old)
+        logger.addFilter(_OnceFilter(entries, rank0=rank0))

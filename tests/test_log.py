@@ -1,0 +1,50 @@
+"""A log a person can read: a 2-rank CPU pretraining under torchrun with asynchronous saves prints
+each line once (third-party warnings at most once per job, ``megatron_ext.cli.entry``; the step,
+validation and closing lines from rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from megatron_ext.checkpoint import core as ckpt
+from helpers import tiny_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+TORCH_LOG_PREFIX = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ ")
+"""torch's logging prefix (level, date, time, pid): two ranks' copies of one line differ only there."""
+
+REPEATS_ALLOWED: dict[str, str] = {}
+"""Lines that may legitimately appear more than once, with the reason (none today: every step,
+validation and checkpoint line names its step)."""
+
+
+def test_two_rank_run_prints_every_line_once(tmp_path, tiny_corpus):
+    recipe = tiny_recipe(tiny_corpus, tmp_path, checkpoint={"save": str(tmp_path / "ckpt"), "save_interval": 4,
+                                                            "async_save": True})
+    (tmp_path / "recipe.json").write_text(json.dumps(recipe))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(REPO / "pretrain_encoder.py"), "--config", str(tmp_path / "recipe.json")],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    output = run.stdout
+    assert run.returncode == 0, output[-3000:]
+    assert ckpt.latest_checkpoint(tmp_path / "ckpt").name == "iter_0000008"
+    lines = [TORCH_LOG_PREFIX.sub("", line) for line in output.splitlines() if line.strip()]
+
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in steps] == [f"step {k}/8" for k in range(1, 9)], output  # rank 0 only
+    repeated = {line: n for line, n in Counter(lines).items() if n > 1 and line not in REPEATS_ALLOWED}
+    assert not repeated, output
+    # What each rank printed before (issue 26), now once per job or not at all.
+    assert sum("MCore's async save is deprecated" in line for line in lines) == 1, output  # two async saves
+    assert sum("GPTModel IS DEPRECATED" in line for line in lines) == 1, output
+    for gone in ("Apex is not installed", "MimoModelConfig is experimental", "full scope is deprecated",
+                 "absl.logging is not installed", "No CUDA runtime is found"):
+        assert gone not in output, gone
+    assert sum(line.startswith("done: steps 0 -> 8") for line in lines) == 1, output
