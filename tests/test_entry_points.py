@@ -50,6 +50,8 @@ BAD_INPUTS = {
         ["--tasks", "no_such_task", "--output-dir", str(tmp / "suite")], "argument --tasks: invalid choice: 'no_such_task'"),
     "megatron-ext-fetch-benchmarks": lambda tmp, corpus: ([], "--output-dir is required"),
     "megatron-ext-plot-loss": lambda tmp, corpus: ([str(tmp / "missing")], f"{tmp / 'missing'}: no metrics.jsonl"),
+    "megatron-ext-plan-study": lambda tmp, corpus: (
+        [str(tmp / "missing.yaml"), "--dry-run"], str(tmp / "missing.yaml")),
     "megatron-ext-fill-mask": lambda tmp, corpus: (
         [str(tmp / "missing"), "The [MASK] is here."], f"model_dir {tmp / 'missing'}: no such directory"),
 }

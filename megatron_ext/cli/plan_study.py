@@ -18,9 +18,11 @@ import argparse
 import json
 import sys
 
+from megatron_ext.cli.entry import ArgumentParser, entry_point
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study", help="study file (YAML, see examples/studies/)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan; train nothing")
     parser.add_argument("--plan-json", default=None, metavar="PATH",
@@ -28,23 +30,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@entry_point("plan_study.py")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.dry_run and args.plan_json is None:
         parser.error("nothing to do: give --dry-run (print the plan) and/or --plan-json PATH; training a study "
                      "(the executors) is not implemented yet")
-    from megatron_ext.config_loading import UserError
     from megatron_ext.fileio import write_atomic
     from megatron_ext.study.plan import plan_study, plan_to_dict
     from megatron_ext.study.render import format_plan
     from megatron_ext.study.spec import read_study
 
-    try:
-        plan = plan_study(read_study(args.study), args.study)
-    except UserError as err:
-        print(f"plan_study.py: error: {err}", file=sys.stderr)
-        return 2
+    plan = plan_study(read_study(args.study), args.study)
     if args.dry_run:
         print(format_plan(plan))
     if args.plan_json is not None:
