@@ -34,7 +34,7 @@ import yaml
 from megatron_ext.config_loading import UserError
 from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce
 from megatron_ext.model.config import PRESETS, EncoderModelConfig, padded_vocab_size
-from megatron_ext.schedule import LRScheduleConfig, Phase, lr_at, resolve_phases
+from megatron_ext.schedule import LRScheduleConfig, Phase, ResolvedPhase, lr_at, resolve_phases
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.checkpoint.config import CheckpointConfig
 from megatron_ext.training.data import DataConfig
@@ -222,6 +222,13 @@ class RunConfig:
             lr_at(0, config=self.schedule, total_steps=self.training.train_iters, phases=resolved)
         except ValueError as err:
             raise ConfigError(f"schedule: {err}") from err
+        object.__setattr__(self, "_resolved_phases", tuple(resolved))  # frozen: set once, here
+
+    @property
+    def resolved_phases(self) -> tuple[ResolvedPhase, ...]:
+        """The phases with their step ranges at ``training.train_iters``: resolved once, when the
+        config is built (every reader of a run's phases takes them from here)."""
+        return self._resolved_phases
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (YAML/JSON-able); :func:`run_config_from_dict` reads it back."""

@@ -27,7 +27,7 @@ from megatron_ext.config_loading import UserError
 from megatron_ext import platform, processes
 from megatron_ext.model import build_encoder_model
 from megatron_ext.objectives import MaskingConfig, ObjectiveBatch, apply_clm, apply_mlm
-from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at, resolve_phases
+from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at
 from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
 from megatron_ext.checkpoint import core as ckpt
 from megatron_ext.checkpoint.resume import load_starting_point
@@ -297,7 +297,7 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
     tokenizer = build_tokenizer(config.tokenizer)
     check_tokenizer_fits(config, tokenizer)
     total = config.training.train_iters
-    phases = resolve_phases(config.phases, total)
+    phases = config.resolved_phases
 
     engine = _build_model_and_engine(config, device)
     starting_point = load_starting_point(

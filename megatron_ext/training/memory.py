@@ -112,7 +112,6 @@ def stage_parameters(config: EncoderModelConfig, *, tensor_parallel: int, pipeli
 
 def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:
     """Peak bytes per rank of ``config`` at ``world_size`` processes (module docstring)."""
-    from megatron_ext.schedule import resolve_phases
     from megatron_ext.training.metrics import lm_head_share
     from megatron_ext.training.plan import make_plan
 
@@ -133,7 +132,7 @@ def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:
     tokens = d.micro_batch_size * d.seq_length
     layers = m.num_layers // pp
     head_share = max(lm_head_share(phase, scored_only=t.lm_head_scored_only)
-                     for phase in resolve_phases(config.phases, t.train_iters))
+                     for phase in config.resolved_phases)
     head = tokens * head_share * lm_head_bytes_per_scored_token(m, compute_bytes=compute_bytes, tensor_parallel=tp)
     outside_layers = tokens * 2 * m.hidden_size * residual_bytes  # embedding output, final norm input
     if m.document_mask:

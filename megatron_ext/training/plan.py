@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.model.config import parameter_count, tensor_parallel_problem
-from megatron_ext.schedule import lr_at, resolve_phases
+from megatron_ext.schedule import lr_at
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share
 
@@ -53,7 +53,7 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
             f"data.global_batch_size={d.global_batch_size} is not divisible by micro_batch_size="
             f"{d.micro_batch_size} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp}))"
         )
-    phases = resolve_phases(config.phases, config.training.train_iters)
+    phases = config.resolved_phases
     names = tuple((p.name, p.start, p.end) for p in phases)
     tokens_per_step = d.global_batch_size * d.seq_length
     total_flops = sum(
@@ -72,7 +72,7 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
 def format_plan(config: RunConfig, plan: RunPlan) -> str:
     d, s, t, o, m = config.data, config.schedule, config.training, config.optimizer, config.model
     total = t.train_iters
-    phases = resolve_phases(config.phases, total)
+    phases = config.resolved_phases
     lines = [
         f"world size        {plan.world_size} = TP {plan.tensor_parallel} x PP {plan.pipeline_parallel} x DP {plan.data_parallel}",
         f"model             {config.model.num_layers} layers, hidden {config.model.hidden_size}, FFN "
