@@ -13,12 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -28,6 +24,7 @@ from tqdm import tqdm
 from megatron_ext.config_loading import UserError
 from megatron_ext.data.readers import INPUT_FORMATS, decode_record, detect_format, expand_inputs, iter_records
 from megatron_ext.cli.entry import ArgumentParser, entry_point
+from megatron_ext.fileio import publish_dir, staged_dir
 
 BOS, PAD, EOS, MASK = "<s>", "<pad>", "</s>", "<mask>"
 SPECIAL_TOKENS = (BOS, PAD, EOS, MASK)  # this order fixes their ids: 0, 1, 2, 3
@@ -96,17 +93,6 @@ def write_tokenizer_dir(tokenizer, directory: Path) -> None:
         (directory / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
 
 
-def _replace_dir(new: Path, target: Path) -> None:
-    """Move ``new`` to ``target``; an existing ``target`` is swapped out first, then deleted."""
-    if not target.exists():
-        os.replace(new, target)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    os.replace(target, old / target.name)
-    os.replace(new, target)
-    shutil.rmtree(old)
-
-
 @entry_point("train_tokenizer.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -130,18 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     if n_docs[0] == 0:
         raise UserError(f"--input {args.input}: no non-empty text under --json-keys {args.json_keys}")
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    # Build the directory beside the target and rename it into place: readers never see a
-    # half-written tokenizer, and a crash leaves only a hidden temporary directory. os.mkdir (not
-    # mkdtemp, which makes it 0700) so the result gets the usual permissions from the umask.
-    tmp = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
+    # Published whole (fileio's one rule): readers never see a half-written tokenizer, and a
+    # crash leaves only a hidden temporary directory. A non-empty --output-dir without
+    # --overwrite was refused above, before the minutes of training.
+    with staged_dir(output) as tmp:
         write_tokenizer_dir(tokenizer, tmp)
-        _replace_dir(tmp, output)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        publish_dir(tmp, output, overwrite=args.overwrite, identical_ok=True)
 
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
     print(
