@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import re
 import statistics
 import sys
 import tempfile
@@ -32,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from benchmarks.results_file import write_record  # noqa: E402
 from megatron_ext import platform  # noqa: E402
 from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E402
 from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
@@ -111,11 +110,7 @@ def main(argv: list[str] | None = None) -> int:
               "stall_async_over_sync": summary["async"]["stall_s"] / summary["sync"]["stall_s"], "rounds": rounds}
     print(f"median stall: sync {summary['sync']['stall_s']:.2f} s, async {summary['async']['stall_s']:.2f} s "
           f"(x{record['stall_async_over_sync']:.2f}); written after {summary['async']['written_s']:.2f} s async")
-    output = args.output or REPO / "benchmarks" / "results" / (
-        "checkpoint_stall_" + re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_").lower() + ".json")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {output}")
+    write_record("checkpoint_stall", device, record, args.output)
     return 0
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.results_file import write_record  # noqa: E402
+
 SIZES = {  # model section, data shape: the demo recipe's, and the paper's 210M at a CPU-sized batch
     "demo": ({"preset": "tiny", "vocab_size": 8192}, {"seq_length": 128, "micro_batch_size": 8, "global_batch_size": 16}),
     "210m": ({"preset": "210m", "vocab_size": 8192}, {"seq_length": 128, "micro_batch_size": 1, "global_batch_size": 1}),
@@ -121,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     device = platform.device_name() if platform.on_gpu() else f"cpu{os.cpu_count()}"
     record = {"device": device, **platform.software_versions(), "save_interval": args.save_interval,
               "signal_at": args.signal_at, "async_save": True, "results": results}
-    output = args.output or REPO / "benchmarks" / "results" / (
-        "preemption_" + re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_").lower() + ".json")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {output}")
+    write_record("preemption", device, record, args.output)
     return 0
 
 
