@@ -8,7 +8,8 @@ Every config field has a flag named like Megatron-LM's (see --help); the recipe'
 the defaults. Resumes automatically from the newest complete checkpoint in --save (or --load).
 
 Exit status: 0 done; 2 bad input (one line naming it); 75 stopped on request after saving
-(SIGTERM/SIGUSR1, --exit-duration-in-mins, --exit-interval): run the same command to resume.
+(SIGTERM/SIGUSR1, --exit-duration-in-mins, --exit-interval): run the same command to resume;
+76 stopped on request with nothing saved (no checkpoint.save); 1 a bug (with its traceback).
 """
 
 from __future__ import annotations
@@ -95,19 +96,14 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
             print(f"paths: NOT READY, a run would stop here: {err}")
         return 0, "dry run"
     from megatron_ext.training.loop import pretrain
-    from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
+    from megatron_ext.training.stop import RESUMABLE_EXIT_CODE, STOPPED_UNSAVED_EXIT_CODE
 
     result = pretrain(config)
-    reports = int(os.environ.get("RANK", "0")) == 0  # every rank returns the same result; rank 0 says it
-    if result.stopped:
-        reason = f"stopped after step {result.final_step}: {result.stopped}"
+    if result.stopped:  # the loop said where and why (rank 0)
         if not config.checkpoint.save:  # nothing to resume from: a rerun would start over
-            return 1, reason + " (nothing saved)"
-        if reports:
-            print(f"stopped: steps {result.start_step} -> {result.final_step} ({result.stopped}); checkpoint "
-                  f"{result.checkpoint}; the same command resumes (exit code {RESUMABLE_EXIT_CODE})", flush=True)
-        return RESUMABLE_EXIT_CODE, reason
-    if reports:
+            return STOPPED_UNSAVED_EXIT_CODE, result.stop_summary + " (nothing saved)"
+        return RESUMABLE_EXIT_CODE, result.stop_summary
+    if int(os.environ.get("RANK", "0")) == 0:  # every rank returns the same result; rank 0 says it
         print(f"done: steps {result.start_step} -> {result.final_step}; checkpoint {result.checkpoint}")
     return 0, f"done at step {result.final_step}"
 

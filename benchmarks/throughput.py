@@ -55,7 +55,6 @@ from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E40
 from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
 from megatron_ext.training.config import read_recipe, run_config_from_dict  # noqa: E402
 from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
-from megatron_ext.schedule import resolve_phases  # noqa: E402
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device  # noqa: E402
 
 SPECIAL_IDS = (0, 1, 2, 3)  # bos, pad, eos, mask of the synthetic vocabulary
@@ -277,7 +276,7 @@ def run_side(spec: dict) -> dict:
     finally:
         if ours:
             platform.destroy_process_group_and_model_parallel()
-    (phase,) = resolve_phases(config.phases, config.training.train_iters)
+    (phase,) = config.resolved_phases
     share = lm_head_share(phase, scored_only=config.training.lm_head_scored_only)
     return {**result, "peak_mem_gb": _peak_memory_gb(), "engine": "megatron",
             "attention_backend": config.model.attention_backend, "parameters": parameter_count(config.model),

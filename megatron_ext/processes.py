@@ -12,11 +12,12 @@ agent) nothing in it runs any more, so two mechanisms keep its children from liv
    dies (``prctl(PR_SET_PDEATHSIG)``). The spawned ones ignore the stop signals a scheduler
    sends to every process of a job (:func:`helpers_ignore_stop_signals`): they must outlive the
    trainer's last save, not die before it.
-2. The next run ends the rest: every child inherits ``TRAINER_ENV`` = ``<pid>:<start time>`` of
-   its trainer in its environment. :func:`end_orphans`, called as a run starts, ends the
-   processes of this user whose tag names a trainer that is no longer running, with one warning
-   line each. This catches what (1) cannot reach: spawned processes started inside Megatron-Core
-   (the persistent GPU checkpoint writer), and processes on other operating systems.
+2. The next run ends the rest: every child started with ``exec`` (spawned, subprocesses) carries
+   ``TRAINER_ENV`` = ``<pid>:<start time>`` of its trainer in its environment (forked children
+   without ``exec`` do not show it in ``/proc``: (1) covers them). :func:`end_orphans`, called as
+   a run starts, ends the processes of this user whose tag names a trainer that is no longer
+   running, with one warning line each. This catches what (1) cannot reach: spawned processes
+   started inside Megatron-Core (the persistent GPU checkpoint writer).
 """
 
 from __future__ import annotations
@@ -42,14 +43,17 @@ _forks_die_with_trainer = False
 _forking_pid: int | None = None
 
 
+# Looked up once, here: the at-fork hook must not dlopen in every forked child.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
 def die_with_parent(parent_pid: int) -> None:
     """Ask the kernel to SIGKILL this process when ``parent_pid`` (its parent) dies; exits at
-    once if the parent is already gone. No-op off Linux (``end_orphans`` covers it there)."""
-    if not sys.platform.startswith("linux"):
+    once if the parent is already gone. No-op off Linux."""
+    if _prctl is None:
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        return  # the next run's end_orphans is the fallback
+    if _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return  # the next run's end_orphans is the fallback for spawned children
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 

@@ -101,6 +101,13 @@ def test_the_results_queue_outlives_the_signals_a_scheduler_sends_to_every_proce
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # this process's own handling is back
 
 
+def _environ(pid: int) -> dict:
+    try:
+        return psutil.Process(pid).environ()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return {}
+
+
 def _sleeper(tag: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                             env={**os.environ, processes.TRAINER_ENV: tag})
@@ -117,7 +124,10 @@ def test_the_next_run_ends_what_a_dead_trainer_left(caplog):
         live_tag = os.environ[processes.TRAINER_ENV]
     kept = _sleeper(live_tag)  # "started by" this (live) process
     try:
-        time.sleep(0.5)  # both have exec'd: their environment is readable
+        deadline = time.time() + 60  # until both have exec'd python: their environment is readable
+        while time.time() < deadline and not all(
+                processes.TRAINER_ENV in _environ(p.pid) for p in (orphan, kept)):
+            time.sleep(0.1)
         with caplog.at_level("WARNING", logger="megatron_ext.processes"):
             ended = processes.end_orphans()
         assert orphan.pid in ended and kept.pid not in ended

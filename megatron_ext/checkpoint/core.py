@@ -135,7 +135,9 @@ class CheckpointSaver:
         self._queue = None
         self._closed = False
         _results_queue.acquire()  # synchronous saves report through it too
-        if async_save:
+        if not async_save:
+            return
+        try:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
             if persistent_writer is None:
@@ -145,6 +147,9 @@ class CheckpointSaver:
                 # H100) leaves the save's stall, and it ignores the stop signals a scheduler sends
                 with processes.helpers_ignore_stop_signals():
                     AsyncCallsQueue.warmup_persistent_caller(dist.get_rank() if dist.is_initialized() else 0)
+        except BaseException:
+            self.close(abort=True)  # no manager or worker left behind by a saver never returned
+            raise
 
     def __enter__(self) -> "CheckpointSaver":
         return self
@@ -170,9 +175,10 @@ class CheckpointSaver:
                 queue.maybe_finalize_async_calls(blocking=True)
         finally:
             if queue is not None:
-                for active in queue.async_calls:  # left unpublished by an abort or a failed finalize
-                    active.async_caller.close(abort=True)
-                queue.async_calls.clear()
+                if not queue.persistent:  # the forked writers of saves an abort or a failed finalize left
+                    for active in queue.async_calls:
+                        active.async_caller.close(abort=True)
+                queue.async_calls.clear()  # (the persistent worker is stopped, and joined, below)
                 if queue.persistent:
                     _stop_persistent_writer(abort=abort)
             _results_queue.release()
@@ -356,7 +362,7 @@ def load_checkpoint(
         model: Built for this run; its tensor-parallel size may differ from the saved one's.
         optimizer: Restored too when given (in a format it can take; see
             ``optimizer_format_problem``); None loads weights only.
-        strict_shapes: Raise ``ValueError`` listing every tensor whose shape differs between
+        strict_shapes: Raise ``UserError`` listing every tensor whose shape differs between
             checkpoint and model (or that only one of them has). False loads the tensors that
             fit, leaves the others as initialised and logs them (weights only).
 

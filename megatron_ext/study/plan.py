@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_ext.config_loading import ConfigError
-from megatron_ext.schedule import resolve_phases
 from megatron_ext.study.spec import Study, steps_label
 from megatron_ext.training.branching import shared_steps
 from megatron_ext.training.config import (
@@ -261,7 +260,7 @@ def schedule_points(config: RunConfig) -> list[int]:
     """The steps where a run's own schedule changes course: 0, each phase start, the end of each
     warmup and the start of the WSD decay. A branch is placed at one of them."""
     total, schedule = config.training.train_iters, config.schedule
-    resolved = resolve_phases(config.phases, total)
+    resolved = config.resolved_phases
     points = {0, schedule.lr_warmup_iters, *(p.start for p in resolved)}
     points.update(p.start + schedule.lr_warmup_iters for p in resolved if p.restart_warmup)
     if schedule.lr_decay_style == "wsd":

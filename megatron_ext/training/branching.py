@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.config_loading import ConfigError
-from megatron_ext.schedule import ResolvedPhase, lr_at, resolve_phases
+from megatron_ext.schedule import ResolvedPhase, lr_at
 from megatron_ext.training.config import RunConfig
 
 NOT_COMPARED: dict[str, frozenset[str] | None] = {
@@ -129,7 +129,7 @@ def first_divergence(a: RunConfig, b: RunConfig, *,
     if data_order is not None and ta != tb and data_order(a) != data_order(b):
         return Divergence(step=0, reason=f"sample order at train_iters {ta} ({data_order(a)!r}) vs "
                                          f"{tb} ({data_order(b)!r})")
-    pa, pb = resolve_phases(a.phases, ta), resolve_phases(b.phases, tb)
+    pa, pb = a.resolved_phases, b.resolved_phases
     ia = ib = 0
     for step in range(min(ta, tb)):
         while pa[ia].end <= step:

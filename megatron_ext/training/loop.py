@@ -9,6 +9,7 @@ uninterrupted run would have done; model, optimizer and RNG states come from the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -37,7 +38,7 @@ from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_t
 from megatron_ext.training.memory import check_fits, estimate_memory
 from megatron_ext.training.plan import check_paths, make_plan
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
-from megatron_ext.training.stop import StopPolicy
+from megatron_ext.training.stop import RESUMABLE_EXIT_CODE, StopPolicy, write_exit_status
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,11 @@ class TrainResult:
     stopped: str | None = None
     """Why the run stopped before ``training.train_iters`` (a signal, the time budget, the exit
     interval), after saving ``final_step`` when ``checkpoint.save`` is set; None: it ran to the end."""
+
+    @property
+    def stop_summary(self) -> str:
+        """One line for the exit status: where and why the run stopped."""
+        return f"stopped after step {self.final_step}: {self.stopped}"
 
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
@@ -316,34 +322,35 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
                            skipped_steps=int(state.get("skipped_steps", 0)))
 
     batches = _build_batches(config, tokenizer, start=start, device=device)
-    sinks = MetricSinks(config.logging, run_config=config.to_dict(), wandb_run_id=state.get("wandb_run_id"))
-    log = StepLogger(config, sinks, total_steps=total, start_step=start)
-    log.banner(phases)
-    result = TrainResult(start_step=start, final_step=start, checkpoint=first_checkpoint)
-    guard = _NonFiniteGuard(config.training.max_nonfinite_steps, in_a_row=int(state.get("nonfinite_in_a_row", 0)),
-                            total=int(state.get("skipped_steps", 0)))
-    checkpoints = _RunCheckpoints(config, engine, tokenizer)
     t = config.training
     stop = StopPolicy(handle_signals=t.exit_signal_handler, duration_minutes=t.exit_duration_in_mins,
                       interval=t.exit_interval)
-    engine.checkpoint_model.train()
-    failed = True
-    try:
-        with stop.signals_handled():  # a stop signal from here on ends the run after a step, saved
-            _train_steps(config, start=start, total=total, phases=phases, batches=batches, engine=engine,
-                         tokenizer=tokenizer, device=device, log=log, guard=guard, checkpoints=checkpoints,
-                         stop=stop, sinks=sinks, result=result, exit_after_step=exit_after_step)
-            checkpoints.wait()  # the last checkpoint is complete when the run returns
-        failed = False
-    finally:
-        try:  # no writer process outlives the run, whatever ended it
-            checkpoints.close(abort=failed)
-        finally:
-            sinks.close()
+    result = TrainResult(start_step=start, final_step=start, checkpoint=first_checkpoint)
+    guard = _NonFiniteGuard(t.max_nonfinite_steps, in_a_row=int(state.get("nonfinite_in_a_row", 0)),
+                            total=int(state.get("skipped_steps", 0)))
+    with contextlib.ExitStack() as stack:  # undone in reverse, whatever ends the run
+        # Installed first, removed last: a stop signal during set-up ends the run after its first
+        # step, and a second one during the closing saves is only recorded.
+        stack.enter_context(stop.signals_handled())
+        sinks = MetricSinks(config.logging, run_config=config.to_dict(), wandb_run_id=state.get("wandb_run_id"))
+        stack.callback(sinks.close)
+        log = StepLogger(config, sinks, total_steps=total, start_step=start)
+        log.banner(phases)
+        checkpoints = _RunCheckpoints(config, engine, tokenizer)
+        # No writer process outlives the run: published then stopped, or killed after an error.
+        stack.push(lambda error_type, error, traceback: checkpoints.close(abort=error_type is not None))
+        engine.checkpoint_model.train()
+        _train_steps(config, start=start, total=total, phases=phases, batches=batches, engine=engine,
+                     tokenizer=tokenizer, device=device, log=log, guard=guard, checkpoints=checkpoints,
+                     stop=stop, sinks=sinks, result=result, exit_after_step=exit_after_step)
+        checkpoints.wait()  # the last checkpoint is complete when the run returns
+        if result.stopped and config.checkpoint.save:
+            # Said now, not at exit: a launcher may end this process once another rank has exited.
+            write_exit_status(RESUMABLE_EXIT_CODE, result.stop_summary)
     result.skipped_steps = guard.total
     if result.stopped and is_writer():
-        saved = f"checkpoint {result.checkpoint} is complete" if config.checkpoint.save else (
-            "NOTHING SAVED (checkpoint.save is not set)")
+        saved = (f"checkpoint {result.checkpoint} is complete; the same command resumes (exit code "
+                 f"{RESUMABLE_EXIT_CODE})") if config.checkpoint.save else "NOTHING SAVED (checkpoint.save is not set)"
         print(f"stopped after step {result.final_step}/{total} ({result.stopped}); {saved}", flush=True)
     return result
 

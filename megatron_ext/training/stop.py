@@ -29,6 +29,10 @@ RESUMABLE_EXIT_CODE = 75
 """Exit status of a run that stopped on request after saving (sysexits' EX_TEMPFAIL: try again).
 ``examples/launch/slurm.sbatch`` requeues the job on it and on nothing else."""
 
+STOPPED_UNSAVED_EXIT_CODE = 76
+"""Exit status of a run that stopped on request with nothing to resume from (``checkpoint.save``
+unset): a rerun would start over, so a launcher must not requeue it."""
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 EXIT_STATUS_ENV = "MEGATRON_EXT_EXIT_STATUS_FILE"
