@@ -20,14 +20,9 @@ set -euo pipefail
 
 REPO_DIR="${REPO_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 RECIPE="${RECIPE:-$REPO_DIR/examples/recipes/paper/610m_biphasic_25_75.yaml}"
-if [[ -z "${GPUS_PER_NODE:-}" ]]; then  # inside a SLURM job: the GPUs it gave this node, 1 without GPUs
-    gpus="${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-}}"
-    gpus="${gpus##*:}"  # a100:8 -> 8
-    if [[ "$gpus" =~ ^[1-9][0-9]*$ ]]; then GPUS_PER_NODE="$gpus"
-    elif [[ -n "${SLURM_JOB_ID:-}" ]]; then GPUS_PER_NODE=1
-    else GPUS_PER_NODE=8
-    fi
-fi
+# shellcheck source=examples/launch/processes_per_node.sh
+source "$REPO_DIR/examples/launch/processes_per_node.sh"
+GPUS_PER_NODE="${GPUS_PER_NODE:-$(processes_per_node)}"
 PYTHON="${PYTHON:-python}"
 TORCHRUN="${TORCHRUN:-$PYTHON -m torch.distributed.run}"
 DRY_RUN="${DRY_RUN:-0}"
