@@ -66,19 +66,25 @@ checkpoint writers, their results queue). They end when the trainer closes them 
 
 
 @contextlib.contextmanager
-def helpers_ignore_stop_signals() -> Iterator[None]:
-    """Processes spawned in the block ignore ``IGNORED_BY_HELPERS`` for life: an ignored
-    disposition survives ``exec``, a Python handler does not. The trainer's own handlers are
-    restored after the block. Main thread only (elsewhere: no change)."""
+def signal_handlers(signals: tuple[int, ...], handler) -> Iterator[None]:
+    """``handler`` (a function or ``signal.SIG_IGN``) for ``signals`` inside the block, the previous
+    handlers after it. Main thread only, as Python requires (elsewhere: no change)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in IGNORED_BY_HELPERS}
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def helpers_ignore_stop_signals() -> contextlib.AbstractContextManager:
+    """Processes spawned in the block ignore ``IGNORED_BY_HELPERS`` for life: an ignored
+    disposition survives ``exec``, a Python handler does not. The trainer's own handlers are
+    restored after the block."""
+    return signal_handlers(IGNORED_BY_HELPERS, signal.SIG_IGN)
 
 
 def _before_fork() -> None:

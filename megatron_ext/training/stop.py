@@ -15,15 +15,16 @@ is a multiple of it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import psutil
 import torch
 import torch.distributed as dist
+
+from megatron_ext import processes
 
 RESUMABLE_EXIT_CODE = 75
 """Exit status of a run that stopped on request after saving (sysexits' EX_TEMPFAIL: try again).
@@ -78,19 +79,12 @@ class StopPolicy:
     def _on_signal(self, signum: int, frame) -> None:  # only records: the loop acts between steps
         self.received.append(signal.Signals(signum).name)
 
-    @contextmanager
-    def signals_handled(self) -> Iterator[None]:
-        """Install the stop-signal handlers for the block (main thread only, as Python requires);
+    def signals_handled(self) -> contextlib.AbstractContextManager:
+        """The stop-signal handlers installed for the block (main thread only, as Python requires);
         the previous handlers come back after it."""
         if not self.handle_signals:
-            yield
-            return
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            return contextlib.nullcontext()
+        return processes.signal_handlers(STOP_SIGNALS, self._on_signal)
 
     def _local_reason(self, step: int) -> int:
         if self.received:
