@@ -12,7 +12,7 @@ DEMO_DATASET := $(DATA)/demo_dataset
 # Extra pretrain_encoder.py flags for the demo, e.g. DEMO_ARGS="--train-iters 200"
 DEMO_ARGS ?=
 
-.PHONY: setup demo miniature test test-quick bench clean
+.PHONY: setup demo-data demo miniature test test-quick bench clean
 
 # Idempotent: re-installs only when a requirements file changed.
 setup: $(VENV)/.installed
@@ -26,14 +26,21 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	$(PY) -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, '| torch', torch.__version__)" 2>/dev/null
 	touch $@
 
-demo: setup
+# The demo corpus (a pinned registry download), its tokenizer and dataset: built when absent.
+demo-data: $(DEMO_DATASET)/train_text_document.idx $(DEMO_DATASET)/valid_text_document.idx
+
+$(DEMO_CORPUS)/train.jsonl: | setup
 	$(PY) tools/fetch_sample_data.py --output-dir $(DEMO_CORPUS) --overwrite
+
+$(DEMO_TOKENIZER)/tokenizer.json: $(DEMO_CORPUS)/train.jsonl
 	$(PY) tools/train_tokenizer.py --input $(DEMO_CORPUS)/train.jsonl --output-dir $(DEMO_TOKENIZER) --vocab-size 8192 --overwrite
+
+$(DEMO_DATASET)/%_text_document.idx: $(DEMO_CORPUS)/train.jsonl $(DEMO_TOKENIZER)/tokenizer.json
 	mkdir -p $(DEMO_DATASET)
-	$(PY) tools/preprocess_data.py --input $(DEMO_CORPUS)/train.jsonl --output-prefix $(DEMO_DATASET)/train \
-		--tokenizer-model $(DEMO_TOKENIZER) --append-eod --workers 2 --overwrite
-	$(PY) tools/preprocess_data.py --input $(DEMO_CORPUS)/valid.jsonl --output-prefix $(DEMO_DATASET)/valid \
-		--tokenizer-model $(DEMO_TOKENIZER) --append-eod --workers 1 --overwrite --no-progress
+	$(PY) tools/preprocess_data.py --input $(DEMO_CORPUS)/$*.jsonl --output-prefix $(DEMO_DATASET)/$* \
+		--tokenizer-model $(DEMO_TOKENIZER) --append-eod --workers 2 --overwrite --no-progress
+
+demo: demo-data
 	$(PY) pretrain_encoder.py --config examples/recipes/demo_tiny_biphasic.yaml $(DEMO_ARGS)
 	$(PY) tools/plot_loss.py runs/demo --output runs/demo/loss.png
 	$(PY) tools/export_hf_checkpoint.py --checkpoint runs/demo/checkpoints --output-dir runs/demo/hf_eurobert --overwrite
