@@ -111,11 +111,11 @@ def test_the_tree_of_a_tiny_study_trains_its_runs_exactly(tree, capsys):
         pretrain(run_config_from_dict(moved))
 
 
-def _child(tree, name: str, **checkpoint) -> dict:
+def _child(tree, name: str, tag: str, **checkpoint) -> dict:
     """Recipe ``name`` of the tiny study, as a branch of the trunk with these checkpoint keys, saving
-    under a directory of its own."""
+    under a directory of its own (``tag``)."""
     recipe = tree["recipes"][name]
-    run_dir = tree["root"] / f"refused_{name}_{len(checkpoint)}"
+    run_dir = tree["root"] / f"refused_{tag}"
     keys = {"branch_from": tree["recipes"]["tiny_clm_20"]["checkpoint"]["save"], **checkpoint,
             "save": str(run_dir / "ckpt")}
     return dict(recipe, checkpoint={**recipe["checkpoint"], **keys},
@@ -124,23 +124,23 @@ def _child(tree, name: str, **checkpoint) -> dict:
 
 def test_branches_that_are_not_the_parents_run_are_refused_before_loading(tree, capsys):
     refusals = [
-        # a step the trunk did not keep, one it has not reached, no parent at all
-        (_child(tree, "tiny_clm_12", branch_step=6),
+        # a step the trunk did not keep; no parent at all
+        (_child(tree, "tiny_clm_12", "unsaved", branch_step=6),
          r"branch_from=.*: the parent never saved step 6 \(or pruned it\); it has steps 3, 5, 8, 20; set "
          r"keep_steps: \[6\] in the parent's checkpoint section"),
-        (_child(tree, "tiny_clm_12", branch_step=8, branch_from=str(tree["root"] / "nowhere")),
+        (_child(tree, "tiny_clm_12", "no_parent", branch_step=8, branch_from=str(tree["root"] / "nowhere")),
          r"branch_from=.*nowhere': no such directory \(the parent run's checkpoint.save\)"),
         # a biphasic 25/75 child past its switch (step 3 at 12 steps): the trunk is still CLM there
-        (_child(tree, "tiny_biphasic_25_75_12", branch_step=5),
+        (_child(tree, "tiny_biphasic_25_75_12", "past_switch", branch_step=5),
          r"cannot branch at step 5: .* first difference \(parent vs child\): step 3: phase clm \(steps 0-19\) vs "
          r"mlm 0.4 \(steps 3-11\)"),
-        # another warmup: the learning rate differs from step 0
-        (dict(_child(tree, "tiny_clm_12", branch_step=8),
+        # another warmup: the learning rate differs from step 1 (both start at 0)
+        (dict(_child(tree, "tiny_clm_12", "warmup", branch_step=8),
               schedule={**tree["recipes"]["tiny_clm_12"]["schedule"], "lr_warmup_iters": 3}),
          r"step 1: learning rate 0\.0015 \(train_iters 20, decay from step 16\) vs 0\.001 "),
         # 5,000 steps read the tiny corpus over several epochs: Megatron orders its samples otherwise
-        (_child(tree, "tiny_clm_12", branch_step=8, branch_from=tree["recipes"]["tiny_clm_20"]["checkpoint"]["save"])
-         | {"training": {**tree["recipes"]["tiny_clm_12"]["training"], "train_iters": 5000}},
+        (dict(_child(tree, "tiny_clm_12", "epochs", branch_step=8),
+              training={**tree["recipes"]["tiny_clm_12"]["training"], "train_iters": 5000}),
          r"first difference \(parent vs child\): sample order at train_iters 20 \(\(\('.*news_text_document', 1, "
          r"False\),\)\) vs 5000 \(\(\('.*news_text_document', \d+, (True|False)\),\)\)"),
     ]
