@@ -12,7 +12,7 @@ import yaml
 
 from megatron_ext.cli import plan_study as cli
 from megatron_ext.config_loading import ConfigError
-from megatron_ext.study.plan import plan_study
+from megatron_ext.study.plan import plan_study, plan_to_dict
 from megatron_ext.study.spec import read_study
 from megatron_ext.training.branching import check_branch, first_divergence, shared_steps
 from megatron_ext.training.config import read_recipe, run_config_from_dict
@@ -91,6 +91,33 @@ def test_the_610m_grid_as_a_tree(grid):
     assert grid.wall_steps("separate") == 64000
     assert grid.wall_steps("checkpoint") == 64000
     assert grid.wall_steps("parent_done") == 73500
+
+
+def test_the_recipes_train_the_tree(grid):
+    """Each run's recipe names where its segment starts (a branch: its parent's save and the step)
+    and what it keeps for its children, its config is that recipe, and each branch passes the
+    check the trainer makes before it loads the parent's checkpoint."""
+    recipes = {run["name"]: run["recipe"] for run in plan_to_dict(grid)["runs"]}
+    for segment in grid.segments:
+        run = grid.run(segment.run)
+        checkpoint = recipes[run.name]["checkpoint"]
+        assert run.recipe is recipes[run.name] and run_config_from_dict(run.recipe) == run.config
+        assert checkpoint.get("keep_steps", []) == list(segment.saves) == list(run.config.checkpoint.keep_steps)
+        if segment.start_from == "branch":
+            parent = grid.run(segment.parent)
+            assert (checkpoint["branch_from"], checkpoint["branch_step"]) == (
+                parent.recipe["checkpoint"]["save"], segment.branch_step)
+            assert segment.branch_step in parent.config.checkpoint.keep_steps
+            check_branch(parent.config, run.config, segment.branch_step)
+        else:
+            assert "branch_from" not in checkpoint and run.config.checkpoint.branch_from is None
+    assert recipes["610m_biphasic_25_75_42k"]["checkpoint"] == {
+        "save": "/checkpoints/paper/610m_biphasic_25_75_42k", "save_interval": 1000, "async_save": True,
+        "optimizer_format": "dp_reshardable", "branch_from": "/checkpoints/paper/610m_clm_42k", "branch_step": 10500}
+    cpt12 = recipes["610m_clm_42k_cpt_mlm_40_12k"]["checkpoint"]  # a CPT branching off its sibling CPT
+    assert (cpt12["load"], cpt12["finetune"], cpt12["branch_from"], cpt12["branch_step"]) == (
+        "/checkpoints/paper/610m_clm_42k", True, "/checkpoints/paper/610m_clm_42k_cpt_mlm_40_22k", 10000)
+    assert recipes["610m_clm_42k"]["checkpoint"]["keep_steps"][-1] == 42000  # the CPT sources' weights
 
 
 def test_planned_runs_are_the_shipped_recipes(grid):

@@ -4,6 +4,7 @@ imports Megatron-Core's ``dist_checkpointing``) so reading and validating a reci
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,10 +23,23 @@ class CheckpointConfig:
     save_interval: int = 1000
     """Steps between checkpoints (``--save-interval``); a final one is always written at the end."""
     keep_last: int = 2
-    """Keep only the ``keep_last`` newest complete checkpoints."""
+    """Keep only the ``keep_last`` newest complete checkpoints (and every one of ``keep_steps``)."""
+    keep_steps: tuple[int, ...] = ()
+    """Steps this run saves even off ``save_interval`` and never prunes: the checkpoints other runs
+    branch from (``branch_from``/``branch_step``) or start from. A study's planner sets them."""
     finetune: bool = False
     """Load weights only from ``load``: fresh optimizer, step 0 (continued pretraining; Megatron:
     ``--finetune``)."""
+    branch_from: str | None = None
+    """Another run's ``save`` directory: this run is that run up to ``branch_step`` and starts from
+    its full state there (weights, optimizer, step, RNG), read in place, not copied; it saves into
+    its own ``save`` and trains its own recipe's phases and schedule from ``branch_step`` on.
+    Refused before anything is loaded unless both recipes compute the same steps before
+    ``branch_step`` (``training.branching.check_branch``). Once ``save`` holds a checkpoint of this
+    run, that is resumed instead (``checkpoint/resume.py``)."""
+    branch_step: int | None = None
+    """The parent's step to branch at (its ``iter_NNNNNNN``, which the parent must have saved:
+    its ``keep_steps``); required with ``branch_from``."""
     async_save: bool = False
     """Write checkpoints in the background (Megatron's asynchronous save, ``--async-save``):
     training stalls only while the state is staged, and a checkpoint counts (tracker, marker)
@@ -43,3 +57,28 @@ class CheckpointConfig:
             raise UserError(f"CheckpointConfig.save_interval must be >= 1, got {self.save_interval}")
         if self.keep_last < 1:
             raise UserError(f"CheckpointConfig.keep_last must be >= 1, got {self.keep_last}")
+        if any(isinstance(step, bool) or not isinstance(step, int) or step < 1 for step in self.keep_steps):
+            raise UserError(f"checkpoint.keep_steps must be steps >= 1, got {list(self.keep_steps)}")
+        object.__setattr__(self, "keep_steps", tuple(sorted(set(self.keep_steps))))
+        if self.keep_steps and not self.save:
+            raise UserError(f"checkpoint.keep_steps {list(self.keep_steps)} needs checkpoint.save (where they are kept)")
+        if (self.branch_from is None) != (self.branch_step is None):
+            given, missing = ("branch_from", "branch_step") if self.branch_step is None else ("branch_step", "branch_from")
+            raise UserError(f"checkpoint.{given} needs checkpoint.{missing}: a branch starts from the parent run's "
+                            "save directory (branch_from) at one of its saved steps (branch_step)")
+        if self.branch_from is None:
+            return
+        if isinstance(self.branch_step, bool) or not isinstance(self.branch_step, int) or self.branch_step < 1:
+            raise UserError(f"checkpoint.branch_step must be a step >= 1, got {self.branch_step!r} "
+                            "(step 0 is a start from scratch: drop branch_from)")
+        if self.load and not self.finetune:
+            raise UserError(f"checkpoint.branch_from={self.branch_from!r} and checkpoint.load={self.load!r} both name "
+                            "the state this run starts from; keep one (load with finetune: true is a continued "
+                            "pretraining's source weights, which a branch may have)")
+        if self.save and os.path.abspath(self.save) == os.path.abspath(self.branch_from):
+            raise UserError(f"checkpoint.branch_from is this run's own checkpoint.save ({self.save!r}): a branch "
+                            "saves into its own directory, so that the parent's checkpoints stay as they are")
+        below = [step for step in self.keep_steps if step <= self.branch_step]
+        if below:
+            raise UserError(f"checkpoint.keep_steps {below}: this run starts at its branch_step {self.branch_step} "
+                            "and never saves those steps (keep them on the run that trains them)")

@@ -20,10 +20,11 @@ one tensor-parallel size loads at any other, on CPU or GPU alike.
 Atomicity: every rank writes into ``iter_0000100.tmp-<id>``; after Megatron's closing barrier
 rank 0 adds the JSON files, the completion marker last, fsyncs, renames the directory to its
 final name, then replaces the tracker (temp file + ``os.replace``) and prunes old checkpoints
-(renamed aside before deletion). A crash at any point leaves the previous checkpoints intact,
-and ``latest_checkpoint`` only returns ``iter_NNNNNNN`` directories holding both the marker and
-Megatron's ``metadata.json``. Leftovers (``.tmp-``/``.trash-``) are removed by the next save.
-One training run per save directory; checkpoints are ordered by step.
+(renamed aside before deletion; never the steps a run keeps for others, ``keep_steps``). A crash
+at any point leaves the previous checkpoints intact, and ``latest_checkpoint`` only returns
+``iter_NNNNNNN`` directories holding both the marker and Megatron's ``metadata.json``. Leftovers
+(``.tmp-``/``.trash-``) are removed by the next save. One training run per save directory;
+checkpoints are ordered by step.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def save_checkpoint(
     run_config: dict,
     tokenizer_reference: dict,
     keep_last: int,
+    keep_steps: tuple[int, ...] = (),
 ) -> Path:
     """Write ``<save_dir>/iter_<step>`` atomically on every rank (a collective) and return it.
 
@@ -110,10 +112,12 @@ def save_checkpoint(
         run_config: The resolved run configuration, JSON-serialisable.
         tokenizer_reference: Which tokenizer the weights expect, JSON-serialisable.
         keep_last: Keep this many newest complete checkpoints (the new one included).
+        keep_steps: Steps never pruned, besides those (the checkpoints other runs branch from).
     """
     with CheckpointSaver(async_save=False) as saver:
         return saver.save(save_dir, step=step, model=model, optimizer=optimizer, trainer_state=trainer_state,
-                          run_config=run_config, tokenizer_reference=tokenizer_reference, keep_last=keep_last)
+                          run_config=run_config, tokenizer_reference=tokenizer_reference, keep_last=keep_last,
+                          keep_steps=keep_steps)
 
 
 class CheckpointSaver:
@@ -185,7 +189,7 @@ class CheckpointSaver:
 
     def save(self, save_dir: str | os.PathLike, *, step: int, model: torch.nn.Module,
              optimizer: OptimizerCheckpointState | None, trainer_state: dict, run_config: dict,
-             tokenizer_reference: dict, keep_last: int) -> Path:
+             tokenizer_reference: dict, keep_last: int, keep_steps: tuple[int, ...] = ()) -> Path:
         """Start writing ``<save_dir>/iter_<step>`` (arguments: :func:`save_checkpoint`); returns
         its final path, complete on return unless the save is asynchronous."""
         if self._closed:
@@ -222,7 +226,7 @@ class CheckpointSaver:
         info = {"step": step, "has_optimizer": optimizer is not None}
 
         def publish() -> None:
-            _publish_checkpoint(tmp, final, files=files, info=info, keep_last=keep_last)
+            _publish_checkpoint(tmp, final, files=files, info=info, keep_last=keep_last, keep_steps=keep_steps)
 
         request = dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata,
                                           async_sharded_save=self._queue is not None, async_strategy="mcore")
@@ -316,7 +320,8 @@ def _stop_persistent_writer(*, abort: bool) -> None:
     PersistentAsyncCaller._persistent_preload_q = PersistentAsyncCaller._persistent_comp_q = None
 
 
-def _publish_checkpoint(tmp: Path, final: Path, *, files: dict[str, str], info: dict, keep_last: int) -> None:
+def _publish_checkpoint(tmp: Path, final: Path, *, files: dict[str, str], info: dict, keep_last: int,
+                        keep_steps: tuple[int, ...]) -> None:
     """Rank 0 completes ``tmp`` (our files, the marker last, fsyncs), renames it to ``final`` and
     moves the tracker; every rank leaves after a barrier."""
     if dist.get_rank() == 0:
@@ -329,7 +334,7 @@ def _publish_checkpoint(tmp: Path, final: Path, *, files: dict[str, str], info: 
         _fsync(tmp)
         _publish(tmp, final)
         _write_tracker(final.parent, info["step"])
-        _prune(final.parent, keep_last, keep=final)
+        _prune(final.parent, keep_last, keep=final, keep_steps=keep_steps)
     dist.barrier()
 
 
@@ -343,7 +348,7 @@ def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
     load_dir = Path(load_dir)
     if load_dir.is_dir() and _incomplete_reason(load_dir) is None:
         return load_dir
-    complete = _complete_checkpoints(load_dir)
+    complete = complete_checkpoints(load_dir)
     return complete[-1] if complete else None
 
 
@@ -544,8 +549,8 @@ def _incomplete_reason(path: Path) -> str | None:
     return None
 
 
-def _complete_checkpoints(save_dir: Path) -> list[Path]:
-    """Complete checkpoints under ``save_dir``, oldest first."""
+def complete_checkpoints(save_dir: Path) -> list[Path]:
+    """Complete checkpoints under ``save_dir``, oldest first (none: an empty list)."""
     if not save_dir.is_dir():
         return []
     found = [(int(match[1]), path) for path in save_dir.iterdir()
@@ -602,9 +607,12 @@ def _write_tracker(save_dir: Path, step: int) -> None:
     _fsync(save_dir)
 
 
-def _prune(save_dir: Path, keep_last: int, *, keep: Path) -> None:
-    for path in _complete_checkpoints(save_dir)[:-keep_last]:
-        if path != keep:
+def _prune(save_dir: Path, keep_last: int, *, keep: Path, keep_steps: tuple[int, ...]) -> None:
+    """Delete the complete checkpoints older than the ``keep_last`` newest, except ``keep`` and
+    those of ``keep_steps``."""
+    kept = {f"iter_{step:07d}" for step in keep_steps}
+    for path in complete_checkpoints(save_dir)[:-keep_last]:
+        if path != keep and path.name not in kept:
             _discard(path)
 
 

@@ -41,6 +41,11 @@ class Checkpoint:
         found = core.latest_checkpoint(location) if location else None
         return cls(found) if found is not None else None
 
+    @classmethod
+    def every(cls, save_dir: str | os.PathLike) -> list[Checkpoint]:
+        """The complete checkpoints of a save directory, oldest first (none, or no directory: [])."""
+        return [cls(path) for path in core.complete_checkpoints(Path(save_dir))]
+
     def _json(self, name: str) -> dict:
         return json.loads((self.path / name).read_text())
 

@@ -23,6 +23,12 @@ the start of its WSD decay): a 12K run shares 10,001 steps with the 42K run (its
 rate is at step 10,001) and branches at 10,000, where its decay begins; a 25/75 biphasic run
 branches off the CLM run where its MLM phase begins. A parent saves, and keeps, every step a
 child branches from.
+
+**Recipes of the tree.** Once placed, each run's recipe says where its segment starts: a branch
+``checkpoint.branch_from`` (its parent's ``checkpoint.save``) and ``checkpoint.branch_step``, a
+parent ``checkpoint.keep_steps`` (its segment's ``saves``). Trained one after another, parents
+first, the recipes train the tree; each run's steps are the separate run's (the trainer refuses a
+branch whose recipe differs from its parent's before the branch step).
 """
 
 from __future__ import annotations
@@ -221,13 +227,8 @@ def expand_runs(study: Study, path: str | Path) -> list[PlannedRun]:
             "checkpoint": checkpoint,
             "logging": {"log_dir": study.output.render("log_dir", **outputs)},
         })
-        try:
-            vocab = VOCAB_NOT_READ if needs_tokenizer_vocab(recipe) else None
-            config = run_config_from_dict(recipe, tokenizer_vocab_size=vocab)
-        except ConfigError as err:
-            raise ConfigError(f"{path}: run {name}: {err}") from None
         run = PlannedRun(name=name, size=size, seed=seed, kind=kind, source=source.name if source else None,
-                         recipe=recipe, config=config)
+                         recipe=recipe, config=_validated(recipe, path, name))
         runs.append(run)
         return run
 
@@ -254,6 +255,28 @@ def expand_runs(study: Study, path: str | Path) -> list[PlannedRun]:
                         add(**common, kind=study.cpt.kind, steps=continuation.steps, phases=study.cpt.phases(),
                             source=source, overrides=continuation.overrides)
     return runs
+
+
+def _validated(recipe: dict[str, Any], path: Path, name: str) -> RunConfig:
+    try:
+        vocab = VOCAB_NOT_READ if needs_tokenizer_vocab(recipe) else None
+        return run_config_from_dict(recipe, tokenizer_vocab_size=vocab)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: run {name}: {err}") from None
+
+
+def _in_the_tree(run: PlannedRun, segment: Segment, parent: PlannedRun | None, path: Path) -> PlannedRun:
+    """``run`` with the checkpoint keys that make its recipe train ``segment``: a branch's
+    ``branch_from``/``branch_step``, a parent's ``keep_steps``."""
+    keys: dict[str, Any] = {}
+    if segment.start_from == "branch":
+        keys.update(branch_from=parent.recipe["checkpoint"]["save"], branch_step=segment.branch_step)
+    if segment.saves:
+        keys["keep_steps"] = list(segment.saves)
+    if not keys:
+        return run
+    recipe = deep_merge(run.recipe, {"checkpoint": keys})
+    return dataclasses.replace(run, recipe=recipe, config=_validated(recipe, path, run.name))
 
 
 def schedule_points(config: RunConfig) -> list[int]:
@@ -312,9 +335,10 @@ def plan_study(study: Study, path: str | Path) -> StudyPlan:
     for segment in segments.values():
         if segment.parent is not None:
             saves[segment.parent].add(segment.branch_step)
+    tree = [dataclasses.replace(segments[r.name], saves=tuple(sorted(saves[r.name]))) for r in runs]
     return StudyPlan(
-        study=study, path=path, runs=tuple(runs),
-        segments=tuple(dataclasses.replace(segments[r.name], saves=tuple(sorted(saves[r.name]))) for r in runs),
+        study=study, path=path, segments=tuple(tree),
+        runs=tuple(_in_the_tree(run, segment, by_name.get(segment.parent), path) for run, segment in zip(runs, tree)),
     )
 
 

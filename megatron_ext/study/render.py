@@ -88,6 +88,10 @@ def format_plan(plan: StudyPlan) -> str:
         "",
         "exact branches: the run definitions and, at every shared step, the phase, masking ratio and learning",
         "rate were compared (training.branching); the sample order is assumed the same at every run length,",
-        "true while each dataset is read within one epoch (Megatron shuffles over the epochs a length builds)",
+        "true while each dataset is read within one epoch (Megatron shuffles over the epochs a length builds):",
+        "each branch compares it from the data files when it starts, and is refused where it differs",
+        "",
+        "recipes (--plan-json): a branch has checkpoint.branch_from (its parent's save) and branch_step, a",
+        "parent checkpoint.keep_steps; trained parents first, each recipe trains its segment",
     ]
     return "\n".join(out)

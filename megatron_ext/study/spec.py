@@ -51,7 +51,7 @@ from megatron_ext.training.config import SECTIONS
 PLANNER_KEYS = {
     "base": None, "phases": None,
     "training": ("train_iters", "seed"),
-    "checkpoint": ("save", "load", "finetune"),
+    "checkpoint": ("save", "load", "finetune", "branch_from", "branch_step", "keep_steps"),
     "logging": ("log_dir",),
 }
 """Recipe keys the study sets for every run (None: the whole key); ``overrides`` may not."""

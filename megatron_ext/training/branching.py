@@ -23,7 +23,9 @@ gives before it loads a parent's checkpoint. One thing the configs cannot tell: 
 ``GPTDataset`` shuffles over the epochs it builds for ``train_iters x global_batch_size`` samples,
 so two run lengths give the same sample order only if every dataset of the blend is read within
 the same number of epochs by both (e.g. within one: the paper's 99B tokens of FineWeb-Edu's 1.3T).
-The caller that has the datasets passes ``data_order`` to compare it.
+The caller that has the datasets passes ``data_order`` to compare it: :func:`data_order` (from
+the ``.idx`` files, ``training.data.sample_order``), which :func:`check_saved_parent`, the check
+of ``checkpoint.branch_from`` (``checkpoint/resume.py``), passes.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ext.config_loading import ConfigError
+from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.schedule import ResolvedPhase, lr_at
-from megatron_ext.training.config import RunConfig
+from megatron_ext.training.config import RunConfig, run_config_from_dict
+from megatron_ext.training.data import sample_order
 
 NOT_COMPARED: dict[str, frozenset[str] | None] = {
     # how a step is run, not what it computes (a resume may change these too); bitwise equality of a
@@ -126,9 +129,8 @@ def first_divergence(a: RunConfig, b: RunConfig, *,
         if da.get(key) != db.get(key):
             return Divergence(step=0, reason=f"{key}: {da.get(key)!r} vs {db.get(key)!r}")
     ta, tb = a.training.train_iters, b.training.train_iters
-    if data_order is not None and ta != tb and data_order(a) != data_order(b):
-        return Divergence(step=0, reason=f"sample order at train_iters {ta} ({data_order(a)!r}) vs "
-                                         f"{tb} ({data_order(b)!r})")
+    if data_order is not None and ta != tb and (order_a := data_order(a)) != (order_b := data_order(b)):
+        return Divergence(step=0, reason=f"sample order at train_iters {ta} ({order_a!r}) vs {tb} ({order_b!r})")
     pa, pb = a.resolved_phases, b.resolved_phases
     ia = ib = 0
     for step in range(min(ta, tb)):
@@ -169,3 +171,24 @@ def check_branch(parent: RunConfig, child: RunConfig, step: int, **kwargs) -> No
     if found is not None and found.step < step:
         raise ConfigError(f"cannot branch at step {step}: the child is not the parent's run before that step; "
                           f"first difference (parent vs child): {found.reason}")
+
+
+def data_order(config: RunConfig) -> tuple:
+    """The sample-order key of ``first_divergence``: per dataset of the blend, ``(prefix, epochs,
+    final epoch shuffled apart)`` for ``train_iters x global_batch_size`` samples
+    (``training.data.sample_order``; equal keys: the same samples in the same order)."""
+    return sample_order(config.data, train_samples=config.training.train_iters * config.data.global_batch_size)
+
+
+def check_saved_parent(parent_run_config: dict, child: RunConfig, step: int, *, where: str) -> None:
+    """:func:`check_branch` of ``child`` against the run that saved ``parent_run_config`` (a
+    checkpoint's ``run_config.json``), its sample order compared too (:func:`data_order`).
+    ``where`` names the parent in the errors (``checkpoint.branch_from=...``)."""
+    try:
+        parent = run_config_from_dict(parent_run_config)
+    except ConfigError as error:
+        raise UserError(f"{where}: the parent's saved run config does not read as a recipe: {error}") from None
+    try:
+        check_branch(parent, child, step, data_order=data_order)
+    except ConfigError as error:
+        raise UserError(f"{where}: {error}") from None

@@ -214,6 +214,13 @@ class RunConfig:
         if self.training.fp8_recipe is not None and self.model.attention_backend != "te":
             raise ConfigError(f"training.fp8_recipe={self.training.fp8_recipe!r} needs model.attention_backend: te "
                               "(FP8 matmuls are Transformer Engine layers)")
+        checkpoint, total = self.checkpoint, self.training.train_iters
+        past = [step for step in checkpoint.keep_steps if step > total]
+        if past:
+            raise ConfigError(f"checkpoint.keep_steps {past}: past the run's last step (training.train_iters={total})")
+        if checkpoint.branch_step is not None and checkpoint.branch_step >= total:
+            raise ConfigError(f"checkpoint.branch_step={checkpoint.branch_step} leaves this run nothing to train "
+                              f"(training.train_iters={total})")
         try:
             resolved = resolve_phases(self.phases, self.training.train_iters)
         except ValueError as err:

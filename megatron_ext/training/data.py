@@ -385,6 +385,59 @@ def build_datasets(
     return train, valid
 
 
+FINAL_EPOCH_APART_BELOW = 0.80
+"""``GPTDataset``'s threshold (``_build_document_sample_shuffle_indices``, megatron-core 0.19.2): a
+final epoch read for less than this share of its samples is shuffled apart from the others."""
+
+
+def sample_order(config: DataConfig, *, train_samples: int) -> tuple[tuple[str, int, bool], ...]:
+    """What the order of the training samples depends on through the run length: per dataset of the
+    blend, ``(prefix, epochs, final epoch shuffled apart)`` of the ``GPTDataset`` that
+    ``build_datasets`` builds for ``train_samples`` samples.
+
+    Megatron's document, sample and shuffle indices are functions of the split's documents, the
+    sequence length, the seed and these two numbers (``_build_document_sample_shuffle_indices``:
+    the documents are shuffled over ``epochs`` copies, the last one apart when it is read for less
+    than ``FINAL_EPOCH_APART_BELOW`` of it); a blend interleaves its datasets the same way at any
+    length (Megatron's greedy ``build_blending_indices`` is prefix-stable), each asked for its
+    weight's share plus Megatron's surplus, and an unweighted blend reads one pass over each
+    whatever the length. So two lengths of a run with the same data, split, sequence length and
+    seed read the same samples in the same order up to the shorter one exactly when their keys
+    are equal. Computed from the ``.idx`` files (checked as ``build_datasets`` checks them),
+    without building Megatron's indices.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import _get_size_per_split_per_dataset
+    from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.datasets.utils import normalize
+
+    prefixes, weights = config.blend
+    if weights is None and len(prefixes) > 1:  # Megatron builds one pass over each, at any length
+        return tuple((prefix, 1, False) for prefix in prefixes)
+    if weights is None:
+        samples = [train_samples]
+    else:
+        surplus = BlendedMegatronDatasetConfig.__dataclass_fields__["mid_level_dataset_surplus"].default
+        samples = [per_split[0] for per_split in _get_size_per_split_per_dataset(
+            normalize(weights), [train_samples, 0, 0], surplus=surplus)]
+    extra = int(GPTDatasetConfig.__dataclass_fields__["add_extra_token_to_sequence"].default)
+    length = config.seq_length
+    order = []
+    for prefix, wanted in zip(prefixes, samples):
+        index = _read_index(prefix)
+        begin, end = _split_ranges(config.split, len(index.tokens_before) - 1)[0]
+        tokens = int(index.tokens_before[end] - index.tokens_before[begin])  # one epoch (GPTDataset)
+        if tokens == 0:
+            raise UserError(f"data_path {prefix!r}: the train split of {config.split!r} holds no tokens")
+        epochs = max(1, -(-(wanted * length + extra) // tokens))  # GPTDataset._get_num_epochs
+        apart = False
+        if epochs > 1:
+            from_final = wanted - ((epochs - 1) * tokens - extra) // length
+            apart = from_final < int(FINAL_EPOCH_APART_BELOW * ((tokens - extra) // length))
+        order.append((prefix, epochs, apart))
+    return tuple(order)
+
+
 # --- iterating ---------------------------------------------------------------------------------
 
 

@@ -5,6 +5,13 @@ objective (``schedule.phase_at``), the learning rate (``schedule.lr_at``), the d
 (``step * global_batch_size`` samples consumed) and the MLM masks (a generator seeded from
 ``(seed, step, micro-batch group)``). A resumed run therefore replays exactly what an
 uninterrupted run would have done; model, optimizer and RNG states come from the checkpoint.
+
+A branch (``checkpoint.branch_from``) is the same: its steps ``[branch_step, train_iters)`` are
+functions of the step and of its own recipe (phases, schedule, data order for its own length),
+and its starting state is the parent's after ``branch_step`` steps, which the branch check
+(``training.branching.check_saved_parent``) has shown to be this recipe's own trajectory up to
+there. So the trainer state carries over (step, RNG, the non-finite counters: the same steps),
+except what names the parent's run itself (``PARENT_ONLY``).
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ from megatron_ext.objectives import MaskingConfig, ObjectiveBatch, apply_clm, ap
 from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at
 from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
 from megatron_ext.checkpoint import core as ckpt
-from megatron_ext.checkpoint.resume import load_starting_point
+from megatron_ext.checkpoint.handle import Checkpoint
+from megatron_ext.checkpoint.resume import BRANCHED_FROM, load_starting_point
 from megatron_ext.training import data as data_lib
+from megatron_ext.training.branching import check_saved_parent
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides
 from megatron_ext.training.memory import check_fits, estimate_memory
@@ -124,7 +133,13 @@ def evaluate(engine: MegatronEngine, batches: list[dict[str, torch.Tensor]], *, 
     return result
 
 
-def _trainer_state(step: int, config: RunConfig, nonfinite: int, skipped: int, wandb_run_id: str | None) -> dict:
+PARENT_ONLY = ("wandb_run_id",)
+"""Trainer-state keys a branch does not take from its parent: a branch logs its own W&B run (in its
+own ``logging.log_dir``), from its branch step on."""
+
+
+def _trainer_state(step: int, config: RunConfig, nonfinite: int, skipped: int, wandb_run_id: str | None,
+                   branched_from: dict | None) -> dict:
     state = {
         "step": step,
         "consumed_samples": step * config.data.global_batch_size,
@@ -133,6 +148,8 @@ def _trainer_state(step: int, config: RunConfig, nonfinite: int, skipped: int, w
         "wandb_run_id": wandb_run_id,
         **platform.rng_state(),
     }
+    if branched_from is not None:
+        state[BRANCHED_FROM] = branched_from
     return state
 
 
@@ -270,6 +287,7 @@ class _RunCheckpoints:
                 self.config.save, step=step, model=self.engine.checkpoint_model,
                 optimizer=self.engine.optimizer_state, trainer_state=trainer_state, run_config=self.run_config,
                 tokenizer_reference=self.tokenizer_reference, keep_last=self.config.keep_last,
+                keep_steps=self.config.keep_steps,
             )
         if is_writer():
             print(f"{'writing checkpoint in the background' if self.saver.in_flight else 'saved checkpoint'} {path}",
@@ -290,6 +308,20 @@ class _RunCheckpoints:
         self.saver.close(abort=abort)
 
 
+def _warn_of_kept_steps_missed(config: RunConfig, start: int) -> None:
+    """Say so when ``checkpoint.keep_steps`` name steps this run has passed without saving them (they
+    were added to a resumed run's recipe): the branches that start there will be refused."""
+    kept = [step for step in config.checkpoint.keep_steps if step <= start]
+    if not kept or not is_writer():
+        return
+    saved = {checkpoint.step for checkpoint in Checkpoint.every(config.checkpoint.save)}
+    missed = [step for step in kept if step not in saved]
+    if missed:
+        print(f"warning: checkpoint.keep_steps {missed} are at or before this run's start (step {start}) and not in "
+              f"checkpoint.save={config.checkpoint.save!r}: branches from them will be refused until the run is "
+              "trained again from before them", file=sys.stderr, flush=True)
+
+
 def _due(step: int, interval: int, total: int) -> bool:
     """Whether a periodic action (evaluation, saving) runs after ``step``: every ``interval``
     steps and after the last."""
@@ -306,10 +338,14 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
     phases = config.resolved_phases
 
     engine = _build_model_and_engine(config, device)
+    where = f"checkpoint.branch_from={config.checkpoint.branch_from!r}"
     starting_point = load_starting_point(
         engine, config.checkpoint, tokenizer=tokenizer, tokenizer_model=config.tokenizer.tokenizer_model,
-        model_fields=json.loads(json.dumps(config.to_dict()["model"])))  # as saved: lists, not tuples
+        model_fields=json.loads(json.dumps(config.to_dict()["model"])),  # as saved: lists, not tuples
+        branch_check=lambda parent, step: check_saved_parent(parent, config, step, where=where))
     state = starting_point.trainer_state
+    if starting_point.from_parent:
+        state = {key: value for key, value in state.items() if key not in PARENT_ONLY}
     platform.set_rng_state(state)
     start = int(state.get("step", 0))
     first_checkpoint = str(starting_point.checkpoint) if starting_point.checkpoint else None
@@ -321,6 +357,7 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
         return TrainResult(start_step=start, final_step=start, checkpoint=first_checkpoint,
                            skipped_steps=int(state.get("skipped_steps", 0)))
 
+    _warn_of_kept_steps_missed(config, start)
     batches = _build_batches(config, tokenizer, start=start, device=device)
     t = config.training
     stop = StopPolicy(handle_signals=t.exit_signal_handler, duration_minutes=t.exit_duration_in_mins,
@@ -336,13 +373,19 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
         stack.callback(sinks.close)
         log = StepLogger(config, sinks, total_steps=total, start_step=start)
         log.banner(phases)
+        if is_writer() and starting_point.branched_from:
+            origin = starting_point.branched_from
+            print(f"branched from {origin['save']} at step {origin['step']}"
+                  + ("" if starting_point.from_parent else f" (resumed from this run's {first_checkpoint})"),
+                  flush=True)
         checkpoints = _RunCheckpoints(config, engine, tokenizer)
         # No writer process outlives the run: published then stopped, or killed after an error.
         stack.push(lambda error_type, error, traceback: checkpoints.close(abort=error_type is not None))
         engine.checkpoint_model.train()
         _train_steps(config, start=start, total=total, phases=phases, batches=batches, engine=engine,
                      tokenizer=tokenizer, device=device, log=log, guard=guard, checkpoints=checkpoints,
-                     stop=stop, sinks=sinks, result=result, exit_after_step=exit_after_step)
+                     stop=stop, sinks=sinks, result=result, exit_after_step=exit_after_step,
+                     branched_from=starting_point.branched_from)
         checkpoints.wait()  # the last checkpoint is complete when the run returns
         if result.stopped and config.checkpoint.save:
             # Said now, not at exit: a launcher may end this process once another rank has exited.
@@ -358,7 +401,7 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
 def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: _Batches, engine: MegatronEngine,
                  tokenizer: EncoderTokenizer, device: torch.device, log: StepLogger, guard: _NonFiniteGuard,
                  checkpoints: _RunCheckpoints, stop: StopPolicy, sinks: MetricSinks, result: TrainResult,
-                 exit_after_step: int | None) -> None:
+                 exit_after_step: int | None, branched_from: dict | None) -> None:
     """Steps ``start`` to ``total`` (or to the step a stop asks for), with their validations and saves."""
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -382,9 +425,10 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
             stopping = f"exit_after_step={exit_after_step}"
         if done == total:
             stopping = None  # the run is complete, not stopped
-        if config.checkpoint.save and (_due(done, config.checkpoint.save_interval, total) or stopping):
+        kept = done in config.checkpoint.keep_steps  # a step other runs start from
+        if config.checkpoint.save and (_due(done, config.checkpoint.save_interval, total) or stopping or kept):
             result.checkpoint = checkpoints.save(done, _trainer_state(
-                done, config, guard.in_a_row, guard.total, sinks.wandb_run_id))
+                done, config, guard.in_a_row, guard.total, sinks.wandb_run_id, branched_from))
         if stopping:
             result.stopped = stopping
             return

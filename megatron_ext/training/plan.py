@@ -118,6 +118,8 @@ def format_plan(config: RunConfig, plan: RunPlan) -> str:
     lines.append(
         f"checkpoints       save={c.save or '-'} every {c.save_interval} steps, keep {c.keep_last}; "
         f"load={c.load or '-'}{' (weights only: continued pretraining)' if c.finetune else ''}"
+        + (f"; branch from {c.branch_from} at step {c.branch_step}" if c.branch_from else "")
+        + (f"; keeps steps {' '.join(map(str, c.keep_steps))}" if c.keep_steps else "")
     )
     lines.append(f"data              {' '.join(map(str, d.data_path))} (split {d.split})")
     return "\n".join(lines)
