@@ -178,7 +178,7 @@ class RunGroup:
     """Runs of the study that differ only by their pretraining seed: one row of the tables."""
 
     label: str
-    """The runs' name without ``_s<seed>``."""
+    """The run's name; with several runs, the first one's without its ``_s<seed>``."""
     runs: tuple[PlannedRun, ...]
     source: str | None
     """A continued pretraining's source group (its label); None for a run from scratch."""
@@ -216,7 +216,8 @@ def run_groups(plan: StudyPlan) -> list[RunGroup]:
     grouped: dict[tuple, list[PlannedRun]] = {}
     for run in plan.runs:
         grouped.setdefault(key(run), []).append(run)
-    labels = {k: re.sub(rf"_s{runs[0].seed}(?=_|$)", "", runs[0].name) for k, runs in grouped.items()}
+    labels = {k: runs[0].name if len(runs) == 1 else re.sub(rf"_s{runs[0].seed}(?=_|$)", "", runs[0].name)
+              for k, runs in grouped.items()}
     return [RunGroup(label=labels[k], runs=tuple(runs), source=labels[k[3]] if k[3] is not None else None)
             for k, runs in grouped.items()]
 
@@ -806,7 +807,7 @@ def report_markdown(report: StudyReport) -> str:
         "Families: " + "; ".join(f"{family_title(f)}: {', '.join(names)}" for f, names in report.tasks.items())
         + ".", "",
         "## Per-family scores", "", METHOD.format(confidence=CONFIDENCE), "",
-        "| model | kind | size | steps | tokens | runs | " + " | ".join(head) + " | CI over |",
+        "| model | kind | size | steps | pretraining tokens | runs | " + " | ".join(head) + " | CI over |",
         "|---|---|---|---|---|---|" + "---|" * len(head) + "---|",
     ]
 
@@ -821,7 +822,8 @@ def report_markdown(report: StudyReport) -> str:
         first = row.group.first
         lines.append(f"| {row.label} | {first.kind}{f' from {row.group.source}' if row.group.source else ''} | "
                      f"{first.size} | {steps_label(first.train_iters)} | "
-                     f"{tokens_label(first.train_iters * first.tokens_per_step)} | {len(row.models)} | {cells(row)} | "
+                     f"{'+' if row.group.source else ''}{tokens_label(first.train_iters * first.tokens_per_step)} | "
+                     f"{len(row.models)} | {cells(row)} | "
                      f"{over(row)} |")
     if not report.rows:
         lines.append("| (no study run's final checkpoint is evaluated) |" + " |" * (len(head) + 6))

@@ -38,7 +38,7 @@ def plot_figure(figure: Figure) -> bytes:
     families = list(figure.series)
     columns = min(2, len(families))
     rows = math.ceil(len(families) / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.4 * rows), squeeze=False, layout="constrained")
     keys = list(dict.fromkeys(s.color for lines in figure.series.values() for s in lines))
     palette = plt.get_cmap("tab10" if len(keys) <= 10 else "tab20")
     colors = {key: palette(i % palette.N) for i, key in enumerate(keys)}
@@ -66,12 +66,17 @@ def plot_figure(figure: Figure) -> bytes:
         ax.set_ylabel("test score (0-100)")
         ax.set_title(family_title(family))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
     for ax in list(axes.flat)[len(families):]:
         ax.set_visible(False)
+    # One legend below the subplots: a series keeps its colour in every family.
+    handles = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=min(3, len(handles)),
+               fontsize="small")
     bars = any(score.ci95 for lines in figure.series.values() for s in lines for _, score in s.points)
     fig.suptitle(figure.title + (f"; bars: {CONFIDENCE:.0%} CI" if bars else ""))
-    fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
