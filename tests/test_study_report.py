@@ -17,6 +17,7 @@ import yaml
 from scipy import stats
 
 from megatron_ext.cli import study_report as cli
+from megatron_ext.config_loading import UserError
 from megatron_ext.eval import harness
 from megatron_ext.eval.harness import BestLRScores, LRPoint, TaskResult
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir
@@ -207,9 +208,10 @@ def test_a_study_without_the_runs_a_figure_needs(evaluations, tmp_path):
     assert sorted(p.name for p in (tmp_path / "report" / "figures").iterdir()) == [
         "clm_share.png", "lr_sensitivity.png", "tokens.png"]
     assert [row["label"] for row in data["other_models"]] == ["210m_clm_22k_cpt_mlm_40_2k"]
-    summary = json.loads((evaluations["study_eval"] / "summary.json").read_text())
+    summary_path = evaluations["study_eval"] / "summary.json"
+    summary = json.loads(summary_path.read_text())
     for task in TASKS:
-        assert data["rankings"][task] == {"source": f"the harness's ranking in {evaluations['study_eval'] / 'summary.json'}",
+        assert data["rankings"][task] == {"source": f"the harness's ranking in {summary_path}",
                                           "ranking": summary["rankings"][task]}
 
 
@@ -288,3 +290,33 @@ def test_checkpoints_and_pretraining_seeds_join_to_the_plan(tmp_path):
     assert figures["clm_share"].skipped is None and figures["cpt"].skipped == "no CPT runs in this study"
     lr = {s.label: [(x, p.mean) for x, p in s.points] for s in figures["lr_sensitivity"].series["sc"]}
     assert lr["210m_clm_12k"] == [(1e-5, pytest.approx(45.0)), (1e-4, pytest.approx(55.0))]
+
+
+def test_each_figure_names_why_it_is_skipped_and_bad_folders_are_refused(tmp_path):
+    study = _write_study(tmp_path / "study.yaml", {**STUDY, "budgets": [12000], "objectives": [{"objective": "clm"}],
+                                                   "biphasic": None, "cpt": None})
+    plan = plan_study(read_study(study), study)
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "summary.json").write_text(json.dumps({"results": [_result("210m_clm_12k", "a", "sc", {0: 50.0})]}))
+    report = study_report.build_report(plan, [eval_dir])
+    assert {figure.name: figure.skipped for figure in report.figures} == {
+        "clm_share": "the study has fewer than two of the runs it compares (mlm_40, clm); it has clm",
+        "tokens": "no MLM or CLM run is evaluated at two or more token counts (budgets' final checkpoints or "
+                  "RUN@STEP checkpoints)",
+        "cpt": "no CPT runs in this study",
+        "lr_sensitivity": "the evaluations have one fine-tuning LR"}
+    assert report.rows[0].scores["sc"].ci95 is None and report.rows[0].scores["sc"].n == 1  # one seed: no interval
+    assert report.rankings["a"].skipped == "fewer than two models evaluated on it"
+
+    with pytest.raises(UserError, match=f"--eval-dir {tmp_path}: no summary.json"):
+        study_report.build_report(plan, [tmp_path])
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "summary.json").write_text((eval_dir / "summary.json").read_text())
+    with pytest.raises(UserError, match=r"model 210m_clm_12k on task a is in .*eval/summary.json and in "
+                                                     r".*again/summary.json: give each evaluation once"):
+        study_report.build_report(plan, [eval_dir, again])
+    (again / "summary.json").write_text(json.dumps({"results": [{"model": "x"}]}))
+    with pytest.raises(UserError, match=r"again/summary.json: results\[0\]: not a row"):
+        study_report.build_report(plan, [again])

@@ -195,7 +195,7 @@ class EvaluatedCheckpoint:
     run: PlannedRun
     step: int
     tokens: int
-    """Pretraining tokens of the checkpoint (a continued pretraining's: its own, added to the source's)."""
+    """Pretraining tokens of the checkpoint (a continued pretraining's: its own, counted from its step 0)."""
     model: EvaluatedModel
 
     @property
@@ -505,7 +505,8 @@ class _Scores:
                 self.lr_curves[group.label] = pooled
 
 
-def _by_family(tasks: Mapping[str, Sequence[str]], line: Callable[[str], Sequence[Series]]) -> dict[str, tuple[Series, ...]]:
+def _by_family(tasks: Mapping[str, Sequence[str]],
+               line: Callable[[str], Sequence[Series]]) -> dict[str, tuple[Series, ...]]:
     return _drawable({family: tuple(line(family)) for family in tasks})
 
 
@@ -525,8 +526,9 @@ def clm_share_figure(plan: StudyPlan, scores: _Scores, tasks: Mapping[str, Seque
                     xlabel="share of pretraining steps with CLM (%)", x_axis="percent")
     kinds = set(study.scratch_kinds()) & set(shares)
     if len(kinds) < 2:
+        has = ", ".join(sorted(kinds)) or "none"
         return dataclasses.replace(figure, skipped=f"the study has fewer than two of the runs it compares "
-                                                   f"({', '.join(shares)}); it has {', '.join(sorted(kinds)) or 'none'}")
+                                                   f"({', '.join(shares)}); it has {has}")
     lines = [(size.name, budget) for size in study.sizes for budget in study.budgets]
 
     def family_lines(family: str) -> list[Series]:
@@ -865,7 +867,8 @@ def report_markdown(report: StudyReport) -> str:
     if skipped:
         lines += ["Skipped figures:", ""] + [f"- {f.title} (`{f.name}`): {f.skipped}." for f in skipped] + [""]
     lines += ["## Missing evaluations", ""]
-    lines += [f"- {line}" for line in report.missing] if report.missing else ["None: every run is evaluated on every task."]
+    lines += ([f"- {line}" for line in report.missing] if report.missing
+              else ["None: every run is evaluated on every task."])
     if report.notes:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in report.notes]
     return "\n".join(lines) + "\n"
