@@ -19,7 +19,6 @@ from scipy import stats
 from megatron_ext.cli import study_report as cli
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval import harness
-from megatron_ext.eval.harness import BestLRScores, LRPoint, TaskResult
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir
 from megatron_ext.eval.suite import build_task
 from megatron_ext.study import report as study_report
@@ -220,16 +219,15 @@ def test_a_study_without_the_runs_a_figure_needs(evaluations, tmp_path):
 
 def _result(model: str, task: str, family: str, tests: dict[int, float], lrs: dict[float, float] | None = None,
             **row) -> dict:
-    """A summary.json row whose best-LR test scores are ``tests`` (by seed)."""
-    lr_curve = [LRPoint(lr=lr, validation_mean=mean, validation_std=None, test_mean=mean, test_std=None,
-                        test_ci95=None, diverged=0, seeds=len(tests)) for lr, mean in (lrs or {1e-4: 0.0}).items()]
-    result = TaskResult(model=model, task=task, family=family, metric="accuracy", best_lr=1e-4,
-                        test_mean=statistics.fmean(tests.values()), test_ci95=None, test_std=None, validation_mean=0.0,
-                        validation_std=None, seeds=len(tests), diverged_runs=0, runs=len(tests),
-                        best_lr_scores=BestLRScores(seeds=tuple(tests), validation=(0.0,) * len(tests),
-                                                    test=tuple(tests.values())),
-                        lr_curve=tuple(lr_curve), test_examples={})
-    return {**result.to_json(), **row}
+    """A summary.json row (as the harness writes it before several checkpoints per model: ``row``
+    adds those keys) whose best-LR test scores are ``tests`` (by seed)."""
+    lr_curve = [{"lr": lr, "validation_mean": mean, "validation_std": None, "test_mean": mean, "test_std": None,
+                 "test_ci95": None, "diverged": 0, "seeds": len(tests)} for lr, mean in (lrs or {1e-4: 0.0}).items()]
+    return {"model": model, "task": task, "family": family, "metric": "accuracy", "best_lr": 1e-4,
+            "test_mean": statistics.fmean(tests.values()), "test_ci95": None, "test_std": None, "validation_mean": 0.0,
+            "validation_std": None, "seeds": len(tests), "diverged_runs": 0, "runs": len(tests),
+            "best_lr_scores": {"seeds": list(tests), "validation": [0.0] * len(tests), "test": list(tests.values())},
+            "lr_curve": lr_curve, **row}
 
 
 def test_family_scores_average_tasks_per_seed_then_over_seeds():
@@ -267,7 +265,8 @@ def test_checkpoints_and_pretraining_seeds_join_to_the_plan(tmp_path):
     rows.append(_result("210m_clm_12k", "q", "qa", {0: 5.0, 1: 7.0}))
     eval_dir = tmp_path / "eval"
     eval_dir.mkdir()
-    (eval_dir / "summary.json").write_text(json.dumps({"results": rows}))
+    missing_runs = [f"runs/210m_clm_12k/b/lr0.0001_seed{seed}.json" for seed in range(6)]
+    (eval_dir / "summary.json").write_text(json.dumps({"results": rows, "missing_runs": missing_runs}))
     report = study_report.build_report(plan, [eval_dir])
 
     groups = {row.label: row for row in report.rows}
@@ -279,6 +278,9 @@ def test_checkpoints_and_pretraining_seeds_join_to_the_plan(tmp_path):
     assert "qa" in clm.scores and "qa" not in groups["210m_mlm_40_12k"].scores  # only one clm run has q
     assert clm.scores["qa"].over == "fine-tuning seeds"
     assert "210m_mlm_40_12k: not evaluated on q" in report.missing
+    assert report.missing[-1] == (  # a summary written before its grid was complete (--summary-only)
+        f"{eval_dir / 'summary.json'}: written with 6 fine-tuning run(s) not done yet ({', '.join(missing_runs[:5])} "
+        "...); its scores are over the runs done")
     checkpoints = {(c.model.name, c.run.name, c.step, c.tokens) for c in report.checkpoints}
     assert ("210m_clm_12k@6000", "210m_clm_12k", 6000, 6000 * TOKENS_PER_STEP) in checkpoints
     assert ("clm_half", "210m_clm_12k_s7", 3000, 123) in checkpoints

@@ -105,15 +105,24 @@ class EvaluatedModel:
     """By task: the evaluation folder whose ``summary.json`` holds the result."""
 
 
+def _fields_of(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` restricted to the fields of the dataclass ``cls``. The harness's models and rows
+    gain ``base_model``, ``checkpoint_step`` and ``pretrain_tokens`` with several checkpoints per
+    model; the report passes them where the harness has them and reads files written without."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {key: value for key, value in values.items() if key in names}
+
+
 def task_result(row: Mapping[str, Any]) -> TaskResult:
-    """A ``summary.json`` row (:meth:`TaskResult.to_json`) as the harness's :class:`TaskResult`;
-    keys it does not know (``base_model`` ...) are left out, its per-example scores are empty."""
-    nested = {"best_lr_scores", "lr_curve", "test_examples"}
-    fields = {f.name for f in dataclasses.fields(TaskResult)} - nested
+    """A ``summary.json`` row (:meth:`TaskResult.to_json`) as the harness's :class:`TaskResult`,
+    without per-example scores; a row without ``base_model``/``checkpoint_step``/``pretrain_tokens``
+    gets them from :func:`checkpoint_of`."""
+    base, step = checkpoint_of(row)
     scores = row["best_lr_scores"]
-    return TaskResult(**{key: row[key] for key in fields if key in row},
-                      best_lr_scores=BestLRScores(**{key: tuple(values) for key, values in scores.items()}),
-                      lr_curve=tuple(LRPoint(**point) for point in row["lr_curve"]), test_examples={})
+    nested = {"best_lr_scores": BestLRScores(**{key: tuple(values) for key, values in scores.items()}),
+              "lr_curve": tuple(LRPoint(**point) for point in row["lr_curve"]), "test_examples": {}}
+    return TaskResult(**_fields_of(TaskResult, {"base_model": base, "checkpoint_step": step, "pretrain_tokens": None,
+                                                **row, **nested}))
 
 
 def checkpoint_of(row: Mapping[str, Any]) -> tuple[str, int | None]:
@@ -373,13 +382,19 @@ def _with_test_examples(result: TaskResult, eval_dir: Path) -> TaskResult:
             raise _RunsUnavailable(f"no run file {path}")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            task = TaskRef(name=result.task, task_dir=Path(data["task_dir"]), family=result.family,
-                           metric=result.metric)
-            model = ModelRef(name=result.model, hf_dir=Path(data["model_dir"]), source=data["model_source"])
-            spec = RunSpec(model=model, task=task, config=FinetuneConfig(**data["config"]), path=path)
-            records.append(RunRecord.read(spec))
+            task_dir, model_dir, source, config = (data[key] for key in ("task_dir", "model_dir", "model_source",
+                                                                          "config"))
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise _RunsUnavailable(f"{path} is not a run file of the harness ({err!r})") from None
+        base, step = checkpoint_of(result.to_json())
+        model = ModelRef(**_fields_of(ModelRef, {"name": result.model, "hf_dir": Path(model_dir), "source": source,
+                                                 "base_model": base, "checkpoint_step": step,
+                                                 "pretrain_tokens": getattr(result, "pretrain_tokens", None)}))
+        task = TaskRef(name=result.task, task_dir=Path(task_dir), family=result.family, metric=result.metric)
+        try:
+            records.append(RunRecord.read(RunSpec(model=model, task=task, config=FinetuneConfig(**config), path=path)))
+        except (UserError, TypeError) as err:  # written with another FinetuneConfig than today's
+            raise _RunsUnavailable(f"{path}: {err}") from None
     again = aggregate(records, [result.best_lr], records[0].spec.task)
     if abs(again.test_mean - result.test_mean) > 1e-9:
         raise _RunsUnavailable(f"the run files of {result.model} on {result.task} under {eval_dir / 'runs'} give test "
@@ -695,6 +710,19 @@ def missing_evaluations(plan: StudyPlan, joined: Joined, tasks: Mapping[str, Seq
     return lines
 
 
+def incomplete_summaries(summaries: Mapping[Path, Mapping[str, Any]]) -> list[str]:
+    """One line per summary written before its grid was complete (``missing_runs``: the runs
+    without a record, listed by the harness's ``--summary-only``)."""
+    lines = []
+    for eval_dir, summary in summaries.items():
+        missing = summary.get("missing_runs") or []
+        if missing:
+            listed = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            lines.append(f"{eval_dir / SUMMARY_FILE}: written with {len(missing)} fine-tuning run(s) not done yet "
+                         f"({listed}); its scores are over the runs done")
+    return lines
+
+
 def build_report(plan: StudyPlan, eval_dirs: Sequence[str | Path],
                  log: Callable[[str], None] = lambda line: None) -> StudyReport:
     """Join the evaluations of ``eval_dirs`` to ``plan`` and compute the tables, rankings and figures."""
@@ -729,7 +757,8 @@ def build_report(plan: StudyPlan, eval_dirs: Sequence[str | Path],
                                          f"{len(figure.series)} famil{'y' if len(figure.series) == 1 else 'ies'}"))
     return StudyReport(plan=plan, eval_dirs=eval_dirs, tasks=tasks, rows=rows, other_rows=other_rows,
                        task_models=task_models, rankings=rankings, figures=tuple(figures),
-                       missing=tuple(missing_evaluations(plan, joined, tasks)), notes=joined.notes,
+                       missing=tuple(missing_evaluations(plan, joined, tasks) + incomplete_summaries(summaries)),
+                       notes=joined.notes,
                        checkpoints=joined.checkpoints)
 
 
