@@ -486,38 +486,42 @@ def _longest_line(series: Mapping[str, Sequence[Series]]) -> int:
     return max((len(s.points) for lines in series.values() for s in lines), default=0)
 
 
-class _Scores:
-    """Scores of the study's groups: their final checkpoints, and every evaluated checkpoint step."""
+@dataclass(frozen=True, kw_only=True)
+class GroupScores:
+    """Scores of the study's groups (:class:`RunGroup`) that the figures draw."""
 
-    def __init__(self, groups: Sequence[RunGroup], joined: Joined, tasks: Mapping[str, Sequence[str]]):
-        self.groups = list(groups)
-        self.group_of = {run.name: group for group in groups for run in group.runs}
-        self.final: dict[str, dict[str, Score]] = {}
+    groups: tuple[RunGroup, ...]
+    final: Mapping[str, Mapping[str, Score]]
+    """Group label -> family (and :data:`AVERAGE`) -> score of its final checkpoints."""
+    at_step: Mapping[tuple[str, int], tuple[float, Mapping[str, Score]]]
+    """(group label, checkpoint step) -> (pretraining tokens, scores), every evaluated checkpoint."""
+    lr_curves: Mapping[str, Mapping[str, Mapping[float, float]]]
+    """Group label -> family -> LR -> mean test score (over the family's tasks, then the runs)."""
+
+    @classmethod
+    def of(cls, groups: Sequence[RunGroup], joined: Joined, tasks: Mapping[str, Sequence[str]]) -> GroupScores:
+        group_of = {run.name: group for group in groups for run in group.runs}
+        final, lr_curves = {}, {}
         for group in groups:
-            per_run = [model_scores(joined.finals[run.name], tasks) for run in group.runs if run.name in joined.finals]
-            if per_run:
-                self.final[group.label] = pooled_scores(per_run)
-        steps: dict[tuple[str, int], list[EvaluatedCheckpoint]] = {}
-        for checkpoint in joined.checkpoints:
-            steps.setdefault((self.group_of[checkpoint.run.name].label, checkpoint.step), []).append(checkpoint)
-        self.at_step = {key: (statistics.fmean(c.tokens for c in found),
-                              pooled_scores([model_scores(c.model, tasks) for c in found]))
-                        for key, found in steps.items()}
-        """(group label, step) -> (tokens, scores)."""
-        self.lr_curves: dict[str, dict[str, dict[float, float]]] = {}
-        """Group label -> family -> LR -> mean test (over the family's tasks, then the runs)."""
-        for group in groups:
-            curves = [{family: family_lr_curve([joined.finals[run.name].results[t] for t in names])
-                       for family, names in tasks.items()
-                       if all(t in joined.finals[run.name].results for t in names)}
-                      for run in group.runs if run.name in joined.finals]
+            finals = [joined.finals[run.name] for run in group.runs if run.name in joined.finals]
+            if finals:
+                final[group.label] = pooled_scores([model_scores(model, tasks) for model in finals])
+            curves = [{family: family_lr_curve([model.results[t] for t in names]) for family, names in tasks.items()
+                       if all(t in model.results for t in names)} for model in finals]
             pooled = {}
             for family in dict.fromkeys(f for curve in curves for f in curve):
                 runs = [curve[family] for curve in curves if family in curve]
                 lrs = sorted(set.intersection(*(set(curve) for curve in runs)))
                 pooled[family] = {lr: statistics.fmean(curve[lr] for curve in runs) for lr in lrs}
             if pooled:
-                self.lr_curves[group.label] = pooled
+                lr_curves[group.label] = pooled
+        steps: dict[tuple[str, int], list[EvaluatedCheckpoint]] = {}
+        for checkpoint in joined.checkpoints:
+            steps.setdefault((group_of[checkpoint.run.name].label, checkpoint.step), []).append(checkpoint)
+        at_step = {key: (statistics.fmean(c.tokens for c in found),
+                         pooled_scores([model_scores(c.model, tasks) for c in found]))
+                   for key, found in steps.items()}
+        return cls(groups=tuple(groups), final=final, at_step=at_step, lr_curves=lr_curves)
 
 
 def _by_family(tasks: Mapping[str, Sequence[str]],
@@ -529,7 +533,7 @@ def _size_label(plan: StudyPlan, size: str, text: str) -> str:
     return f"{size} {text}" if len(plan.study.sizes) > 1 else text
 
 
-def clm_share_figure(plan: StudyPlan, scores: _Scores, tasks: Mapping[str, Sequence[str]]) -> Figure:
+def clm_share_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, Sequence[str]]) -> Figure:
     """Score vs the share of CLM steps: the MLM run (at the biphasic runs' masking ratio) at 0 %,
     each biphasic split, CLM at 100 %; a line per size and budget."""
     study = plan.study
@@ -563,7 +567,7 @@ def clm_share_figure(plan: StudyPlan, scores: _Scores, tasks: Mapping[str, Seque
     return dataclasses.replace(figure, series=series)
 
 
-def tokens_figure(plan: StudyPlan, scores: _Scores, tasks: Mapping[str, Sequence[str]]) -> Figure:
+def tokens_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, Sequence[str]]) -> Figure:
     """Score vs pretraining tokens for the single-objective runs (MLM, CLM): per kind, a solid line
     through the budgets' final checkpoints and a dashed one through each run's evaluated checkpoints."""
     kinds = [objective.kind for objective in plan.study.objectives]
@@ -599,7 +603,7 @@ def tokens_figure(plan: StudyPlan, scores: _Scores, tasks: Mapping[str, Sequence
     return dataclasses.replace(figure, series=series)
 
 
-def cpt_figure(plan: StudyPlan, scores: _Scores, tasks: Mapping[str, Sequence[str]]) -> Figure:
+def cpt_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, Sequence[str]]) -> Figure:
     """Continued pretraining against added steps: a line per source (CLM, MLM ...) through its
     continuations' final checkpoints, starting at the source's final score at +0."""
     figure = Figure(name="cpt", title="Continued pretraining (MLM) from each source vs added steps",
@@ -625,7 +629,7 @@ def cpt_figure(plan: StudyPlan, scores: _Scores, tasks: Mapping[str, Sequence[st
     return dataclasses.replace(figure, series=series)
 
 
-def lr_figure(plan: StudyPlan, scores: _Scores, tasks: Mapping[str, Sequence[str]]) -> Figure:
+def lr_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, Sequence[str]]) -> Figure:
     """Score vs fine-tuning LR, one line per kind (per size and CPT source) at its longest evaluated
     run: the harness's test means per LR averaged over the family's tasks (and pretraining seeds)."""
     figure = Figure(name="lr_sensitivity", title="Score vs fine-tuning learning rate (mean test score)",
@@ -736,7 +740,7 @@ def build_report(plan: StudyPlan, eval_dirs: Sequence[str | Path],
     joined = join(plan, models)
     tasks = family_tasks(models)
     groups = run_groups(plan)
-    scores = _Scores(groups, joined, tasks)
+    scores = GroupScores.of(groups, joined, tasks)
     log(f"joined {len(models)} evaluated model(s) to the study's {len(plan.runs)} runs: {len(joined.finals)} final "
         f"checkpoint(s), {len(joined.checkpoints) - len(joined.finals)} other checkpoint(s), {len(joined.others)} "
         "other model(s)")
