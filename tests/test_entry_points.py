@@ -17,6 +17,7 @@ from megatron_ext.cli.entry import USER_ERROR_EXIT_CODE, error_line
 from helpers import tiny_recipe
 
 REPO = Path(__file__).resolve().parent.parent
+PAPER_STUDY = REPO / "examples" / "studies" / "paper_610m.yaml"
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 
 
@@ -52,6 +53,9 @@ BAD_INPUTS = {
     "megatron-ext-plot-loss": lambda tmp, corpus: ([str(tmp / "missing")], f"{tmp / 'missing'}: no metrics.jsonl"),
     "megatron-ext-plan-study": lambda tmp, corpus: (
         [str(tmp / "missing.yaml"), "--dry-run"], str(tmp / "missing.yaml")),
+    "megatron-ext-study-report": lambda tmp, corpus: (
+        [str(PAPER_STUDY), "--eval-dir", str(tmp), "--output-dir", str(tmp / "report")],
+        f"--eval-dir {tmp}: no summary.json"),
     "megatron-ext-fill-mask": lambda tmp, corpus: (
         [str(tmp / "missing"), "The [MASK] is here."], f"model_dir {tmp / 'missing'}: no such directory"),
 }

@@ -21,9 +21,9 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {"tokenizer", "schedule", "objectives", "model"},
     {"data", "checkpoint"},
     {"training"},
-    {"study"},  # reads training configs; executors will run the trainer
     {"hf"},
     {"eval"},
+    {"study"},  # reads training configs, runs the trainer, reports the study's evaluations
     {"cli"},
 ))
 """Units (a top-level module or a subpackage) from the bottom up; an import may only name a unit
