@@ -286,7 +286,7 @@ class EvaluationSpec:
     """``--max-eval-examples``."""
     references: tuple[ReferenceSpec, ...] = ()
     """Off-the-shelf models evaluated beside the runs."""
-    output_dir: str = "runs/{study}/eval"
+    output_dir: str = "runs/studies/{study}/eval"
     """Where the evaluation writes (``{study}`` is the study's name); references go to
     ``<output_dir>/references/<name>``."""
     workers: int = 1
