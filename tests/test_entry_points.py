@@ -52,6 +52,8 @@ BAD_INPUTS = {
     "megatron-ext-plot-loss": lambda tmp, corpus: ([str(tmp / "missing")], f"{tmp / 'missing'}: no metrics.jsonl"),
     "megatron-ext-plan-study": lambda tmp, corpus: (
         [str(tmp / "missing.yaml"), "--dry-run"], str(tmp / "missing.yaml")),
+    "megatron-ext-run-study": lambda tmp, corpus: (
+        [str(tmp / "missing.yaml"), "--executor", "local"], f"{tmp / 'missing.yaml'}: no such study file"),
     "megatron-ext-fill-mask": lambda tmp, corpus: (
         [str(tmp / "missing"), "The [MASK] is here."], f"model_dir {tmp / 'missing'}: no such directory"),
 }

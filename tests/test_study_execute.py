@@ -117,13 +117,14 @@ def test_local_failure_blocks_descendants_only_and_reruns_finish(tmp_path, tiny_
     for run in plan["runs"]:
         assert read_recipe(study_dir / "recipes" / f"{run['name']}.yaml") == run["recipe"]
 
-    # 2. With the data in place: SIGINT while the late run trains; it saves its step in flight.
+    # 2. With the data in place: SIGINT while the late run trains (2 ranks under torchrun, whose own
+    # exit code would be 1: the trainer's 75 comes from its exit-status file); it saves its step in flight.
     late.mkdir()
     for suffix in (".bin", ".idx"):
         (late / f"news_text_document{suffix}").symlink_to(tiny_corpus["data"] + suffix)
     metrics = tmp_path / "out" / "late_clm_40" / "log" / "metrics.jsonl"
     executor = subprocess.Popen([sys.executable, str(TOOL), str(study), "--executor", "local", "--study-dir",
-                                 str(study_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 str(study_dir), "--nproc-per-node", "2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline = time.monotonic() + 240
     while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
@@ -138,6 +139,8 @@ def test_local_failure_blocks_descendants_only_and_reruns_finish(tmp_path, tiny_
     assert _row(out, "late_clm_40").endswith(
         f"to do: stopped (exit 75: stopped after step {stopped}: signal SIGTERM); resumes at step {stopped}")
     assert "stopped on SIGINT: run the same command to continue" in out
+    assert re.search(r"^=== .* tools/run_study\.py: bash \S+/examples/launch/single_node\.sh$",
+                     logs["late_clm_40"].read_text(), re.M)
     assert _attempts(logs["late_clm_40_cpt_mlm_40_8"]) == 0
 
     # 3. A dry run says what is left and writes nothing; --only takes a run with the runs it starts from.
