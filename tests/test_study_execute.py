@@ -33,6 +33,7 @@ from helpers import tiny_recipe
 from megatron_ext.checkpoint.config import CheckpointConfig
 from megatron_ext.checkpoint.handle import Checkpoint
 from megatron_ext.cli import run_study as cli
+from megatron_ext.study.execute import StudyDir
 from megatron_ext.training.config import read_recipe
 from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
 
@@ -84,6 +85,7 @@ def _row(out: str, run: str) -> str:
     return rows[-1]
 
 
+@pytest.mark.slow  # six trainer starts (one under torchrun), each ~10 s of imports and set-up
 def test_local_failure_blocks_descendants_only_and_reruns_finish(tmp_path, tiny_corpus, capsys):
     late = tmp_path / "late"  # the second size's data: missing at first
     bases = {"late": _base(tiny_corpus, tmp_path, data={"data_path": [str(late / "news_text_document")],
@@ -154,6 +156,10 @@ def test_local_failure_blocks_descendants_only_and_reruns_finish(tmp_path, tiny_
         str(study_dir / "recipes" / "late_clm_40.yaml"), str(study_dir / "recipes" / "late_clm_40_cpt_mlm_40_8.yaml")]
     assert cli.main([str(study), "--executor", "local", "--study-dir", str(study_dir), "--only", "nope"]) == 2
     assert "--only: no run named nope in study grid; its runs: late_clm_40, " in capsys.readouterr().err
+    with StudyDir(root=study_dir).lock():  # another executor on this study: refused, nothing started
+        assert cli.main([str(study), "--executor", "local", "--study-dir", str(study_dir)]) == 2
+    assert f"run_study.py: error: {study_dir}: another run_study.py (pid {os.getpid()}) is executing this study" \
+        in capsys.readouterr().err
 
     # 4. The rerun skips what is complete, resumes the stopped run and trains its CPT.
     code = cli.main([str(study), "--executor", "local", "--study-dir", str(study_dir)])

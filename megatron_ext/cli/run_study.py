@@ -72,20 +72,24 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_study(read_study(args.study), args.study)
     study_dir = StudyDir.for_plan(plan, args.study_dir)
     selected = select_runs(plan, args.only)
-    if args.executor == "local":
-        from megatron_ext.study.local import LocalExecutor, LocalOptions
 
-        executor = LocalExecutor(plan, study_dir, selected, LocalOptions(
-            nproc_per_node=args.nproc_per_node, progress_interval=args.progress_interval))
-    else:
+    def executor():
+        if args.executor == "local":
+            from megatron_ext.study.local import LocalExecutor, LocalOptions
+
+            return LocalExecutor(plan, study_dir, selected, LocalOptions(
+                nproc_per_node=args.nproc_per_node, progress_interval=args.progress_interval))
         from megatron_ext.study.slurm import SlurmExecutor, SlurmOptions
 
-        executor = SlurmExecutor(plan, study_dir, selected, SlurmOptions(
+        return SlurmExecutor(plan, study_dir, selected, SlurmOptions(
             sbatch_args=tuple(args.sbatch_arg), wait=args.wait, poll_interval=args.poll_interval))
-    if not args.dry_run:
+
+    if args.dry_run:
+        return executor().run(dry_run=True)
+    with study_dir.lock():  # one executor at a time writes the study directory and trains or submits
         write_plan(plan, study_dir)
         print(f"wrote {study_dir.plan_json} and {len(plan.runs)} recipes", flush=True)
-    return executor.run(dry_run=args.dry_run)
+        return executor().run(dry_run=False)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,15 @@ from megatron_ext.training.step_log import duration
 REPO_DIR = Path(__file__).resolve().parents[2]
 """The repository: ``pretrain_encoder.py`` and ``examples/launch/``, which the executors start."""
 
+def repository_file(relative: str) -> Path:
+    """A file of the repository that the executors start (``pretrain_encoder.py``, a launch script)."""
+    path = REPO_DIR / relative
+    if not path.is_file():
+        raise UserError(f"{path}: no such file; run_study.py starts the repository's pretrain_encoder.py and "
+                        "examples/launch/ scripts: use it from a clone (pip install -e .)")
+    return path
+
+
 STUDY_DIR = "runs/studies/{study}"
 """The study directory when none is given (relative to the working directory)."""
 

@@ -41,6 +41,7 @@ from megatron_ext.study.execute import (
     first_step,
     format_status,
     log_tail,
+    repository_file,
     say,
     saved_step,
     steps_left,
@@ -74,8 +75,8 @@ class LocalOptions:
 def trainer_command(recipe: Path, options: LocalOptions) -> tuple[list[str], dict[str, str]]:
     """The command that trains ``recipe``, and the environment it adds."""
     if options.nproc_per_node == 1:
-        return [sys.executable, str(REPO_DIR / "pretrain_encoder.py"), "--config", str(recipe)], {}
-    return (["bash", str(REPO_DIR / "examples" / "launch" / "single_node.sh")],
+        return [sys.executable, str(repository_file("pretrain_encoder.py")), "--config", str(recipe)], {}
+    return (["bash", str(repository_file("examples/launch/single_node.sh"))],
             {"RECIPE": str(recipe), "GPUS_PER_NODE": str(options.nproc_per_node), "PYTHON": sys.executable,
              "REPO_DIR": str(REPO_DIR)})
 
@@ -158,7 +159,8 @@ class LocalExecutor:
 
     def run(self, *, dry_run: bool) -> int:
         """0: every selected segment complete; 1: one failed (its descendants blocked); 75: stopped
-        on request (run again to continue)."""
+        on request (run again to continue). Unless ``dry_run``, the caller holds the study
+        directory's lock."""
         self.out(self.table())
         todo = [s for s in tree_order(self.plan)
                 if s.run in self.selected and self.states[s.run].status != "complete"]
@@ -173,7 +175,7 @@ class LocalExecutor:
                 self.out(f"  {prefix}{' '.join(command)}")
             return 0
         progress = Progress({s.run: steps_left(self.plan, s) for s in todo})
-        with self.study_dir.lock(), processes.signal_handlers(STOP_SIGNALS, self.stop):
+        with processes.signal_handlers(STOP_SIGNALS, self.stop):
             for index, segment in enumerate(todo, 1):
                 if self.stop.signal is not None:
                     break

@@ -45,6 +45,7 @@ from megatron_ext.study.execute import (
     failed_ancestor,
     format_status,
     log_tail,
+    repository_file,
     say,
     steps_left,
     tree_order,
@@ -75,8 +76,6 @@ class SlurmOptions:
     """Follow the jobs until none is pending or running."""
     poll_interval: float = 30.0
     """Seconds between looks at the queue while following."""
-    script: Path = REPO_DIR / "examples" / "launch" / "slurm.sbatch"
-    """The batch script of every job."""
 
     def __post_init__(self) -> None:
         for flag in self.sbatch_args:
@@ -228,7 +227,7 @@ class SlurmExecutor:
                 *self.plan.study.sbatch, *size.sbatch, *self.options.sbatch_args, "--kill-on-invalid-dep=yes"]
         if after is not None:
             argv.append(f"--dependency=afterok:{after}")
-        argv.append(str(self.options.script))
+        argv.append(str(repository_file("examples/launch/slurm.sbatch")))
         env = {"RECIPE": str(self.study_dir.recipe(run.name).resolve()), "REPO_DIR": str(REPO_DIR),
                "PYTHON": os.environ.get("PYTHON", sys.executable)}
         return argv, env
@@ -284,7 +283,8 @@ class SlurmExecutor:
 
     def run(self, *, dry_run: bool) -> int:
         """0: submitted (``wait``: every selected segment complete); 1 (``wait``): a segment failed or
-        is blocked; 75: stopped following on a signal (the jobs go on)."""
+        is blocked; 75: stopped following on a signal (the jobs go on). Unless ``dry_run``, the
+        caller holds the study directory's lock."""
         states = self.states()
         self.out(self.table(states))
         if all(states[r].status == "complete" for r in self.selected):
@@ -294,14 +294,13 @@ class SlurmExecutor:
             self.out("would submit (in the working directory; <job of X>: the job id X gets):")
             self.submit(states, dry_run=True)
             return 0
-        with self.study_dir.lock():
-            self.submit(states, dry_run=False)
-            states = self.states()
-            self.out(self.table(states))
-            if not self.options.wait:
-                return 0
-            with processes.signal_handlers((signal.SIGINT, signal.SIGTERM), self._on_signal):
-                states = self._follow(states)
+        self.submit(states, dry_run=False)
+        states = self.states()
+        self.out(self.table(states))
+        if not self.options.wait:
+            return 0
+        with processes.signal_handlers((signal.SIGINT, signal.SIGTERM), self._on_signal):
+            states = self._follow(states)
         self.out(self.table(states))
         if self.stop_signal is not None:
             self.out(f"stopped following on {self.stop_signal}; the jobs go on: "
