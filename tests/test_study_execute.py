@@ -89,7 +89,7 @@ def _row(out: str, run: str) -> str:
 def test_local_failure_blocks_descendants_only_and_reruns_finish(tmp_path, tiny_corpus, capsys):
     late = tmp_path / "late"  # the second size's data: missing at first
     bases = {"late": _base(tiny_corpus, tmp_path, data={"data_path": [str(late / "news_text_document")],
-                                                         "micro_batch_size": 16, "global_batch_size": 64}),
+                                                         "micro_batch_size": 16, "global_batch_size": 32}),
              "tiny": _base(tiny_corpus, tmp_path)}
     study = _study(tmp_path, "grid", bases)
     study_dir = tmp_path / "study_dir"
@@ -161,11 +161,14 @@ def test_local_failure_blocks_descendants_only_and_reruns_finish(tmp_path, tiny_
     assert f"run_study.py: error: {study_dir}: another run_study.py (pid {os.getpid()}) is executing this study" \
         in capsys.readouterr().err
 
-    # 4. The rerun skips what is complete, resumes the stopped run and trains its CPT.
-    code = cli.main([str(study), "--executor", "local", "--study-dir", str(study_dir)])
+    # 4. The rerun skips what is complete, resumes the stopped run and trains its CPT, saying where
+    # the running one is every second.
+    code = cli.main([str(study), "--executor", "local", "--study-dir", str(study_dir), "--progress-interval", "1"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert f"[1/2] late_clm_40: training steps {stopped} to {TRUNK_STEPS}" in out
+    assert re.search(r"^\[1/2\] late_clm_40: (starting|step \d+/40), running for 0m0\ds \| study: 0/2 segments, "
+                     rf"0/{TRUNK_STEPS - stopped + CPT_STEPS} steps, elapsed", out, re.M), out
     assert re.search(rf"^training \d+ steps from step {stopped}:", logs["late_clm_40"].read_text(), re.M)
     assert "[2/2] late_clm_40_cpt_mlm_40_8: complete" in out
     assert all(_row(out, run).endswith("complete") for run in save)
