@@ -56,6 +56,8 @@ BAD_INPUTS = {
     "megatron-ext-study-report": lambda tmp, corpus: (
         [str(PAPER_STUDY), "--eval-dir", str(tmp), "--output-dir", str(tmp / "report")],
         f"--eval-dir {tmp}: no summary.json"),
+    "megatron-ext-run-study": lambda tmp, corpus: (
+        [str(tmp / "missing.yaml"), "--executor", "local"], f"{tmp / 'missing.yaml'}: no such study file"),
     "megatron-ext-fill-mask": lambda tmp, corpus: (
         [str(tmp / "missing"), "The [MASK] is here."], f"model_dir {tmp / 'missing'}: no such directory"),
 }

@@ -7,7 +7,8 @@ A study file (examples/studies/) names base recipes per size, budgets, objective
 shares, continued pretraining and seeds. --dry-run prints the segment tree (where each run
 starts from, the steps it trains, the checkpoints it keeps for its children), each run's steps
 alone and in the tree, and the steps and tokens the tree saves against separate runs. --plan-json
-writes the runs (full recipes) and segments as JSON. Reads no data and no tokenizer.
+writes the runs (full recipes) and segments as JSON. Reads no data and no tokenizer. Training the
+study: tools/run_study.py.
 
 Exit status: 0 done; 2 bad input (one line naming the file and key).
 """
@@ -35,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.dry_run and args.plan_json is None:
-        parser.error("nothing to do: give --dry-run (print the plan) and/or --plan-json PATH; training a study "
-                     "(the executors) is not implemented yet")
+        parser.error("nothing to do: give --dry-run (print the plan) and/or --plan-json PATH; to train the "
+                     "study: tools/run_study.py")
     from megatron_ext.fileio import write_atomic
     from megatron_ext.study.plan import plan_study, plan_to_dict
     from megatron_ext.study.render import format_plan

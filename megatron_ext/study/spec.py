@@ -4,7 +4,7 @@ A YAML mapping (``examples/studies/``)::
 
     name: paper_610m                      # used in output paths ({study})
     sizes:                                # one base recipe per model size (relative to this file)
-      - {name: 610m, base: ../recipes/base/610m.yaml}
+      - {name: 610m, base: ../recipes/base/610m.yaml, sbatch: [--nodes=8, --time=24:00:00]}
     budgets: [12000, 22000, 42000]        # train_iters of every from-scratch run
     objectives:                           # one run per objective x budget
       - {objective: mlm, mask_ratio: 0.4}
@@ -29,6 +29,7 @@ A YAML mapping (``examples/studies/``)::
       references: [{name: ettin-150m, path: /models/ettin-150m, lrs: [5.0e-5]}]
       output_dir: /eval/{study}
       workers: 8                          # evaluate.py processes sharing the grid
+    sbatch: [--partition=gpu]             # slurm executor: flags of every job (a size's come after)
 
 Every section is a kw-only frozen dataclass read with ``config_loading.build_dataclass``: unknown
 keys are errors naming the key and the valid ones, values are converted or refused by key.
@@ -94,6 +95,13 @@ def check_overrides(overrides: Any, where: str) -> None:
                                  "(budgets, seeds, cpt, output); remove it")
 
 
+def check_sbatch_flags(flags: tuple[str, ...], where: str) -> None:
+    """Each of ``flags`` is one sbatch option (``--nodes=8``), not a script or a positional value."""
+    for flag in flags:
+        if not flag.startswith("-"):
+            raise ValueError(f"{where}: {flag!r} is not an sbatch option; write each as --name=value")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SizeSpec:
     """One model size and the recipe its runs start from."""
@@ -103,10 +111,14 @@ class SizeSpec:
     base: str
     """Base recipe (a YAML of ``pretrain_encoder.py --config``, ``base:`` links followed), relative
     to the study file; it must not set ``phases`` (the study does)."""
+    sbatch: tuple[str, ...] = ()
+    """``tools/run_study.py --executor slurm``: sbatch flags of this size's jobs (its resources:
+    ``--nodes=8``, ``--time=24:00:00``), after the study's ``sbatch``."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
             raise ValueError(f"name {self.name!r}: use letters, digits, '_', '.', '-'")
+        check_sbatch_flags(self.sbatch, "sbatch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -338,6 +350,9 @@ class Study:
     """Output paths of each run."""
     evaluation: EvaluationSpec | None = None
     """How the runs are evaluated; None: the study trains only."""
+    sbatch: tuple[str, ...] = ()
+    """``tools/run_study.py --executor slurm``: sbatch flags of every job (``--partition=gpu``,
+    ``--account=...``); each size's ``sbatch`` and the command line's ``--sbatch-arg`` come after."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -356,6 +371,7 @@ class Study:
         if not self.objectives and self.biphasic is None:
             raise ValueError("no runs: give objectives and/or biphasic")
         check_overrides(self.overrides, "overrides")
+        check_sbatch_flags(self.sbatch, "sbatch")
         if self.cpt is not None:
             kinds = self.scratch_kinds()
             unknown = [s for s in self.cpt.sources if s not in kinds]

@@ -1,0 +1,12 @@
+"""Train a study: its segments on this machine or as SLURM jobs, parents before children.
+
+The implementation is ``megatron_ext/cli/run_study.py``; ``pip install -e .`` (``make setup``) also
+installs it as the ``megatron-ext-run-study`` command.
+"""
+
+import sys
+
+from megatron_ext.cli.run_study import main
+
+if __name__ == "__main__":
+    sys.exit(main())
