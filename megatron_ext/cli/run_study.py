@@ -23,6 +23,12 @@ relative to: the trainers run there.
          A rerun leaves pending and running jobs alone and resubmits failed or cancelled segments
          and the ones below them. --wait: follow the jobs until they end.
 
+Then, with the local executor, the study's evaluation: section (when it has one; not with --only
+or --train-only): tools/evaluate.py over every run (and each reference model) with
+evaluation.workers processes sharing each grid, logs in <study dir>/logs/evaluation/, outputs in
+evaluation.output_dir; finished fine-tuning runs are reused on a rerun. Then the report
+(tools/study_report.py: tables and the paper's figures) into <evaluation.output_dir>/report/.
+
 Exit status: 0 every selected segment complete (slurm without --wait: all submitted); 1 a segment
 failed or is blocked; 2 bad input (one line naming it); 75 stopped on request (rerun to continue).
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from megatron_ext.cli.entry import ArgumentParser, entry_point
 
@@ -44,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="plan, recipes, logs and jobs of the study [runs/studies/<study name>]")
     parser.add_argument("--only", nargs="+", default=None, metavar="RUN",
                         help="train these runs (and the runs they start from) only")
+    parser.add_argument("--train-only", action="store_true",
+                        help="local: stop once the runs are trained (default: then the study's evaluation: "
+                             "section and its report)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the status and what would be trained or submitted; "
                              "write and start nothing")
@@ -89,7 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     with study_dir.lock():  # one executor at a time writes the study directory and trains or submits
         write_plan(plan, study_dir)
         print(f"wrote {study_dir.plan_json} and {len(plan.runs)} recipes", flush=True)
-        return executor().run(dry_run=False)
+        started = time.perf_counter()
+        code = executor().run(dry_run=False)
+        if code != 0 or args.executor != "local" or args.only or args.train_only or plan.study.evaluation is None:
+            return code
+        print(f"training: every run complete ({time.perf_counter() - started:.0f} s)", flush=True)
+        from megatron_ext.study.evaluation import evaluate_and_report_locally
+
+        evaluate_and_report_locally(plan, log_dir=study_dir.logs / "evaluation")
+        return 0
 
 
 if __name__ == "__main__":

@@ -136,3 +136,25 @@ def run_grids_locally(grids: list[EvaluationGrid], *, workers: int, log_dir: Pat
             tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-15:]
             raise UserError(f"evaluation {grid.name}: a worker failed (exit {rc}); log {log}:\n  " + "\n  ".join(tail))
         print(f"evaluation: {grid.name} done in {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def evaluate_and_report_locally(plan: StudyPlan, *, log_dir: Path) -> Path:
+    """The study's evaluation stage on this machine (every grid with ``evaluation.workers``
+    processes; finished fine-tuning runs are reused), then its report; returns the report folder."""
+    from megatron_ext.study.report import build_report
+    from megatron_ext.study.report_files import write_report
+
+    spec = evaluation_spec(plan)
+    grids = evaluation_grids(plan)
+    started = time.perf_counter()
+    run_grids_locally(grids, workers=spec.workers, log_dir=log_dir)
+    evaluated = time.perf_counter()
+
+    def log(line: str) -> None:
+        print(f"report: {line}", flush=True)
+
+    report = build_report(plan, [grid.output_dir for grid in grids], log=log)
+    write_report(report, report_dir(plan), log=log)
+    print(f"evaluation {evaluated - started:.0f} s, report {time.perf_counter() - evaluated:.0f} s: "
+          f"{report_dir(plan) / 'report.md'}", flush=True)
+    return report_dir(plan)
