@@ -41,6 +41,11 @@ class Checkpoint:
         found = core.latest_checkpoint(location) if location else None
         return cls(found) if found is not None else None
 
+    @classmethod
+    def all_in(cls, save_dir: str | os.PathLike) -> list[Checkpoint]:
+        """Every complete checkpoint in the save directory ``save_dir``, oldest first (none: [])."""
+        return [cls(path) for path in core._complete_checkpoints(Path(save_dir))]
+
     def _json(self, name: str) -> dict:
         return json.loads((self.path / name).read_text())
 
