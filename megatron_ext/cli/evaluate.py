@@ -28,11 +28,13 @@ Workers: start this same command N times (processes, or a SLURM job array) on on
 record), so it is done once; a claim without a heartbeat for --claim-timeout seconds (or of a dead
 process on the same host) is taken over. A worker exits when nothing is left to claim; the last
 to finish writes the summary. --summary-only writes it from the runs present, listing the missing.
+SIGTERM or SIGUSR1 (a scheduler's stop) gives the run in flight back at once, then exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -43,6 +45,11 @@ from megatron_ext.eval.families import FAMILIES
 from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS
 from megatron_ext.eval.suite import TASKS
 from megatron_ext.cli.entry import ArgumentParser, entry_point
+from megatron_ext.processes import signal_handlers
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""A scheduler's stop (SLURM: SIGTERM at the time limit or on scancel; SIGUSR1, the usual warning):
+the worker gives back its claim on the run in flight, so another takes it over at once."""
 
 
 def default_tasks() -> list[str]:
@@ -104,9 +111,17 @@ def main(argv: list[str] | None = None) -> int:
                                                ("max_eval_examples", args.max_eval_examples),
                                                ("device", args.device)) if value is not None}
     tasks = args.tasks or tasks_without_flag(args.benchmarks_dir)
-    evaluation = evaluate_models(args.models, tasks, output_dir=args.output_dir, lrs=args.lrs, seeds=args.seeds,
-                                 overrides=overrides, suite_dir=args.suite_dir, benchmarks_dir=args.benchmarks_dir,
-                                 claims=ClaimPolicy(timeout_s=args.claim_timeout), summary_only=args.summary_only)
+
+    def stop(signum: int, _frame) -> None:
+        print(f"evaluate.py: {signal.Signals(signum).name} received: the run in flight is given back to the "
+              "other workers", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)  # leaving the claim's block releases it
+
+    with signal_handlers(STOP_SIGNALS, stop):
+        evaluation = evaluate_models(args.models, tasks, output_dir=args.output_dir, lrs=args.lrs, seeds=args.seeds,
+                                     overrides=overrides, suite_dir=args.suite_dir,
+                                     benchmarks_dir=args.benchmarks_dir,
+                                     claims=ClaimPolicy(timeout_s=args.claim_timeout), summary_only=args.summary_only)
     done = (f"{evaluation.executed} run(s) fine-tuned, {evaluation.reused} reused"
             + (f", {evaluation.by_others} by other workers" if evaluation.by_others else ""))
     if not evaluation.summary_written:
