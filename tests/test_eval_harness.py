@@ -189,7 +189,8 @@ TASK = harness.TaskRef(name="t", task_dir=Path("."), family="sc", metric="accura
 
 def _record(lr: float, seed: int, validation: float, test: float, status: str = "ok",
             per_example: dict | None = None) -> harness.RunRecord:
-    spec = harness.RunSpec(model=harness.ModelRef(name="m", hf_dir=Path("m"), source="m"), task=TASK,
+    spec = harness.RunSpec(model=harness.ModelRef(name="m", hf_dir=Path("m"), source="m", base_model="m",
+                                                  checkpoint_step=None, pretrain_tokens=None), task=TASK,
                            config=FinetuneConfig(lr=lr, seed=seed), path=Path("run.json"))
     return harness.RunRecord(spec=spec, status=status, metric="accuracy" if status == "ok" else None,
                              validation=validation, test=test, steps=None, seconds=0.0, extra={},
@@ -266,7 +267,8 @@ def test_models_are_ranked_on_their_test_examples():
 
     def result(model: str, task: str, test_examples: dict) -> harness.TaskResult:
         return harness.TaskResult(
-            model=model, task=task, family="sc", metric="accuracy", best_lr=1e-5, test_mean=1.0, test_ci95=None,
+            model=model, base_model=model, checkpoint_step=None, pretrain_tokens=None, task=task, family="sc",
+            metric="accuracy", best_lr=1e-5, test_mean=1.0, test_ci95=None,
             test_std=None, validation_mean=1.0, validation_std=None, seeds=1, diverged_runs=0, runs=1,
             best_lr_scores=harness.BestLRScores(seeds=(0,), validation=(1.0,), test=(1.0,)), lr_curve=(),
             test_examples=test_examples)
