@@ -46,9 +46,10 @@ demo: demo-data
 	$(PY) tools/export_hf_checkpoint.py --checkpoint runs/demo/checkpoints --output-dir runs/demo/hf_eurobert --overwrite
 	$(PY) tools/fill_mask.py runs/demo/hf_eurobert
 
-# The paper's comparison in miniature (examples/paper_in_miniature): about an hour on 2 CPU cores.
-miniature: setup
-	$(PY) examples/paper_in_miniature/run.py
+# The paper in miniature: a study (examples/studies/miniature.yaml) trained, evaluated and reported
+# by the local executor, the code path of a cluster study. Rerunning skips what is complete.
+miniature: demo-data
+	$(PY) tools/run_study.py examples/studies/miniature.yaml --executor local
 
 test: setup
 	$(PY) -m pytest -q tests
