@@ -209,9 +209,13 @@ def _times(info: dict[str, str]) -> tuple[float, float]:
 @pytest.mark.slow
 def test_slurm_dependencies_failure_and_rerun(slurm_cluster, tiny_corpus, tmp_path):
     """Two seeds, each a run and its CPT (4 jobs, 2 nodes). The CPU user's flags come from the study
-    (``--nodes=1``), the size (``--gpus-per-node=0``) and the command line (``--time``)."""
+    (``--nodes=1``), the size (``--gpus-per-node=0``) and the command line (``--time``). Once every
+    run is trained, the evaluation is a job array of two workers, then the report."""
+    evaluation = {"tasks": ["rt_sentiment"], "lrs": [1e-3], "seeds": [0], "max_steps": 2, "max_length": 64,
+                  "max_eval_examples": 16, "output_dir": str(tmp_path / "eval"), "workers": 2,
+                  "sbatch": ["--gpus=0", "--cpus-per-task=1"]}
     study = _study(tmp_path, "sl", {"tiny": _base(tiny_corpus, tmp_path)}, {"sbatch": ["--gpus-per-node=0"]},
-                   seeds=[1, 2], sbatch=["--nodes=1"])
+                   seeds=[1, 2], sbatch=["--nodes=1"], evaluation=evaluation)
     study_dir = tmp_path / "study_dir"
     env = {**{k: v for k, v in slurm_cluster.env.items() if k not in LAUNCH_ENV}, "GPUS_PER_NODE": "1",
            "PYTHONPATH": str(REPO)}
@@ -278,3 +282,16 @@ def test_slurm_dependencies_failure_and_rerun(slurm_cluster, tiny_corpus, tmp_pa
     assert all(_row(second.stdout, run).endswith(f"complete: job {again[run][-1]}") for run in runs)
     for run, steps in zip(runs, (TRUNK_STEPS, CPT_STEPS, TRUNK_STEPS, CPT_STEPS)):
         assert _step(tmp_path / "out" / run / "ckpt") == steps
+
+    # The failed first call submitted no evaluation; the second, once training was complete, the
+    # array of two workers (the evaluation's own flags), which fine-tuned each run once; then the report.
+    assert "evaluation: not started, the training is not complete" in out
+    array = json.loads((study_dir / "evaluation_jobs.json").read_text())["runs"]
+    assert f"submitted evaluation runs: array job {array} (2 task(s))" in second.stdout
+    tasks = [slurm_cluster.job(f"{array}_{task}") for task in range(2)]
+    assert [t["JobState"] for t in tasks] == ["COMPLETED"] * 2 and tasks[0]["JobName"] == "sl.eval.runs"
+    assert tasks[0]["NumCPUs"] == "1"
+    records = sorted((tmp_path / "eval" / "runs").glob("*/rt_sentiment/*.json"))
+    assert sorted(r.parent.parent.name for r in records) == sorted(runs)
+    report = json.loads((tmp_path / "eval" / "report" / "report.json").read_text())
+    assert report["missing"] == [] and len(report["study_models"]) == 2  # seeds 1 and 2 pooled per run kind

@@ -29,6 +29,11 @@ evaluation.workers processes sharing each grid, logs in <study dir>/logs/evaluat
 evaluation.output_dir; finished fine-tuning runs are reused on a rerun. Then the report
 (tools/study_report.py: tables and the paper's figures) into <evaluation.output_dir>/report/.
 
+With the slurm executor, each grid is a job array of evaluation.workers tasks
+(examples/launch/evaluate.sbatch) submitted after the training jobs still queued (afterok), its
+ids in <study dir>/evaluation_jobs.json; the report is written by the command that finds every
+grid finished (with --wait: this one, once the arrays end).
+
 Exit status: 0 every selected segment complete (slurm without --wait: all submitted); 1 a segment
 failed or is blocked; 2 bad input (one line naming it); 75 stopped on request (rerun to continue).
 """
@@ -52,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", nargs="+", default=None, metavar="RUN",
                         help="train these runs (and the runs they start from) only")
     parser.add_argument("--train-only", action="store_true",
-                        help="local: stop once the runs are trained (default: then the study's evaluation: "
+                        help="stop once the runs are trained (slurm: submitted); default: then the study's evaluation: "
                              "section and its report)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the status and what would be trained or submitted; "
@@ -100,14 +105,43 @@ def main(argv: list[str] | None = None) -> int:
         write_plan(plan, study_dir)
         print(f"wrote {study_dir.plan_json} and {len(plan.runs)} recipes", flush=True)
         started = time.perf_counter()
-        code = executor().run(dry_run=False)
-        if code != 0 or args.executor != "local" or args.only or args.train_only or plan.study.evaluation is None:
+        trainer = executor()
+        code = trainer.run(dry_run=False)
+        if args.only or args.train_only or plan.study.evaluation is None:
             return code
-        print(f"training: every run complete ({time.perf_counter() - started:.0f} s)", flush=True)
-        from megatron_ext.study.evaluation import evaluate_and_report_locally
+        if code != 0:
+            print("evaluation: not started, the training is not complete (above); the same command finishes it, "
+                  "then evaluates", flush=True)
+            return code
+        if args.executor == "local":
+            print(f"training: every run complete ({time.perf_counter() - started:.0f} s)", flush=True)
+            from megatron_ext.study.evaluation import evaluate_and_report_locally
 
-        evaluate_and_report_locally(plan, log_dir=study_dir.logs / "evaluation")
-        return 0
+            evaluate_and_report_locally(plan, log_dir=study_dir.logs / "evaluation")
+            return 0
+        return _evaluate_on_slurm(plan, study_dir, trainer, args)
+
+
+def _evaluate_on_slurm(plan, study_dir, trainer, args: argparse.Namespace) -> int:
+    """Submit the evaluation arrays after the training jobs still queued; with --wait, follow them
+    and write the report; without, write it once every grid is finished (a later run)."""
+    from megatron_ext.study.evaluation import SlurmEvaluation
+
+    states = trainer.states()
+    unfinished = [run for run, state in states.items() if state.status in ("failed", "blocked", "to do")]
+    if unfinished:
+        print(f"evaluation: not submitted, {len(unfinished)} segment(s) failed or blocked "
+              f"({', '.join(unfinished[:5])}{', ...' if len(unfinished) > 5 else ''})", flush=True)
+        return 1
+    queued = [trainer.jobs.latest(run).job_id for run, state in states.items()
+              if state.status in ("pending", "running")]
+    evaluation = SlurmEvaluation(plan=plan, jobs_file=study_dir.root / "evaluation_jobs.json",
+                                 logs=study_dir.logs / "evaluation", sbatch_args=tuple(args.sbatch_arg))
+    evaluation.submit(after=queued, dry_run=False)
+    if args.wait:
+        evaluation.follow(args.poll_interval)
+    evaluation.report_if_finished()
+    return 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ executors start the copies: ``local`` as processes on this machine (:func:`run_g
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext.config_loading import UserError
+from megatron_ext.fileio import write_atomic
 from megatron_ext.study.plan import StudyPlan
 from megatron_ext.study.spec import EvaluationSpec, ReferenceSpec
 
@@ -114,6 +116,16 @@ def worker_environment(workers: int) -> dict[str, str]:
     return env
 
 
+def prepare_tasks(plan: StudyPlan) -> None:
+    """Build the evaluation's suite tasks (and load every split) here, once, before its workers start:
+    they would otherwise each build what is missing at the same time, hours into a study."""
+    spec = evaluation_spec(plan)
+    if spec.tasks:  # otherwise evaluate.py picks them (the paper's benchmarks or the suite)
+        from megatron_ext.eval.harness import resolve_tasks
+
+        resolve_tasks(list(spec.tasks))
+
+
 def run_grids_locally(grids: list[EvaluationGrid], *, workers: int, log_dir: Path) -> None:
     """Run each grid with ``workers`` copies of its command at once on this machine; the logs go
     to ``log_dir``. Raises ``UserError`` naming the log of a worker that failed."""
@@ -141,20 +153,121 @@ def run_grids_locally(grids: list[EvaluationGrid], *, workers: int, log_dir: Pat
 def evaluate_and_report_locally(plan: StudyPlan, *, log_dir: Path) -> Path:
     """The study's evaluation stage on this machine (every grid with ``evaluation.workers``
     processes; finished fine-tuning runs are reused), then its report; returns the report folder."""
-    from megatron_ext.study.report import build_report
-    from megatron_ext.study.report_files import write_report
-
     spec = evaluation_spec(plan)
     grids = evaluation_grids(plan)
     started = time.perf_counter()
+    prepare_tasks(plan)
     run_grids_locally(grids, workers=spec.workers, log_dir=log_dir)
     evaluated = time.perf_counter()
+    path = write_study_report(plan, grids)
+    print(f"evaluation {evaluated - started:.0f} s, report {time.perf_counter() - evaluated:.0f} s: {path}", flush=True)
+    return path.parent
+
+
+def grid_finished(grid: EvaluationGrid) -> bool:
+    """Whether ``grid``'s summary covers every run of it (the last worker writes it; a summary written
+    on demand from a partial grid lists its ``missing_runs``)."""
+    path = grid.output_dir / "summary.json"
+    if not path.is_file():
+        return False
+    return not json.loads(path.read_text()).get("missing_runs")
+
+
+def write_study_report(plan: StudyPlan, grids: list[EvaluationGrid]) -> Path:
+    """The study's report from the grids' summaries into ``report_dir(plan)``."""
+    from megatron_ext.study.report import build_report
+    from megatron_ext.study.report_files import write_report
 
     def log(line: str) -> None:
         print(f"report: {line}", flush=True)
 
     report = build_report(plan, [grid.output_dir for grid in grids], log=log)
     write_report(report, report_dir(plan), log=log)
-    print(f"evaluation {evaluated - started:.0f} s, report {time.perf_counter() - evaluated:.0f} s: "
-          f"{report_dir(plan) / 'report.md'}", flush=True)
-    return report_dir(plan)
+    return report_dir(plan) / "report.md"
+
+
+def job_environment() -> dict[str, str]:
+    """What an evaluation job's script needs besides the submitting shell's environment (sbatch
+    exports it): this Python (``$PYTHON``, else the executor's) and this repository."""
+    from megatron_ext.study.execute import REPO_DIR
+
+    return {"PYTHON": os.environ.get("PYTHON", sys.executable), "REPO_DIR": str(REPO_DIR)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmEvaluation:
+    """The evaluation stage on SLURM: each grid as a job array of ``evaluation.workers`` tasks of
+    ``examples/launch/evaluate.sbatch``, after the training jobs still queued (``afterok``)."""
+
+    plan: StudyPlan
+    jobs_file: Path
+    """``evaluation_jobs.json`` of the study directory: grid name -> its newest array job id."""
+    logs: Path
+    sbatch_args: tuple[str, ...] = ()
+    """Flags for every job after the study's ``sbatch:`` (``--sbatch-arg``)."""
+
+    def _jobs(self) -> dict[str, int]:
+        return json.loads(self.jobs_file.read_text()) if self.jobs_file.is_file() else {}
+
+    def sbatch_command(self, grid: EvaluationGrid, after: list[int]) -> list[str]:
+        from megatron_ext.study.execute import repository_file
+
+        spec = evaluation_spec(self.plan)
+        slug = grid.name.replace(" ", "_")
+        argv = ["sbatch", "--parsable", f"--array=0-{spec.workers - 1}",
+                f"--job-name={self.plan.study.name}.eval.{slug}",
+                f"--output={self.logs.resolve() / slug}-%A_%a.out", *self.plan.study.sbatch, *spec.sbatch, *self.sbatch_args,
+                "--kill-on-invalid-dep=yes"]
+        if after:
+            argv.append("--dependency=afterok:" + ":".join(map(str, after)))
+        return argv + [str(repository_file("examples/launch/evaluate.sbatch")), *grid.argv]
+
+    def queued(self) -> dict[str, int]:
+        """The grids whose newest array job still has a task pending or running."""
+        from megatron_ext.study.slurm import FINAL_STATES, _command
+
+        live: set[int] = set()  # %F: a task's array job id (a pending array is one row, "7_[0-1]")
+        for line in _command(["squeue", "--me", "--states=all", "--noheader", "--format=%F|%T"]).splitlines():
+            array, _, state = line.strip().partition("|")
+            if array.isdigit() and state not in FINAL_STATES:
+                live.add(int(array))
+        return {name: job for name, job in self._jobs().items() if job in live}
+
+    def submit(self, *, after: list[int], dry_run: bool) -> list[int]:
+        """Submit each grid that is neither finished nor queued; returns the array job ids queued now."""
+        from megatron_ext.study.slurm import _command
+
+        grids, queued, jobs = evaluation_grids(self.plan), self.queued(), self._jobs()
+        if not dry_run and any(not grid_finished(g) and g.name not in queued for g in grids):
+            prepare_tasks(self.plan)
+        for grid in grids:
+            if grid_finished(grid) or grid.name in queued:
+                continue
+            argv = self.sbatch_command(grid, after)
+            if dry_run:
+                print("  " + " ".join(argv), flush=True)
+                continue
+            self.logs.mkdir(parents=True, exist_ok=True)
+            output = _command(argv, env={**os.environ, **job_environment()}).strip()
+            jobs[grid.name] = int(output.split(";")[0])
+            write_atomic(self.jobs_file, json.dumps(jobs, indent=1) + "\n")
+            print(f"submitted evaluation {grid.name}: array job {jobs[grid.name]} ({evaluation_spec(self.plan).workers} "
+                  "task(s))" + (f", after job(s) {', '.join(map(str, after))}" if after else ""), flush=True)
+        return list(self.queued().values())
+
+    def follow(self, poll_interval: float) -> None:
+        """Return once no evaluation array of the study is pending or running."""
+        while self.queued():
+            time.sleep(poll_interval)
+
+    def report_if_finished(self) -> Path | None:
+        """Write the report once every grid is finished; None (and why) otherwise."""
+        grids = evaluation_grids(self.plan)
+        waiting = [grid.name for grid in grids if not grid_finished(grid)]
+        if waiting:
+            print(f"report: waiting for the evaluation of {', '.join(waiting)}; run the same command again once "
+                  "its jobs have ended (or add --wait)", flush=True)
+            return None
+        path = write_study_report(self.plan, grids)
+        print(f"report: {path}", flush=True)
+        return path

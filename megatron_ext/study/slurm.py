@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -37,7 +36,6 @@ from megatron_ext import processes
 from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import write_atomic
 from megatron_ext.study.execute import (
-    REPO_DIR,
     Progress,
     SegmentState,
     StudyDir,
@@ -228,8 +226,9 @@ class SlurmExecutor:
         if after is not None:
             argv.append(f"--dependency=afterok:{after}")
         argv.append(str(repository_file("examples/launch/slurm.sbatch")))
-        env = {"RECIPE": str(self.study_dir.recipe(run.name).resolve()), "REPO_DIR": str(REPO_DIR),
-               "PYTHON": os.environ.get("PYTHON", sys.executable)}
+        from megatron_ext.study.evaluation import job_environment
+
+        env = {"RECIPE": str(self.study_dir.recipe(run.name).resolve()), **job_environment()}
         return argv, env
 
     def _submit(self, segment: Segment, after: int | None) -> int:

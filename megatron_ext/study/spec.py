@@ -304,6 +304,9 @@ class EvaluationSpec:
     workers: int = 1
     """``evaluate.py`` processes that share the grid (local executor: at once on this machine,
     each with its share of the cores; SLURM: the tasks of one job array)."""
+    sbatch: tuple[str, ...] = ()
+    """SLURM executor: sbatch flags of the evaluation arrays (their resources, e.g. ``--gpus=1``,
+    ``--time=12:00:00``), after the study's ``sbatch:`` and before ``--sbatch-arg``."""
 
     def __post_init__(self) -> None:
         _unique(list(self.tasks), "tasks")
@@ -320,6 +323,9 @@ class EvaluationSpec:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        for flag in self.sbatch:
+            if not flag.startswith("-"):
+                raise ValueError(f"sbatch: {flag!r} is not an sbatch option (e.g. --gpus=1)")
         unknown = sorted({m.group(1) for m in re.finditer(r"\{([^{}]*)\}", self.output_dir)} - {"study"})
         if unknown:
             raise ValueError(f"output_dir: unknown placeholder(s) {unknown}; valid: ['study']")
