@@ -50,6 +50,10 @@ from megatron_ext.eval.suite import build_task  # noqa: E402
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task  # noqa: E402
 
 
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+"""The model without ``--model``: its real weights and tokenizer from the asset cache."""
+
+
 def timed(run, *args) -> dict:
     """``run(*args)``'s result with its wall time and the CPU time of this process (all threads):
     on a machine shared with other jobs the CPU time varies far less than the wall time."""
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['function']}")
     path = args.output or RESULTS / f"finetune_speed_{device}.json"
     previous = json.loads(path.read_text())["measurements"] if path.is_file() else {}
-    record = {"device": device, **platform.software_versions(), "model": Path(model_dir).name, "task": args.task,
+    record = {"device": device, **platform.software_versions(), "model": args.model or DEFAULT_MODEL, "task": args.task,
               "measurements": {**previous, args.label: measurement}}
     write_record("finetune_speed", device, record, path)
     return 0
