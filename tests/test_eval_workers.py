@@ -104,16 +104,17 @@ def test_exactly_one_worker_wins_a_claim_or_a_takeover(tmp_path):
 
 def test_claim_of_a_paused_owner_expires_and_of_a_killed_one_at_once(tmp_path):
     here = Owner.this_process()
-    # A paused (SIGSTOP) owner keeps its pid: only its missed heartbeats end the claim.
-    paused = _holder(tmp_path / "paused", timeout_s=1.0)
+    # A paused (SIGSTOP) owner keeps its pid: only its missed heartbeats (every 0.3 s) end the claim.
+    policy = ClaimPolicy(timeout_s=3.0)
+    paused = _holder(tmp_path / "paused", timeout_s=policy.timeout_s)
     try:
-        held = try_claim(tmp_path / "paused", owner=here, policy=ClaimPolicy(timeout_s=1.0))
-        assert isinstance(held, Holder) and held.owner.pid == paused.pid and held.age_s < 1.0
+        held = try_claim(tmp_path / "paused", owner=here, policy=policy)
+        assert isinstance(held, Holder) and held.owner.pid == paused.pid and held.age_s < policy.timeout_s
         paused.send_signal(signal.SIGSTOP)
-        time.sleep(0.5)
-        assert isinstance(try_claim(tmp_path / "paused", owner=here, policy=ClaimPolicy(timeout_s=1.0)), Holder)
         time.sleep(1.0)
-        taken = try_claim(tmp_path / "paused", owner=here, policy=ClaimPolicy(timeout_s=1.0))
+        assert isinstance(try_claim(tmp_path / "paused", owner=here, policy=policy), Holder)
+        time.sleep(policy.timeout_s)
+        taken = try_claim(tmp_path / "paused", owner=here, policy=policy)
         assert isinstance(taken, Claim) and taken.generation == 1 and taken.taken_from.owner.pid == paused.pid
         paused.send_signal(signal.SIGCONT)
         paused.stdin.write("\n")
@@ -212,13 +213,13 @@ def test_three_workers_share_a_grid_and_write_the_one_process_summary(tmp_path, 
 
 
 def _killed_mid_run(worker: subprocess.Popen, claim: Path, how: signal.Signals) -> str:
-    """Send ``how`` to ``worker`` a second after it claimed ``claim`` (loading the model or
-    fine-tuning); its log."""
+    """Send ``how`` to ``worker`` half a second after it claimed ``claim`` (loading the model or
+    fine-tuning: 200 steps); its log."""
     deadline = time.monotonic() + 120
     while not claim.exists():
         assert worker.poll() is None and time.monotonic() < deadline, worker.communicate()[0]
         time.sleep(0.02)
-    time.sleep(1.0)
+    time.sleep(0.5)
     worker.send_signal(how)
     return worker.communicate(timeout=60)[0]
 
@@ -228,7 +229,7 @@ def test_stopped_or_killed_workers_run_is_taken_over(tmp_path, suite, encoder):
     SIGKILLed mid-run leaves its claim, which the next worker takes over (a dead process on this host)."""
     out = tmp_path / "eval"
     models = [f"minilm={encoder}"]
-    one_run = ("--lrs", "1e-4", "--seeds", "0", "--max-steps", "40")
+    one_run = ("--lrs", "1e-4", "--seeds", "0", "--max-steps", "200")
     record = harness.run_path(out, "minilm", "rt_sentiment", 1e-4, 0)
 
     stopped = _worker(out, models, suite, *one_run)
@@ -244,11 +245,11 @@ def test_stopped_or_killed_workers_run_is_taken_over(tmp_path, suite, encoder):
            f"{stopped.pid}, heartbeat" in log
 
     evaluation = harness.evaluate_models(models, ["rt_sentiment"], output_dir=out, lrs=(1e-4,), seeds=(0,),
-                                         overrides={**TINY, "max_steps": 40}, suite_dir=suite,
+                                         overrides={**TINY, "max_steps": 200}, suite_dir=suite,
                                          claims=ClaimPolicy(timeout_s=600.0))  # no waiting for a timeout
     assert evaluation.executed == 1 and evaluation.summary_written
     data = json.loads(record.read_text())
-    assert data["worker"] == Owner.this_process().label and data["steps"] == 40
+    assert data["worker"] == Owner.this_process().label and data["steps"] == 200
     assert not list(out.rglob("*.claim-*"))
 
 

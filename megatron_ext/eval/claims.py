@@ -223,22 +223,26 @@ class Claim:
 def try_claim(base: Path, *, owner: Owner, policy: ClaimPolicy) -> Claim | Holder:
     """Claim ``base`` for ``owner``: a :class:`Claim` when it was free or its claim had expired
     (taken over), else the live :class:`Holder`. The caller checks the work is still undone once
-    it holds the claim (another worker may have finished it and deleted its claim meanwhile)."""
+    it holds the claim (another worker may have finished it and deleted its claim meanwhile).
+
+    The directory is listed once to find the newest generation; after that each generation is
+    opened by name, so a listing a network file system caches a few seconds cannot keep a worker
+    judging a generation that was already replaced."""
     record = json.dumps({"owner": asdict(owner), "claimed_at": time.time()}, indent=2) + "\n"
+    newest = max(claim_files(base), default=None)
     while True:
-        files = claim_files(base)
         expired = None
-        if files:
-            generation, path = list(files.items())[-1]
+        if newest is not None:
             try:
-                holder = _read_holder(path, generation)
-            except FileNotFoundError:  # finished and deleted meanwhile: look again
+                holder = _read_holder(_claim_path(base, newest), newest)
+            except FileNotFoundError:  # the work was finished and its claims deleted: look again
+                time.sleep(0.05)
+                newest = max(claim_files(base), default=None)
                 continue
             if not holder.expired(policy, owner):
                 return holder
-            expired, generation = holder, generation + 1
-        else:
-            generation = 0
+            expired = holder
+        generation = 0 if newest is None else newest + 1
         if _create(_claim_path(base, generation), record):
             return Claim(base, generation, owner=owner, policy=policy, taken_from=expired)
-        # Another worker created this generation first: look again (it holds the claim now).
+        newest = generation  # another worker created it first: judge that one

@@ -443,7 +443,7 @@ def export_models(models: Sequence[ModelRef], output_dir: Path, *, claims: Claim
     from megatron_ext.hf import export_checkpoint
 
     pending = [model for model in models if model.checkpoint_step is not None]
-    waiting: dict[str, Holder] = {}
+    announced: set[str] = set()
     while pending:
         held = []
         for model in pending:
@@ -452,9 +452,9 @@ def export_models(models: Sequence[ModelRef], output_dir: Path, *, claims: Claim
             got = try_claim(output_dir / "exported" / model.name, owner=owner, policy=claims)
             if isinstance(got, Holder):
                 held.append(model)
-                if model.name not in waiting:
+                if model.name not in announced:
                     print(f"export {model.name}: waiting for {got.describe()}", flush=True)
-                waiting[model.name] = got
+                    announced.add(model.name)
                 continue
             with got:
                 if not _exported(model, output_dir):

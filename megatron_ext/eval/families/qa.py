@@ -241,16 +241,21 @@ def _collate(features: Sequence[Feature], pad_id: int, device: torch.device) -> 
 @torch.no_grad()
 def _logits(model: SpanModel, features: Sequence[Feature], pad_id: int,
             config: FinetuneConfig) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each feature's start and end logits over its own tokens: batches of similar length
+    (:func:`protocol.by_length`), each batch's logits copied to the host once all are queued."""
     model.eval()
-    out = []
-    for i in range(0, len(features), config.batch_size):
-        chunk = features[i:i + config.batch_size]
+    scored = []
+    for positions, chunk in protocol.by_length(features, lambda f: len(f.inputs["input_ids"]), config.batch_size):
         with protocol.autocast(config):
             start, end = model(**_collate(chunk, pad_id, config.torch_device))
-        for j, feature in enumerate(chunk):
+        scored.append((positions, chunk, start, end))
+    by_position = {}
+    for positions, chunk, start, end in scored:
+        start, end = start.cpu().numpy(), end.cpu().numpy()
+        for j, (position, feature) in enumerate(zip(positions, chunk, strict=True)):
             n = len(feature.inputs["input_ids"])
-            out.append((start[j, :n].cpu().numpy(), end[j, :n].cpu().numpy()))
-    return out
+            by_position[position] = (start[j, :n], end[j, :n])
+    return [by_position[position] for position in range(len(features))]
 
 
 def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:

@@ -18,7 +18,7 @@ from sklearn.metrics import accuracy_score
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval.families.linear_head import LinearHeadTask, run_linear_head
-from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, OwnHeadModel, RunResult, autocast
+from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, OwnHeadModel, RunResult, autocast, by_length
 from megatron_ext.eval.task_io import TASK_FILE
 
 
@@ -43,16 +43,22 @@ def label_names(task_dir: Path, rows: list[dict]) -> list[str]:
     return names
 
 
+def _characters(row: dict) -> int:
+    return len(row["text"]) + len(row.get("text_pair") or "")
+
+
 @torch.no_grad()
 def predict(model: LinearHeadModel | OwnHeadModel, tokenizer: Any, rows: list[dict],
             config: FinetuneConfig) -> list[int]:
-    """Predicted class index of every row."""
-    predictions = []
-    for start in range(0, len(rows), config.batch_size):
+    """Predicted class index of every row: batches of similar length (:func:`by_length`, by
+    characters), the predictions gathered on the device and read once."""
+    device = config.torch_device
+    predicted = torch.empty(len(rows), dtype=torch.long, device=device)
+    for positions, batch in by_length(rows, _characters, config.batch_size):
         with autocast(config):
-            logits = model(encode(tokenizer, rows[start:start + config.batch_size], config.torch_device))
-        predictions.extend(logits.argmax(-1).tolist())
-    return predictions
+            logits = model(encode(tokenizer, batch, device))
+        predicted[torch.tensor(positions, device=device)] = logits.argmax(-1)
+    return predicted.tolist()
 
 
 def scores(rows: list[dict], predictions: list[int]) -> dict[str, float]:

@@ -20,7 +20,7 @@ from seqeval.metrics.sequence_labeling import get_entities
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval.families.linear_head import LinearHeadTask, run_linear_head
-from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, RunResult, autocast
+from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, RunResult, autocast, by_length
 from megatron_ext.eval.task_io import TASK_FILE
 
 IGNORE_INDEX = -100
@@ -72,13 +72,18 @@ def tag_names(task_dir: Path, rows: list[dict]) -> list[str]:
 @torch.no_grad()
 def predict(model: LinearHeadModel, tokenizer: Any, rows: list[dict], names: list[str],
             config: FinetuneConfig) -> list[list[str]]:
-    """Predicted tag of every word of every row."""
-    predictions = []
-    for start in range(0, len(rows), config.batch_size):
-        inputs, firsts = encode(tokenizer, rows[start:start + config.batch_size], config.torch_device)
+    """Predicted tag of every word of every row: batches of similar length (:func:`by_length`, by
+    characters), each batch's best tags read once all are queued."""
+    scored = []
+    for positions, batch in by_length(rows, lambda row: sum(len(word) + 1 for word in row["tokens"]),
+                                      config.batch_size):
+        inputs, firsts = encode(tokenizer, batch, config.torch_device)
         with autocast(config):
-            best = model(inputs).argmax(-1).tolist()
-        predictions.extend([names[tokens[p]] if p >= 0 else "O" for p in first] for tokens, first in zip(best, firsts))
+            scored.append((positions, firsts, model(inputs).argmax(-1)))
+    predictions: list[list[str]] = [[] for _ in rows]
+    for positions, firsts, best in scored:
+        for position, tokens, first in zip(positions, best.tolist(), firsts, strict=True):
+            predictions[position] = [names[tokens[p]] if p >= 0 else "O" for p in first]
     return predictions
 
 
