@@ -268,7 +268,7 @@ def test_job_array_of_workers_shares_the_grid(slurm_cluster, tmp_path, suite, en
     assert [info["JobState"] for info in infos] == ["COMPLETED"] * 3, logs
     assert all(f"array task {task} of job {job} on " in log for task, log in enumerate(logs))
     records = _records(out)
-    assert len(records) == 4 and len({record["worker"] for record in records.values()}) >= 1
+    assert len(records) == 4
     assert sum(int(re.search(r"^(\d+) run\(s\) fine-tuned", log, re.M)[1]) for log in logs) == 4, logs
     (row,) = json.loads((out / "summary.json").read_text())["results"]
     assert row["runs"] == 4 and not list(out.rglob("*.claim-*"))

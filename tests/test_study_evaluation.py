@@ -60,14 +60,17 @@ def test_every_checkpoint_of_the_kinds_asked_for(tmp_path):
 
 
 @pytest.mark.parametrize("evaluation, message", [
-    ({"all_checkpoints": ["mlm_30"]}, "evaluation.all_checkpoints: unknown run kind(s) ['mlm_30']"),
-    ({"references": [{"name": "ref"}]}, "reference ref: give exactly one of path and asset"),
-    ({"references": [{"name": "ref", "asset": "x"}]}, "expected NAME:FOLDER"),
-    ({"output_dir": "/eval/{run}"}, "output_dir: unknown placeholder(s) ['run']"),
-    ({"workers": 0}, "workers must be >= 1"),
-    ({"lrs": [1e-4, 1e-4]}, "lrs: 0.0001 is listed twice"),
-    ({"max_steps": 0}, "max_steps must be >= 1"),
-    ({"wrkers": 2}, "unknown key(s) ['wrkers']"),
+    ({"tasks": ["rt_sentiment"], "all_checkpoints": ["mlm_30"]}, "evaluation.all_checkpoints: unknown run kind(s) ['mlm_30']"),
+    ({"tasks": ["rt_sentiment"], "references": [{"name": "ref"}]}, "reference ref: give exactly one of path and asset"),
+    ({"tasks": ["rt_sentiment"], "references": [{"name": "ref", "asset": "x"}]}, "expected NAME:FOLDER"),
+    ({"tasks": ["rt_sentiment"], "output_dir": "/eval/{run}"}, "output_dir: unknown placeholder(s) ['run']"),
+    ({"tasks": ["rt_sentiment"], "workers": 0}, "workers must be >= 1"),
+    ({"tasks": ["rt_sentiment"], "lrs": [1e-4, 1e-4]}, "lrs: 0.0001 is listed twice"),
+    ({"tasks": ["rt_sentiment"], "max_steps": 0}, "max_steps must be >= 1"),
+    ({"tasks": ["rt_sentiment"], "wrkers": 2}, "unknown key(s) ['wrkers']"),
+    ({"workers": 2}, "study.evaluation: missing required key(s) ['tasks']"),
+    ({"tasks": []}, "tasks: name the tasks to fine-tune on"),
+    ({"tasks": ["rt_sentiment"], "sbatch": ["gpu"]}, "sbatch: 'gpu' is not an sbatch option"),
 ])
 def test_bad_evaluation_sections_name_the_key(tmp_path, evaluation, message):
     with pytest.raises(ConfigError) as err:

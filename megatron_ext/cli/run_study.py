@@ -34,8 +34,10 @@ With the slurm executor, each grid is a job array of evaluation.workers tasks
 ids in <study dir>/evaluation_jobs.json; the report is written by the command that finds every
 grid finished (with --wait: this one, once the arrays end).
 
-Exit status: 0 every selected segment complete (slurm without --wait: all submitted); 1 a segment
-failed or is blocked; 2 bad input (one line naming it); 75 stopped on request (rerun to continue).
+Exit status: 0 every selected segment complete (slurm without --wait: all submitted) and, where the
+evaluation ran, the report written; 1 a segment failed or is blocked, or the evaluation failed (an
+evaluation worker's error; slurm --wait: its arrays ended with a grid unfinished); 2 bad input (one
+line naming it); 75 stopped on request (rerun to continue).
 """
 
 from __future__ import annotations
@@ -116,9 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.executor == "local":
             print(f"training: every run complete ({time.perf_counter() - started:.0f} s)", flush=True)
             from megatron_ext.study.evaluation import evaluate_and_report_locally
+            from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
 
-            evaluate_and_report_locally(plan, log_dir=study_dir.logs / "evaluation")
-            return 0
+            outcome = evaluate_and_report_locally(plan, log_dir=study_dir.logs / "evaluation")
+            return {"done": 0, "failed": 1, "stopped": RESUMABLE_EXIT_CODE}[outcome]
         return _evaluate_on_slurm(plan, study_dir, trainer, args)
 
 
@@ -137,11 +140,12 @@ def _evaluate_on_slurm(plan, study_dir, trainer, args: argparse.Namespace) -> in
               if state.status in ("pending", "running")]
     evaluation = SlurmEvaluation(plan=plan, jobs_file=study_dir.root / "evaluation_jobs.json",
                                  logs=study_dir.logs / "evaluation", sbatch_args=tuple(args.sbatch_arg))
-    evaluation.submit(after=queued, dry_run=False)
-    if args.wait:
-        evaluation.follow(args.poll_interval)
-    evaluation.report_if_finished()
-    return 0
+    evaluation.submit(after=queued)
+    if not args.wait:
+        evaluation.report_if_finished()
+        return 0
+    evaluation.follow(args.poll_interval)
+    return 0 if evaluation.report_if_finished() else 1  # the arrays ended without finishing a grid
 
 
 if __name__ == "__main__":

@@ -191,7 +191,8 @@ class Claim:
 
     def held(self) -> bool:
         """Whether no other worker has taken this claim over (after a heartbeat lapse): checked now."""
-        if not self._lost and any(generation > self.generation for generation in claim_files(self.base)):
+        if not self._lost and (not self.path.exists()  # a taker finished and deleted every generation
+                               or any(generation > self.generation for generation in claim_files(self.base))):
             self._lost = True
         return not self._lost
 

@@ -616,7 +616,11 @@ class GridWorker:
         """Runs this worker fine-tuned and recorded."""
 
     def run(self) -> list[tuple[GridUnit, Holder]]:
-        """Work until nothing is left to claim; returns the units other workers still hold."""
+        """Work until every unit has its records; returns the units other workers still hold (none
+        unless their records vanished). A worker with nothing left to claim waits while others hold
+        units, looking again every heartbeat: if a holder dies (on another node too), its claim
+        expires and a waiting worker takes the unit over, and the last one writes the summary."""
+        waiting = False
         while True:
             claimed, held = False, []
             for unit in self.units:
@@ -626,11 +630,18 @@ class GridWorker:
                 if isinstance(got, Holder):
                     held.append((unit, got))
                     continue
-                claimed = True
+                claimed, waiting = True, False
                 with got:
                     self._fine_tune(unit, got)
-            if not claimed:
+            if claimed:
+                continue
+            if not held:
                 return held
+            if not waiting:
+                self.log(f"nothing left to claim; waiting for {len(held)} unit(s) other workers hold (taken over if "
+                         f"a holder stops its heartbeat for {self.claims.timeout_s:g} s)")
+                waiting = True
+            time.sleep(self.claims.heartbeat_s)
 
     def _fine_tune(self, unit: GridUnit, claim: Claim) -> None:
         pending = unit.pending()  # another worker may have finished it since we looked
@@ -963,8 +974,8 @@ def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: 
 
     Several processes (on one machine, or the tasks of a SLURM job array) may run this with the
     same arguments and ``output_dir``: each claims a run before fine-tuning it (:mod:`.claims`), so
-    every run is done once; a worker with nothing left to claim returns, and the one that finds
-    every run recorded writes the summary.
+    every run is done once; a worker with nothing left to claim waits for the runs others hold (and
+    takes over those whose worker died), then writes the summary.
 
     Args:
         models: HF encoder directories or Megatron checkpoints, each ``PATH`` or ``NAME=PATH``; a

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,10 +25,6 @@ from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import write_atomic
 from megatron_ext.study.plan import StudyPlan
 from megatron_ext.study.spec import EvaluationSpec, ReferenceSpec
-
-REPO = Path(__file__).resolve().parents[2]
-EVALUATE = REPO / "tools" / "evaluate.py"
-
 
 @dataclass(frozen=True, kw_only=True)
 class EvaluationGrid:
@@ -126,51 +123,78 @@ def prepare_tasks(plan: StudyPlan) -> None:
         resolve_tasks(list(spec.tasks))
 
 
-def run_grids_locally(grids: list[EvaluationGrid], *, workers: int, log_dir: Path) -> None:
+def run_grids_locally(grids: list[EvaluationGrid], *, workers: int, log_dir: Path) -> str:
     """Run each grid with ``workers`` copies of its command at once on this machine; the logs go
-    to ``log_dir``. Raises ``UserError`` naming the log of a worker that failed."""
+    to ``log_dir``. Returns ``done``, ``failed`` (the log of a worker that failed is printed) or
+    ``stopped``: SIGINT/SIGTERM are passed on to the workers (each gives its run in flight back) and
+    stop the stage. The workers die with this process."""
+    from megatron_ext import processes
+    from megatron_ext.study.execute import log_tail, repository_file
+
     log_dir.mkdir(parents=True, exist_ok=True)
     env = worker_environment(workers)
-    for grid in grids:
-        started = time.perf_counter()
-        print(f"evaluation: {grid.name}: {workers} worker(s) -> {grid.output_dir}", flush=True)
-        slug = grid.name.replace(" ", "_")
-        processes = []
-        for worker in range(workers):
-            log = log_dir / f"{slug}.worker{worker}.log"
-            with open(log, "w", encoding="utf-8") as handle:
-                processes.append((log, subprocess.Popen([sys.executable, str(EVALUATE), *grid.argv], env=env,
-                                                        stdout=handle, stderr=subprocess.STDOUT)))
-        failed = [(log, process.wait()) for log, process in processes]
-        failed = [(log, rc) for log, rc in failed if rc != 0]
-        if failed:
-            log, rc = failed[0]
-            tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-15:]
-            raise UserError(f"evaluation {grid.name}: a worker failed (exit {rc}); log {log}:\n  " + "\n  ".join(tail))
-        print(f"evaluation: {grid.name} done in {time.perf_counter() - started:.0f} s", flush=True)
+    evaluate = repository_file("tools/evaluate.py")
+    executor, running, stop = os.getpid(), [], []
+
+    def pass_on(signum: int, frame) -> None:
+        stop.append(signum)
+        for process in running:
+            process.send_signal(signal.SIGTERM)
+
+    with processes.signal_handlers((signal.SIGINT, signal.SIGTERM), pass_on):
+        for grid in grids:
+            started = time.perf_counter()
+            print(f"evaluation: {grid.name}: {workers} worker(s) -> {grid.output_dir}", flush=True)
+            slug = grid.name.replace(" ", "_")
+            logs = [log_dir / f"{slug}.worker{worker}.log" for worker in range(workers)]
+            running.clear()
+            for log in logs:
+                with open(log, "w", encoding="utf-8") as handle:
+                    running.append(subprocess.Popen(
+                        [sys.executable, str(evaluate), *grid.argv], env=env, stdout=handle, stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL, preexec_fn=lambda: processes.die_with_parent(executor)))
+            codes = [process.wait() for process in running]
+            if stop:
+                print(f"evaluation: stopped on {signal.Signals(stop[0]).name}; the same command resumes it "
+                      "(finished fine-tuning runs are kept)", flush=True)
+                return "stopped"
+            failed = [(log, code) for log, code in zip(logs, codes) if code != 0]
+            if failed:
+                log, code = failed[0]
+                print(f"evaluation {grid.name}: a worker failed (exit {code}); log {log}:\n{log_tail(log)}", flush=True)
+                return "failed"
+            print(f"evaluation: {grid.name} done in {time.perf_counter() - started:.0f} s", flush=True)
+    return "done"
 
 
-def evaluate_and_report_locally(plan: StudyPlan, *, log_dir: Path) -> Path:
+def evaluate_and_report_locally(plan: StudyPlan, *, log_dir: Path) -> str:
     """The study's evaluation stage on this machine (every grid with ``evaluation.workers``
-    processes; finished fine-tuning runs are reused), then its report; returns the report folder."""
+    processes; finished fine-tuning runs are reused), then its report once every grid is done;
+    returns what :func:`run_grids_locally` returns."""
     spec = evaluation_spec(plan)
     grids = evaluation_grids(plan)
     started = time.perf_counter()
     prepare_tasks(plan)
-    run_grids_locally(grids, workers=spec.workers, log_dir=log_dir)
+    outcome = run_grids_locally(grids, workers=spec.workers, log_dir=log_dir)
+    if outcome != "done":
+        return outcome
     evaluated = time.perf_counter()
     path = write_study_report(plan, grids)
     print(f"evaluation {evaluated - started:.0f} s, report {time.perf_counter() - evaluated:.0f} s: {path}", flush=True)
-    return path.parent
+    return outcome
 
 
 def grid_finished(grid: EvaluationGrid) -> bool:
-    """Whether ``grid``'s summary covers every run of it (the last worker writes it; a summary written
-    on demand from a partial grid lists its ``missing_runs``)."""
+    """Whether ``grid``'s summary covers every run of it: written once every run was recorded (a
+    summary written on demand from a partial grid lists its ``missing_runs``), and for every model
+    of the grid as it is now (a study that gained runs since has not been evaluated)."""
     path = grid.output_dir / "summary.json"
     if not path.is_file():
         return False
-    return not json.loads(path.read_text()).get("missing_runs")
+    summary = json.loads(path.read_text())
+    evaluated = {row.get("base_model") or row["model"] for row in summary.get("results", [])}
+    models = {spec.split("=", 1)[0] for spec in grid.argv[grid.argv.index("--models") + 1:grid.argv.index("--output-dir")]}
+    return not summary.get("missing_runs") and models <= evaluated
 
 
 def write_study_report(plan: StudyPlan, grids: list[EvaluationGrid]) -> Path:
@@ -184,14 +208,6 @@ def write_study_report(plan: StudyPlan, grids: list[EvaluationGrid]) -> Path:
     report = build_report(plan, [grid.output_dir for grid in grids], log=log)
     write_report(report, report_dir(plan), log=log)
     return report_dir(plan) / "report.md"
-
-
-def job_environment() -> dict[str, str]:
-    """What an evaluation job's script needs besides the submitting shell's environment (sbatch
-    exports it): this Python (``$PYTHON``, else the executor's) and this repository."""
-    from megatron_ext.study.execute import REPO_DIR
-
-    return {"PYTHON": os.environ.get("PYTHON", sys.executable), "REPO_DIR": str(REPO_DIR)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,23 +249,20 @@ class SlurmEvaluation:
                 live.add(int(array))
         return {name: job for name, job in self._jobs().items() if job in live}
 
-    def submit(self, *, after: list[int], dry_run: bool) -> list[int]:
+    def submit(self, *, after: list[int]) -> list[int]:
         """Submit each grid that is neither finished nor queued; returns the array job ids queued now."""
-        from megatron_ext.study.slurm import _command
+        from megatron_ext.study.execute import job_environment
+        from megatron_ext.study.slurm import submit
 
         grids, queued, jobs = evaluation_grids(self.plan), self.queued(), self._jobs()
-        if not dry_run and any(not grid_finished(g) and g.name not in queued for g in grids):
+        if any(not grid_finished(g) and g.name not in queued for g in grids):
             prepare_tasks(self.plan)
         for grid in grids:
             if grid_finished(grid) or grid.name in queued:
                 continue
-            argv = self.sbatch_command(grid, after)
-            if dry_run:
-                print("  " + " ".join(argv), flush=True)
-                continue
             self.logs.mkdir(parents=True, exist_ok=True)
-            output = _command(argv, env={**os.environ, **job_environment()}).strip()
-            jobs[grid.name] = int(output.split(";")[0])
+            jobs[grid.name] = submit(self.sbatch_command(grid, after), env={**os.environ, **job_environment()},
+                                     what=f"the evaluation of {grid.name}")
             write_atomic(self.jobs_file, json.dumps(jobs, indent=1) + "\n")
             print(f"submitted evaluation {grid.name}: array job {jobs[grid.name]} ({evaluation_spec(self.plan).workers} "
                   "task(s))" + (f", after job(s) {', '.join(map(str, after))}" if after else ""), flush=True)

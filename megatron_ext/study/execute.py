@@ -28,6 +28,7 @@ import contextlib
 import fcntl
 import json
 import os
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -59,6 +60,12 @@ STUDY_DIR = "runs/studies/{study}"
 """The study directory when none is given (relative to the working directory)."""
 
 Status = Literal["complete", "running", "pending", "to do", "failed", "blocked"]
+
+def job_environment() -> dict[str, str]:
+    """What a SLURM job's launch script needs besides the submitting shell's environment (sbatch
+    exports it): this Python (``$PYTHON``, else the executor's) and this repository."""
+    return {"PYTHON": os.environ.get("PYTHON", sys.executable), "REPO_DIR": str(REPO_DIR)}
+
 
 def say(line: str) -> None:
     """An executor's output line, flushed at once (its trainers write to their logs meanwhile)."""
@@ -136,10 +143,6 @@ def saved_step(run: PlannedRun) -> int | None:
     """The step of the newest complete checkpoint in the run's ``checkpoint.save`` (None: none)."""
     checkpoint = Checkpoint.latest(run.recipe["checkpoint"]["save"])
     return None if checkpoint is None else checkpoint.step
-
-
-def is_complete(run: PlannedRun) -> bool:
-    return saved_step(run) == run.train_iters
 
 
 def first_step(segment: Segment, run: PlannedRun, saved: int | None) -> int:

@@ -36,6 +36,7 @@ from megatron_ext import processes
 from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import write_atomic
 from megatron_ext.study.execute import (
+    job_environment,
     Progress,
     SegmentState,
     StudyDir,
@@ -49,16 +50,19 @@ from megatron_ext.study.execute import (
     tree_order,
 )
 from megatron_ext.study.plan import Segment, StudyPlan
+from megatron_ext.study.spec import check_sbatch_flags
 from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
 
 RUNNING_STATES = {"RUNNING", "CONFIGURING", "COMPLETING", "SIGNALING", "STAGE_OUT", "RESIZING"}
 """``squeue`` states of a job that has started (and not ended)."""
 
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
-                "BOOT_FAIL", "DEADLINE", "REVOKED"}
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+                "REVOKED"}
 """States of a job that has ended; any other state is a pending one (PENDING, REQUEUED,
-REQUEUE_HOLD, SUSPENDED, ...). A preempted job of the launch script (``--requeue``) is pending
-again at once."""
+REQUEUE_HOLD, SUSPENDED, ...). PREEMPTED and NODE_FAIL are not final here: the launch scripts'
+jobs (``--requeue``) are pending again right after, and a rerun must not submit a second job on
+the same save directory meanwhile; one that is not requeued leaves ``squeue`` after ``MinJobAge``
+and is then seen as failed."""
 
 NEVER_SATISFIED = "DependencyNeverSatisfied"
 """``squeue``'s reason for a job whose dependency failed."""
@@ -76,10 +80,10 @@ class SlurmOptions:
     """Seconds between looks at the queue while following."""
 
     def __post_init__(self) -> None:
-        for flag in self.sbatch_args:
-            if not flag.startswith("-"):
-                raise UserError(f"--sbatch-arg {flag!r}: expected an sbatch option, "
-                                "e.g. --sbatch-arg=--partition=gpu")
+        try:
+            check_sbatch_flags(self.sbatch_args, "--sbatch-arg")
+        except ValueError as err:
+            raise UserError(f"{err} (e.g. --sbatch-arg=--partition=gpu)") from None
         if self.poll_interval <= 0:
             raise UserError(f"--poll-interval: expected seconds > 0, got {self.poll_interval}")
 
@@ -119,6 +123,15 @@ def _command(argv: list[str], *, env: dict[str, str] | None = None, attempts: in
             raise UserError(f"{' '.join(argv)}: {message}")
         time.sleep(2)
     raise AssertionError("unreachable")
+
+
+def submit(argv: list[str], *, env: dict[str, str], what: str) -> int:
+    """Run ``sbatch --parsable ...``; the job id it prints."""
+    output = _command(argv, env=env).strip()
+    try:
+        return int(output.split(";")[0])
+    except ValueError:
+        raise UserError(f"sbatch for {what}: expected a job id (--parsable), got {output!r}") from None
 
 
 def queued_jobs() -> dict[int, QueuedJob]:
@@ -226,20 +239,13 @@ class SlurmExecutor:
         if after is not None:
             argv.append(f"--dependency=afterok:{after}")
         argv.append(str(repository_file("examples/launch/slurm.sbatch")))
-        from megatron_ext.study.evaluation import job_environment
-
         env = {"RECIPE": str(self.study_dir.recipe(run.name).resolve()), **job_environment()}
         return argv, env
 
     def _submit(self, segment: Segment, after: int | None) -> int:
         argv, env = self.sbatch_command(segment, after)
         self.study_dir.logs.mkdir(parents=True, exist_ok=True)
-        output = _command(argv, env={**os.environ, **env}).strip()
-        try:
-            job_id = int(output.split(";")[0])
-        except ValueError:
-            raise UserError(f"sbatch for {segment.run}: expected a job id (--parsable), "
-                            f"got {output!r}") from None
+        job_id = submit(argv, env={**os.environ, **env}, what=segment.run)
         self.jobs.add(segment.run, JobRecord(job_id=job_id, submitted=datetime.datetime.now().isoformat(
             timespec="seconds"), after=after))
         return job_id

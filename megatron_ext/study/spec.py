@@ -23,7 +23,7 @@ A YAML mapping (``examples/studies/``)::
     overrides: {data: {data_path: [/data/fineweb_edu_text_document]}}   # over every run
     output: {save: /checkpoints/{study}/{run}, log_dir: runs/{study}/{run}}
     evaluation:                           # tools/evaluate.py over every run (optional)
-      tasks: [sst2, conll2003, squad]     # default: evaluate.py's (the paper's benchmarks)
+      tasks: [sst2, conll2003, squad]     # evaluate.py --tasks (required)
       lrs: [1.0e-5, 5.0e-5, 1.0e-4]       # default: the paper's grid; seeds likewise
       all_checkpoints: [clm, mlm_40]      # run kinds evaluated at every saved checkpoint
       references: [{name: ettin-150m, path: /models/ettin-150m, lrs: [5.0e-5]}]
@@ -93,6 +93,14 @@ def check_overrides(overrides: Any, where: str) -> None:
             if key in value:
                 raise ValueError(f"{where}.{section}.{key}: set by the study for every run "
                                  "(budgets, seeds, cpt, output); remove it")
+
+
+def check_lrs(lrs: tuple[float, ...]) -> None:
+    """Fine-tuning learning rates are positive and listed once."""
+    _unique(list(lrs), "lrs")
+    for lr in lrs:
+        if lr <= 0:
+            raise ValueError(f"lrs: each must be > 0, got {lr}")
 
 
 def check_sbatch_flags(flags: tuple[str, ...], where: str) -> None:
@@ -269,9 +277,7 @@ class ReferenceSpec:
             raise ValueError(f"reference {self.name}: give exactly one of path and asset")
         if self.asset is not None and ":" not in self.asset:
             raise ValueError(f"asset {self.asset!r}: expected NAME:FOLDER (megatron_ext.assets.member_dir)")
-        for lr in self.lrs:
-            if lr <= 0:
-                raise ValueError(f"lrs: each must be > 0, got {lr}")
+        check_lrs(self.lrs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,15 +285,17 @@ class EvaluationSpec:
     """How the study's models are fine-tuned and scored (``tools/evaluate.py``'s flags); unset
     values are that tool's defaults (the paper's protocol)."""
 
-    tasks: tuple[str, ...] = ()
-    """Task names as ``evaluate.py --tasks`` takes them; empty: its default."""
+    tasks: tuple[str, ...]
+    """Task names as ``evaluate.py --tasks`` takes them (suite tasks, benchmarks, ``paper``)."""
     lrs: tuple[float, ...] = ()
     """Fine-tuning LR grid; empty: the paper's."""
     seeds: tuple[int, ...] = ()
     """Fine-tuning seeds per LR; empty: the paper's five."""
     all_checkpoints: tuple[str, ...] = ()
-    """Run kinds (``clm``, ``mlm_40``, ...) whose every saved checkpoint is evaluated (score
-    against pretraining tokens); the other runs are evaluated at their final checkpoint."""
+    """Run kinds (``clm``, ``mlm_40``, ...) whose every checkpoint present when the evaluation starts
+    is evaluated (score against pretraining tokens); the other runs are evaluated at their final
+    checkpoint. Only what ``checkpoint.keep_last`` (and the kept branch steps) leave is there: raise
+    ``keep_last`` in the study's overrides for those curves."""
     max_steps: int | None = None
     """``--max-steps``."""
     batch_size: int | None = None
@@ -309,23 +317,21 @@ class EvaluationSpec:
     ``--time=12:00:00``), after the study's ``sbatch:`` and before ``--sbatch-arg``."""
 
     def __post_init__(self) -> None:
+        if not self.tasks:
+            raise ValueError("tasks: name the tasks to fine-tune on (evaluate.py --tasks: suite tasks, benchmarks "
+                             "or 'paper'), so that every worker evaluates the same grid")
         _unique(list(self.tasks), "tasks")
-        _unique(list(self.lrs), "lrs")
+        check_lrs(self.lrs)
         _unique(list(self.seeds), "seeds")
         _unique(list(self.all_checkpoints), "all_checkpoints")
         _unique([r.name for r in self.references], "references[*].name")
-        for lr in self.lrs:
-            if lr <= 0:
-                raise ValueError(f"lrs: each must be > 0, got {lr}")
         for name in ("max_steps", "batch_size", "max_length", "max_eval_examples"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
-        for flag in self.sbatch:
-            if not flag.startswith("-"):
-                raise ValueError(f"sbatch: {flag!r} is not an sbatch option (e.g. --gpus=1)")
+        check_sbatch_flags(self.sbatch, "sbatch")
         unknown = sorted({m.group(1) for m in re.finditer(r"\{([^{}]*)\}", self.output_dir)} - {"study"})
         if unknown:
             raise ValueError(f"output_dir: unknown placeholder(s) {unknown}; valid: ['study']")
