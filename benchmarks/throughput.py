@@ -92,14 +92,13 @@ def hf_model(config):
 
 def recipe_shape(args, model_preset: str) -> tuple[int, int]:
     """(micro-batch size, micro-batches per step) of one rank: ``--micro-batch-size`` /
-    ``--micro-batches`` where given, else the paper recipe's (``examples/recipes/base``) at
-    ``--data-parallel-size`` ranks: global batch / (data-parallel size x micro-batch size)."""
-    base = REPO / "examples" / "recipes" / "base" / f"{model_preset}.yaml"
-    if not base.is_file():  # the CPU preset: the demo recipe's shape
-        return args.micro_batch_size or 8, args.micro_batches or 2
-    data = read_recipe(base)["data"]
+    ``--micro-batches`` where given, else the size base recipe's (``examples/recipes/base``) at
+    ``--data-parallel-size`` ranks (one for the tiny demo size): global batch / (ranks x micro-batch
+    size)."""
+    data = read_recipe(REPO / "examples" / "recipes" / "base" / f"{model_preset}.yaml")["data"]
+    ranks = 1 if model_preset == "tiny" else args.data_parallel_size  # the tiny (demo) recipe is one CPU process
     micro = args.micro_batch_size or data["micro_batch_size"]
-    count = args.micro_batches or max(1, data["global_batch_size"] // (args.data_parallel_size * micro))
+    count = args.micro_batches or max(1, data["global_batch_size"] // (ranks * micro))
     return micro, count
 
 

@@ -295,8 +295,9 @@ def _cpt_recipe(imported: Imported, tmp_path: Path, news_texts) -> Path:
 
 
 def test_continued_pretraining_from_an_import(imports, tmp_path, news_texts):
-    """pretrain_encoder's loop loads the import (finetune) through recipe_model.yaml, and a
-    recipe of another shape is refused with the mismatching tensors listed."""
+    """pretrain_encoder's loop loads the import (finetune) through recipe_model.yaml; a recipe of
+    another shape is refused: against the run's own checkpoint as another model, against the
+    import with the mismatching tensors listed."""
     from megatron_ext.training.config import read_recipe, run_config_from_dict
     from megatron_ext.training.loop import pretrain
 
@@ -309,6 +310,10 @@ def test_continued_pretraining_from_an_import(imports, tmp_path, news_texts):
     assert all(torch.isfinite(torch.tensor(v)) for v in result.losses.values())
 
     raw["model"]["ffn_hidden_size"] = 96
+    # Its own checkpoint comes first (an interrupted continued pretraining resumes itself): refused.
+    with pytest.raises(ValueError, match=r"changes what its weights mean:\n  model.ffn_hidden_size: 128 -> 96"):
+        pretrain(run_config_from_dict(raw))
+    raw["checkpoint"]["save"] = str(tmp_path / "cpt_other_shape")  # a new run: the import's weights do not fit
     with pytest.raises(ValueError, match=r"does not fit the model(.|\n)*linear_fc1"):
         pretrain(run_config_from_dict(raw))
 
