@@ -1,0 +1,636 @@
+"""Prove and measure the GPU path inside a time budget: the command of a GPU visit, or of a check of a
+new GPU node or cluster image.
+
+    .venv/bin/python benchmarks/gpu_suite.py --budget-s 480 --output-dir runs/gpu_suite
+    .venv/bin/python benchmarks/gpu_suite.py --list                     # the stages, in order of value
+    .venv/bin/python benchmarks/gpu_suite.py --stages environment throughput_1b_bf16 --budget-s 200
+    sbatch examples/launch/gpu_suite.sbatch                             # the same under SLURM
+
+Stages run one after the other in order of value (or side by side where they cannot disturb each
+other's figures: the `gpu` tests and the resume run share the GPU, never with a timing), each in
+processes of its own under its own time cap:
+
+- a stage that this machine cannot run (no GPU, no Transformer Engine, no FP8) is marked
+  ``not_applicable`` with the reason;
+- a stage's cap is ``min(its max_s, the budget left)``, the budget left being ``--budget-s`` minus
+  the time spent so far and ``--reserve-s`` (kept for the summary and the copy back);
+- a stage whose ``min_s`` no longer fits is ``skipped`` with the seconds it needed and had;
+- a stage that runs out of its cap is killed (its whole process group) and marked ``timed_out``;
+  what it wrote so far is still read.
+
+Into ``--output-dir``: ``summary.md`` (a page a person reads in a minute), ``summary.json`` (the same
+as data: every stage's status, cap, wall time, exit code, key figures), ``logs/<stage>.log`` (each
+stage's whole output) and each stage's own files under ``<stage>/``. Both summaries are rewritten
+after every stage, so a run cut short by its machine's time limit still leaves them.
+
+On CPU the same command runs what a CPU can (the environment, the throughput benchmark's tiny CPU
+mode) and marks the rest not applicable: that is how the suite's logic is tested in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+STATUSES = ("passed", "failed", "timed_out", "skipped", "not_applicable")
+"""passed: exit 0; failed: another exit code; timed_out: killed at its cap; skipped: the budget left
+was below its ``min_s``; not_applicable: this machine lacks what it needs (GPU, TE, FP8)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Machine:
+    """What this machine can run, probed once by the suite (in a child process: the suite itself
+    never creates a CUDA context, so every stage has the device to itself)."""
+
+    gpu: bool
+    transformer_engine: bool
+    fp8: bool
+    device: str
+    gpu_count: int = 0
+    xdist: bool = False
+
+    def lacks(self, needs: frozenset[str]) -> str | None:
+        """Why a stage needing ``needs`` cannot run here, or None."""
+        if "gpu" in needs and not self.gpu:
+            return "needs a CUDA GPU"
+        if "te" in needs and not self.transformer_engine:
+            return "needs Transformer Engine, which does not import here"
+        if "fp8" in needs and not self.fp8:
+            return "needs FP8 (Transformer Engine on compute capability >= 8.9)"
+        return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageContext:
+    """What a stage's command is built from."""
+
+    machine: Machine
+    stage_dir: Path
+    data_dir: Path | None
+    python: str = sys.executable
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stage:
+    """One stage of the suite: a command, the time it may take, and how to read what it wrote."""
+
+    name: str
+    purpose: str
+    command: Callable[[StageContext], list[str]]
+    max_s: float
+    """The most this stage is given (its cap when the budget allows)."""
+    min_s: float
+    """Below this much budget left the stage is skipped: it could not produce a useful result."""
+    needs: frozenset[str] = frozenset()
+    """Subset of {"gpu", "te", "fp8", "data"} (data: ``--data-dir`` with the demo tokenizer and dataset)."""
+    read: Callable[[Path], dict] | None = None
+    """Key figures from the stage's folder (also after a timeout: what was written so far)."""
+    alongside: str | None = None
+    """The name of the stage that runs at the same time as this one (this one is started with it)."""
+
+
+def _python_probe(probe: str) -> Callable[[StageContext], list[str]]:
+    return lambda ctx: [ctx.python, str(Path(__file__).resolve()), "--probe", probe,
+                        "--probe-output", str(ctx.stage_dir / f"{probe}.json")]
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Probes: small checks that run in a child process of their own (``--probe NAME``).
+
+
+def probe_machine() -> dict:
+    """What this machine is and has (the suite reads it to decide what applies)."""
+    import importlib.util
+
+    import torch
+
+    from megatron_ext import platform
+
+    gpu = platform.on_gpu()
+    te = platform.transformer_engine_available() if gpu else importlib.util.find_spec("transformer_engine") is not None
+    fp8 = gpu and te and torch.cuda.get_device_capability() >= platform.FP8_MIN_COMPUTE_CAPABILITY
+    return {"gpu": gpu, "transformer_engine": bool(te), "fp8": bool(fp8),
+            "device": platform.device_name() or f"cpu{os.cpu_count()}",
+            "gpu_count": torch.cuda.device_count() if gpu else 0,
+            "xdist": importlib.util.find_spec("xdist") is not None}
+
+
+def probe_environment() -> dict:
+    """Device, driver, memory, versions of every library the GPU path uses."""
+    import torch
+
+    from megatron_ext import platform
+
+    record = {**probe_machine(), "versions": platform.software_versions()}
+    if platform.on_gpu():
+        props = torch.cuda.get_device_properties(0)
+        record.update(compute_capability=".".join(map(str, torch.cuda.get_device_capability())),
+                      memory_gb=round(props.total_memory / 2**30, 1), multiprocessors=props.multi_processor_count)
+    record["accelerators"] = platform.accelerator_summary()
+    return record
+
+
+def probe_te_smoke() -> dict:
+    """Transformer Engine's building blocks on this GPU, each on its own: an FP8 ``LayerNormMLP``
+    forward and backward (delayed scaling), bidirectional and causal fused attention in bf16."""
+    import torch
+    import transformer_engine
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling
+
+    checks: dict[str, str] = {}
+
+    def check(name: str, fn: Callable[[], str]) -> None:
+        try:
+            checks[name] = "ok: " + fn()
+        except Exception as error:  # a record of what failed, the suite goes on
+            checks[name] = f"FAILED: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+    def fp8_mlp() -> str:
+        mlp = te.LayerNormMLP(256, 1024, normalization="RMSNorm", activation="swiglu").cuda()
+        x = torch.randn(64, 256, device="cuda", requires_grad=True)
+        with te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
+            y = mlp(x)
+        y.float().sum().backward()
+        torch.cuda.synchronize()
+        return f"output mean |y| {float(y.float().abs().mean()):.4f}, grad finite {bool(x.grad.isfinite().all())}"
+
+    def attention(mask: str) -> Callable[[], str]:
+        def run() -> str:
+            attn = te.DotProductAttention(4, 64, attn_mask_type=mask, qkv_format="sbhd").cuda()
+            q = torch.randn(128, 2, 4, 64, device="cuda", dtype=torch.bfloat16)
+            out = attn(q, q, q)
+            torch.cuda.synchronize()
+            return f"shape {tuple(out.shape)}"
+        return run
+
+    check("fp8_layernorm_mlp", fp8_mlp)
+    check("attention_no_mask", attention("no_mask"))
+    check("attention_causal", attention("causal"))
+    return {"transformer_engine": transformer_engine.__version__, "checks": checks,
+            "passed": all(v.startswith("ok") for v in checks.values())}
+
+
+PROBES = {"machine": probe_machine, "environment": probe_environment, "te_smoke": probe_te_smoke}
+
+
+def _te_smoke_exit(record: dict) -> int:
+    return 0 if record.get("passed", True) else 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage readers: the figures a person wants from each stage's folder.
+
+
+def read_environment(stage_dir: Path) -> dict:
+    record = _read_json(stage_dir / "environment.json") or {}
+    versions = record.get("versions", {})
+    return {"device": record.get("device"), "compute_capability": record.get("compute_capability"),
+            "memory_gb": record.get("memory_gb"), "driver": versions.get("driver"),
+            **{k: versions.get(k) for k in ("torch", "cuda", "megatron_core", "transformer_engine", "transformers")}}
+
+
+def read_te_smoke(stage_dir: Path) -> dict:
+    record = _read_json(stage_dir / "te_smoke.json") or {}
+    return {"transformer_engine": record.get("transformer_engine"), **record.get("checks", {})}
+
+
+def read_throughput(stage_dir: Path) -> dict:
+    """Per row: tokens/s, MFU, step time, peak memory, the HF ratio, each variant's ratio and each
+    side's wall time (the JSON throughput.py writes, partial when the stage was cut)."""
+    record = _read_json(stage_dir / "throughput.json")
+    if record is None:
+        return {}
+    rows = []
+    for row in record.get("rows", []):
+        rows.append({
+            "row": f"{row.get('model')} seq {row.get('seq_length')} {row.get('precision')}",
+            "shape": f"{row.get('micro_batches_per_step')} x {row.get('micro_batch_size')}",
+            "tokens_per_s": row.get("tokens_per_s"), "mfu": row.get("mfu"), "step_time_s": row.get("step_time_s"),
+            "peak_mem_gb": row.get("peak_mem_gb"), "hf_tokens_per_s": row.get("hf_tokens_per_s"),
+            "speedup_vs_hf": row.get("speedup_vs_hf"), "errors": row.get("errors") or {},
+            "variants": {name: {"tokens_per_s": v.get("tokens_per_s"), "default_speedup": v.get("default_speedup"),
+                                "peak_mem_gb": v.get("peak_mem_gb"), "error": v.get("error")}
+                         for name, v in (row.get("variants") or {}).items()},
+            "side_wall_s": row.get("side_wall_s"),
+        })
+    return {"device": record.get("device"), "rows": rows, "complete": not record.get("partial", False)}
+
+
+def read_gpu_tests(stage_dir: Path) -> dict:
+    reports = sorted(stage_dir.glob("gpu_check_*.json"))
+    record = _read_json(reports[0]) if reports else None
+    if record is None:
+        return {}
+    counts: dict[str, int] = {}
+    for t in record.get("tests", []):
+        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    problems = [f"{t['outcome'].upper()} {t['test']}: {t.get('error') or ''}".strip()
+                for t in record.get("tests", []) if t["outcome"] in ("failed", "error")]
+    return {"counts": counts, "problems": problems, "collection_errors": record.get("collection_errors", []),
+            "fp8_vs_bf16_loss": record.get("fp8_vs_bf16_loss"), "pytest_exit_code": record.get("pytest_exit_code")}
+
+
+def read_resume_e2e(stage_dir: Path) -> dict:
+    return _read_json(stage_dir / "resume_compare.json") or {}
+
+
+# --------------------------------------------------------------------------------------------------
+# The stages, in order of value.
+
+THROUGHPUT_TIMING = ["--warmup", "3", "--steps", "3", "--rounds", "2"]
+"""Short timings (a GPU visit is minutes): 3 warm-up steps (CUDA graphs are captured during warm-up),
+2 rounds of 3 timed steps per side; +-3 % between visits."""
+
+WANTED_VARIANTS_1B = ("cuda_graphs", "local_spec", "no_rope_fusion", "no_grad_accum_fusion")
+"""What the 1B bf16 row times against the recipe's configuration, where ``throughput.VARIANTS`` has it."""
+
+
+def _variants(wanted: tuple[str, ...]) -> list[str]:
+    from benchmarks import throughput
+
+    return [name for name in wanted if name in throughput.VARIANTS]
+
+
+def _throughput(preset: str, precision: str, *, variants: tuple[str, ...] = (), hf: bool = True,
+                profile: bool = False) -> Callable[[StageContext], list[str]]:
+    def command(ctx: StageContext) -> list[str]:
+        argv = [ctx.python, str(REPO / "benchmarks" / "throughput.py"), "--output", str(ctx.stage_dir / "throughput.json")]
+        if ctx.machine.gpu:
+            argv += ["--presets", preset, "--seq-lengths", "2048", "--precisions", precision, *THROUGHPUT_TIMING]
+        else:  # the same code at the CPU's tiny size (what CI checks)
+            argv += ["--cpu-tiny", "--warmup", "1", "--steps", "1", "--rounds", "1"]
+        argv += ["--variants", *_variants(variants)]
+        if not hf:
+            argv.append("--no-hf")
+        if profile:
+            argv += ["--profile", str(ctx.stage_dir / "profiles")]
+        return argv
+    return command
+
+
+def _gpu_tests(ctx: StageContext) -> list[str]:
+    argv = [ctx.python, str(REPO / "benchmarks" / "gpu_check.py"), "--output-dir", str(ctx.stage_dir)]
+    if ctx.machine.xdist:
+        # The gpu tests are small models; files are independent (each its own runs and folders).
+        argv += ["--pytest-args", "-n 6 --dist loadfile"]
+    return argv
+
+
+def _resume_e2e(ctx: StageContext) -> list[str]:
+    return ["bash", str(REPO / "benchmarks" / "gpu_resume_e2e.sh"), str(ctx.stage_dir), str(ctx.data_dir)]
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage(name="environment", purpose="device, driver, versions", command=_python_probe("environment"),
+          max_s=60, min_s=10, read=read_environment),
+    Stage(name="te_smoke", purpose="Transformer Engine: FP8 LayerNormMLP, fused attention (no mask, causal)",
+          command=_python_probe("te_smoke"), max_s=90, min_s=20, needs=frozenset({"gpu", "te"}), read=read_te_smoke),
+    Stage(name="throughput_1b_bf16",
+          purpose="1B, seq 2048, bf16: the recipe's configuration vs each switch undone vs Hugging Face; a profile",
+          command=_throughput("1b", "bf16", variants=WANTED_VARIANTS_1B, profile=True),
+          max_s=300, min_s=90, read=read_throughput),
+    Stage(name="gpu_tests", purpose="every `gpu`-marked test (benchmarks/gpu_check.py)", command=_gpu_tests,
+          max_s=300, min_s=120, needs=frozenset({"gpu"}), read=read_gpu_tests),
+    Stage(name="resume_e2e", purpose="210M biphasic, killed during its step-200 save, resumed; losses compared",
+          command=_resume_e2e, max_s=260, min_s=150, needs=frozenset({"gpu", "data"}), read=read_resume_e2e,
+          alongside="gpu_tests"),
+    Stage(name="throughput_1b_fp8", purpose="1B, seq 2048, FP8 (delayed scaling) vs the recipe's bf16",
+          command=_throughput("1b", "fp8", variants=("cuda_graphs",), hf=False),
+          max_s=150, min_s=60, needs=frozenset({"fp8"}), read=read_throughput),
+    Stage(name="throughput_610m_bf16", purpose="610M, seq 2048, bf16: the recipe's configuration vs Hugging Face",
+          command=_throughput("610m", "bf16"), max_s=150, min_s=60, needs=frozenset({"gpu"}), read=read_throughput),
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Running stages inside the budget.
+
+
+@dataclasses.dataclass(kw_only=True)
+class StageResult:
+    name: str
+    purpose: str
+    status: str = "pending"
+    reason: str | None = None
+    cap_s: float | None = None
+    wall_s: float | None = None
+    exit_code: int | None = None
+    command: str | None = None
+    log: str | None = None
+    figures: dict = dataclasses.field(default_factory=dict)
+
+
+class Budget:
+    """Seconds left for stages: ``budget_s`` from the start, less ``reserve_s`` for the end."""
+
+    def __init__(self, budget_s: float, reserve_s: float, clock: Callable[[], float] = time.monotonic):
+        self.budget_s, self.reserve_s, self.clock = budget_s, reserve_s, clock
+        self.start = clock()
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def left(self) -> float:
+        return self.budget_s - self.reserve_s - self.elapsed()
+
+    def cap_for(self, stage: Stage) -> float | None:
+        """The stage's cap, or None when its ``min_s`` no longer fits."""
+        left = self.left()
+        return None if left < stage.min_s else min(stage.max_s, left)
+
+
+def _start(stage: Stage, ctx: StageContext, log_path: Path, result: StageResult, cap: float) -> subprocess.Popen:
+    argv = stage.command(ctx)
+    result.command = shlex.join(argv)
+    result.cap_s = round(cap, 1)
+    result.log = str(log_path)
+    log = open(log_path, "w", encoding="utf-8")
+    log.write(f"$ {result.command}\n(cap {cap:.0f} s)\n\n")
+    log.flush()
+    # A session of its own: a timeout kills the stage's whole process tree (torchrun, pytest workers).
+    return subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _finish(stage: Stage, proc: subprocess.Popen, result: StageResult, started: float, cap: float,
+            ctx: StageContext) -> None:
+    try:
+        code = proc.wait(timeout=max(0.0, started + cap - time.monotonic()))
+        result.status, result.exit_code = ("passed" if code == 0 else "failed"), code
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        result.status, result.exit_code = "timed_out", proc.returncode
+        result.reason = f"killed at its cap of {cap:.0f} s"
+    result.wall_s = round(time.monotonic() - started, 1)
+    if stage.read is not None:
+        try:
+            result.figures = stage.read(ctx.stage_dir)
+        except Exception as error:  # the figures are a report: a reader's bug must not lose the run
+            result.figures = {"read_error": f"{type(error).__name__}: {error}"}
+    if result.status == "failed":
+        result.reason = result.reason or _last_line(Path(result.log))
+
+
+def _last_line(log: Path) -> str | None:
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return None
+    return lines[-1][:300] if lines else None
+
+
+def run_suite(stages: tuple[Stage, ...] | list[Stage], *, machine: Machine, budget: Budget, output_dir: Path,
+              data_dir: Path | None = None, on_update: Callable[[list[StageResult]], None] | None = None,
+              python: str = sys.executable) -> list[StageResult]:
+    """Run ``stages`` in order inside ``budget`` (module docstring); ``on_update`` gets the results
+    after every change of state (the summaries are written from it)."""
+    results = {s.name: StageResult(name=s.name, purpose=s.purpose) for s in stages}
+    ordered = [results[s.name] for s in stages]
+    by_name = {s.name: s for s in stages}
+    partners = {s.alongside: s for s in stages if s.alongside and s.alongside in by_name}
+    (output_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def update() -> None:
+        if on_update is not None:
+            on_update(ordered)
+
+    def applicable(stage: Stage) -> bool:
+        reason = machine.lacks(stage.needs)
+        if reason is None and "data" in stage.needs and not (data_dir and (data_dir / "demo_dataset").is_dir()):
+            reason = "needs --data-dir (demo_tokenizer/ and demo_dataset/)"
+        if reason is not None:
+            results[stage.name].status, results[stage.name].reason = "not_applicable", reason
+        return reason is None
+
+    for stage in stages:
+        if stage.alongside in by_name:  # started with its partner
+            continue
+        group = [stage] + ([partners[stage.name]] if stage.name in partners else [])
+        running = []
+        for member in group:
+            if not applicable(member):
+                continue
+            cap = budget.cap_for(member)
+            if cap is None:
+                r = results[member.name]
+                r.status, r.reason = "skipped", f"needs >= {member.min_s:.0f} s, {max(0.0, budget.left()):.0f} s left"
+                continue
+            ctx = StageContext(machine=machine, stage_dir=output_dir / member.name, data_dir=data_dir, python=python)
+            ctx.stage_dir.mkdir(parents=True, exist_ok=True)
+            results[member.name].status = "running"
+            proc = _start(member, ctx, output_dir / "logs" / f"{member.name}.log", results[member.name], cap)
+            running.append((member, proc, time.monotonic(), cap, ctx))
+            print(f"[{budget.elapsed():5.0f} s] {member.name}: started (cap {cap:.0f} s)", flush=True)
+        update()
+        for member, proc, started, cap, ctx in running:
+            _finish(member, proc, results[member.name], started, cap, ctx)
+            r = results[member.name]
+            print(f"[{budget.elapsed():5.0f} s] {member.name}: {r.status} in {r.wall_s:.0f} s"
+                  + (f" ({r.reason})" if r.reason else ""), flush=True)
+            update()
+    for r in ordered:
+        if r.status in ("skipped", "not_applicable"):
+            print(f"[{budget.elapsed():5.0f} s] {r.name}: {r.status} ({r.reason})", flush=True)
+    update()
+    return ordered
+
+
+# --------------------------------------------------------------------------------------------------
+# Summaries.
+
+
+def _fmt(value, spec: str = ",.0f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def _figure_lines(result: StageResult) -> list[str]:
+    f = result.figures
+    if not f:
+        return []
+    if "read_error" in f:
+        return [f"- (figures could not be read: {f['read_error']})"]
+    if result.name == "environment":
+        return ["- " + ", ".join(f"{k} {v}" for k, v in f.items() if v is not None)]
+    if "rows" in f:
+        lines = [] if f.get("complete", True) else ["- partial: the stage was cut before its last side"]
+        if f["rows"]:
+            lines += ["", "| row | micro-batches | tok/s | MFU | ms/step | peak GB | HF tok/s | vs HF |",
+                      "|---|---|---|---|---|---|---|---|"]
+        for row in f["rows"]:
+            mfu = None if row["mfu"] is None else 100 * row["mfu"]
+            step = None if row["step_time_s"] is None else 1e3 * row["step_time_s"]
+            ratio = "-" if row["speedup_vs_hf"] is None else f"x{row['speedup_vs_hf']:.2f}"
+            lines.append(f"| {row['row']} | {row['shape']} | {_fmt(row['tokens_per_s'])} | {_fmt(mfu, '.1f')} % | "
+                         f"{_fmt(step)} | {_fmt(row['peak_mem_gb'], '.1f')} | {_fmt(row['hf_tokens_per_s'])} | {ratio} |")
+        for row in f["rows"]:
+            for name, v in row["variants"].items():
+                if v["error"]:
+                    lines.append(f"- {row['row']}, variant `{name}`: {v['error']}")
+                else:
+                    speedup = "-" if v["default_speedup"] is None else f"x{v['default_speedup']:.2f}"
+                    lines.append(f"- {row['row']}: the recipe's configuration is {speedup} variant `{name}` "
+                                 f"({_fmt(v['tokens_per_s'])} tok/s, {_fmt(v['peak_mem_gb'], '.1f')} GB)")
+            for side, error in row["errors"].items():
+                lines.append(f"- {row['row']}, {side}: {error}")
+            if row.get("side_wall_s"):
+                lines.append(f"- {row['row']}, wall time per side (s): "
+                             + ", ".join(f"{k} {v:.0f}" for k, v in row["side_wall_s"].items()))
+        return lines
+    if result.name == "gpu_tests":
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(f.get("counts", {}).items())) or "no test report"
+        lines = [f"- {counts}"]
+        lines += [f"- {p}" for p in f.get("problems", [])]
+        lines += [f"- collection error: {e}" for e in f.get("collection_errors", [])]
+        if f.get("fp8_vs_bf16_loss"):
+            lines.append(f"- FP8 vs bf16 training loss: `{json.dumps(f['fp8_vs_bf16_loss'])}`")
+        return lines
+    return ["- " + ", ".join(f"{k}: {v}" for k, v in f.items())]
+
+
+def summary_markdown(results: list[StageResult], *, machine: Machine, budget_s: float, elapsed_s: float,
+                     commit: str | None) -> str:
+    """The page a person reads first."""
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    lines = [f"# GPU suite on {machine.device}", "",
+             f"Commit {commit or 'unknown'}; budget {budget_s:.0f} s, used {elapsed_s:.0f} s; "
+             + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".", "",
+             "| stage | status | wall / cap (s) | what | note |", "|---|---|---|---|---|"]
+    for r in results:
+        wall = f"{_fmt(r.wall_s)} / {_fmt(r.cap_s)}" if r.cap_s is not None else "-"
+        lines.append(f"| {r.name} | {r.status} | {wall} | {r.purpose} | {(r.reason or '').replace('|', '/')} |")
+    for r in results:
+        figures = _figure_lines(r)
+        if figures:
+            lines += ["", f"## {r.name}", "", *figures]
+    lines += ["", "Logs: `logs/<stage>.log`; each stage's files: `<stage>/`; everything as data: `summary.json`."]
+    return "\n".join(lines) + "\n"
+
+
+def write_summaries(output_dir: Path, results: list[StageResult], *, machine: Machine, budget: Budget,
+                    commit: str | None) -> None:
+    record = {"device": machine.device, "machine": dataclasses.asdict(machine), "commit": commit,
+              "budget_s": budget.budget_s, "reserve_s": budget.reserve_s, "elapsed_s": round(budget.elapsed(), 1),
+              "stages": [dataclasses.asdict(r) for r in results]}
+    for name, text in (("summary.json", json.dumps(record, indent=2, default=str) + "\n"),
+                       ("summary.md", summary_markdown(results, machine=machine, budget_s=budget.budget_s,
+                                                       elapsed_s=budget.elapsed(), commit=commit))):
+        tmp = output_dir / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, output_dir / name)
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("MEGATRON_EXT_COMMIT")
+
+
+def probe_machine_in_child(python: str = sys.executable) -> Machine:
+    """``probe_machine`` in a child process (no CUDA context in the suite's own process)."""
+    run = subprocess.run([python, str(Path(__file__).resolve()), "--probe", "machine"], cwd=REPO,
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"probing this machine failed (exit {run.returncode}): {(run.stdout + run.stderr)[-2000:]}")
+    return Machine(**json.loads(run.stdout.strip().splitlines()[-1]))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--budget-s", type=float, default=480, help="seconds for the whole suite (default 480)")
+    add("--reserve-s", type=float, default=10, help="seconds kept at the end for the summaries (default 10)")
+    add("--output-dir", type=Path, default=None, help="default: runs/gpu_suite/<device>")
+    add("--data-dir", type=Path, default=None,
+        help="folder with demo_tokenizer/ and demo_dataset/ (the resume run's corpus); default: $MEGATRON_EXT_DATA "
+             "or data/, where `make demo-data` puts them")
+    add("--stages", nargs="+", default=None, metavar="STAGE",
+        help="run these stages only, in this order (default: all, in order of value): "
+             + ", ".join(s.name for s in STAGES))
+    add("--list", action="store_true", help="print the stages and their time limits, then exit")
+    add("--probe", choices=sorted(PROBES), default=None, help=argparse.SUPPRESS)
+    add("--probe-output", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.probe is not None:
+        record = PROBES[args.probe]()
+        text = json.dumps(record, default=str)
+        if args.probe_output is not None:
+            args.probe_output.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        print(text)
+        return _te_smoke_exit(record) if args.probe == "te_smoke" else 0
+    if args.list:
+        for s in STAGES:
+            needs = f" [needs {', '.join(sorted(s.needs))}]" if s.needs else ""
+            with_ = f" (alongside {s.alongside})" if s.alongside else ""
+            print(f"{s.name:22} min {s.min_s:4.0f} s, max {s.max_s:4.0f} s{needs}{with_}: {s.purpose}")
+        return 0
+    by_name = {s.name: s for s in STAGES}
+    if args.stages:
+        unknown = [n for n in args.stages if n not in by_name]
+        if unknown:
+            parser.error(f"--stages: unknown {', '.join(unknown)}; known: {', '.join(by_name)}")
+        stages = [by_name[n] for n in args.stages]
+    else:
+        stages = list(STAGES)
+    if args.budget_s <= args.reserve_s:
+        parser.error(f"--budget-s {args.budget_s:g} must exceed --reserve-s {args.reserve_s:g}")
+    budget = Budget(args.budget_s, args.reserve_s)
+    machine = probe_machine_in_child()
+    slug = "".join(c if c.isalnum() else "_" for c in machine.device).strip("_").lower()
+    output_dir = args.output_dir or REPO / "runs" / "gpu_suite" / slug
+    output_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = args.data_dir or Path(os.environ.get("MEGATRON_EXT_DATA", REPO / "data"))
+    commit = _commit()
+    print(f"gpu_suite: {machine.device}, budget {args.budget_s:.0f} s, {len(stages)} stage(s) -> {output_dir}",
+          flush=True)
+    results = run_suite(stages, machine=machine, budget=budget, output_dir=output_dir, data_dir=data_dir,
+                        on_update=lambda rs: write_summaries(output_dir, rs, machine=machine, budget=budget,
+                                                             commit=commit))
+    print(f"wrote {output_dir / 'summary.md'} and summary.json ({budget.elapsed():.0f} s)")
+    return 0 if all(r.status in ("passed", "not_applicable") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""``benchmarks/gpu_suite.py`` on CPU: the budget (caps, skipping), stages side by side, timeouts that
+kill a stage's whole process tree, the summaries written after every stage, and the real suite's
+CPU path (what a CPU can run, the rest marked not applicable)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_suite
+from benchmarks.gpu_suite import Budget, Machine, Stage
+
+CPU = Machine(gpu=False, transformer_engine=False, fp8=False, device="cpu-test")
+GPU = Machine(gpu=True, transformer_engine=True, fp8=False, device="gpu-test", gpu_count=1)
+
+
+def _sleeper(seconds: float, code: int = 0, write: str | None = None):
+    """A stage command: sleep, optionally write a file into the stage's folder first, exit ``code``."""
+    def command(ctx):
+        script = (f"import pathlib, sys, time; "
+                  + (f"pathlib.Path({str(ctx.stage_dir / 'out.json')!r}).write_text({write!r}); " if write else "")
+                  + f"print('working', flush=True); time.sleep({seconds}); sys.exit({code})")
+        return [sys.executable, "-c", script]
+    return command
+
+
+def _read_out(stage_dir: Path) -> dict:
+    path = stage_dir / "out.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_caps_come_from_the_budget_left_and_a_stage_that_cannot_fit_is_not_started():
+    clock = FakeClock()
+    budget = Budget(300, 20, clock=clock)
+    big = Stage(name="big", purpose="", command=_sleeper(0), max_s=200, min_s=100)
+    small = Stage(name="small", purpose="", command=_sleeper(0), max_s=50, min_s=10)
+    assert budget.cap_for(big) == 200  # its own max: 280 s are left
+    clock.now += 150  # 130 s left
+    assert budget.cap_for(big) == 130
+    assert budget.cap_for(small) == 50
+    clock.now += 100  # 30 s left: below big's minimum, small still fits in what is left
+    assert budget.cap_for(big) is None
+    assert budget.cap_for(small) == 30
+
+
+def test_statuses_summaries_and_a_killed_stage_keeps_what_it_wrote(tmp_path):
+    stages = [
+        Stage(name="ok", purpose="finishes", command=_sleeper(0.1, write='{"answer": 42}'), max_s=30, min_s=1,
+              read=_read_out),
+        Stage(name="broken", purpose="exits 3", command=_sleeper(0.1, code=3), max_s=30, min_s=1),
+        Stage(name="slow", purpose="outlives its cap", command=_sleeper(60, write='{"partial": true}'), max_s=2,
+              min_s=1, read=_read_out),
+        Stage(name="gpu_only", purpose="needs CUDA", command=_sleeper(0), max_s=30, min_s=1, needs=frozenset({"gpu"})),
+        Stage(name="greedy", purpose="needs more than is left", command=_sleeper(0), max_s=900, min_s=600),
+    ]
+    snapshots = []
+    start = time.monotonic()
+    results = gpu_suite.run_suite(stages, machine=CPU, budget=Budget(120, 5), output_dir=tmp_path,
+                                  on_update=lambda rs: snapshots.append([r.status for r in rs]))
+    assert time.monotonic() - start < 30  # the 60 s sleeper was killed at its 2 s cap
+    by_name = {r.name: r for r in results}
+    assert by_name["ok"].status == "passed" and by_name["ok"].figures == {"answer": 42}
+    assert by_name["broken"].status == "failed" and by_name["broken"].exit_code == 3
+    assert by_name["broken"].reason == "working"  # the last line of its log
+    assert by_name["slow"].status == "timed_out" and by_name["slow"].figures == {"partial": True}
+    assert by_name["slow"].cap_s == 2
+    assert by_name["gpu_only"].status == "not_applicable" and by_name["gpu_only"].reason == "needs a CUDA GPU"
+    assert by_name["greedy"].status == "skipped" and by_name["greedy"].reason.startswith("needs >= 600 s")
+    assert "working" in (tmp_path / "logs" / "broken.log").read_text()
+    # Updated as it goes: a run cut at any point leaves summaries of what finished.
+    assert ["passed", "running", "pending", "pending", "pending"] in snapshots
+
+    gpu_suite.write_summaries(tmp_path, results, machine=CPU, budget=Budget(120, 5), commit="abc1234")
+    record = json.loads((tmp_path / "summary.json").read_text())
+    assert [s["status"] for s in record["stages"]] == ["passed", "failed", "timed_out", "not_applicable", "skipped"]
+    page = (tmp_path / "summary.md").read_text()
+    assert "| slow | timed_out | " in page and "killed at its cap of 2 s" in page
+    assert "| greedy | skipped | - |" in page and "Commit abc1234" in page
+
+
+def test_a_stage_and_its_partner_run_side_by_side(tmp_path):
+    stages = [
+        Stage(name="tests", purpose="", command=_sleeper(3), max_s=30, min_s=1),
+        Stage(name="e2e", purpose="", command=_sleeper(3), max_s=30, min_s=1, alongside="tests"),
+        Stage(name="after", purpose="", command=_sleeper(0), max_s=30, min_s=1),
+    ]
+    start = time.monotonic()
+    results = gpu_suite.run_suite(stages, machine=GPU, budget=Budget(120, 5), output_dir=tmp_path)
+    assert [r.status for r in results] == ["passed", "passed", "passed"]
+    assert time.monotonic() - start < 5.5  # 3 s + 3 s one after the other would be 6 s at least
+
+
+def test_a_stage_needing_data_without_a_data_dir_is_not_applicable(tmp_path):
+    stage = Stage(name="e2e", purpose="", command=_sleeper(0), max_s=30, min_s=1, needs=frozenset({"gpu", "data"}))
+    (result,) = gpu_suite.run_suite([stage], machine=GPU, budget=Budget(60, 5), output_dir=tmp_path,
+                                    data_dir=tmp_path / "missing")
+    assert result.status == "not_applicable" and "--data-dir" in result.reason
+
+
+def test_the_stages_on_a_gpu_machine_build_their_commands(tmp_path):
+    """Every stage's command as a GPU machine would run it (built, not run): the shapes and files the
+    visit relies on."""
+    machine = Machine(gpu=True, transformer_engine=True, fp8=True, device="NVIDIA H200", gpu_count=1, xdist=True)
+    commands = {}
+    for stage in gpu_suite.STAGES:
+        ctx = gpu_suite.StageContext(machine=machine, stage_dir=tmp_path / stage.name, data_dir=tmp_path / "demo")
+        commands[stage.name] = stage.command(ctx)
+    bf16 = commands["throughput_1b_bf16"]
+    assert bf16[bf16.index("--presets") + 1] == "1b" and "--profile" in bf16
+    assert bf16[bf16.index("--output") + 1] == str(tmp_path / "throughput_1b_bf16" / "throughput.json")
+    assert "--cpu-tiny" not in bf16
+    assert commands["throughput_1b_fp8"][commands["throughput_1b_fp8"].index("--precisions") + 1] == "fp8"
+    assert commands["resume_e2e"][-1] == str(tmp_path / "demo")
+    assert "--output-dir" in commands["gpu_tests"]
+
+
+def test_cli_refuses_an_unknown_stage_and_a_budget_below_its_reserve(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_suite.main(["--stages", "environment", "nonsense"])
+    assert exit_info.value.code == 2 and "--stages: unknown nonsense" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_suite.main(["--budget-s", "5", "--reserve-s", "10"])
+    assert "--budget-s 5 must exceed --reserve-s 10" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_suite_on_cpu_runs_what_a_cpu_can_and_says_why_not_the_rest(tmp_path):
+    """The real command, on this CPU: the environment and the throughput benchmark's tiny CPU mode
+    run (the same code as on a GPU), the GPU-only stages are not applicable, each with its reason."""
+    out = tmp_path / "suite"
+    code = gpu_suite.main(["--budget-s", "400", "--output-dir", str(out), "--data-dir", str(tmp_path)])
+    record = json.loads((out / "summary.json").read_text())
+    status = {s["name"]: s for s in record["stages"]}
+    assert code == 0, (out / "summary.md").read_text()
+    assert status["environment"]["status"] == "passed"
+    assert status["environment"]["figures"]["torch"]
+    assert status["throughput_1b_bf16"]["status"] == "passed"
+    (row,) = status["throughput_1b_bf16"]["figures"]["rows"]
+    assert row["row"] == "tiny seq 128 fp32" and row["tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0
+    for name in ("te_smoke", "gpu_tests", "resume_e2e", "throughput_1b_fp8", "throughput_610m_bf16"):
+        assert status[name]["status"] == "not_applicable" and status[name]["reason"].startswith("needs"), name
+    page = (out / "summary.md").read_text()
+    assert "| tiny seq 128 fp32 |" in page and "needs a CUDA GPU" in page
