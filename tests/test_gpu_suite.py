@@ -153,3 +153,26 @@ def test_the_suite_on_cpu_runs_what_a_cpu_can_and_says_why_not_the_rest(tmp_path
         assert status[name]["status"] == "not_applicable" and status[name]["reason"].startswith("needs"), name
     page = (out / "summary.md").read_text()
     assert "| tiny seq 128 fp32 |" in page and "needs a CUDA GPU" in page
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_the_sbatch_script_runs_the_suite_within_the_jobs_time_limit(slurm_cluster, tmp_path):
+    """``examples/launch/gpu_suite.sbatch`` submitted unchanged (a CPU node here: --gpus-per-node=0):
+    its budget is the job's time limit less the margin, and the summaries land in OUTPUT_DIR."""
+    out = tmp_path / "suite"
+    env = {**{k: v for k, v in slurm_cluster.env.items() if not k.startswith("SLURM_JOB")},
+           "PYTHON": sys.executable, "OUTPUT_DIR": str(out), "DATA_DIR": str(tmp_path)}
+    job_id = slurm_cluster.sbatch(["--gpus-per-node=0", "--cpus-per-task=1", "--time=3",
+                                   f"--output={tmp_path}/%x-%j.out", str(gpu_suite.REPO / "examples" / "launch" /
+                                                                        "gpu_suite.sbatch"),
+                                   "--stages", "environment", "gpu_tests"],
+                                  env=env, cwd=gpu_suite.REPO, replace_env=True)
+    info = slurm_cluster.wait(job_id, timeout=240)
+    log = Path(info["StdOut"]).read_text()
+    assert info["JobState"] == "COMPLETED", log
+    assert "budget 120 s" in log  # 3 minutes less the 60 s margin
+    record = json.loads((out / "summary.json").read_text())
+    assert record["budget_s"] == 120
+    assert [(s["name"], s["status"]) for s in record["stages"]] == [("environment", "passed"),
+                                                                    ("gpu_tests", "not_applicable")]
