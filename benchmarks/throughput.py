@@ -9,8 +9,10 @@ batches (the objective and shapes set the speed, not the text), AdamW (0.9, 0.95
 the recipes' shape: an optimizer step takes as many micro-batches as one rank gets in the paper
 recipe (global batch 1,152 over ``--data-parallel-size`` 64 ranks: 2 / 3 / 6 micro-batches of
 9 / 6 / 3 sequences at 210m / 610m / 1b), gradient accumulation on both sides:
-- megatron_ext: ``build_encoder_model`` (TE spec when Transformer Engine imports) driven by the
-  trainer's engine (``training.engines.MegatronEngine``: Megatron-Core DDP + optimizer +
+- megatron_ext: the size recipe's configuration (``examples/recipes/base/<size>.yaml``: spec, bf16
+  parameters, fusions, LM head, distributed optimizer; ``RECIPE_SETTINGS``), with what the machine
+  cannot run turned off as a training run would (``training.loop.runnable_here``): ``build_encoder_model``
+  driven by the trainer's engine (``training.engines.MegatronEngine``: Megatron-Core DDP + optimizer +
   forward-backward schedule, on GPU and CPU), bf16 autocast, FP8 via TE;
 - Hugging Face: ``transformers.EuroBertForMaskedLM`` (SDPA attention) with its own loss, bf16
   autocast, fused AdamW; ``--hf-compile`` adds ``torch.compile``.
@@ -23,9 +25,11 @@ labelled ``peak_mem_measure``. The process that starts them allocates nothing on
 runs warm-up steps, then timed rounds (the median round counts). Reported per row: tokens/s, achieved
 TFLOP/s and MFU (FLOPs convention of ``megatron_ext.training.metrics``, printed; MFU against the dense
 bf16 peak, also for FP8 rows), peak memory and step time, and the baseline's tokens/s and peak memory
-on the same shape; for each of ``--variants`` (an optimisation step undone or a tuning choice, as a
-run-config change) its tokens/s, peak memory and how much faster the default is, timed on the same
-batches in the same run. ``--profile DIR`` adds, per row, one profiled optimizer step of our engine
+on the same shape; for each of ``--variants`` (an optimisation step of the recipe undone, or a tuning
+choice, as a run-config change) its tokens/s, peak memory and how much faster the default is, timed
+on the same batches in the same run (a variant that changes nothing on this machine is reported as
+such, not timed); each side's wall time (start-up, build, warm-up, timed, profile, teardown), to
+plan a GPU visit (``--steps``/``--rounds``/``--warmup`` and ``--no-baseline`` shorten a row). ``--profile DIR`` adds, per row, one profiled optimizer step of our engine
 after the timed rounds: the top ops and kernels by self device time (CUDA time on GPU, CPU time on
 CPU) as torch.profiler's table (``DIR/profile_<preset>_seq<S>_<precision>.txt``) and as JSON (same
 name, ``.json``). Writes ``benchmarks/results/throughput_<device>.json`` (a list of rows plus device
@@ -55,21 +59,37 @@ from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E40
 from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
 from megatron_ext.training.config import read_recipe, run_config_from_dict  # noqa: E402
 from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
+from megatron_ext.training.loop import runnable_here  # noqa: E402
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device  # noqa: E402
 
 SPECIAL_IDS = (0, 1, 2, 3)  # bos, pad, eos, mask of the synthetic vocabulary
 MASK_ID = 3
 
-# Optimisation steps as run-config changes from the trainer's defaults: each one asked for with
-# --variants is timed on the same batches right after the default configuration, so its effect is
-# a ratio from one run (benchmarks/README.md keeps the table of steps).
+# The default side runs the size's recipe (examples/recipes/base/<size>.yaml): its spec, parameter
+# dtype, fusions, LM head and optimizer layout, as RECIPE_SETTINGS lists them. Each variant asked for
+# with --variants is a run-config change timed on the same batches right after the default: most
+# undo one optimisation step of the recipe (no_*, local_spec, fp32_params, full_lm_head), a few try
+# one it does not take (recomputation, the fused cross entropy, the unfused Adam), so its effect is a
+# ratio from one run (benchmarks/README.md keeps the table of steps).
+RECIPE_SETTINGS = {
+    "model": ("attention_backend", "params_dtype"),
+    "training": ("bias_activation_fusion", "cross_entropy_loss_fusion", "rope_fusion", "gradient_accumulation_fusion",
+                 "lm_head_scored_only"),
+    "parallel": ("use_distributed_optimizer", "overlap_grad_reduce"),
+}
+"""What the default side takes from the size's recipe (the rest of the step is fixed here: MLM-40,
+one rank, the recipe's micro-batch shape, ``--precisions``)."""
 VARIANTS = {
+    "no_rope_fusion": ({"training": {"rope_fusion": False}}, "RoPE unfused (Megatron's cat/mul chain)"),
+    "no_grad_accum_fusion": ({"training": {"gradient_accumulation_fusion": False}},
+                             "weight gradients added to main_grad outside the wgrad GEMM"),
+    "local_spec": ({"model": {"attention_backend": "local"}},
+                   "the local spec: PyTorch SDPA attention, torch RMSNorm, Megatron's linears"),
+    "fp32_params": ({"model": {"params_dtype": "float32"}}, "fp32 weights under bf16 autocast (no Float16Module)"),
+    "no_swiglu_fusion": ({"training": {"bias_activation_fusion": False}}, "torch's SwiGLU (not Megatron's fused one)"),
     "full_lm_head": ({"training": {"lm_head_scored_only": False}}, "LM head + loss at every position"),
     "selective_recompute": ({"training": {"recompute_granularity": "selective"}}, "recompute core attention"),
     "full_recompute": ({"training": {"recompute_granularity": "full"}}, "recompute whole layers"),
-    "bf16_params": ({"model": {"params_dtype": "bfloat16"}},
-                    "bf16 weights, fp32 main params in Megatron's optimizer (Megatron-LM mixed precision)"),
-    "swiglu_fusion": ({"training": {"bias_activation_fusion": True}}, "Megatron's fused SwiGLU (torch.compile)"),
     "cross_entropy_fusion": ({"training": {"cross_entropy_loss_fusion": True}},
                              "Megatron's native fused cross entropy (torch.compile)"),
     "unfused_adam": ({"optimizer": {"fused": False}}, "torch AdamW as Megatron builds it without TE/apex (not fused)"),
@@ -102,25 +122,46 @@ def recipe_shape(args, model_preset: str) -> tuple[int, int]:
     return micro, count
 
 
+def recipe_settings(model_preset: str) -> dict[str, dict]:
+    """The ``RECIPE_SETTINGS`` the size's base recipe sets (the trainer's defaults for the others)."""
+    recipe = read_recipe(REPO / "examples" / "recipes" / "base" / f"{model_preset}.yaml")
+    return {section: {k: recipe[section][k] for k in keys if k in recipe.get(section, {})}
+            for section, keys in RECIPE_SETTINGS.items()}
+
+
 def run_config(args, model_preset: str, seq_length: int, precision: str, variant: str | None = None):
-    """The trainer's own config for this shape (the engine reads optimizer, data and precision),
-    changed as ``VARIANTS[variant]`` says."""
+    """The trainer's own config for this shape (the engine reads optimizer, data and precision):
+    the size recipe's ``RECIPE_SETTINGS``, changed as ``VARIANTS[variant]`` says, with what this
+    machine cannot run turned off as a training run would (``training.loop.runnable_here``, not
+    announced here: ``describe`` records what each side ran)."""
     micro, count = recipe_shape(args, model_preset)
-    backend, _ = platform.attention_backend_fallback("te")
+    recipe = recipe_settings(model_preset)
     raw = {
-        "model": {"preset": model_preset, "vocab_size": args.vocab_size, "seq_length": seq_length,
-                  "attention_backend": backend},
+        "model": {**recipe["model"], "preset": model_preset, "vocab_size": args.vocab_size, "seq_length": seq_length},
         "tokenizer": {"tokenizer_model": "unused-by-this-benchmark"},
         "data": {"data_path": ["unused-by-this-benchmark"], "seq_length": seq_length,
                  "micro_batch_size": micro, "global_batch_size": micro * count},
         "schedule": {"lr": 1e-4, "lr_decay_style": "constant", "lr_warmup_iters": 0},
         "phases": [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}],
-        "training": {"train_iters": 1, "bf16": precision != "fp32",
+        "training": {**recipe["training"], "train_iters": 1, "bf16": precision != "fp32",
                      "fp8_recipe": args.fp8_recipe if precision == "fp8" else None},
+        "parallel": recipe["parallel"],
     }
+    if precision == "fp32":  # an fp32 row is fp32 throughout: no bf16 weights either
+        raw["model"]["params_dtype"] = "float32"
     for section, values in (VARIANTS[variant][0] if variant else {}).items():
         raw[section] = {**raw.get(section, {}), **values}
-    return run_config_from_dict(raw)
+    return runnable_here(run_config_from_dict(raw), announce=False)
+
+
+def describe(config) -> dict:
+    """What a side runs, after this machine's fallbacks: spec, precision, fusions, LM head, optimizer."""
+    t, p = config.training, config.parallel
+    return {"attention_backend": config.model.attention_backend, "params_dtype": config.model.params_dtype,
+            "bf16_autocast": t.bf16, "fp8_recipe": t.fp8_recipe,
+            **{name: getattr(t, name) for name in RECIPE_SETTINGS["training"]},
+            "recompute_granularity": t.recompute_granularity, "fused_adam": config.optimizer.fused,
+            **{name: getattr(p, name) for name in RECIPE_SETTINGS["parallel"]}}
 
 
 def _sync() -> None:
@@ -146,8 +187,9 @@ def _peak_memory_gb() -> float:
     return peak * (1 if sys.platform == "darwin" else 1024) / 2**30  # bytes on macOS, KiB on Linux
 
 
-def _timed_rounds(step, batch, args) -> list[float]:
-    """Seconds per step of each round, after warm-up steps."""
+def _timed_rounds(step, batch, args, wall: dict) -> list[float]:
+    """Seconds per step of each round, after warm-up steps; ``wall`` gets the seconds the warm-up
+    and the timed rounds took (batch making included)."""
     def timed(n: int) -> float:
         batches = [batch() for _ in range(n)]
         _sync()
@@ -157,8 +199,14 @@ def _timed_rounds(step, batch, args) -> list[float]:
         _sync()
         return (time.perf_counter() - start) / n
 
-    timed(args.warmup)
-    return [timed(args.steps) for _ in range(args.rounds)]
+    start = time.perf_counter()
+    if args.warmup:
+        timed(args.warmup)
+    wall["warmup"] = time.perf_counter() - start
+    start = time.perf_counter()
+    rounds = [timed(args.steps) for _ in range(args.rounds)]
+    wall["timed"] = time.perf_counter() - start
+    return rounds
 
 
 def profile_step(step, batch, out_dir: Path, stem: str, *, top: int = 40) -> dict:
@@ -196,21 +244,27 @@ def profile_step(step, batch, out_dir: Path, stem: str, *, top: int = 40) -> dic
     return {"table": str(table), "json": str(as_json)}
 
 
-def _ours(config, batch, args, profile_stem: str | None) -> dict:
+def _ours(config, batch, args, profile_stem: str | None, wall: dict) -> dict:
+    start = time.perf_counter()
     torch.manual_seed(0)
     model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
     engine = MegatronEngine(model.to(platform.device()), config)
+    _sync()
+    wall["build"] = time.perf_counter() - start
 
     def step(micro_batches):
         engine.train_step([MicroBatch(b, None) for b in micro_batches], lr=1e-4)
 
-    result = {"rounds_s": _timed_rounds(step, batch, args)}
+    result = {"rounds_s": _timed_rounds(step, batch, args, wall)}
     if profile_stem is not None:
+        start = time.perf_counter()
         result["profile"] = profile_step(step, batch, Path(args.profile), profile_stem)
+        wall["profile"] = time.perf_counter() - start
     return result
 
 
-def _hf(config, batch, args) -> dict:
+def _hf(config, batch, args, wall: dict) -> dict:
+    start = time.perf_counter()
     device = platform.device()
     torch.manual_seed(0)
     hf = hf_model(config.model).to(device)
@@ -227,7 +281,9 @@ def _hf(config, batch, args) -> dict:
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         optimizer.step()
 
-    return {"rounds_s": _timed_rounds(step, batch, args)}
+    _sync()
+    wall["build"] = time.perf_counter() - start
+    return {"rounds_s": _timed_rounds(step, batch, args, wall)}
 
 
 def _batches(args, model_preset: str, seq_length: int):
@@ -250,13 +306,15 @@ def run_side(spec: dict) -> dict:
     ``megatron_ext``, ``hf``, a variant name, or ``probe`` (what the machine is, checked before
     anything is timed). Returns rounds and this process's peak memory, or an ``error`` when the
     side does not fit in memory."""
+    # Start-up: from the parent's spawning this process to here (interpreter, torch, Megatron, TE).
+    wall = {"startup": time.time() - spec["spawned_at"]} if "spawned_at" in spec else {}
     args = argparse.Namespace(**spec["args"])
     side = spec["side"]
     if side == "probe":
         if "fp8" in args.precisions:
             platform.check_run_supported(fp8_recipe=args.fp8_recipe, recompute_granularity=None)
         return {"device": platform.device_name() or f"cpu{torch.get_num_threads()}",
-                "versions": platform.software_versions()}
+                "versions": platform.software_versions(), "wall_s": wall}
     preset, seq_length, precision = spec["model"], spec["seq_length"], spec["precision"]
     config = run_config(args, preset, seq_length, precision, None if side in ("megatron_ext", "hf") else side)
     if platform.on_gpu():
@@ -266,10 +324,10 @@ def run_side(spec: dict) -> dict:
         platform.init_process_group_and_model_parallel(seed=1234)
     try:
         if side == "hf":
-            result = _hf(config, _batches(args, preset, seq_length), args)
+            result = _hf(config, _batches(args, preset, seq_length), args, wall)
         else:
             stem = f"profile_{preset}_seq{seq_length}_{precision}" if side == "megatron_ext" and args.profile else None
-            result = _ours(config, _batches(args, preset, seq_length), args, stem)
+            result = _ours(config, _batches(args, preset, seq_length), args, stem, wall)
     except torch.OutOfMemoryError as error:  # a measurement too: this side does not fit at this shape
         result = {"error": f"out of memory: {str(error).splitlines()[0]}"}
     finally:
@@ -277,7 +335,8 @@ def run_side(spec: dict) -> dict:
             platform.destroy_process_group_and_model_parallel()
     (phase,) = config.resolved_phases
     share = lm_head_share(phase, scored_only=config.training.lm_head_scored_only)
-    return {**result, "peak_mem_gb": _peak_memory_gb(), "engine": "megatron",
+    return {**result, "peak_mem_gb": _peak_memory_gb(), "engine": "megatron", "wall_s": wall,
+            "settings": describe(config) if ours else None,
             "attention_backend": config.model.attention_backend, "parameters": parameter_count(config.model),
             "flops_per_token": flops_per_token(config.model, seq_length, lm_head_share=share)}
 
@@ -296,8 +355,9 @@ def measure_alone(args, side: str, model_preset: str | None = None, seq_length: 
     with tempfile.TemporaryDirectory(prefix="throughput_side_") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        spawned_at = time.time()
         spec_path.write_text(json.dumps({"side": side, "model": model_preset, "seq_length": seq_length,
-                                         "precision": precision, "args": settings}))
+                                         "precision": precision, "args": settings, "spawned_at": spawned_at}))
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
         run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--run-side", str(spec_path),
                               "--side-result", str(result_path)], cwd=REPO, env=env, capture_output=True, text=True)
@@ -305,7 +365,11 @@ def measure_alone(args, side: str, model_preset: str | None = None, seq_length: 
             output = (run.stdout + run.stderr).strip()
             raise RuntimeError(f"throughput side {side!r} ({model_preset} seq {seq_length} {precision}) exited with "
                                f"{run.returncode}; its last output:\n{output[-6000:]}")
-        return json.loads(result_path.read_text())
+        result = json.loads(result_path.read_text())
+        wall = result.setdefault("wall_s", {})
+        wall["total"] = time.time() - spawned_at
+        wall["teardown"] = max(0.0, wall["total"] - sum(v for k, v in wall.items() if k != "total"))
+        return result
 
 
 def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
@@ -320,16 +384,26 @@ def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
         step_time = statistics.median(side["rounds_s"])
         return step_time, tokens / step_time
 
+    default_settings = describe(run_config(args, model_preset, seq_length, precision))
     ours = measure_alone(args, "megatron_ext", model_preset, seq_length, precision)
     step_time, tokens_per_s = speed(ours)
     variants = {}
     for name in args.variants:
+        if describe(run_config(args, model_preset, seq_length, precision, name)) == default_settings:
+            # What it undoes is off here already (a fallback, or not in this size's recipe): no side to time.
+            variants[name] = {"change": VARIANTS[name][1], "same_as_default": True, "tokens_per_s": None,
+                              "peak_mem_gb": None, "default_speedup": None, "rounds_s": None, "error": None,
+                              "wall_s": None}
+            continue
         side = measure_alone(args, name, model_preset, seq_length, precision)
         v_time, v_speed = speed(side)
-        variants[name] = {"change": VARIANTS[name][1], "tokens_per_s": v_speed, "peak_mem_gb": side["peak_mem_gb"],
+        variants[name] = {"change": VARIANTS[name][1], "same_as_default": False, "tokens_per_s": v_speed,
+                          "peak_mem_gb": side["peak_mem_gb"],
                           "default_speedup": v_time / step_time if v_time and step_time else None,
-                          "rounds_s": side.get("rounds_s"), "error": side.get("error")}
-    hf = measure_alone(args, "hf", model_preset, seq_length, precision)
+                          "rounds_s": side.get("rounds_s"), "error": side.get("error"), "wall_s": side["wall_s"],
+                          "settings": side.get("settings")}
+    hf = (measure_alone(args, "hf", model_preset, seq_length, precision) if args.baseline
+          else {"error": "not run (--no-baseline)", "peak_mem_gb": None, "wall_s": None})
     hf_step_time, hf_tokens_per_s = speed(hf)
     achieved = tokens_per_s * ours["flops_per_token"] if tokens_per_s else None
     peak = peak_flops_per_device(args.device_name) if platform.on_gpu() else None
@@ -346,8 +420,10 @@ def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
         "peak_mem_measure": PEAK_MEMORY_MEASURE["gpu" if platform.on_gpu() else "cpu"],
         "speedup_vs_hf": hf_step_time / step_time if step_time and hf_step_time else None,
         "errors": {name: side["error"] for name, side in (("megatron_ext", ours), ("hf", hf)) if "error" in side},
-        "variants": variants, "profile": ours.get("profile"),
+        "variants": variants, "profile": ours.get("profile"), "settings": ours.get("settings"),
         "rounds_s": {"megatron_ext": ours.get("rounds_s"), "hf": hf.get("rounds_s")},
+        "wall_s": {"megatron_ext": ours["wall_s"], "hf": hf["wall_s"],
+                   **{name: v["wall_s"] for name, v in variants.items() if v["wall_s"] is not None}},
     }
 
 
@@ -367,12 +443,20 @@ def _format_row(row: dict) -> list[str]:
         mfu = "" if row["mfu"] is None else f" | MFU {100 * row['mfu']:.1f}%"
         ours = (f"{speed(row['tokens_per_s'])} | {1e3 * row['step_time_s']:.0f} ms/step, "
                 f"{1e3 * row['micro_batch_time_s']:.0f} ms/micro-batch | {row['tflops']:.1f} TFLOP/s{mfu}")
-    hf = speed(row["hf_tokens_per_s"])
-    ratio = "" if row["speedup_vs_hf"] is None else f" | x{row['speedup_vs_hf']:.2f} vs HF"
-    lines = [f"{head}{ours} | {mem_label} {row['peak_mem_gb']:.2f} GB | HF {hf}, {mem_label} "
-             f"{row['hf_peak_mem_gb']:.2f} GB{ratio}"]
+    if row["hf_peak_mem_gb"] is None:  # --no-baseline
+        hf = "HF not run"
+    else:
+        ratio = "" if row["speedup_vs_hf"] is None else f" | x{row['speedup_vs_hf']:.2f} vs HF"
+        hf = f"HF {speed(row['hf_tokens_per_s'])}, {mem_label} {row['hf_peak_mem_gb']:.2f} GB{ratio}"
+    lines = [f"{head}{ours} | {mem_label} {row['peak_mem_gb']:.2f} GB | {hf}"]
+    if row.get("settings"):
+        on = [k for k, v in row["settings"].items() if v is True]
+        lines.append(f"    default ({row['settings']['attention_backend']} spec, {row['settings']['params_dtype']} "
+                     f"parameters): {', '.join(on) or 'no switches on'}")
     for name, v in row["variants"].items():
-        if v["tokens_per_s"] is None:
+        if v.get("same_as_default"):
+            lines.append(f"    default vs {name} ({v['change']}): not timed, the default runs the same here")
+        elif v["tokens_per_s"] is None:
             lines.append(f"    default vs {name} ({v['change']}): {v['error']}")
         else:
             ratio = "" if v["default_speedup"] is None else f"x{v['default_speedup']:.2f} "
@@ -380,6 +464,11 @@ def _format_row(row: dict) -> list[str]:
                          f"{mem_label} {v['peak_mem_gb']:.2f} GB)")
     if row["profile"]:
         lines.append(f"    profile of one optimizer step: {row['profile']['table']}")
+    phases = ("startup", "build", "warmup", "timed", "profile", "teardown")
+    walls = [f"{side} " + "/".join(f"{wall.get(k, 0.0):.1f}" for k in phases) + f" = {wall['total']:.1f}"
+             for side, wall in row["wall_s"].items() if wall]
+    lines.append(f"    wall s per side ({'/'.join(phases)} = total): " + "; ".join(walls)
+                 + f"; row {sum(w['total'] for w in row['wall_s'].values() if w):.1f}")
     return lines
 
 
@@ -400,10 +489,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the world the recipe shape is taken at (default 64: 8 nodes of 8 GPUs)")
     add("--steps", type=int, default=5, help="timed steps per round and side")
     add("--rounds", type=int, default=3)
-    add("--warmup", type=int, default=2, help="untimed steps per side first")
+    add("--warmup", type=int, default=2,
+        help="untimed steps per side first (every side the same; fewer start a side sooner, but the first "
+             "steps carry torch.compile and TE's one-off set-up)")
     add("--hf-compile", action="store_true", help="torch.compile the Hugging Face model")
+    add("--baseline", action=argparse.BooleanOptionalAction, default=True,
+        help="time the Hugging Face baseline (--no-baseline: our default and its variants only, one process "
+             "less per row)")
     add("--variants", nargs="*", choices=sorted(VARIANTS), default=["full_lm_head"],
-        help="optimisation steps to time against the default configuration, same batches: "
+        help="run-config changes to time against the default (the size recipe's configuration), same batches; "
+             "a variant that changes nothing on this machine is reported, not timed: "
         + "; ".join(f"{k}: {v[1]}" for k, v in VARIANTS.items()))
     add("--profile", type=Path, default=None, metavar="DIR",
         help="after the timed rounds, profile one optimizer step of megatron_ext per row (torch.profiler) and "
@@ -432,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     # This process only starts the sides and reads their results: it allocates nothing on the
     # device (not even a CUDA context), so each side's process has the device to itself.
     args.device_name = None
+    started = time.time()
     probe = measure_alone(args, "probe")  # FP8 support is checked there, before anything is timed
     args.device_name = probe["device"]
     print(f"{args.device_name}; FLOPs/token = {MFU_CONVENTION}; MFU against the dense bf16 peak; each side (ours, "
@@ -447,12 +543,12 @@ def main(argv: list[str] | None = None) -> int:
               "mfu_peak": "dense bf16 peak of the device (also for fp8 rows)", "versions": probe["versions"],
               "peak_mem_measure": PEAK_MEMORY_MEASURE["gpu" if platform.on_gpu() else "cpu"],
               "settings": {k: v for k, v in vars(args).items() if k not in ("output", "run_side", "side_result")},
-              "rows": rows}
+              "rows": rows, "wall_s": {"probe": probe["wall_s"]["total"], "total": time.time() - started}}
     slug = re.sub(r"[^A-Za-z0-9]+", "_", args.device_name).strip("_").lower()
     out = args.output or REPO / "benchmarks" / "results" / f"throughput_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {out}; wall time {result['wall_s']['total']:.0f} s (probe {result['wall_s']['probe']:.0f} s)")
     return 0
 
 

@@ -26,7 +26,9 @@ Divergences, and why:
 6. Kernels (``check_run_supported``): FP8 needs Transformer Engine on compute capability >= 8.9;
    activation recomputation checkpoints the CUDA RNG tracker
    (``tensor_parallel/random.py::CheckpointFunction``), so it is GPU-only. Without Transformer
-   Engine, ``attention_backend: te`` falls back to the local spec, announced once.
+   Engine, ``attention_backend: te`` falls back to the local spec, announced once; so do
+   ``training.rope_fusion`` (TE's kernel) and ``training.gradient_accumulation_fusion`` (GPU;
+   with the local spec, apex) turn off (``fusion_fallbacks``).
 7. Megatron-Core outside the model: its DDP, optimizers, gradient clipping, forward-backward
    schedules (pipeline p2p included) and the distributed-checkpoint save place small tensors
    on CUDA, use CUDA streams and check for ``torch.cuda`` tensor types even when every
@@ -134,6 +136,59 @@ def attention_backend_fallback(attention_backend: str) -> tuple[str, str | None]
                          "FP8). Install Transformer Engine for speed (docs/gpu.md). Checkpoints are "
                          "interchangeable.")
     return "te", None
+
+
+def megatron_linear_wgrad_fusion_available() -> bool:
+    """True when Megatron's own linear layers (``ColumnParallelLinear``/``RowParallelLinear``: the LM
+    head, every linear of the local spec) can fuse weight-gradient accumulation: Megatron's probe of
+    apex's ``fused_weight_gradient_mlp_cuda`` (``tensor_parallel/layers.py``), without which their
+    constructors raise. Transformer Engine's layers need no apex."""
+    from megatron.core.tensor_parallel import layers
+
+    return bool(layers._grad_accum_fusion_available)
+
+
+def fused_rope_available() -> bool:
+    """True when Megatron's ``apply_rope_fusion`` has a kernel: Transformer Engine's fused RoPE
+    (``models/common/embeddings/rope_utils.py`` imports ``fused_apply_rotary_pos_emb`` from
+    Megatron's TE extension; None without TE, and ``TransformerConfig`` then refuses the flag)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return rope_utils.fused_apply_rotary_pos_emb is not None
+
+
+def fusion_fallbacks(*, rope_fusion: bool, gradient_accumulation_fusion: bool,
+                     attention_backend: str) -> tuple[dict[str, bool], list[str]]:
+    """The fusion settings this machine runs for the requested ones, and one warning line to print
+    once per setting turned off (never turned off silently: the GPU recipes enable them and must
+    still run on CPU, in CI and in the demo). ``attention_backend``: the backend the run uses
+    (after ``attention_backend_fallback``).
+
+    - ``training.rope_fusion``: Transformer Engine's fused RoPE kernel (either spec) on a GPU.
+    - ``training.gradient_accumulation_fusion``: writes into Megatron DDP's ``main_grad`` from the
+      wgrad GEMM, a GPU kernel; TE's linears need no apex, Megatron's (the local spec's) need
+      apex's ``fused_weight_gradient_mlp_cuda``. With the ``te`` spec and no apex only the LM head
+      stays unfused (``megatron_ext.model.EncoderModel``), which needs no warning.
+    """
+    settings = {"rope_fusion": rope_fusion, "gradient_accumulation_fusion": gradient_accumulation_fusion}
+    warnings = []
+    if rope_fusion and not (on_gpu() and fused_rope_available()):
+        settings["rope_fusion"] = False
+        why = "a CUDA GPU" if not on_gpu() else "Transformer Engine, which does not import here"
+        warnings.append(f"WARNING: training.rope_fusion needs {why}; this run applies RoPE unfused (same result).")
+    if gradient_accumulation_fusion:
+        if not on_gpu():
+            why = "a CUDA GPU"
+        elif attention_backend != "te" and not megatron_linear_wgrad_fusion_available():
+            why = ("apex's fused_weight_gradient_mlp_cuda with model.attention_backend: local (Megatron's linear "
+                   "layers), which does not import here")
+        else:
+            why = None
+        if why is not None:
+            settings["gradient_accumulation_fusion"] = False
+            warnings.append(f"WARNING: training.gradient_accumulation_fusion needs {why}; this run adds weight "
+                            "gradients to main_grad unfused (same result).")
+    return settings, warnings
 
 
 def software_versions() -> dict[str, str | None]:

@@ -16,7 +16,7 @@ def test_throughput_cpu_mode_writes_rows(tmp_path, capsys):
     memory (peak RSS on CPU, labelled as such); --profile writes one profiled step's top ops."""
     out, profile = tmp_path / "throughput_cpu.json", tmp_path / "profile"
     assert throughput.main(["--cpu-tiny", "--steps", "1", "--rounds", "2", "--warmup", "1", "--output", str(out),
-                            "--profile", str(profile)]) == 0
+                            "--profile", str(profile), "--variants", "full_lm_head", "no_rope_fusion"]) == 0
     printed = capsys.readouterr().out
     assert "tok/s" in printed and printed.count("peak RSS") == 3  # ours, HF, the variant
     result = json.loads(out.read_text())
@@ -37,7 +37,18 @@ def test_throughput_cpu_mode_writes_rows(tmp_path, capsys):
     assert len(row["rounds_s"]["megatron_ext"]) == 2
     variant = row["variants"]["full_lm_head"]  # the default step vs the full LM head, same batches
     assert variant["tokens_per_s"] > 0 and variant["default_speedup"] > 0 and len(variant["rounds_s"]) == 2
-    assert 0.1 < variant["peak_mem_gb"] < 16
+    assert 0.1 < variant["peak_mem_gb"] < 16 and variant["same_as_default"] is False
+    assert variant["settings"] == {**row["settings"], "lm_head_scored_only": False}
+    # No fused RoPE in the tiny recipe (nor on CPU): the undo-variant is the default, reported and not timed.
+    assert row["variants"]["no_rope_fusion"]["same_as_default"] is True
+    assert "no_rope_fusion" not in row["wall_s"] and "not timed, the default runs the same here" in printed
+    # Each side's wall time, for planning a GPU visit: start-up, build, warm-up, timed (profile for ours).
+    for side in ("megatron_ext", "hf", "full_lm_head"):
+        wall = row["wall_s"][side]
+        assert all(wall[k] > 0 for k in ("startup", "build", "warmup", "timed", "total")), (side, wall)
+        assert wall["total"] >= wall["startup"] + wall["build"] + wall["warmup"] + wall["timed"]
+    assert row["wall_s"]["megatron_ext"]["profile"] > 0 and "wall s per side" in printed
+    assert result["wall_s"]["total"] > sum(w["total"] for w in row["wall_s"].values())
     # --profile: one optimizer step of our engine, the top ops by CPU time, as a table and as JSON.
     stem = profile / "profile_tiny_seq128_fp32"
     assert row["profile"] == {"table": f"{stem}.txt", "json": f"{stem}.json"}
@@ -57,6 +68,28 @@ def test_recipe_shape_is_one_ranks_share_of_the_paper_batch():
     assert throughput.recipe_shape(args, "610m") == (6, 3)
     args = throughput.build_parser().parse_args(["--data-parallel-size", "8", "--micro-batch-size", "4"])
     assert throughput.recipe_shape(args, "610m") == (4, 36)
+
+
+def test_the_default_side_is_the_size_recipe_and_variants_undo_one_setting():
+    """The default side takes the size recipe's spec, parameter dtype, fusions and optimizer layout
+    (what this machine cannot run turned off, as a training run would); each undo-variant changes
+    exactly its setting."""
+    args = throughput.build_parser().parse_args([])
+    assert throughput.recipe_settings("1b") == {
+        "model": {"attention_backend": "te", "params_dtype": "bfloat16"},
+        "training": {"bias_activation_fusion": True, "rope_fusion": True, "gradient_accumulation_fusion": True},
+        "parallel": {"use_distributed_optimizer": True, "overlap_grad_reduce": True}}
+    default = throughput.describe(throughput.run_config(args, "1b", 2048, "bf16"))
+    assert default["params_dtype"] == "bfloat16" and default["bias_activation_fusion"] is True
+    assert default["use_distributed_optimizer"] is True and default["lm_head_scored_only"] is True
+    if not throughput.platform.on_gpu():  # the fallbacks of a CPU run
+        assert default["attention_backend"] == "local" and not default["rope_fusion"]
+        assert not default["gradient_accumulation_fusion"]
+    for name, change in (("fp32_params", {"params_dtype": "float32"}), ("no_swiglu_fusion", {"bias_activation_fusion": False}),
+                         ("full_lm_head", {"lm_head_scored_only": False})):
+        assert throughput.describe(throughput.run_config(args, "1b", 2048, "bf16", name)) == {**default, **change}
+    fp32 = throughput.describe(throughput.run_config(args, "1b", 2048, "fp32"))
+    assert fp32["params_dtype"] == "float32" and fp32["bf16_autocast"] is False
 
 
 def test_gpu_only_variants_are_refused_on_cpu(tmp_path, capsys):

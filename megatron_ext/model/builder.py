@@ -7,6 +7,7 @@ block, so checkpoints map 1:1 onto ``EuroBertForMaskedLM`` and ``LlamaForCausalL
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +35,13 @@ class EncoderModel(GPTModel):
     RoPE is computed here from positions (``position_ids`` or ``0..s-1``) rather than by
     GPTModel's ``RotaryEmbedding``, which ignores ``position_ids`` and moves its frequencies to
     ``torch.cuda.current_device()``; GPTModel is therefore built with no position embedding.
+
+    ``gradient_accumulation_fusion`` in ``transformer_config`` without apex's
+    ``fused_weight_gradient_mlp_cuda`` (``platform.megatron_linear_wgrad_fusion_available``):
+    Megatron's ``ColumnParallelLinear`` (the LM head) raises at construction, Transformer Engine's
+    layers need no apex. The model's config (``self.config``: embedding, LM head, layers) then has
+    it off and the block's TE linears get a copy with it on (``encoder_block_spec``), so the wgrad
+    GEMMs of the layers write into ``main_grad`` and the LM head adds its gradient as before.
     """
 
     def __init__(
@@ -44,10 +52,21 @@ class EncoderModel(GPTModel):
         pre_process: bool = True,
         post_process: bool = True,
     ) -> None:
+        te_linears_only = (transformer_config.gradient_accumulation_fusion
+                           and not platform.megatron_linear_wgrad_fusion_available())
+        if te_linears_only:
+            if config.attention_backend != "te":
+                raise UserError(
+                    "training.gradient_accumulation_fusion with model.attention_backend: local needs apex's "
+                    "fused_weight_gradient_mlp_cuda (Megatron's linear layers), which does not import here; "
+                    "set training.gradient_accumulation_fusion: false or use attention_backend: te")
+            transformer_config = copy.copy(transformer_config)
+            transformer_config.gradient_accumulation_fusion = False
         spec = encoder_block_spec(
             config.attention_backend,
             get_num_layers_to_build(transformer_config),
             qk_layernorm=config.qk_layernorm,
+            te_linears_fuse_weight_gradients=te_linears_only,
         )
         super().__init__(
             config=transformer_config,
@@ -78,6 +97,14 @@ class EncoderModel(GPTModel):
             positions = position_ids.t().to(device, torch.float32)
         freqs = positions[..., None] * inv_freq
         return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+
+    def _check_rope_positions(self, position_ids: Tensor | None) -> None:
+        # TE's fused RoPE (apply_rope_fusion) takes a [s, 1, 1, d] table only (one row of positions
+        # for the batch: TORCH_CHECK in transformer_engine's fused_rope_forward); say so first.
+        if self.config.apply_rope_fusion and position_ids is not None and position_ids.shape[0] > 1:
+            raise ValueError(
+                "position_ids of several sequences need training.rope_fusion: false (Transformer Engine's fused "
+                "RoPE takes one row of positions for the whole batch); pass position_ids=None for 0..s-1")
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, **kwargs):  # type: ignore
         out = super()._preprocess(input_ids, position_ids, decoder_input=decoder_input, **kwargs)
@@ -129,6 +156,7 @@ class EncoderModel(GPTModel):
                 f"input length {seq_len} exceeds EncoderModelConfig.seq_length="
                 f"{self.encoder_config.seq_length}"
             )
+        self._check_rope_positions(position_ids)
         eod = self.encoder_config.eod_token_id if self.encoder_config.document_mask else None
         mask = attention_mask_for(input_ids, causal=causal, eod_token_id=eod)
         processor = None

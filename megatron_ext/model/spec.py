@@ -10,6 +10,8 @@ match the ``local`` spec's through ``sharded_state_dict_keys_map``, as in Megatr
 
 from __future__ import annotations
 
+import copy
+
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 from megatron.core.models.backends import LocalSpecProvider
@@ -69,11 +71,51 @@ def require_transformer_engine() -> None:
         )
 
 
-def _te_layer(qk_layernorm: bool) -> ModuleSpec:
-    require_transformer_engine()
+def _fusing_weight_gradients(linear: type) -> type:
+    """``linear`` (a Transformer Engine layer class) built with a copy of its ``TransformerConfig``
+    whose ``gradient_accumulation_fusion`` is on: TE passes it to its layer as
+    ``fuse_wgrad_accumulation`` at construction (``megatron.core.extensions.transformer_engine.
+    TELinear``/``TELayerNormColumnParallelLinear``). The model's own config keeps it off when apex
+    is missing, because Megatron's ``ColumnParallelLinear`` (the LM head) then refuses it."""
+
+    class FusingWeightGradients(linear):
+        def __init__(self, *args, config, **kwargs):
+            config = copy.copy(config)
+            config.gradient_accumulation_fusion = True
+            super().__init__(*args, config=config, **kwargs)
+
+    FusingWeightGradients.__name__ = FusingWeightGradients.__qualname__ = linear.__name__
+    return FusingWeightGradients
+
+
+def _te_backend(fuse_weight_gradients: bool):
     from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
-    backend = TESpecProvider()
+    if not fuse_weight_gradients:
+        return TESpecProvider()
+
+    class WeightGradientFusingTESpecProvider(TESpecProvider):
+        """TESpecProvider whose linear layers fuse weight-gradient accumulation whatever the
+        model's config says (``_fusing_weight_gradients``)."""
+
+        def column_parallel_layer_norm_linear(self):
+            return _fusing_weight_gradients(super().column_parallel_layer_norm_linear())
+
+        def row_parallel_linear(self):
+            return _fusing_weight_gradients(super().row_parallel_linear())
+
+        def column_parallel_linear(self):
+            return _fusing_weight_gradients(super().column_parallel_linear())
+
+        def linear(self):
+            return _fusing_weight_gradients(super().linear())
+
+    return WeightGradientFusingTESpecProvider()
+
+
+def _te_layer(qk_layernorm: bool, fuse_weight_gradients: bool = False) -> ModuleSpec:
+    require_transformer_engine()
+    backend = _te_backend(fuse_weight_gradients)
     qk_norm = backend.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm else None
     return ModuleSpec(
         module=TransformerLayer,
@@ -98,17 +140,23 @@ def _te_layer(qk_layernorm: bool) -> ModuleSpec:
 
 
 def encoder_block_spec(
-    attention_backend: str, num_layers: int, *, qk_layernorm: bool = False
+    attention_backend: str, num_layers: int, *, qk_layernorm: bool = False,
+    te_linears_fuse_weight_gradients: bool = False,
 ) -> ModuleSpec:
     """Spec of a ``TransformerBlock`` of ``num_layers`` encoder layers and its final RMSNorm.
 
     ``num_layers`` is the number of layers on this pipeline stage; ``qk_layernorm`` adds the
     per-head query/key RMSNorms (``self_attention.q_layernorm``/``k_layernorm``).
+    ``te_linears_fuse_weight_gradients`` (``te`` only): the layers' Transformer Engine linears
+    accumulate weight gradients into ``main_grad`` even where the model's config has
+    ``gradient_accumulation_fusion`` off (see ``EncoderModel``).
     """
+    if te_linears_fuse_weight_gradients and attention_backend != "te":
+        raise ValueError("te_linears_fuse_weight_gradients needs attention_backend='te'")
     if attention_backend == "local":
         layer, final_norm = _local_layer(qk_layernorm), WrappedTorchNorm
     elif attention_backend == "te":
-        layer = _te_layer(qk_layernorm)
+        layer = _te_layer(qk_layernorm, te_linears_fuse_weight_gradients)
         from megatron.core.extensions.transformer_engine import TENorm
 
         final_norm = TENorm

@@ -112,6 +112,19 @@ class TrainingConfig:
     """Megatron's native fused vocabulary-parallel cross entropy (``torch.compile``d): the
     softmax statistics and the gradient in fewer passes over the ``[tokens, vocab]`` logits.
     Megatron-LM ``--cross-entropy-loss-fusion --cross-entropy-fusion-impl native``."""
+    rope_fusion: bool = False
+    """Apply RoPE to queries and keys with Transformer Engine's fused kernel
+    (``TransformerConfig.apply_rope_fusion``, Megatron-LM ``--apply-rope-fusion``) instead of
+    Megatron's unfused ``cat``/``mul`` chain. Needs a GPU and Transformer Engine (either spec); off,
+    announced once, where they are missing. TE's kernel takes one position table for the whole
+    batch, so it needs ``data.reset_position_ids: false``."""
+    gradient_accumulation_fusion: bool = False
+    """Transformer Engine's linear layers write their weight gradients straight into Megatron
+    DDP's fp32 ``main_grad`` buffers inside the wgrad GEMM (``TransformerConfig.
+    gradient_accumulation_fusion``, Megatron-LM ``--gradient-accumulation-fusion``) instead of
+    adding a separate gradient to them. Megatron's own linear layers (the LM head, the local spec)
+    fuse only with apex's ``fused_weight_gradient_mlp_cuda``: without apex the LM head keeps the
+    unfused path and the local spec turns the setting off, announced once (also on CPU)."""
     lm_head_scored_only: bool = True
     """Run the LM head and the cross entropy only at the positions the loss scores (MLM: the
     masked ones) instead of at every position: same loss and gradients, and on MLM steps
@@ -211,6 +224,9 @@ class RunConfig:
         if self.model.params_dtype == "float16":
             raise ConfigError("model.params_dtype: float16 needs loss scaling, which this trainer does not do; "
                               "use bfloat16 (fp32 main parameters in Megatron's optimizer) or float32")
+        if self.training.rope_fusion and self.data.reset_position_ids:
+            raise ConfigError("training.rope_fusion needs data.reset_position_ids: false (Transformer Engine's fused "
+                              "RoPE takes one position table for the whole batch, not positions per sequence)")
         if self.training.fp8_recipe is not None and self.model.attention_backend != "te":
             raise ConfigError(f"training.fp8_recipe={self.training.fp8_recipe!r} needs model.attention_backend: te "
                               "(FP8 matmuls are Transformer Engine layers)")

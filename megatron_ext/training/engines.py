@@ -87,6 +87,10 @@ def megatron_transformer_overrides(config: RunConfig) -> dict:
         overrides["bias_activation_fusion"] = True
     if t.cross_entropy_loss_fusion:
         overrides.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
+    if t.rope_fusion:
+        overrides["apply_rope_fusion"] = True
+    if t.gradient_accumulation_fusion:
+        overrides["gradient_accumulation_fusion"] = True
     if t.fp8_recipe is not None:
         overrides.update(fp8=t.fp8_format, fp8_recipe=t.fp8_recipe)
     if t.recompute_granularity is not None:

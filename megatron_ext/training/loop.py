@@ -126,7 +126,7 @@ def evaluate(engine: MegatronEngine, batches: list[dict[str, torch.Tensor]], *, 
             gen = masking_generator(config.training.seed, 0, i * dp_size + dp_rank, device, stream=EVAL_STREAM)
             obj = make_objective(batch, objective=objective, masking=masking, tokenizer=tokenizer,
                                  vocab_size=config.model.vocab_size, generator=gen)
-            micro_batches.append(MicroBatch(obj, batch.get("position_ids")))
+            micro_batches.append(MicroBatch(obj, model_positions(batch, config)))
         loss_sum, tokens = engine.eval_loss(micro_batches)
         result[objective] = loss_sum / tokens if tokens > 0 else math.nan
     engine.model.train()
@@ -174,7 +174,31 @@ def _micro_batch(batch: dict[str, torch.Tensor], step: int, phase: ResolvedPhase
     gen = masking_generator(config.training.seed, step, group, device)
     obj = make_objective(batch, objective=phase.objective, masking=masking, tokenizer=tokenizer,
                          vocab_size=config.model.vocab_size, generator=gen)
-    return MicroBatch(obj, batch.get("position_ids"))
+    return MicroBatch(obj, model_positions(batch, config))
+
+
+def model_positions(batch: dict[str, torch.Tensor], config: RunConfig) -> torch.Tensor | None:
+    """The position ids the model reads: the batch's with ``data.reset_position_ids`` (they restart
+    per document), else None. Without the reset, GPTDataset's are ``0..s-1`` in every row, which is
+    what the model computes from None, as one ``[s, 1, 1, d]`` RoPE table for the batch: the form
+    Transformer Engine's fused RoPE (``training.rope_fusion``) accepts, and the same numbers."""
+    return batch.get("position_ids") if config.data.reset_position_ids else None
+
+
+def runnable_here(config: RunConfig, *, announce: bool = True) -> RunConfig:
+    """``config`` with what this machine cannot run turned off (``platform.attention_backend_fallback``,
+    ``platform.fusion_fallbacks``); each change is printed to stderr once when ``announce``."""
+    backend, warning = platform.attention_backend_fallback(config.model.attention_backend)
+    warnings = [warning] if warning is not None else []
+    t = config.training
+    fusions, fusion_warnings = platform.fusion_fallbacks(
+        rope_fusion=t.rope_fusion, gradient_accumulation_fusion=t.gradient_accumulation_fusion,
+        attention_backend=backend)
+    if announce:
+        for line in warnings + fusion_warnings:
+            print(line, file=sys.stderr, flush=True)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, attention_backend=backend),
+                               training=dataclasses.replace(t, **fusions))
 
 
 def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainResult:
@@ -189,11 +213,7 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
     platform.check_run_supported(fp8_recipe=config.training.fp8_recipe,
                                  recompute_granularity=config.training.recompute_granularity,
                                  bf16_autocast=config.training.bf16, params_dtype=config.model.params_dtype)
-    backend, warning = platform.attention_backend_fallback(config.model.attention_backend)
-    if warning is not None:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(warning, file=sys.stderr, flush=True)
-        config = dataclasses.replace(config, model=dataclasses.replace(config.model, attention_backend=backend))
+    config = runnable_here(config, announce=int(os.environ.get("RANK", "0")) == 0)
     processes.end_orphans()  # what a killed run on this machine left behind
     owns_process_group = not dist.is_initialized()
     try:

@@ -109,7 +109,9 @@ def format_plan(config: RunConfig, plan: RunPlan) -> str:
                                       ("overlapped grad reduce", p.overlap_grad_reduce),
                                       ("overlapped param gather", p.overlap_param_gather)) if on]
     options += [name for name, on in (("fused SwiGLU", t.bias_activation_fusion),
-                                      ("fused cross entropy", t.cross_entropy_loss_fusion)) if on]
+                                      ("fused cross entropy", t.cross_entropy_loss_fusion),
+                                      ("fused RoPE", t.rope_fusion),
+                                      ("fused weight-gradient accumulation", t.gradient_accumulation_fusion)) if on]
     if t.recompute_granularity:
         options.append(f"{t.recompute_granularity} recomputation")
     options.append("LM head at scored positions only" if t.lm_head_scored_only else "LM head at every position")
