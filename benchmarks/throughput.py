@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,6 +61,7 @@ from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
 from megatron_ext.training.config import read_recipe, run_config_from_dict  # noqa: E402
 from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
 from megatron_ext.training.loop import runnable_here  # noqa: E402
+from megatron_ext.training.memory import estimate_memory  # noqa: E402
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device  # noqa: E402
 
 SPECIAL_IDS = (0, 1, 2, 3)  # bos, pad, eos, mask of the synthetic vocabulary
@@ -335,8 +337,10 @@ def run_side(spec: dict) -> dict:
             platform.destroy_process_group_and_model_parallel()
     (phase,) = config.resolved_phases
     share = lm_head_share(phase, scored_only=config.training.lm_head_scored_only)
-    return {**result, "peak_mem_gb": _peak_memory_gb(), "engine": "megatron", "wall_s": wall,
-            "settings": describe(config) if ours else None,
+    # The trainer's dry-run estimate for this configuration, next to the measured peak (issue 32: within 10 %).
+    estimated = estimate_memory(config, world_size=1).total / 2**30 if ours else None
+    return {**result, "peak_mem_gb": _peak_memory_gb(), "estimated_mem_gb": estimated, "engine": "megatron",
+            "wall_s": wall, "settings": describe(config) if ours else None,
             "attention_backend": config.model.attention_backend, "parameters": parameter_count(config.model),
             "flops_per_token": flops_per_token(config.model, seq_length, lm_head_share=share)}
 
@@ -363,8 +367,17 @@ def measure_alone(args, side: str, model_preset: str | None = None, seq_length: 
                               "--side-result", str(result_path)], cwd=REPO, env=env, capture_output=True, text=True)
         if run.returncode != 0 or not result_path.is_file():
             output = (run.stdout + run.stderr).strip()
-            raise RuntimeError(f"throughput side {side!r} ({model_preset} seq {seq_length} {precision}) exited with "
-                               f"{run.returncode}; its last output:\n{output[-6000:]}")
+            message = (f"throughput side {side!r} ({model_preset} seq {seq_length} {precision}) exited with "
+                       f"{run.returncode}; its last output:\n{output[-6000:]}")
+            if side == "probe":
+                raise RuntimeError(message)
+            # A side that crashes is a finding of the row (e.g. a setting broken on this GPU), not the
+            # end of the benchmark: the other sides are still measured.
+            print(message, file=sys.stderr, flush=True)
+            lines = [ln for ln in output.splitlines() if ln.strip()]
+            error = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
+            return {"error": f"crashed (exit {run.returncode}): {error.strip()[:300]}", "peak_mem_gb": None,
+                    "estimated_mem_gb": None, "wall_s": {"total": time.time() - spawned_at}}
         result = json.loads(result_path.read_text())
         wall = result.setdefault("wall_s", {})
         wall["total"] = time.time() - spawned_at
@@ -372,9 +385,11 @@ def measure_alone(args, side: str, model_preset: str | None = None, seq_length: 
         return result
 
 
-def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
+def measure(args, model_preset: str, seq_length: int, precision: str,
+            on_side: Callable[[dict], None] | None = None) -> dict:
     """One row: our engine, each variant, then the baseline, each alone in its own process, on
-    batches from the same generator seed."""
+    batches from the same generator seed. ``on_side`` gets a record of each side as soon as it is
+    measured (a run cut short keeps what it measured)."""
     micro, count = recipe_shape(args, model_preset)
     tokens = count * micro * seq_length  # per optimizer step
 
@@ -384,8 +399,17 @@ def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
         step_time = statistics.median(side["rounds_s"])
         return step_time, tokens / step_time
 
+    def measured(name: str, side: dict) -> dict:
+        if on_side is not None:
+            step_time, side_speed = speed(side)
+            on_side({"row": f"{model_preset} seq {seq_length} {precision}", "side": name,
+                     "tokens_per_s": side_speed, "step_time_s": step_time, "peak_mem_gb": side.get("peak_mem_gb"),
+                     "estimated_mem_gb": side.get("estimated_mem_gb"), "error": side.get("error"),
+                     "wall_s": (side.get("wall_s") or {}).get("total")})
+        return side
+
     default_settings = describe(run_config(args, model_preset, seq_length, precision))
-    ours = measure_alone(args, "megatron_ext", model_preset, seq_length, precision)
+    ours = measured("megatron_ext", measure_alone(args, "megatron_ext", model_preset, seq_length, precision))
     step_time, tokens_per_s = speed(ours)
     variants = {}
     for name in args.variants:
@@ -395,14 +419,14 @@ def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
                               "peak_mem_gb": None, "default_speedup": None, "rounds_s": None, "error": None,
                               "wall_s": None}
             continue
-        side = measure_alone(args, name, model_preset, seq_length, precision)
+        side = measured(name, measure_alone(args, name, model_preset, seq_length, precision))
         v_time, v_speed = speed(side)
         variants[name] = {"change": VARIANTS[name][1], "same_as_default": False, "tokens_per_s": v_speed,
-                          "peak_mem_gb": side["peak_mem_gb"],
+                          "peak_mem_gb": side["peak_mem_gb"], "estimated_mem_gb": side.get("estimated_mem_gb"),
                           "default_speedup": v_time / step_time if v_time and step_time else None,
                           "rounds_s": side.get("rounds_s"), "error": side.get("error"), "wall_s": side["wall_s"],
                           "settings": side.get("settings")}
-    hf = (measure_alone(args, "hf", model_preset, seq_length, precision) if args.baseline
+    hf = (measured("hf", measure_alone(args, "hf", model_preset, seq_length, precision)) if args.baseline
           else {"error": "not run (--no-baseline)", "peak_mem_gb": None, "wall_s": None})
     hf_step_time, hf_tokens_per_s = speed(hf)
     achieved = tokens_per_s * ours["flops_per_token"] if tokens_per_s else None
@@ -415,7 +439,7 @@ def measure(args, model_preset: str, seq_length: int, precision: str) -> dict:
         "parameters": ours["parameters"], "engine": ours["engine"], "attention_backend": ours["attention_backend"],
         "tokens_per_s": tokens_per_s, "tflops": achieved / 1e12 if achieved else None,
         "mfu": achieved / peak if achieved and peak else None,
-        "peak_mem_gb": ours["peak_mem_gb"], "step_time_s": step_time,
+        "peak_mem_gb": ours["peak_mem_gb"], "estimated_mem_gb": ours.get("estimated_mem_gb"), "step_time_s": step_time,
         "hf_tokens_per_s": hf_tokens_per_s, "hf_peak_mem_gb": hf["peak_mem_gb"], "hf_step_time_s": hf_step_time,
         "peak_mem_measure": PEAK_MEMORY_MEASURE["gpu" if platform.on_gpu() else "cpu"],
         "speedup_vs_hf": hf_step_time / step_time if step_time and hf_step_time else None,
@@ -532,11 +556,25 @@ def main(argv: list[str] | None = None) -> int:
     args.device_name = probe["device"]
     print(f"{args.device_name}; FLOPs/token = {MFU_CONVENTION}; MFU against the dense bf16 peak; each side (ours, "
           f"each variant, HF) measured alone in its own process", flush=True)
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", args.device_name).strip("_").lower()
+    out = args.output or REPO / "benchmarks" / "results" / f"throughput_{slug}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sides_log = out.with_suffix(".sides.jsonl")
+    sides_log.write_text("")
+
+    def on_side(record: dict) -> None:
+        with open(sides_log, "a") as log:
+            log.write(json.dumps(record) + "\n")
+        speed = "-" if record["tokens_per_s"] is None else f"{record['tokens_per_s']:,.0f} tok/s"
+        print(f"  measured {record['row']} / {record['side']}: {speed}"
+              + (f" ({record['error']})" if record["error"] else "")
+              + (f" in {record['wall_s']:.0f} s" if record["wall_s"] else ""), flush=True)
+
     rows = []
     for model_preset in args.presets:
         for seq_length in args.seq_lengths:
             for precision in args.precisions:
-                row = measure(args, model_preset, seq_length, precision)
+                row = measure(args, model_preset, seq_length, precision, on_side)
                 rows.append(row)
                 print("\n".join(_format_row(row)), flush=True)
     result = {"benchmark": "throughput", "device": args.device_name, "flops_convention": MFU_CONVENTION,
@@ -544,9 +582,6 @@ def main(argv: list[str] | None = None) -> int:
               "peak_mem_measure": PEAK_MEMORY_MEASURE["gpu" if platform.on_gpu() else "cpu"],
               "settings": {k: v for k, v in vars(args).items() if k not in ("output", "run_side", "side_result")},
               "rows": rows, "wall_s": {"probe": probe["wall_s"]["total"], "total": time.time() - started}}
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", args.device_name).strip("_").lower()
-    out = args.output or REPO / "benchmarks" / "results" / f"throughput_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"wrote {out}; wall time {result['wall_s']['total']:.0f} s (probe {result['wall_s']['probe']:.0f} s)")
     return 0
