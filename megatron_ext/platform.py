@@ -47,6 +47,10 @@ Divergences, and why:
    ``training.memory.estimate_memory`` before a run allocates): the GPU's free memory, or on CPU
    the machine's available memory shared by the processes started on it.
 
+Not a divergence: ``training.deterministic`` (``make_deterministic``) sets the same torch flags on
+both; the CUDA libraries' environment it sets matters on GPU only (CPU steps are deterministic
+already).
+
 Not divergences: core attention is ``megatron_ext.model.attention.SDPAttention`` on both CPU and
 GPU (Megatron's ``DotProductAttention`` needs ``GlobalMemoryBuffer`` and the CUDA RNG tracker);
 RoPE is computed by the model from positions on the activations' device (Megatron's
@@ -170,6 +174,42 @@ def software_versions() -> dict[str, str | None]:
         except (OSError, subprocess.CalledProcessError, IndexError):
             pass
     return info
+
+
+DETERMINISTIC_NCCL_ALGORITHMS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+"""``NCCL_ALGO`` values whose all-reduce sums in a fixed order (Megatron-LM's ``--deterministic-mode``
+list; NVLS reduces inside the NVSwitch, in no fixed order)."""
+DETERMINISTIC_CUBLAS_WORKSPACES = (":4096:8", ":16:8")
+"""``CUBLAS_WORKSPACE_CONFIG`` values with which cuBLAS picks the same reduction order every time."""
+
+
+def make_deterministic() -> None:
+    """``training.deterministic``: the same inputs give bit-identical steps, at some speed (GPU).
+
+    For the rest of the process: torch's deterministic algorithms (an op without one raises,
+    naming itself), cuDNN deterministic and without autotuning, and, unless set already, the
+    environment of CUDA's libraries: ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS, read when its
+    handle is created: call this before any CUDA work), ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``
+    (Transformer Engine's attention picks a deterministic backend, read when TE's attention is
+    built; Megatron's ``TransformerConfig.deterministic_mode`` refuses TE attention without it)
+    and ``NCCL_ALGO=Ring`` (read when NCCL's communicators are created: call this before the
+    process group). Megatron's own half, ``deterministic_mode``, is set with the model's
+    ``TransformerConfig`` (``training.engines.megatron_transformer_overrides``).
+
+    Raises ``UserError`` naming the variable where one is set to a value that is not deterministic.
+    """
+    wanted = {"CUBLAS_WORKSPACE_CONFIG": DETERMINISTIC_CUBLAS_WORKSPACES, "NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",),
+              "NCCL_ALGO": DETERMINISTIC_NCCL_ALGORITHMS}
+    defaults = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "NCCL_ALGO": "Ring"}
+    for name, allowed in wanted.items():
+        if name in os.environ and os.environ[name] not in allowed:
+            raise UserError(f"training.deterministic: true, but the environment sets {name}={os.environ[name]!r}, "
+                            f"which is not deterministic; unset it or set it to one of {', '.join(allowed)}")
+    for name, value in defaults.items():
+        os.environ.setdefault(name, value)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def on_gpu() -> bool:

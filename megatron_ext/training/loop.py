@@ -194,6 +194,8 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
         if int(os.environ.get("RANK", "0")) == 0:
             print(warning, file=sys.stderr, flush=True)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, attention_backend=backend))
+    if config.training.deterministic:  # before the process group (NCCL) and any CUDA work (cuBLAS)
+        platform.make_deterministic()
     processes.end_orphans()  # what a killed run on this machine left behind
     owns_process_group = not dist.is_initialized()
     try:
