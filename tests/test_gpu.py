@@ -1,5 +1,6 @@
 """The GPU path on a CUDA machine: TE attention modes, bf16 and FP8 biphasic runs against an fp32
-run of the same recipe on CPU, bf16 parameters and fusions against the default, kill and resume,
+run of the same recipe on CPU, bf16 parameters and fusions against the default, kill and resume
+(to the last bit against an uninterrupted run with ``training.deterministic``), deterministic runs,
 TE <-> local and GPU <-> CPU checkpoint interchange. Every test carries the ``gpu`` marker and is
 skipped without CUDA; ``benchmarks/gpu_check.py`` runs them and records the outcome.
 
