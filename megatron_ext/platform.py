@@ -36,12 +36,22 @@ Divergences, and why:
    calls to the CPU for the whole process, until ``destroy_process_group_and_model_parallel``
    (``cuda_calls_not_redirected`` turns it off for a while, e.g. in a test), pinned to the
    megatron-core release it was checked against, so the same Megatron engine (and the same
-   checkpoint writer) runs on CPU over gloo and on GPU.
+   checkpoint writer) runs on CPU over gloo and on GPU. Megatron also picks Transformer Engine's
+   or apex's CUDA multi-tensor kernels (gradient norm and clipping, main-parameter copies) and
+   fused optimizers (FusedAdam/FusedSGD) whenever they import, whatever the tensors' device: on
+   a CPU machine with TE installed the first optimizer step died in ``clip_grads.py`` ("no
+   CUDA-capable device is detected"). While the redirection is on, those module attributes hold
+   Megatron's local torch implementations and torch's AdamW/SGD, as when neither imports
+   (``_megatron_torch_kernels`` lists each one), and get their originals back when it is off.
 8. Asynchronous checkpoint writer (``persistent_checkpoint_writer``): a persistent worker on GPU,
    a process forked per save on CPU (where staging copies nothing).
 9. Memory a process may use (``usable_memory_bytes``, checked against
    ``training.memory.estimate_memory`` before a run allocates): the GPU's free memory, or on CPU
    the machine's available memory shared by the processes started on it.
+
+Not a divergence: ``training.deterministic`` (``make_deterministic``) sets the same torch flags on
+both; the CUDA libraries' environment it sets matters on GPU only (CPU steps are deterministic
+already).
 
 Not divergences: core attention is ``megatron_ext.model.attention.SDPAttention`` on both CPU and
 GPU (Megatron's ``DotProductAttention`` needs ``GlobalMemoryBuffer`` and the CUDA RNG tracker);
@@ -221,6 +231,42 @@ def software_versions() -> dict[str, str | None]:
     return info
 
 
+DETERMINISTIC_NCCL_ALGORITHMS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+"""``NCCL_ALGO`` values whose all-reduce sums in a fixed order (Megatron-LM's ``--deterministic-mode``
+list; NVLS reduces inside the NVSwitch, in no fixed order)."""
+DETERMINISTIC_CUBLAS_WORKSPACES = (":4096:8", ":16:8")
+"""``CUBLAS_WORKSPACE_CONFIG`` values with which cuBLAS picks the same reduction order every time."""
+
+
+def make_deterministic() -> None:
+    """``training.deterministic``: the same inputs give bit-identical steps, at some speed (GPU).
+
+    For the rest of the process: torch's deterministic algorithms (an op without one raises,
+    naming itself), cuDNN deterministic and without autotuning, and, unless set already, the
+    environment of CUDA's libraries: ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS, read when its
+    handle is created: call this before any CUDA work), ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``
+    (Transformer Engine's attention picks a deterministic backend, read when TE's attention is
+    built; Megatron's ``TransformerConfig.deterministic_mode`` refuses TE attention without it)
+    and ``NCCL_ALGO=Ring`` (read when NCCL's communicators are created: call this before the
+    process group). Megatron's own half, ``deterministic_mode``, is set with the model's
+    ``TransformerConfig`` (``training.engines.megatron_transformer_overrides``).
+
+    Raises ``UserError`` naming the variable where one is set to a value that is not deterministic.
+    """
+    wanted = {"CUBLAS_WORKSPACE_CONFIG": DETERMINISTIC_CUBLAS_WORKSPACES, "NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",),
+              "NCCL_ALGO": DETERMINISTIC_NCCL_ALGORITHMS}
+    defaults = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "NCCL_ALGO": "Ring"}
+    for name, allowed in wanted.items():
+        if name in os.environ and os.environ[name] not in allowed:
+            raise UserError(f"training.deterministic: true, but the environment sets {name}={os.environ[name]!r}, "
+                            f"which is not deterministic; unset it or set it to one of {', '.join(allowed)}")
+    for name, value in defaults.items():
+        os.environ.setdefault(name, value)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def on_gpu() -> bool:
     """True when this process trains on CUDA devices."""
     return torch.cuda.is_available()
@@ -378,8 +424,44 @@ _CUDA_STAND_INS = {
     "current_stream": lambda device=None: _NoStream(),
     "stream": lambda stream=None: contextlib.nullcontext(),
 }
-_redirection: tuple[_CudaToCpu, dict] | None = None
-"""While divergence 7 is on: the mode entered and the ``torch.cuda`` functions it replaced."""
+_redirection: tuple[_CudaToCpu, dict, dict] | None = None
+"""While divergence 7 is on: the mode entered, the ``torch.cuda`` functions it replaced, and the
+Megatron-Core module attributes it replaced (``{(module, attribute): original}``)."""
+
+
+def _megatron_torch_kernels() -> dict[tuple[str, str], object]:
+    """Module attribute -> value for every place megatron-core 0.19.2 chooses Transformer Engine's
+    or apex's CUDA kernels at import (``try: from transformer_engine... except ImportError: try:
+    apex... except ImportError: <local>``), set to what it chooses when neither imports: its local
+    torch multi-tensor functions and torch's optimizers. Those choices are made once per process,
+    whatever the tensors' device, so a CPU run on a machine where TE or apex imports would reach a
+    CUDA kernel (TE's ``multi_tensor_applier`` at the first gradient clipping: "no CUDA-capable
+    device is detected")."""
+    from megatron.core.utils import local_multi_tensor_applier, local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    clip_grads, optimizer = "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"
+    package, distributed = "megatron.core.optimizer", "megatron.core.optimizer.distrib_optimizer"
+    return {
+        # Gradient norm and clipping (get_grad_norm_fp32, clip_grad_by_total_norm_fp32); no tensor
+        # scale kernel: the norm is then a float, as without TE.
+        (clip_grads, "multi_tensor_applier"): local_multi_tensor_applier,
+        (clip_grads, "l2_norm_impl"): local_multi_tensor_l2_norm,
+        (clip_grads, "multi_tensor_scale_impl"): local_multi_tensor_scale,
+        (clip_grads, "multi_tensor_scale_tensor_impl"): None,
+        # Main-parameter copies of the mixed-precision optimizer (_multi_tensor_copy_this_to_that).
+        (optimizer, "multi_tensor_applier"): local_multi_tensor_applier,
+        (optimizer, "multi_tensor_scale_impl"): local_multi_tensor_scale,
+        # get_megatron_optimizer: torch's AdamW/SGD instead of TE's (or apex's) FusedAdam/FusedSGD
+        # (CUDA kernels; torch's AdamW runs fused on CPU, training.optim.set_fused_adam).
+        (package, "USING_PYTORCH_OPTIMIZER"): True,
+        (package, "Adam"): torch.optim.AdamW,
+        (package, "SGD"): torch.optim.SGD,
+        # The distributed optimizer's state handling follows the optimizer actually built.
+        (distributed, "HAVE_APEX_OR_TE"): False,
+        (distributed, "USING_TE_OPTIMIZER"): False,
+        (distributed, "USING_APEX_OPTIMIZER"): False,
+        (distributed, "Adam"): torch.optim.Adam,
+    }
 
 
 def _check_megatron_core_version() -> None:
@@ -404,7 +486,9 @@ def _redirect_cuda_calls() -> None:
     and accept parameters only if ``param.type()`` names a ``torch.cuda`` type (the
     distributed optimizer). While on: those placements are the CPU, streams and synchronisation
     do nothing, and ``type()`` gives the ``torch.cuda`` name (a ``TorchFunctionMode`` of this
-    thread and stand-ins in ``torch.cuda``).
+    thread and stand-ins in ``torch.cuda``). Where Transformer Engine or apex imports, Megatron
+    chose their CUDA multi-tensor kernels and fused optimizers at import: while on, its modules
+    hold the local torch ones instead (``_megatron_torch_kernels``).
 
     The list was checked against megatron-core ``MEGATRON_CORE_CHECKED_ON_CPU`` only: with any
     other version this raises ``RuntimeError`` rather than risk a call it does not cover.
@@ -413,12 +497,23 @@ def _redirect_cuda_calls() -> None:
     if on_gpu() or _redirection is not None:
         return
     _check_megatron_core_version()
+    import importlib
+
+    kernels = _megatron_torch_kernels()
+    modules = {name: importlib.import_module(name) for name, _ in kernels}
+    missing = [f"{module}.{attribute}" for module, attribute in kernels if not hasattr(modules[module], attribute)]
+    if missing:  # the version pin makes this a mistake in the list: nothing is replaced
+        raise RuntimeError(f"{', '.join(missing)} not found in megatron-core {_megatron_core_version()}; "
+                           "update megatron_ext.platform._megatron_torch_kernels")
+    replaced_kernels = {(module, attribute): getattr(modules[module], attribute) for module, attribute in kernels}
+    for (module, attribute), local in kernels.items():
+        setattr(modules[module], attribute, local)
     replaced = {name: getattr(torch.cuda, name) for name in _CUDA_STAND_INS}
     for name, stand_in in _CUDA_STAND_INS.items():
         setattr(torch.cuda, name, stand_in)
     mode = _CudaToCpu()
     mode.__enter__()
-    _redirection = (mode, replaced)
+    _redirection = (mode, replaced, replaced_kernels)
 
 
 def _stop_redirecting_cuda_calls() -> None:
@@ -426,7 +521,7 @@ def _stop_redirecting_cuda_calls() -> None:
     global _redirection
     if _redirection is None:
         return
-    mode, replaced = _redirection
+    mode, replaced, replaced_kernels = _redirection
     if torch.overrides._get_current_function_mode_stack()[-1:] != [mode]:
         raise RuntimeError("the CUDA-call redirection is being turned off inside another TorchFunctionMode; "
                            "leave that mode first")
@@ -434,6 +529,10 @@ def _stop_redirecting_cuda_calls() -> None:
     mode.__exit__(None, None, None)
     for name, original in replaced.items():
         setattr(torch.cuda, name, original)
+    import sys
+
+    for (module, attribute), original in replaced_kernels.items():
+        setattr(sys.modules[module], attribute, original)
 
 
 def cuda_calls_redirected() -> bool:

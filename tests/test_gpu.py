@@ -1,5 +1,6 @@
 """The GPU path on a CUDA machine: TE attention modes, bf16 and FP8 biphasic runs against an fp32
-run of the same recipe on CPU, bf16 parameters and fusions against the default, kill and resume,
+run of the same recipe on CPU, bf16 parameters and fusions against the default, kill and resume
+(to the last bit against an uninterrupted run with ``training.deterministic``), deterministic runs,
 TE <-> local and GPU <-> CPU checkpoint interchange. Every test carries the ``gpu`` marker and is
 skipped without CUDA; ``benchmarks/gpu_check.py`` runs them and records the outcome.
 
@@ -303,12 +304,48 @@ def test_scored_positions_lm_head_matches_the_full_head_under_bf16(model_paralle
     assert scored == pytest.approx(full, rel=1e-2)
 
 
-def test_kill_and_resume(tmp_path, tiny_corpus):
-    """SIGKILL after the first checkpoint (distributed optimizer, dp_reshardable), then resume to the
-    end from that checkpoint."""
-    recipe = tmp_path / "recipe.json"
-    raw = _gpu_recipe(tiny_corpus, tmp_path, steps=200) | {"parallel": {"use_distributed_optimizer": True}}
+def _train_in_a_process(raw: dict, what: str) -> dict[int, float]:
+    """Run ``raw`` to its end with ``pretrain_encoder.py`` in a process of its own (a fresh CUDA
+    context: cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` when its handle is created, which in this
+    pytest process earlier tests did); the training losses per step of its ``metrics.jsonl``."""
+    run_dir = Path(raw["checkpoint"]["save"]).parent
+    recipe = run_dir / f"recipe_{len(list(run_dir.glob('recipe_*.json')))}.json"
+    recipe.write_text(json.dumps(raw))  # JSON is YAML
+    _completed(subprocess.run([sys.executable, str(REPO / "pretrain_encoder.py"), "--config", str(recipe)], cwd=REPO,
+                              capture_output=True, text=True), what)
+    return _run_log(run_dir)["losses"]
+
+
+def _resume_recipe(corpus, run_dir: Path, *, deterministic: bool) -> dict:
+    raw = _gpu_recipe(corpus, run_dir, steps=200, deterministic=deterministic) | {
+        "parallel": {"use_distributed_optimizer": True}}
     raw["model"]["attention_backend"] = "te" if platform.transformer_engine_available() else "local"
+    return raw
+
+
+def test_deterministic_runs_repeat_bit_for_bit(tmp_path, tiny_corpus):
+    """``training.deterministic: true``: two runs of the same recipe (TE attention where it imports,
+    the distributed optimizer) give the same loss at every step, to the last bit."""
+    runs = []
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        raw = _gpu_recipe(tiny_corpus, tmp_path / name, steps=40, deterministic=True) | {
+            "parallel": {"use_distributed_optimizer": True}}
+        raw["model"]["attention_backend"] = "te" if platform.transformer_engine_available() else "local"
+        runs.append(_train_in_a_process(raw, f"the {name} deterministic run"))
+    assert sorted(runs[0]) == list(range(1, 41))
+    different = {step: (runs[0][step], runs[1][step]) for step in runs[0] if runs[0][step] != runs[1].get(step)}
+    assert not different, f"steps whose losses differ: {different}"
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_kill_and_resume(tmp_path, tiny_corpus, deterministic):
+    """SIGKILL after the first checkpoint (distributed optimizer, dp_reshardable), then resume to the
+    end from that checkpoint. With ``training.deterministic: true`` the resumed steps' losses are
+    those of an uninterrupted run to the last bit (without it they differ in the last bits, as any
+    two GPU runs do: docs/design.md)."""
+    recipe = tmp_path / "recipe.json"
+    raw = _resume_recipe(tiny_corpus, tmp_path, deterministic=deterministic)
     recipe.write_text(json.dumps(raw))  # JSON is YAML
     command = [sys.executable, str(REPO / "pretrain_encoder.py"), "--config", str(recipe)]
     log = tmp_path / "first_run.log"  # what the killed run said, for the assertion message
@@ -321,9 +358,19 @@ def test_kill_and_resume(tmp_path, tiny_corpus):
         run.wait()
     first = ckpt.latest_checkpoint(tmp_path / "ckpt")
     assert first is not None and first.name == "iter_0000100", log.read_text()[-8000:]
-    resumed = pretrain(run_config_from_dict(raw))
-    assert resumed.start_step == 100 and resumed.final_step == 200
-    assert all(math.isfinite(v) for v in resumed.losses.values())
+    if not deterministic:
+        resumed = pretrain(run_config_from_dict(raw))
+        assert resumed.start_step == 100 and resumed.final_step == 200
+        assert all(math.isfinite(v) for v in resumed.losses.values())
+        return
+    resumed = _train_in_a_process(raw, "the resumed deterministic run")  # its steps 101-200 logged last
+    (tmp_path / "uninterrupted").mkdir()
+    uninterrupted = _train_in_a_process(_resume_recipe(tiny_corpus, tmp_path / "uninterrupted", deterministic=True),
+                                        "the uninterrupted deterministic run")
+    assert ckpt.latest_checkpoint(tmp_path / "ckpt").name == "iter_0000200"
+    different = {step: (resumed[step], uninterrupted[step]) for step in range(1, 201)
+                 if resumed.get(step) != uninterrupted[step]}
+    assert not different, f"steps whose losses differ (resumed, uninterrupted): {different}"
 
 
 def test_gpu_checkpoint_loads_on_cpu(tmp_path, tiny_corpus):

@@ -1,6 +1,7 @@
 """``benchmarks/gpu_check.py`` on CPU: its pytest run (whole log, no torch.distributed.checkpoint
-DEBUG records) and its report (JUnit XML -> per-test outcome and first error line), on a real pytest
-subprocess over a throwaway test file."""
+DEBUG records, a time limit), its report (JUnit XML -> per-test outcome and first error line;
+collection errors apart; the -v log when pytest was killed) and which files it collects, on real
+pytest subprocesses over throwaway test files."""
 
 from __future__ import annotations
 
@@ -58,7 +59,9 @@ def report(tmp_path_factory):
     (root / "test_throwaway.py").write_text(THROWAWAY)
     log, junit = root / "out" / "gpu_check_x.log", root / "junit.xml"
     code = gpu_check.run_pytest(["test_throwaway.py"], log_path=log, junit_path=junit, marker=None, cwd=root)
-    return {"root": root, "code": code, "log": log.read_text(), "tests": gpu_check.parse_junit(junit)}
+    tests, collection_errors = gpu_check.parse_junit(junit)
+    assert collection_errors == []
+    return {"root": root, "code": code, "log": log.read_text(), "tests": tests}
 
 
 def test_each_test_gets_its_outcome_and_first_error_line(report):
@@ -117,3 +120,131 @@ def test_main_refuses_without_a_gpu(tmp_path, capsys):
     assert gpu_check.main(["--output-dir", str(tmp_path)]) == 2
     assert "no CUDA device here" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+# The marker is spelt in two halves here so that this file, which has no GPU test, is not itself
+# selected by gpu_check.gpu_test_files (it reads files for the marker's text).
+GPU_MARK = "pytest.mark." + "gpu"
+GPU_TESTS_DIR = {
+    "test_on_gpu.py": f"""
+import pytest
+
+pytestmark = {GPU_MARK}
+
+
+def test_runs():
+    pass
+""",
+    "test_param_on_gpu.py": f"""
+import pytest
+
+
+@pytest.mark.parametrize("x", [1, pytest.param(2, marks={GPU_MARK})])
+def test_one_param_on_gpu(x):
+    pass
+""",
+    "test_broken_gpu.py": f"""
+import pytest
+import not_installed_anywhere  # missing on this image
+
+
+@{GPU_MARK}
+def test_never_collected():
+    pass
+""",
+    "test_cpu_only.py": """
+import pytest
+import not_installed_here_either  # a CPU module's import missing on the GPU image: not collected at all
+
+
+def test_gpu_in_the_name_only():  # a name is not the marker
+    pass
+""",
+}
+
+
+@pytest.fixture
+def gpu_tree(tmp_path):
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA GPU\n")
+    (tmp_path / "tests").mkdir()
+    for name, text in GPU_TESTS_DIR.items():
+        (tmp_path / "tests" / name).write_text(text)
+    return tmp_path
+
+
+def test_only_files_with_gpu_marked_tests_are_collected(gpu_tree):
+    assert gpu_check.gpu_test_files(gpu_tree / "tests", gpu_tree) == [
+        "tests/test_broken_gpu.py", "tests/test_on_gpu.py", "tests/test_param_on_gpu.py"]
+    # This repository's: the modules holding gpu tests, not this one nor the other CPU modules.
+    found = gpu_check.gpu_test_files()
+    assert {"tests/test_gpu.py", "tests/test_checkpoint.py", "tests/test_hf_interop.py",
+            "tests/test_processes.py"} <= set(found)
+    assert "tests/test_gpu_check.py" not in found and "tests/test_gpu_path_guards.py" not in found
+
+
+def test_a_collection_error_is_reported_apart_and_the_other_modules_run(gpu_tree):
+    targets = gpu_check.gpu_test_files(gpu_tree / "tests", gpu_tree)
+    log, junit = gpu_tree / "out" / "gpu_check_x.log", gpu_tree / "junit.xml"
+    code = gpu_check.run_pytest(targets, log_path=log, junit_path=junit, cwd=gpu_tree)
+    assert code == 1, log.read_text()[-3000:]  # pytest's "errors", with the other modules run
+    tests, collection_errors = gpu_check.parse_junit(junit)
+    assert {t["test"]: t["outcome"] for t in tests} == {
+        "tests/test_on_gpu.py::test_runs": "passed",
+        "tests/test_param_on_gpu.py::test_one_param_on_gpu[2]": "passed"}  # -m gpu: the gpu param only
+    assert collection_errors == [{"module": "tests/test_broken_gpu.py",
+                                  "error": "ModuleNotFoundError: No module named 'not_installed_anywhere'"}]
+    assert "not_installed_here_either" not in log.read_text()  # the CPU-only module was never imported
+    lines = gpu_check.summary_lines(tests, collection_errors)
+    assert ("COLLECTION ERROR tests/test_broken_gpu.py: ModuleNotFoundError: No module named "
+            "'not_installed_anywhere'") in lines
+    assert lines[-1] == "2 passed, 1 collection error"
+    # The -v log gives the same outcomes and collection error (what a killed run is read from).
+    from_log = gpu_check.parse_log(log.read_text())
+    assert {t["test"]: t["outcome"] for t in from_log[0]} == {t["test"]: t["outcome"] for t in tests}
+    assert from_log[1] == collection_errors
+
+
+def test_the_time_limit_kills_pytest_and_the_log_says_what_finished(tmp_path):
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n\ndef test_quick():\n    pass\n\ndef test_slow():\n    time.sleep(120)\n\n"
+        "def test_never_reached():\n    pass\n")
+    log, junit = tmp_path / "gpu_check_x.log", tmp_path / "junit.xml"
+    code = gpu_check.run_pytest(["test_slow.py"], log_path=log, junit_path=junit, marker=None, cwd=tmp_path,
+                                extra_args=["-k", "quick or slow or never"], timeout_s=10)
+    assert code == gpu_check.TIMED_OUT and not junit.exists()
+    text = log.read_text()
+    assert "-k 'quick or slow or never'" in text.splitlines()[0] and "pytest killed after the time limit of 10 s" in text
+    tests, collection_errors = gpu_check.parse_log(text)
+    assert [(t["test"], t["outcome"]) for t in tests] == [("test_slow.py::test_quick", "passed"),
+                                                          ("test_slow.py::test_slow", "unfinished")]
+    assert collection_errors == [] and all(t["seconds"] is None for t in tests)
+    assert gpu_check.summary_lines(tests)[-1] == "1 passed, 1 unfinished"
+
+
+def test_the_log_parser_reads_serial_and_xdist_lines():
+    log = """$ python -m pytest -v -n 2
+[gw1] [ 25%] PASSED tests/test_a.py::test_one
+[gw0] [ 50%] FAILED tests/test_a.py::test_two[bf16]
+[gw0] [ 75%] ERROR tests/test_a.py::test_two[bf16]
+[gw1] [100%] SKIPPED tests/test_b.py::TestGroup::test_three
+tests/test_c.py::test_serial PASSED                                      [ 50%]
+tests/test_c.py::test_param[a b] FAILED                                  [100%]
+___________________ ERROR collecting tests/test_d.py ___________________
+ImportError while importing test module '/x/tests/test_d.py'.
+E   ModuleNotFoundError: No module named 'apex'
+=========================== short test summary info ============================
+FAILED tests/test_a.py::test_two[bf16] - AssertionError: no
+"""
+    tests, collection_errors = gpu_check.parse_log(log)
+    assert {t["test"]: t["outcome"] for t in tests} == {
+        "tests/test_a.py::test_one": "passed", "tests/test_a.py::test_two[bf16]": "failed",
+        "tests/test_b.py::TestGroup::test_three": "skipped", "tests/test_c.py::test_serial": "passed",
+        "tests/test_c.py::test_param[a b]": "failed"}
+    assert collection_errors == [{"module": "tests/test_d.py", "error": "ModuleNotFoundError: No module named 'apex'"}]
+
+
+def test_main_refuses_a_time_limit_that_is_not_positive(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--timeout-s", "0"])
+    assert "--timeout-s must be > 0" in capsys.readouterr().err

@@ -81,3 +81,87 @@ def test_platform_imports_no_model_code():
     probe = "import sys, megatron_ext.platform; print(sorted(m for m in sys.modules if m.startswith('megatron_ext.')))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert "megatron_ext.model" not in out and "megatron_ext.platform" in out
+
+
+def test_deterministic_parses_and_reaches_megatrons_transformer_config(tmp_path, tiny_corpus):
+    assert run_config_from_dict(_recipe(tiny_corpus, tmp_path)).training.deterministic is False
+    config = run_config_from_dict(_recipe(tiny_corpus, tmp_path, training={"train_iters": 8, "deterministic": True}))
+    assert config.training.deterministic is True
+    overrides = megatron_transformer_overrides(config)
+    assert overrides["deterministic_mode"] is True  # the model's TransformerConfig: the run below
+    with pytest.raises(ConfigError) as err:  # a misspelt key is refused, naming it
+        run_config_from_dict(_recipe(tiny_corpus, tmp_path, training={"train_iters": 8, "determinstic": True}))
+    assert "determinstic" in str(err.value)
+    with pytest.raises((ConfigError, ValueError), match="training.deterministic: true cannot run with "
+                                                         "training.cross_entropy_loss_fusion: true"):
+        run_config_from_dict(_recipe(tiny_corpus, tmp_path, training={
+            "train_iters": 8, "deterministic": True, "cross_entropy_loss_fusion": True}))
+
+
+DETERMINISTIC_VARIABLES = ("CUBLAS_WORKSPACE_CONFIG", "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "NCCL_ALGO")
+
+
+@pytest.fixture
+def torch_determinism_restored(monkeypatch):
+    """The process's determinism settings as they were before the test (they are process-wide)."""
+    for name in DETERMINISTIC_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    yield
+    torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[2], flags[3]
+
+
+def test_make_deterministic_sets_torch_and_the_cuda_libraries(torch_determinism_restored, monkeypatch):
+    import os
+
+    from megatron_ext import platform
+
+    torch.backends.cudnn.benchmark = True
+    platform.make_deterministic()
+    assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert {name: os.environ[name] for name in DETERMINISTIC_VARIABLES} == {
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "NCCL_ALGO": "Ring"}
+    monkeypatch.setenv("NCCL_ALGO", "Tree")  # a deterministic choice of the user's is kept
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    platform.make_deterministic()
+    assert os.environ["NCCL_ALGO"] == "Tree" and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    for name, value in (("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1"), ("NCCL_ALGO", "NVLS"),
+                        ("CUBLAS_WORKSPACE_CONFIG", ":0:0")):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            with pytest.raises(platform.UserError,
+                               match=f"training.deterministic: true, but the environment sets {name}={value!r}"):
+                platform.make_deterministic()
+
+
+def test_a_deterministic_run_sets_determinism_before_the_model_is_built(tmp_path, tiny_corpus, monkeypatch,
+                                                                         torch_determinism_restored):
+    """The loop calls ``platform.make_deterministic`` before the process group and the model exist,
+    the model's TransformerConfig has Megatron's ``deterministic_mode``, and the run trains (CPU:
+    torch's deterministic algorithms cover every op of a step)."""
+    import torch.distributed as dist
+
+    from megatron_ext import platform
+    from megatron_ext.training import loop
+
+    seen = []
+    make_deterministic = platform.make_deterministic
+    monkeypatch.setattr(platform, "make_deterministic",
+                        lambda: (seen.append(dist.is_initialized()), make_deterministic()))
+    build = loop.build_encoder_model
+
+    def build_and_record(*args, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        model = build(*args, **kwargs)
+        seen.append(model.config.deterministic_mode)
+        return model
+
+    monkeypatch.setattr(loop, "build_encoder_model", build_and_record)
+    config = run_config_from_dict(_recipe(tiny_corpus, tmp_path, training={
+        "train_iters": 5, "eval_interval": 0, "log_interval": 1, "deterministic": True}))
+    result = pretrain(config)
+    assert seen == [False, True, True] and result.final_step == 5
+    assert all(math.isfinite(v) for v in result.losses.values())

@@ -161,6 +161,98 @@ def test_megatrons_cuda_calls_are_redirected_from_process_group_set_up_to_teardo
         assert not dist.is_initialized() and not platform.cuda_calls_redirected()  # nothing was started
 
 
+def _transformer_engine_kernels(calls: list[str]) -> dict[tuple[str, str], object]:
+    """What Megatron-Core's modules hold where Transformer Engine imports (each attribute divergence 7
+    redirects), as stand-ins that record their call and fail as TE's CUDA kernels do on a machine
+    without a GPU (the crash of issue 31)."""
+    def cuda_only(name):
+        def kernel(*args, **kwargs):
+            calls.append(name)
+            raise RuntimeError(f"{name}: CUDA error: no CUDA-capable device is detected")
+        return kernel
+
+    class FusedAdam(torch.optim.Optimizer):  # TE's: CUDA kernels only, adam_w_mode keyword
+        def __init__(self, params, adam_w_mode=True, **kwargs):
+            calls.append("FusedAdam")
+            raise RuntimeError("FusedAdam: CUDA error: no CUDA-capable device is detected")
+
+    clip_grads, optimizer = "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"
+    package, distributed = "megatron.core.optimizer", "megatron.core.optimizer.distrib_optimizer"
+    return {(clip_grads, "multi_tensor_applier"): cuda_only("clip_grads.multi_tensor_applier"),
+            (clip_grads, "l2_norm_impl"): cuda_only("multi_tensor_l2norm"),
+            (clip_grads, "multi_tensor_scale_impl"): cuda_only("multi_tensor_scale"),
+            (clip_grads, "multi_tensor_scale_tensor_impl"): cuda_only("multi_tensor_scale_tensor"),
+            (optimizer, "multi_tensor_applier"): cuda_only("optimizer.multi_tensor_applier"),
+            (optimizer, "multi_tensor_scale_impl"): cuda_only("optimizer.multi_tensor_scale"),
+            (package, "USING_PYTORCH_OPTIMIZER"): False, (package, "Adam"): FusedAdam,
+            (package, "SGD"): cuda_only("FusedSGD"),
+            (distributed, "HAVE_APEX_OR_TE"): True, (distributed, "USING_TE_OPTIMIZER"): True,
+            (distributed, "USING_APEX_OPTIMIZER"): False, (distributed, "Adam"): FusedAdam}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="divergence 7 is CPU-only")
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain_optimizer", "distributed_optimizer"])
+def test_a_cpu_step_where_transformer_engine_imports_runs_megatrons_torch_kernels(tmp_path, tiny_corpus,
+                                                                                   monkeypatch, distributed):
+    """Issue 31: Megatron-Core picks TE's (or apex's) CUDA multi-tensor kernels and FusedAdam at
+    import whenever TE imports, whatever the tensors' device. With TE's choices installed in
+    Megatron's modules (as on a machine where TE imports), a CPU run's steps (each gradient norm
+    above optimizer.clip_grad, so the gradients are scaled too) train with the local kernels and
+    torch's fused AdamW, never reach TE's, and TE's are back in place after teardown."""
+    import importlib
+
+    from megatron_ext.training.optim import megatron_uses_torch_adam
+
+    calls: list[str] = []
+    te_kernels = _transformer_engine_kernels(calls)
+    assert set(te_kernels) == set(platform._megatron_torch_kernels())  # the test covers the whole list
+    for (module, attribute), kernel in te_kernels.items():
+        monkeypatch.setattr(importlib.import_module(module), attribute, kernel)
+    seen = {}
+
+    def record_the_optimizer(engine_init):
+        def init(self, model, config):
+            engine_init(self, model, config)
+            seen["torch_adam"] = megatron_uses_torch_adam()
+            seen["fused"] = {group["fused"] for part in self.optimizer_state._parts()
+                             for group in part.optimizer.param_groups}
+        return init
+
+    from megatron_ext.training import engines
+    monkeypatch.setattr(engines.MegatronEngine, "__init__", record_the_optimizer(engines.MegatronEngine.__init__))
+    recipe = _engine_recipe(tiny_corpus, tmp_path, steps=3, optimizer={"clip_grad": 1e-3},
+                            parallel={"use_distributed_optimizer": distributed})
+    losses = _run(recipe, tmp_path, "te_imports")["losses"]
+    assert calls == [] and sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values())
+    assert seen == {"torch_adam": True, "fused": {True}}
+    for (module, attribute), kernel in te_kernels.items():  # TE's choices back once the run is over
+        assert getattr(importlib.import_module(module), attribute) is kernel, f"{module}.{attribute}"
+
+
+def test_the_megatron_core_pin_guards_the_kernel_list(tmp_path, monkeypatch):
+    """Every attribute divergence 7 replaces is one megatron-core 0.19.2 chooses between Transformer
+    Engine, apex and its local implementation at import (its source says so); with another release
+    nothing is replaced (the version is refused first)."""
+    import importlib
+    import inspect
+
+    kernels = platform._megatron_torch_kernels()
+    for module in {module for module, _ in kernels}:
+        source = inspect.getsource(importlib.import_module(module))
+        assert "from transformer_engine.pytorch.optimizers import" in source and "from apex." in source, module
+    for module, attribute in kernels:
+        assert hasattr(importlib.import_module(module), attribute), f"{module}.{attribute}"
+    if platform.on_gpu():
+        return
+    before = {key: getattr(importlib.import_module(key[0]), key[1]) for key in kernels}
+    monkeypatch.setattr(platform, "_megatron_core_version", lambda: "0.20.0")
+    with pytest.raises(RuntimeError, match=r"megatron-core 0.20.0 is installed.*MEGATRON_CORE_CHECKED_ON_CPU"):
+        platform._redirect_cuda_calls()
+    assert not platform.cuda_calls_redirected()
+    assert all(getattr(importlib.import_module(module), attribute) is before[(module, attribute)]
+               for module, attribute in kernels)
+
+
 def test_pipeline_parallel_matches_one_stage(tmp_path, tiny_corpus):
     """PP=2 through Megatron's 1F1B schedule (p2p over gloo), 2 micro-batches per step, from the
     same weights as PP=1 (a seed initialises each stage's layers from the start of its stream,

@@ -125,6 +125,13 @@ class TrainingConfig:
     adding a separate gradient to them. Megatron's own linear layers (the LM head, the local spec)
     fuse only with apex's ``fused_weight_gradient_mlp_cuda``: without apex the LM head keeps the
     unfused path and the local spec turns the setting off, announced once (also on CPU)."""
+    deterministic: bool = False
+    """Bit-identical steps from the same inputs, so that a resumed run repeats an uninterrupted one
+    exactly on GPU too (CPU runs are deterministic without it): torch's deterministic algorithms and
+    cuDNN settings, cuBLAS, Transformer Engine attention and NCCL in deterministic modes
+    (``platform.make_deterministic``), Megatron's ``deterministic_mode``. Slower; without it a GPU
+    run's losses differ from another's in the last bits (docs/design.md). Megatron-LM
+    ``--deterministic-mode``."""
     lm_head_scored_only: bool = True
     """Run the LM head and the cross entropy only at the positions the loss scores (MLM: the
     masked ones) instead of at every position: same loss and gradients, and on MLM steps
@@ -160,6 +167,10 @@ class TrainingConfig:
                             "(FP8 matmuls run inside a bf16 mixed-precision step)")
         if self.recompute_num_layers < 1:
             raise UserError(f"training.recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
+        if self.deterministic and self.cross_entropy_loss_fusion:
+            # Megatron-LM refuses the pair too ("Cross Entropy Fusion is currently not deterministic").
+            raise UserError("training.deterministic: true cannot run with training.cross_entropy_loss_fusion: true "
+                            "(the fused cross entropy is not deterministic); remove one of them")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -93,6 +93,8 @@ def megatron_transformer_overrides(config: RunConfig) -> dict:
         overrides["gradient_accumulation_fusion"] = True
     if t.fp8_recipe is not None:
         overrides.update(fp8=t.fp8_format, fp8_recipe=t.fp8_recipe)
+    if t.deterministic:  # Megatron's deterministic code paths (e.g. the embedding's backward)
+        overrides["deterministic_mode"] = True
     if t.recompute_granularity is not None:
         overrides["recompute_granularity"] = t.recompute_granularity
         if t.recompute_granularity == "full":

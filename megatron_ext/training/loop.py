@@ -214,6 +214,8 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
                                  recompute_granularity=config.training.recompute_granularity,
                                  bf16_autocast=config.training.bf16, params_dtype=config.model.params_dtype)
     config = runnable_here(config, announce=int(os.environ.get("RANK", "0")) == 0)
+    if config.training.deterministic:  # before the process group (NCCL) and any CUDA work (cuBLAS)
+        platform.make_deterministic()
     processes.end_orphans()  # what a killed run on this machine left behind
     owns_process_group = not dist.is_initialized()
     try:

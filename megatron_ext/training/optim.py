@@ -47,7 +47,8 @@ def set_fused_adam(optimizer: torch.optim.Optimizer, fused: bool) -> None:
 
 
 def megatron_uses_torch_adam() -> bool:
-    """Whether Megatron-Core fell back to torch's AdamW (neither Transformer Engine nor apex)."""
+    """Whether Megatron-Core builds torch's AdamW: neither Transformer Engine nor apex imports, or
+    the run is on CPU (where ``platform`` divergence 7 makes Megatron choose torch's optimizers)."""
     from megatron.core import optimizer
 
     return optimizer.USING_PYTORCH_OPTIMIZER
