@@ -80,6 +80,8 @@ class StageContext:
     machine: Machine
     stage_dir: Path
     data_dir: Path | None
+    cap_s: float
+    """The stage's time cap: a command that can stop by itself before it (and still write its report) is told."""
     python: str = sys.executable
 
 
@@ -216,25 +218,33 @@ def read_te_smoke(stage_dir: Path) -> dict:
 
 
 def read_throughput(stage_dir: Path) -> dict:
-    """Per row: tokens/s, MFU, step time, peak memory, the HF ratio, each variant's ratio and each
-    side's wall time (the JSON throughput.py writes, partial when the stage was cut)."""
+    """Per row: tokens/s, MFU, step time, peak memory (and the trainer's estimate), the HF ratio, each
+    variant's ratio and each side's wall time, from the JSON throughput.py writes at its end; when the
+    stage was cut before, the sides it measured (``throughput.sides.jsonl``, one line per side)."""
     record = _read_json(stage_dir / "throughput.json")
     if record is None:
-        return {}
+        try:
+            lines = (stage_dir / "throughput.sides.jsonl").read_text().splitlines()
+        except OSError:
+            return {}
+        return {"rows": [], "complete": False, "sides": [json.loads(line) for line in lines if line.strip()]}
     rows = []
     for row in record.get("rows", []):
         rows.append({
             "row": f"{row.get('model')} seq {row.get('seq_length')} {row.get('precision')}",
             "shape": f"{row.get('micro_batches_per_step')} x {row.get('micro_batch_size')}",
             "tokens_per_s": row.get("tokens_per_s"), "mfu": row.get("mfu"), "step_time_s": row.get("step_time_s"),
-            "peak_mem_gb": row.get("peak_mem_gb"), "hf_tokens_per_s": row.get("hf_tokens_per_s"),
+            "peak_mem_gb": row.get("peak_mem_gb"), "estimated_mem_gb": row.get("estimated_mem_gb"),
+            "hf_tokens_per_s": row.get("hf_tokens_per_s"),
             "speedup_vs_hf": row.get("speedup_vs_hf"), "errors": row.get("errors") or {},
             "variants": {name: {"tokens_per_s": v.get("tokens_per_s"), "default_speedup": v.get("default_speedup"),
-                                "peak_mem_gb": v.get("peak_mem_gb"), "error": v.get("error")}
+                                "peak_mem_gb": v.get("peak_mem_gb"), "estimated_mem_gb": v.get("estimated_mem_gb"),
+                                "same_as_default": v.get("same_as_default", False), "error": v.get("error")}
                          for name, v in (row.get("variants") or {}).items()},
-            "side_wall_s": row.get("side_wall_s"),
+            "side_wall_s": {side: wall["total"] for side, wall in (row.get("wall_s") or {}).items()
+                            if isinstance(wall, dict) and wall.get("total") is not None},
         })
-    return {"device": record.get("device"), "rows": rows, "complete": not record.get("partial", False)}
+    return {"device": record.get("device"), "rows": rows, "complete": True}
 
 
 def read_gpu_tests(stage_dir: Path) -> dict:
@@ -262,9 +272,9 @@ THROUGHPUT_TIMING = ["--warmup", "3", "--steps", "3", "--rounds", "2"]
 """Short timings (a GPU visit is minutes): 3 warm-up steps (CUDA graphs are captured during warm-up),
 2 rounds of 3 timed steps per side; +-3 % between visits."""
 
-WANTED_VARIANTS_1B = ("cuda_graphs", "local_spec", "no_rope_fusion", "no_grad_accum_fusion")
-"""What the 1B bf16 row times against the recipe's configuration, where ``throughput.VARIANTS`` has it."""
-
+WANTED_VARIANTS_1B = ("cuda_graphs", "local_spec")
+"""What the 1B bf16 row times against the recipe's configuration (where ``throughput.VARIANTS`` has
+it): the lever not yet in the recipes, and the spec the recipes left."""
 
 def _variants(wanted: tuple[str, ...]) -> list[str]:
     from benchmarks import throughput
@@ -273,16 +283,19 @@ def _variants(wanted: tuple[str, ...]) -> list[str]:
 
 
 def _throughput(preset: str, precision: str, *, variants: tuple[str, ...] = (), hf: bool = True,
-                profile: bool = False) -> Callable[[StageContext], list[str]]:
+                profile: bool = False, shape: tuple[int, int] | None = None) -> Callable[[StageContext], list[str]]:
+    """``shape``: (micro-batch size, micro-batches per step) instead of the recipe's (GPU only)."""
     def command(ctx: StageContext) -> list[str]:
         argv = [ctx.python, str(REPO / "benchmarks" / "throughput.py"), "--output", str(ctx.stage_dir / "throughput.json")]
         if ctx.machine.gpu:
             argv += ["--presets", preset, "--seq-lengths", "2048", "--precisions", precision, *THROUGHPUT_TIMING]
+            if shape is not None:
+                argv += ["--micro-batch-size", str(shape[0]), "--micro-batches", str(shape[1])]
         else:  # the same code at the CPU's tiny size (what CI checks)
             argv += ["--cpu-tiny", "--warmup", "1", "--steps", "1", "--rounds", "1"]
         argv += ["--variants", *_variants(variants)]
         if not hf:
-            argv.append("--no-hf")
+            argv.append("--no-baseline")
         if profile:
             argv += ["--profile", str(ctx.stage_dir / "profiles")]
         return argv
@@ -290,7 +303,9 @@ def _throughput(preset: str, precision: str, *, variants: tuple[str, ...] = (), 
 
 
 def _gpu_tests(ctx: StageContext) -> list[str]:
-    argv = [ctx.python, str(REPO / "benchmarks" / "gpu_check.py"), "--output-dir", str(ctx.stage_dir)]
+    # gpu_check stops pytest itself a little before the cap, so its report is written from what finished.
+    argv = [ctx.python, str(REPO / "benchmarks" / "gpu_check.py"), "--output-dir", str(ctx.stage_dir),
+            "--timeout-s", str(int(max(30.0, ctx.cap_s - 20)))]
     if ctx.machine.xdist:
         # The gpu tests are small models; files are independent (each its own runs and folders).
         argv += ["--pytest-args", "-n 6 --dist loadfile"]
@@ -307,17 +322,26 @@ STAGES: tuple[Stage, ...] = (
     Stage(name="te_smoke", purpose="Transformer Engine: FP8 LayerNormMLP, fused attention (no mask, causal)",
           command=_python_probe("te_smoke"), max_s=90, min_s=20, needs=frozenset({"gpu", "te"}), read=read_te_smoke),
     Stage(name="throughput_1b_bf16",
-          purpose="1B, seq 2048, bf16: the recipe's configuration vs each switch undone vs Hugging Face; a profile",
+          purpose="1B, seq 2048, bf16: the recipe's configuration vs CUDA graphs, the local spec, Hugging Face; "
+                  "a profile",
           command=_throughput("1b", "bf16", variants=WANTED_VARIANTS_1B, profile=True),
-          max_s=300, min_s=90, read=read_throughput),
+          max_s=240, min_s=90, read=read_throughput),
     Stage(name="gpu_tests", purpose="every `gpu`-marked test (benchmarks/gpu_check.py)", command=_gpu_tests,
           max_s=300, min_s=120, needs=frozenset({"gpu"}), read=read_gpu_tests),
-    Stage(name="resume_e2e", purpose="210M biphasic, killed during its step-200 save, resumed; losses compared",
+    Stage(name="resume_e2e", purpose="210M biphasic, killed during its step-200 save, resumed; losses compared, "
+                                     "speed after each save",
           command=_resume_e2e, max_s=260, min_s=150, needs=frozenset({"gpu", "data"}), read=read_resume_e2e,
           alongside="gpu_tests"),
-    Stage(name="throughput_1b_fp8", purpose="1B, seq 2048, FP8 (delayed scaling) vs the recipe's bf16",
+    Stage(name="throughput_1b_fusions", purpose="1B bf16: the recipe's configuration vs each of its fusions undone",
+          command=_throughput("1b", "bf16", variants=("no_rope_fusion", "no_grad_accum_fusion"), hf=False),
+          max_s=150, min_s=80, needs=frozenset({"gpu"}), read=read_throughput),
+    Stage(name="throughput_1b_fp8", purpose="1B, seq 2048, FP8 (delayed scaling), with and without CUDA graphs",
           command=_throughput("1b", "fp8", variants=("cuda_graphs",), hf=False),
           max_s=150, min_s=60, needs=frozenset({"fp8"}), read=read_throughput),
+    Stage(name="throughput_1b_micro9", purpose="1B bf16 at 2 micro-batches of 9 (the same tokens per step): "
+                                               "speed and peak memory against the recipe's 6 of 3",
+          command=_throughput("1b", "bf16", hf=False, shape=(9, 2)), max_s=90, min_s=40,
+          needs=frozenset({"gpu"}), read=read_throughput),
     Stage(name="throughput_610m_bf16", purpose="610M, seq 2048, bf16: the recipe's configuration vs Hugging Face",
           command=_throughput("610m", "bf16"), max_s=150, min_s=60, needs=frozenset({"gpu"}), read=read_throughput),
 )
@@ -449,7 +473,8 @@ def run_suite(stages: tuple[Stage, ...] | list[Stage], *, machine: Machine, budg
                 r = results[member.name]
                 r.status, r.reason = "skipped", f"needs >= {member.min_s:.0f} s, {max(0.0, budget.left()):.0f} s left"
                 continue
-            ctx = StageContext(machine=machine, stage_dir=output_dir / member.name, data_dir=data_dir, python=python)
+            ctx = StageContext(machine=machine, stage_dir=output_dir / member.name, data_dir=data_dir, cap_s=cap,
+                               python=python)
             ctx.stage_dir.mkdir(parents=True, exist_ok=True)
             results[member.name].status = "running"
             proc = _start(member, ctx, output_dir / "logs" / f"{member.name}.log", results[member.name], cap)
@@ -486,19 +511,26 @@ def _figure_lines(result: StageResult) -> list[str]:
     if result.name == "environment":
         return ["- " + ", ".join(f"{k} {v}" for k, v in f.items() if v is not None)]
     if "rows" in f:
-        lines = [] if f.get("complete", True) else ["- partial: the stage was cut before its last side"]
+        lines = [] if f.get("complete", True) else ["- partial: the stage was cut before its end; the sides it measured:"]
+        for side in f.get("sides", []):
+            speed = "-" if side.get("tokens_per_s") is None else f"{side['tokens_per_s']:,.0f} tok/s"
+            lines.append(f"  - {side['row']} / {side['side']}: {speed}, peak {_fmt(side.get('peak_mem_gb'), '.1f')} GB"
+                         + (f" ({side['error']})" if side.get("error") else ""))
         if f["rows"]:
-            lines += ["", "| row | micro-batches | tok/s | MFU | ms/step | peak GB | HF tok/s | vs HF |",
+            lines += ["", "| row | micro-batches | tok/s | MFU | ms/step | peak GB (estimate) | HF tok/s | vs HF |",
                       "|---|---|---|---|---|---|---|---|"]
         for row in f["rows"]:
             mfu = None if row["mfu"] is None else 100 * row["mfu"]
             step = None if row["step_time_s"] is None else 1e3 * row["step_time_s"]
             ratio = "-" if row["speedup_vs_hf"] is None else f"x{row['speedup_vs_hf']:.2f}"
             lines.append(f"| {row['row']} | {row['shape']} | {_fmt(row['tokens_per_s'])} | {_fmt(mfu, '.1f')} % | "
-                         f"{_fmt(step)} | {_fmt(row['peak_mem_gb'], '.1f')} | {_fmt(row['hf_tokens_per_s'])} | {ratio} |")
+                         f"{_fmt(step)} | {_fmt(row['peak_mem_gb'], '.1f')} ({_fmt(row.get('estimated_mem_gb'), '.1f')}) | "
+                         f"{_fmt(row['hf_tokens_per_s'])} | {ratio} |")
         for row in f["rows"]:
             for name, v in row["variants"].items():
-                if v["error"]:
+                if v.get("same_as_default"):
+                    lines.append(f"- {row['row']}, variant `{name}`: the same as the default on this machine (not timed)")
+                elif v["error"]:
                     lines.append(f"- {row['row']}, variant `{name}`: {v['error']}")
                 else:
                     speedup = "-" if v["default_speedup"] is None else f"x{v['default_speedup']:.2f}"

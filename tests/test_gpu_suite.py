@@ -115,7 +115,8 @@ def test_the_stages_on_a_gpu_machine_build_their_commands(tmp_path):
     machine = Machine(gpu=True, transformer_engine=True, fp8=True, device="NVIDIA H200", gpu_count=1, xdist=True)
     commands = {}
     for stage in gpu_suite.STAGES:
-        ctx = gpu_suite.StageContext(machine=machine, stage_dir=tmp_path / stage.name, data_dir=tmp_path / "demo")
+        ctx = gpu_suite.StageContext(machine=machine, stage_dir=tmp_path / stage.name, data_dir=tmp_path / "demo",
+                                     cap_s=200)
         commands[stage.name] = stage.command(ctx)
     bf16 = commands["throughput_1b_bf16"]
     assert bf16[bf16.index("--presets") + 1] == "1b" and "--profile" in bf16
@@ -123,7 +124,10 @@ def test_the_stages_on_a_gpu_machine_build_their_commands(tmp_path):
     assert "--cpu-tiny" not in bf16
     assert commands["throughput_1b_fp8"][commands["throughput_1b_fp8"].index("--precisions") + 1] == "fp8"
     assert commands["resume_e2e"][-1] == str(tmp_path / "demo")
-    assert "--output-dir" in commands["gpu_tests"]
+    gpu_tests = commands["gpu_tests"]
+    assert "--output-dir" in gpu_tests and gpu_tests[gpu_tests.index("--timeout-s") + 1] == "180"
+    assert gpu_tests[gpu_tests.index("--pytest-args") + 1].startswith("-n ")
+    assert "--no-baseline" in commands["throughput_1b_fp8"]
 
 
 def test_cli_refuses_an_unknown_stage_and_a_budget_below_its_reserve(capsys):
@@ -176,3 +180,19 @@ def test_the_sbatch_script_runs_the_suite_within_the_jobs_time_limit(slurm_clust
     assert record["budget_s"] == 120
     assert [(s["name"], s["status"]) for s in record["stages"]] == [("environment", "passed"),
                                                                     ("gpu_tests", "not_applicable")]
+
+
+def test_a_throughput_stage_cut_short_reports_the_sides_it_measured(tmp_path):
+    """throughput.py writes its JSON at the end, and a line per side as it goes: a stage killed at its
+    cap still reports those sides."""
+    (tmp_path / "throughput.sides.jsonl").write_text(
+        json.dumps({"row": "1b seq 2048 bf16", "side": "megatron_ext", "tokens_per_s": 61234.0, "peak_mem_gb": 30.1,
+                    "error": None}) + "\n"
+        + json.dumps({"row": "1b seq 2048 bf16", "side": "cuda_graphs", "tokens_per_s": None, "peak_mem_gb": None,
+                      "error": "crashed (exit 1): RuntimeError: capture failed"}) + "\n")
+    figures = gpu_suite.read_throughput(tmp_path)
+    assert figures["complete"] is False and [s["side"] for s in figures["sides"]] == ["megatron_ext", "cuda_graphs"]
+    result = gpu_suite.StageResult(name="throughput_1b_bf16", purpose="", status="timed_out", figures=figures)
+    page = gpu_suite.summary_markdown([result], machine=GPU, budget_s=100, elapsed_s=100, commit=None)
+    assert "1b seq 2048 bf16 / megatron_ext: 61,234 tok/s, peak 30.1 GB" in page
+    assert "cuda_graphs: - , peak - GB (crashed (exit 1): RuntimeError: capture failed)".replace(" ,", ",") in page
