@@ -209,8 +209,7 @@ def set_rng_state(state: dict) -> None:
             tracker = tensor_parallel.get_cuda_rng_tracker()
             current = tracker.get_states()
             if any(isinstance(value, torch.Generator) for value in current.values()):
-                # Graph-safe tracker: set its generators in place (CUDA graphs register these
-                # very generator objects), from the saved state tensors.
+                # Graph-safe tracker: its states are generators; set them from the saved tensors.
                 for name, saved in state["megatron_rng_tracker_states"].items():
                     current[name].set_state(saved.get_state() if isinstance(saved, torch.Generator) else saved)
             else:
