@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         args.vocab_size = min(args.vocab_size, 8192)
     gpu_only = [v for v in args.variants if v in GPU_ONLY_VARIANTS]
     if gpu_only and not platform.on_gpu():
-        parser.error(f"--variants {' '.join(gpu_only)} need CUDA (Megatron's activation recomputation)")
+        parser.error(f"--variants {' '.join(gpu_only)} need CUDA (Megatron's activation recomputation, CUDA graphs)")
 
     # This process only starts the sides and reads their results: it allocates nothing on the
     # device (not even a CUDA context), so each side's process has the device to itself.
