@@ -64,6 +64,14 @@ recomputation with per-layer graphs; selective recomputation inside a graph is u
 pipeline parallelism (Megatron then keeps one runner per micro-batch in flight, untested here);
 CPU (CUDA graphs are CUDA). The LM head and the loss stay outside the graphs, eager: the MLM head
 runs on ``max_scored_per_sequence`` rows, a fixed shape, but it never needed a graph.
+
+Measured on an H200 (2026-11-26, torch 2.11, megatron-core 0.19.2, *without* Transformer Engine:
+the local spec): tests/test_gpu.py's biphasic engine runs with graphs gave every training and
+validation loss bitwise equal to eager mode's (fp32 parameters under bf16 autocast; bf16
+parameters with the distributed optimizer and overlapped reduction), one replay per layer call;
+the 1b throughput shape (seq 2,048, 6 micro-batches of 3) went from 0.741 to 0.725 s per step
+(x1.02: the local spec's modules cost the host little) and from 32.3 to 23.3 GB peak allocated.
+The TE spec, the target of issue 32, and FP8 under graphs are not measured yet.
 """
 
 from __future__ import annotations
