@@ -505,3 +505,36 @@ def test_graph_safe_rng_state_saves_as_the_plain_trackers(model_parallel):
     finally:
         platform.seed_model_parallel(1234)  # the plain tracker again for the other tests
     assert not any(isinstance(v, torch.Generator) for v in tensor_parallel.get_cuda_rng_tracker().get_states().values())
+
+
+def test_cuda_graphs_run_resumes_exactly_and_its_checkpoints_load_without_graphs(tmp_path, tiny_corpus,
+                                                                                  initial_weights):
+    """The trainer's loop with ``training.cuda_graphs: local`` (biphasic, 40 steps, validation every
+    20, the distributed optimizer): stopped after step 20 and resumed (graphs captured again on the
+    resumed run's first step), it trains steps 21-40 exactly as the uninterrupted graphed run; the
+    same checkpoint resumed *without* graphs trains them exactly so too (graphs are runtime state:
+    checkpoints do not change, and graphed steps are bitwise eager ones: see
+    test_cuda_graphs_train_like_eager_on_the_same_weights_and_batches)."""
+    def recipe(name: str, graphs: str, save: Path | None = None) -> dict:
+        raw = _gpu_recipe(tiny_corpus, tmp_path / name, steps=40, start_from=initial_weights,
+                          cuda_graphs=graphs) | DISTRIBUTED_OPTIMIZER
+        if save is not None:
+            raw["checkpoint"] = {"save": str(save), "save_interval": 20}
+        return raw
+
+    straight = pretrain(run_config_from_dict(recipe("straight", "local")))
+    assert straight.final_step == 40 and straight.skipped_steps == 0 and set(straight.valid) == {20, 40}
+    interrupted = recipe("interrupted", "local")
+    first = pretrain(run_config_from_dict(interrupted), exit_after_step=20)
+    assert first.final_step == 20
+    saved = tmp_path / "saved_at_20"
+    import shutil
+    shutil.copytree(tmp_path / "interrupted" / "ckpt", saved)
+    resumed = pretrain(run_config_from_dict(interrupted))
+    assert resumed.start_step == 20 and resumed.final_step == 40
+    eager = pretrain(run_config_from_dict(recipe("eager", "none", save=saved)))
+    assert eager.start_step == 20 and eager.final_step == 40
+    for step in range(21, 41):
+        assert resumed.losses[step] == straight.losses[step], (step, resumed.losses, straight.losses)
+        assert eager.losses[step] == straight.losses[step], (step, eager.losses, straight.losses)
+    assert resumed.valid[40] == straight.valid[40] == eager.valid[40]
