@@ -28,7 +28,8 @@ Divergences, and why:
    (``tensor_parallel/random.py::CheckpointFunction``), so it is GPU-only. Without Transformer
    Engine, ``attention_backend: te`` falls back to the local spec, announced once; so do
    ``training.rope_fusion`` (TE's kernel) and ``training.gradient_accumulation_fusion`` (GPU;
-   with the local spec, apex) turn off (``fusion_fallbacks``).
+   with the local spec, apex) turn off (``fusion_fallbacks``). CUDA graphs
+   (``training.cuda_graphs``) are CUDA: refused on CPU.
 7. Megatron-Core outside the model: its DDP, optimizers, gradient clipping, forward-backward
    schedules (pipeline p2p included) and the distributed-checkpoint save place small tensors
    on CUDA, use CUDA streams and check for ``torch.cuda`` tensor types even when every
@@ -104,10 +105,14 @@ def transformer_engine_available() -> bool:
 
 
 def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | None,
-                        bf16_autocast: bool = False, params_dtype: str = "float32") -> None:
+                        bf16_autocast: bool = False, params_dtype: str = "float32",
+                        cuda_graphs: str = "none") -> None:
     """Raise ``UserError`` naming the setting this machine cannot run (before any model is built).
-    What the config itself rules out (FP8 without the ``te`` backend) is refused once, by
-    ``RunConfig``."""
+    What the config itself rules out (FP8 without the ``te`` backend, graphs with recomputation) is
+    refused once, by ``RunConfig``."""
+    if cuda_graphs != "none" and not on_gpu():
+        raise UserError(f"training.cuda_graphs={cuda_graphs!r}: CUDA graphs need a CUDA GPU; this machine has "
+                        "none. Set training.cuda_graphs: none on CPU")
     if fp8_recipe is not None:
         if not on_gpu():
             raise UserError(f"training.fp8_recipe={fp8_recipe!r}: FP8 needs a CUDA GPU with compute capability "
@@ -285,7 +290,11 @@ def rng_state() -> dict:
     if on_gpu():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
         from megatron.core import tensor_parallel
-        state["megatron_rng_tracker_states"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+        # A graph-safe tracker (training.cuda_graphs) holds generators, not state tensors: saved as
+        # their state tensors, so checkpoints have one format whatever the tracker.
+        state["megatron_rng_tracker_states"] = {
+            name: value.get_state() if isinstance(value, torch.Generator) else value
+            for name, value in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
     return state
 
 
@@ -298,7 +307,14 @@ def set_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state(state["cuda_rng_state"])
         if "megatron_rng_tracker_states" in state:
             from megatron.core import tensor_parallel
-            tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_rng_tracker_states"])
+            tracker = tensor_parallel.get_cuda_rng_tracker()
+            current = tracker.get_states()
+            if any(isinstance(value, torch.Generator) for value in current.values()):
+                # Graph-safe tracker: its states are generators; set them from the saved tensors.
+                for name, saved in state["megatron_rng_tracker_states"].items():
+                    current[name].set_state(saved.get_state() if isinstance(saved, torch.Generator) else saved)
+            else:
+                tracker.set_states(state["megatron_rng_tracker_states"])
 
 
 def device() -> torch.device:
@@ -573,12 +589,24 @@ def persistent_checkpoint_writer() -> bool:
     return on_gpu()
 
 
-def seed_model_parallel(seed: int) -> None:
-    """Seed parameter initialisation and dropout for the current model-parallel layout."""
+def seed_model_parallel(seed: int, *, cuda_graph_safe: bool = False, te_rng_tracker: bool = False) -> None:
+    """Seed parameter initialisation and dropout for the current model-parallel layout.
+
+    ``cuda_graph_safe`` (GPU, ``training.cuda_graphs``): Megatron's RNG tracker is created anew,
+    graph-safe (``use_cudagraphable_rng``; Transformer Engine's tracker with ``te_rng_tracker``),
+    as Megatron-LM's ``_set_random_seed`` does for graphed runs: the layers' graph managers refuse
+    any other. Without it, a graph-safe tracker left by an earlier graphed run of this process is
+    replaced by the plain one. The same seed draws the same streams either way."""
+    if not on_gpu() and cuda_graph_safe:
+        raise UserError("training.cuda_graphs: CUDA graphs need a CUDA GPU; this machine has none")
     torch.manual_seed(seed)
     if on_gpu():
         from megatron.core import tensor_parallel
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        from megatron.core.tensor_parallel import random as megatron_random
+        replace = cuda_graph_safe or megatron_random.is_graph_safe_cuda_rng_tracker(
+            megatron_random._CUDA_RNG_STATE_TRACKER)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_rng_tracker,
+                                                        use_cudagraphable_rng=cuda_graph_safe, force_reset_rng=replace)
 
 
 def init_process_group_and_model_parallel(

@@ -137,6 +137,17 @@ class TrainingConfig:
     masked ones) instead of at every position: same loss and gradients, and on MLM steps
     ``1 - mask_ratio`` of the head's FLOPs and logits memory saved (the head is ~20 % of a
     step's FLOPs at 610M with the 128k vocabulary). ``false``: GPTModel's full head."""
+    cuda_graphs: Literal["none", "local", "transformer_engine"] = "none"
+    """CUDA graphs of the transformer layers (Megatron ``--cuda-graph-impl``; GPU only): each
+    layer's forward and backward replayed as one graph, which removes the per-module CPU launch
+    cost that leaves the GPU idle when the host is slower than the kernels. ``local`` is
+    Megatron-Core's own ``CudaGraphManager``: graphs are captured once, during the run's first
+    step, for every attention pattern the run's phases use (CLM causal, MLM bidirectional: one
+    graph per layer and pattern, sharing one memory pool), and replayed by pattern after that;
+    validation runs eagerly. ``transformer_engine`` (TE's ``make_graphed_callables``) is refused:
+    it captures each layer with Megatron's sample arguments (a dense causal mask) and cannot keep
+    the per-call attention pattern. Needs a fixed shape (no ``model.document_mask``), no
+    activation recomputation and no pipeline parallelism (``megatron_ext.training.cuda_graphs``)."""
 
     exit_signal_handler: bool = True
     """SIGTERM and SIGUSR1 (what SLURM sends at a time limit, on preemption and on ``scancel``, and
@@ -171,6 +182,10 @@ class TrainingConfig:
             # Megatron-LM refuses the pair too ("Cross Entropy Fusion is currently not deterministic").
             raise UserError("training.deterministic: true cannot run with training.cross_entropy_loss_fusion: true "
                             "(the fused cross entropy is not deterministic); remove one of them")
+        from megatron_ext.training.cuda_graphs import training_problem
+
+        if (problem := training_problem(self)) is not None:
+            raise UserError(problem)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,6 +256,10 @@ class RunConfig:
         if self.training.fp8_recipe is not None and self.model.attention_backend != "te":
             raise ConfigError(f"training.fp8_recipe={self.training.fp8_recipe!r} needs model.attention_backend: te "
                               "(FP8 matmuls are Transformer Engine layers)")
+        from megatron_ext.training.cuda_graphs import run_problem
+
+        if (problem := run_problem(self)) is not None:
+            raise ConfigError(problem)
         checkpoint, total = self.checkpoint, self.training.train_iters
         past = [step for step in checkpoint.keep_steps if step > total]
         if past:

@@ -21,6 +21,10 @@ laptop with the code a cluster runs.
 Mixed precision: bf16 autocast of the forward (``training.bf16``), optionally bf16 parameters
 with fp32 main parameters (``model.params_dtype: bfloat16``, Megatron's ``Float16Module``), fp32
 loss and gradient buffers; FP8 (Transformer Engine) comes from the model's ``TransformerConfig``.
+
+CUDA graphs of the transformer layers (``training.cuda_graphs: local``): Megatron-Core's
+``CudaGraphManager`` in every layer; the engine primes and captures them on its first training
+step, runs validation eagerly and deletes them in ``close`` (``training.cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from megatron.core import parallel_state
 from megatron_ext import platform
 from megatron_ext.checkpoint.resume import TrainingState
 from megatron_ext.objectives import ObjectiveBatch
+from megatron_ext.training import cuda_graphs
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.optim import MegatronOptimizerState, megatron_uses_torch_adam, weight_decay_for
 
@@ -99,6 +104,7 @@ def megatron_transformer_overrides(config: RunConfig) -> dict:
         overrides["recompute_granularity"] = t.recompute_granularity
         if t.recompute_granularity == "full":
             overrides.update(recompute_method="uniform", recompute_num_layers=t.recompute_num_layers)
+    overrides.update(cuda_graphs.transformer_overrides(config))
     return overrides
 
 
@@ -153,6 +159,15 @@ class MegatronEngine(TrainingState):
         self.model = self.ddp
         """The module that runs forward (``train()``/``eval()`` are set on it)."""
         self.checkpoint_model = model  # Float16Module delegates its (sharded) state dict to it
+        self.graphs: cuda_graphs.LayerGraphs | None = None
+        """The layer graphs (``training.cuda_graphs``), captured on the first training step."""
+        if cuda_graphs.enabled(config):
+            if transformer_config.cuda_graph_impl != cuda_graphs.LOCAL:
+                raise RuntimeError(f"training.cuda_graphs={config.training.cuda_graphs!r} but the model was built with "
+                                   f"cuda_graph_impl={transformer_config.cuda_graph_impl!r}: pass "
+                                   "megatron_transformer_overrides(config) to build_encoder_model")
+            self.graphs = cuda_graphs.LayerGraphs(self.ddp, patterns=cuda_graphs.attention_patterns(config),
+                                                  bf16_autocast=config.training.bf16)
 
     def _forward_step(self, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         micro = next(data_iterator)
@@ -183,6 +198,9 @@ class MegatronEngine(TrainingState):
     def train_step(self, micro_batches: Sequence[MicroBatch], lr: float) -> StepOutcome:
         """One optimizer step over this rank's micro-batches (skipped when non-finite)."""
         self._set_lr(lr)
+        if self.graphs is not None and not self.graphs.captured:
+            # Megatron captures what the schedule recorded; its gradients are discarded below.
+            self.graphs.capture(lambda priming: self._run(priming, forward_only=False), micro_batches)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss_sum, tokens = self._run(micro_batches, forward_only=False)
@@ -220,8 +238,16 @@ class MegatronEngine(TrainingState):
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: Sequence[MicroBatch]) -> tuple[float, float]:
-        """(sum of token losses, token count) over the data-parallel group, no update."""
-        return self._run(micro_batches, forward_only=True)
+        """(sum of token losses, token count) over the data-parallel group, no update (eagerly
+        with layer graphs: validation's shapes and patterns need not be the captured ones)."""
+        with self.graphs.eager() if self.graphs is not None else contextlib.nullcontext():
+            return self._run(micro_batches, forward_only=True)
+
+    def close(self) -> None:
+        """Release what outlives a step: the layer graphs and Megatron's global graph state (the
+        engine trains no more after this)."""
+        if self.graphs is not None:
+            self.graphs.close()
 
     def weights_loaded(self) -> None:
         """Megatron-LM's ``reload_model_params``: fp32 main parameters (bf16 models, distributed

@@ -41,6 +41,7 @@ from megatron_ext.checkpoint import core as ckpt
 from megatron_ext.checkpoint.handle import Checkpoint
 from megatron_ext.checkpoint.resume import BRANCHED_FROM, load_starting_point
 from megatron_ext.training import data as data_lib
+from megatron_ext.training import cuda_graphs
 from megatron_ext.training.branching import check_saved_parent
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides
@@ -212,7 +213,8 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
     make_plan(config, world_size)  # the layout and batch sizes divide, before the process group exists
     platform.check_run_supported(fp8_recipe=config.training.fp8_recipe,
                                  recompute_granularity=config.training.recompute_granularity,
-                                 bf16_autocast=config.training.bf16, params_dtype=config.model.params_dtype)
+                                 bf16_autocast=config.training.bf16, params_dtype=config.model.params_dtype,
+                                 cuda_graphs=config.training.cuda_graphs)
     config = runnable_here(config, announce=int(os.environ.get("RANK", "0")) == 0)
     if config.training.deterministic:  # before the process group (NCCL) and any CUDA work (cuBLAS)
         platform.make_deterministic()
@@ -236,6 +238,7 @@ def _build_model_and_engine(config: RunConfig, device: torch.device) -> Megatron
     """This pipeline stage's encoder on ``device``, wrapped by the engine."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    cuda_graphs.prepare_rng(config)  # graph-safe RNG tracker before the layers' graph managers exist
     model = build_encoder_model(config.model, pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
                                 transformer_overrides=megatron_transformer_overrides(config)).to(device)
     return MegatronEngine(model, config)
@@ -356,10 +359,18 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
     device = platform.device()
     tokenizer = build_tokenizer(config.tokenizer)
     check_tokenizer_fits(config, tokenizer)
+    engine = _build_model_and_engine(config, device)
+    try:
+        return _train_engine(config, engine, tokenizer=tokenizer, device=device, exit_after_step=exit_after_step)
+    finally:
+        engine.close()  # its CUDA graphs, whatever ends the run
+
+
+def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: EncoderTokenizer, device: torch.device,
+                  exit_after_step: int | None) -> TrainResult:
+    """The run with its engine built: the starting point loaded, then the steps."""
     total = config.training.train_iters
     phases = config.resolved_phases
-
-    engine = _build_model_and_engine(config, device)
     where = f"checkpoint.branch_from={config.checkpoint.branch_from!r}"
     starting_point = load_starting_point(
         engine, config.checkpoint, tokenizer=tokenizer, tokenizer_model=config.tokenizer.tokenizer_model,

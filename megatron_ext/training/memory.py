@@ -29,6 +29,17 @@ bf16 autocast, seq 2,048, MLM-40, micro-batch 4; ../shared/gpu at commit bf033a0
 29.1 GiB estimated vs 27.4 measured, 1b 46.2 vs 43.5, i.e. about 6 % above; with the LM head
 at every position 32.6 vs 30.9 and 49.7 vs 47.0.
 
+With layer CUDA graphs (``training.cuda_graphs``) a private memory pool, reserved from the first
+step to the end of the run, holds what the graphed layers save for their backward pass (one
+micro-batch's layer activations: the patterns' graphs share the pool) and their static inputs,
+outputs and gradients (``cuda_graph_pool_bytes``: at most two ``[s, b, h]`` buffers per layer and
+pattern). Counted on top of the activations above, because the first step records the layers
+eagerly before Megatron captures them, and the caching allocator keeps those blocks for the rest
+of the run: an upper bound. Measured on an H200 (1b, seq 2,048, 6 micro-batches of 3, local spec,
+fp32 parameters under bf16 autocast, ``benchmarks/throughput.py``, 2026-11-26): peak allocated
+23.3 GB with graphs against 32.3 GB without (``torch.cuda.max_memory_allocated``, which leaves out
+the allocator's cached blocks), so the term only keeps the check on the safe side.
+
 Not counted: the CUDA context and allocator fragmentation (a few hundred MB to a few GB); the
 refusal therefore only triggers when the estimate alone exceeds the usable memory, and the plan
 says how close a config comes.
@@ -59,16 +70,20 @@ class MemoryEstimate:
     """With ``recompute_granularity: full`` and ``recompute_num_layers: 1`` (GPU only)."""
     micro_batches_in_flight: int
     """Micro-batches whose activations are held at once (pipeline warm-up of 1F1B)."""
+    cuda_graph_pool: int = 0
+    """The layer graphs' memory pool (``training.cuda_graphs``; module docstring), 0 without."""
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state + self.activations
+        return self.parameters + self.gradients + self.optimizer_state + self.activations + self.cuda_graph_pool
 
     def describe(self) -> str:
         """One line, in GiB."""
         g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
         return (f"params {g(self.parameters)} + grads {g(self.gradients)} + optimizer {g(self.optimizer_state)} + "
-                f"activations {g(self.activations)} = {g(self.total)} GiB per rank "
+                f"activations {g(self.activations)} "
+                + (f"+ CUDA graph pool {g(self.cuda_graph_pool)} " if self.cuda_graph_pool else "")
+                + f"= {g(self.total)} GiB per rank "
                 f"(activations without recomputation {g(self.activations_no_recompute)}, with full "
                 f"recomputation {g(self.activations_full_recompute)}; "
                 f"{self.micro_batches_in_flight} micro-batch(es) in flight)")
@@ -92,6 +107,16 @@ def lm_head_bytes_per_scored_token(config: EncoderModelConfig, *, compute_bytes:
     """The fp32 softmax saved by the cross entropy, plus the logits (compute dtype) alive at the
     forward/backward turn, for one position where the head runs."""
     return config.vocab_size / tensor_parallel * (4 + compute_bytes)
+
+
+def cuda_graph_pool_bytes(config: EncoderModelConfig, *, tokens: int, layers: int, patterns: int,
+                          per_layer_activation: float, residual_bytes: int) -> int:
+    """The layer graphs' pool (module docstring): one micro-batch's saved activations of
+    ``layers`` layers (``per_layer_activation`` bytes per token) plus, per layer and attention
+    pattern, two ``[s, b, h]`` static buffers (the graph's output and its input gradient; inputs
+    alias the previous layer's output)."""
+    io = 2 * config.hidden_size * residual_bytes * layers * patterns
+    return math.ceil(tokens * (layers * per_layer_activation + io))
 
 
 def stage_parameters(config: EncoderModelConfig, *, tensor_parallel: int, pipeline_parallel: int) -> int:
@@ -153,17 +178,22 @@ def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:
         current = no_recompute - math.ceil(in_flight * tokens * layers * q * compute_bytes)
     else:
         current = no_recompute
+    graph_pool = 0
+    if t.cuda_graphs != "none":
+        patterns = len({phase.objective == "clm" for phase in config.resolved_phases})
+        graph_pool = cuda_graph_pool_bytes(m, tokens=tokens, layers=layers, patterns=patterns,
+                                           per_layer_activation=per_layer, residual_bytes=residual_bytes)
     return MemoryEstimate(
         parameters=params * param_bytes, gradients=params * 4,  # gradients reduce into fp32 buffers
         optimizer_state=math.ceil(optimizer), activations=current,
         activations_no_recompute=no_recompute, activations_full_recompute=full,
-        micro_batches_in_flight=in_flight,
+        micro_batches_in_flight=in_flight, cuda_graph_pool=graph_pool,
     )
 
 
 REDUCE_MEMORY = ("reduce data.micro_batch_size or data.seq_length, set training.recompute_granularity "
                  "(GPU) or training.lm_head_scored_only, use parallel.use_distributed_optimizer, or raise "
-                 "tensor/pipeline_model_parallel_size")
+                 "tensor/pipeline_model_parallel_size, or set training.cuda_graphs: none")
 
 
 def check_fits(estimate: MemoryEstimate, usable_bytes: int, where: str) -> None:
