@@ -102,6 +102,8 @@ class Stage:
     """Key figures from the stage's folder (also after a timeout: what was written so far)."""
     alongside: str | None = None
     """The name of the stage that runs at the same time as this one (this one is started with it)."""
+    in_full_run: bool = True
+    """False: run only when named with ``--stages`` (a short visit's subset of a full stage)."""
 
 
 def _python_probe(probe: str) -> Callable[[StageContext], list[str]]:
@@ -312,6 +314,11 @@ def _gpu_tests(ctx: StageContext) -> list[str]:
     return argv
 
 
+def _gpu_tests_of(expression: str) -> Callable[[StageContext], list[str]]:
+    """The ``gpu`` tests that ``-k expression`` selects (a short visit's check of one change)."""
+    return lambda ctx: [*_gpu_tests(ctx), "-k", expression]
+
+
 def _resume_e2e(ctx: StageContext) -> list[str]:
     return ["bash", str(REPO / "benchmarks" / "gpu_resume_e2e.sh"), str(ctx.stage_dir), str(ctx.data_dir)]
 
@@ -328,6 +335,10 @@ STAGES: tuple[Stage, ...] = (
           max_s=240, min_s=90, read=read_throughput),
     Stage(name="gpu_tests", purpose="every `gpu`-marked test (benchmarks/gpu_check.py)", command=_gpu_tests,
           max_s=300, min_s=120, needs=frozenset({"gpu"}), read=read_gpu_tests),
+    Stage(name="gpu_tests_fusions", purpose="the fusion `gpu` tests only: loss and gradient buffers with each "
+                                            "fusion against without (a short visit's check of the recipes' default)",
+          command=_gpu_tests_of("fusion_gives_the_unfused"), max_s=90, min_s=30, needs=frozenset({"gpu", "te"}),
+          read=read_gpu_tests, in_full_run=False),
     Stage(name="resume_e2e", purpose="210M biphasic, killed during its step-200 save, resumed; losses compared, "
                                      "speed after each save",
           command=_resume_e2e, max_s=260, min_s=150, needs=frozenset({"gpu", "data"}), read=read_resume_e2e,
@@ -636,7 +647,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in STAGES:
             needs = f" [needs {', '.join(sorted(s.needs))}]" if s.needs else ""
             with_ = f" (alongside {s.alongside})" if s.alongside else ""
-            print(f"{s.name:22} min {s.min_s:4.0f} s, max {s.max_s:4.0f} s{needs}{with_}: {s.purpose}")
+            only = "" if s.in_full_run else " (only with --stages)"
+            print(f"{s.name:22} min {s.min_s:4.0f} s, max {s.max_s:4.0f} s{needs}{with_}{only}: {s.purpose}")
         return 0
     by_name = {s.name: s for s in STAGES}
     if args.stages:
@@ -645,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--stages: unknown {', '.join(unknown)}; known: {', '.join(by_name)}")
         stages = [by_name[n] for n in args.stages]
     else:
-        stages = list(STAGES)
+        stages = [s for s in STAGES if s.in_full_run]
     if args.budget_s <= args.reserve_s:
         parser.error(f"--budget-s {args.budget_s:g} must exceed --reserve-s {args.reserve_s:g}")
     budget = Budget(args.budget_s, args.reserve_s)
