@@ -71,6 +71,8 @@ validation loss bitwise equal to eager mode's (fp32 parameters under bf16 autoca
 parameters with the distributed optimizer and overlapped reduction), one replay per layer call;
 the 1b throughput shape (seq 2,048, 6 micro-batches of 3) went from 0.741 to 0.725 s per step
 (x1.02: the local spec's modules cost the host little) and from 32.3 to 23.3 GB peak allocated.
+Through the trainer's loop, a graphed biphasic run stopped at step 20 and resumed trained steps
+21-40 exactly as the uninterrupted graphed run, and so did its checkpoint resumed without graphs.
 The TE spec, the target of issue 32, and FP8 under graphs are not measured yet.
 """
 
