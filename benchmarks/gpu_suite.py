@@ -275,14 +275,9 @@ THROUGHPUT_TIMING = ["--warmup", "3", "--steps", "3", "--rounds", "2"]
 2 rounds of 3 timed steps per side; +-3 % between visits."""
 
 WANTED_VARIANTS_1B = ("cuda_graphs", "local_spec")
-"""What the 1B bf16 row times against the recipe's configuration (where ``throughput.VARIANTS`` has
-it): the lever not yet in the recipes, and the spec the recipes left."""
-
-def _variants(wanted: tuple[str, ...]) -> list[str]:
-    from benchmarks import throughput
-
-    return [name for name in wanted if name in throughput.VARIANTS]
-
+"""What the 1B bf16 row times against the recipe's configuration: the lever not yet in the recipes,
+and the spec the recipes left. Names of ``throughput.VARIANTS`` (checked by a test, not here: importing
+the benchmark loads torch, Megatron and TE, ~13 s of a GPU visit, into the suite's own process)."""
 
 def _throughput(preset: str, precision: str, *, variants: tuple[str, ...] = (), hf: bool = True,
                 profile: bool = False, shape: tuple[int, int] | None = None) -> Callable[[StageContext], list[str]]:
@@ -295,7 +290,7 @@ def _throughput(preset: str, precision: str, *, variants: tuple[str, ...] = (), 
                 argv += ["--micro-batch-size", str(shape[0]), "--micro-batches", str(shape[1])]
         else:  # the same code at the CPU's tiny size (what CI checks)
             argv += ["--cpu-tiny", "--warmup", "1", "--steps", "1", "--rounds", "1"]
-        argv += ["--variants", *_variants(variants)]
+        argv += ["--variants", *variants]
         if not hf:
             argv.append("--no-baseline")
         if profile:
@@ -553,7 +548,7 @@ def _figure_lines(result: StageResult) -> list[str]:
                 lines.append(f"- {row['row']}, wall time per side (s): "
                              + ", ".join(f"{k} {v:.0f}" for k, v in row["side_wall_s"].items()))
         return lines
-    if result.name == "gpu_tests":
+    if "counts" in f:  # a gpu_check report (gpu_tests and its subsets)
         counts = ", ".join(f"{n} {k}" for k, n in sorted(f.get("counts", {}).items())) or "no test report"
         lines = [f"- {counts}"]
         lines += [f"- {p}" for p in f.get("problems", [])]
@@ -599,11 +594,15 @@ def write_summaries(output_dir: Path, results: list[StageResult], *, machine: Ma
 
 
 def _commit() -> str | None:
+    """The project's commit: ``MEGATRON_EXT_COMMIT`` when set (a copy of the tree without its own git
+    history, e.g. on a lent GPU machine, would name another commit), else git's."""
+    if os.environ.get("MEGATRON_EXT_COMMIT"):
+        return os.environ["MEGATRON_EXT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip() or None
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MEGATRON_EXT_COMMIT")
+        return None
 
 
 def probe_machine_in_child(python: str = sys.executable) -> Machine:

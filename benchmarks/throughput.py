@@ -165,7 +165,8 @@ def describe(config) -> dict:
     return {"attention_backend": config.model.attention_backend, "params_dtype": config.model.params_dtype,
             "bf16_autocast": t.bf16, "fp8_recipe": t.fp8_recipe,
             **{name: getattr(t, name) for name in RECIPE_SETTINGS["training"]},
-            "recompute_granularity": t.recompute_granularity, "fused_adam": config.optimizer.fused,
+            "recompute_granularity": t.recompute_granularity, "cuda_graphs": t.cuda_graphs,
+            "deterministic": t.deterministic, "fused_adam": config.optimizer.fused,
             **{name: getattr(p, name) for name in RECIPE_SETTINGS["parallel"]}}
 
 

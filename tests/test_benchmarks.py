@@ -97,3 +97,15 @@ def test_gpu_only_variants_are_refused_on_cpu(tmp_path, capsys):
         throughput.main(["--cpu-tiny", "--variants", "full_recompute", "--output", str(tmp_path / "x.json")])
     assert exit_info.value.code == 2 and "--variants full_recompute need CUDA" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_every_variant_changes_a_setting_the_sides_record():
+    """A variant whose setting ``describe`` does not record would look the same as the default and not
+    be timed (the H200 visit of 2026-11-26 lost the CUDA-graphs side that way)."""
+    args = throughput.build_parser().parse_args([])
+    recorded = set(throughput.describe(throughput.run_config(args, "1b", 2048, "bf16")))
+    renamed = {("optimizer", "fused"): "fused_adam"}
+    for name, (change, _) in throughput.VARIANTS.items():
+        for section, values in change.items():
+            for key in values:
+                assert renamed.get((section, key), key) in recorded, f"variant {name}: {section}.{key} not recorded"

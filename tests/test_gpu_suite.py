@@ -109,6 +109,18 @@ def test_a_stage_needing_data_without_a_data_dir_is_not_applicable(tmp_path):
     assert result.status == "not_applicable" and "--data-dir" in result.reason
 
 
+def test_the_stages_ask_for_variants_the_throughput_benchmark_has():
+    from benchmarks import throughput
+
+    for stage in gpu_suite.STAGES:
+        ctx = gpu_suite.StageContext(machine=GPU, stage_dir=Path("/x"), data_dir=None, cap_s=100)
+        argv = stage.command(ctx)
+        if "--variants" in argv:
+            names = argv[argv.index("--variants") + 1:]
+            names = names[:next((i for i, a in enumerate(names) if a.startswith("--")), len(names))]
+            assert set(names) <= set(throughput.VARIANTS), (stage.name, names)
+
+
 def test_the_stages_on_a_gpu_machine_build_their_commands(tmp_path):
     """Every stage's command as a GPU machine would run it (built, not run): the shapes and files the
     visit relies on."""
