@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_resume_e2e.sh OUT_DIR [DATA_DIR]    (DATA_DIR holds demo_tokenizer/ and demo_dataset/)
 #   DETERMINISTIC=1 bash benchmarks/gpu_resume_e2e.sh ...   all three runs with training.deterministic: the
 #                                                           resumed losses must equal the uninterrupted ones
+#                                                           (exit 1 otherwise)
 set -uo pipefail
 OUT=${1:?output directory}; DATA=${2:-data}
 mkdir -p "$OUT"
@@ -55,4 +56,6 @@ report = {"deterministic": os.environ.get("DETERMINISTIC", "0") == "1",
           "final_loss": {"straight": a[400], "resumed": b[400]}, "save_cost_straight": save_cost("straight")}
 print(json.dumps(report, indent=1))
 (out / "resume_compare.json").write_text(json.dumps(report, indent=1))
+if report["deterministic"] and not report["exact"]:
+    sys.exit("deterministic runs, yet the resumed losses differ from the uninterrupted run's")
 PYEOF
