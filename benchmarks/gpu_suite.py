@@ -288,9 +288,9 @@ def _throughput(preset: str, precision: str, *, variants: tuple[str, ...] = (), 
             argv += ["--presets", preset, "--seq-lengths", "2048", "--precisions", precision, *THROUGHPUT_TIMING]
             if shape is not None:
                 argv += ["--micro-batch-size", str(shape[0]), "--micro-batches", str(shape[1])]
-        else:  # the same code at the CPU's tiny size (what CI checks)
-            argv += ["--cpu-tiny", "--warmup", "1", "--steps", "1", "--rounds", "1"]
-        argv += ["--variants", *variants]
+            argv += ["--variants", *variants]
+        else:  # the same code at the CPU's tiny size (what CI checks); the variants are GPU settings
+            argv += ["--cpu-tiny", "--warmup", "1", "--steps", "1", "--rounds", "1", "--variants"]
         if not hf:
             argv.append("--no-baseline")
         if profile:
@@ -323,7 +323,7 @@ def _resume_e2e(ctx: StageContext) -> list[str]:
 
 STAGES: tuple[Stage, ...] = (
     Stage(name="environment", purpose="device, driver, versions", command=_python_probe("environment"),
-          max_s=60, min_s=10, read=read_environment),
+          max_s=120, min_s=10, read=read_environment),
     Stage(name="te_smoke", purpose="Transformer Engine: FP8 LayerNormMLP, fused attention (no mask, causal)",
           command=_python_probe("te_smoke"), max_s=90, min_s=20, needs=frozenset({"gpu", "te"}), read=read_te_smoke),
     Stage(name="throughput_1b_bf16",
