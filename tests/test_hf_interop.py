@@ -1,7 +1,8 @@
 """Hugging Face interop (CPU, fp32): tiny random Llama, Mistral, Qwen2 (q/k/v biases), Qwen3
-(q/k norm, head_dim != hidden/heads) and SmolLM-like (tied embeddings) decoders imported into
-Megatron checkpoints and exported back, logits compared at atol = rtol = 1e-5; round trips,
-tensor-parallel loading, continued pretraining from an import, sentence-transformers, errors."""
+(q/k norm, head_dim != hidden/heads) and SmolLM-like (tied embeddings) decoders and a EuroBERT
+encoder (bidirectional) imported into Megatron checkpoints and exported back, logits compared at
+atol = rtol = 1e-5; round trips, tensor-parallel loading, continued pretraining from an import
+(a decoder with MLM; EuroBERT with a CLM detour then MLM), sentence-transformers, errors."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class Family:
     tokenizer: str
     """``plain`` (no mask token: one is added), ``reserved`` (Llama-3's reserved token is
     reused), ``mask`` (the tokenizer already has one)."""
+    causal: bool = True
+    """The HF model's attention (False: an encoder, compared with the bidirectional logits)."""
 
 
 FAMILIES = {
@@ -54,6 +57,12 @@ FAMILIES = {
     "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", {}, "qwen2", "mask"),
     "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}, "qwen3", "plain"),
     "smollm": Family("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}, "llama", "plain"),
+    # mask_token_id: the "mask" tokenizer's <mask> (its 320 BPE ids, then <mask>); pad: EuroBERT's
+    # default (128001) is no id of this vocabulary.
+    "eurobert": Family("EuroBertConfig", "EuroBertForMaskedLM",
+                       {"mask_token_id": 320, "pad_token_id": 1, "rms_norm_eps": 1e-6,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 250_000.0}},
+                       "eurobert", "mask", causal=False),
 }
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
@@ -173,10 +182,12 @@ def test_import_then_export_matches_hugging_face(name, imports, tmp_path):
         imp.family.tokenizer]
     saved_tokenizer = transformers.AutoTokenizer.from_pretrained(result.tokenizer_dir)
     assert saved_tokenizer.mask_token_id == result.mask_token_id
-    assert imp.tokenizer.mask_token is None or name == "qwen2"  # the caller's copy is unchanged
+    assert imp.tokenizer.mask_token is None or name in ("qwen2", "eurobert")  # caller's copy unchanged
+    assert config.rotary_base == imp.hf.config.rope_parameters["rope_theta"]
+    assert config.norm_epsilon == imp.hf.config.rms_norm_eps
 
-    # HF -> Megatron: causal logits equal HF's over the HF vocabulary, except a reused mask
-    # token's (its rows were reset to the mean; it is kept out of the inputs too).
+    # HF -> Megatron: causal (EuroBERT: bidirectional) logits equal HF's over the HF vocabulary,
+    # except a reused mask token's (its rows were reset to the mean; kept out of the inputs too).
     ids = random_ids(rows)
     same = torch.ones(rows, dtype=torch.bool)
     if result.mask_token_origin == "reused":
@@ -185,14 +196,16 @@ def test_import_then_export_matches_hugging_face(name, imports, tmp_path):
     with torch.no_grad():
         reference = imp.hf(input_ids=ids).logits
     logits = megatron_logits(result.output_dir, ids)
-    torch.testing.assert_close(logits[True][..., :rows][..., same], reference[..., same], **TOL)
+    torch.testing.assert_close(logits[imp.family.causal][..., :rows][..., same], reference[..., same],
+                               **TOL)
     assert (logits[True] - logits[False]).abs().amax() > 1e-2
 
     # Megatron -> HF: EuroBERT = bidirectional, a causal LM = causal; the padding is dropped.
     vocab = len(saved_tokenizer)
     exports = {"eurobert": (transformers.EuroBertForMaskedLM, False),
                "llama": (transformers.LlamaForCausalLM, True),
-               imp.family.export_format: (getattr(transformers, imp.family.model_class), True)}
+               imp.family.export_format: (getattr(transformers, imp.family.model_class),
+                                          imp.family.causal)}
     for hf_format, (cls, causal) in exports.items():
         out = tmp_path / hf_format
         if name == "qwen3" and hf_format != "qwen3":
@@ -345,7 +358,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "l
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 HF_CONFIG_ERRORS = {  # id: (config, expected message)
     "gpt2": (lambda: transformers.GPT2Config(),
-             r"model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"),
+             r"model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, eurobert"),
     "moe": (lambda: transformers.Qwen2MoeConfig(**SHAPE),
             r"model_type 'qwen2_moe' is not supported \(mixture-of-experts"),
     "rope_scaling": (lambda: transformers.LlamaConfig(**SHAPE, rope_parameters=LLAMA3_ROPE),
@@ -353,6 +366,8 @@ HF_CONFIG_ERRORS = {  # id: (config, expected message)
     "activation": (lambda: transformers.LlamaConfig(**SHAPE, hidden_act="gelu"), r"hidden_act 'gelu'"),
     "mlp_bias": (lambda: transformers.LlamaConfig(**SHAPE, mlp_bias=True),
                  r"mlp_bias=True \(biases in the MLP\)"),
+    "eurobert_mlp_bias": (lambda: transformers.EuroBertConfig(**SHAPE, mlp_bias=True),
+                          r"mlp_bias=True \(biases in the MLP and on EuroBERT's lm_head\)"),
     "o_proj_bias": (lambda: transformers.Qwen3Config(**SHAPE, attention_bias=True),
                     r"attention_bias=True \(biases on q/k/v and o_proj"),
     "sliding_window": (lambda: transformers.MistralConfig(**SHAPE, sliding_window=32),
@@ -376,7 +391,7 @@ def test_import_cli_errors(tmp_path, capsys, monkeypatch, base_tokenizer_json):
 
     gpt2 = tmp_path / "gpt2"
     transformers.GPT2Config().save_pretrained(gpt2)  # config only: refused before any weights
-    assert "model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3" in run(
+    assert "model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, eurobert" in run(
         "--hf-model", str(gpt2))
     assert "no such directory" in run("--hf-model", str(tmp_path / "missing" / "model"))
     (tmp_path / "empty").mkdir()
