@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -30,6 +30,7 @@ from megatron_ext.hf import (
 )
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, parameter_count
 from megatron_ext.checkpoint.handle import Checkpoint
+from megatron_ext.config_loading import UserError
 from megatron_ext.cli import export_hf_checkpoint, import_hf_checkpoint
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -495,3 +496,81 @@ def test_tools_help_and_format_choices(capsys):
         assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--hf-model" in out and "--tensor-model-parallel-size" in out and "--dtype" in out
+
+
+def megatron_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    with single_process_model_parallel():
+        return {k: v.cpu() for k, v in load_megatron_checkpoint(checkpoint).state_dict().items()
+                if not k.endswith("._extra_state")}
+
+
+def test_eurobert_export_then_import_gives_the_same_checkpoint(imports, tmp_path, capsys):
+    """Megatron -> EuroBERT directory -> Megatron (the CLI, loading with AutoModelForMaskedLM):
+    every tensor as it was. Qwen2's q/k/v biases travel as EuroBERT's attention_bias, whose
+    o_proj biases export writes as zeros and import accepts only as zeros."""
+    qwen2 = imports("qwen2")
+    exported = tmp_path / "eurobert"
+    export_checkpoint(qwen2.result.output_dir, exported, log=lambda _: None)
+    assert json.loads((exported / "config.json").read_text())["attention_bias"] is True
+    out = tmp_path / "reimported"
+    assert import_hf_checkpoint.main(["--hf-model", str(exported), "--output-dir", str(out)]) == 0
+    assert "mask token '<mask>' (id 320, kept)" in capsys.readouterr().out
+    before, after = megatron_state(qwen2.result.output_dir), megatron_state(out)
+    assert before.keys() == after.keys()
+    for key, tensor in before.items():
+        assert torch.equal(after[key], tensor), key
+    snippet = yaml.safe_load((out / "recipe_model.yaml").read_text())
+    assert snippet["model"] == yaml.safe_load(qwen2.result.recipe.read_text())["model"]
+
+
+def test_eurobert_import_refusals(base_tokenizer_json, tmp_path):
+    """What the encoder cannot hold, or a mask token it was not trained with, is refused by name."""
+    family = FAMILIES["eurobert"]
+    tokenizer = make_tokenizer(base_tokenizer_json, family.tokenizer)
+
+    def refused(model, message: str, **kwargs) -> None:
+        out = tmp_path / "out"
+        with pytest.raises(UserError, match=message):
+            import_hf_model(model, tokenizer, out, log=lambda _: None, **kwargs)
+        assert not out.exists()
+
+    biased = make_hf_model(replace(
+        family, config={**family.config, "attention_bias": True}), len(tokenizer))
+    refused(biased, r"model.layers.0.self_attn.o_proj.bias is not zero .* no o_proj bias")
+    model = make_hf_model(family, len(tokenizer))
+    refused(model, r"--mask-token '\[MASK\]': this encoder was trained with mask token '<mask>' "
+                   r"\(config.json mask_token_id=320\)", mask_token="[MASK]")
+    model.config.mask_token_id = 5
+    refused(model, r"config.json mask_token_id=5 .* but the tokenizer's mask token '<mask>' is id 320")
+    model.config.mask_token_id = 321
+    refused(model, r"config.json mask_token_id=321 is not an id of the tokenizer \(321 ids\)")
+    # A tokenizer without a mask token takes the config's (trained: its rows stay as they were).
+    model.config.mask_token_id = 7
+    plain = make_tokenizer(base_tokenizer_json, "plain")
+    result = import_hf_model(model, plain, tmp_path / "plain", log=lambda _: None)
+    assert (result.mask_token_id, result.mask_token_origin) == (7, "config")
+    assert plain.mask_token is None
+    embedding = megatron_state(result.output_dir)["embedding.word_embeddings.weight"]
+    assert torch.equal(embedding[:321], model.model.embed_tokens.weight.detach())
+
+
+def test_continued_pretraining_of_an_imported_encoder(imports, tmp_path, news_texts):
+    """The arXiv 2605.12438 recipe at toy size: an imported EuroBERT continues with a CLM
+    detour then MLM (one step each) through pretrain_encoder's loop; the result exports back."""
+    from megatron_ext.training.config import read_recipe, run_config_from_dict
+    from megatron_ext.training.loop import pretrain
+
+    imp = imports("eurobert")
+    raw = read_recipe(_cpt_recipe(imp, tmp_path, news_texts))
+    raw["phases"] = [{"objective": "clm", "share": 0.5},
+                     {"objective": "mlm", "mask_ratio": 0.4, "share": 0.5}]
+    result = pretrain(run_config_from_dict(raw))
+    assert result.start_step == 0 and result.final_step == 2
+    assert all(math.isfinite(v) for v in result.losses.values())
+    out = tmp_path / "cpt_eurobert"
+    export_checkpoint(tmp_path / "cpt", out, log=lambda _: None)
+    continued = transformers.EuroBertForMaskedLM.from_pretrained(out)
+    original = imp.hf.state_dict()
+    assert continued.state_dict().keys() == original.keys()
+    assert not torch.equal(continued.model.layers[0].mlp.up_proj.weight, original[
+        "model.layers.0.mlp.up_proj.weight"])  # it trained
