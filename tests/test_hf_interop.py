@@ -554,23 +554,52 @@ def test_eurobert_import_refusals(base_tokenizer_json, tmp_path):
     assert torch.equal(embedding[:321], model.model.embed_tokens.weight.detach())
 
 
-def test_continued_pretraining_of_an_imported_encoder(imports, tmp_path, news_texts):
-    """The arXiv 2605.12438 recipe at toy size: an imported EuroBERT continues with a CLM
-    detour then MLM (one step each) through pretrain_encoder's loop; the result exports back."""
-    from megatron_ext.training.config import read_recipe, run_config_from_dict
+CPT_ENCODER_STUDY = Path(__file__).resolve().parent.parent / "examples" / "studies" / "cpt_encoder.yaml"
+
+
+def test_cpt_encoder_study_at_ci_size(imports, tmp_path, news_texts):
+    """examples/studies/cpt_encoder.yaml with a tiny imported EuroBERT as its size and 5 steps:
+    MLM-40 vs the CLM detour (4 CLM steps at the stable rate, MLM over the 1-step decay), both
+    from the import's weights. The detour's recipe trains through pretrain_encoder's loop (the
+    baseline's path, MLM from an import, is test_continued_pretraining_from_an_import's) and the
+    result exports back as EuroBERT."""
+    from megatron_ext.study.plan import plan_study
+    from megatron_ext.study.spec import read_study
+    from megatron_ext.training.config import run_config_from_dict
     from megatron_ext.training.loop import pretrain
 
     imp = imports("eurobert")
-    raw = read_recipe(_cpt_recipe(imp, tmp_path, news_texts))
-    raw["phases"] = [{"objective": "clm", "share": 0.5},
-                     {"objective": "mlm", "mask_ratio": 0.4, "share": 0.5}]
-    result = pretrain(run_config_from_dict(raw))
-    assert result.start_step == 0 and result.final_step == 2
+    size_base = _cpt_recipe(imp, tmp_path, news_texts)
+    recipe = yaml.safe_load(size_base.read_text())
+    del recipe["phases"], recipe["checkpoint"], recipe["logging"]["log_dir"]
+    recipe["schedule"] = {"lr": 1e-3, "lr_decay_style": "wsd", "lr_warmup_iters": 1,
+                          "lr_wsd_decay_iters": 1}
+    size_base.write_text(yaml.safe_dump(recipe))
+    study = yaml.safe_load(CPT_ENCODER_STUDY.read_text())
+    study["sizes"][0]["base"] = str(size_base)
+    study["budgets"] = [5]
+    study["output"] = {"save": str(tmp_path / "pretrain" / "{run}" / "checkpoints"),
+                       "log_dir": str(tmp_path / "pretrain" / "{run}")}
+    path = tmp_path / "cpt_encoder_ci.yaml"
+    path.write_text(yaml.safe_dump(study, sort_keys=False))
+
+    plan = plan_study(read_study(path), path)
+    runs = {run.name: run for run in plan.runs}
+    assert sorted(runs) == ["eurobert_210m_biphasic_80_20_5", "eurobert_210m_mlm_40_5"]
+    assert all(s.start_from == "scratch" for s in plan.segments)  # they differ from step 0
+    for run in runs.values():
+        assert run.recipe["checkpoint"]["load"] == str(imp.result.output_dir)
+        assert run.recipe["checkpoint"]["finetune"] is True and run.train_iters == 5
+    detour = runs["eurobert_210m_biphasic_80_20_5"]
+    assert [(p.objective, p.start, p.end) for p in detour.config.resolved_phases] == [
+        ("clm", 0, 4), ("mlm", 4, 5)]
+
+    result = pretrain(run_config_from_dict(detour.recipe))
+    assert result.start_step == 0 and result.final_step == 5
     assert all(math.isfinite(v) for v in result.losses.values())
-    out = tmp_path / "cpt_eurobert"
-    export_checkpoint(tmp_path / "cpt", out, log=lambda _: None)
-    continued = transformers.EuroBertForMaskedLM.from_pretrained(out)
-    original = imp.hf.state_dict()
+    out = tmp_path / "detour_eurobert"
+    export_checkpoint(detour.recipe["checkpoint"]["save"], out, log=lambda _: None)
+    continued, original = transformers.EuroBertForMaskedLM.from_pretrained(out), imp.hf.state_dict()
     assert continued.state_dict().keys() == original.keys()
-    assert not torch.equal(continued.model.layers[0].mlp.up_proj.weight, original[
-        "model.layers.0.mlp.up_proj.weight"])  # it trained
+    assert not torch.equal(continued.model.layers[0].mlp.up_proj.weight,
+                           original["model.layers.0.mlp.up_proj.weight"])  # it trained
