@@ -523,8 +523,10 @@ def test_eurobert_export_then_import_gives_the_same_checkpoint(imports, tmp_path
     assert snippet["model"] == yaml.safe_load(qwen2.result.recipe.read_text())["model"]
 
 
-def test_eurobert_import_refusals(base_tokenizer_json, tmp_path):
+def test_eurobert_import_refusals(base_tokenizer_json, tmp_path, capsys):
     """What the encoder cannot hold, or a mask token it was not trained with, is refused by name."""
+    from safetensors.torch import load_file, save_file
+
     family = FAMILIES["eurobert"]
     tokenizer = make_tokenizer(base_tokenizer_json, family.tokenizer)
 
@@ -538,6 +540,15 @@ def test_eurobert_import_refusals(base_tokenizer_json, tmp_path):
         family, config={**family.config, "attention_bias": True}), len(tokenizer))
     refused(biased, r"model.layers.0.self_attn.o_proj.bias is not zero .* no o_proj bias")
     model = make_hf_model(family, len(tokenizer))
+    # Stored tensors EuroBertForMaskedLM has no place for (an MLM head transform) are named.
+    saved = tmp_path / "with_head_transform"
+    model.save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
+    weights = load_file(saved / "model.safetensors")
+    save_file({**weights, "head.dense.weight": torch.zeros(64, 64)}, saved / "model.safetensors",
+              metadata={"format": "pt"})
+    assert import_hf_checkpoint.main(["--hf-model", str(saved), "--output-dir", str(tmp_path / "out")]) == 2
+    assert "has no place for ['head.dense.weight']" in capsys.readouterr().err
     refused(model, r"--mask-token '\[MASK\]': this encoder was trained with mask token '<mask>' "
                    r"\(config.json mask_token_id=320\)", mask_token="[MASK]")
     model.config.mask_token_id = 5

@@ -309,15 +309,29 @@ def load_hf_config(reference: str, *, flag: str = "--hf-model") -> Any:
 
 def load_hf_model(reference: str, *, flag: str = "--hf-model") -> Any:
     """The causal LM (the masked LM of an encoder: ``ENCODER_MODEL_TYPES``) of a model directory
-    or hub id, in its stored dtype."""
+    or hub id, in its stored dtype.
+
+    Raises:
+        UnsupportedArchitectureError: stored tensors the class has no place for, or lacks (named).
+        UserError: the weights cannot be loaded.
+    """
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     model_type = load_hf_config(reference, flag=flag).model_type
     auto_class = AutoModelForMaskedLM if model_type in ENCODER_MODEL_TYPES else AutoModelForCausalLM
     try:
-        return auto_class.from_pretrained(reference, dtype="auto").eval()
+        model, info = auto_class.from_pretrained(reference, dtype="auto", output_loading_info=True)
     except _LOAD_ERRORS as error:
         raise _load_error(reference, "weights", error, flag) from error
+    # transformers only warns about these: a tensor the class has no place for (e.g. an MLM head
+    # with a dense + norm transform) would be dropped, a missing one randomly initialised.
+    unexpected, missing = sorted(info["unexpected_keys"]), sorted(info["missing_keys"])
+    if unexpected or missing:
+        raise UnsupportedArchitectureError(
+            f"{flag} {reference}: the stored weights do not fit {type(model).__name__}: tensors it "
+            f"has no place for {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}, tensors "
+            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    return model.eval()
 
 
 def load_hf_tokenizer(reference: str, *, flag: str = "--hf-model") -> Any:
