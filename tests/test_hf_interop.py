@@ -1,14 +1,15 @@
 """Hugging Face interop (CPU, fp32): tiny random Llama, Mistral, Qwen2 (q/k/v biases), Qwen3
-(q/k norm, head_dim != hidden/heads) and SmolLM-like (tied embeddings) decoders imported into
-Megatron checkpoints and exported back, logits compared at atol = rtol = 1e-5; round trips,
-tensor-parallel loading, continued pretraining from an import, sentence-transformers, errors."""
+(q/k norm, head_dim != hidden/heads) and SmolLM-like (tied embeddings) decoders and a EuroBERT
+encoder (bidirectional) imported into Megatron checkpoints and exported back, logits compared at
+atol = rtol = 1e-5; round trips, tensor-parallel loading, continued pretraining from an import
+(a decoder with MLM; EuroBERT with a CLM detour then MLM), sentence-transformers, errors."""
 
 from __future__ import annotations
 
 import json
 import math
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from megatron_ext.hf import (
 )
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, parameter_count
 from megatron_ext.checkpoint.handle import Checkpoint
+from megatron_ext.config_loading import UserError
 from megatron_ext.cli import export_hf_checkpoint, import_hf_checkpoint
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -44,6 +46,8 @@ class Family:
     tokenizer: str
     """``plain`` (no mask token: one is added), ``reserved`` (Llama-3's reserved token is
     reused), ``mask`` (the tokenizer already has one)."""
+    causal: bool = True
+    """The HF model's attention (False: an encoder, compared with the bidirectional logits)."""
 
 
 FAMILIES = {
@@ -54,6 +58,12 @@ FAMILIES = {
     "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", {}, "qwen2", "mask"),
     "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}, "qwen3", "plain"),
     "smollm": Family("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}, "llama", "plain"),
+    # mask_token_id: the "mask" tokenizer's <mask> (its 320 BPE ids, then <mask>); pad: EuroBERT's
+    # default (128001) is no id of this vocabulary.
+    "eurobert": Family("EuroBertConfig", "EuroBertForMaskedLM",
+                       {"mask_token_id": 320, "pad_token_id": 1, "rms_norm_eps": 1e-6,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 250_000.0}},
+                       "eurobert", "mask", causal=False),
 }
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
@@ -173,10 +183,12 @@ def test_import_then_export_matches_hugging_face(name, imports, tmp_path):
         imp.family.tokenizer]
     saved_tokenizer = transformers.AutoTokenizer.from_pretrained(result.tokenizer_dir)
     assert saved_tokenizer.mask_token_id == result.mask_token_id
-    assert imp.tokenizer.mask_token is None or name == "qwen2"  # the caller's copy is unchanged
+    assert imp.tokenizer.mask_token is None or name in ("qwen2", "eurobert")  # caller's copy unchanged
+    assert config.rotary_base == imp.hf.config.rope_parameters["rope_theta"]
+    assert config.norm_epsilon == imp.hf.config.rms_norm_eps
 
-    # HF -> Megatron: causal logits equal HF's over the HF vocabulary, except a reused mask
-    # token's (its rows were reset to the mean; it is kept out of the inputs too).
+    # HF -> Megatron: causal (EuroBERT: bidirectional) logits equal HF's over the HF vocabulary,
+    # except a reused mask token's (its rows were reset to the mean; kept out of the inputs too).
     ids = random_ids(rows)
     same = torch.ones(rows, dtype=torch.bool)
     if result.mask_token_origin == "reused":
@@ -185,14 +197,16 @@ def test_import_then_export_matches_hugging_face(name, imports, tmp_path):
     with torch.no_grad():
         reference = imp.hf(input_ids=ids).logits
     logits = megatron_logits(result.output_dir, ids)
-    torch.testing.assert_close(logits[True][..., :rows][..., same], reference[..., same], **TOL)
+    torch.testing.assert_close(logits[imp.family.causal][..., :rows][..., same], reference[..., same],
+                               **TOL)
     assert (logits[True] - logits[False]).abs().amax() > 1e-2
 
     # Megatron -> HF: EuroBERT = bidirectional, a causal LM = causal; the padding is dropped.
     vocab = len(saved_tokenizer)
     exports = {"eurobert": (transformers.EuroBertForMaskedLM, False),
                "llama": (transformers.LlamaForCausalLM, True),
-               imp.family.export_format: (getattr(transformers, imp.family.model_class), True)}
+               imp.family.export_format: (getattr(transformers, imp.family.model_class),
+                                          imp.family.causal)}
     for hf_format, (cls, causal) in exports.items():
         out = tmp_path / hf_format
         if name == "qwen3" and hf_format != "qwen3":
@@ -345,7 +359,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "l
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 HF_CONFIG_ERRORS = {  # id: (config, expected message)
     "gpt2": (lambda: transformers.GPT2Config(),
-             r"model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"),
+             r"model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, eurobert"),
     "moe": (lambda: transformers.Qwen2MoeConfig(**SHAPE),
             r"model_type 'qwen2_moe' is not supported \(mixture-of-experts"),
     "rope_scaling": (lambda: transformers.LlamaConfig(**SHAPE, rope_parameters=LLAMA3_ROPE),
@@ -353,6 +367,8 @@ HF_CONFIG_ERRORS = {  # id: (config, expected message)
     "activation": (lambda: transformers.LlamaConfig(**SHAPE, hidden_act="gelu"), r"hidden_act 'gelu'"),
     "mlp_bias": (lambda: transformers.LlamaConfig(**SHAPE, mlp_bias=True),
                  r"mlp_bias=True \(biases in the MLP\)"),
+    "eurobert_mlp_bias": (lambda: transformers.EuroBertConfig(**SHAPE, mlp_bias=True),
+                          r"mlp_bias=True \(biases in the MLP and on EuroBERT's lm_head\)"),
     "o_proj_bias": (lambda: transformers.Qwen3Config(**SHAPE, attention_bias=True),
                     r"attention_bias=True \(biases on q/k/v and o_proj"),
     "sliding_window": (lambda: transformers.MistralConfig(**SHAPE, sliding_window=32),
@@ -376,7 +392,7 @@ def test_import_cli_errors(tmp_path, capsys, monkeypatch, base_tokenizer_json):
 
     gpt2 = tmp_path / "gpt2"
     transformers.GPT2Config().save_pretrained(gpt2)  # config only: refused before any weights
-    assert "model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3" in run(
+    assert "model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, eurobert" in run(
         "--hf-model", str(gpt2))
     assert "no such directory" in run("--hf-model", str(tmp_path / "missing" / "model"))
     (tmp_path / "empty").mkdir()
@@ -480,3 +496,121 @@ def test_tools_help_and_format_choices(capsys):
         assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--hf-model" in out and "--tensor-model-parallel-size" in out and "--dtype" in out
+
+
+def megatron_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    with single_process_model_parallel():
+        return {k: v.cpu() for k, v in load_megatron_checkpoint(checkpoint).state_dict().items()
+                if not k.endswith("._extra_state")}
+
+
+def test_eurobert_export_then_import_gives_the_same_checkpoint(imports, tmp_path, capsys):
+    """Megatron -> EuroBERT directory -> Megatron (the CLI, loading with AutoModelForMaskedLM):
+    every tensor as it was. Qwen2's q/k/v biases travel as EuroBERT's attention_bias, whose
+    o_proj biases export writes as zeros and import accepts only as zeros."""
+    qwen2 = imports("qwen2")
+    exported = tmp_path / "eurobert"
+    export_checkpoint(qwen2.result.output_dir, exported, log=lambda _: None)
+    assert json.loads((exported / "config.json").read_text())["attention_bias"] is True
+    out = tmp_path / "reimported"
+    assert import_hf_checkpoint.main(["--hf-model", str(exported), "--output-dir", str(out)]) == 0
+    assert "mask token '<mask>' (id 320, kept)" in capsys.readouterr().out
+    before, after = megatron_state(qwen2.result.output_dir), megatron_state(out)
+    assert before.keys() == after.keys()
+    for key, tensor in before.items():
+        assert torch.equal(after[key], tensor), key
+    snippet = yaml.safe_load((out / "recipe_model.yaml").read_text())
+    assert snippet["model"] == yaml.safe_load(qwen2.result.recipe.read_text())["model"]
+
+
+def test_eurobert_import_refusals(base_tokenizer_json, tmp_path, capsys):
+    """What the encoder cannot hold, or a mask token it was not trained with, is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    family = FAMILIES["eurobert"]
+    tokenizer = make_tokenizer(base_tokenizer_json, family.tokenizer)
+
+    def refused(model, message: str, **kwargs) -> None:
+        out = tmp_path / "out"
+        with pytest.raises(UserError, match=message):
+            import_hf_model(model, tokenizer, out, log=lambda _: None, **kwargs)
+        assert not out.exists()
+
+    biased = make_hf_model(replace(
+        family, config={**family.config, "attention_bias": True}), len(tokenizer))
+    refused(biased, r"model.layers.0.self_attn.o_proj.bias is not zero .* no o_proj bias")
+    model = make_hf_model(family, len(tokenizer))
+    # Stored tensors EuroBertForMaskedLM has no place for (an MLM head transform) are named.
+    saved = tmp_path / "with_head_transform"
+    model.save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
+    weights = load_file(saved / "model.safetensors")
+    save_file({**weights, "head.dense.weight": torch.zeros(64, 64)}, saved / "model.safetensors",
+              metadata={"format": "pt"})
+    assert import_hf_checkpoint.main(["--hf-model", str(saved), "--output-dir", str(tmp_path / "out")]) == 2
+    assert "has no place for ['head.dense.weight']" in capsys.readouterr().err
+    refused(model, r"--mask-token '\[MASK\]': this encoder was trained with mask token '<mask>' "
+                   r"\(config.json mask_token_id=320\)", mask_token="[MASK]")
+    model.config.mask_token_id = 5
+    refused(model, r"config.json mask_token_id=5 .* but the tokenizer's mask token '<mask>' is id 320")
+    model.config.mask_token_id = 321
+    refused(model, r"config.json mask_token_id=321 is not an id of the tokenizer \(321 ids\)")
+    # A tokenizer without a mask token takes the config's (trained: its rows stay as they were).
+    model.config.mask_token_id = 7
+    plain = make_tokenizer(base_tokenizer_json, "plain")
+    result = import_hf_model(model, plain, tmp_path / "plain", log=lambda _: None)
+    assert (result.mask_token_id, result.mask_token_origin) == (7, "config")
+    assert plain.mask_token is None
+    embedding = megatron_state(result.output_dir)["embedding.word_embeddings.weight"]
+    assert torch.equal(embedding[:321], model.model.embed_tokens.weight.detach())
+
+
+CPT_ENCODER_STUDY = Path(__file__).resolve().parent.parent / "examples" / "studies" / "cpt_encoder.yaml"
+
+
+def test_cpt_encoder_study_at_ci_size(imports, tmp_path, news_texts):
+    """examples/studies/cpt_encoder.yaml with a tiny imported EuroBERT as its size and 5 steps:
+    MLM-40 vs the CLM detour (4 CLM steps at the stable rate, MLM over the 1-step decay), both
+    from the import's weights. The detour's recipe trains through pretrain_encoder's loop (the
+    baseline's path, MLM from an import, is test_continued_pretraining_from_an_import's) and the
+    result exports back as EuroBERT."""
+    from megatron_ext.study.plan import plan_study
+    from megatron_ext.study.spec import read_study
+    from megatron_ext.training.config import run_config_from_dict
+    from megatron_ext.training.loop import pretrain
+
+    imp = imports("eurobert")
+    size_base = _cpt_recipe(imp, tmp_path, news_texts)
+    recipe = yaml.safe_load(size_base.read_text())
+    del recipe["phases"], recipe["checkpoint"], recipe["logging"]["log_dir"]
+    recipe["schedule"] = {"lr": 1e-3, "lr_decay_style": "wsd", "lr_warmup_iters": 1,
+                          "lr_wsd_decay_iters": 1}
+    size_base.write_text(yaml.safe_dump(recipe))
+    study = yaml.safe_load(CPT_ENCODER_STUDY.read_text())
+    study["sizes"][0]["base"] = str(size_base)
+    study["budgets"] = [5]
+    study["output"] = {"save": str(tmp_path / "pretrain" / "{run}" / "checkpoints"),
+                       "log_dir": str(tmp_path / "pretrain" / "{run}")}
+    path = tmp_path / "cpt_encoder_ci.yaml"
+    path.write_text(yaml.safe_dump(study, sort_keys=False))
+
+    plan = plan_study(read_study(path), path)
+    runs = {run.name: run for run in plan.runs}
+    assert sorted(runs) == ["eurobert_210m_biphasic_80_20_5", "eurobert_210m_mlm_40_5"]
+    assert all(s.start_from == "scratch" for s in plan.segments)  # they differ from step 0
+    for run in runs.values():
+        assert run.recipe["checkpoint"]["load"] == str(imp.result.output_dir)
+        assert run.recipe["checkpoint"]["finetune"] is True and run.train_iters == 5
+    detour = runs["eurobert_210m_biphasic_80_20_5"]
+    assert [(p.objective, p.start, p.end) for p in detour.config.resolved_phases] == [
+        ("clm", 0, 4), ("mlm", 4, 5)]
+
+    result = pretrain(run_config_from_dict(detour.recipe))
+    assert result.start_step == 0 and result.final_step == 5
+    assert all(math.isfinite(v) for v in result.losses.values())
+    out = tmp_path / "detour_eurobert"
+    export_checkpoint(detour.recipe["checkpoint"]["save"], out, log=lambda _: None)
+    continued, original = transformers.EuroBertForMaskedLM.from_pretrained(out), imp.hf.state_dict()
+    assert continued.state_dict().keys() == original.keys()
+    assert not torch.equal(continued.model.layers[0].mlp.up_proj.weight,
+                           original["model.layers.0.mlp.up_proj.weight"])  # it trained

@@ -25,6 +25,7 @@ RECIPES = ROOT / "examples" / "recipes"
 PAPER = sorted((RECIPES / "paper").glob("*.yaml"))
 RUNNABLE = sorted(p for p in RECIPES.rglob("*.yaml") if "base" not in p.relative_to(RECIPES).parts)
 DEMO = RECIPES / "demo_tiny_biphasic.yaml"
+CPT_ENCODER = sorted((RECIPES / "cpt_encoder").glob("*.yaml"))
 LAUNCH = ROOT / "examples" / "launch"
 
 TOKENS_PER_STEP = 1152 * 2048  # the paper's ~2.36M tokens per step
@@ -73,7 +74,35 @@ def test_the_paper_recipe_set_is_complete():
     names = {p.stem for p in PAPER}
     kinds = ["mlm_20", "mlm_30", "mlm_40", "mlm_50", "clm", "biphasic_25_75", "biphasic_50_50", "cpt_mlm_40"]
     assert names == {f"{size}_{kind}" for size in SHAPES for kind in kinds}
-    assert set(RUNNABLE) == set(PAPER) | {DEMO}
+    assert set(RUNNABLE) == set(PAPER) | {DEMO} | set(CPT_ENCODER)
+    assert [p.stem for p in CPT_ENCODER] == ["eurobert_210m_clm_detour", "eurobert_210m_mlm"]
+
+
+def test_cpt_encoder_recipes_plan_on_an_import(tmp_path, capsys):
+    """recipes/cpt_encoder/ on top of an imported EuroBERT-210m (its recipe_model.yaml written as
+    the importer writes it, where the base expects it): equal steps and tokens, the detour's MLM
+    phase exactly the WSD decay, the import's weights loaded."""
+    import shutil
+
+    import transformers
+
+    from megatron_ext.hf.architectures import encoder_config_from_hf
+    from megatron_ext.hf.importer import RECIPE_SNIPPET, _recipe_snippet
+
+    shutil.copytree(RECIPES / "cpt_encoder", tmp_path / "examples" / "recipes" / "cpt_encoder")
+    imported = tmp_path / "runs" / "cpt_encoder" / "eurobert_210m"
+    imported.mkdir(parents=True)
+    eurobert_210m = transformers.EuroBertConfig(rope_parameters={"rope_type": "default", "rope_theta": 250_000.0})
+    config = encoder_config_from_hf(eurobert_210m, vocab_size=128_256, seq_length=2048, eod_token_id=128_001)
+    (imported / RECIPE_SNIPPET).write_text(_recipe_snippet(config, imported / "tokenizer", imported, "EuroBERT-210m"))
+    plans = {p.stem: plan_of(tmp_path / "examples" / "recipes" / "cpt_encoder" / p.name, 8, capsys)
+             for p in CPT_ENCODER}
+    assert phases(plans["eurobert_210m_mlm"]) == [("mlm-40", 0, 2000)]
+    assert phases(plans["eurobert_210m_clm_detour"]) == [("clm", 0, 1600), ("mlm-40", 1600, 2000)]
+    for plan in plans.values():
+        assert total_tokens(plan) == (TOKENS_PER_STEP, 2000 * TOKENS_PER_STEP)
+        assert "decay 400 (linear)" in plan and "12 layers, hidden 768, FFN 3072, heads 12/12 KV" in plan
+        assert f"load={imported} (weights only: continued pretraining)" in plan
 
 
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: p.stem)

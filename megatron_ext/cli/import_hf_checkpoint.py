@@ -1,17 +1,23 @@
-"""Convert a Hugging Face decoder into a Megatron checkpoint for continued pretraining (CPT).
+"""Convert a Hugging Face decoder or EuroBERT encoder into a Megatron checkpoint for continued
+pretraining (CPT).
 
     python tools/import_hf_checkpoint.py --hf-model path/to/SmolLM2-135M --output-dir ckpt/smollm2
     python tools/import_hf_checkpoint.py --hf-model Qwen/Qwen3-0.6B --output-dir ckpt/qwen3 \
         --tensor-model-parallel-size 2 --seq-length 2048
+    python tools/import_hf_checkpoint.py --hf-model path/to/EuroBERT-210m --output-dir ckpt/eb210m \
+        --seq-length 2048
 
 Supported: Llama-layout causal LMs with model_type llama (Llama, SmolLM), mistral, qwen2 (q/k/v
-biases) and qwen3 (q/k norm, explicit head_dim). Anything else (RoPE scaling, sliding windows
-shorter than --seq-length, MoE, biases elsewhere, other activations) is refused by name.
+biases) and qwen3 (q/k norm, explicit head_dim), and EuroBertForMaskedLM encoders (eurobert,
+e.g. a directory written by tools/export_hf_checkpoint.py or EuroBERT's released models).
+Anything else (RoPE scaling, sliding windows shorter than --seq-length, MoE, biases elsewhere,
+other activations) is refused by name.
 
 Writes to --output-dir: the checkpoint (iter_0000000, loadable at any tensor-parallel size), the
-tokenizer with a mask token (kept if present; else Llama-3's <|reserved_special_token_0|> if in
-the vocab; else a new <|mask|>; its embedding starts as the mean of the embeddings) and
-recipe_model.yaml, the model/tokenizer/checkpoint sections of a CPT recipe:
+tokenizer with a mask token and recipe_model.yaml, the model/tokenizer/checkpoint sections of a
+CPT recipe. Mask token: an encoder keeps the one it was trained with (config.json mask_token_id);
+a decoder keeps the tokenizer's if present, else Llama-3's <|reserved_special_token_0|> if in the
+vocab, else a new <|mask|> is added (its embedding starts as the mean of the embeddings).
 
     # my_cpt.yaml
     base: ckpt/smollm2/recipe_model.yaml
@@ -44,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seq-length", type=int, default=None,
         help="model.seq_length, the longest input (default: the model's max_position_embeddings)")
     add("--mask-token", default=None,
-        help="mask token to use, existing or new (default: the tokenizer's, else "
-             "<|reserved_special_token_0|> if present, else a new <|mask|>)")
+        help="decoders: mask token to use, existing or new (default: the tokenizer's, else "
+             "<|reserved_special_token_0|> if present, else a new <|mask|>); encoders keep their "
+             "trained one (config.json mask_token_id)")
     add("--overwrite", action="store_true", help="replace a non-empty --output-dir")
     return parser
 

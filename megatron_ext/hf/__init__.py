@@ -1,7 +1,9 @@
-"""Hugging Face interop: import Llama-layout decoders, export encoders (and decoders).
+"""Hugging Face interop: import Llama-layout decoders and EuroBERT encoders, export encoders (and
+decoders).
 
 - ``import_hf_model`` (``tools/import_hf_checkpoint.py``): a ``transformers`` causal LM of model
-  type llama (incl. SmolLM), mistral, qwen2 or qwen3 -> a Megatron checkpoint plus the derived
+  type llama (incl. SmolLM), mistral, qwen2 or qwen3, or an ``EuroBertForMaskedLM`` (eurobert,
+  its trained mask token kept) -> a Megatron checkpoint plus the derived
   ``model`` recipe section and a tokenizer with a mask token, ready for continued pretraining
   (``checkpoint: {load: DIR, finetune: true}``).
 - ``export_checkpoint`` (``tools/export_hf_checkpoint.py``): a checkpoint -> ``EuroBertForMaskedLM``
@@ -15,6 +17,7 @@ on load, so an import loads at any TP and an export reads a checkpoint saved at 
 """
 
 from megatron_ext.hf.architectures import (
+    ENCODER_MODEL_TYPES,
     FORMATS,
     SUPPORTED_MODEL_TYPES,
     UnsupportedArchitectureError,
@@ -33,6 +36,7 @@ from megatron_ext.hf.name_map import Layout, hf_to_megatron, megatron_to_hf
 from megatron_ext.hf.runtime import load_megatron_checkpoint, single_process_model_parallel
 
 __all__ = [
+    "ENCODER_MODEL_TYPES",
     "FORMATS",
     "SUPPORTED_MODEL_TYPES",
     "ImportResult",

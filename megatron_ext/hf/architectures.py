@@ -1,9 +1,16 @@
 """Which Hugging Face architectures convert, and their configs in both directions.
 
 Import reads a Llama-layout causal LM config (``llama``, incl. SmolLM; ``mistral``; ``qwen2``
-with its q/k/v biases; ``qwen3`` with per-head q/k RMSNorm and an explicit ``head_dim``) into an
+with its q/k/v biases; ``qwen3`` with per-head q/k RMSNorm and an explicit ``head_dim``) or an
+encoder's (``eurobert``: ``EuroBertForMaskedLM``, the layout export writes) into an
 :class:`EncoderModelConfig`, refusing what the encoder cannot compute exactly. Export writes the
 config of one of :data:`FORMATS`.
+
+EuroBERT is Llama's layout with bidirectional attention and an MLM head that is one linear layer
+(``lm_head``, no dense + norm transform in front of it), so the same name map serves it. What
+the encoder cannot hold: ``mlp_bias=True`` (MLP and ``lm_head`` biases); ``attention_bias=True``
+adds q/k/v biases (kept: ``add_qkv_bias``) and an ``o_proj`` bias, which imports only when it
+is exactly zero (what export writes; :func:`megatron_ext.hf.name_map.drop_zero_o_proj_biases`).
 """
 
 from __future__ import annotations
@@ -14,7 +21,10 @@ from typing import Any, Literal
 from megatron_ext.config_loading import UserError
 from megatron_ext.model.config import EncoderModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "eurobert")
+ENCODER_MODEL_TYPES = ("eurobert",)
+"""Bidirectional masked LMs: loaded with ``AutoModelForMaskedLM``; their mask token is the one
+they were trained with (``mask_token_id`` in config.json)."""
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
@@ -25,7 +35,8 @@ class UnsupportedArchitectureError(UserError):
 def encoder_config_from_hf(
     hf_config: Any, *, vocab_size: int, seq_length: int, eod_token_id: int | None
 ) -> EncoderModelConfig:
-    """The encoder config of an HF causal LM config (a ``transformers`` ``PreTrainedConfig``).
+    """The encoder config of an HF causal LM or EuroBERT config (a ``transformers``
+    ``PreTrainedConfig``).
 
     Args:
         hf_config: The model's config.
@@ -50,10 +61,11 @@ def encoder_config_from_hf(
     if (act := getattr(hf_config, "hidden_act", "silu")) != "silu":
         problems.append(f"hidden_act {act!r} (only SwiGLU with 'silu')")
     if getattr(hf_config, "mlp_bias", False):
-        problems.append("mlp_bias=True (biases in the MLP)")
-    if getattr(hf_config, "attention_bias", False):
+        problems.append("mlp_bias=True (biases in the MLP" +
+                        (" and on EuroBERT's lm_head)" if model_type == "eurobert" else ")"))
+    if getattr(hf_config, "attention_bias", False) and model_type != "eurobert":
         problems.append("attention_bias=True (biases on q/k/v and o_proj; only Qwen2's q/k/v "
-                        "biases are supported)")
+                        "biases, and EuroBERT's with a zero o_proj bias, are supported)")
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     if (rope_type := rope.get("rope_type", "default")) != "default":
         problems.append(f"rope_parameters.rope_type {rope_type!r} (RoPE scaling, e.g. Llama-3.1's "
@@ -85,7 +97,9 @@ def encoder_config_from_hf(
         rotary_base=float(rope["rope_theta"]),
         norm_epsilon=hf_config.rms_norm_eps,
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        add_qkv_bias=model_type == "qwen2",  # Qwen2's q/k/v projections always have biases
+        # Qwen2's q/k/v projections always have biases; EuroBERT's under attention_bias (its
+        # o_proj bias too, which the importer requires to be zero).
+        add_qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
         qk_layernorm=model_type == "qwen3",
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         eod_token_id=eod_token_id,

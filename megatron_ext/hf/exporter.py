@@ -33,7 +33,7 @@ import torch
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.hf.architectures import FORMATS
-from megatron_ext.hf.name_map import Layout, megatron_to_hf
+from megatron_ext.hf.name_map import Layout, megatron_to_hf, zero_o_proj_biases
 from megatron_ext.fileio import is_empty_dir_or_absent, publish_dir, staged_dir
 from megatron_ext.hf.runtime import load_megatron_checkpoint, single_process_model_parallel
 from megatron_ext.tokenizer import (
@@ -153,8 +153,7 @@ def export_checkpoint(
     hf_state = megatron_to_hf(state, Layout(config=config, hf_vocab_size=vocab))
     del model, state
     if export_format.qkv_bias == "attention_bias" and config.add_qkv_bias:
-        for i in range(config.num_layers):  # the flag also adds an o_proj bias: exactly zero
-            hf_state[f"model.layers.{i}.self_attn.o_proj.bias"] = torch.zeros(config.hidden_size)
+        hf_state |= zero_o_proj_biases(config)  # the flag also adds an o_proj bias
     hf_state = {k: v.to("cpu", DTYPES[dtype]) for k, v in hf_state.items()}
     hf_config = export_format.hf_config(config, vocab_size=vocab, token_ids=token_ids, dtype=dtype)
     _check_against_hf_class(export_format.architecture, hf_config, hf_state)

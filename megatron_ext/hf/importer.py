@@ -1,4 +1,5 @@
-"""Import a Hugging Face Llama-layout causal LM as a Megatron checkpoint for continued pretraining.
+"""Import a Hugging Face Llama-layout causal LM, or a EuroBERT encoder, as a Megatron checkpoint
+for continued pretraining.
 
 Output directory (``import_hf_model``; ``tools/import_hf_checkpoint.py`` wraps it)::
 
@@ -11,7 +12,12 @@ Output directory (``import_hf_model``; ``tools/import_hf_checkpoint.py`` wraps i
     <out>/recipe_model.yaml        ``model``/``tokenizer``/``checkpoint`` sections for a CPT
                                    recipe: ``base: <out>/recipe_model.yaml``
 
-Mask token (MLM needs one; decoders have none). Kept if the tokenizer has one. Else, if the vocab
+Mask token of an encoder (``EuroBertForMaskedLM``): the one it was trained with, config.json's
+``mask_token_id``; its rows are kept as trained. The tokenizer's mask token, if it has one, must be
+that id (else the import is refused, naming both); a tokenizer without one gets the token at that
+id (origin ``config``). ``mask_token=`` may only name that same token.
+
+Mask token of a decoder (MLM needs one; decoders have none). Kept if the tokenizer has one. Else, if the vocab
 has Llama-3's unused ``<|reserved_special_token_0|>`` (id 128002, EuroBERT's and the paper's mask
 id), that token becomes the mask token; else a new special token ``<|mask|>`` is added. Either
 way (not when kept) the mask token's embedding row, and its LM-head row, start as the mean of
@@ -37,8 +43,12 @@ import torch
 import yaml
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.hf.architectures import UnsupportedArchitectureError, encoder_config_from_hf
-from megatron_ext.hf.name_map import Layout, hf_to_megatron
+from megatron_ext.hf.architectures import (
+    ENCODER_MODEL_TYPES,
+    UnsupportedArchitectureError,
+    encoder_config_from_hf,
+)
+from megatron_ext.hf.name_map import Layout, drop_zero_o_proj_biases, hf_to_megatron
 from megatron_ext.fileio import is_empty_dir_or_absent, publish_dir, staged_dir
 from megatron_ext.hf.runtime import build_local_model, single_process_model_parallel
 from megatron_ext.model import EncoderModelConfig
@@ -74,11 +84,38 @@ class ImportResult:
     mask_token_id: int
     """Its id."""
     mask_token_origin: str
-    """``kept`` (the tokenizer had one), ``reused`` (an existing token) or ``added`` (new)."""
+    """``kept`` (the tokenizer had one), ``config`` (an encoder's, from its config's
+    ``mask_token_id``), ``reused`` (an existing token) or ``added`` (new). Only ``reused`` and
+    ``added`` tokens had their embedding (and LM-head) rows reset to the mean."""
+
+
+def _set_encoder_mask_token(tokenizer: Any, hf_config: Any, requested: str | None) -> tuple[str, str]:
+    """The trained mask token of an encoder (see the module docstring); returns (token, origin)."""
+    mask_id = getattr(hf_config, "mask_token_id", None)
+    if mask_id is None:
+        raise UserError(f"the {hf_config.model_type} config has no mask_token_id: an encoder's "
+                        "config.json must say which token it was trained to predict")
+    if not 0 <= mask_id < len(tokenizer):
+        raise UserError(f"config.json mask_token_id={mask_id} is not an id of the tokenizer "
+                        f"({len(tokenizer)} ids): wrong tokenizer (pass --tokenizer)")
+    token = tokenizer.convert_ids_to_tokens(mask_id)
+    if tokenizer.mask_token is not None and tokenizer.mask_token_id != mask_id:
+        raise UserError(
+            f"config.json mask_token_id={mask_id} ({token!r}) but the tokenizer's mask token "
+            f"{tokenizer.mask_token!r} is id {tokenizer.mask_token_id}: the encoder was trained with "
+            "one of them; fix whichever is wrong (or pass the right --tokenizer)")
+    if requested not in (None, token):
+        raise UserError(f"--mask-token {requested!r}: this encoder was trained with mask token "
+                        f"{token!r} (config.json mask_token_id={mask_id}); it cannot be changed")
+    if tokenizer.mask_token is not None:
+        return token, "kept"
+    tokenizer.add_special_tokens({"mask_token": token})
+    return token, "config"
 
 
 def _set_mask_token(tokenizer: Any, requested: str | None) -> tuple[str, str]:
-    """Give ``tokenizer`` a mask token (see the module docstring); returns (token, origin)."""
+    """Give a decoder's ``tokenizer`` a mask token (see the module docstring); returns
+    (token, origin)."""
     if tokenizer.mask_token is not None and requested in (None, tokenizer.mask_token):
         return tokenizer.mask_token, "kept"
     vocab = tokenizer.get_vocab()
@@ -133,11 +170,13 @@ def import_hf_model(
     source: str | None = None,
     log: Callable[[str], None] = print,
 ) -> ImportResult:
-    """Convert a loaded ``transformers`` causal LM and its tokenizer into a Megatron checkpoint.
+    """Convert a loaded ``transformers`` causal LM or EuroBERT encoder and its tokenizer into a
+    Megatron checkpoint.
 
     Args:
-        model: A ``LlamaForCausalLM``-layout model (llama, mistral, qwen2, qwen3 model types),
-            however it was loaded (directory, hub, GGUF ...). Not modified.
+        model: A ``LlamaForCausalLM``-layout model (llama, mistral, qwen2, qwen3 model types) or
+            an ``EuroBertForMaskedLM`` (eurobert), however it was loaded (directory, hub,
+            GGUF ...). Not modified.
         tokenizer: Its ``transformers`` fast tokenizer. Not modified (a copy gets the mask).
         output_dir: Created; must be absent or empty unless ``overwrite``. Written atomically.
         tensor_parallel_size: Largest TP the run will use: pads the vocabulary to a multiple of
@@ -145,7 +184,7 @@ def import_hf_model(
         seq_length: ``EncoderModelConfig.seq_length``; default the model's
             ``max_position_embeddings``.
         mask_token: The mask token to use (an existing token or a new one); default: see the
-            module docstring.
+            module docstring. An encoder keeps its own (this may only name it).
         overwrite: Replace a non-empty ``output_dir``.
         source: Where the model came from, for the written metadata (default
             ``model.config.name_or_path``).
@@ -166,7 +205,10 @@ def import_hf_model(
     seq_length = check_architecture(hf_config, seq_length)
 
     tokenizer = copy.deepcopy(tokenizer)
-    token, origin = _set_mask_token(tokenizer, mask_token)
+    if hf_config.model_type in ENCODER_MODEL_TYPES:
+        token, origin = _set_encoder_mask_token(tokenizer, hf_config, mask_token)
+    else:
+        token, origin = _set_mask_token(tokenizer, mask_token)
     with staged_dir(output_dir) as tmp:
         tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
         encoder_tokenizer = build_tokenizer(TokenizerConfig(tokenizer_model=str(tmp / TOKENIZER_DIR)))
@@ -188,9 +230,11 @@ def import_hf_model(
 
         hf_state = {k: v.detach().to(torch.float32) for k, v in model.state_dict().items()
                     if "rotary_emb" not in k}  # RoPE buffers: the encoder computes its own
+        if hf_config.model_type == "eurobert" and config.add_qkv_bias:
+            hf_state = drop_zero_o_proj_biases(hf_state, config)
         state = hf_to_megatron(hf_state, Layout(config=config, hf_vocab_size=hf_rows))
         del hf_state
-        if origin != "kept":  # padded rows already hold the mean; a reused row gets it too
+        if origin in ("reused", "added"):  # padded rows hold the mean; a reused row gets it too
             for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 if key in state:
                     state[key][mask_id] = state[key][:hf_rows].mean(dim=0)
@@ -264,13 +308,30 @@ def load_hf_config(reference: str, *, flag: str = "--hf-model") -> Any:
 
 
 def load_hf_model(reference: str, *, flag: str = "--hf-model") -> Any:
-    """The causal LM of a model directory or hub id, in its stored dtype."""
-    from transformers import AutoModelForCausalLM
+    """The causal LM (the masked LM of an encoder: ``ENCODER_MODEL_TYPES``) of a model directory
+    or hub id, in its stored dtype.
 
+    Raises:
+        UnsupportedArchitectureError: stored tensors the class has no place for, or lacks (named).
+        UserError: the weights cannot be loaded.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    model_type = load_hf_config(reference, flag=flag).model_type
+    auto_class = AutoModelForMaskedLM if model_type in ENCODER_MODEL_TYPES else AutoModelForCausalLM
     try:
-        return AutoModelForCausalLM.from_pretrained(reference, dtype="auto").eval()
+        model, info = auto_class.from_pretrained(reference, dtype="auto", output_loading_info=True)
     except _LOAD_ERRORS as error:
         raise _load_error(reference, "weights", error, flag) from error
+    # transformers only warns about these: a tensor the class has no place for (e.g. an MLM head
+    # with a dense + norm transform) would be dropped, a missing one randomly initialised.
+    unexpected, missing = sorted(info["unexpected_keys"]), sorted(info["missing_keys"])
+    if unexpected or missing:
+        raise UnsupportedArchitectureError(
+            f"{flag} {reference}: the stored weights do not fit {type(model).__name__}: tensors it "
+            f"has no place for {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}, tensors "
+            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    return model.eval()
 
 
 def load_hf_tokenizer(reference: str, *, flag: str = "--hf-model") -> Any:

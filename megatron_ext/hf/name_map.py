@@ -140,6 +140,36 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+O_PROJ_BIAS = _H + "self_attn.o_proj.bias"
+"""Written by export, as zeros, where the HF class's ``attention_bias`` flag that gives q/k/v
+their biases also gives ``o_proj`` one (the encoder has none); import accepts it only as zeros."""
+
+
+def zero_o_proj_biases(config: EncoderModelConfig) -> dict[str, Tensor]:
+    """The all-zero ``o_proj`` biases of every layer (export, ``attention_bias`` formats)."""
+    return {O_PROJ_BIAS.format(i=i): torch.zeros(config.hidden_size)
+            for i in range(config.num_layers)}
+
+
+def drop_zero_o_proj_biases(state: dict[str, Tensor], config: EncoderModelConfig) -> dict[str, Tensor]:
+    """``state`` without its ``o_proj`` biases, which must all be exactly zero (import).
+
+    Raises:
+        UserError: naming the first non-zero bias (the encoder has no ``o_proj`` bias to put it
+            in) or a missing one.
+    """
+    names = [O_PROJ_BIAS.format(i=i) for i in range(config.num_layers)]
+    for name in names:
+        if name not in state:
+            raise UserError(f"Hugging Face weights have no {name} (attention_bias=True expects it)")
+        if torch.count_nonzero(state[name]):
+            raise UserError(
+                f"{name} is not zero (max |value| {state[name].abs().max().item():.3g}): the "
+                "encoder has no o_proj bias to hold it; only attention_bias=True models whose "
+                "o_proj biases are all zero (as export writes them) can be imported")
+    return {k: v for k, v in state.items() if k not in set(names)}
+
+
 def expanded_rules(config: EncoderModelConfig) -> list[tuple[str, tuple[str, ...], Transform]]:
     """The rules that apply to ``config``, one entry per layer for per-layer rules."""
     out = []

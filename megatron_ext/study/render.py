@@ -16,9 +16,10 @@ def _tokens(value: int) -> str:
     return f"{value:,}"
 
 
-def _start(segment: Segment) -> str:
+def _start(segment: Segment, recipe: dict) -> str:
     if segment.start_from == "scratch":
-        return "from scratch"
+        # A size base may load weights itself (an imported model's recipe_model.yaml): say so.
+        return "base's weights" if (recipe.get("checkpoint") or {}).get("load") else "from scratch"
     if segment.start_from == "weights":
         return f"weights at {_n(segment.branch_step)}"
     return f"branch at {_n(segment.branch_step)}"
@@ -48,17 +49,18 @@ def format_plan(plan: StudyPlan) -> str:
     """What ``plan_study.py --dry-run`` prints."""
     sizes = ", ".join(s.name for s in plan.study.sizes)
     out = [f"study {plan.study.name} ({plan.path}): {len(plan.runs)} runs ({sizes}), "
-           f"{sum(1 for s in plan.segments if s.start_from == 'scratch')} from scratch",
+           f"{sum(1 for s in plan.segments if s.start_from == 'scratch')} from step 0",
            "",
            "segment tree: the steps [start, end) each run trains, and where it starts: from scratch; a branch",
            "(the parent's full state at that step: the same run up to there); weights (the parent's final",
            "weights, a fresh optimizer and step count: continued pretraining). 'keeps': the steps a run saves",
-           "for its children and never prunes."]
+           "for its children and never prunes. 'base's weights': from step 0, from the weights its size's base",
+           "recipe loads (checkpoint.load, e.g. an imported model's recipe_model.yaml)."]
     rows = tree_rows(plan)
     width = max(len(name) for name, _ in rows) + 2
     for name, segment in rows:
         line = (f"  {name:<{width}}[{segment.start:>7,}, {segment.end:>7,})  {segment.steps:>7,} steps  "
-                f"{_start(segment):<20}")
+                f"{_start(segment, plan.run(segment.run).recipe):<20}")
         if segment.saves:
             line += "keeps " + " ".join(_n(s) for s in segment.saves)
         out.append(line.rstrip())
