@@ -107,8 +107,8 @@ def test_the_report_of_a_real_evaluation(evaluations, capsys):
     # Per-family table: one task per family, so a family's score is the task's best-LR test mean and
     # its CI the task's own (the per-seed averages are the seeds' scores); the average pools both
     # tasks per fine-tuning seed, then takes the Student-t half-width over the seeds.
-    assert report["families"] == {"sc": {"title": "sequence classification", "tasks": ["rt_sentiment"]},
-                                  "tc": {"title": "token classification", "tasks": ["wiki_mentions"]}}
+    assert report["families"] == {"sc": {"title": "sequence classification", "paper": True, "tasks": ["rt_sentiment"]},
+                                  "tc": {"title": "token classification", "paper": True, "tasks": ["wiki_mentions"]}}
     table = {row["label"]: row for row in report["study_models"]}
     assert list(table) == list(EVALUATED)  # in study order
     assert [row["label"] for row in report["other_models"]] == [REFERENCE]

@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 @entry_point("evaluate.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_ext.eval.harness import evaluate_models
+    from megatron_ext.eval.harness import best_lr_label, evaluate_models
 
     overrides = {key: value for key, value in (("max_steps", args.max_steps), ("batch_size", args.batch_size),
                                                ("max_length", args.max_length),
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     print("model | task | family | metric | best LR | test (mean ± 95 % CI) | validation mean")
     for row in evaluation.results:
         ci = "" if row.test_ci95 is None else f" ± {row.test_ci95:.2f}"
-        print(f"{row.model} | {row.task} | {row.family} | {row.metric} | {row.best_lr:g} | "
+        print(f"{row.model} | {row.task} | {row.family} | {row.metric} | {best_lr_label(row)} | "
               f"{row.test_mean:.2f}{ci} | {row.validation_mean:.2f}")
     if evaluation.missing:
         print(f"summary from {evaluation.reused} run(s); {len(evaluation.missing)} missing (listed in summary.md): "
