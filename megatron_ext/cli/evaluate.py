@@ -19,7 +19,8 @@ absent, from --benchmarks-dir (tools/fetch_benchmarks.py) or the hub, or task di
 task.json (docs/eval_suite.md). Without --tasks: the paper's benchmarks when the hub is reachable
 or --benchmarks-dir is given, else the offline suite. Each (model, task, LR, seed) is one
 run saved as OUTPUT_DIR/runs/<model>/<task>/lr<LR>_seed<SEED>.json; rerunning skips finished
-runs. The best LR maximises mean validation; test is mean +- 95 % CI over seeds; diverged runs
+runs. Zero-shot STS tasks (lee_sts, or an STS-B file converted with python -m
+megatron_ext.eval.families.sts) train nothing: one run per model (lr0_seed0.json), Spearman x 100. The best LR maximises mean validation; test is mean +- 95 % CI over seeds; diverged runs
 count as 0. Writes summary.{json,md,csv} and plots/<task>.png (score vs LR).
 Defaults are the paper's: 6 LRs x 5 seeds, batch 32, 1,000 steps (token classification: one epoch).
 
