@@ -355,8 +355,8 @@ def test_user_errors_name_the_culprit(tmp_path, suite, encoder):
     # sst2 is one of the paper's benchmarks now (tests/test_eval_benchmarks.py); "sst" is no task.
     with pytest.raises(ValueError, match=r"unknown task 'sst': expected one of \[.*'rt_sentiment'.*'sst2'"):
         evaluate_models([encoder], ["sst"])
-    # A local task without its validation split, one whose label column is named otherwise, one of
-    # a family that cannot be fine-tuned.
+    # A local task without its validation split, one whose label column is named otherwise, an STS
+    # task without its test split, one of a family the harness does not know.
     source = suite / "rt_sentiment"
     no_validation, renamed, sts = tmp_path / "no_validation", tmp_path / "renamed", tmp_path / "sts"
     shutil.copytree(source, no_validation)
@@ -370,7 +370,10 @@ def test_user_errors_name_the_culprit(tmp_path, suite, encoder):
         evaluate_models([encoder], [str(renamed)])
     sts.mkdir()
     (sts / "task.json").write_text(json.dumps({"family": "sts"}))
-    with pytest.raises(ValueError, match="family 'sts', which the harness cannot fine-tune"):
+    with pytest.raises(ValueError, match=r"sts: an STS task needs a test.jsonl"):
+        evaluate_models([encoder], [str(sts)])
+    (sts / "task.json").write_text(json.dumps({"family": "summarization"}))
+    with pytest.raises(ValueError, match="family 'summarization', which the harness cannot fine-tune"):
         evaluate_models([encoder], [str(sts)])
 
     with pytest.raises(ValueError, match=r"neither a Hugging Face model directory .* nor a Megatron checkpoint"):
