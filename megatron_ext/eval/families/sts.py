@@ -91,10 +91,12 @@ def has_own_pooling(model_dir: str | Path) -> bool:
 
 
 @torch.no_grad()
-def embed(model: Any, texts: Sequence[str], config: FinetuneConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def embed(model: Any, texts: Sequence[str], config: FinetuneConfig, *, where: str
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(own, mean)`` float32 embeddings of ``texts``, in order: the sentence-transformers model's
     own output (its pooling and any layers after it) and the mean of its token states over real
-    tokens, both from one forward pass per batch (batches of similar length: :func:`protocol.by_length`)."""
+    tokens, both from one forward pass per batch (batches of similar length: :func:`protocol.by_length`).
+    ``where``: the model folder, for errors."""
     from sentence_transformers.util import batch_to_device
 
     model.eval()  # SentenceTransformer loads in training mode: dropout would make the scores random
@@ -104,6 +106,9 @@ def embed(model: Any, texts: Sequence[str], config: FinetuneConfig) -> tuple[tor
         features = batch_to_device(model.preprocess(batch), config.torch_device)
         with protocol.autocast(config):
             out = model(features)
+        if "token_embeddings" not in out:
+            raise UserError(f"{where}: its sentence-transformers modules output no token_embeddings "
+                            "to mean-pool (STS needs a transformer encoder)")
         order += positions
         own.append(out["sentence_embedding"].float().cpu())
         mean.append(protocol.mean_pool(out["token_embeddings"].float(), out["attention_mask"]).cpu())
@@ -155,7 +160,7 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
     extra: dict[str, float] = {"own_pooling": float(own_pooling)}
     for split, split_rows in rows.items():
         texts = list(dict.fromkeys(text for row in split_rows for text in (row["text"], row["text_pair"])))
-        own, mean = embed(model, texts, config)
+        own, mean = embed(model, texts, config, where=model_dir)
         gold = [float(row["score"]) for row in split_rows]
         where = f"{task_dir} {split}"
         by_mean = correlations(pair_similarities(split_rows, texts, mean), gold, where=f"{where} (mean pooling)")
