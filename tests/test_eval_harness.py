@@ -338,13 +338,13 @@ def test_sentence_pairs(tmp_path, suite, encoder):
 
 
 def test_family_registry_and_defaults():
-    assert set(FAMILIES) == {"sc", "tc", "qa", "ir"}
+    assert set(FAMILIES) == {"sc", "tc", "qa", "ir", "sts"}
     assert harness.finetune_config("tc", 1e-4, 0, {}).steps_for(2294) == round(2294 / 32)  # one epoch
     assert harness.finetune_config("tc", 1e-4, 0, {"max_steps": 7}).steps_for(2294) == 7
     assert harness.finetune_config("sc", 1e-4, 0, {}).steps_for(7745) == 1000
     with pytest.raises(ValueError, match=r"unknown FinetuneConfig override\(s\) \['max_step'\]"):
         harness.finetune_config("sc", 1e-4, 0, {"max_step": 3})
-    assert "rt_sentiment" in evaluate.default_tasks() and "lee_sts" not in evaluate.default_tasks()
+    assert {"rt_sentiment", "lee_sts"} <= set(evaluate.default_tasks())  # lee_sts: zero-shot STS
 
 
 def test_user_errors_name_the_culprit(tmp_path, suite, encoder):
@@ -355,8 +355,8 @@ def test_user_errors_name_the_culprit(tmp_path, suite, encoder):
     # sst2 is one of the paper's benchmarks now (tests/test_eval_benchmarks.py); "sst" is no task.
     with pytest.raises(ValueError, match=r"unknown task 'sst': expected one of \[.*'rt_sentiment'.*'sst2'"):
         evaluate_models([encoder], ["sst"])
-    # A local task without its validation split, one whose label column is named otherwise, one of
-    # a family that cannot be fine-tuned.
+    # A local task without its validation split, one whose label column is named otherwise, an STS
+    # task without its test split, one of a family the harness does not know.
     source = suite / "rt_sentiment"
     no_validation, renamed, sts = tmp_path / "no_validation", tmp_path / "renamed", tmp_path / "sts"
     shutil.copytree(source, no_validation)
@@ -370,7 +370,10 @@ def test_user_errors_name_the_culprit(tmp_path, suite, encoder):
         evaluate_models([encoder], [str(renamed)])
     sts.mkdir()
     (sts / "task.json").write_text(json.dumps({"family": "sts"}))
-    with pytest.raises(ValueError, match="family 'sts', which the harness cannot fine-tune"):
+    with pytest.raises(ValueError, match=r"sts: an STS task needs a test.jsonl"):
+        evaluate_models([encoder], [str(sts)])
+    (sts / "task.json").write_text(json.dumps({"family": "summarization"}))
+    with pytest.raises(ValueError, match="family 'summarization', which the harness cannot fine-tune"):
         evaluate_models([encoder], [str(sts)])
 
     with pytest.raises(ValueError, match=r"neither a Hugging Face model directory .* nor a Megatron checkpoint"):

@@ -107,8 +107,8 @@ def test_the_report_of_a_real_evaluation(evaluations, capsys):
     # Per-family table: one task per family, so a family's score is the task's best-LR test mean and
     # its CI the task's own (the per-seed averages are the seeds' scores); the average pools both
     # tasks per fine-tuning seed, then takes the Student-t half-width over the seeds.
-    assert report["families"] == {"sc": {"title": "sequence classification", "tasks": ["rt_sentiment"]},
-                                  "tc": {"title": "token classification", "tasks": ["wiki_mentions"]}}
+    assert report["families"] == {"sc": {"title": "sequence classification", "paper": True, "tasks": ["rt_sentiment"]},
+                                  "tc": {"title": "token classification", "paper": True, "tasks": ["wiki_mentions"]}}
     table = {row["label"]: row for row in report["study_models"]}
     assert list(table) == list(EVALUATED)  # in study order
     assert [row["label"] for row in report["other_models"]] == [REFERENCE]
@@ -322,3 +322,28 @@ def test_each_figure_names_why_it_is_skipped_and_bad_folders_are_refused(tmp_pat
     (again / "summary.json").write_text(json.dumps({"results": [{"model": "x"}]}))
     with pytest.raises(UserError, match=r"again/summary.json: results\[0\]: not a row"):
         study_report.build_report(plan, [again])
+
+
+def test_zero_shot_sts_is_an_extra_column_out_of_the_average(tmp_path):
+    """An STS task (one zero-shot run at lr 0, seed 0) is a family column of its own, marked as not
+    the paper's, left out of the average and of the score-vs-LR figure."""
+    study = _write_study(tmp_path / "study.yaml", {**STUDY, "budgets": [12000], "biphasic": None, "cpt": None})
+    plan = plan_study(read_study(study), study)
+    rows = []
+    for name, base in (("210m_mlm_40_12k", 40.0), ("210m_clm_12k", 50.0)):
+        rows.append(_result(name, "a", "sc", {0: base, 1: base + 2.0}, lrs={1e-5: base - 10, 1e-4: base}))
+        rows.append({**_result(name, "lee_sts", "sts", {0: base / 2}, lrs={0.0: base / 2}), "best_lr": 0.0,
+                     "metric": "spearman"})
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "summary.json").write_text(json.dumps({"results": rows}))
+    report = study_report.build_report(plan, [eval_dir])
+    clm = {row.label: row for row in report.rows}["210m_clm_12k"]
+    assert clm.scores["sts"].mean == 25.0 and clm.scores["sc"].mean == 51.0
+    assert clm.scores[study_report.AVERAGE].mean == 51.0  # the paper's families only
+    markdown = study_report.report_markdown(report)
+    assert "| sequence classification | similarity (extra, not the paper's) | average |" in markdown
+    assert f"| 51.00 ± {clm.scores['sc'].ci95:.2f} | 25.00 | 51.00 ± " in markdown  # sc, sts, average
+    assert study_report.report_json(report)["families"]["sts"]["paper"] is False
+    figures = {figure.name: figure for figure in report.figures}
+    assert "sts" not in figures["lr_sensitivity"].series and "sts" in figures["clm_share"].series

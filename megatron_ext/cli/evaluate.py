@@ -19,7 +19,8 @@ absent, from --benchmarks-dir (tools/fetch_benchmarks.py) or the hub, or task di
 task.json (docs/eval_suite.md). Without --tasks: the paper's benchmarks when the hub is reachable
 or --benchmarks-dir is given, else the offline suite. Each (model, task, LR, seed) is one
 run saved as OUTPUT_DIR/runs/<model>/<task>/lr<LR>_seed<SEED>.json; rerunning skips finished
-runs. The best LR maximises mean validation; test is mean +- 95 % CI over seeds; diverged runs
+runs. Zero-shot STS tasks (lee_sts, or an STS-B file converted with python -m
+megatron_ext.eval.families.sts) train nothing: one run per model (lr0_seed0.json), Spearman x 100. The best LR maximises mean validation; test is mean +- 95 % CI over seeds; diverged runs
 count as 0. Writes summary.{json,md,csv} and plots/<task>.png (score vs LR).
 Defaults are the paper's: 6 LRs x 5 seeds, batch 32, 1,000 steps (token classification: one epoch).
 
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 @entry_point("evaluate.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_ext.eval.harness import evaluate_models
+    from megatron_ext.eval.harness import best_lr_label, evaluate_models
 
     overrides = {key: value for key, value in (("max_steps", args.max_steps), ("batch_size", args.batch_size),
                                                ("max_length", args.max_length),
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     print("model | task | family | metric | best LR | test (mean ± 95 % CI) | validation mean")
     for row in evaluation.results:
         ci = "" if row.test_ci95 is None else f" ± {row.test_ci95:.2f}"
-        print(f"{row.model} | {row.task} | {row.family} | {row.metric} | {row.best_lr:g} | "
+        print(f"{row.model} | {row.task} | {row.family} | {row.metric} | {best_lr_label(row)} | "
               f"{row.test_mean:.2f}{ci} | {row.validation_mean:.2f}")
     if evaluation.missing:
         print(f"summary from {evaluation.reused} run(s); {len(evaluation.missing)} missing (listed in summary.md): "

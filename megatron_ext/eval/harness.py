@@ -9,7 +9,9 @@ maximises the mean validation score; the test score at that LR is reported as me
 confidence half-width over seeds (Student t). Stability is the seed spread at the best LR and
 the whole score-vs-LR curve. A run whose loss turns non-finite is recorded as ``diverged`` and
 counts as score 0 for validation and test, so an LR that blows up drags its mean down instead of
-vanishing from the curve.
+vanishing from the curve. Zero-shot families (STS: :data:`~.families.ZERO_SHOT_FAMILIES`) train
+nothing: their tasks get one run per model (:func:`~.families.grid`), whose test score is reported
+as it is.
 
 With several models, each task also ranks them as the paper does: on the test examples' own
 scores (each run saves them), averaged over the best LR's seeds, with paired tests between models
@@ -59,11 +61,19 @@ from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import write_atomic
 from megatron_ext.eval.claims import Claim, ClaimPolicy, Holder, Owner, try_claim
 from megatron_ext.eval.benchmarks import BENCHMARKS, TASK_GROUPS, expand_tasks, prepare_benchmarks
-from megatron_ext.eval.families import FAMILIES, FAMILY_DEFAULTS, run_shared, shared_training_key
+from megatron_ext.eval.families import (
+    FAMILIES,
+    FAMILY_DEFAULTS,
+    ZERO_SHOT_FAMILIES,
+    grid,
+    run_shared,
+    shared_training_key,
+    splits_read,
+)
 from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS, FinetuneConfig, RunResult
 from megatron_ext.eval.ranking import RankedSystem, format_ranking, rank_systems
 from megatron_ext.training.step_log import duration
-from megatron_ext.eval.task_io import SPLITS, TASK_FILE, default_suite_dir, load_task
+from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task
 from megatron_ext.eval.suite import TASKS, build_task
 
 if TYPE_CHECKING:
@@ -504,7 +514,7 @@ def resolve_tasks(tasks: Sequence[str], suite_dir: str | Path | None = None,
         name = task_dir.resolve().name
         if any(ref.name == name for ref in refs):
             raise UserError(f"two tasks are named {name!r}")
-        for split in SPLITS + (("corpus",) if family == "ir" else ()):
+        for split in splits_read(family, task_dir):
             load_task(task_dir, split)
         refs.append(TaskRef(name=name, task_dir=task_dir.resolve(), family=family, metric=meta.get("metric", "")))
     return refs
@@ -516,6 +526,8 @@ def finetune_config(family: str, lr: float, seed: int, overrides: Mapping[str, A
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise UserError(f"unknown FinetuneConfig override(s) {unknown}; expected some of {sorted(fields)}")
+    if lr <= 0 and family not in ZERO_SHOT_FAMILIES:
+        raise UserError(f"fine-tuning LRs must be > 0, got {lr:g}")
     sets_length = "max_steps" in overrides or "epochs" in overrides
     defaults = {} if sets_length else FAMILY_DEFAULTS.get(family, {})
     return FinetuneConfig(**{**defaults, **overrides}, lr=lr, seed=seed)
@@ -756,6 +768,11 @@ def rank_models(results: Sequence[TaskResult]) -> tuple[list[TaskResult], dict[s
 # ----------------------------------------------------------------------------- outputs
 
 
+def best_lr_label(result: TaskResult) -> str:
+    """The best LR as reports print it: ``zero-shot`` for a family that trains nothing."""
+    return "zero-shot" if result.family in ZERO_SHOT_FAMILIES else f"{result.best_lr:g}"
+
+
 def _pm(mean: float, ci: float | None) -> str:
     return f"{mean:.2f} ± {ci:.2f}" if ci is not None else f"{mean:.2f}"
 
@@ -825,6 +842,15 @@ def _tokens_plot_tasks(results: Sequence[TaskResult]) -> list[str]:
                    for rows in series.values())]
 
 
+def _zero_shot_note(results: Sequence[TaskResult]) -> list[str]:
+    tasks = list(dict.fromkeys(r.task for r in results if r.family in ZERO_SHOT_FAMILIES))
+    if not tasks:
+        return []
+    return [f"Zero-shot tasks ({', '.join(tasks)}; not the paper's): nothing is fine-tuned, so each model has one "
+            "run, without LR or seeds, and no confidence interval; STS scores are Spearman's correlation x 100 "
+            "(-100 to 100) of the embeddings' cosine similarities with the gold ratings.", ""]
+
+
 def _missing_note(missing: Sequence[RunSpec], total: int) -> list[str]:
     if not missing:
         return []
@@ -847,13 +873,14 @@ def summary_markdown(results: Sequence[TaskResult], lrs: Sequence[float], seeds:
         f"the mean validation score; test is the mean ± {CONFIDENCE:.0%} confidence half-width over seeds at that LR "
         f"(Student t). Diverged runs (non-finite training loss) count as score {DIVERGED_SCORE:g}: "
         f"{diverged} of {runs} runs.", "",
+        *_zero_shot_note(results),
         *_missing_note(missing, runs + len(missing)),
         "| model | task | metric | best LR | test (mean ± CI) | validation mean | seed std (validation / test) "
         "| diverged runs | rank |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        lines.append(f"| {r.model} | {r.task} | {r.metric} | {r.best_lr:g} | {_pm(r.test_mean, r.test_ci95)} | "
+        lines.append(f"| {r.model} | {r.task} | {r.metric} | {best_lr_label(r)} | {_pm(r.test_mean, r.test_ci95)} | "
                      f"{r.validation_mean:.2f} | {_std(r.validation_std)} / {_std(r.test_std)} | "
                      f"{r.diverged_runs} | {'' if r.rank is None else r.rank} |")
     lines += _tokens_section(results)
@@ -862,6 +889,8 @@ def summary_markdown(results: Sequence[TaskResult], lrs: Sequence[float], seeds:
             lines += ["", f"## {task}: ranking", "",
                       "On the test examples' scores at each model's best LR (mean over seeds); paired "
                       "permutation tests, p < 0.05 opens a new rank.", "", format_ranking(rankings[task]).rstrip()]
+        if all(r.family in ZERO_SHOT_FAMILIES for r in results if r.task == task):
+            continue  # one zero-shot run per model: no LR to plot against
         lines += ["", f"## {task}: score vs learning rate", "",
                   "Test mean ± CI (validation mean); a † marks diverged seeds.", "",
                   "| model | " + " | ".join(f"{lr:g}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
@@ -956,7 +985,7 @@ def write_outputs(output_dir: Path, results: Sequence[TaskResult], lrs: Sequence
     writer.writeheader()
     writer.writerows(rows)
     write_atomic(output_dir / "summary.csv", table.getvalue())
-    for task in dict.fromkeys(r.task for r in results):
+    for task in dict.fromkeys(r.task for r in results if r.family not in ZERO_SHOT_FAMILIES):
         write_atomic(output_dir / "plots" / f"{task}.png", plot_task([r for r in results if r.task == task], task))
     for task in _tokens_plot_tasks(results):
         write_atomic(output_dir / "plots" / "tokens" / f"{task}.png", plot_tokens(results, task))
@@ -984,7 +1013,7 @@ def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: 
             :data:`~megatron_ext.eval.benchmarks.BENCHMARKS` (``paper``: the paper's twelve), or task
             directories with ``task.json``.
         output_dir: Receives ``runs/``, ``exported/``, the summaries and plots (module docstring).
-        lrs: Fine-tuning learning rates (default: the paper's grid).
+        lrs: Fine-tuning learning rates (default: the paper's grid); zero-shot tasks run once (:func:`grid`).
         seeds: Seeds per LR (default: the paper's five).
         overrides: :class:`FinetuneConfig` fields other than ``lr``/``seed`` (``max_steps``,
             ``batch_size``, ``max_eval_examples``, ``device`` ...). Setting ``max_steps`` or
@@ -1005,12 +1034,14 @@ def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: 
     overrides = dict(overrides or {})
     owner = Owner.this_process()
     task_refs = resolve_tasks(tasks, suite_dir, benchmarks_dir)
+    task_grids = {task.name: grid(task.family, lrs, seeds) for task in task_refs}
     configs = {(task.name, lr, seed): finetune_config(task.family, lr, seed, overrides)
-               for task in task_refs for lr in lrs for seed in seeds}  # refused before any export
+               for task in task_refs for lr in task_grids[task.name][0]
+               for seed in task_grids[task.name][1]}  # refused before any export
     model_refs = resolve_models(models, output_dir, export=False)
     specs = {(model.name, task.name, lr, seed): RunSpec(model=model, task=task, config=configs[task.name, lr, seed],
                                                         path=run_path(output_dir, model.name, task.name, lr, seed))
-             for model in model_refs for task in task_refs for lr in lrs for seed in seeds}
+             for model in model_refs for task in task_refs for (name, lr, seed) in configs if name == task.name}
     # Every finished run is read (and refused if made with another model or config) before any work.
     records = {spec: RunRecord.read(spec) for spec in specs.values()}
     reused = sum(record is not None for record in records.values())
@@ -1039,10 +1070,11 @@ def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: 
     results = []
     for model in model_refs:
         for task in task_refs:
-            present = [records[specs[model.name, task.name, lr, seed]] for lr in lrs for seed in seeds]
+            task_lrs, task_seeds = task_grids[task.name]
+            present = [records[specs[model.name, task.name, lr, seed]] for lr in task_lrs for seed in task_seeds]
             present = [record for record in present if record is not None]
             if present:
-                results.append(aggregate(present, lrs, task))
+                results.append(aggregate(present, task_lrs, task))
     results, rankings = rank_models(results)
     write_outputs(output_dir, results, lrs, seeds, rankings, missing)
     return done(results=tuple(results), summary_written=True)

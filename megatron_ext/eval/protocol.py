@@ -35,7 +35,8 @@ class FinetuneConfig:
     """Hyper-parameters of one fine-tuning run."""
 
     lr: float
-    """Peak learning rate (the grid value of this run)."""
+    """Peak learning rate (the grid value of this run); 0 for a zero-shot run, which trains nothing
+    (:data:`megatron_ext.eval.families.ZERO_SHOT_FAMILIES`)."""
     seed: int
     """Seed of the head initialisation, data order and dropout."""
     batch_size: int = 32
@@ -78,8 +79,8 @@ class FinetuneConfig:
     architecture."""
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise UserError(f"lr must be > 0, got {self.lr}")
+        if self.lr < 0:
+            raise UserError(f"lr must be > 0 (0: a zero-shot run, nothing trained), got {self.lr}")
         if self.batch_size < 1 or self.max_steps < 1:
             raise UserError("batch_size and max_steps must be >= 1")
         if self.epochs is not None and self.epochs <= 0:
@@ -152,6 +153,9 @@ def finetune_optimizer(model: torch.nn.Module, config: FinetuneConfig, total_ste
     """AdamW (no decay on 1-D parameters; fused where :data:`FUSED_ADAMW_DEVICES`) and the linear
     warmup/decay schedule."""
     from transformers import get_linear_schedule_with_warmup
+
+    if config.lr <= 0:
+        raise UserError(f"fine-tuning needs lr > 0, got {config.lr} (lr 0 marks a zero-shot run)")
 
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]

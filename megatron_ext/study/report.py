@@ -70,6 +70,7 @@ from megatron_ext.eval.harness import (
     rank_models,
     run_path,
 )
+from megatron_ext.eval.families import PAPER_FAMILIES, ZERO_SHOT_FAMILIES
 from megatron_ext.eval.protocol import FinetuneConfig
 from megatron_ext.eval.ranking import RankedSystem, format_ranking
 from megatron_ext.study.plan import PlannedRun, StudyPlan
@@ -281,6 +282,11 @@ def family_title(family: str) -> str:
     return FAMILY_TITLES.get(family, family)
 
 
+def column_title(family: str) -> str:
+    """A family's column head: its title, marked when it is not one of the paper's families."""
+    return family_title(family) + ("" if family in PAPER_FAMILIES else " (extra, not the paper's)")
+
+
 # ----------------------------------------------------------------------------- scores
 
 
@@ -331,12 +337,14 @@ AVERAGE = "average"
 
 def model_scores(model: EvaluatedModel, tasks: Mapping[str, Sequence[str]]) -> dict[str, Score]:
     """Family -> :func:`seed_score` for each family whose every task ``model`` has; and
-    :data:`AVERAGE` when it has them all."""
+    :data:`AVERAGE` of the paper's families (:data:`~megatron_ext.eval.families.PAPER_FAMILIES`;
+    an extra one such as STS stays out of it) when it has them all."""
     parts = {family: [model.results[t] for t in names] for family, names in tasks.items()
              if all(t in model.results for t in names)}
     scores = {family: seed_score([part]) for family, part in parts.items()}
-    if parts and len(parts) == len(tasks):
-        scores[AVERAGE] = seed_score(list(parts.values()))
+    paper = [part for family, part in parts.items() if family in PAPER_FAMILIES]
+    if paper and len(paper) == len([family for family in tasks if family in PAPER_FAMILIES]):
+        scores[AVERAGE] = seed_score(paper)
     return scores
 
 
@@ -647,7 +655,9 @@ def lr_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, Sequence
                                     for lr, mean in scores.lr_curves[group.label].get(family, {}).items()))
                 for group in longest.values()]
 
-    series = _by_family(tasks, family_lines)
+    # A zero-shot family (STS) has no LR: its one run is not a point of this figure.
+    series = _by_family({family: names for family, names in tasks.items() if family not in ZERO_SHOT_FAMILIES},
+                        family_lines)
     if not series:
         return dataclasses.replace(figure, skipped="no study run is evaluated on every task of a family")
     if _longest_line(series) < 2:
@@ -772,8 +782,9 @@ METHOD = (
     "the Student-t half-width, over fine-tuning seeds, of the per-seed averages over the family's tasks (each task "
     "at its best LR). Where a row pools several pretraining seeds (runs named _s<seed>), it is the mean over the "
     "runs of their family scores and the interval is the Student-t half-width over those runs (column 'CI over'). "
-    "A family is scored only for a model evaluated on all its tasks; the average weighs families equally and "
-    "needs all of them."
+    "A family is scored only for a model evaluated on all its tasks; the average weighs the paper's families "
+    "equally and needs all of them. A column marked 'extra, not the paper's' (similarity: zero-shot STS, "
+    "Spearman x 100 of the embeddings' cosine similarities, one run without LR or seeds) stays out of the average."
 )
 
 
@@ -798,7 +809,7 @@ def report_json(report: StudyReport) -> dict[str, Any]:
         "study": report.plan.study.name, "study_file": str(report.plan.path),
         "eval_dirs": [str(d) for d in report.eval_dirs], "confidence": CONFIDENCE,
         "method": METHOD.format(confidence=CONFIDENCE),
-        "families": {family: {"title": family_title(family), "tasks": list(names)}
+        "families": {family: {"title": family_title(family), "paper": family in PAPER_FAMILIES, "tasks": list(names)}
                      for family, names in report.tasks.items()},
         "study_models": [_row_json(row) for row in report.rows],
         "other_models": [_row_json(row) for row in report.other_rows],
@@ -834,7 +845,7 @@ def tokens_label(value: float) -> str:
 def report_markdown(report: StudyReport) -> str:
     """``report.md``."""
     plan, families = report.plan, list(report.tasks)
-    head = [family_title(f) for f in families] + ["average"]
+    head = [column_title(f) for f in families] + ["average"]
     lines = [
         f"# Study report: {plan.study.name}", "",
         f"Study file `{plan.path}` ({len(plan.runs)} runs); evaluations: "

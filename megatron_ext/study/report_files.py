@@ -18,7 +18,7 @@ from megatron_ext.study.report import (
     REPORT_FILE,
     Figure,
     StudyReport,
-    family_title,
+    column_title,
     report_json,
     report_markdown,
     tokens_label,
@@ -64,7 +64,7 @@ def plot_figure(figure: Figure) -> bytes:
             ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))
         ax.set_xlabel(figure.xlabel)
         ax.set_ylabel("test score (0-100)")
-        ax.set_title(family_title(family))
+        ax.set_title(column_title(family))
         ax.grid(True, which="both", alpha=0.3)
     for ax in list(axes.flat)[len(families):]:
         ax.set_visible(False)
