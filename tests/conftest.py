@@ -31,6 +31,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module: small CPU ops run ~10x slower with 2 threads on a shared
+    2-core machine (the evaluation modules use it)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A private SLURM cluster on this host (tests/slurm_cluster.py): two nodes (two slurmd), so a job

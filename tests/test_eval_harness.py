@@ -25,13 +25,7 @@ TINY = {"max_steps": 3, "batch_size": 8, "max_eval_examples": 16, "max_length": 
 LRS, SEEDS = (2e-5, 1e-4), (0, 1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small CPU ops run ~10x slower with 2 intra-op threads on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

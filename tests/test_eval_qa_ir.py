@@ -19,17 +19,9 @@ from megatron_ext.eval.suite import build_task
 TINY = {"lr": 5e-5, "seed": 0, "batch_size": 8, "max_steps": 10, "device": "cpu"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The fine-tuning runs are thousands of small ops; on a shared 2-core machine two intra-op
-    threads wait on each other at every op (measured: 378 s for this file with 2 threads next to
-    other jobs, 72 s with 1)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# The fine-tuning runs are thousands of small ops: with two intra-op threads on a shared 2-core
+# machine this file took 378 s next to other jobs, 72 s with one.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

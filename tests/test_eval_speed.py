@@ -13,7 +13,9 @@ from megatron_ext.eval import protocol
 from megatron_ext.eval.families import sc
 from megatron_ext.eval.protocol import FinetuneConfig, by_length, load_encoder
 from megatron_ext.eval.task_io import load_task
-from test_eval_harness import TINY, encoder, one_thread, suite  # noqa: F401 (fixtures)
+from test_eval_harness import TINY, encoder, suite  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_benchmark_times_ours_and_the_trainer_and_keeps_other_labels(tmp_path, encoder, suite, capsys):

@@ -26,13 +26,7 @@ TINY = {"max_steps": 3, "batch_size": 8, "max_eval_examples": 16, "max_length": 
 """The harness tests' CI-sized runs (tests/test_eval_harness.py)."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small CPU ops run ~10x slower with 2 intra-op threads on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,9 @@ import pytest
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval import harness
 from megatron_ext.eval.claims import Claim, ClaimPolicy, Holder, Owner, claim_files, try_claim
-from test_eval_harness import TINY, encoder, one_thread, suite  # noqa: F401 (fixtures)
+from test_eval_harness import TINY, encoder, suite  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO = Path(__file__).resolve().parent.parent
 GRID = ["--tasks", "rt_sentiment", "--lrs", "1e-4", "1e-3", "--seeds", "0", "1", "--max-steps", "3",
