@@ -39,6 +39,7 @@ from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at
 from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
 from megatron_ext.checkpoint import core as ckpt
 from megatron_ext.checkpoint.handle import Checkpoint
+from megatron_ext.checkpoint.lock import SaveDirectoryLock
 from megatron_ext.checkpoint.resume import BRANCHED_FROM, load_starting_point
 from megatron_ext.training import data as data_lib
 from megatron_ext.training import cuda_graphs
@@ -298,15 +299,19 @@ class _RunCheckpoints:
     """The run's saves into ``checkpoint.save``: the engine's state with the run config and the
     tokenizer reference, synchronously or in the background (``checkpoint.async_save``)."""
 
-    def __init__(self, config: RunConfig, engine: MegatronEngine, tokenizer: EncoderTokenizer):
+    def __init__(self, config: RunConfig, engine: MegatronEngine, tokenizer: EncoderTokenizer, *,
+                 lock: SaveDirectoryLock | None):
         self.config = config.checkpoint
         self.engine = engine
+        self.lock = lock
         self.run_config = config.to_dict()
         self.tokenizer_reference = {**tokenizer.reference(), ckpt.TOKENIZER_FINGERPRINT: tokenizer.fingerprint()}
         self.saver = ckpt.CheckpointSaver(async_save=self.config.async_save)
 
     def save(self, step: int, trainer_state: dict) -> str:
         """Save (or start saving) the state after ``step``; returns the checkpoint's path."""
+        if self.lock is not None:
+            self.lock.check_held(before=f"saving step {step}")
         with self.engine.checkpointing():
             path = self.saver.save(
                 self.config.save, step=step, model=self.engine.checkpoint_model,
@@ -354,6 +359,14 @@ def _due(step: int, interval: int, total: int) -> bool:
 
 
 def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
+    # First, before this run writes anything: a second trainer on the same save directory stops here.
+    with (SaveDirectoryLock.acquire(config.checkpoint.save) if config.checkpoint.save
+          else contextlib.nullcontext()) as lock:
+        return _pretrain_locked(config, exit_after_step=exit_after_step, lock=lock)
+
+
+def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None,
+                     lock: SaveDirectoryLock | None) -> TrainResult:
     # Everything a launch can get wrong is refused here, before the model is allocated.
     check_fits(estimate_memory(config, world_size=dist.get_world_size()), *platform.usable_memory_bytes())
     device = platform.device()
@@ -361,13 +374,14 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
     check_tokenizer_fits(config, tokenizer)
     engine = _build_model_and_engine(config, device)
     try:
-        return _train_engine(config, engine, tokenizer=tokenizer, device=device, exit_after_step=exit_after_step)
+        return _train_engine(config, engine, tokenizer=tokenizer, device=device, exit_after_step=exit_after_step,
+                             lock=lock)
     finally:
         engine.close()  # its CUDA graphs, whatever ends the run
 
 
 def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: EncoderTokenizer, device: torch.device,
-                  exit_after_step: int | None) -> TrainResult:
+                  exit_after_step: int | None, lock: SaveDirectoryLock | None) -> TrainResult:
     """The run with its engine built: the starting point loaded, then the steps."""
     total = config.training.train_iters
     phases = config.resolved_phases
@@ -411,7 +425,7 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
             print(f"branched from {origin['save']} at step {origin['step']}"
                   + ("" if starting_point.from_parent else f" (resumed from this run's {first_checkpoint})"),
                   flush=True)
-        checkpoints = _RunCheckpoints(config, engine, tokenizer)
+        checkpoints = _RunCheckpoints(config, engine, tokenizer, lock=lock)
         # No writer process outlives the run: published then stopped, or killed after an error.
         stack.push(lambda error_type, error, traceback: checkpoints.close(abort=error_type is not None))
         engine.checkpoint_model.train()
