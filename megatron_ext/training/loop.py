@@ -24,6 +24,7 @@ import math
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,7 +47,8 @@ from megatron_ext.training import cuda_graphs
 from megatron_ext.training.branching import check_saved_parent
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides
-from megatron_ext.training.memory import check_fits, estimate_memory
+from megatron_ext.training.memory import check_fits, estimate_memory, stage_parameters
+from megatron_ext.checkpoint import storage
 from megatron_ext.training.plan import check_paths, make_plan
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
 from megatron_ext.training.stop import RESUMABLE_EXIT_CODE, StopPolicy, write_exit_status
@@ -365,9 +367,43 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
         return _pretrain_locked(config, exit_after_step=exit_after_step, lock=lock)
 
 
+def checkpoint_bytes_estimate(config: RunConfig) -> int:
+    """About the size of one checkpoint of ``config``: every parameter once in its dtype, and Adam's
+    state (two fp32 moments, plus fp32 main parameters for lower-precision ones)."""
+    params = stage_parameters(config.model, tensor_parallel=1, pipeline_parallel=1)
+    param_bytes = config.model.torch_dtype.itemsize
+    return params * (param_bytes + 8 + (4 if param_bytes < 4 else 0))
+
+
+def _check_save_space(config: RunConfig) -> None:
+    """Refuse a run whose first save cannot fit in ``checkpoint.save`` (``CheckpointStorageError``,
+    exit code 74, on every rank), warn when ``keep_last`` checkpoints will not (rank 0 judges, for
+    all: ranks on one shared directory must not disagree)."""
+    verdict: list = [None]
+    if dist.get_rank() == 0:
+        save_dir = Path(config.checkpoint.save)
+        kept = ckpt.intact_checkpoints(save_dir)[-config.checkpoint.keep_last:]
+        sizes = [storage.directory_bytes(path) for path in kept]
+        check = storage.SpaceCheck(save_dir=save_dir, checkpoint_bytes=sizes[-1] if sizes else
+                                   checkpoint_bytes_estimate(config), measured=bool(sizes),
+                                   kept=config.checkpoint.keep_last, existing_bytes=sum(sizes))
+        verdict[0] = check.problem()
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is None:
+        return
+    message, fatal = verdict[0]
+    if fatal:
+        raise storage.CheckpointStorageError(message)
+    if is_writer():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None,
                      lock: SaveDirectoryLock | None) -> TrainResult:
     # Everything a launch can get wrong is refused here, before the model is allocated.
+    if config.checkpoint.save:
+        _check_save_space(config)
     check_fits(estimate_memory(config, world_size=dist.get_world_size()), *platform.usable_memory_bytes())
     device = platform.device()
     tokenizer = build_tokenizer(config.tokenizer)
