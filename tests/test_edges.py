@@ -124,15 +124,18 @@ def test_space_check_refuses_a_save_directory_that_cannot_hold_one_checkpoint(sm
     assert not fatal and "keep_last=2" in message
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_disk_full_during_a_save_stops_with_exit_74_keeping_the_previous_checkpoint(tmp_path, tiny_corpus,
-                                                                                    small_filesystem):
+                                                                                    small_filesystem, async_save):
+    """Synchronous, or asynchronous where the writer process fails after training went on."""
     from megatron_ext.training.config import run_config_from_dict
     from megatron_ext.training.loop import checkpoint_bytes_estimate, pretrain
 
     # A 2 MiB disk: the model shrunk so that one checkpoint fits and the second (beside it) does not.
     recipe = _recipe(tiny_corpus, tmp_path, training={"train_iters": 4, "eval_interval": 0},
                      model={"vocab_size": 1024, "hidden_size": 48, "ffn_hidden_size": 96, "num_layers": 1},
-                     checkpoint={"save": str(small_filesystem / "ckpt"), "save_interval": 2})
+                     checkpoint={"save": str(small_filesystem / "ckpt"), "save_interval": 2,
+                                 "async_save": async_save})
     config = run_config_from_dict(recipe)
     assert (2 << 20) / 2 < checkpoint_bytes_estimate(config) < (2 << 20) * 0.8
     with pytest.raises(storage.CheckpointStorageError) as stopped:
