@@ -19,7 +19,7 @@ from megatron_ext.checkpoint import storage
 from megatron_ext.checkpoint.lock import LOCK_NAME, SaveDirectoryInUse, SaveDirectoryLock
 from megatron_ext.cli.entry import report_user_error
 from megatron_ext.config_loading import UserError
-from megatron_ext.eval.claims import Owner, claim_files
+from megatron_ext.claims import Owner, claim_files
 
 REPO = Path(__file__).parent.parent
 

@@ -5,7 +5,7 @@ removed as a leftover by the other's save, or both publishing into one ``iter_NN
 takes this lock before it writes anything there, and a second run is refused before it builds its
 model, with one line naming the owner (host, pid, since when) and what to do (exit code 2).
 
-The lock is an evaluation claim (``eval/claims.py``) on ``<save>/trainer.lock``: files
+The lock is an evaluation claim (``megatron_ext/claims.py``) on ``<save>/trainer.lock``: files
 ``trainer.lock.claim-<generation>`` created whole and exclusively (a private file hard-linked to
 its name: atomic on NFS, no ``flock``), refreshed by a heartbeat thread every 30 s. A dead owner's
 lock is taken over at once on its own host (its pid is gone) and after
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.eval.claims import Claim, ClaimPolicy, Holder, Owner, claim_files, try_claim
+from megatron_ext.claims import Claim, ClaimPolicy, Holder, Owner, claim_files, try_claim
 
 LOCK_NAME = "trainer.lock"
 """The lock's base name in the save directory (its files: ``trainer.lock.claim-<generation>``)."""

@@ -1,5 +1,6 @@
 """Claims: which of N workers sharing one output directory does a piece of work (a fine-tuning
-unit of the grid, a model's export), so that each is done once, and a dead worker's is done again.
+unit of the grid, a model's export), so that each is done once, and a dead worker's is done again;
+and which trainer writes a save directory (``checkpoint/lock.py``, one claim per run).
 
 A claim on ``BASE`` is a file ``BASE.claim-<generation>`` holding its owner (host, pid, the
 process's start time, its pid namespace). It is created whole and atomically: written under a
