@@ -24,7 +24,9 @@ final name, then replaces the tracker (temp file + ``os.replace``) and prunes ol
 at any point leaves the previous checkpoints intact, and ``latest_checkpoint`` only returns
 ``iter_NNNNNNN`` directories holding both the marker and Megatron's ``metadata.json``. Leftovers
 (``.tmp-``/``.trash-``) are removed by the next save. One training run per save directory;
-checkpoints are ordered by step.
+checkpoints are ordered by step (``checkpoint/lock.py`` keeps a second trainer out).
+Before the marker, the shards are checked against ``.metadata`` and every file's size is recorded
+in the marker: a damaged checkpoint is told from one being written (``checkpoint/storage.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import pickle
 import re
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -341,8 +344,9 @@ def _stop_persistent_writer(*, abort: bool) -> None:
 
 def _publish_checkpoint(tmp: Path, final: Path, *, files: dict[str, str], info: dict, keep_last: int,
                         keep_steps: tuple[int, ...]) -> None:
-    """Rank 0 completes ``tmp`` (our files, the marker last, fsyncs), renames it to ``final`` and
-    moves the tracker; every rank leaves after a barrier."""
+    """Rank 0 completes ``tmp`` (our files, its manifest in the marker, written last, fsyncs) once
+    the shards ``.metadata`` names are all there, renames it to ``final`` and moves the tracker;
+    every rank leaves once rank 0 has said how that went (a broadcast), raising its error if any."""
     failure: list[BaseException | None] = [None]
     if dist.get_rank() == 0:
         try:
@@ -372,11 +376,16 @@ class IncompleteSaveError(RuntimeError):
     """A checkpoint's shard files are missing or short although every writer reported success."""
 
 
+@dataclass(frozen=True, kw_only=True)
 class _PendingSave:
     """A save started: where it writes, and how its failure reads."""
 
-    def __init__(self, *, step: int, tmp: Path | None, save_dir: Path | None, needed_bytes: int | None):
-        self.step, self.tmp, self.save_dir, self.needed_bytes = step, tmp, save_dir, needed_bytes
+    step: int
+    tmp: Path | None
+    """Its ``.tmp-`` folder (None: unknown, a failure is passed on as it is)."""
+    save_dir: Path | None
+    needed_bytes: int | None
+    """About what it writes (``_needed_bytes``), for the message and the free-space diagnosis."""
 
     @contextlib.contextmanager
     def failures_explained(self):
