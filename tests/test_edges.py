@@ -16,7 +16,7 @@ import yaml
 
 from helpers import tiny_recipe as _recipe
 from megatron_ext.checkpoint import storage
-from megatron_ext.checkpoint.lock import LOCK_NAME, SaveDirectoryInUse, SaveDirectoryLock
+from megatron_ext.checkpoint.lock import LOCK_NAME, SaveDirectoryInUse, SaveDirectoryLock, SaveDirectoryLockLost
 from megatron_ext.cli.entry import report_user_error
 from megatron_ext.config_loading import UserError
 from megatron_ext.claims import Owner, claim_files
@@ -58,6 +58,27 @@ def test_save_directory_lock_refuses_a_live_trainer_and_takes_over_a_dead_or_req
         SaveDirectoryLock.acquire(save)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     SaveDirectoryLock.acquire(save).release()
+
+    # Paused past the timeout and taken over meanwhile: the run stops before its next save, and
+    # leaves the other trainer's lock in place.
+    lock = SaveDirectoryLock.acquire(save)
+    taker = lock._claim.generation + 1
+    _claim_record(save / f"{LOCK_NAME}.claim-{taker}", host="elsewhere", pid=1)
+    with pytest.raises(SaveDirectoryLockLost, match=r"another trainer took over the lock .* before saving step 6"):
+        lock.check_held(before="saving step 6")
+    lock.release()
+    assert max(claim_files(save / LOCK_NAME)) == taker and (save / f"{LOCK_NAME}.claim-{taker}").exists()
+
+
+def test_load_step_is_checked_with_the_other_checkpoint_keys():
+    from megatron_ext.checkpoint.config import CheckpointConfig
+
+    assert CheckpointConfig(save="s", load_step=4).load_step == 4
+    for keys, message in (({"save": "s", "load_step": 0}, "load_step must be a saved step >= 1"),
+                          ({"load_step": 4}, "needs checkpoint.save or checkpoint.load"),
+                          ({"load": "l", "finetune": True, "load_step": 4}, "drop checkpoint.finetune")):
+        with pytest.raises(UserError, match=message):
+            CheckpointConfig(**keys)
 
 
 def test_second_trainer_is_refused_in_one_line_before_building_its_model(tmp_path, tiny_corpus):
