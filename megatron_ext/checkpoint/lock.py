@@ -68,9 +68,12 @@ def refusal(save_dir: Path, holder: Holder, policy: ClaimPolicy = TRAINER_LOCK_P
 class SaveDirectoryLock:
     """The lock of one run on its save directory, on every rank (held by rank 0's :class:`Claim`)."""
 
-    def __init__(self, save_dir: Path, claim: Claim | None):
+    def __init__(self, save_dir: Path, claim: Claim | None, *, created: tuple[Path, ...] = ()):
         self.save_dir = save_dir
         self._claim = claim
+        self._created = created
+        """The directories taking the lock created (deepest first): removed on release while empty,
+        so that a run refused before it saved leaves nothing behind."""
 
     @classmethod
     def acquire(cls, save_dir: str | os.PathLike, *, policy: ClaimPolicy = TRAINER_LOCK_POLICY) -> SaveDirectoryLock:
@@ -80,6 +83,7 @@ class SaveDirectoryLock:
         save_dir = Path(save_dir).absolute()
         rank = dist.get_rank() if dist.is_initialized() else 0
         claim, outcome = None, [None]
+        created = tuple(path for path in (save_dir, *save_dir.parents) if not path.exists())
         if rank == 0:
             found = try_claim(save_dir / LOCK_NAME, owner=Owner.this_process(), policy=policy)
             if isinstance(found, Holder):
@@ -94,7 +98,7 @@ class SaveDirectoryLock:
             dist.broadcast_object_list(outcome, src=0)
         if outcome[0]:
             raise SaveDirectoryInUse(outcome[0])
-        return cls(save_dir, claim)
+        return cls(save_dir, claim, created=created if claim is not None else ())
 
     def check_held(self, before: str) -> None:
         """Raise :class:`SaveDirectoryLockLost` on every rank unless rank 0 still holds the lock (a
@@ -119,6 +123,11 @@ class SaveDirectoryLock:
             claim.finish()  # deletes every generation: the directory is free
         else:
             claim.release()  # only stops the heartbeat of a claim another trainer holds now
+        for directory in self._created:
+            try:
+                directory.rmdir()
+            except OSError:  # not empty (the run saved, or another process wrote there): kept
+                break
 
     def __enter__(self) -> SaveDirectoryLock:
         return self
