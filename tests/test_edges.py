@@ -116,7 +116,7 @@ def test_damaged_newest_checkpoint_names_the_file_and_resumes_from_load_step(tmp
     assert "\n" not in message and "Traceback" not in message
     assert message == (f"checkpoint {newest} is damaged: {shard.name} is missing ({size} bytes recorded); complete "
                        f"checkpoints left in {newest.parent}: iter_0000002; resume from one with --load-step 2 "
-                       "(checkpoint.load_step: 2)")
+                       "(checkpoint.load_step: 2; a tool takes its directory)")
     resumed = pretrain(run_config_from_dict({**recipe, "checkpoint": {**recipe["checkpoint"], "load_step": 2}}))
     assert resumed.start_step == 2 and resumed.final_step == 4
     assert resumed.losses[4] == first.losses[4]  # the same steps again, exactly

@@ -662,7 +662,7 @@ def damaged_message(checkpoint: Path, problem: str) -> str:
         listing = ", ".join(path.name for path in others)
         step = int(_CHECKPOINT.match(others[-1].name)[1])
         remedy = (f"complete checkpoints left in {checkpoint.parent}: {listing}; resume from one with "
-                  f"--load-step {step} (checkpoint.load_step: {step})")
+                  f"--load-step {step} (checkpoint.load_step: {step}; a tool takes its directory)")
     else:
         remedy = (f"no other complete checkpoint is left in {checkpoint.parent}: restore the file, or start over "
                   "with another --save")
