@@ -631,6 +631,10 @@ def _fresh_extra_states(model_state: dict, saved: dict, checkpoint: Path) -> lis
     return fresh
 
 
+_EDITABLE = (RUN_CONFIG, TOKENIZER_REFERENCE)
+"""Files of a checkpoint that may be rewritten after it was saved (checked for presence only)."""
+
+
 def check_intact(checkpoint: Path) -> None:
     """Raise ``UserError`` (:func:`damaged_message`) when a published checkpoint's files no longer
     match its manifest (``storage.damage``)."""
@@ -638,7 +642,7 @@ def check_intact(checkpoint: Path) -> None:
         marker = json.loads((checkpoint / COMPLETE).read_text())
     except (OSError, ValueError) as error:
         raise UserError(damaged_message(checkpoint, f"{COMPLETE} is unreadable ({storage.one_line(error)})")) from None
-    if problem := storage.damage(checkpoint, marker):
+    if problem := storage.damage(checkpoint, marker, editable=_EDITABLE):
         raise UserError(damaged_message(checkpoint, problem))
 
 
@@ -647,7 +651,7 @@ def intact_checkpoints(save_dir: Path) -> list[Path]:
     found = []
     for path in complete_checkpoints(save_dir):
         try:
-            if storage.damage(path, json.loads((path / COMPLETE).read_text())) is None:
+            if storage.damage(path, json.loads((path / COMPLETE).read_text()), editable=_EDITABLE) is None:
                 found.append(path)
         except (OSError, ValueError):
             continue  # an unreadable marker: damaged, so not listed

@@ -99,9 +99,10 @@ def manifest(checkpoint: Path, *, leave_out: str) -> dict[str, int]:
             if path.is_file() and path.name != leave_out}
 
 
-def damage(checkpoint: Path, marker: dict) -> str | None:
+def damage(checkpoint: Path, marker: dict, *, editable: tuple[str, ...] = ()) -> str | None:
     """Why the published ``checkpoint`` (its completion marker's content ``marker``) is damaged:
-    a recorded file missing or of another size; None: intact."""
+    a recorded file missing or of another size (``editable`` files: missing only, since users and
+    tools may rewrite them, e.g. a moved tokenizer's path); None: intact."""
     recorded = marker.get(MANIFEST_KEY)
     if recorded is None:  # written before manifests were recorded
         return missing_shards(checkpoint)
@@ -109,7 +110,7 @@ def damage(checkpoint: Path, marker: dict) -> str | None:
         path = checkpoint / name
         if not path.is_file():
             return f"{name} is missing ({size} bytes recorded)"
-        if path.stat().st_size != size:
+        if name not in editable and path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, {size} recorded"
     return None
 
