@@ -7,9 +7,13 @@
 Every config field has a flag named like Megatron-LM's (see --help); the recipe's values are
 the defaults. Resumes automatically from the newest complete checkpoint in --save (or --load).
 
-Exit status: 0 done; 2 bad input (one line naming it); 75 stopped on request after saving
-(SIGTERM/SIGUSR1, --exit-duration-in-mins, --exit-interval): run the same command to resume;
-76 stopped on request with nothing saved (no checkpoint.save); 1 a bug (with its traceback).
+Exit status: 0 done; 2 bad input (one line naming it; also --save in use by another trainer, or
+a damaged checkpoint: the line names the file and the --load-step that resumes past it); 74 the
+save directory is full, over quota or read-only (the previous checkpoint stays the newest): free
+space, then run the same command; 75 stopped on request after saving (SIGTERM/SIGUSR1,
+--exit-duration-in-mins, --exit-interval): run the same command to resume; 76 stopped on request
+with nothing saved (no checkpoint.save); 1 a bug (with its traceback). MEGATRON_EXT_DEBUG=1 adds
+the traceback to a bad input's line.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import pytest
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval import harness
-from megatron_ext.eval.claims import Claim, ClaimPolicy, Holder, Owner, claim_files, try_claim
+from megatron_ext.claims import Claim, ClaimPolicy, Holder, Owner, claim_files, try_claim
 from test_eval_harness import TINY, encoder, suite  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -64,7 +64,7 @@ def _worker(out: Path, models: list[str], suite_dir: Path, *extra: str) -> subpr
 _HOLDER = """
 import sys
 from pathlib import Path
-from megatron_ext.eval.claims import ClaimPolicy, Owner, try_claim
+from megatron_ext.claims import ClaimPolicy, Owner, try_claim
 claim = try_claim(Path(sys.argv[1]), owner=Owner.this_process(), policy=ClaimPolicy(timeout_s=float(sys.argv[2])))
 print(type(claim).__name__, flush=True)
 sys.stdin.readline()

@@ -20,6 +20,11 @@ class CheckpointConfig:
     load: str | None = None
     """Directory (or one checkpoint) to start from (Megatron: ``--load``); when resuming it
     defaults to ``save``."""
+    load_step: int | None = None
+    """Resume in full from this step's checkpoint (``iter_NNNNNNN``) of ``load`` (or of ``save``
+    where ``load`` is unset) instead of the newest: past a damaged newest checkpoint, whose error
+    names this flag (``--load-step``). Checkpoints newer than it are replaced as the run saves those
+    steps again; drop the flag once it has saved past them, or a restart goes back to this step."""
     save_interval: int = 1000
     """Steps between checkpoints (``--save-interval``); a final one is always written at the end."""
     keep_last: int = 2
@@ -57,6 +62,14 @@ class CheckpointConfig:
             raise UserError(f"CheckpointConfig.save_interval must be >= 1, got {self.save_interval}")
         if self.keep_last < 1:
             raise UserError(f"CheckpointConfig.keep_last must be >= 1, got {self.keep_last}")
+        if self.load_step is not None:
+            if isinstance(self.load_step, bool) or not isinstance(self.load_step, int) or self.load_step < 1:
+                raise UserError(f"checkpoint.load_step must be a saved step >= 1, got {self.load_step!r}")
+            if not (self.load or self.save):
+                raise UserError("checkpoint.load_step needs checkpoint.save or checkpoint.load (where that step is)")
+            if self.finetune or self.branch_from is not None:
+                raise UserError("checkpoint.load_step resumes a run in full: drop checkpoint.finetune and "
+                                "checkpoint.branch_from (or load_step)")
         if any(isinstance(step, bool) or not isinstance(step, int) or step < 1 for step in self.keep_steps):
             raise UserError(f"checkpoint.keep_steps must be steps >= 1, got {list(self.keep_steps)}")
         object.__setattr__(self, "keep_steps", tuple(sorted(set(self.keep_steps))))

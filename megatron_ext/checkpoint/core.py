@@ -24,11 +24,14 @@ final name, then replaces the tracker (temp file + ``os.replace``) and prunes ol
 at any point leaves the previous checkpoints intact, and ``latest_checkpoint`` only returns
 ``iter_NNNNNNN`` directories holding both the marker and Megatron's ``metadata.json``. Leftovers
 (``.tmp-``/``.trash-``) are removed by the next save. One training run per save directory;
-checkpoints are ordered by step.
+checkpoints are ordered by step (``checkpoint/lock.py`` keeps a second trainer out).
+Before the marker, the shards are checked against ``.metadata`` and every file's size is recorded
+in the marker: a damaged checkpoint is told from one being written (``checkpoint/storage.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -37,6 +40,7 @@ import pickle
 import re
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -51,6 +55,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.config_loading import UserError
 from megatron_ext import platform, processes
+from megatron_ext.checkpoint import storage
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +143,8 @@ class CheckpointSaver:
         platform.check_megatron_runs_here("saving a checkpoint")
         self._queue = None
         self._closed = False
+        self._pending: list[_PendingSave] = []
+        """Asynchronous saves started, oldest first (what a failed finalisation was writing)."""
         _results_queue.acquire()  # synchronous saves report through it too
         if not async_save:
             return
@@ -176,7 +183,11 @@ class CheckpointSaver:
         queue, self._queue = self._queue, None
         try:
             if queue is not None and not abort and queue.get_num_unfinalized_calls():
-                queue.maybe_finalize_async_calls(blocking=True)
+                self._queue = queue
+                try:
+                    self._finalize(blocking=True)
+                finally:
+                    self._queue = None
         finally:
             if queue is not None:
                 if not queue.persistent:  # the forked writers of saves an abort or a failed finalize left
@@ -224,29 +235,40 @@ class CheckpointSaver:
             state["optimizer"] = optimizer.sharded_state_dict(model_state)
             content_metadata = optimizer.format()
         info = {"step": step, "has_optimizer": optimizer is not None}
+        pending = _PendingSave(step=step, tmp=tmp, save_dir=save_dir, needed_bytes=_needed_bytes(save_dir, state))
 
         def publish() -> None:
             _publish_checkpoint(tmp, final, files=files, info=info, keep_last=keep_last, keep_steps=keep_steps)
 
-        request = dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata,
-                                          async_sharded_save=self._queue is not None, async_strategy="mcore")
-        if request is None:  # synchronous: returned after a barrier, all shards written
-            publish()
-        else:
-            request.add_finalize_fn(publish)  # runs on every rank once every rank's writer is done
-            self._queue.schedule_async_request(request)
+        with pending.failures_explained():
+            request = dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata,
+                                              async_sharded_save=self._queue is not None, async_strategy="mcore")
+            if request is None:  # synchronous: returned after a barrier, all shards written
+                publish()
+                return final
+        request.add_finalize_fn(publish)  # runs on every rank once every rank's writer is done
+        self._queue.schedule_async_request(request)
+        self._pending.append(pending)
         return final
 
     def poll(self) -> None:
         """Publish the asynchronous saves that have finished on every rank (a collective: call it
         on every rank, e.g. after each step)."""
         if self._queue is not None and self._queue.get_num_unfinalized_calls():
-            self._queue.maybe_finalize_async_calls(blocking=False)
+            self._finalize(blocking=False)
 
     def wait(self) -> None:
         """Block until every asynchronous save is written and published (a collective)."""
         if self._queue is not None and self._queue.get_num_unfinalized_calls():
-            self._queue.maybe_finalize_async_calls(blocking=True)
+            self._finalize(blocking=True)
+
+    def _finalize(self, *, blocking: bool) -> None:
+        """Publish the finished asynchronous saves; a failure is explained for the oldest in flight."""
+        oldest = self._pending[0] if self._pending else _PendingSave(step=-1, tmp=None, save_dir=None,
+                                                                     needed_bytes=None)
+        with oldest.failures_explained():
+            self._queue.maybe_finalize_async_calls(blocking=blocking)
+        del self._pending[:len(self._pending) - self._queue.get_num_unfinalized_calls()]
 
     @property
     def in_flight(self) -> int:
@@ -322,20 +344,87 @@ def _stop_persistent_writer(*, abort: bool) -> None:
 
 def _publish_checkpoint(tmp: Path, final: Path, *, files: dict[str, str], info: dict, keep_last: int,
                         keep_steps: tuple[int, ...]) -> None:
-    """Rank 0 completes ``tmp`` (our files, the marker last, fsyncs), renames it to ``final`` and
-    moves the tracker; every rank leaves after a barrier."""
+    """Rank 0 completes ``tmp`` (our files, its manifest in the marker, written last, fsyncs) once
+    the shards ``.metadata`` names are all there, renames it to ``final`` and moves the tracker;
+    every rank leaves once rank 0 has said how that went (a broadcast), raising its error if any."""
+    failure: list[BaseException | None] = [None]
     if dist.get_rank() == 0:
-        for name, text in files.items():
-            (tmp / name).write_text(text)
-        for path in sorted(tmp.iterdir()):  # Megatron's writers fsync their shards; the rest here
-            _fsync(path)
-        (tmp / COMPLETE).write_text(json.dumps(info) + "\n")
-        _fsync(tmp / COMPLETE)
-        _fsync(tmp)
-        _publish(tmp, final)
-        _write_tracker(final.parent, info["step"])
-        _prune(final.parent, keep_last, keep=final, keep_steps=keep_steps)
-    dist.barrier()
+        try:
+            for name, text in files.items():
+                (tmp / name).write_text(text)
+            for path in sorted(tmp.iterdir()):  # Megatron's writers fsync their shards; the rest here
+                _fsync(path)
+            # Verified before it counts: a checkpoint published short of a shard would be found
+            # damaged only at the resume that needs it.
+            if missing := storage.missing_shards(tmp):
+                raise IncompleteSaveError(f"{tmp}: {missing} after every rank's writer finished")
+            marker = {**info, storage.MANIFEST_KEY: storage.manifest(tmp, leave_out=COMPLETE)}
+            (tmp / COMPLETE).write_text(json.dumps(marker) + "\n")
+            _fsync(tmp / COMPLETE)
+            _fsync(tmp)
+            _publish(tmp, final)
+            _write_tracker(final.parent, info["step"])
+            _prune(final.parent, keep_last, keep=final, keep_steps=keep_steps)
+        except (OSError, IncompleteSaveError) as error:
+            failure[0] = error
+    dist.broadcast_object_list(failure, src=0)  # every rank stops when rank 0 could not publish
+    if failure[0] is not None:
+        raise failure[0]
+
+
+class IncompleteSaveError(RuntimeError):
+    """A checkpoint's shard files are missing or short although every writer reported success."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _PendingSave:
+    """A save started: where it writes, and how its failure reads."""
+
+    step: int
+    tmp: Path | None
+    """Its ``.tmp-`` folder (None: unknown, a failure is passed on as it is)."""
+    save_dir: Path | None
+    needed_bytes: int | None
+    """About what it writes (``_needed_bytes``), for the message and the free-space diagnosis."""
+
+    @contextlib.contextmanager
+    def failures_explained(self):
+        """Turn a failed write or publication into one line: a ``CheckpointStorageError`` when the
+        disk is full, over quota or read-only, else a ``RuntimeError`` carrying the root cause
+        (never Megatron's flattened tracebacks). Rank 0 removes the partial folder first."""
+        try:
+            yield
+        except _SAVE_ERRORS as error:
+            if self.save_dir is None:
+                raise
+            problem = storage.storage_problem(error, self.save_dir, needed_bytes=self.needed_bytes)
+            if dist.get_rank() == 0 and self.tmp is not None and self.tmp.exists():
+                shutil.rmtree(self.tmp)  # what it held is lost anyway; the space it takes is not
+            if problem is None:
+                raise RuntimeError(f"saving step {self.step} into {self.save_dir} failed: "
+                                   f"{storage.one_line(error)}") from error
+            raise storage.storage_error(step=self.step, save_dir=self.save_dir, problem=problem,
+                                        needed_bytes=self.needed_bytes,
+                                        previous=latest_checkpoint(self.save_dir)) from error
+
+
+# What a failed write raises: Megatron's writers report ``RuntimeError: Worker failure`` inside
+# torch's ``CheckpointException``; the files written here raise ``OSError``.
+_SAVE_ERRORS = (CheckpointException, CheckpointingException, RuntimeError, OSError)
+
+
+def _needed_bytes(save_dir: Path, state: dict) -> int:
+    """About how many bytes the save of ``state`` writes: the newest complete checkpoint's size,
+    else this rank's tensors times the number of ranks."""
+    previous = latest_checkpoint(save_dir)
+    if previous is not None:
+        return storage.directory_bytes(previous)
+    local = 0
+    for item in nested_values(state):
+        data = getattr(item, "data", None)
+        if isinstance(data, torch.Tensor):
+            local += data.numel() * data.element_size()
+    return local * (dist.get_world_size() if dist.is_initialized() else 1)
 
 
 def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
@@ -375,6 +464,7 @@ def load_checkpoint(
         The ``trainer_state`` saved with it (with ``step``).
     """
     platform.check_megatron_runs_here("loading a checkpoint")
+    check_intact(checkpoint)
     info = json.loads((checkpoint / COMPLETE).read_text())
     if optimizer is not None and not info["has_optimizer"]:
         raise UserError(f"checkpoint {checkpoint} holds no optimizer state (saved weights only); "
@@ -384,7 +474,7 @@ def load_checkpoint(
     try:
         saved_entries = load_sharded_metadata(str(checkpoint))
     except _READ_ERRORS as error:
-        raise UserError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
+        raise UserError(damaged_message(checkpoint, storage.one_line(error))) from error
     metadata = {key: value for key, value in saved_entries.items() if isinstance(value, ShardedTensor)}
 
     model_state = model.sharded_state_dict()
@@ -413,7 +503,7 @@ def load_checkpoint(
     try:
         loaded = dist_checkpointing.load(state, str(checkpoint))
     except _READ_ERRORS as error:
-        raise UserError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
+        raise UserError(damaged_message(checkpoint, storage.one_line(error))) from error
     outcome = model.load_state_dict(loaded["model"], strict=False)
     not_loaded = set(outcome.missing_keys) - set(fresh_extra_states) - unloaded
     if not_loaded or outcome.unexpected_keys:  # the sharded state dict and the module disagree: a bug, not input
@@ -438,7 +528,7 @@ def saved_optimizer_format(checkpoint: Path) -> dict | None:
     try:
         recorded = dist_checkpointing.load_content_metadata(str(checkpoint))
     except _READ_ERRORS as error:
-        raise UserError(f"checkpoint {checkpoint} is corrupt or incomplete: {error}") from error
+        raise UserError(damaged_message(checkpoint, storage.one_line(error))) from error
     if recorded is None:  # written before formats were recorded: the engine named in its run config
         engine = json.loads((checkpoint / RUN_CONFIG).read_text()).get("training", {}).get("engine", "portable")
         recorded = dict(PORTABLE_ENGINE_FORMAT) if engine == "portable" else {"optimizer": "megatron"}
@@ -539,6 +629,59 @@ def _fresh_extra_states(model_state: dict, saved: dict, checkpoint: Path) -> lis
         raise UserError(f"checkpoint {checkpoint} lacks {len(absent)} entries the model needs: "
                         + ", ".join(model_state[name].unique_key for name in absent))
     return fresh
+
+
+_EDITABLE = (RUN_CONFIG, TOKENIZER_REFERENCE)
+"""Files of a checkpoint that may be rewritten after it was saved (checked for presence only)."""
+
+
+def check_intact(checkpoint: Path) -> None:
+    """Raise ``UserError`` (:func:`damaged_message`) when a published checkpoint's files no longer
+    match its manifest (``storage.damage``)."""
+    try:
+        marker = json.loads((checkpoint / COMPLETE).read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(damaged_message(checkpoint, f"{COMPLETE} is unreadable ({storage.one_line(error)})")) from None
+    if problem := storage.damage(checkpoint, marker, editable=_EDITABLE):
+        raise UserError(damaged_message(checkpoint, problem))
+
+
+def intact_checkpoints(save_dir: Path) -> list[Path]:
+    """The complete checkpoints of ``save_dir`` whose files match their manifest, oldest first."""
+    found = []
+    for path in complete_checkpoints(save_dir):
+        try:
+            if storage.damage(path, json.loads((path / COMPLETE).read_text()), editable=_EDITABLE) is None:
+                found.append(path)
+        except (OSError, ValueError):
+            continue  # an unreadable marker: damaged, so not listed
+    return found
+
+
+def damaged_message(checkpoint: Path, problem: str) -> str:
+    """One line: which file of ``checkpoint`` is missing or unreadable, the intact checkpoints left
+    beside it, and the flag that resumes from one of them."""
+    others = [path for path in intact_checkpoints(checkpoint.parent) if path != checkpoint]
+    if others:
+        listing = ", ".join(path.name for path in others)
+        step = int(_CHECKPOINT.match(others[-1].name)[1])
+        remedy = (f"complete checkpoints left in {checkpoint.parent}: {listing}; resume from one with "
+                  f"--load-step {step} (checkpoint.load_step: {step}; a tool takes its directory)")
+    else:
+        remedy = (f"no other complete checkpoint is left in {checkpoint.parent}: restore the file, or start over "
+                  "with another --save")
+    return f"checkpoint {checkpoint} is damaged: {problem}; {remedy}"
+
+
+def checkpoint_at_step(directory: Path, step: int) -> Path:
+    """The complete checkpoint of ``step`` in the save directory ``directory`` (``UserError``
+    listing the steps there when it has none)."""
+    for path in complete_checkpoints(directory):
+        if int(_CHECKPOINT.match(path.name)[1]) == step:
+            return path
+    steps = [int(_CHECKPOINT.match(path.name)[1]) for path in intact_checkpoints(directory)]
+    held = f"its complete checkpoints are at steps {', '.join(map(str, steps))}" if steps else "it holds none"
+    raise UserError(f"checkpoint.load_step={step}: no complete checkpoint iter_{step:07d} in {directory}; {held}")
 
 
 def _incomplete_reason(path: Path) -> str | None:

@@ -46,6 +46,16 @@ class Checkpoint:
         """The complete checkpoints of a save directory, oldest first (none, or no directory: [])."""
         return [cls(path) for path in core.complete_checkpoints(Path(save_dir))]
 
+    @classmethod
+    def at_step(cls, save_dir: str | os.PathLike, step: int) -> Checkpoint:
+        """The complete checkpoint of ``step`` in ``save_dir`` (``checkpoint.load_step``)."""
+        return cls(core.checkpoint_at_step(Path(save_dir), step))
+
+    def check_intact(self) -> None:
+        """``UserError`` naming the missing or resized file, the intact checkpoints left beside
+        it and ``--load-step``, when the files no longer match the manifest saved with them."""
+        core.check_intact(self.path)
+
     def _json(self, name: str) -> dict:
         return json.loads((self.path / name).read_text())
 

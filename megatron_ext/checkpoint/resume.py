@@ -117,6 +117,7 @@ def _resume_in_full(target: TrainingState, checkpoint: Checkpoint, *, model_fiel
     """Load model and optimizer state from ``checkpoint`` if the run is the same model and the
     engine can take its optimizer state (both checked before anything is loaded); returns the
     trainer state."""
+    checkpoint.check_intact()  # first: the files the checks below read may be the damaged ones
     changes = meaning_changes(checkpoint, model_fields=model_fields, tokenizer=tokenizer,
                               tokenizer_model=tokenizer_model)
     if changes:
@@ -177,6 +178,12 @@ def load_starting_point(target: TrainingState, config: CheckpointConfig, *, mode
     ``tokenizer_model``: this run's model section (as saved, JSON types) and tokenizer setting;
     ``branch_check``: needed with ``checkpoint.branch_from``."""
     identity = dict(model_fields=model_fields, tokenizer=tokenizer, tokenizer_model=tokenizer_model)
+    if config.load_step is not None:  # an explicit step (past a damaged newest checkpoint): nothing else applies
+        directory = config.load if config.load and not config.finetune else config.save
+        chosen = Checkpoint.at_step(directory, config.load_step)
+        state = _resume_in_full(target, chosen, **identity)
+        _check_same_parent(chosen, state, config)
+        return StartingPoint(trainer_state=state, checkpoint=chosen)
     own = Checkpoint.latest(config.save) if config.finetune or not config.load else None
     if own is not None:
         state = _resume_in_full(target, own, **identity)

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +30,12 @@ from dataclasses import dataclass
 from megatron_ext.config_loading import UserError
 
 USER_ERROR_EXIT_CODE = 2
-"""Exit status of a run stopped by bad input (argparse's own code for a bad command line)."""
+"""Exit status of a run stopped by bad input (argparse's own code for a bad command line). A
+``UserError`` subclass may carry another as its ``exit_code`` (``checkpoint.storage``'s 74: the
+save directory is full)."""
+
+DEBUG_ENV = "MEGATRON_EXT_DEBUG"
+"""Set (to anything but empty or 0), a user error's line is followed by its traceback on stderr."""
 
 
 def error_line(tool: str, error: BaseException | str) -> str:
@@ -44,9 +50,12 @@ def error_line(tool: str, error: BaseException | str) -> str:
 
 
 def report_user_error(tool: str, error: UserError) -> int:
-    """Print ``error`` as :func:`error_line` to stderr; returns :data:`USER_ERROR_EXIT_CODE`."""
+    """Print ``error`` as :func:`error_line` to stderr (its traceback after it under
+    :data:`DEBUG_ENV`); returns its ``exit_code``, by default :data:`USER_ERROR_EXIT_CODE`."""
     print(error_line(tool, error), file=sys.stderr, flush=True)
-    return USER_ERROR_EXIT_CODE
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        traceback.print_exception(error, file=sys.stderr)
+    return getattr(error, "exit_code", USER_ERROR_EXIT_CODE)
 
 
 def entry_point(tool: str) -> Callable[[Callable[[list[str] | None], int]], Callable[[list[str] | None], int]]:

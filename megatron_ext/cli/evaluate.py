@@ -41,7 +41,7 @@ from pathlib import Path
 
 
 from megatron_ext.eval.benchmarks import BENCHMARKS, hub_offline, hub_reachable
-from megatron_ext.eval.claims import DEFAULT_TIMEOUT_S, ClaimPolicy
+from megatron_ext.claims import DEFAULT_TIMEOUT_S, ClaimPolicy
 from megatron_ext.eval.families import FAMILIES
 from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS
 from megatron_ext.eval.suite import TASKS

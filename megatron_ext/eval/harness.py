@@ -24,7 +24,7 @@ the same config and model.
 
 Workers share a grid: the same call in N processes (or N tasks of a SLURM job array) on one
 ``output_dir`` does each run once. A worker claims a :class:`GridUnit` (a run, or the runs sharing
-one training) before fine-tuning it, through a claim file with a heartbeat (:mod:`.claims`); a dead
+one training) before fine-tuning it, through a claim file with a heartbeat (:mod:`megatron_ext.claims`); a dead
 worker's claim expires and is taken over; exports are claimed the same way. A worker returns when
 nothing is left to claim, and whichever finds every run recorded writes the summary (the same
 files whoever writes them; ``summary_only`` writes one from the runs present).
@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import write_atomic
-from megatron_ext.eval.claims import Claim, ClaimPolicy, Holder, Owner, try_claim
+from megatron_ext.claims import Claim, ClaimPolicy, Holder, Owner, try_claim
 from megatron_ext.eval.benchmarks import BENCHMARKS, TASK_GROUPS, expand_tasks, prepare_benchmarks
 from megatron_ext.eval.families import (
     FAMILIES,
@@ -191,7 +191,7 @@ class RunRecord:
     losses: LossSummary | None
     """None for a diverged run."""
     worker: str | None = None
-    """``host:pid`` of the worker that fine-tuned it (:attr:`.claims.Owner.label`); None in files
+    """``host:pid`` of the worker that fine-tuned it (:attr:`megatron_ext.claims.Owner.label`); None in files
     written before workers shared a grid."""
 
     @classmethod
@@ -448,7 +448,7 @@ def _exported(model: ModelRef, output_dir: Path) -> bool:
 
 def export_models(models: Sequence[ModelRef], output_dir: Path, *, claims: ClaimPolicy, owner: Owner) -> None:
     """Export each checkpoint model not exported yet, once among the workers sharing ``output_dir``:
-    a worker claims an export (:mod:`.claims`) before doing it; exports others hold are waited for
+    a worker claims an export (:mod:`megatron_ext.claims`) before doing it; exports others hold are waited for
     (or taken over when their claim expires)."""
     from megatron_ext.hf import export_checkpoint
 
@@ -614,7 +614,7 @@ class _Progress:
 
 
 class GridWorker:
-    """One worker of the grid: claims each unit without records (:mod:`.claims`), fine-tunes it and
+    """One worker of the grid: claims each unit without records (:mod:`megatron_ext.claims`), fine-tunes it and
     saves its records, pass after pass until a pass finds nothing to claim."""
 
     def __init__(self, units: Sequence[GridUnit], *, owner: Owner, claims: ClaimPolicy,

@@ -24,6 +24,7 @@ import math
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,13 +40,15 @@ from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at
 from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
 from megatron_ext.checkpoint import core as ckpt
 from megatron_ext.checkpoint.handle import Checkpoint
+from megatron_ext.checkpoint.lock import SaveDirectoryLock
 from megatron_ext.checkpoint.resume import BRANCHED_FROM, load_starting_point
 from megatron_ext.training import data as data_lib
 from megatron_ext.training import cuda_graphs
 from megatron_ext.training.branching import check_saved_parent
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides
-from megatron_ext.training.memory import check_fits, estimate_memory
+from megatron_ext.training.memory import check_fits, estimate_memory, stage_parameters
+from megatron_ext.checkpoint import storage
 from megatron_ext.training.plan import check_paths, make_plan
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
 from megatron_ext.training.stop import RESUMABLE_EXIT_CODE, StopPolicy, write_exit_status
@@ -298,15 +301,19 @@ class _RunCheckpoints:
     """The run's saves into ``checkpoint.save``: the engine's state with the run config and the
     tokenizer reference, synchronously or in the background (``checkpoint.async_save``)."""
 
-    def __init__(self, config: RunConfig, engine: MegatronEngine, tokenizer: EncoderTokenizer):
+    def __init__(self, config: RunConfig, engine: MegatronEngine, tokenizer: EncoderTokenizer, *,
+                 lock: SaveDirectoryLock | None):
         self.config = config.checkpoint
         self.engine = engine
+        self.lock = lock
         self.run_config = config.to_dict()
         self.tokenizer_reference = {**tokenizer.reference(), ckpt.TOKENIZER_FINGERPRINT: tokenizer.fingerprint()}
         self.saver = ckpt.CheckpointSaver(async_save=self.config.async_save)
 
     def save(self, step: int, trainer_state: dict) -> str:
         """Save (or start saving) the state after ``step``; returns the checkpoint's path."""
+        if self.lock is not None:
+            self.lock.check_held(before=f"saving step {step}")
         with self.engine.checkpointing():
             path = self.saver.save(
                 self.config.save, step=step, model=self.engine.checkpoint_model,
@@ -354,20 +361,63 @@ def _due(step: int, interval: int, total: int) -> bool:
 
 
 def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
+    # First, before this run writes anything: a second trainer on the same save directory stops here.
+    with (SaveDirectoryLock.acquire(config.checkpoint.save) if config.checkpoint.save
+          else contextlib.nullcontext()) as lock:
+        return _pretrain_locked(config, exit_after_step=exit_after_step, lock=lock)
+
+
+def checkpoint_bytes_estimate(config: RunConfig) -> int:
+    """About the size of one checkpoint of ``config``: every parameter once in its dtype, and Adam's
+    state (two fp32 moments, plus fp32 main parameters for lower-precision ones)."""
+    params = stage_parameters(config.model, tensor_parallel=1, pipeline_parallel=1)
+    param_bytes = config.model.torch_dtype.itemsize
+    return params * (param_bytes + 8 + (4 if param_bytes < 4 else 0))
+
+
+def _check_save_space(config: RunConfig) -> None:
+    """Refuse a run whose first save cannot fit in ``checkpoint.save`` (``CheckpointStorageError``,
+    exit code 74, on every rank), warn when ``keep_last`` checkpoints will not (rank 0 judges, for
+    all: ranks on one shared directory must not disagree)."""
+    verdict: list = [None]
+    if dist.get_rank() == 0:
+        save_dir = Path(config.checkpoint.save)
+        kept = ckpt.intact_checkpoints(save_dir)[-config.checkpoint.keep_last:]
+        sizes = [storage.directory_bytes(path) for path in kept]
+        check = storage.SpaceCheck(save_dir=save_dir, checkpoint_bytes=sizes[-1] if sizes else
+                                   checkpoint_bytes_estimate(config), measured=bool(sizes),
+                                   kept=config.checkpoint.keep_last, existing_bytes=sum(sizes))
+        verdict[0] = check.problem()
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is None:
+        return
+    message, fatal = verdict[0]
+    if fatal:
+        raise storage.CheckpointStorageError(message)
+    if is_writer():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None,
+                     lock: SaveDirectoryLock | None) -> TrainResult:
     # Everything a launch can get wrong is refused here, before the model is allocated.
+    if config.checkpoint.save:
+        _check_save_space(config)
     check_fits(estimate_memory(config, world_size=dist.get_world_size()), *platform.usable_memory_bytes())
     device = platform.device()
     tokenizer = build_tokenizer(config.tokenizer)
     check_tokenizer_fits(config, tokenizer)
     engine = _build_model_and_engine(config, device)
     try:
-        return _train_engine(config, engine, tokenizer=tokenizer, device=device, exit_after_step=exit_after_step)
+        return _train_engine(config, engine, tokenizer=tokenizer, device=device, exit_after_step=exit_after_step,
+                             lock=lock)
     finally:
         engine.close()  # its CUDA graphs, whatever ends the run
 
 
 def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: EncoderTokenizer, device: torch.device,
-                  exit_after_step: int | None) -> TrainResult:
+                  exit_after_step: int | None, lock: SaveDirectoryLock | None) -> TrainResult:
     """The run with its engine built: the starting point loaded, then the steps."""
     total = config.training.train_iters
     phases = config.resolved_phases
@@ -411,7 +461,7 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
             print(f"branched from {origin['save']} at step {origin['step']}"
                   + ("" if starting_point.from_parent else f" (resumed from this run's {first_checkpoint})"),
                   flush=True)
-        checkpoints = _RunCheckpoints(config, engine, tokenizer)
+        checkpoints = _RunCheckpoints(config, engine, tokenizer, lock=lock)
         # No writer process outlives the run: published then stopped, or killed after an error.
         stack.push(lambda error_type, error, traceback: checkpoints.close(abort=error_type is not None))
         engine.checkpoint_model.train()

@@ -30,6 +30,9 @@ RESUMABLE_EXIT_CODE = 75
 """Exit status of a run that stopped on request after saving (sysexits' EX_TEMPFAIL: try again).
 ``examples/launch/slurm.sbatch`` requeues the job on it and on nothing else."""
 
+# 74 (``checkpoint.storage.STORAGE_EXIT_CODE``): stopped because the save directory is full or
+# read-only, resumable once fixed; not a stop on request, so not requeued.
+
 STOPPED_UNSAVED_EXIT_CODE = 76
 """Exit status of a run that stopped on request with nothing to resume from (``checkpoint.save``
 unset): a rerun would start over, so a launcher must not requeue it."""

@@ -1,5 +1,6 @@
 """Claims: which of N workers sharing one output directory does a piece of work (a fine-tuning
-unit of the grid, a model's export), so that each is done once, and a dead worker's is done again.
+unit of the grid, a model's export), so that each is done once, and a dead worker's is done again;
+and which trainer writes a save directory (``checkpoint/lock.py``, one claim per run).
 
 A claim on ``BASE`` is a file ``BASE.claim-<generation>`` holding its owner (host, pid, the
 process's start time, its pid namespace). It is created whole and atomically: written under a
@@ -52,6 +53,11 @@ class ClaimPolicy:
     """A claim whose heartbeat is older than this is taken over (``--claim-timeout``). It must
     exceed the longest pause of a live worker (a stalled file system), or two may run one unit."""
 
+    requeue_takes_over: bool = False
+    """A SLURM requeue of the owner's job (same ``SLURM_JOB_ID``, higher ``SLURM_RESTART_COUNT``)
+    takes the claim over at once: the requeued job is the same work, and SLURM ended the old
+    allocation's processes first. Off for evaluation workers, which share one job's id."""
+
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise UserError(f"--claim-timeout must be > 0 seconds, got {self.timeout_s}")
@@ -81,11 +87,21 @@ class Owner:
     """The process's start time (seconds since the epoch): a pid reused by a later process is not it."""
     pid_namespace: int | None
     """:func:`_pid_namespace` of the owner; None where unknown (then only the heartbeat tells)."""
+    slurm_job: str | None = None
+    """``$SLURM_JOB_ID`` of the owner; None outside SLURM (and in claims written before it was recorded)."""
+    slurm_restart: int = 0
+    """``$SLURM_RESTART_COUNT`` of the owner (how often SLURM requeued its job; unset: 0)."""
 
     @classmethod
     def this_process(cls) -> Owner:
         return cls(host=socket.gethostname(), pid=os.getpid(), started=psutil.Process().create_time(),
-                   pid_namespace=_pid_namespace())
+                   pid_namespace=_pid_namespace(), slurm_job=os.environ.get("SLURM_JOB_ID") or None,
+                   slurm_restart=int(os.environ.get("SLURM_RESTART_COUNT") or 0))
+
+    def requeued_as(self, observer: Owner) -> bool:
+        """True when ``observer`` runs in a later requeue of this owner's SLURM job."""
+        return (self.slurm_job is not None and self.slurm_job == observer.slurm_job
+                and observer.slurm_restart > self.slurm_restart)
 
     @property
     def label(self) -> str:
@@ -115,7 +131,8 @@ class Holder:
     generation: int
 
     def expired(self, policy: ClaimPolicy, observer: Owner) -> bool:
-        return self.age_s > policy.timeout_s or (self.owner is not None and self.owner.known_dead(observer))
+        return self.age_s > policy.timeout_s or (self.owner is not None and (
+            self.owner.known_dead(observer) or (policy.requeue_takes_over and self.owner.requeued_as(observer))))
 
     def describe(self) -> str:
         who = self.owner.label if self.owner is not None else "an unreadable claim"
