@@ -273,13 +273,18 @@ def test_bf16_parameters_and_fusions_train_like_the_default(tmp_path, tiny_corpu
         results[name] = pretrain(run_config_from_dict(raw))
         assert results[name].final_step == STEPS and results[name].skipped_steps == 0
         _check_phases(tmp_path / name)
-    default, switched = results["default"].losses, results["switches"].losses
+    _assert_bf16_runs_agree(results["switches"].losses, results["default"].losses, "switches vs default")
+
+
+def _assert_bf16_runs_agree(candidate: dict, reference: dict, what: str) -> None:
+    """Two bf16 biphasic runs from the same weights on the same batches: the first steps within
+    bf16 rounding, each phase's windows within the plateau's tolerance, and both jump at the switch."""
     for step in range(1, 11):
-        assert switched[step] == pytest.approx(default[step], rel=FIRST_STEPS_TOLERANCE["bf16"]), f"step {step}"
-    _assert_windows_close(switched, default, 1, SWITCH, WINDOW_TOLERANCE["bf16"], "CLM phase, switches vs default")
-    _assert_windows_close(switched, default, SWITCH + 1, SWITCH + 20, WINDOW_TOLERANCE["bf16"],
-                          "first MLM steps, switches vs default")
-    for run in (default, switched):
+        assert candidate[step] == pytest.approx(reference[step], rel=FIRST_STEPS_TOLERANCE["bf16"]), f"{what}: step {step}"
+    _assert_windows_close(candidate, reference, 1, SWITCH, WINDOW_TOLERANCE["bf16"], f"CLM phase, {what}")
+    _assert_windows_close(candidate, reference, SWITCH + 1, SWITCH + 20, WINDOW_TOLERANCE["bf16"],
+                          f"first MLM steps, {what}")
+    for run in (reference, candidate):
         assert run[SWITCH + 1] - run[SWITCH] > JUMP_AT_SWITCH, (run[SWITCH], run[SWITCH + 1])
 
 
@@ -480,14 +485,7 @@ def test_the_recipe_fusions_train_like_the_default_on_te(tmp_path, tiny_corpus, 
         results[name] = pretrain(run_config_from_dict(raw))
         assert results[name].final_step == STEPS and results[name].skipped_steps == 0
         _check_phases(tmp_path / name)
-    default, recipe = results["default"].losses, results["recipe"].losses
-    for step in range(1, 11):
-        assert recipe[step] == pytest.approx(default[step], rel=FIRST_STEPS_TOLERANCE["bf16"]), f"step {step}"
-    _assert_windows_close(recipe, default, 1, SWITCH, WINDOW_TOLERANCE["bf16"], "CLM phase, recipe vs default (TE)")
-    _assert_windows_close(recipe, default, SWITCH + 1, SWITCH + 20, WINDOW_TOLERANCE["bf16"],
-                          "first MLM steps, recipe vs default (TE)")
-    for run in (default, recipe):
-        assert run[SWITCH + 1] - run[SWITCH] > JUMP_AT_SWITCH, (run[SWITCH], run[SWITCH + 1])
+    _assert_bf16_runs_agree(results["recipe"].losses, results["default"].losses, "recipe vs default (TE)")
 
 
 # --- CUDA graphs of the transformer layers (training.cuda_graphs, issue 32) ---------------------
