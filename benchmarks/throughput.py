@@ -5,10 +5,12 @@
     .venv/bin/python benchmarks/throughput.py --presets 610m --seq-lengths 2048 --precisions bf16
 
 Per (preset, sequence length, precision) both sides train MLM-40 on the same random-token
-batches (the objective and shapes set the speed, not the text), AdamW (0.9, 0.95), clip 1.0, at
-the recipes' shape: an optimizer step takes as many micro-batches as one rank gets in the paper
-recipe (global batch 1,152 over ``--data-parallel-size`` 64 ranks: 2 / 3 / 6 micro-batches of
-9 / 6 / 3 sequences at 210m / 610m / 1b), gradient accumulation on both sides:
+sequences (the objective and shapes set the speed, not the text), AdamW (0.9, 0.95), clip 1.0, at
+the recipes' shape: an optimizer step takes the sequences one rank gets in the paper recipe (global
+batch 1,152 over ``--data-parallel-size`` 64 ranks: 18), in the recipe's micro-batches (1 x 18,
+2 x 9 and 2 x 9 at 210m / 610m / 1b; ``micro_batch_N`` variants time the recipes' earlier sizes), the
+baseline in the largest measured to fit an 80 GB GPU (``HF_MICRO_BATCH_80GB``), gradient accumulation
+on both sides:
 - megatron_ext: the size recipe's configuration (``examples/recipes/base/<size>.yaml``: spec, bf16
   parameters, fusions, LM head, distributed optimizer; ``RECIPE_SETTINGS``), with what the machine
   cannot run turned off as a training run would (``training.loop.runnable_here``): ``build_encoder_model``
@@ -39,6 +41,7 @@ and versions).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -98,6 +101,10 @@ VARIANTS = {
     "unfused_adam": ({"optimizer": {"fused": False}}, "torch AdamW as Megatron builds it without TE/apex (not fused)"),
     "cuda_graphs": ({"training": {"cuda_graphs": "local"}},
                     "CUDA graphs of the transformer layers (Megatron's local CudaGraphManager; captured in warm-up)"),
+    # The micro-batches the size recipes had before issue 32 (same tokens per step, more micro-batches).
+    "micro_batch_3": ({"data": {"micro_batch_size": 3}}, "3 sequences per micro-batch (the 1b recipe's before)"),
+    "micro_batch_6": ({"data": {"micro_batch_size": 6}}, "6 sequences per micro-batch (the 610m recipe's before)"),
+    "micro_batch_9": ({"data": {"micro_batch_size": 9}}, "9 sequences per micro-batch (the 210m recipe's before)"),
 }
 GPU_ONLY_VARIANTS = ("selective_recompute", "full_recompute", "cuda_graphs")
 
@@ -127,6 +134,33 @@ def recipe_shape(args, model_preset: str) -> tuple[int, int]:
     return micro, count
 
 
+HF_MICRO_BATCH_80GB = {"210m": 9, "610m": 6, "1b": 3}
+"""The Hugging Face baseline's micro-batch at seq 2,048 on one 80 GB GPU: the largest measured to fit
+that divides one rank's 18 sequences (benchmarks/results/gpu_visits/: 1b at 3 peaks at 41.9 GB and
+at 4 at 50.5 GB, ~8.6 GB a sequence, so 6 would leave no room and 8 ran out of memory on an H100;
+610m at 6 peaks at 50.8 GB; 210m at 9 is the smallest model's share of the same budget). The
+baseline is timed as its user would run it, at a micro-batch that fits, on the same sequences."""
+
+
+def side_shape(args, model_preset: str, side: str) -> tuple[int, int]:
+    """(micro-batch size, micro-batches per step) a side runs: the recipe's shape, a ``micro_batch_N``
+    variant's size or the baseline's (``HF_MICRO_BATCH_80GB``, ``--hf-micro-batch-size``) over the same
+    sequences per step (the size must divide them)."""
+    micro, count = recipe_shape(args, model_preset)
+    sequences = micro * count
+    if side == "hf":
+        own = args.hf_micro_batch_size or HF_MICRO_BATCH_80GB.get(model_preset, micro)
+        side_micro = min(micro, own) if not args.hf_micro_batch_size else own
+    elif side in VARIANTS:
+        side_micro = VARIANTS[side][0].get("data", {}).get("micro_batch_size", micro)
+    else:
+        side_micro = micro
+    if sequences % side_micro:
+        raise SystemExit(f"throughput.py: error: {side}: a micro-batch of {side_micro} does not divide the "
+                         f"{sequences} sequences of a {model_preset} step")
+    return side_micro, sequences // side_micro
+
+
 def recipe_settings(model_preset: str) -> dict[str, dict]:
     """The ``RECIPE_SETTINGS`` the size's base recipe sets (the trainer's defaults for the others)."""
     recipe = read_recipe(REPO / "examples" / "recipes" / "base" / f"{model_preset}.yaml")
@@ -139,7 +173,7 @@ def run_config(args, model_preset: str, seq_length: int, precision: str, variant
     the size recipe's ``RECIPE_SETTINGS``, changed as ``VARIANTS[variant]`` says, with what this
     machine cannot run turned off as a training run would (``training.loop.runnable_here``, not
     announced here: ``describe`` records what each side ran)."""
-    micro, count = recipe_shape(args, model_preset)
+    micro, count = side_shape(args, model_preset, variant or "megatron_ext")
     recipe = recipe_settings(model_preset)
     raw = {
         "model": {**recipe["model"], "preset": model_preset, "vocab_size": args.vocab_size, "seq_length": seq_length},
@@ -155,14 +189,16 @@ def run_config(args, model_preset: str, seq_length: int, precision: str, variant
     if precision == "fp32":  # an fp32 row is fp32 throughout: no bf16 weights either
         raw["model"]["params_dtype"] = "float32"
     for section, values in (VARIANTS[variant][0] if variant else {}).items():
-        raw[section] = {**raw.get(section, {}), **values}
+        if section != "data":  # a micro-batch variant's shape is side_shape's, above
+            raw[section] = {**raw.get(section, {}), **values}
     return runnable_here(run_config_from_dict(raw), announce=False)
 
 
 def describe(config) -> dict:
     """What a side runs, after this machine's fallbacks: spec, precision, fusions, LM head, optimizer."""
     t, p = config.training, config.parallel
-    return {"attention_backend": config.model.attention_backend, "params_dtype": config.model.params_dtype,
+    return {"micro_batch_size": config.data.micro_batch_size,
+            "attention_backend": config.model.attention_backend, "params_dtype": config.model.params_dtype,
             "bf16_autocast": t.bf16, "fp8_recipe": t.fp8_recipe,
             **{name: getattr(t, name) for name in RECIPE_SETTINGS["training"]},
             "recompute_granularity": t.recompute_granularity, "cuda_graphs": t.cuda_graphs,
@@ -296,18 +332,21 @@ def _hf(config, batch, args, wall: dict) -> dict:
     return {"rounds_s": _timed_rounds(step, batch, args, wall)}
 
 
-def _batches(args, model_preset: str, seq_length: int):
-    """A maker of one optimizer step's micro-batches; each side builds it from the same generator
-    seed, so every side of a row trains on identical batches."""
+def _batches(args, model_preset: str, seq_length: int, side: str):
+    """A maker of one optimizer step's micro-batches; each side builds the step's sequences from the
+    same generator seed and splits them into its own micro-batches (``side_shape``), so every side of a
+    row trains on identical sequences."""
     device = platform.device()
-    micro, count = recipe_shape(args, model_preset)
+    micro, count = side_shape(args, model_preset, side)
     masking = MaskingConfig(mask_ratio=0.4)
     gen = torch.Generator(device=device).manual_seed(0)
 
     def step_batches():  # one optimizer step: `count` micro-batches
-        return [apply_mlm(torch.randint(4, args.vocab_size, (micro, seq_length), generator=gen, device=device),
-                          config=masking, mask_id=MASK_ID, vocab_size=args.vocab_size, special_ids=SPECIAL_IDS,
-                          generator=gen) for _ in range(count)]
+        step = apply_mlm(torch.randint(4, args.vocab_size, (micro * count, seq_length), generator=gen, device=device),
+                         config=masking, mask_id=MASK_ID, vocab_size=args.vocab_size, special_ids=SPECIAL_IDS,
+                         generator=gen)
+        return [dataclasses.replace(step, input_ids=ids, labels=labels, loss_mask=mask) for ids, labels, mask
+                in zip(*(t.split(micro) for t in (step.input_ids, step.labels, step.loss_mask)))]
     return step_batches
 
 
@@ -334,10 +373,10 @@ def run_side(spec: dict) -> dict:
         platform.init_process_group_and_model_parallel(seed=1234)
     try:
         if side == "hf":
-            result = _hf(config, _batches(args, preset, seq_length), args, wall)
+            result = _hf(config, _batches(args, preset, seq_length, side), args, wall)
         else:
             stem = f"profile_{preset}_seq{seq_length}_{precision}" if side == "megatron_ext" and args.profile else None
-            result = _ours(config, _batches(args, preset, seq_length), args, stem, wall)
+            result = _ours(config, _batches(args, preset, seq_length, side), args, stem, wall)
     except torch.OutOfMemoryError as error:  # a measurement too: this side does not fit at this shape
         result = {"error": f"out of memory: {str(error).splitlines()[0]}"}
     finally:
@@ -437,13 +476,15 @@ def measure(args, model_preset: str, seq_length: int, precision: str,
     hf = (measured("hf", measure_alone(args, "hf", model_preset, seq_length, precision)) if args.baseline
           else {"error": "not run (--no-baseline)", "peak_mem_gb": None, "wall_s": None})
     hf_step_time, hf_tokens_per_s = speed(hf)
+    hf_shape = side_shape(args, model_preset, "hf")
     achieved = tokens_per_s * ours["flops_per_token"] if tokens_per_s else None
     peak = peak_flops_per_device(args.device_name) if platform.on_gpu() else None
     return {
         "model": model_preset, "seq_length": seq_length, "precision": precision,
         "micro_batch_size": micro, "micro_batches_per_step": count, "tokens_per_step": tokens,
         "micro_batch_time_s": step_time / count if step_time else None,
-        "hf_micro_batch_time_s": hf_step_time / count if hf_step_time else None,
+        "hf_micro_batch_size": hf_shape[0], "hf_micro_batches_per_step": hf_shape[1],
+        "hf_micro_batch_time_s": hf_step_time / hf_shape[1] if hf_step_time else None,
         "parameters": ours["parameters"], "engine": ours["engine"], "attention_backend": ours["attention_backend"],
         "tokens_per_s": tokens_per_s, "tflops": achieved / 1e12 if achieved else None,
         "mfu": achieved / peak if achieved and peak else None,
@@ -479,7 +520,9 @@ def _format_row(row: dict) -> list[str]:
         hf = "HF not run"
     else:
         ratio = "" if row["speedup_vs_hf"] is None else f" | x{row['speedup_vs_hf']:.2f} vs HF"
-        hf = f"HF {speed(row['hf_tokens_per_s'])}, {mem_label} {row['hf_peak_mem_gb']:.2f} GB{ratio}"
+        shape = ("" if row["hf_micro_batch_size"] == row["micro_batch_size"]
+                 else f" ({row['hf_micro_batches_per_step']} x micro-batch {row['hf_micro_batch_size']})")
+        hf = f"HF{shape} {speed(row['hf_tokens_per_s'])}, {mem_label} {row['hf_peak_mem_gb']:.2f} GB{ratio}"
     lines = [f"{head}{ours} | {mem_label} {row['peak_mem_gb']:.2f} GB | {hf}"]
     if row.get("settings"):
         on = [k for k, v in row["settings"].items() if v is True]
@@ -514,6 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--fp8-recipe", choices=("delayed", "tensorwise"), default="delayed")
     add("--vocab-size", type=int, default=128_256, help="the paper's Llama-3 vocabulary")
     add("--micro-batch-size", type=int, default=None, help="default: the paper recipe's for the preset")
+    add("--hf-micro-batch-size", type=int, default=None,
+        help="the Hugging Face baseline's micro-batch (same sequences per step); default: the recipe's, at most "
+             "the largest measured to fit an 80 GB GPU (HF_MICRO_BATCH_80GB)")
     add("--micro-batches", type=int, default=None,
         help="micro-batches per optimizer step (gradient accumulation, both sides); default: one rank's "
              "share of the recipe's global batch at --data-parallel-size ranks")

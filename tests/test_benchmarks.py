@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import throughput
 
@@ -62,12 +63,32 @@ def test_throughput_cpu_mode_writes_rows(tmp_path, capsys):
 
 
 def test_recipe_shape_is_one_ranks_share_of_the_paper_batch():
-    """1,152 sequences over 64 data-parallel ranks = 18 per rank: 6 x 3 at 1b, 3 x 6 at 610m."""
+    """1,152 sequences over 64 data-parallel ranks = 18 per rank: 2 x 9 at 1b and 610m; the
+    baseline and the micro_batch_N variants split the same 18 sequences their own way."""
     args = throughput.build_parser().parse_args([])
-    assert throughput.recipe_shape(args, "1b") == (3, 6)
-    assert throughput.recipe_shape(args, "610m") == (6, 3)
+    assert throughput.recipe_shape(args, "1b") == (9, 2)
+    assert throughput.recipe_shape(args, "610m") == (9, 2)
+    assert throughput.side_shape(args, "1b", "hf") == (3, 6)  # the baseline's largest that fits 80 GB
+    assert throughput.side_shape(args, "610m", "hf") == (6, 3)
+    assert throughput.side_shape(args, "1b", "micro_batch_3") == (3, 6)
+    assert throughput.side_shape(args, "1b", "no_rope_fusion") == (9, 2)
+    assert throughput.describe(throughput.run_config(args, "1b", 2048, "bf16", "micro_batch_9")) == \
+        throughput.describe(throughput.run_config(args, "1b", 2048, "bf16"))  # the recipe's own: not timed twice
+    assert throughput.describe(throughput.run_config(args, "1b", 2048, "bf16", "micro_batch_3"))["micro_batch_size"] == 3
     args = throughput.build_parser().parse_args(["--data-parallel-size", "8", "--micro-batch-size", "4"])
     assert throughput.recipe_shape(args, "610m") == (4, 36)
+    args = throughput.build_parser().parse_args(["--micro-batch-size", "16", "--micro-batches", "1"])
+    with pytest.raises(SystemExit, match="micro-batch of 6 does not divide the 16 sequences"):
+        throughput.side_shape(args, "1b", "micro_batch_6")
+
+
+def test_every_side_trains_on_the_same_sequences_in_its_own_micro_batches():
+    args = throughput.build_parser().parse_args(["--vocab-size", "512"])
+    steps = {side: throughput._batches(args, "1b", 32, side)() for side in ("megatron_ext", "hf", "micro_batch_6")}
+    assert [len(step) for step in steps.values()] == [2, 6, 3]
+    joined = {side: torch.cat([b.input_ids for b in step]) for side, step in steps.items()}
+    assert torch.equal(joined["megatron_ext"], joined["hf"]) and torch.equal(joined["hf"], joined["micro_batch_6"])
+    assert torch.equal(torch.cat([b.labels for b in steps["hf"]]), torch.cat([b.labels for b in steps["megatron_ext"]]))
 
 
 def test_the_default_side_is_the_size_recipe_and_variants_undo_one_setting():

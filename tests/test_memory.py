@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,14 +14,17 @@ import yaml
 import pretrain_encoder
 from megatron_ext.config_loading import UserError
 from megatron_ext.model import build_encoder_model, parameter_count, preset
-from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.config import read_recipe, run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from megatron_ext.training.memory import (
     estimate_memory,
+    largest_micro_batch,
     layer_activation_bytes,
     stage_parameters,
 )
 from helpers import tiny_recipe as _recipe
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def saved_bytes(model, ids: torch.Tensor, loss_mask: torch.Tensor, *, bf16: bool) -> int:
@@ -117,6 +121,24 @@ def test_a_run_that_cannot_fit_is_refused_before_allocating(tmp_path, tiny_corpu
     out = capsys.readouterr().out
     assert re.search(r"memory/rank +params .* GiB per rank", out)
     assert "on this machine: NOT READY, a run here would stop" in out
+    assert re.search(r"largest micro-batch within 75 % of that memory, same global batch: "
+                     r"([1-7] \(data\.micro_batch_size; 8 in this config\)|none, even 1 exceeds it)", out), out
     path.write_text(yaml.safe_dump(_recipe(tiny_corpus, tmp_path)))
     assert pretrain_encoder.main(["--config", str(path), "--dry-run"]) == 0
     assert "on this machine: fits" in capsys.readouterr().out
+
+
+H100_80GB_FREE = int(78.5 * 2**30)
+"""``torch.cuda.mem_get_info``'s free bytes on an idle H100 80GB HBM3: 79.2 GiB less the CUDA context."""
+
+
+@pytest.mark.parametrize("size", ["210m", "610m", "1b"])
+def test_size_recipes_take_the_largest_micro_batch_that_fits_an_80gb_gpu(size):
+    """The rule the size recipes' comments state, computed: the largest micro-batch within 75 % of an
+    80 GB H100 on one GPU, same global batch; and a machine with more memory gets a larger one."""
+    config = run_config_from_dict(read_recipe(REPO / "examples" / "recipes" / "paper" / f"{size}_mlm_40.yaml"))
+    # Among the sizes that split one rank's 18 sequences at 64 ranks (so 8 to 64 ranks split 1,152 evenly).
+    chosen = largest_micro_batch(config, world_size=1, usable_bytes=H100_80GB_FREE, sequences_per_rank=18)
+    assert chosen == config.data.micro_batch_size
+    assert largest_micro_batch(config, world_size=1, usable_bytes=4 * H100_80GB_FREE) > chosen
+    assert largest_micro_batch(config, world_size=1, usable_bytes=2**30) is None  # nothing fits 1 GiB

@@ -116,7 +116,7 @@ def test_paper_recipe_plans(path: Path, capsys):
     layers, hidden, heads, kv = SHAPES[size]
     assert f"{layers} layers, hidden {hidden}," in plan and f"heads {heads}/{kv} KV, vocab 128,256" in plan
     assert "(te attention)" in plan
-    micro = {"210m": 9, "610m": 6, "1b": 3}[size]
+    micro = {"210m": 18, "610m": 9, "1b": 9}[size]
     assert f"global 1152 = micro {micro} x DP {world} x {1152 // (micro * world)} micro-batches/step" in plan
     assert total_tokens(plan) == (TOKENS_PER_STEP, TOKENS_PER_STEP * steps)
     assert "wsd, peak 0.0005, warmup 2000, decay 2000 (linear), min 0" in plan
