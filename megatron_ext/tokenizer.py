@@ -155,6 +155,21 @@ class EncoderTokenizer(abc.ABC):
     def _pieces(self) -> list[str]:
         """Every id's token string, in id order."""
 
+    def word_starts(self) -> list[bool]:
+        """Per id, whether its token begins a word (whole-word masking): byte-level BPE marks a
+        leading space with 'Ġ' and SentencePiece with '▁' (a token without the mark continues the
+        previous word, so punctuation joins the word before it), WordPiece marks continuations
+        with '##'. Special tokens begin words. The convention is read off the vocabulary."""
+        pieces = self._pieces()
+        if any(piece.startswith("##") for piece in pieces):
+            starts = [not piece.startswith("##") for piece in pieces]
+        else:
+            marks = ("Ġ", "▁")
+            starts = [piece.startswith(marks) for piece in pieces]
+        for special in self.special_ids:
+            starts[special] = True
+        return starts
+
     def fingerprint(self) -> str:
         """A hash of what the ids mean (every id's token and the special roles), not of where the
         files are: two tokenizers with the same fingerprint give weights the same meaning."""
