@@ -223,27 +223,28 @@ def test_study_planner_accepts_every_objective(tmp_path):
 
 
 def test_new_objectives_log_their_names_and_resume_exactly(tmp_path, tiny_corpus):
-    """One run through all four (two steps each), stopped after step 3 and resumed: the same losses."""
+    """One run through all four (the schedule over two steps, the others one each), stopped inside
+    the schedule's phase (after step 1) and resumed: the same losses."""
     from megatron_ext.training.config import run_config_from_dict
     from megatron_ext.training.loop import pretrain
 
     phases = [{"objective": {"name": "mlm", "mask_ratio": 0.4, "mask_ratio_schedule": "linear",
                              "final_mask_ratio": 0.2}, "steps": 2},
-              {"objective": "wwm", "mask_ratio": 0.4, "steps": 2},
-              {"objective": {"name": "span", "mask_ratio": 0.4}, "steps": 2},
+              {"objective": "wwm", "mask_ratio": 0.4, "steps": 1},
+              {"objective": {"name": "span", "mask_ratio": 0.4}, "steps": 1},
               {"objective": "mntp", "mask_ratio": 0.2, "random_replace_prob": 0.1, "mask_replace_prob": 0.8,
-               "steps": 2}]
+               "steps": 1}]
 
     def recipe(name):
-        return tiny_recipe(tiny_corpus, tmp_path / name, phases=phases, training={"eval_interval": 8})
+        return tiny_recipe(tiny_corpus, tmp_path / name, phases=phases,
+                           training={"train_iters": 5, "eval_interval": 0})
 
     straight = pretrain(run_config_from_dict(recipe("a")))
     records = [json.loads(line) for line in (tmp_path / "a/log/metrics.jsonl").read_text().splitlines()]
     assert [(r["objective"], r["phase"]) for r in records if r["kind"] == "train"] == [
-        ("mlm", "mlm-40to20")] * 2 + [("wwm", "wwm-40")] * 2 + [("span", "span-40")] * 2 + [("mntp", "mntp-20")] * 2
+        ("mlm", "mlm-40to20"), ("mlm", "mlm-40to20"), ("wwm", "wwm-40"), ("span", "span-40"), ("mntp", "mntp-20")]
     interrupted = run_config_from_dict(recipe("b"))
-    assert pretrain(interrupted, exit_after_step=3).final_step == 3
+    assert pretrain(interrupted, exit_after_step=1).final_step == 1
     resumed = pretrain(interrupted)
-    assert resumed.start_step == 3
-    assert {s: resumed.losses[s] for s in range(4, 9)} == {s: straight.losses[s] for s in range(4, 9)}
-    assert resumed.valid[8] == straight.valid[8]
+    assert resumed.start_step == 1 and all(math.isfinite(loss) for loss in straight.losses.values())
+    assert {s: resumed.losses[s] for s in range(2, 6)} == {s: straight.losses[s] for s in range(2, 6)}

@@ -43,7 +43,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
@@ -171,7 +171,12 @@ class BiphasicSpec:
             if not 0.0 < share < 1.0:
                 raise ValueError(f"clm_shares: each share must be in (0, 1), got {share}")
         _unique(list(self.clm_shares), "clm_shares")
-        MLM(mask_ratio=self.mask_ratio)  # checks the ratio
+        self.mlm  # checks the ratio
+
+    @property
+    def mlm(self) -> MLM:
+        """The objective of the MLM phase."""
+        return MLM(mask_ratio=self.mask_ratio)
 
     def kind(self, share: float) -> str:
         """``biphasic_25_75`` for share 0.25."""
@@ -179,7 +184,7 @@ class BiphasicSpec:
 
     def phases(self, share: float) -> list[dict]:
         return [{"objective": CLM().to_config(), "share": share},
-                {"objective": MLM(mask_ratio=self.mask_ratio).to_config(), "share": 1.0 - share}]
+                {"objective": self.mlm.to_config(), "share": 1.0 - share}]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,14 +225,19 @@ class CptSpec:
         if not self.continuations:
             raise ValueError("continuations: give at least one")
         _unique([c.steps for c in self.continuations], "continuations[*].steps")
-        MLM(mask_ratio=self.mask_ratio)  # checks the ratio
+        self.mlm  # checks the ratio
+
+    @property
+    def mlm(self) -> MLM:
+        """The continuation's objective."""
+        return MLM(mask_ratio=self.mask_ratio)
 
     @property
     def kind(self) -> str:
-        return f"cpt_{MLM(mask_ratio=self.mask_ratio).study_kind}"
+        return f"cpt_{self.mlm.study_kind}"
 
     def phases(self) -> list[dict]:
-        return [{"objective": MLM(mask_ratio=self.mask_ratio).to_config(), "share": 1.0}]
+        return [{"objective": self.mlm.to_config(), "share": 1.0}]
 
 
 @dataclass(frozen=True, kw_only=True)
