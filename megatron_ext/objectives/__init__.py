@@ -51,7 +51,7 @@ def read_objective(value: Any, where: str, *, flat_settings: Mapping[str, Any] |
                           f"got {value!r}")
     if tag not in OBJECTIVES:
         raise ConfigError(f"{where}.objective: unknown objective {tag!r}; expected one of {sorted(OBJECTIVES)}")
-    return build_dataclass(OBJECTIVES[tag], settings, where if flat_settings is not None else f"{where}.objective")
+    return build_dataclass(OBJECTIVES[tag], settings, where if isinstance(value, str) else f"{where}.objective")
 
 
 def validation_objectives(eval_mask_ratio: float) -> dict[str, Objective]:
