@@ -21,6 +21,7 @@ Nothing here touches the model, distributed state or Megatron; only torch and th
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 from collections.abc import Hashable, Mapping
@@ -105,7 +106,7 @@ class Vocabulary:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Objective:
+class Objective(abc.ABC):
     """Base of every objective's settings (one module per objective in this package).
 
     A subclass is a frozen kw-only dataclass of its settings, checked once in ``__post_init__``,
@@ -123,30 +124,30 @@ class Objective:
     """Whether the tokenizer must have a mask token (checked before a run starts)."""
 
     @property
+    @abc.abstractmethod
     def name(self) -> str:
         """The one name of the objective (and of a phase) in the plan, the step log, validation
         lines, ``metrics.jsonl``, plots and the docs, e.g. ``clm``, ``mlm-40``."""
-        raise NotImplementedError
 
     @property
     def study_kind(self) -> str:
         """The name as a study spells run kinds and output paths (``mlm_40``)."""
         return self.name.replace("-", "_")
 
+    @abc.abstractmethod
     def make_batch(self, batch: Mapping[str, torch.Tensor], *, progress: PhaseProgress, vocabulary: Vocabulary,
                    generator: torch.Generator) -> ObjectiveBatch:
         """Turn one ``GPTDataset`` micro-batch (module docstring) into the model's inputs and loss
         targets at ``progress``; random draws come from ``generator`` only."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def lm_head_share(self, progress: PhaseProgress, *, seq_length: int) -> float:
         """Share of a sequence's positions at which the LM head runs when it runs only where the
         loss scores (``training.lm_head_scored_only``): FLOPs of the step at ``progress``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def peak_lm_head_share(self, *, seq_length: int) -> float:
         """The largest :meth:`lm_head_share` of any step of a phase (what memory must hold)."""
-        raise NotImplementedError
 
     def step_identity(self, progress: PhaseProgress) -> Hashable:
         """What a step at ``progress`` computes besides its data and learning rate: two phases'
