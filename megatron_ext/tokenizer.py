@@ -159,13 +159,12 @@ class EncoderTokenizer(abc.ABC):
         """Per id, whether its token begins a word (whole-word masking): byte-level BPE marks a
         leading space with 'Ġ' and SentencePiece with '▁' (a token without the mark continues the
         previous word, so punctuation joins the word before it), WordPiece marks continuations
-        with '##'. Special tokens begin words. The convention is read off the vocabulary."""
+        with '##'. Special tokens begin words. The convention is the mark most pieces carry (a
+        BPE vocabulary may hold a literal '##' token, a WordPiece one a 'Ġ' character)."""
         pieces = self._pieces()
-        if any(piece.startswith("##") for piece in pieces):
-            starts = [not piece.startswith("##") for piece in pieces]
-        else:
-            marks = ("Ġ", "▁")
-            starts = [piece.startswith(marks) for piece in pieces]
+        marks = ("Ġ", "▁", "##")
+        mark = max(marks, key=lambda m: sum(piece.startswith(m) for piece in pieces))
+        starts = [piece.startswith(mark) != (mark == "##") for piece in pieces]
         for special in self.special_ids:
             starts[special] = True
         return starts
