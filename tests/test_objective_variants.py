@@ -235,15 +235,15 @@ def test_new_objectives_log_their_names_and_resume_exactly(tmp_path, tiny_corpus
               {"objective": "mntp", "mask_ratio": 0.2, "random_replace_prob": 0.1, "mask_replace_prob": 0.8,
                "steps": 1}]
 
-    def recipe(name):
-        return tiny_recipe(tiny_corpus, tmp_path / name, phases=phases,
-                           training={"train_iters": 5, "eval_interval": 0})
+    def recipe(name, save):
+        return tiny_recipe(tiny_corpus, tmp_path / name, phases=phases, training={"train_iters": 5, "eval_interval": 0},
+                           checkpoint={"save": save, "save_interval": 100})  # saves only where a stop needs one
 
-    straight = pretrain(run_config_from_dict(recipe("a")))
+    straight = pretrain(run_config_from_dict(recipe("a", None)))
     records = [json.loads(line) for line in (tmp_path / "a/log/metrics.jsonl").read_text().splitlines()]
     assert [(r["objective"], r["phase"]) for r in records if r["kind"] == "train"] == [
         ("mlm", "mlm-40to20"), ("mlm", "mlm-40to20"), ("wwm", "wwm-40"), ("span", "span-40"), ("mntp", "mntp-20")]
-    interrupted = run_config_from_dict(recipe("b"))
+    interrupted = run_config_from_dict(recipe("b", str(tmp_path / "b/ckpt")))
     assert pretrain(interrupted, exit_after_step=1).final_step == 1
     resumed = pretrain(interrupted)
     assert resumed.start_step == 1 and all(math.isfinite(loss) for loss in straight.losses.values())

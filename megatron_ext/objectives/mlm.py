@@ -25,6 +25,7 @@ import torch
 from megatron_ext.config_loading import UserError
 from megatron_ext.objectives.base import IGNORE_INDEX, Objective, ObjectiveBatch, PhaseProgress, Vocabulary
 
+
 @dataclass(frozen=True, kw_only=True)
 class MaskingConfig:
     """How MLM corrupts its input. Replacement probabilities apply to the selected positions."""
@@ -51,7 +52,6 @@ class MaskingConfig:
                 "mask_replace_prob + random_replace_prob must be <= 1, got "
                 f"{self.mask_replace_prob} + {self.random_replace_prob}"
             )
-
 
 
 Selection = Callable[..., tuple[torch.Tensor, int]]
