@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers import tiny_recipe
+from megatron_ext.cli import plot_loss
 from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.objectives import (
     IGNORE_INDEX, MLM, MNTP, PhaseProgress, SpanMLM, Vocabulary, WholeWordMLM,
@@ -248,3 +249,4 @@ def test_new_objectives_log_their_names_and_resume_exactly(tmp_path, tiny_corpus
     resumed = pretrain(interrupted)
     assert resumed.start_step == 1 and all(math.isfinite(loss) for loss in straight.losses.values())
     assert {s: resumed.losses[s] for s in range(2, 6)} == {s: straight.losses[s] for s in range(2, 6)}
+    assert plot_loss.main([str(tmp_path / "a/log"), "--output", str(tmp_path / "loss.png")]) == 0  # knows every tag
