@@ -104,6 +104,10 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
             return str(value)
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     if dataclasses.is_dataclass(annotation):
+        if isinstance(value, annotation):  # already typed (a tagged union read by its owner)
+            return value
+        if hasattr(annotation, "from_config"):  # a class that reads its own YAML forms
+            return annotation.from_config(value, where)
         return build_dataclass(annotation, value, where)
     raise ConfigError(f"{where}: unsupported field type {annotation}")
 

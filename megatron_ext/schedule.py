@@ -11,27 +11,20 @@ Step convention (Megatron's): ``step`` is the number of optimizer steps already 
 ``lr_at(step)`` is the learning rate of the update performed next. Phases are half-open step
 ranges ``[start, end)``.
 
-Pure Python: no torch, no Megatron.
+No Megatron; objectives (``megatron_ext.objectives``) are typed settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal
+from typing import Any, Literal
 
-from megatron_ext.config_loading import UserError
-
-Objective = Literal["mlm", "clm"]
-
-
-def objective_name(objective: Objective, mask_ratio: float | None = None) -> str:
-    """The one name of an objective (and of a phase, :attr:`ResolvedPhase.name`) in the plan, the
-    step log, validation lines, ``metrics.jsonl`` and the docs: ``clm``, or ``mlm-<mask %>``
-    (``mlm-40`` at mask ratio 0.4)."""
-    return "clm" if objective == "clm" else f"mlm-{round(100 * mask_ratio)}"
+from megatron_ext.config_loading import ConfigError, UserError, build_dataclass
+from megatron_ext.objectives import Objective, PhaseProgress, read_objective
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,10 +32,7 @@ class Phase:
     """One phase of a run, before its length is resolved against the step budget."""
 
     objective: Objective
-    """``"clm"`` (next-token prediction, causal attention) or ``"mlm"`` (bidirectional)."""
-
-    mask_ratio: float | None = None
-    """MLM only, required there: share of maskable tokens selected, in (0, 1)."""
+    """What the phase trains (``megatron_ext.objectives``), e.g. ``MLM(mask_ratio=0.4)``."""
 
     steps: int | None = None
     """Length in optimizer steps; give exactly one of ``steps`` and ``share``."""
@@ -50,39 +40,13 @@ class Phase:
     share: float | None = None
     """Length as a share of the run's ``total_steps``, in (0, 1]."""
 
-    mask_replace_prob: float | None = None
-    """MLM only: probability a selected token becomes the mask token (unset: 1.0)."""
-
-    random_replace_prob: float | None = None
-    """MLM only: probability a selected token becomes a random token (unset: 0.0)."""
-
     restart_warmup: bool = False
     """Restart the learning-rate warmup at this phase's first step."""
 
     def __post_init__(self) -> None:
-        if self.objective not in ("mlm", "clm"):
-            raise UserError(f"objective must be 'mlm' or 'clm', got {self.objective!r}")
-        if self.objective == "mlm":
-            if self.mask_ratio is None or not 0.0 < self.mask_ratio < 1.0:
-                raise UserError(
-                    f"mask_ratio must be in (0, 1) for an mlm phase, got {self.mask_ratio}"
-                )
-            for name in ("mask_replace_prob", "random_replace_prob"):
-                value = getattr(self, name)
-                if value is not None and not 0.0 <= value <= 1.0:
-                    raise UserError(f"{name} must be in [0, 1], got {value}")
-            mask_prob, random_prob = self.replacement_probs()
-            if mask_prob + random_prob > 1.0 + 1e-12:
-                raise UserError(
-                    "mask_replace_prob + random_replace_prob must be <= 1, "
-                    f"got {mask_prob} + {random_prob}"
-                )
-        else:
-            for name in ("mask_ratio", "mask_replace_prob", "random_replace_prob"):
-                if getattr(self, name) is not None:
-                    raise UserError(
-                        f"{name} must be unset for a clm phase, got {getattr(self, name)}"
-                    )
+        if not isinstance(self.objective, Objective):
+            raise UserError(f"objective must be one of megatron_ext.objectives.OBJECTIVES' settings, "
+                            f"got {self.objective!r}")
         if (self.steps is None) == (self.share is None):
             raise UserError(
                 "exactly one of steps and share must be set, "
@@ -93,23 +57,35 @@ class Phase:
         if self.share is not None and not 0.0 < self.share <= 1.0:
             raise UserError(f"share must be in (0, 1], got {self.share}")
 
-    def replacement_probs(self) -> tuple[float, float]:
-        """``(mask_replace_prob, random_replace_prob)`` with defaults applied (MLM phases)."""
-        return (
-            1.0 if self.mask_replace_prob is None else self.mask_replace_prob,
-            0.0 if self.random_replace_prob is None else self.random_replace_prob,
-        )
+    @classmethod
+    def from_config(cls, raw: Any, where: str) -> Phase:
+        """A phase of a recipe: ``{objective: {name: mlm, mask_ratio: 0.4}, share: 0.75}``, or with
+        the objective's settings beside its name (``{objective: mlm, mask_ratio: 0.4, share: 0.75}``)."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where}: expected a mapping like {{objective: clm, share: 0.25}}, got {raw!r}")
+        if "objective" not in raw:
+            raise ConfigError(f"{where}: missing required key(s) ['objective']")
+        own = {f.name for f in dataclasses.fields(cls)}
+        phase = {key: value for key, value in raw.items() if key in own}
+        phase["objective"] = read_objective(raw["objective"], where,
+                                            flat_settings={k: v for k, v in raw.items() if k not in own})
+        return build_dataclass(cls, phase, where)
+
+    def to_config(self) -> dict[str, Any]:
+        """The tagged YAML form :meth:`from_config` reads back."""
+        return {"objective": self.objective.to_config(), "steps": self.steps, "share": self.share,
+                "restart_warmup": self.restart_warmup}
 
 
 @dataclass(frozen=True, kw_only=True)
 class ResolvedPhase:
-    """A phase placed on the step axis. MLM fields are None for CLM phases."""
+    """A phase placed on the step axis."""
 
     index: int
     """Position in the phase list."""
 
     objective: Objective
-    """``"clm"`` or ``"mlm"``."""
+    """See :class:`Phase`."""
 
     start: int
     """First step of the phase."""
@@ -117,27 +93,22 @@ class ResolvedPhase:
     end: int
     """One past the last step of the phase."""
 
-    mask_ratio: float | None
-    """See :class:`Phase`; feeds ``objectives.MaskingConfig``."""
-
-    mask_replace_prob: float | None
-    """See :class:`Phase`, default applied."""
-
-    random_replace_prob: float | None
-    """See :class:`Phase`, default applied."""
-
     restart_warmup: bool
     """See :class:`Phase`."""
 
     @property
     def name(self) -> str:
-        """``clm`` or ``mlm-<mask %>`` (:func:`objective_name`)."""
-        return objective_name(self.objective, self.mask_ratio)
+        """The objective's name, e.g. ``clm`` or ``mlm-40`` (``Objective.name``)."""
+        return self.objective.name
 
     @property
     def steps(self) -> int:
         """Number of steps in the phase."""
         return self.end - self.start
+
+    def progress(self, step: int) -> PhaseProgress:
+        """Where ``step`` (a step of this phase) sits in it."""
+        return PhaseProgress(step=step - self.start, steps=self.steps)
 
 
 def _phase_lengths(phases: Sequence[Phase], total_steps: int) -> list[int]:
@@ -181,20 +152,8 @@ def resolve_phases(phases: Sequence[Phase], total_steps: int) -> list[ResolvedPh
         raise UserError("phases must not be empty")
     resolved, start = [], 0
     for i, (phase, length) in enumerate(zip(phases, _phase_lengths(phases, total_steps))):
-        mlm = phase.objective == "mlm"
-        mask_prob, random_prob = phase.replacement_probs() if mlm else (None, None)
-        resolved.append(
-            ResolvedPhase(
-                index=i,
-                objective=phase.objective,
-                start=start,
-                end=start + length,
-                mask_ratio=phase.mask_ratio,
-                mask_replace_prob=mask_prob,
-                random_replace_prob=random_prob,
-                restart_warmup=phase.restart_warmup,
-            )
-        )
+        resolved.append(ResolvedPhase(index=i, objective=phase.objective, start=start, end=start + length,
+                                      restart_warmup=phase.restart_warmup))
         start += length
     return resolved
 

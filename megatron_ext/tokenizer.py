@@ -155,6 +155,20 @@ class EncoderTokenizer(abc.ABC):
     def _pieces(self) -> list[str]:
         """Every id's token string, in id order."""
 
+    def word_starts(self) -> list[bool]:
+        """Per id, whether its token begins a word (whole-word masking): byte-level BPE marks a
+        leading space with 'Ġ' and SentencePiece with '▁' (a token without the mark continues the
+        previous word, so punctuation joins the word before it), WordPiece marks continuations
+        with '##'. Special tokens begin words. The convention is the mark most pieces carry (a
+        BPE vocabulary may hold a literal '##' token, a WordPiece one a 'Ġ' character)."""
+        pieces = self._pieces()
+        marks = ("Ġ", "▁", "##")
+        mark = max(marks, key=lambda m: sum(piece.startswith(m) for piece in pieces))
+        starts = [piece.startswith(mark) != (mark == "##") for piece in pieces]
+        for special in self.special_ids:
+            starts[special] = True
+        return starts
+
     def fingerprint(self) -> str:
         """A hash of what the ids mean (every id's token and the special roles), not of where the
         files are: two tokenizers with the same fingerprint give weights the same meaning."""

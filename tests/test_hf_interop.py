@@ -602,7 +602,7 @@ def test_cpt_encoder_study_at_ci_size(imports, tmp_path, news_texts):
         assert run.recipe["checkpoint"]["load"] == str(imp.result.output_dir)
         assert run.recipe["checkpoint"]["finetune"] is True and run.train_iters == 5
     detour = runs["eurobert_210m_biphasic_80_20_5"]
-    assert [(p.objective, p.start, p.end) for p in detour.config.resolved_phases] == [
+    assert [(p.objective.tag, p.start, p.end) for p in detour.config.resolved_phases] == [
         ("clm", 0, 4), ("mlm", 4, 5)]
 
     result = pretrain(run_config_from_dict(detour.recipe))

@@ -18,7 +18,7 @@ PACKAGE = "megatron_ext"
 LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     # bottom: asks nothing of the rest of the package
     {"config_loading", "fileio", "platform", "processes", "assets", "claims"},
-    {"tokenizer", "schedule", "objectives", "model"},
+    {"tokenizer", "schedule", "objectives", "model"},  # objectives/: one module per objective
     {"data", "checkpoint"},
     {"training"},
     {"hf"},
@@ -109,6 +109,22 @@ def test_every_import_runs_down_the_layers(graph):
     upward = [f"{module} -> {imported}" for module, targets in sorted(graph.items()) for imported in sorted(targets)
               if _unit(module) and _unit(imported) and layer_of[_unit(imported)] > layer_of[_unit(module)]]
     assert not upward, "imports running up the layers:\n" + "\n".join(upward)
+
+
+def test_objectives_are_reached_through_the_package(graph):
+    """Outside ``objectives/`` the package imports ``megatron_ext.objectives`` (its registry and
+    base types), never one objective's module; inside, an objective's module imports ``base`` and at
+    most the objective it varies (``mlm``). Adding an objective then touches the package alone."""
+    inside = {m for m in graph if _unit(m) == "objectives"}
+    reaching_in = [f"{module} -> {imported}" for module, targets in sorted(graph.items()) if module not in inside
+                   for imported in sorted(targets & inside) if imported != f"{PACKAGE}.objectives"]
+    assert not reaching_in, "import megatron_ext.objectives instead:\n" + "\n".join(reaching_in)
+    allowed = {f"{PACKAGE}.objectives.base", f"{PACKAGE}.objectives.mlm"}
+    objective_modules = inside - {f"{PACKAGE}.objectives", *allowed}
+    assert objective_modules >= {f"{PACKAGE}.objectives.{name}" for name in ("clm", "whole_word", "span", "mntp")}
+    crossing = [f"{module} -> {imported}" for module in sorted(objective_modules)
+                for imported in sorted(graph[module] & inside - allowed)]
+    assert not crossing, "objectives importing each other:\n" + "\n".join(crossing)
 
 
 def test_the_checker_sees_a_circle():

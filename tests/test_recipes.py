@@ -26,6 +26,7 @@ PAPER = sorted((RECIPES / "paper").glob("*.yaml"))
 RUNNABLE = sorted(p for p in RECIPES.rglob("*.yaml") if "base" not in p.relative_to(RECIPES).parts)
 DEMO = RECIPES / "demo_tiny_biphasic.yaml"
 CPT_ENCODER = sorted((RECIPES / "cpt_encoder").glob("*.yaml"))
+OBJECTIVE_RECIPES = sorted((RECIPES / "objectives").glob("*.yaml"))
 LAUNCH = ROOT / "examples" / "launch"
 
 TOKENS_PER_STEP = 1152 * 2048  # the paper's ~2.36M tokens per step
@@ -74,7 +75,7 @@ def test_the_paper_recipe_set_is_complete():
     names = {p.stem for p in PAPER}
     kinds = ["mlm_20", "mlm_30", "mlm_40", "mlm_50", "clm", "biphasic_25_75", "biphasic_50_50", "cpt_mlm_40"]
     assert names == {f"{size}_{kind}" for size in SHAPES for kind in kinds}
-    assert set(RUNNABLE) == set(PAPER) | {DEMO} | set(CPT_ENCODER)
+    assert set(RUNNABLE) == set(PAPER) | {DEMO} | set(CPT_ENCODER) | set(OBJECTIVE_RECIPES)
     assert [p.stem for p in CPT_ENCODER] == ["eurobert_210m_clm_detour", "eurobert_210m_mlm"]
 
 
@@ -211,6 +212,20 @@ def test_demo_recipe_plan(demo_tokenizer: Path, tmp_path: Path, capsys):
     assert phases(plan) == [("clm", 0, steps // 2), ("mlm-40", steps // 2, steps)]
     assert "save=runs/demo/checkpoints" in plan
     assert f"data              {prefix} (split 95,5,0)" in plan
+
+
+def test_objective_recipes_plan(demo_tokenizer: Path, tmp_path: Path, capsys):
+    """recipes/objectives/: one tiny recipe per objective beyond CLM and MLM, each planning its
+    phases under the objective's name."""
+    expected = {"clm_then_mntp": [("clm", 0, 100), ("mntp-20", 100, 200)],
+                "mlm_ratio_schedule": [("mlm-30to5-cosine", 0, 200)],
+                "span": [("span-40", 0, 200)], "whole_word": [("wwm-40", 0, 200)]}
+    assert [p.stem for p in OBJECTIVE_RECIPES] == sorted(expected)
+    for path in OBJECTIVE_RECIPES:
+        plan = plan_of(path, 1, capsys, "--tokenizer-model", str(demo_tokenizer),
+                       "--data-path", str(tmp_path / "train_text_document"))
+        found = re.findall(r"^\s+(\S+)\s+steps \[\s*(\d+),\s*(\d+)\)", plan, re.M)
+        assert [(name, int(start), int(end)) for name, start, end in found] == expected[path.stem], plan
 
 
 def test_demo_vocab_needs_a_loadable_tokenizer(tmp_path: Path, capsys):

@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.objectives import MaskingConfig
+from megatron_ext.config_loading import ConfigError
+from megatron_ext.objectives import CLM, MLM, MaskingConfig
 from megatron_ext.schedule import LRScheduleConfig, Phase, lr_at, phase_at, resolve_phases
 
 PAPER = LRScheduleConfig(lr=5e-4, lr_warmup_iters=2000, lr_wsd_decay_iters=2000)
 
 
-def _biphasic(clm_share: float, **mlm) -> list[Phase]:
+def _biphasic(clm_share: float, restart_warmup: bool = False, **mlm) -> list[Phase]:
     return [
-        Phase(objective="clm", share=clm_share),
-        Phase(objective="mlm", mask_ratio=0.4, share=1 - clm_share, **mlm),
+        Phase(objective=CLM(), share=clm_share),
+        Phase(objective=MLM(mask_ratio=0.4, **mlm), share=1 - clm_share, restart_warmup=restart_warmup),
     ]
 
 
@@ -26,12 +27,12 @@ def _biphasic(clm_share: float, **mlm) -> list[Phase]:
 def test_share_split(total, clm_share, clm_steps):
     clm, mlm = resolve_phases(_biphasic(clm_share), total)
     assert (clm.start, clm.end, mlm.start, mlm.end) == (0, clm_steps, clm_steps, total)
-    assert (clm.objective, mlm.objective, clm.index, mlm.index) == ("clm", "mlm", 0, 1)
-    assert clm.mask_ratio is None and clm.mask_replace_prob is None
+    assert (clm.objective, mlm.objective, clm.index, mlm.index) == (CLM(), MLM(mask_ratio=0.4), 0, 1)
+    assert (clm.name, mlm.name) == ("clm", "mlm-40")
 
 
 def test_largest_remainder_thirds():
-    phases = [Phase(objective="clm", share=1 / 3)] * 3
+    phases = [Phase(objective=CLM(), share=1 / 3)] * 3
     assert [p.steps for p in resolve_phases(phases, 10)] == [4, 3, 3]
     assert [p.steps for p in resolve_phases(phases, 11)] == [4, 4, 3]
 
@@ -39,13 +40,13 @@ def test_largest_remainder_thirds():
 def test_phase_at_boundaries():
     phases = resolve_phases(
         [
-            Phase(objective="clm", steps=10_000),
-            Phase(objective="mlm", mask_ratio=0.4, steps=32_000),
+            Phase(objective=CLM(), steps=10_000),
+            Phase(objective=MLM(mask_ratio=0.4), steps=32_000),
         ],
         42_000,
     )
-    assert [phase_at(phases, s).objective for s in (0, 9_999, 10_000, 41_999)] == [
-        "clm", "clm", "mlm", "mlm",
+    assert [phase_at(phases, s).name for s in (0, 9_999, 10_000, 41_999)] == [
+        "clm", "clm", "mlm-40", "mlm-40",
     ]
     for step in (-1, 42_000):
         with pytest.raises(ValueError, match="outside"):
@@ -54,50 +55,64 @@ def test_phase_at_boundaries():
 
 def test_mlm_phase_feeds_masking_config():
     _, mlm = resolve_phases(_biphasic(0.25), 100)
-    assert MaskingConfig(
-        mask_ratio=mlm.mask_ratio,
-        mask_replace_prob=mlm.mask_replace_prob,
-        random_replace_prob=mlm.random_replace_prob,
-    ) == MaskingConfig(mask_ratio=0.4)
+    assert mlm.objective.masking(0.4) == MaskingConfig(mask_ratio=0.4)
     _, bert = resolve_phases(_biphasic(0.25, mask_replace_prob=0.8, random_replace_prob=0.1), 100)
-    assert (bert.mask_replace_prob, bert.random_replace_prob) == (0.8, 0.1)
+    assert (bert.objective.mask_replace_prob, bert.objective.random_replace_prob) == (0.8, 0.1)
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "field"),
+    ("raw", "field"),
     [
-        ({"objective": "mlm", "steps": 5}, "mask_ratio"),
-        ({"objective": "mlm", "mask_ratio": 1.0, "steps": 5}, "mask_ratio"),
-        ({"objective": "clm", "mask_ratio": 0.4, "steps": 5}, "mask_ratio"),
+        ({"objective": "mlm", "steps": 5}, r"phases\[0\]: missing required key\(s\) \['mask_ratio'\]"),
+        ({"objective": {"name": "mlm", "mask_ratio": 1.0}, "steps": 5}, "mask_ratio must be in"),
+        ({"objective": "clm", "mask_ratio": 0.4, "steps": 5}, r"unknown key\(s\) \['mask_ratio'\]"),
         ({"objective": "clm", "random_replace_prob": 0.1, "steps": 5}, "random_replace_prob"),
-        (
-            {"objective": "mlm", "mask_ratio": 0.4, "steps": 5,
-             "mask_replace_prob": 0.95, "random_replace_prob": 0.1},
-            "random_replace_prob",
-        ),
+        ({"objective": "mlm", "mask_ratio": 0.4, "steps": 5, "mask_replace_prob": 0.95, "random_replace_prob": 0.1},
+         "random_replace_prob"),
+        ({"objective": {"name": "mlm", "mask_ratio": 0.4}, "mask_ratio": 0.3, "steps": 5}, "not both"),
+        ({"objective": {"mask_ratio": 0.4}, "steps": 5}, "missing key 'name'"),
         ({"objective": "clm"}, "steps and share"),
         ({"objective": "clm", "steps": 5, "share": 0.5}, "steps and share"),
         ({"objective": "clm", "steps": 0}, "steps"),
         ({"objective": "clm", "share": 0.0}, "share"),
-        ({"objective": "mlm_", "steps": 5}, "objective"),
+        ({"objective": "mlm_", "steps": 5}, "unknown objective 'mlm_'"),
+        ({"share": 1.0}, r"missing required key\(s\) \['objective'\]"),
     ],
 )
-def test_phase_validation(kwargs, field):
-    with pytest.raises(ValueError, match=field):
-        Phase(**kwargs)
+def test_phase_validation(raw, field):
+    with pytest.raises(ConfigError, match=field):
+        Phase.from_config(raw, "phases[0]")
+
+
+def test_flat_and_tagged_phases_read_the_same():
+    """Today's flat keys, the tagged union, and an older run_config.json (unset keys as null) are
+    one phase; the tagged form written back reads as the same phase."""
+    flat = Phase.from_config({"objective": "mlm", "mask_ratio": 0.4, "mask_replace_prob": 0.8, "share": 1.0}, "p")
+    tagged = Phase.from_config({"objective": {"name": "mlm", "mask_ratio": 0.4, "mask_replace_prob": 0.8},
+                                "share": 1.0}, "p")
+    saved = Phase.from_config({"objective": "mlm", "mask_ratio": 0.4, "steps": None, "share": 1.0,
+                               "mask_replace_prob": 0.8, "random_replace_prob": None, "restart_warmup": False}, "p")
+    assert flat == tagged == saved == Phase(objective=MLM(mask_ratio=0.4, mask_replace_prob=0.8), share=1.0)
+    assert Phase.from_config(flat.to_config(), "p") == flat
+    assert flat.to_config()["objective"] == {"name": "mlm", "mask_ratio": 0.4, "mask_replace_prob": 0.8}
+    old_clm = {"objective": "clm", "mask_ratio": None, "steps": 3, "share": None, "mask_replace_prob": None,
+               "random_replace_prob": None, "restart_warmup": False}
+    assert Phase.from_config(old_clm, "p") == Phase(objective=CLM(), steps=3)
+    with pytest.raises(ValueError, match="objective must be one of"):
+        Phase(objective="clm", steps=3)
 
 
 @pytest.mark.parametrize(
     ("phases", "total", "message"),
     [
         ([], 10, "phases must not be empty"),
-        ([Phase(objective="clm", steps=10)], 0, "total_steps"),
-        ([Phase(objective="clm", steps=4), Phase(objective="clm", steps=5)], 10, r"steps sum to 9"),
-        ([Phase(objective="clm", share=0.5), Phase(objective="clm", share=0.4)], 10,
+        ([Phase(objective=CLM(), steps=10)], 0, "total_steps"),
+        ([Phase(objective=CLM(), steps=4), Phase(objective=CLM(), steps=5)], 10, r"steps sum to 9"),
+        ([Phase(objective=CLM(), share=0.5), Phase(objective=CLM(), share=0.4)], 10,
          r"share sum to 0.9"),
-        ([Phase(objective="clm", steps=5), Phase(objective="clm", share=0.5)], 10,
+        ([Phase(objective=CLM(), steps=5), Phase(objective=CLM(), share=0.5)], 10,
          r"phases\[1\] sets share"),
-        ([Phase(objective="clm", share=0.999), Phase(objective="clm", share=0.001)], 100,
+        ([Phase(objective=CLM(), share=0.999), Phase(objective=CLM(), share=0.001)], 100,
          r"phases\[1\]\.share=0.001 gives 0"),
     ],
 )
@@ -197,7 +212,7 @@ def test_restart_warmup():
     assert lr_at(95, config=config, total_steps=100, phases=restart_late) == pytest.approx(base[95])
     assert lr_at(96, config=config, total_steps=100, phases=restart_late) == base[96]
     # Restarting at step 0 is the ordinary warmup.
-    first = [Phase(objective="clm", share=1.0, restart_warmup=True)]
+    first = [Phase(objective=CLM(), share=1.0, restart_warmup=True)]
     assert [lr_at(s, config=config, total_steps=100, phases=resolve_phases(first, 100))
             for s in range(101)] == base
 

@@ -227,10 +227,11 @@ def test_user_errors_after_start_up_are_one_line_and_exit_2(tmp_path, tiny_corpu
 
 
 def test_step_line_names_phase_throughput_and_skips():
+    from megatron_ext.objectives import CLM, MLM
     from megatron_ext.schedule import Phase, resolve_phases
     from megatron_ext.training.step_log import format_step_line
 
-    clm, mlm = resolve_phases((Phase(objective="clm", share=0.5), Phase(objective="mlm", share=0.5, mask_ratio=0.3)), 100)
+    clm, mlm = resolve_phases((Phase(objective=CLM(), share=0.5), Phase(objective=MLM(mask_ratio=0.3), share=0.5)), 100)
     line = format_step_line(step=7, total_steps=100, phase=mlm, loss=5.26924, lr=1e-3, grad_norm=0.9123,
                             tokens_per_s=12345.6, mfu=0.4123, elapsed_s=62, eta_s=3725, skipped=False)
     assert line == ("step   7/100 | mlm-30  | loss 5.2692 | lr 1.00e-03 | gnorm 0.912 | 12,346 tok/s | MFU 41.2% | "

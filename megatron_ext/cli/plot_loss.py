@@ -3,9 +3,9 @@
     python tools/plot_loss.py runs/demo [runs/other ...] --output runs/demo/loss.png
 
 Reads each run's ``metrics.jsonl`` (written by ``pretrain_encoder.py`` into ``logging.log_dir``).
-Left panel: training loss per step, drawn per phase (CLM and MLM losses are different quantities,
-so a phase change shows as a jump, not as progress). Right panel: validation loss of both
-objectives at every evaluation.
+Left panel: training loss per step, drawn per phase (the objectives' losses are different
+quantities, so a phase change shows as a jump, not as progress). Right panel: the validation
+losses (CLM, and MLM at ``training.eval_mask_ratio``) at every evaluation.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megatron_ext.cli.entry import ArgumentParser, entry_point
 from megatron_ext.config_loading import UserError
+from megatron_ext.objectives import OBJECTIVES
 
 
 def read_metrics(run: Path) -> list[dict]:
@@ -35,6 +36,13 @@ def read_metrics(run: Path) -> list[dict]:
     return sorted(latest.values(), key=lambda r: r["step"])
 
 
+def _line_style(tag: str, run: Path) -> str:
+    if tag not in OBJECTIVES:
+        raise UserError(f"{run}: metrics.jsonl names objective {tag!r}, which this version does not know "
+                        f"(known: {sorted(OBJECTIVES)})")
+    return "--" if OBJECTIVES[tag].causal else "-"
+
+
 def plot(runs: list[Path], output: Path) -> Path:
     import matplotlib
 
@@ -47,23 +55,23 @@ def plot(runs: list[Path], output: Path) -> Path:
         records = read_metrics(run)
         color = colors[i % len(colors)]
         train = [r for r in records if r["kind"] == "train" and not r.get("skipped")]
-        segments: list[tuple[str, list, list]] = []
+        segments: list[tuple[str, str, list, list]] = []
         for r in train:
-            if not segments or segments[-1][0] != r["objective"]:
-                segments.append((r["objective"], [], []))
-            segments[-1][1].append(r["step"])
-            segments[-1][2].append(r["loss"])
-        for objective, steps, losses in segments:
-            ax_train.plot(steps, losses, color=color, linestyle="-" if objective == "mlm" else "--",
-                          label=f"{run.name} {objective}")
+            if not segments or segments[-1][0] != r["phase"]:
+                segments.append((r["phase"], r["objective"], [], []))
+            segments[-1][2].append(r["step"])
+            segments[-1][3].append(r["loss"])
+        for phase, tag, steps, losses in segments:
+            ax_train.plot(steps, losses, color=color, linestyle=_line_style(tag, run), label=f"{run.name} {phase}")
         valid = [r for r in records if r["kind"] == "valid"]
-        for objective, style in (("clm", "--"), ("mlm", "-")):
-            points = [(r["step"], r[objective]) for r in valid if objective in r]
+        for key in sorted(OBJECTIVES):
+            points = [(r["step"], r[key]) for r in valid if key in r]
             if points:
-                ax_valid.plot(*zip(*points), color=color, linestyle=style, marker="o", markersize=3,
-                              label=f"{run.name} {objective}")
-    ax_train.set(title="training loss (dashed: CLM, solid: MLM)", xlabel="step", ylabel="cross-entropy")
-    ax_valid.set(title="validation loss, both objectives", xlabel="step", ylabel="cross-entropy")
+                ax_valid.plot(*zip(*points), color=color, linestyle=_line_style(key, run), marker="o", markersize=3,
+                              label=f"{run.name} {key}")
+    ax_train.set(title="training loss (dashed: causal objectives, solid: bidirectional)", xlabel="step",
+                 ylabel="cross-entropy")
+    ax_valid.set(title="validation loss, every validation objective", xlabel="step", ylabel="cross-entropy")
     for ax in (ax_train, ax_valid):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -74,7 +74,8 @@ from megatron_ext.eval.families import PAPER_FAMILIES, ZERO_SHOT_FAMILIES
 from megatron_ext.eval.protocol import FinetuneConfig
 from megatron_ext.eval.ranking import RankedSystem, format_ranking
 from megatron_ext.study.plan import PlannedRun, StudyPlan
-from megatron_ext.study.spec import BiphasicSpec, ObjectiveSpec, steps_label
+from megatron_ext.objectives import CLM, MLM
+from megatron_ext.study.spec import BiphasicSpec, steps_label
 
 FAMILY_TITLES = {"sc": "sequence classification", "tc": "token classification", "qa": "question answering",
                  "ir": "retrieval", "sts": "similarity"}
@@ -546,7 +547,7 @@ def clm_share_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, S
     each biphasic split, CLM at 100 %; a line per size and budget."""
     study = plan.study
     mask = study.biphasic.mask_ratio if study.biphasic else BiphasicSpec.__dataclass_fields__["mask_ratio"].default
-    shares = {ObjectiveSpec(objective="mlm", mask_ratio=mask).kind: 0.0, ObjectiveSpec(objective="clm").kind: 1.0}
+    shares = {MLM(mask_ratio=mask).study_kind: 0.0, CLM().study_kind: 1.0}
     if study.biphasic is not None:
         shares.update({study.biphasic.kind(share): share for share in study.biphasic.clm_shares})
     figure = Figure(name="clm_share", title="Score vs share of CLM steps (0 %: MLM, 100 %: CLM)",

@@ -7,7 +7,7 @@ A YAML mapping (``examples/studies/``)::
       - {name: 610m, base: ../recipes/base/610m.yaml, sbatch: [--nodes=8, --time=24:00:00]}
     budgets: [12000, 22000, 42000]        # train_iters of every from-scratch run
     objectives:                           # one run per objective x budget
-      - {objective: mlm, mask_ratio: 0.4}
+      - {objective: mlm, mask_ratio: 0.4}   # any objective, as a phase spells it
       - {objective: clm}
     biphasic:                             # CLM for a share of the steps, then MLM
       clm_shares: [0.25, 0.5, 0.75]
@@ -40,13 +40,15 @@ study sets itself (phases, train_iters, seed, output and start paths) are refuse
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from megatron_ext.config_loading import ConfigError, build_dataclass
+from megatron_ext.objectives import CLM, MLM, Objective, read_objective
 from megatron_ext.training.config import SECTIONS
 
 PLANNER_KEYS = {
@@ -131,28 +133,26 @@ class SizeSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class ObjectiveSpec:
-    """A single-objective run from scratch."""
+    """A single-objective run from scratch: any objective of ``megatron_ext.objectives``, spelled as
+    in a phase (``{objective: mlm, mask_ratio: 0.4}`` or ``{objective: {name: mlm, mask_ratio: 0.4}}``)."""
 
-    objective: Literal["mlm", "clm"]
-    """``mlm`` or ``clm``."""
-    mask_ratio: float | None = None
-    """MLM only, required there: the masking ratio, in (0, 1)."""
+    objective: Objective
+    """What the run trains."""
 
-    def __post_init__(self) -> None:
-        if self.objective == "mlm" and (self.mask_ratio is None or not 0.0 < self.mask_ratio < 1.0):
-            raise ValueError(f"mask_ratio must be in (0, 1) for mlm, got {self.mask_ratio}")
-        if self.objective == "clm" and self.mask_ratio is not None:
-            raise ValueError(f"mask_ratio must be unset for clm, got {self.mask_ratio}")
+    @classmethod
+    def from_config(cls, raw: Any, where: str) -> ObjectiveSpec:
+        if not isinstance(raw, Mapping) or "objective" not in raw:
+            raise ConfigError(f"{where}: expected a mapping like {{objective: mlm, mask_ratio: 0.4}}, got {raw!r}")
+        return cls(objective=read_objective(raw["objective"], where,
+                                            flat_settings={k: v for k, v in raw.items() if k != "objective"}))
 
     @property
     def kind(self) -> str:
-        """``clm`` or ``mlm_<percent>`` (``mlm_40``)."""
-        return "clm" if self.objective == "clm" else f"mlm_{_percent(self.mask_ratio)}"
+        """The objective's study name: ``clm``, ``mlm_40`` (``Objective.study_kind``)."""
+        return self.objective.study_kind
 
     def phases(self) -> list[dict]:
-        if self.objective == "clm":
-            return [{"objective": "clm", "share": 1.0}]
-        return [{"objective": "mlm", "mask_ratio": self.mask_ratio, "share": 1.0}]
+        return [{"objective": self.objective.to_config(), "share": 1.0}]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,16 +171,20 @@ class BiphasicSpec:
             if not 0.0 < share < 1.0:
                 raise ValueError(f"clm_shares: each share must be in (0, 1), got {share}")
         _unique(list(self.clm_shares), "clm_shares")
-        if not 0.0 < self.mask_ratio < 1.0:
-            raise ValueError(f"mask_ratio must be in (0, 1), got {self.mask_ratio}")
+        self.mlm  # checks the ratio
+
+    @property
+    def mlm(self) -> MLM:
+        """The objective of the MLM phase."""
+        return MLM(mask_ratio=self.mask_ratio)
 
     def kind(self, share: float) -> str:
         """``biphasic_25_75`` for share 0.25."""
         return f"biphasic_{_percent(share)}_{_percent(1.0 - share)}"
 
     def phases(self, share: float) -> list[dict]:
-        return [{"objective": "clm", "share": share},
-                {"objective": "mlm", "mask_ratio": self.mask_ratio, "share": 1.0 - share}]
+        return [{"objective": CLM().to_config(), "share": share},
+                {"objective": self.mlm.to_config(), "share": 1.0 - share}]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,15 +225,19 @@ class CptSpec:
         if not self.continuations:
             raise ValueError("continuations: give at least one")
         _unique([c.steps for c in self.continuations], "continuations[*].steps")
-        if not 0.0 < self.mask_ratio < 1.0:
-            raise ValueError(f"mask_ratio must be in (0, 1), got {self.mask_ratio}")
+        self.mlm  # checks the ratio
+
+    @property
+    def mlm(self) -> MLM:
+        """The continuation's objective."""
+        return MLM(mask_ratio=self.mask_ratio)
 
     @property
     def kind(self) -> str:
-        return f"cpt_mlm_{_percent(self.mask_ratio)}"
+        return f"cpt_{self.mlm.study_kind}"
 
     def phases(self) -> list[dict]:
-        return [{"objective": "mlm", "mask_ratio": self.mask_ratio, "share": 1.0}]
+        return [{"objective": self.mlm.to_config(), "share": 1.0}]
 
 
 @dataclass(frozen=True, kw_only=True)

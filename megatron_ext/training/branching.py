@@ -5,7 +5,8 @@ trained from step 0 only if both runs compute the same thing at every step befor
 trainer everything a step does is a function of the step and the run's definition
 (docs/design.md, "The trainer"):
 
-- its objective and masking: ``schedule.phase_at`` over ``schedule.resolve_phases``, which depends
+- its objective and masking: ``schedule.phase_at`` over ``schedule.resolve_phases`` and the
+  objective's ``step_identity`` at that step of its phase, which depends
   on ``training.train_iters`` when phases are given as shares (a 25/75 split switches at step 3,000
   of 12,000 but at 10,500 of 42,000);
 - its learning rate: ``schedule.lr_at``, which depends on ``train_iters`` through the decay (WSD
@@ -94,17 +95,8 @@ def run_definition(config: RunConfig) -> dict[str, Any]:
     return out
 
 
-def _phase_key(phase: ResolvedPhase) -> tuple:
-    return (phase.objective, phase.mask_ratio, phase.mask_replace_prob, phase.random_replace_prob)
-
-
 def _describe_phase(phase: ResolvedPhase) -> str:
-    if phase.objective == "clm":
-        return f"clm (steps {phase.start}-{phase.end - 1})"
-    extra = ""
-    if (phase.mask_replace_prob, phase.random_replace_prob) != (1.0, 0.0):
-        extra = f", replace {phase.mask_replace_prob}/{phase.random_replace_prob}"
-    return f"mlm {phase.mask_ratio:g}{extra} (steps {phase.start}-{phase.end - 1})"
+    return f"{phase.objective.describe()} (steps {phase.start}-{phase.end - 1})"
 
 
 def _describe_schedule(config: RunConfig) -> str:
@@ -138,7 +130,7 @@ def first_divergence(a: RunConfig, b: RunConfig, *,
             ia += 1
         while pb[ib].end <= step:
             ib += 1
-        if _phase_key(pa[ia]) != _phase_key(pb[ib]):
+        if pa[ia].objective.step_identity(pa[ia].progress(step)) != pb[ib].objective.step_identity(pb[ib].progress(step)):
             return Divergence(step=step, reason=f"step {step}: phase {_describe_phase(pa[ia])} vs "
                                                 f"{_describe_phase(pb[ib])}")
         lr_a = lr_at(step, config=a.schedule, total_steps=ta, phases=pa)

@@ -10,7 +10,7 @@ A recipe (see ``examples/recipes/``)::
     schedule: {lr: 5.0e-4, lr_decay_style: wsd, lr_warmup_iters: 2000, lr_wsd_decay_iters: 2000}
     phases:
       - {objective: clm, share: 0.25}
-      - {objective: mlm, mask_ratio: 0.4, share: 0.75}
+      - {objective: mlm, mask_ratio: 0.4, share: 0.75}   # or objective: {name: mlm, mask_ratio: 0.4}
     training: {train_iters: 42000}
     parallel: {tensor_model_parallel_size: 1}
     checkpoint: {save: /ckpt/run, save_interval: 1000}
@@ -33,6 +33,7 @@ import yaml
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce
+from megatron_ext.objectives import validation_objectives
 from megatron_ext.model.config import PRESETS, EncoderModelConfig, padded_vocab_size
 from megatron_ext.schedule import LRScheduleConfig, Phase, ResolvedPhase, lr_at, resolve_phases
 from megatron_ext.tokenizer import TokenizerConfig
@@ -171,8 +172,10 @@ class TrainingConfig:
         for name in ("eval_interval", "log_interval", "max_nonfinite_steps"):
             if getattr(self, name) < 0:
                 raise UserError(f"training.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 < self.eval_mask_ratio < 1.0:
-            raise UserError(f"training.eval_mask_ratio must be in (0, 1), got {self.eval_mask_ratio}")
+        try:  # the MLM objective checks its ratio
+            validation_objectives(self.eval_mask_ratio)
+        except UserError as err:
+            raise UserError(f"training.eval_mask_ratio: {err}") from None
         if self.fp8_recipe is not None and not self.bf16:
             raise UserError(f"training.fp8_recipe={self.fp8_recipe!r} needs training.bf16: true "
                             "(FP8 matmuls run inside a bf16 mixed-precision step)")
@@ -286,7 +289,7 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (YAML/JSON-able); :func:`run_config_from_dict` reads it back."""
         out = dataclasses.asdict(self)
-        out["phases"] = [dataclasses.asdict(p) for p in self.phases]
+        out["phases"] = [p.to_config() for p in self.phases]
         return out
 
 

@@ -161,8 +161,8 @@ def prepare_rng(config: Any) -> None:
 
 
 def attention_patterns(config: Any) -> tuple[bool, ...]:
-    """The ``causal`` values the run's phases train with (CLM: True, MLM: False), causal first."""
-    return tuple(sorted({phase.objective == "clm" for phase in config.resolved_phases}, reverse=True))
+    """The ``causal`` values the run's phases train with (``Objective.causal``), causal first."""
+    return tuple(sorted({phase.objective.causal for phase in config.resolved_phases}, reverse=True))
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

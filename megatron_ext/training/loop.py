@@ -1,4 +1,4 @@
-"""The pretraining loop: phases (CLM/MLM) per step, WSD learning rate, checkpoints, logging.
+"""The pretraining loop: phases (objectives) per step, WSD learning rate, checkpoints, logging.
 
 Everything a step does is a function of the step number and the config: the phase and the
 objective (``schedule.phase_at``), the learning rate (``schedule.lr_at``), the data position
@@ -35,7 +35,7 @@ from megatron.core import parallel_state
 from megatron_ext.config_loading import UserError
 from megatron_ext import platform, processes
 from megatron_ext.model import build_encoder_model
-from megatron_ext.objectives import MaskingConfig, ObjectiveBatch, apply_clm, apply_mlm
+from megatron_ext.objectives import Objective, PhaseProgress, Vocabulary, validation_objectives
 from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at
 from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
 from megatron_ext.checkpoint import core as ckpt
@@ -70,7 +70,7 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)
     """Completed step -> global mean training loss."""
     valid: dict[int, dict[str, float]] = field(default_factory=dict)
-    """Completed step -> {"clm": loss, "mlm": loss}."""
+    """Completed step -> validation loss by ``objectives.validation_objectives`` key ({"clm": ..., "mlm": ...})."""
     skipped_steps: int = 0
     checkpoint: str | None = None
     """The last checkpoint written or loaded."""
@@ -98,41 +98,27 @@ def masking_generator(seed: int, step: int, group: int, device: torch.device, *,
     return torch.Generator(device=device).manual_seed(int(state[0]) << 32 | int(state[1]))
 
 
-def make_objective(batch: dict[str, torch.Tensor], *, objective: str, masking: MaskingConfig | None,
-                   tokenizer: EncoderTokenizer, vocab_size: int, generator: torch.Generator | None) -> ObjectiveBatch:
-    """Apply the phase's objective to one GPTDataset micro-batch."""
-    if objective == "clm":
-        return apply_clm(batch["tokens"], batch["labels"], loss_mask=batch["loss_mask"])
-    return apply_mlm(
-        batch["tokens"], config=masking, mask_id=tokenizer.mask, vocab_size=vocab_size,
-        special_ids=tokenizer.special_ids, generator=generator,
-        maskable=batch["loss_mask"].sum(-1, keepdim=True) > 0,  # batch-padding samples
-    )
-
-
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @torch.no_grad()
 def evaluate(engine: MegatronEngine, batches: list[dict[str, torch.Tensor]], *, config: RunConfig,
-             tokenizer: EncoderTokenizer) -> dict[str, float]:
-    """Validation loss of both objectives on the same fixed batches (global token means)."""
+             vocabulary: Vocabulary) -> dict[str, float]:
+    """Validation losses (``objectives.validation_objectives``) on the same fixed batches (global
+    token means), whatever the run trains."""
     engine.model.eval()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     device = platform.device()
-    masking = MaskingConfig(mask_ratio=config.training.eval_mask_ratio)
     result = {}
-    for objective in ("clm", "mlm"):
+    for key, objective in validation_objectives(config.training.eval_mask_ratio).items():
         micro_batches = []
         for i, batch in enumerate(batches):
             gen = masking_generator(config.training.seed, 0, i * dp_size + dp_rank, device, stream=EVAL_STREAM)
-            obj = make_objective(batch, objective=objective, masking=masking, tokenizer=tokenizer,
-                                 vocab_size=config.model.vocab_size, generator=gen)
-            micro_batches.append(MicroBatch(obj, model_positions(batch, config)))
+            micro_batches.append(_apply(objective, batch, VALIDATION_PROGRESS, vocabulary, gen, config))
         loss_sum, tokens = engine.eval_loss(micro_batches)
-        result[objective] = loss_sum / tokens if tokens > 0 else math.nan
+        result[key] = loss_sum / tokens if tokens > 0 else math.nan
     engine.model.train()
     return result
 
@@ -163,22 +149,28 @@ def check_tokenizer_fits(config: RunConfig, tokenizer: EncoderTokenizer) -> None
             f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size is "
             f"{config.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size} (or from_tokenizer)"
         )
-    if any(p.objective == "mlm" for p in config.phases) or config.training.eval_interval:
+    if any(p.objective.needs_mask_token for p in config.phases) or config.training.eval_interval:
         tokenizer.mask  # raises MissingSpecialTokenError with the fix
 
 
 def _micro_batch(batch: dict[str, torch.Tensor], step: int, phase: ResolvedPhase, group: int, *, config: RunConfig,
-                 tokenizer: EncoderTokenizer, device: torch.device) -> MicroBatch:
+                 vocabulary: Vocabulary, device: torch.device) -> MicroBatch:
     """One micro-batch of ``step`` under ``phase``'s objective; ``group`` (micro-batch index x
     data-parallel size + rank) keys its masking stream, so the masks do not depend on the layout."""
-    masking = None if phase.objective == "clm" else MaskingConfig(
-        mask_ratio=phase.mask_ratio, mask_replace_prob=phase.mask_replace_prob,
-        random_replace_prob=phase.random_replace_prob)
     batch = _to_device(batch, device)
     gen = masking_generator(config.training.seed, step, group, device)
-    obj = make_objective(batch, objective=phase.objective, masking=masking, tokenizer=tokenizer,
-                         vocab_size=config.model.vocab_size, generator=gen)
-    return MicroBatch(obj, model_positions(batch, config))
+    return _apply(phase.objective, batch, phase.progress(step), vocabulary, gen, config)
+
+
+VALIDATION_PROGRESS = PhaseProgress(step=0, steps=1)
+"""Validation objectives have no schedule: every evaluation measures the same thing."""
+
+
+def _apply(objective: Objective, batch: dict[str, torch.Tensor], progress: PhaseProgress, vocabulary: Vocabulary,
+           generator: torch.Generator, config: RunConfig) -> MicroBatch:
+    """``objective`` on one device micro-batch, with the position ids the model reads."""
+    return MicroBatch(objective.make_batch(batch, progress=progress, vocabulary=vocabulary, generator=generator),
+                      model_positions(batch, config))
 
 
 def model_positions(batch: dict[str, torch.Tensor], config: RunConfig) -> torch.Tensor | None:
@@ -466,7 +458,8 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
         stack.push(lambda error_type, error, traceback: checkpoints.close(abort=error_type is not None))
         engine.checkpoint_model.train()
         _train_steps(config, start=start, total=total, phases=phases, batches=batches, engine=engine,
-                     tokenizer=tokenizer, device=device, log=log, guard=guard, checkpoints=checkpoints,
+                     vocabulary=Vocabulary(tokenizer, size=config.model.vocab_size), device=device, log=log,
+                     guard=guard, checkpoints=checkpoints,
                      stop=stop, sinks=sinks, result=result, exit_after_step=exit_after_step,
                      branched_from=starting_point.branched_from)
         checkpoints.wait()  # the last checkpoint is complete when the run returns
@@ -482,7 +475,7 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
 
 
 def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: _Batches, engine: MegatronEngine,
-                 tokenizer: EncoderTokenizer, device: torch.device, log: StepLogger, guard: _NonFiniteGuard,
+                 vocabulary: Vocabulary, device: torch.device, log: StepLogger, guard: _NonFiniteGuard,
                  checkpoints: _RunCheckpoints, stop: StopPolicy, sinks: MetricSinks, result: TrainResult,
                  exit_after_step: int | None, branched_from: dict | None) -> None:
     """Steps ``start`` to ``total`` (or to the step a stop asks for), with their validations and saves."""
@@ -493,7 +486,7 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
         phase = phase_at(phases, step)
         lr = lr_at(step, config=config.schedule, total_steps=total, phases=phases)
         micro_batches = [_micro_batch(next(batches.train), step, phase, micro * dp_size + dp_rank, config=config,
-                                      tokenizer=tokenizer, device=device) for micro in range(batches.micro_per_step)]
+                                      vocabulary=vocabulary, device=device) for micro in range(batches.micro_per_step)]
         outcome = engine.train_step(micro_batches, lr)
         checkpoints.poll()
         guard.update(done, outcome.loss, outcome.grad_norm, outcome.skipped)
@@ -501,7 +494,7 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
         result.losses[done] = outcome.loss
         log.step(done, phase, outcome.loss, lr, outcome.grad_norm, outcome.skipped)
         if batches.valid and _due(done, config.training.eval_interval, total):
-            result.valid[done] = evaluate(engine, batches.valid, config=config, tokenizer=tokenizer)
+            result.valid[done] = evaluate(engine, batches.valid, config=config, vocabulary=vocabulary)
             log.validation(done, result.valid[done])
         stopping = stop.reason_to_stop(done, device)  # a collective: every rank, every step
         if stopping is None and exit_after_step is not None and done >= exit_after_step:

@@ -137,7 +137,7 @@ def stage_parameters(config: EncoderModelConfig, *, tensor_parallel: int, pipeli
 
 def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:
     """Peak bytes per rank of ``config`` at ``world_size`` processes (module docstring)."""
-    from megatron_ext.training.metrics import lm_head_share
+    from megatron_ext.training.metrics import peak_lm_head_share
     from megatron_ext.training.plan import make_plan
 
     plan = make_plan(config, world_size)
@@ -156,7 +156,7 @@ def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:
                                        tensor_parallel=tp, swiglu_fused=t.bias_activation_fusion)
     tokens = d.micro_batch_size * d.seq_length
     layers = m.num_layers // pp
-    head_share = max(lm_head_share(phase, scored_only=t.lm_head_scored_only)
+    head_share = max(peak_lm_head_share(phase, seq_length=d.seq_length, scored_only=t.lm_head_scored_only)
                      for phase in config.resolved_phases)
     head = tokens * head_share * lm_head_bytes_per_scored_token(m, compute_bytes=compute_bytes, tensor_parallel=tp)
     outside_layers = tokens * 2 * m.hidden_size * residual_bytes  # embedding output, final norm input
@@ -180,7 +180,7 @@ def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:
         current = no_recompute
     graph_pool = 0
     if t.cuda_graphs != "none":
-        patterns = len({phase.objective == "clm" for phase in config.resolved_phases})
+        patterns = len({phase.objective.causal for phase in config.resolved_phases})
         graph_pool = cuda_graph_pool_bytes(m, tokens=tokens, layers=layers, patterns=patterns,
                                            per_layer_activation=per_layer, residual_bytes=residual_bytes)
     return MemoryEstimate(

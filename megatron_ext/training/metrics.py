@@ -12,6 +12,8 @@ kernels do skip the masked half for causal steps, so CLM MFU reads slightly high
 
 from __future__ import annotations
 
+import math
+
 from megatron_ext.model.config import EncoderModelConfig, layer_matmul_parameters
 from megatron_ext.schedule import ResolvedPhase
 
@@ -36,10 +38,24 @@ def flops_per_token(config: EncoderModelConfig, seq_length: int, *, lm_head_shar
     return 6.0 * (body + lm_head_share * head) + 12.0 * config.num_layers * config.hidden_size * seq_length
 
 
-def lm_head_share(phase: ResolvedPhase, *, scored_only: bool) -> float:
-    """Expected share of a step's positions at which the LM head runs in ``phase``: all of them,
-    unless ``training.lm_head_scored_only`` limits an MLM step's head to its masked positions."""
-    return phase.mask_ratio if scored_only and phase.objective == "mlm" else 1.0
+def lm_head_share(phase: ResolvedPhase, step: int, *, seq_length: int, scored_only: bool) -> float:
+    """Share of ``step``'s positions at which the LM head runs in ``phase``: all of them, unless
+    ``training.lm_head_scored_only`` limits the head to the positions the objective scores."""
+    return phase.objective.lm_head_share(phase.progress(step), seq_length=seq_length) if scored_only else 1.0
+
+
+def mean_lm_head_share(phase: ResolvedPhase, *, seq_length: int, scored_only: bool) -> float:
+    """:func:`lm_head_share` averaged over the steps of ``phase`` (its total FLOPs)."""
+    shares = [lm_head_share(phase, step, seq_length=seq_length, scored_only=scored_only)
+              for step in range(phase.start, phase.end)]
+    if len(set(shares)) == 1:  # a constant share as it is (a mean of equal floats may move its last bit)
+        return shares[0]
+    return math.fsum(shares) / len(shares)
+
+
+def peak_lm_head_share(phase: ResolvedPhase, *, seq_length: int, scored_only: bool) -> float:
+    """The largest :func:`lm_head_share` of any step of ``phase`` (what memory must hold)."""
+    return phase.objective.peak_lm_head_share(seq_length=seq_length) if scored_only else 1.0
 
 
 def peak_flops_per_device(device_name: str, *, fp8: bool = False) -> float | None:

@@ -8,7 +8,7 @@ from megatron_ext.config_loading import UserError
 from megatron_ext.model.config import parameter_count, tensor_parallel_problem
 from megatron_ext.schedule import lr_at
 from megatron_ext.training.config import RunConfig
-from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share
+from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, mean_lm_head_share
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +58,8 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
     tokens_per_step = d.global_batch_size * d.seq_length
     total_flops = sum(
         (p.end - p.start) * tokens_per_step * flops_per_token(
-            m, d.seq_length, lm_head_share=lm_head_share(p, scored_only=config.training.lm_head_scored_only))
+            m, d.seq_length, lm_head_share=mean_lm_head_share(p, seq_length=d.seq_length,
+                                                               scored_only=config.training.lm_head_scored_only))
         for p in phases
     )
     return RunPlan(

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_ext import platform
-from megatron_ext.schedule import ResolvedPhase, objective_name
+from megatron_ext.objectives import validation_objectives
+from megatron_ext.schedule import ResolvedPhase
 from megatron_ext.training.config import LoggingConfig, RunConfig
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device
 
@@ -111,10 +112,12 @@ class StepLogger:
 
     def step(self, step: int, phase: ResolvedPhase, loss: float, lr: float, grad_norm: float, skipped: bool) -> None:
         self.window_steps += 1
-        share = lm_head_share(phase, scored_only=self.config.training.lm_head_scored_only)
+        # ``step`` counts completed steps: this is the update of step ``step - 1``.
+        share = lm_head_share(phase, step - 1, seq_length=self.config.data.seq_length,
+                              scored_only=self.config.training.lm_head_scored_only)
         self.window_flops += self.tokens_per_step * flops_per_token(
             self.config.model, self.config.data.seq_length, lm_head_share=share)
-        values = {"objective": phase.objective, "phase": phase.name, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped}
+        values = {"objective": phase.objective.tag, "phase": phase.name, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped}
         interval = self.config.training.log_interval
         if interval and (step % interval == 0 or step == self.total_steps):
             now = time.perf_counter()
@@ -135,5 +138,6 @@ class StepLogger:
     def validation(self, step: int, losses: dict[str, float]) -> None:
         self.sinks.record("valid", step, losses)
         if is_writer():
-            print(f"validation at step {step}: clm loss {losses['clm']:.4f} | "
-                  f"{objective_name('mlm', self.config.training.eval_mask_ratio)} loss {losses['mlm']:.4f}", flush=True)
+            measured = validation_objectives(self.config.training.eval_mask_ratio)
+            print(f"validation at step {step}: " + " | ".join(
+                f"{objective.name} loss {losses[key]:.4f}" for key, objective in measured.items()), flush=True)
