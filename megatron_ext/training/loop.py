@@ -217,7 +217,8 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
     platform.check_run_supported(fp8_recipe=config.training.fp8_recipe,
                                  recompute_granularity=config.training.recompute_granularity,
                                  bf16_autocast=config.training.bf16, params_dtype=config.model.params_dtype,
-                                 cuda_graphs=config.training.cuda_graphs)
+                                 cuda_graphs=config.training.cuda_graphs,
+                                 async_strategy=config.checkpoint.async_strategy if config.checkpoint.async_save else None)
     config = runnable_here(config, announce=int(os.environ.get("RANK", "0")) == 0)
     if config.training.deterministic:  # before the process group (NCCL) and any CUDA work (cuBLAS)
         platform.make_deterministic()
@@ -308,7 +309,7 @@ class _RunCheckpoints:
         self.lock = lock
         self.run_config = config.to_dict()
         self.tokenizer_reference = {**tokenizer.reference(), ckpt.TOKENIZER_FINGERPRINT: tokenizer.fingerprint()}
-        self.saver = ckpt.CheckpointSaver(async_save=self.config.async_save)
+        self.saver = ckpt.CheckpointSaver(async_save=self.config.async_save, async_strategy=self.config.async_strategy)
 
     def save(self, step: int, trainer_state: dict) -> str:
         """Save (or start saving) the state after ``step``; returns the checkpoint's path."""
