@@ -56,7 +56,7 @@ MEDIAN_KEYS = ("stall_s", "written_s", "excess_s", "cost_s", "cost_steps", "shar
                "steps_while_writing")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="210m")
     parser.add_argument("--vocab-size", type=int, default=8192)
@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit-s", type=float, default=None,
                         help="start no round that would end past this many seconds from the start")
     parser.add_argument("--output", type=Path, default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps_before < 1 or args.steps_after < 1:
         parser.error("--rounds, --steps-before and --steps-after must be >= 1")
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ran = {side: rows for side, rows in rounds.items() if rows}
     summary = {side: {key: statistics.median(r[key] for r in rows) for key in MEDIAN_KEYS} for side, rows in ran.items()}
     device = platform.device_name() if platform.on_gpu() else f"cpu{torch.get_num_threads()}"
-    record = {"device": device, **platform.software_versions(), "nvidia_resiliency_ext": _nvrx_version(),
+    record = {"device": device, **platform.software_versions(),
               "load_average_at_end": os.getloadavg(),  # a shared machine's figures are only as quiet as it was
               "preset": args.preset, "vocab_size": args.vocab_size, "seq_length": args.seq_length,
               "micro_batch_size": args.micro_batch_size, "parameters": parameter_count(config.model),
@@ -191,15 +196,6 @@ def _ratios(summary: dict) -> dict:
         return {}
     return {side: {key: values[key] / base[key] if base[key] else None for key in ("stall_s", "cost_s", "written_s")}
             for side, values in summary.items() if side.startswith("async_") and side != "async_mcore"}
-
-
-def _nvrx_version() -> str | None:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("nvidia-resiliency-ext")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

@@ -212,8 +212,10 @@ def fusion_fallbacks(*, rope_fusion: bool, gradient_accumulation_fusion: bool,
 
 
 def software_versions() -> dict[str, str | None]:
-    """Python, torch, CUDA, megatron-core, transformers, Transformer Engine and GPU driver versions
-    (None where absent), for benchmark and test records."""
+    """Python, torch, CUDA, megatron-core, transformers, Transformer Engine, nvidia-resiliency-ext
+    (``checkpoint.async_strategy: nvrx``) and GPU driver versions (None where absent), for benchmark
+    and test records."""
+    import importlib.metadata
     import platform as host
     import subprocess
 
@@ -223,8 +225,10 @@ def software_versions() -> dict[str, str | None]:
     info: dict[str, str | None] = {
         "python": host.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "megatron_core": megatron.core.__version__, "transformers": transformers.__version__,
-        "transformer_engine": None, "driver": None,
+        "transformer_engine": None, "nvidia_resiliency_ext": None, "driver": None,
     }
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        info["nvidia_resiliency_ext"] = importlib.metadata.version("nvidia-resiliency-ext")
     try:
         import transformer_engine
 
