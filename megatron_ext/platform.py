@@ -106,15 +106,11 @@ def transformer_engine_available() -> bool:
 
 def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | None,
                         bf16_autocast: bool = False, params_dtype: str = "float32",
-                        cuda_graphs: str = "none", async_strategy: str | None = None) -> None:
+                        cuda_graphs: str = "none") -> None:
     """Raise ``UserError`` naming the setting this machine cannot run (before any model is built).
     What the config itself rules out (FP8 without the ``te`` backend, graphs with recomputation) is
-    refused once, by ``RunConfig``. ``async_strategy``: the writer of asynchronous saves (None:
-    the run saves synchronously)."""
-    if async_strategy == "nvrx":
-        from megatron_ext.checkpoint.config import check_nvrx_async_writer
-
-        check_nvrx_async_writer()
+    refused once, by ``RunConfig``. (``checkpoint.async_strategy: nvrx`` without NVRx: the checkpoint
+    layer's ``check_nvrx_async_writer``, at the same point of a run.)"""
     if cuda_graphs != "none" and not on_gpu():
         raise UserError(f"training.cuda_graphs={cuda_graphs!r}: CUDA graphs need a CUDA GPU; this machine has "
                         "none. Set training.cuda_graphs: none on CPU")

@@ -18,7 +18,7 @@ from megatron_ext import platform
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, preset
 from megatron_ext.objectives import MaskingConfig, apply_mlm
 from megatron_ext.checkpoint import core
-from megatron_ext.checkpoint.config import NVRX_MIN_VERSION, CheckpointConfig, nvrx_problem
+from megatron_ext.checkpoint.config import NVRX_MIN_VERSION, CheckpointConfig, check_nvrx_async_writer, nvrx_problem
 from megatron_ext.checkpoint.handle import Checkpoint
 from megatron_ext.checkpoint.core import COMPLETE, TRACKER, CheckpointSaver, latest_checkpoint, save_checkpoint
 from megatron_ext.tokenizer import TokenizerConfig
@@ -300,7 +300,8 @@ def test_an_nvrx_async_save_holds_the_state_of_its_step_while_training_goes_on(s
 
 def test_the_nvrx_writer_is_refused_in_one_line_where_it_cannot_run(monkeypatch):
     """``checkpoint.async_strategy: nvrx`` without ``async_save`` is a config error; without NVRx, or
-    with one older than Megatron takes, the run stops before anything is built, in one line."""
+    with one older than Megatron takes, the run stops before anything is built (``pretrain`` checks
+    before the process group), in one line."""
     import importlib.metadata
 
     from megatron.core.dist_checkpointing.strategies.nvrx import NVRX_MIN_VERSION as MEGATRONS
@@ -325,9 +326,8 @@ def test_the_nvrx_writer_is_refused_in_one_line_where_it_cannot_run(monkeypatch)
                                       "below that Megatron fails at import")):
         installed["nvidia-resiliency-ext"] = found
         with pytest.raises(ValueError, match=rf"^checkpoint.async_strategy: nvrx: {expected}") as error:
-            platform.check_run_supported(fp8_recipe=None, recompute_granularity=None, async_strategy="nvrx")
+            check_nvrx_async_writer()
         assert "\n" not in str(error.value) and str(error.value).endswith("or set checkpoint.async_strategy: mcore")
-        platform.check_run_supported(fp8_recipe=None, recompute_granularity=None, async_strategy="mcore")
     installed["nvidia-resiliency-ext"] = NVRX_MIN_VERSION
     assert nvrx_problem() is None
 

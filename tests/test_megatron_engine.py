@@ -424,6 +424,15 @@ def test_distributed_optimizer_killed_mid_save_resumes_exactly(tmp_path, tiny_co
         "iter_0000003", "iter_0000006", "iter_0000009"]  # the half-written save was cleaned up
 
 
+@pytest.mark.skipif(nvrx_problem() is None, reason="nvidia-resiliency-ext can run here")
+def test_the_nvrx_writer_without_nvrx_stops_the_run_before_it_starts(tmp_path, tiny_corpus):
+    recipe = _distopt(tiny_corpus, tmp_path, steps=2, async_save=True, async_strategy="nvrx")
+    with pytest.raises(ValueError, match=r"^checkpoint.async_strategy: nvrx: nvidia-resiliency-ext .*"
+                                         r"or set checkpoint.async_strategy: mcore$"):
+        pretrain(run_config_from_dict(recipe))
+    assert not (tmp_path / "ckpt").exists() and not torch.distributed.is_initialized()
+
+
 def test_non_finite_gradients_are_skipped_before_megatrons_optimizer(tmp_path, tiny_corpus):
     """A finite loss with a NaN gradient: Megatron's optimizer would step (it skips only under
     fp16 loss scaling); the engine skips first and the parameters stay as they were."""

@@ -110,8 +110,8 @@ NVRX_DISTRIBUTION = "nvidia-resiliency-ext"
 NVRX_MIN_VERSION = "0.6.0"
 """The oldest ``nvidia-resiliency-ext`` megatron-core 0.19.2 takes (its ``strategies/nvrx.py``:
 ``NVRX_MIN_VERSION``; a test holds the two equal). Below it Megatron cannot even be imported: its
-``strategies/torch.py`` asserts the version at import (0.4.1, the newest release on PyPI as of
-2026-11, also lacks ``__version__``, so the import dies with an ``AttributeError``)."""
+``strategies/torch.py`` asserts the version at import (0.4.1, the newest this project's package
+index offered in 2026-11, also lacks ``__version__``, so the import dies with an ``AttributeError``)."""
 
 
 def nvrx_problem() -> str | None:
