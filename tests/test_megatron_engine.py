@@ -426,7 +426,7 @@ def test_distributed_optimizer_killed_mid_save_resumes_exactly(tmp_path, tiny_co
 
 @pytest.mark.skipif(nvrx_problem() is None, reason="nvidia-resiliency-ext can run here")
 def test_the_nvrx_writer_without_nvrx_stops_the_run_before_it_starts(tmp_path, tiny_corpus):
-    recipe = _distopt(tiny_corpus, tmp_path, steps=2, async_save=True, async_strategy="nvrx")
+    recipe = _distopt(tiny_corpus, tmp_path, steps=4, async_save=True, async_strategy="nvrx")
     with pytest.raises(ValueError, match=r"^checkpoint.async_strategy: nvrx: nvidia-resiliency-ext .*"
                                          r"or set checkpoint.async_strategy: mcore$"):
         pretrain(run_config_from_dict(recipe))
