@@ -17,7 +17,12 @@ published and at least ``--steps-after`` steps have run. Per save:
   the machine, the publication in ``poll``), over every step until it was published and at least
   ``--steps-after`` of them;
 - ``cost_s`` = stall + excess, also as plain steps (``cost_steps``) and as the share of a run that
-  saves every ``--save-interval`` steps (``share_at_interval``; the recipes save every 1,000).
+  saves every ``--save-interval`` steps (``share_at_interval``; the recipes save every 1,000);
+- CPU seconds, which a machine shared with other work disturbs less than wall time: the trainer's
+  in the save call (``stall_cpu_s``) and beyond plain steps after it (``excess_cpu_s``), and a
+  forked writer's (``writer_cpu_s``; a persistent worker's are not seen); the first step's minor
+  page faults beyond a plain step's (``first_step_extra_page_faults``: copy-on-write copies of the
+  memory a forked writer still shares).
 
 Sides: ``sync``; ``async_<strategy>`` for each of ``--strategies`` (default: ``mcore``, and ``nvrx``
 where ``checkpoint.config.nvrx_problem`` finds nothing against it); on a GPU also
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -53,7 +59,7 @@ from megatron_ext.training.config import run_config_from_dict  # noqa: E402
 from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
 
 MEDIAN_KEYS = ("stall_s", "written_s", "excess_s", "cost_s", "cost_steps", "share_at_interval", "plain_step_s",
-               "steps_while_writing")
+               "steps_while_writing", "stall_cpu_s", "excess_cpu_s", "plain_step_cpu_s", "first_step_extra_page_faults")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,14 +112,18 @@ def main(argv: list[str] | None = None) -> int:
         batch = [MicroBatch(apply_mlm(tokens, config=MaskingConfig(mask_ratio=0.4), mask_id=3,
                                       vocab_size=args.vocab_size, special_ids=(0, 1, 2, 3), generator=gen), None)]
 
-        def step(saver: ckpt.CheckpointSaver | None = None) -> float:
-            start = time.perf_counter()
+        def step(saver: ckpt.CheckpointSaver | None = None) -> tuple[float, float, int]:
+            """Wall and CPU seconds (this process, all its threads) of one training step, and its minor
+            page faults (copy-on-write copies while a forked writer shares the trainer's memory)."""
+            start, start_cpu = time.perf_counter(), time.process_time()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             engine.train_step(batch, lr=1e-4)
             if saver is not None:
                 saver.poll()  # as the training loop does after every step
             if platform.on_gpu():
                 torch.cuda.synchronize()
-            return time.perf_counter() - start
+            return (time.perf_counter() - start, time.process_time() - start_cpu,
+                    resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 
         step()
         # Closed before returning (the stack): no writer process outlives the benchmark.
@@ -142,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ran = {side: rows for side, rows in rounds.items() if rows}
     summary = {side: {key: statistics.median(r[key] for r in rows) for key in MEDIAN_KEYS} for side, rows in ran.items()}
+    for side, rows in ran.items():  # None where the writer is a persistent worker (its CPU is not seen)
+        seen = [r["writer_cpu_s"] for r in rows if r["writer_cpu_s"] is not None]
+        summary[side]["writer_cpu_s"] = statistics.median(seen) if seen else None
     device = platform.device_name() if platform.on_gpu() else f"cpu{torch.get_num_threads()}"
     record = {"device": device, **platform.software_versions(),
               "load_average_at_end": os.getloadavg(),  # a shared machine's figures are only as quiet as it was
@@ -153,23 +166,31 @@ def main(argv: list[str] | None = None) -> int:
     if "sync" in summary and "async_mcore" in summary:
         record["stall_async_over_sync"] = summary["async_mcore"]["stall_s"] / summary["sync"]["stall_s"]
     for side, values in summary.items():
+        writer = "-" if values["writer_cpu_s"] is None else f"{values['writer_cpu_s']:.2f}"
         print(f"median {side:>18}: stall {values['stall_s']:.3f} s, written after {values['written_s']:.2f} s, "
               f"cost {values['cost_s']:.3f} s = {values['cost_steps']:.1f} plain steps "
-              f"({100 * values['share_at_interval']:.3f} % at --save-interval {args.save_interval})")
+              f"({100 * values['share_at_interval']:.3f} % at --save-interval {args.save_interval}); CPU s: "
+              f"stall {values['stall_cpu_s']:.3f}, steps' excess {values['excess_cpu_s']:+.3f}, writer {writer}")
     write_record("checkpoint_stall", device, record, args.output)
     return 0
 
 
 def _timed_save(saver: ckpt.CheckpointSaver, step, engine: MegatronEngine, save_dir: Path, *, save_step: int,
                 args: argparse.Namespace) -> dict:
-    """One save between plain steps and the steps that run while it is written (module docstring)."""
-    plain = statistics.median(step() for _ in range(args.steps_before))
-    start = time.perf_counter()
+    """One save between plain steps and the steps that run while it is written (module docstring).
+    Besides wall time, CPU seconds, which other processes on a shared machine disturb less: the
+    trainer's in the save call and in the steps after it, and the writer's (a forked writer's,
+    counted once it is reaped; a persistent worker's are not seen: None)."""
+    before = [step() for _ in range(args.steps_before)]
+    plain, plain_cpu = statistics.median(r[0] for r in before), statistics.median(r[1] for r in before)
+    plain_faults = statistics.median(r[2] for r in before)
+    children = _children_cpu_s()
+    start, start_cpu = time.perf_counter(), time.process_time()
     with engine.checkpointing():
         saver.save(save_dir, step=save_step, model=engine.checkpoint_model, optimizer=engine.optimizer_state,
                    trainer_state={}, run_config={}, tokenizer_reference={}, keep_last=1)
-    stall = time.perf_counter() - start
-    after: list[float] = []
+    stall, stall_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    after: list[tuple[float, float, int]] = []
     written, steps_while_writing = (None, 0) if saver.in_flight else (stall, 0)  # synchronous: written now
     while written is None or len(after) < args.steps_after:
         if written is None and len(after) >= args.max_steps_after:  # the writer is too slow for the steps
@@ -182,11 +203,22 @@ def _timed_save(saver: ckpt.CheckpointSaver, step, engine: MegatronEngine, save_
             written = time.perf_counter() - start
             steps_while_writing = len(after)
     assert ckpt.latest_checkpoint(save_dir).name == f"iter_{save_step:07d}"
-    excess = sum(after) - len(after) * plain
+    excess = sum(r[0] for r in after) - len(after) * plain
+    excess_cpu = sum(r[1] for r in after) - len(after) * plain_cpu
+    writer_cpu = None if saver.persistent_writer else _children_cpu_s() - children
     cost = stall + excess
     return {"stall_s": stall, "written_s": written, "steps_while_writing": steps_while_writing, "excess_s": excess,
             "cost_s": cost, "cost_steps": cost / plain, "share_at_interval": cost / (args.save_interval * plain),
-            "plain_step_s": plain, "steps_after_s": after}
+            "plain_step_s": plain, "stall_cpu_s": stall_cpu, "excess_cpu_s": excess_cpu, "writer_cpu_s": writer_cpu,
+            "plain_step_cpu_s": plain_cpu, "first_step_extra_page_faults": after[0][2] - plain_faults,
+            "steps_after_s": [r[0] for r in after], "steps_after_cpu_s": [r[1] for r in after],
+            "steps_after_page_faults": [r[2] for r in after], "plain_step_page_faults": plain_faults}
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's reaped children (the forked writers)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _ratios(summary: dict) -> dict:

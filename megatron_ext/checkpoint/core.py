@@ -151,6 +151,8 @@ class CheckpointSaver:
         self._queue = None
         self._closed = False
         self.async_strategy = async_strategy
+        self.persistent_writer = False
+        """Whether asynchronous saves go to a persistent worker (else: a process forked per save)."""
         self._pending: list[_PendingSave] = []
         """Asynchronous saves started, oldest first (what a failed finalisation was writing)."""
         # The writer's modules before the results queue, which goes into NVRx's writer too.
@@ -161,6 +163,7 @@ class CheckpointSaver:
         try:
             if persistent_writer is None:
                 persistent_writer = platform.persistent_checkpoint_writer()
+            self.persistent_writer = persistent_writer
             self._queue = queue_class(persistent=persistent_writer)
             if persistent_writer:  # started now, not at the first save: its start-up (~30 s on an
                 # H100) leaves the save's stall, and it ignores the stop signals a scheduler sends
