@@ -19,8 +19,9 @@ published and at least ``--steps-after`` steps have run. Per save:
 - ``cost_s`` = stall + excess, also as plain steps (``cost_steps``) and as the share of a run that
   saves every ``--save-interval`` steps (``share_at_interval``; the recipes save every 1,000);
 - CPU seconds, which a machine shared with other work disturbs less than wall time: the trainer's
-  in the save call (``stall_cpu_s``) and beyond plain steps after it (``excess_cpu_s``), and a
-  forked writer's (``writer_cpu_s``; a persistent worker's are not seen); the first step's minor
+  in the save call (``stall_cpu_s``) and beyond plain steps after it (``excess_cpu_s``), and its
+  helper processes' until the save is published (``helpers_cpu_s``: the writer, forked or
+  persistent, and the results queue's manager); the first step's minor
   page faults beyond a plain step's (``first_step_extra_page_faults``: copy-on-write copies of the
   memory a forked writer still shares).
 
@@ -47,6 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.results_file import write_record  # noqa: E402
@@ -59,7 +61,8 @@ from megatron_ext.training.config import run_config_from_dict  # noqa: E402
 from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
 
 MEDIAN_KEYS = ("stall_s", "written_s", "excess_s", "cost_s", "cost_steps", "share_at_interval", "plain_step_s",
-               "steps_while_writing", "stall_cpu_s", "excess_cpu_s", "plain_step_cpu_s", "first_step_extra_page_faults")
+               "steps_while_writing", "stall_cpu_s", "excess_cpu_s", "plain_step_cpu_s", "first_step_extra_page_faults",
+               "helpers_cpu_s")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,9 +155,6 @@ def main(argv: list[str] | None = None) -> int:
 
     ran = {side: rows for side, rows in rounds.items() if rows}
     summary = {side: {key: statistics.median(r[key] for r in rows) for key in MEDIAN_KEYS} for side, rows in ran.items()}
-    for side, rows in ran.items():  # None where the writer is a persistent worker (its CPU is not seen)
-        seen = [r["writer_cpu_s"] for r in rows if r["writer_cpu_s"] is not None]
-        summary[side]["writer_cpu_s"] = statistics.median(seen) if seen else None
     device = platform.device_name() if platform.on_gpu() else f"cpu{torch.get_num_threads()}"
     record = {"device": device, **platform.software_versions(),
               "load_average_at_end": os.getloadavg(),  # a shared machine's figures are only as quiet as it was
@@ -166,11 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     if "sync" in summary and "async_mcore" in summary:
         record["stall_async_over_sync"] = summary["async_mcore"]["stall_s"] / summary["sync"]["stall_s"]
     for side, values in summary.items():
-        writer = "-" if values["writer_cpu_s"] is None else f"{values['writer_cpu_s']:.2f}"
         print(f"median {side:>18}: stall {values['stall_s']:.3f} s, written after {values['written_s']:.2f} s, "
               f"cost {values['cost_s']:.3f} s = {values['cost_steps']:.1f} plain steps "
               f"({100 * values['share_at_interval']:.3f} % at --save-interval {args.save_interval}); CPU s: "
-              f"stall {values['stall_cpu_s']:.3f}, steps' excess {values['excess_cpu_s']:+.3f}, writer {writer}")
+              f"stall {values['stall_cpu_s']:.3f}, steps' excess {values['excess_cpu_s']:+.3f}, "
+              f"helper processes {values['helpers_cpu_s']:.2f}")
     write_record("checkpoint_stall", device, record, args.output)
     return 0
 
@@ -179,19 +179,21 @@ def _timed_save(saver: ckpt.CheckpointSaver, step, engine: MegatronEngine, save_
                 args: argparse.Namespace) -> dict:
     """One save between plain steps and the steps that run while it is written (module docstring).
     Besides wall time, CPU seconds, which other processes on a shared machine disturb less: the
-    trainer's in the save call and in the steps after it, and the writer's (a forked writer's,
-    counted once it is reaped; a persistent worker's are not seen: None)."""
+    trainer's in the save call and in the steps after it, and its helper processes' (the writers,
+    forked or persistent, and the results queue's manager) from the save until it is published."""
     before = [step() for _ in range(args.steps_before)]
     plain, plain_cpu = statistics.median(r[0] for r in before), statistics.median(r[1] for r in before)
     plain_faults = statistics.median(r[2] for r in before)
-    children = _children_cpu_s()
+    helpers = _helpers_cpu_s()
     start, start_cpu = time.perf_counter(), time.process_time()
     with engine.checkpointing():
         saver.save(save_dir, step=save_step, model=engine.checkpoint_model, optimizer=engine.optimizer_state,
                    trainer_state={}, run_config={}, tokenizer_reference={}, keep_last=1)
     stall, stall_cpu = time.perf_counter() - start, time.process_time() - start_cpu
     after: list[tuple[float, float, int]] = []
-    written, steps_while_writing = (None, 0) if saver.in_flight else (stall, 0)  # synchronous: written now
+    written, steps_while_writing = None, 0
+    if not saver.in_flight:  # synchronous: written now
+        written, helpers = stall, _helpers_cpu_s() - helpers
     while written is None or len(after) < args.steps_after:
         if written is None and len(after) >= args.max_steps_after:  # the writer is too slow for the steps
             waited = time.perf_counter()
@@ -202,23 +204,29 @@ def _timed_save(saver: ckpt.CheckpointSaver, step, engine: MegatronEngine, save_
         if written is None and not saver.in_flight:
             written = time.perf_counter() - start
             steps_while_writing = len(after)
+            helpers = _helpers_cpu_s() - helpers
     assert ckpt.latest_checkpoint(save_dir).name == f"iter_{save_step:07d}"
     excess = sum(r[0] for r in after) - len(after) * plain
     excess_cpu = sum(r[1] for r in after) - len(after) * plain_cpu
-    writer_cpu = None if saver.persistent_writer else _children_cpu_s() - children
     cost = stall + excess
     return {"stall_s": stall, "written_s": written, "steps_while_writing": steps_while_writing, "excess_s": excess,
             "cost_s": cost, "cost_steps": cost / plain, "share_at_interval": cost / (args.save_interval * plain),
-            "plain_step_s": plain, "stall_cpu_s": stall_cpu, "excess_cpu_s": excess_cpu, "writer_cpu_s": writer_cpu,
+            "plain_step_s": plain, "stall_cpu_s": stall_cpu, "excess_cpu_s": excess_cpu, "helpers_cpu_s": helpers,
             "plain_step_cpu_s": plain_cpu, "first_step_extra_page_faults": after[0][2] - plain_faults,
             "steps_after_s": [r[0] for r in after], "steps_after_cpu_s": [r[1] for r in after],
             "steps_after_page_faults": [r[2] for r in after], "plain_step_page_faults": plain_faults}
 
 
-def _children_cpu_s() -> float:
-    """User + system CPU seconds of this process's reaped children (the forked writers)."""
+def _helpers_cpu_s() -> float:
+    """User + system CPU seconds of this process's helper processes so far: the reaped ones (forked
+    writers) and the live ones (a persistent writer, the results queue's manager)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    total = usage.ru_utime + usage.ru_stime
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # one that ended meanwhile is counted once reaped
+            times = child.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def _ratios(summary: dict) -> dict:

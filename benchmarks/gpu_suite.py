@@ -270,12 +270,14 @@ def read_resume_e2e(stage_dir: Path) -> dict:
 
 def read_checkpoint_cost(stage_dir: Path) -> dict:
     """Per side of checkpoint_stall.py (sync, each asynchronous writer): the median stall, time until
-    published, and cost in plain steps and as a share of a run saving every ``save_interval`` steps."""
+    published, cost in plain steps and as a share of a run saving every ``save_interval`` steps, and the
+    CPU seconds of the writer processes meanwhile."""
     record = _read_json(stage_dir / "checkpoint_stall.json")
     if record is None:
         return {}
     sides = {side: {"stall_s": round(m["stall_s"], 3), "written_s": round(m["written_s"], 2),
-                    "cost_steps": round(m["cost_steps"], 1), "share_pct": round(100 * m["share_at_interval"], 3)}
+                    "cost_steps": round(m["cost_steps"], 1), "share_pct": round(100 * m["share_at_interval"], 3),
+                    "helpers_cpu_s": None if m.get("helpers_cpu_s") is None else round(m["helpers_cpu_s"], 2)}
              for side, m in record.get("median", {}).items()}
     return {"nvidia_resiliency_ext": record.get("nvidia_resiliency_ext"), "rounds": record.get("rounds_run"),
             "save_interval": record.get("save_interval"), "sides": sides}
@@ -580,9 +582,10 @@ def _figure_lines(result: StageResult) -> list[str]:
     if result.name == "checkpoint_cost":
         lines = [f"- nvidia-resiliency-ext: {f.get('nvidia_resiliency_ext') or 'not installed (no nvrx side)'}; "
                  f"{f.get('rounds')} rounds; share of a run saving every {f.get('save_interval')} steps",
-                 "", "| side | stall s | written after s | cost (plain steps) | share % |", "|---|---|---|---|---|"]
-        lines += [f"| {side} | {v['stall_s']} | {v['written_s']} | {v['cost_steps']} | {v['share_pct']} |"
-                  for side, v in f.get("sides", {}).items()]
+                 "", "| side | stall s | written after s | cost (plain steps) | share % | writers' CPU s |",
+                 "|---|---|---|---|---|---|"]
+        lines += [f"| {side} | {v['stall_s']} | {v['written_s']} | {v['cost_steps']} | {v['share_pct']} | "
+                  f"{_fmt(v.get('helpers_cpu_s'), '.2f')} |" for side, v in f.get("sides", {}).items()]
         return lines
     if "counts" in f:  # a gpu_check report (gpu_tests and its subsets)
         counts = ", ".join(f"{n} {k}" for k, n in sorted(f.get("counts", {}).items())) or "no test report"

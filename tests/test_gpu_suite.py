@@ -148,16 +148,17 @@ def test_the_stages_on_a_gpu_machine_build_their_commands(tmp_path):
 
 
 def test_the_checkpoint_cost_stage_reports_each_writer(tmp_path):
-    median = {"stall_s": 0.5, "written_s": 6.0, "cost_steps": 12.34, "share_at_interval": 0.01234}
+    median = {"stall_s": 0.5, "written_s": 6.0, "cost_steps": 12.34, "share_at_interval": 0.01234, "helpers_cpu_s": 3.456}
     (tmp_path / "checkpoint_stall.json").write_text(json.dumps({
         "nvidia_resiliency_ext": None, "rounds_run": 2, "save_interval": 1000,
         "median": {"sync": {**median, "stall_s": 7.0}, "async_mcore": median}}))
     figures = gpu_suite.read_checkpoint_cost(tmp_path)
-    assert figures["sides"]["async_mcore"] == {"stall_s": 0.5, "written_s": 6.0, "cost_steps": 12.3, "share_pct": 1.234}
+    assert figures["sides"]["async_mcore"] == {"stall_s": 0.5, "written_s": 6.0, "cost_steps": 12.3, "share_pct": 1.234,
+                                               "helpers_cpu_s": 3.46}
     result = gpu_suite.StageResult(name="checkpoint_cost", purpose="", status="passed", figures=figures)
     page = gpu_suite.summary_markdown([result], machine=GPU, budget_s=100, elapsed_s=100, commit=None)
     assert "nvidia-resiliency-ext: not installed (no nvrx side); 2 rounds" in page
-    assert "| sync | 7.0 | 6.0 | 12.3 | 1.234 |" in page and "| async_mcore | 0.5 | 6.0 | 12.3 | 1.234 |" in page
+    assert "| sync | 7.0 | 6.0 | 12.3 | 1.234 | 3.46 |" in page and "| async_mcore | 0.5 | 6.0 | 12.3 | 1.234 | 3.46 |" in page
 
 
 def test_cli_refuses_an_unknown_stage_and_a_budget_below_its_reserve(capsys):
