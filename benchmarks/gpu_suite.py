@@ -211,7 +211,8 @@ def read_environment(stage_dir: Path) -> dict:
     versions = record.get("versions", {})
     return {"device": record.get("device"), "compute_capability": record.get("compute_capability"),
             "memory_gb": record.get("memory_gb"), "driver": versions.get("driver"),
-            **{k: versions.get(k) for k in ("torch", "cuda", "megatron_core", "transformer_engine", "transformers")}}
+            **{k: versions.get(k) for k in ("torch", "cuda", "megatron_core", "transformer_engine", "transformers",
+                                            "nvidia_resiliency_ext")}}
 
 
 def read_te_smoke(stage_dir: Path) -> dict:
@@ -267,6 +268,21 @@ def read_resume_e2e(stage_dir: Path) -> dict:
     return _read_json(stage_dir / "resume_compare.json") or {}
 
 
+def read_checkpoint_cost(stage_dir: Path) -> dict:
+    """Per side of checkpoint_stall.py (sync, each asynchronous writer): the median stall, time until
+    published, cost in plain steps and as a share of a run saving every ``save_interval`` steps, and the
+    CPU seconds of the writer processes meanwhile."""
+    record = _read_json(stage_dir / "checkpoint_stall.json")
+    if record is None:
+        return {}
+    sides = {side: {"stall_s": round(m["stall_s"], 3), "written_s": round(m["written_s"], 2),
+                    "cost_steps": round(m["cost_steps"], 1), "share_pct": round(100 * m["share_at_interval"], 3),
+                    "helpers_cpu_s": None if m.get("helpers_cpu_s") is None else round(m["helpers_cpu_s"], 2)}
+             for side, m in record.get("median", {}).items()}
+    return {"nvidia_resiliency_ext": record.get("nvidia_resiliency_ext"), "rounds": record.get("rounds_run"),
+            "save_interval": record.get("save_interval"), "sides": sides}
+
+
 # --------------------------------------------------------------------------------------------------
 # The stages, in order of value.
 
@@ -311,6 +327,15 @@ def _gpu_tests_of(expression: str) -> Callable[[StageContext], list[str]]:
     return lambda ctx: [*_gpu_tests(ctx), "-k", expression]
 
 
+def _checkpoint_cost(ctx: StageContext) -> list[str]:
+    # The resume run's shape (210M, seq 512, micro-batch 16); every writer the machine has (nvrx where
+    # nvidia-resiliency-ext >= 0.6.0 imports), rounds while the cap allows (model build and the
+    # persistent writers' start-up, ~1 min, come first).
+    return [ctx.python, str(REPO / "benchmarks" / "checkpoint_stall.py"), "--preset", "210m", "--vocab-size", "32768",
+            "--seq-length", "512", "--micro-batch-size", "16", "--rounds", "3", "--steps-after", "20",
+            "--time-limit-s", str(int(max(60.0, ctx.cap_s - 30))), "--output", str(ctx.stage_dir / "checkpoint_stall.json")]
+
+
 def _resume_e2e(ctx: StageContext) -> list[str]:
     # training.deterministic: a resumed run must then repeat the uninterrupted one exactly (the script
     # exits 1 otherwise); without it GPU runs drift in the last bits and "how close" has no threshold.
@@ -338,6 +363,9 @@ STAGES: tuple[Stage, ...] = (
                                      "resumed: the same losses as uninterrupted; speed after each save",
           command=_resume_e2e, max_s=260, min_s=150, needs=frozenset({"gpu", "data"}), read=read_resume_e2e,
           alongside="gpu_tests"),
+    Stage(name="checkpoint_cost", purpose="what a save costs training (210M): stall and slower steps while the "
+                                          "writer works, sync vs each asynchronous writer (mcore, forked, nvrx)",
+          command=_checkpoint_cost, max_s=240, min_s=120, needs=frozenset({"gpu"}), read=read_checkpoint_cost),
     Stage(name="throughput_1b_fusions", purpose="1B bf16: the recipe's configuration vs each of its fusions undone",
           command=_throughput("1b", "bf16", variants=("no_rope_fusion", "no_grad_accum_fusion"), hf=False),
           max_s=150, min_s=80, needs=frozenset({"gpu"}), read=read_throughput),
@@ -547,6 +575,14 @@ def _figure_lines(result: StageResult) -> list[str]:
             if row.get("side_wall_s"):
                 lines.append(f"- {row['row']}, wall time per side (s): "
                              + ", ".join(f"{k} {v:.0f}" for k, v in row["side_wall_s"].items()))
+        return lines
+    if result.name == "checkpoint_cost":
+        lines = [f"- nvidia-resiliency-ext: {f.get('nvidia_resiliency_ext') or 'not installed (no nvrx side)'}; "
+                 f"{f.get('rounds')} rounds; share of a run saving every {f.get('save_interval')} steps",
+                 "", "| side | stall s | written after s | cost (plain steps) | share % | writers' CPU s |",
+                 "|---|---|---|---|---|---|"]
+        lines += [f"| {side} | {v['stall_s']} | {v['written_s']} | {v['cost_steps']} | {v['share_pct']} | "
+                  f"{_fmt(v.get('helpers_cpu_s'), '.2f')} |" for side, v in f.get("sides", {}).items()]
         return lines
     if "counts" in f:  # a gpu_check report (gpu_tests and its subsets)
         counts = ", ".join(f"{n} {k}" for k, n in sorted(f.get("counts", {}).items())) or "no test report"

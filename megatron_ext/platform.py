@@ -109,7 +109,8 @@ def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | 
                         cuda_graphs: str = "none") -> None:
     """Raise ``UserError`` naming the setting this machine cannot run (before any model is built).
     What the config itself rules out (FP8 without the ``te`` backend, graphs with recomputation) is
-    refused once, by ``RunConfig``."""
+    refused once, by ``RunConfig``. (``checkpoint.async_strategy: nvrx`` without NVRx: the checkpoint
+    layer's ``check_nvrx_async_writer``, at the same point of a run.)"""
     if cuda_graphs != "none" and not on_gpu():
         raise UserError(f"training.cuda_graphs={cuda_graphs!r}: CUDA graphs need a CUDA GPU; this machine has "
                         "none. Set training.cuda_graphs: none on CPU")
@@ -207,8 +208,10 @@ def fusion_fallbacks(*, rope_fusion: bool, gradient_accumulation_fusion: bool,
 
 
 def software_versions() -> dict[str, str | None]:
-    """Python, torch, CUDA, megatron-core, transformers, Transformer Engine and GPU driver versions
-    (None where absent), for benchmark and test records."""
+    """Python, torch, CUDA, megatron-core, transformers, Transformer Engine, nvidia-resiliency-ext
+    (``checkpoint.async_strategy: nvrx``) and GPU driver versions (None where absent), for benchmark
+    and test records."""
+    import importlib.metadata
     import platform as host
     import subprocess
 
@@ -218,8 +221,10 @@ def software_versions() -> dict[str, str | None]:
     info: dict[str, str | None] = {
         "python": host.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "megatron_core": megatron.core.__version__, "transformers": transformers.__version__,
-        "transformer_engine": None, "driver": None,
+        "transformer_engine": None, "nvidia_resiliency_ext": None, "driver": None,
     }
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        info["nvidia_resiliency_ext"] = importlib.metadata.version("nvidia-resiliency-ext")
     try:
         import transformer_engine
 

@@ -1,6 +1,6 @@
 """Checkpoints: exact resume (weights, the Megatron engine's AdamW state, trainer state), weights-only
-loads, keep-last, crash safety, shape checks and error messages (CPU, gloo), and resharding between
-tensor-parallel sizes 2 and 1."""
+loads, keep-last, crash safety, shape checks and error messages (CPU, gloo), each asynchronous
+writer (``checkpoint.async_strategy``), and resharding between tensor-parallel sizes 2 and 1."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from distributed import run_ranks
 from megatron_ext import platform
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, preset
 from megatron_ext.objectives import MaskingConfig, apply_mlm
-from megatron_ext.checkpoint.config import CheckpointConfig
+from megatron_ext.checkpoint import core
+from megatron_ext.checkpoint.config import NVRX_MIN_VERSION, CheckpointConfig, check_nvrx_async_writer, nvrx_problem
 from megatron_ext.checkpoint.handle import Checkpoint
-from megatron_ext.checkpoint.core import COMPLETE, TRACKER, latest_checkpoint, save_checkpoint
+from megatron_ext.checkpoint.core import COMPLETE, TRACKER, CheckpointSaver, latest_checkpoint, save_checkpoint
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides
@@ -268,6 +269,75 @@ def test_errors(single_rank, tmp_path):
         load(path, model)
     with pytest.raises(ValueError, match="no complete checkpoint in"):
         Checkpoint.open(tmp_path / "b")
+
+
+NVRX_UNUSABLE = nvrx_problem()
+"""Why NVIDIA's resiliency package cannot write asynchronous saves here (None: it can). Not in
+requirements.txt: PyPI offers 0.4.1 and megatron-core 0.19.2 takes >= 0.6.0 (docs/gpu.md)."""
+
+
+@pytest.mark.skipif(NVRX_UNUSABLE is not None, reason=str(NVRX_UNUSABLE))
+def test_an_nvrx_async_save_holds_the_state_of_its_step_while_training_goes_on(single_rank, tmp_path):
+    """NVRx's writer (``checkpoint.async_strategy: nvrx``; Megatron's own is checked by the killed
+    and resumed runs of test_megatron_engine and test_edges): two steps are trained while the forked
+    writer writes; the checkpoint holds the weights and AdamW state of the step it was asked for."""
+    async_strategy = "nvrx"
+    engine = build(seed=0)
+    train_step(engine, 0)
+    at_save, optimizer_at_save = weights(engine.checkpoint_model), optimizer_state(engine)
+    with CheckpointSaver(async_save=True, async_strategy=async_strategy) as saver:
+        with engine.checkpointing():
+            saver.save(tmp_path, step=1, model=engine.checkpoint_model, optimizer=engine.optimizer_state,
+                       trainer_state={}, run_config=RUN_CONFIG, tokenizer_reference=TOKENIZER, keep_last=1)
+        for seed in (1, 2):  # the parameters change under the writer
+            train_step(engine, seed)
+            saver.poll()
+    fresh = build(seed=1)
+    assert load(tmp_path, fresh)["step"] == 1
+    assert_same_weights(fresh.checkpoint_model, at_save)
+    assert_same_optimizer(fresh, optimizer_at_save)
+
+
+def test_the_nvrx_writer_is_refused_in_one_line_where_it_cannot_run(monkeypatch):
+    """``checkpoint.async_strategy: nvrx`` without ``async_save`` is a config error; without NVRx, or
+    with one older than Megatron takes, the run stops before anything is built (``pretrain`` checks
+    before the process group), in one line."""
+    import importlib.metadata
+
+    from megatron.core.dist_checkpointing.strategies.nvrx import NVRX_MIN_VERSION as MEGATRONS
+
+    assert NVRX_MIN_VERSION == MEGATRONS
+    with pytest.raises(ValueError, match=r"^checkpoint.async_strategy: nvrx chooses the writer of asynchronous saves"):
+        CheckpointConfig(async_strategy="nvrx")
+    CheckpointConfig(async_strategy="nvrx", async_save=True)  # what the machine has is checked at run start
+    installed = {"nvidia-resiliency-ext": None}
+    real_version = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name != "nvidia-resiliency-ext":
+            return real_version(name)
+        if installed[name] is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    for found, expected in ((None, "nvidia-resiliency-ext is not installed"),
+                            ("0.4.1", "nvidia-resiliency-ext 0.4.1 is installed and megatron-core 0.19.2 needs >= 0.6.0; "
+                                      "below that Megatron fails at import")):
+        installed["nvidia-resiliency-ext"] = found
+        with pytest.raises(ValueError, match=rf"^checkpoint.async_strategy: nvrx: {expected}") as error:
+            check_nvrx_async_writer()
+        assert "\n" not in str(error.value) and str(error.value).endswith("or set checkpoint.async_strategy: mcore")
+    installed["nvidia-resiliency-ext"] = NVRX_MIN_VERSION
+    assert nvrx_problem() is None
+
+
+@pytest.mark.skipif(NVRX_UNUSABLE is None, reason="nvidia-resiliency-ext can run here")
+def test_without_nvrx_the_saver_refuses_it_and_leaves_nothing_running(single_rank):
+    users = core._results_queue._users
+    with pytest.raises(ValueError, match="^checkpoint.async_strategy: nvrx: nvidia-resiliency-ext"):
+        CheckpointSaver(async_save=True, async_strategy="nvrx")
+    assert core._results_queue._users == users  # refused before the results queue's manager started
 
 
 WORLD = 2

@@ -140,6 +140,25 @@ def test_the_stages_on_a_gpu_machine_build_their_commands(tmp_path):
     assert "--output-dir" in gpu_tests and gpu_tests[gpu_tests.index("--timeout-s") + 1] == "180"
     assert gpu_tests[gpu_tests.index("--pytest-args") + 1].startswith("-n ")
     assert "--no-baseline" in commands["throughput_1b_fp8"]
+    from benchmarks import checkpoint_stall
+
+    cost = checkpoint_stall.build_parser().parse_args(commands["checkpoint_cost"][2:])
+    assert (cost.preset, cost.seq_length, cost.time_limit_s) == ("210m", 512, 170)  # the cap less 30 s
+    assert cost.output == tmp_path / "checkpoint_cost" / "checkpoint_stall.json"
+
+
+def test_the_checkpoint_cost_stage_reports_each_writer(tmp_path):
+    median = {"stall_s": 0.5, "written_s": 6.0, "cost_steps": 12.34, "share_at_interval": 0.01234, "helpers_cpu_s": 3.456}
+    (tmp_path / "checkpoint_stall.json").write_text(json.dumps({
+        "nvidia_resiliency_ext": None, "rounds_run": 2, "save_interval": 1000,
+        "median": {"sync": {**median, "stall_s": 7.0}, "async_mcore": median}}))
+    figures = gpu_suite.read_checkpoint_cost(tmp_path)
+    assert figures["sides"]["async_mcore"] == {"stall_s": 0.5, "written_s": 6.0, "cost_steps": 12.3, "share_pct": 1.234,
+                                               "helpers_cpu_s": 3.46}
+    result = gpu_suite.StageResult(name="checkpoint_cost", purpose="", status="passed", figures=figures)
+    page = gpu_suite.summary_markdown([result], machine=GPU, budget_s=100, elapsed_s=100, commit=None)
+    assert "nvidia-resiliency-ext: not installed (no nvrx side); 2 rounds" in page
+    assert "| sync | 7.0 | 6.0 | 12.3 | 1.234 | 3.46 |" in page and "| async_mcore | 0.5 | 6.0 | 12.3 | 1.234 | 3.46 |" in page
 
 
 def test_cli_refuses_an_unknown_stage_and_a_budget_below_its_reserve(capsys):
@@ -165,7 +184,7 @@ def test_the_suite_on_cpu_runs_what_a_cpu_can_and_says_why_not_the_rest(tmp_path
     assert status["throughput_1b_bf16"]["status"] == "passed"
     (row,) = status["throughput_1b_bf16"]["figures"]["rows"]
     assert row["row"] == "tiny seq 128 fp32" and row["tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0
-    for name in ("te_smoke", "gpu_tests", "resume_e2e", "throughput_1b_fp8", "throughput_610m_bf16"):
+    for name in ("te_smoke", "gpu_tests", "resume_e2e", "checkpoint_cost", "throughput_1b_fp8", "throughput_610m_bf16"):
         assert status[name]["status"] == "not_applicable" and status[name]["reason"].startswith("needs"), name
     page = (out / "summary.md").read_text()
     assert "| tiny seq 128 fp32 |" in page and "needs a CUDA GPU" in page

@@ -22,6 +22,7 @@ import torch
 from distributed import run_ranks
 from megatron_ext import platform
 from megatron_ext.checkpoint import core as ckpt
+from megatron_ext.checkpoint.config import nvrx_problem
 from megatron_ext.checkpoint.handle import Checkpoint
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import pretrain
@@ -268,12 +269,12 @@ def test_pipeline_parallel_matches_one_stage(tmp_path, tiny_corpus):
 
 
 def _distopt(corpus, run_dir: Path, *, steps: int, tp: int = 1, optimizer_format: str = "dp_reshardable",
-             save_interval: int = 3, async_save: bool = False) -> dict:
+             save_interval: int = 3, async_save: bool = False, async_strategy: str = "mcore") -> dict:
     return _engine_recipe(corpus, run_dir, steps=steps,
                           parallel={"use_distributed_optimizer": True, "tensor_model_parallel_size": tp},
                           checkpoint={"save": str(run_dir / "ckpt"), "save_interval": save_interval,
                                       "optimizer_format": optimizer_format, "keep_last": 5,
-                                      "async_save": async_save})
+                                      "async_save": async_save, "async_strategy": async_strategy})
 
 
 def test_distributed_optimizer_reshards_across_data_parallel_sizes(tmp_path, tiny_corpus):
@@ -385,17 +386,20 @@ def _torchrun(recipe_path: Path, log: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync_save", "async_save"])
+@pytest.mark.parametrize("async_save,async_strategy", [
+    (False, "mcore"), (True, "mcore"),
+    pytest.param(True, "nvrx", marks=pytest.mark.skipif(nvrx_problem() is not None, reason=str(nvrx_problem())))],
+    ids=["sync_save", "async_save", "async_save_nvrx"])
 @pytest.mark.slow  # torchrun runs killed and resumed
-def test_distributed_optimizer_killed_mid_save_resumes_exactly(tmp_path, tiny_corpus, async_save):
+def test_distributed_optimizer_killed_mid_save_resumes_exactly(tmp_path, tiny_corpus, async_save, async_strategy):
     """DP=2 with the distributed optimizer: SIGKILL to every rank (and the background writers)
     while the step-6 checkpoint is being written; the step-3 checkpoint stays the newest complete
     one, and the rerun reproduces the uninterrupted run's losses bitwise (CPU arithmetic is
     deterministic). With ``async_save`` training goes on while the writer works: the kill lands
-    while a save is in flight."""
-    straight = _run(_distopt(tiny_corpus, tmp_path / "straight", steps=9, async_save=async_save), tmp_path,
-                    "straight", world=2)
-    raw = _distopt(tiny_corpus, tmp_path / "killed", steps=9, async_save=async_save)
+    while a save is in flight; its writer is Megatron's own or NVRx's (``async_strategy``)."""
+    straight = _run(_distopt(tiny_corpus, tmp_path / "straight", steps=9, async_save=async_save,
+                             async_strategy=async_strategy), tmp_path, "straight", world=2)
+    raw = _distopt(tiny_corpus, tmp_path / "killed", steps=9, async_save=async_save, async_strategy=async_strategy)
     recipe = tmp_path / "recipe.json"
     recipe.write_text(json.dumps(raw))  # JSON is YAML
     save_dir = tmp_path / "killed/ckpt"
@@ -418,6 +422,15 @@ def test_distributed_optimizer_killed_mid_save_resumes_exactly(tmp_path, tiny_co
         assert resumed["losses"][step] == straight["losses"][step], f"step {step}"
     assert sorted(p.name for p in save_dir.iterdir() if p.name.startswith("iter_")) == [
         "iter_0000003", "iter_0000006", "iter_0000009"]  # the half-written save was cleaned up
+
+
+@pytest.mark.skipif(nvrx_problem() is None, reason="nvidia-resiliency-ext can run here")
+def test_the_nvrx_writer_without_nvrx_stops_the_run_before_it_starts(tmp_path, tiny_corpus):
+    recipe = _distopt(tiny_corpus, tmp_path, steps=4, async_save=True, async_strategy="nvrx")
+    with pytest.raises(ValueError, match=r"^checkpoint.async_strategy: nvrx: nvidia-resiliency-ext .*"
+                                         r"or set checkpoint.async_strategy: mcore$"):
+        pretrain(run_config_from_dict(recipe))
+    assert not (tmp_path / "ckpt").exists() and not torch.distributed.is_initialized()
 
 
 def test_non_finite_gradients_are_skipped_before_megatrons_optimizer(tmp_path, tiny_corpus):

@@ -19,6 +19,7 @@ import pytest
 
 from megatron_ext import processes
 from megatron_ext.checkpoint import core as ckpt
+from megatron_ext.checkpoint.config import nvrx_problem
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import NonFiniteLossError, pretrain
 from helpers import tiny_recipe as _recipe
@@ -141,11 +142,14 @@ def test_the_next_run_ends_what_a_dead_trainer_left(caplog):
 
 
 @pytest.mark.gpu
-def test_gpu_run_with_async_saves_exits(tmp_path, tiny_corpus):
-    """On a GPU (Megatron's persistent writer), a run with ``async_save: true`` exits on its own
-    within 30 s of its last step, with its checkpoint published."""
+@pytest.mark.parametrize("async_strategy", [
+    "mcore", pytest.param("nvrx", marks=pytest.mark.skipif(nvrx_problem() is not None, reason=str(nvrx_problem())))])
+def test_gpu_run_with_async_saves_exits(tmp_path, tiny_corpus, async_strategy):
+    """On a GPU (the writer's persistent worker: Megatron's, or NVRx's with ``async_strategy: nvrx``),
+    a run with ``async_save: true`` exits on its own within 30 s of its last step, with its
+    checkpoint published."""
     raw = _async_recipe(tiny_corpus, tmp_path, steps=40)
-    raw["checkpoint"]["save_interval"] = 20
+    raw["checkpoint"].update(save_interval=20, async_strategy=async_strategy)
     raw["training"]["bf16"] = True
     recipe = tmp_path / "recipe.json"
     recipe.write_text(json.dumps(raw))

@@ -49,6 +49,12 @@ class CheckpointConfig:
     """Write checkpoints in the background (Megatron's asynchronous save, ``--async-save``):
     training stalls only while the state is staged, and a checkpoint counts (tracker, marker)
     only once every rank has written it."""
+    async_strategy: Literal["mcore", "nvrx"] = "mcore"
+    """Which implementation writes the asynchronous saves (Megatron's ``async_strategy``; with
+    ``async_save`` only: synchronous saves always use Megatron's own writer). ``mcore``: Megatron-Core's
+    own asynchronous writer, which Megatron calls deprecated. ``nvrx``: NVIDIA's resiliency package
+    (``nvidia-resiliency-ext``, which megatron-core 0.19.2 needs at >= ``NVRX_MIN_VERSION``; not in
+    requirements.txt: docs/gpu.md, "Asynchronous saves"). Both write the same checkpoint format."""
     optimizer_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     """How the distributed optimizer's state is written (Megatron's
     ``distrib_optim_sharding_type``; ``parallel.use_distributed_optimizer`` only).
@@ -70,6 +76,9 @@ class CheckpointConfig:
             if self.finetune or self.branch_from is not None:
                 raise UserError("checkpoint.load_step resumes a run in full: drop checkpoint.finetune and "
                                 "checkpoint.branch_from (or load_step)")
+        if self.async_strategy == "nvrx" and not self.async_save:
+            raise UserError("checkpoint.async_strategy: nvrx chooses the writer of asynchronous saves; set "
+                            "checkpoint.async_save: true as well (synchronous saves always use Megatron's own writer)")
         if any(isinstance(step, bool) or not isinstance(step, int) or step < 1 for step in self.keep_steps):
             raise UserError(f"checkpoint.keep_steps must be steps >= 1, got {list(self.keep_steps)}")
         object.__setattr__(self, "keep_steps", tuple(sorted(set(self.keep_steps))))
@@ -95,3 +104,37 @@ class CheckpointConfig:
         if below:
             raise UserError(f"checkpoint.keep_steps {below}: this run starts at its branch_step {self.branch_step} "
                             "and never saves those steps (keep them on the run that trains them)")
+
+
+NVRX_DISTRIBUTION = "nvidia-resiliency-ext"
+NVRX_MIN_VERSION = "0.6.0"
+"""The oldest ``nvidia-resiliency-ext`` megatron-core 0.19.2 takes (its ``strategies/nvrx.py``:
+``NVRX_MIN_VERSION``; a test holds the two equal). Below it Megatron cannot even be imported: its
+``strategies/torch.py`` asserts the version at import (0.4.1, the newest this project's package
+index offered in 2026-11, also lacks ``__version__``, so the import dies with an ``AttributeError``)."""
+
+
+def nvrx_problem() -> str | None:
+    """Why Megatron's ``nvrx`` asynchronous writer cannot run here (one line), or None when it can.
+    Read from the installed distribution's metadata, without importing Megatron or NVRx: an NVRx
+    below ``NVRX_MIN_VERSION`` makes ``import megatron.core`` itself fail."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    try:
+        installed = importlib.metadata.version(NVRX_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return (f"{NVRX_DISTRIBUTION} is not installed (megatron-core 0.19.2 needs >= {NVRX_MIN_VERSION}; "
+                "docs/gpu.md, \"Asynchronous saves\")")
+    if Version(installed) < Version(NVRX_MIN_VERSION):
+        return (f"{NVRX_DISTRIBUTION} {installed} is installed and megatron-core 0.19.2 needs >= {NVRX_MIN_VERSION}; "
+                f"below that Megatron fails at import whatever the settings: pip uninstall {NVRX_DISTRIBUTION}, "
+                f"or install >= {NVRX_MIN_VERSION}")
+    return None
+
+
+def check_nvrx_async_writer() -> None:
+    """Raise ``UserError`` in one line where ``checkpoint.async_strategy: nvrx`` cannot run here."""
+    if problem := nvrx_problem():
+        raise UserError(f"checkpoint.async_strategy: nvrx: {problem}; or set checkpoint.async_strategy: mcore")

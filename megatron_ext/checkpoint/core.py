@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_ext.config_loading import UserError
 from megatron_ext import platform, processes
 from megatron_ext.checkpoint import storage
+from megatron_ext.checkpoint.config import check_nvrx_async_writer
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,8 @@ def save_checkpoint(
 
 
 class CheckpointSaver:
-    """Writes checkpoints, synchronously or with Megatron's asynchronous save.
+    """Writes checkpoints, synchronously or with Megatron's asynchronous save (written by
+    Megatron-Core's own writer or NVIDIA's resiliency package, ``async_strategy``).
 
     Asynchronous (``checkpoint.async_save``): the call returns once the state is staged (copied to
     host memory on GPU; on CPU the writer is a forked process, whose memory is a snapshot) and a
@@ -137,27 +139,36 @@ class CheckpointSaver:
     by the next save. Saves publish in order: a new save first waits for the previous one.
     """
 
-    def __init__(self, *, async_save: bool, persistent_writer: bool | None = None):
-        """``persistent_writer``: Megatron's persistent worker instead of a process forked per save
-        (default: ``platform.persistent_checkpoint_writer()``, the worker on GPU only)."""
+    def __init__(self, *, async_save: bool, async_strategy: str = "mcore", persistent_writer: bool | None = None):
+        """``async_strategy`` (``checkpoint.async_strategy``): ``mcore``, Megatron-Core's own
+        asynchronous writer, or ``nvrx``, the one of ``nvidia-resiliency-ext`` (``UserError`` in one
+        line where it cannot run, ``checkpoint.config.nvrx_problem``); with ``async_save`` only.
+        ``persistent_writer``: a persistent worker instead of a process forked per save (default:
+        ``platform.persistent_checkpoint_writer()``, the worker on GPU only)."""
         platform.check_megatron_runs_here("saving a checkpoint")
+        if async_strategy not in ASYNC_STRATEGIES:
+            raise ValueError(f"async_strategy must be one of {ASYNC_STRATEGIES}, got {async_strategy!r}")
         self._queue = None
         self._closed = False
+        self.async_strategy = async_strategy
+        self.persistent_writer = False
+        """Whether asynchronous saves go to a persistent worker (else: a process forked per save)."""
         self._pending: list[_PendingSave] = []
         """Asynchronous saves started, oldest first (what a failed finalisation was writing)."""
+        # The writer's modules before the results queue, which goes into NVRx's writer too.
+        queue_class = _async_calls_queue_class(async_strategy) if async_save else None
         _results_queue.acquire()  # synchronous saves report through it too
         if not async_save:
             return
         try:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
             if persistent_writer is None:
                 persistent_writer = platform.persistent_checkpoint_writer()
-            self._queue = AsyncCallsQueue(persistent=persistent_writer)
+            self.persistent_writer = persistent_writer
+            self._queue = queue_class(persistent=persistent_writer)
             if persistent_writer:  # started now, not at the first save: its start-up (~30 s on an
                 # H100) leaves the save's stall, and it ignores the stop signals a scheduler sends
                 with processes.helpers_ignore_stop_signals():
-                    AsyncCallsQueue.warmup_persistent_caller(dist.get_rank() if dist.is_initialized() else 0)
+                    queue_class.warmup_persistent_caller(dist.get_rank() if dist.is_initialized() else 0)
         except BaseException:
             self.close(abort=True)  # no manager or worker left behind by a saver never returned
             raise
@@ -194,7 +205,9 @@ class CheckpointSaver:
                     for active in queue.async_calls:
                         active.async_caller.close(abort=True)
                 queue.async_calls.clear()  # (the persistent worker is stopped, and joined, below)
-                if queue.persistent:
+                if queue.persistent and self.async_strategy == "nvrx":
+                    _stop_nvrx_persistent_writer(queue, abort=abort)
+                elif queue.persistent:
                     _stop_persistent_writer(abort=abort)
             _results_queue.release()
 
@@ -242,7 +255,8 @@ class CheckpointSaver:
 
         with pending.failures_explained():
             request = dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata,
-                                              async_sharded_save=self._queue is not None, async_strategy="mcore")
+                                              async_sharded_save=self._queue is not None,
+                                              async_strategy=self.async_strategy)
             if request is None:  # synchronous: returned after a barrier, all shards written
                 publish()
                 return final
@@ -281,17 +295,17 @@ class _ResultsQueue:
 
     Megatron-Core 0.19.2 creates it on first use (``filesystem_async.get_write_results_queue``)
     with a spawn-context ``Manager()`` that nothing ever shuts down, for synchronous saves too: a
-    ~700 MB process alive after the run and, after ``kill -9`` of the trainer, forever. This one is
-    installed in its place while any saver is open, dies with the trainer (``processes.die_with_parent``),
-    and is shut down when the last saver closes."""
+    ~700 MB process alive after the run and, after ``kill -9`` of the trainer, forever (NVRx's
+    writer, a copy of that module, does the same). This one is installed in their place while any
+    saver is open, dies with the trainer (``processes.die_with_parent``), and is shut down when the
+    last saver closes."""
 
     def __init__(self) -> None:
         self._users = 0
         self._manager = None
+        self._queue = None
 
     def acquire(self) -> None:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-
         if self._users == 0:
             import multiprocessing
             from multiprocessing.managers import SyncManager
@@ -299,17 +313,47 @@ class _ResultsQueue:
             self._manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
             with processes.helpers_ignore_stop_signals():  # alive for the save a stop signal asks for
                 self._manager.start(initializer=processes.die_with_parent, initargs=(os.getpid(),))
-            filesystem_async._results_queue = self._manager.Queue()
+            self._queue = self._manager.Queue()
+        for module in _writer_modules():  # again for each saver: NVRx's is imported by its first saver
+            module._results_queue = self._queue
         self._users += 1
 
     def release(self) -> None:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-
         self._users -= 1
         if self._users == 0:
-            filesystem_async._results_queue = None
+            for module in _writer_modules():
+                module._results_queue = None
             self._manager.shutdown()
-            self._manager = None
+            self._manager = self._queue = None
+
+
+def _writer_modules() -> list:
+    """The checkpoint writer modules loaded in this process that hold a results queue: Megatron's,
+    and NVRx's once an ``nvrx`` saver has imported it."""
+    import sys
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    nvrx = sys.modules.get("nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async")
+    return [filesystem_async] + ([nvrx] if nvrx is not None else [])
+
+
+ASYNC_STRATEGIES = ("mcore", "nvrx")
+"""Megatron's ``async_strategy`` values: who writes asynchronous saves (``CheckpointConfig.async_strategy``)."""
+
+
+def _async_calls_queue_class(async_strategy: str) -> type:
+    """The ``AsyncCallsQueue`` of ``async_strategy``'s writer: ``dist_checkpointing.save`` returns a
+    request of that package's ``AsyncRequest``, which only its own queue schedules."""
+    if async_strategy == "mcore":
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        return AsyncCallsQueue
+    check_nvrx_async_writer()
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async  # noqa: F401  (_writer_modules)
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+
+    return AsyncCallsQueue
 
 
 _results_queue = _ResultsQueue()
@@ -340,6 +384,29 @@ def _stop_persistent_writer(*, abort: bool) -> None:
         caller.process = None
     PersistentAsyncCaller._persistent_process = PersistentAsyncCaller._persistent_queue = None
     PersistentAsyncCaller._persistent_preload_q = PersistentAsyncCaller._persistent_comp_q = None
+
+
+def _stop_nvrx_persistent_writer(queue, *, abort: bool) -> None:
+    """Stop NVRx's persistent writer process of ``queue`` (and a pre-started one no save used)
+    without ever waiting forever: its own ``close()`` joins a queue that a dead worker never drains."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+
+    callers = [queue.persistent_caller, AsyncCallsQueue._warmup_persistent_caller]
+    queue.persistent_caller = AsyncCallsQueue._warmup_persistent_caller = None  # NVRx's __del__: nothing left to do
+    for caller in callers:
+        worker = None if caller is None else caller.process
+        if worker is None:
+            continue
+        if not abort and worker.is_alive():
+            caller.queue.put("DONE")  # its loop ends after the saves queued before
+            worker.join(timeout=_PERSISTENT_WRITER_STOP_SECONDS)
+            if worker.is_alive():
+                logger.warning("the persistent checkpoint writer did not stop within %d s; killing it",
+                               _PERSISTENT_WRITER_STOP_SECONDS)
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+        caller.process = None
 
 
 def _publish_checkpoint(tmp: Path, final: Path, *, files: dict[str, str], info: dict, keep_last: int,

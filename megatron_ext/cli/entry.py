@@ -115,9 +115,15 @@ THIRD_PARTY_WARNINGS = (
     ThirdPartyWarning("GPTModel IS DEPRECATED", True,
                       "true, and docs/design.md says why the encoder still subclasses it",
                       logger="megatron.core.models.gpt.gpt_model"),
-    ThirdPartyWarning("MCore's async save is deprecated", True,
-                      "true of checkpoint.async_save (Megatron's CheckpointSaver); logged per rank otherwise",
+    ThirdPartyWarning("MCore's async save is deprecated", False,
+                      "the writer is a setting, checkpoint.async_strategy (mcore by default); docs/gpu.md, "
+                      "\"Asynchronous saves\", says why mcore stays the default (megatron-core 0.19.2 takes "
+                      "nvidia-resiliency-ext >= 0.6.0 only; PyPI offered 0.4.1 in 2026-11)",
                       logger="megatron.core.dist_checkpointing.strategies.torch"),
+    ThirdPartyWarning("The TemporalAsyncCaller will be deprecated soon", False,
+                      "NVRx's note at every save with a writer forked per save, which the CPU needs "
+                      "(platform.persistent_checkpoint_writer)",
+                      logger="nvidia_resiliency_ext.checkpointing.async_ckpt.core"),
     ThirdPartyWarning("No CUDA runtime is found", False,
                       "torch's note for building CUDA extensions, which nothing here does, on a machine "
                       "without CUDA", logger="torch.utils.cpp_extension"),

@@ -39,6 +39,7 @@ from megatron_ext.objectives import Objective, PhaseProgress, Vocabulary, valida
 from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at
 from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
 from megatron_ext.checkpoint import core as ckpt
+from megatron_ext.checkpoint.config import check_nvrx_async_writer
 from megatron_ext.checkpoint.handle import Checkpoint
 from megatron_ext.checkpoint.lock import SaveDirectoryLock
 from megatron_ext.checkpoint.resume import BRANCHED_FROM, load_starting_point
@@ -210,6 +211,8 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
                                  recompute_granularity=config.training.recompute_granularity,
                                  bf16_autocast=config.training.bf16, params_dtype=config.model.params_dtype,
                                  cuda_graphs=config.training.cuda_graphs)
+    if config.checkpoint.async_save and config.checkpoint.async_strategy == "nvrx":
+        check_nvrx_async_writer()
     config = runnable_here(config, announce=int(os.environ.get("RANK", "0")) == 0)
     if config.training.deterministic:  # before the process group (NCCL) and any CUDA work (cuBLAS)
         platform.make_deterministic()
@@ -300,7 +303,7 @@ class _RunCheckpoints:
         self.lock = lock
         self.run_config = config.to_dict()
         self.tokenizer_reference = {**tokenizer.reference(), ckpt.TOKENIZER_FINGERPRINT: tokenizer.fingerprint()}
-        self.saver = ckpt.CheckpointSaver(async_save=self.config.async_save)
+        self.saver = ckpt.CheckpointSaver(async_save=self.config.async_save, async_strategy=self.config.async_strategy)
 
     def save(self, step: int, trainer_state: dict) -> str:
         """Save (or start saving) the state after ``step``; returns the checkpoint's path."""
