@@ -42,7 +42,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.eval.task_io import TASK_FILE, Family, required_columns
+from megatron_ext.eval.families import FAMILIES
+from megatron_ext.eval.family import TASK_FILE
 from megatron_ext.fileio import publish_dir, staged_dir, write_files
 
 CONVERSION_VERSION = 1
@@ -83,7 +84,7 @@ class Benchmark:
 
     name: str
     """Task name (``--tasks``), also its directory name."""
-    family: Family
+    family: str
     """Task family the harness fine-tunes it with."""
     metric: str
     """What the family reports (``task.json``'s metric)."""
@@ -596,7 +597,7 @@ def render(bench: Benchmark, loaded: Mapping[str, Any], origins: Mapping[str, st
         "description": f"{bench.name} from the Hugging Face hub, converted as EncodEval loads it",
         "splits": {split: {"file": f"{split}.jsonl", "rows": len(rows),
                            "sha256": hashlib.sha256(files[f"{split}.jsonl"]).hexdigest(),
-                           "columns": list(required_columns(bench.family, split))}
+                           "columns": list(FAMILIES[bench.family].schema.required(split))}
                    for split, rows in converted.items()},
         "benchmark": {
             "conversion_version": CONVERSION_VERSION, "encodeval": f"{ENCODEVAL}: {bench.encodeval}",
