@@ -3,7 +3,7 @@
 The paper (arXiv 2507.00994) fine-tunes with EncodEval (github.com/hgissbkh/EncodEval, branch
 ``MLM_vs_CLM``): :data:`BENCHMARKS` names, for each of its tasks, the hub datasets that
 EncodEval's ``encodeval/datasets.py`` loads (commit 7e03774), how their columns map onto our
-per-family schema (:data:`megatron_ext.eval.task_io.COLUMNS`), the labels, the metric and the
+per-family schema (each family's ``SCHEMA``, :mod:`megatron_ext.eval.families`), the labels, the metric and the
 split. :func:`prepare_benchmarks` loads them and writes ``<suite dir>/<task>/`` (``<split>.jsonl``
 and ``task.json``) so :mod:`megatron_ext.eval.harness` and the families run them unchanged.
 

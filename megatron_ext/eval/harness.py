@@ -13,8 +13,8 @@ EuroBERT once. Runs are resumable: a finished run's JSON is reused, after checki
 the same config and model.
 
 Workers share a grid: the same call in N processes (or N tasks of a SLURM job array) on one
-``output_dir`` does each run once. A worker claims a :class:`GridUnit` (a run, or the runs sharing
-one training) before fine-tuning it, through a claim file with a heartbeat (:mod:`megatron_ext.claims`); a dead
+``output_dir`` does each run once. A worker claims a :class:`~.grid.GridUnit` (a run, or the runs
+sharing one training) before fine-tuning it, through a claim file with a heartbeat (:mod:`megatron_ext.claims`); a dead
 worker's claim expires and is taken over; exports are claimed the same way. A worker returns when
 nothing is left to claim, and whichever finds every run recorded writes the summary (the same
 files whoever writes them; ``summary_only`` writes one from the runs present).
@@ -29,6 +29,7 @@ Layout of ``output_dir``::
     summary.json, summary.md, summary.csv       one row per model x task, plus the LR curves and rankings
     plots/<task>.png, plots/tokens/<task>.png   score vs LR, and vs pretraining tokens (:mod:`.render`)
 """
+
 from __future__ import annotations
 
 import functools

@@ -841,9 +841,8 @@ def report_markdown(report: StudyReport) -> str:
             if result is None:
                 row.append("–")
                 continue
-            ci = "" if result.test_ci95 is None else f" ± {result.test_ci95:.2f}"
             rank = rank_of.get((task, model.name))
-            row.append(f"{result.test_mean:.2f}{ci}" + ("" if rank is None else f" [{rank}]"))
+            row.append(pm(result.test_mean, result.test_ci95) + ("" if rank is None else f" [{rank}]"))
         lines.append(f"| {model.name} | " + " | ".join(row) + " |")
     for task, ranking in report.rankings.items():
         lines += ["", f"### {task}", ""]

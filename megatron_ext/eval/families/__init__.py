@@ -5,8 +5,8 @@ Each family lives in one module that defines its ``FAMILY`` (schema, run, defaul
 rule, leak check, metric, title): sequence classification (:mod:`.sc`), token classification
 (:mod:`.tc`), question answering (:mod:`.qa`), retrieval (:mod:`.ir`) and zero-shot semantic
 similarity (:mod:`.sts`, not one of the paper's). SC and TC share one run with a linear head
-(:mod:`.linear_head`). The modules' heavy dependencies (sentence-transformers, seqeval's metrics
-aside) are imported when a run needs them, so listing the families costs little.
+(:mod:`.linear_head`). Every family module comes with the registry (torch with them); what only
+a run needs (sentence-transformers) is imported inside the run.
 """
 
 from __future__ import annotations
