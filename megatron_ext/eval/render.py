@@ -3,13 +3,13 @@ the cells, token counts and figures of the study's report (:mod:`megatron_ext.st
 
 Numbers print the same way everywhere (:func:`pm`: ``mean ± CI``; :func:`tokens_label`: ``2.15B``),
 and every figure is drawn by :func:`plot_panels`: a panel per task or family, a line per model or
-run, its :data:`~megatron_ext.eval.aggregation.CONFIDENCE` interval as a band within the scores'
-0-100 range, one legend below the panels.
+run, its :data:`~megatron_ext.eval.aggregation.CONFIDENCE` interval as error bars, one legend below
+the panels.
 
 Layout of the harness's ``output_dir`` (:func:`write_summary`)::
 
     summary.json, summary.md, summary.csv       one row per model x task, plus the LR curves and rankings
-    plots/<task>.png                            score vs LR, one line per model, CI bands
+    plots/<task>.png                            score vs LR, one line per model, CI bars
     plots/tokens/<task>.png                     score vs pretraining tokens, for models with several checkpoints
 """
 
@@ -191,8 +191,8 @@ class Panel:
 
 
 def plot_panels(panels: Sequence[Panel], *, title: str) -> bytes:
-    """PNG of ``panels`` (two columns at most) under ``title``: each line with its CI band drawn within
-    the scores' 0-100 range (few seeds give wide intervals), one legend below."""
+    """PNG of ``panels`` (two columns at most) under ``title``: each line with its CI as error bars,
+    one legend below."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,11 +213,12 @@ def plot_panels(panels: Sequence[Panel], *, title: str) -> bytes:
             means = [mean for _, mean, _ in line.points]
             halves = [half or 0.0 for _, _, half in line.points]
             color = colors[line.color]
-            ax.plot(xs, means, marker="x" if line.dashed else "o", linestyle="--" if line.dashed else "-",
-                    color=color, label=line.label)
-            if any(halves):
-                ax.fill_between(xs, [max(0.0, m - h) for m, h in zip(means, halves)],
-                                [min(100.0, m + h) for m, h in zip(means, halves)], color=color, alpha=0.2)
+            # Bars within the scores' range (few seeds give wide intervals): 0-100, or down to the
+            # mean for a negative one (a correlation, -100 to 100).
+            errors = [[m - max(min(0.0, m), m - h) for m, h in zip(means, halves)],
+                      [min(100.0, m + h) - m for m, h in zip(means, halves)]]
+            ax.errorbar(xs, means, yerr=errors if any(halves) else None, marker="x" if line.dashed else "o",
+                        linestyle="--" if line.dashed else "-", capsize=3, color=color, label=line.label)
             if line.star is not None:
                 ax.plot(*line.star, marker="*", markersize=14, color=color)
         if panel.x_axis == "lr":
@@ -250,7 +251,7 @@ def plot_panels(panels: Sequence[Panel], *, title: str) -> bytes:
 
 
 def plot_task(results: Sequence[TaskResult], task: str) -> bytes:
-    """PNG of test score vs LR (log x) for one task: a line per model, its CI band, the best LR starred."""
+    """PNG of test score vs LR (log x) for one task: a line per model, its CI, the best LR starred."""
     lines = tuple(Line(label=r.model, color=r.model, star=(r.best_lr, r.test_mean),
                        points=tuple((p.lr, p.test_mean, p.test_ci95) for p in r.lr_curve)) for r in results)
     panel = Panel(title=task, xlabel="fine-tuning learning rate", ylabel=f"test {results[0].metric}", x_axis="lr",
@@ -260,7 +261,7 @@ def plot_task(results: Sequence[TaskResult], task: str) -> bytes:
 
 def plot_tokens(results: Sequence[TaskResult], task: str) -> bytes:
     """PNG of test score (at the best LR) vs pretraining tokens for one task: a line per base model
-    with two checkpoints or more, its CI band."""
+    with two checkpoints or more, its CI."""
     lines = []
     for base, rows in checkpoint_series(results).items():
         points = [r for r in rows if r.task == task and r.pretrain_tokens is not None]

@@ -1,6 +1,6 @@
 """The study report's folder (:func:`write_report`): ``report.md``, ``report.json`` and the figures
 as PNG, drawn by the evaluation's renderer (:func:`megatron_ext.eval.render.plot_panels`: a panel
-per family, a line per series, the confidence interval as a band where it is known)."""
+per family, a line per series, the confidence interval as error bars where it is known)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def plot_figure(figure: Figure) -> bytes:
                                      points=tuple((x, score.mean, score.ci95) for x, score in s.points))
                                 for s in series))
               for family, series in figure.series.items()]
-    bands = any(score.ci95 for lines in figure.series.values() for s in lines for _, score in s.points)
-    return plot_panels(panels, title=figure.title + (f"; bands: {CONFIDENCE:.0%} CI" if bands else ""))
+    bars = any(score.ci95 for lines in figure.series.values() for s in lines for _, score in s.points)
+    return plot_panels(panels, title=figure.title + (f"; bars: {CONFIDENCE:.0%} CI" if bars else ""))
 
 
 def write_report(report: StudyReport, output_dir: str | Path, log: Callable[[str], None] = lambda line: None) -> Path:
