@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_ext.config_loading import UserError
 from megatron_ext.eval import aggregation, grid, harness, render
-from megatron_ext.eval.families import FAMILIES, sc, tc
+from megatron_ext.eval.families import FAMILIES, PAPER_FAMILIES, sc, tc
 from megatron_ext.eval.protocol import FinetuneConfig, eval_subset, load_encoder
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task
 from megatron_ext.eval.suite import build_task
@@ -331,8 +332,19 @@ def test_sentence_pairs(tmp_path, suite, encoder):
     assert result.metric == "accuracy" and result.steps == 2 and 0 <= result.test <= 100 and len(result.losses) == 2
 
 
-def test_family_registry_and_defaults():
-    assert set(FAMILIES) == {"sc", "tc", "qa", "ir", "sts"}
+def test_family_registry_and_defaults(tmp_path):
+    # One module per family, in the reports' order; each says what the rest of the package asks.
+    assert list(FAMILIES) == ["sc", "tc", "qa", "ir", "sts"] and PAPER_FAMILIES == ("sc", "tc", "qa", "ir")
+    assert [FAMILIES[name].metric for name in FAMILIES] == ["accuracy", "f1", "f1", "ndcg@10", "spearman"]
+    assert all(family.leak_key is not None for family in FAMILIES.values() if family.paper)
+    assert [name for name, family in FAMILIES.items() if family.training_key] == ["ir"]
+    assert FAMILIES["ir"].schema.required("train") == ("id", "query", "positive")
+    assert FAMILIES["ir"].schema.splits(test_only=True) == ("test", "corpus")
+    (tmp_path / "train.jsonl").write_text('{"id": "q1", "query": "a"}\n')
+    with pytest.raises(UserError, match=r"line 1: missing column\(s\) \['positive'\] required for family 'ir'"):
+        FAMILIES["ir"].schema.read(tmp_path, "train")
+    with pytest.raises(ValueError, match="training_key and run_shared come together"):
+        dataclasses.replace(FAMILIES["sc"], training_key=lambda task_dir: "same")
     assert grid.finetune_config("tc", 1e-4, 0, {}).steps_for(2294) == round(2294 / 32)  # one epoch
     assert grid.finetune_config("tc", 1e-4, 0, {"max_steps": 7}).steps_for(2294) == 7
     assert grid.finetune_config("sc", 1e-4, 0, {}).steps_for(7745) == 1000

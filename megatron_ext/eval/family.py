@@ -128,6 +128,13 @@ class Family:
     """The splits a run reads, when they depend on the task (STS: test, and validation if present);
     None: :meth:`TaskSchema.splits`."""
 
+    def __post_init__(self) -> None:
+        if (self.training_key is None) != (self.run_shared is None):
+            raise ValueError(f"family {self.name!r}: training_key and run_shared come together (tasks with "
+                             "equal keys are run through run_shared)")
+        if self.zero_shot and not self.score_note:
+            raise ValueError(f"family {self.name!r}: a zero-shot family says what its scores are (score_note)")
+
     @property
     def name(self) -> str:
         return self.schema.family
