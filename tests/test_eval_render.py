@@ -4,9 +4,10 @@
 cut to one layer, the same with noised weights, and a tiny Megatron MLM encoder at steps 1 and 2 of
 one save directory, ``NAME@all``) on five tasks of the offline suite, one per family (rt_sentiment
 SC, wiki_mentions TC, news_cloze_v2 QA, wiki_sections IR, lee_sts zero-shot STS), LRs 1e-4 and 1e6
-(every 1e6 run diverges) x seeds 0 and 1, 3 steps of batch 8, 128 tokens, 16 scored examples:
-``tools/evaluate.py`` wrote them. Only their validation per-example scores (which nothing
-aggregates) and local paths were dropped. ``data/mixed_grid/summary.*`` are the summary files the
+(which diverges for the MiniLMs, 19 runs in all) x seeds 0 and 1, 3 steps of batch 8, 128 tokens, 16
+scored examples: ``harness.evaluate_models`` (``tools/evaluate.py``) wrote them in 14 minutes on 2
+CPU cores. Only their validation per-example scores (which nothing aggregates) and local paths were
+dropped. ``data/mixed_grid/summary.*`` are the summary files the
 harness wrote for that grid before it was split into grid, aggregation and renderer: the
 aggregation and the renderer must give them again, byte for byte.
 """
