@@ -14,7 +14,7 @@ import datasets
 from datasets import ClassLabel, Dataset, Features, List, Value
 
 from megatron_ext.cli import evaluate, fetch_benchmarks
-from megatron_ext.eval import benchmarks, harness
+from megatron_ext.eval import benchmarks, grid, harness
 from megatron_ext.eval.benchmarks import BENCHMARKS, PAPER_TASKS, Source, prepare_benchmarks
 from megatron_ext.eval.task_io import TASK_FILE, load_task
 
@@ -362,7 +362,7 @@ def test_cli_fine_tunes_converted_benchmarks(tmp_path, hub_copy, encoder):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     by_task = {r["task"]: r for r in summary["results"]}
     assert by_task["sst2"]["metric"] == "accuracy" and by_task["conll2003"]["metric"] == "f1"
-    run = json.loads(harness.run_path(tmp_path / "out", "minilm", "sst2", 1e-4, 0).read_text())
+    run = json.loads(grid.run_path(tmp_path / "out", "minilm", "sst2", 1e-4, 0).read_text())
     assert run["status"] == "ok" and run["steps"] == 3
     assert run["task_dir"] == str((tmp_path / "suite" / "sst2").resolve())
     assert 0.0 <= run["test"] <= 100.0
@@ -386,6 +386,6 @@ def test_harness_runs_converted_qa_and_ir(tmp_path, converted, encoder, capsys):
         ("squad_v2", "f1"), ("msmarco", "ndcg@10"), ("nq", "ndcg@10")]
     assert evaluation.executed == 3
     assert capsys.readouterr().out.count("minilm lr=0.0001 seed=0: one training for msmarco, nq") == 1
-    msmarco, nq = (json.loads(harness.run_path(tmp_path, "minilm", task, 1e-4, 0).read_text()) for task in ("msmarco", "nq"))
+    msmarco, nq = (json.loads(grid.run_path(tmp_path, "minilm", task, 1e-4, 0).read_text()) for task in ("msmarco", "nq"))
     assert msmarco["losses"] == nq["losses"] and msmarco["steps"] == nq["steps"] == 2
     assert set(msmarco["per_example"]["test"]) != set(nq["per_example"]["test"])  # each scored on its own queries

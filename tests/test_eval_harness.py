@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.eval import harness
-from megatron_ext.eval.families import FAMILIES, sc, tc
+from megatron_ext.config_loading import UserError
+from megatron_ext.eval import aggregation, grid, harness, render
+from megatron_ext.eval.families import FAMILIES, PAPER_FAMILIES, sc, tc
 from megatron_ext.eval.protocol import FinetuneConfig, eval_subset, load_encoder
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task
 from megatron_ext.eval.suite import build_task
@@ -52,7 +53,7 @@ def encoder(tmp_path_factory, minilm_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def grid(tmp_path_factory, suite, encoder):
+def sc_tc_grid(tmp_path_factory, suite, encoder):
     out = tmp_path_factory.mktemp("grid")
     evaluation = harness.evaluate_models([f"minilm={encoder}"], ["rt_sentiment", "wiki_mentions"], output_dir=out,
                                          lrs=LRS, seeds=SEEDS, overrides=TINY, suite_dir=suite)
@@ -92,12 +93,12 @@ def tiny_checkpoint(tmp_path_factory, news_texts) -> dict[str, Path]:
 
 
 def _runs(out: Path, task: str) -> dict[tuple[float, int], dict]:
-    return {(lr, seed): json.loads(harness.run_path(out, "minilm", task, lr, seed).read_text())
+    return {(lr, seed): json.loads(grid.run_path(out, "minilm", task, lr, seed).read_text())
             for lr in LRS for seed in SEEDS}
 
 
-def test_grid_runs_sc_and_tc_and_writes_reports(grid):
-    evaluation, out = grid
+def test_grid_runs_sc_and_tc_and_writes_reports(sc_tc_grid):
+    evaluation, out = sc_tc_grid
     assert (evaluation.executed, evaluation.reused) == (8, 0)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["lrs"] == list(LRS) and summary["seeds"] == list(SEEDS)
@@ -142,8 +143,8 @@ def test_grid_runs_sc_and_tc_and_writes_reports(grid):
         assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
-def test_rerun_reuses_finished_runs_and_refuses_other_settings(grid, suite, encoder):
-    evaluation, out = grid
+def test_rerun_reuses_finished_runs_and_refuses_other_settings(sc_tc_grid, suite, encoder):
+    evaluation, out = sc_tc_grid
     paths = sorted((out / "runs").rglob("*.json"))
     stamps = {p: p.stat().st_mtime_ns for p in paths}
     again = harness.evaluate_models([f"minilm={encoder}"], ["rt_sentiment", "wiki_mentions"], output_dir=out,
@@ -160,7 +161,7 @@ def test_rerun_reuses_finished_runs_and_refuses_other_settings(grid, suite, enco
                                 overrides=TINY, suite_dir=suite)
 
     # An interrupted grid: only the missing run is fine-tuned.
-    missing = harness.run_path(out, "minilm", "rt_sentiment", LRS[1], 1)
+    missing = grid.run_path(out, "minilm", "rt_sentiment", LRS[1], 1)
     missing.unlink()
     resumed = harness.evaluate_models([f"minilm={encoder}"], ["rt_sentiment"], output_dir=out, lrs=LRS,
                                       seeds=SEEDS, overrides=TINY, suite_dir=suite)
@@ -170,7 +171,7 @@ def test_rerun_reuses_finished_runs_and_refuses_other_settings(grid, suite, enco
 def test_diverged_run_is_recorded_and_scored_zero(tmp_path, suite, encoder):
     evaluation = harness.evaluate_models([f"minilm={encoder}"], ["rt_sentiment"], output_dir=tmp_path,
                                          lrs=(1e6,), seeds=(0,), overrides=TINY, suite_dir=suite)
-    record = json.loads(harness.run_path(tmp_path, "minilm", "rt_sentiment", 1e6, 0).read_text())
+    record = json.loads(grid.run_path(tmp_path, "minilm", "rt_sentiment", 1e6, 0).read_text())
     assert record["status"] == "diverged" and "non-finite loss" in record["error"]
     assert record["validation"] == record["test"] == 0.0 and record["losses"] is None
     (result,) = evaluation.results
@@ -178,15 +179,15 @@ def test_diverged_run_is_recorded_and_scored_zero(tmp_path, suite, encoder):
     assert "1 of 1 runs" in (tmp_path / "summary.md").read_text()
 
 
-TASK = harness.TaskRef(name="t", task_dir=Path("."), family="sc", metric="accuracy")
+TASK = grid.TaskRef(name="t", task_dir=Path("."), family="sc", metric="accuracy")
 
 
 def _record(lr: float, seed: int, validation: float, test: float, status: str = "ok",
-            per_example: dict | None = None) -> harness.RunRecord:
-    spec = harness.RunSpec(model=harness.ModelRef(name="m", hf_dir=Path("m"), source="m", base_model="m",
+            per_example: dict | None = None) -> grid.RunRecord:
+    spec = grid.RunSpec(model=grid.ModelRef(name="m", hf_dir=Path("m"), source="m", base_model="m",
                                                   checkpoint_step=None, pretrain_tokens=None), task=TASK,
                            config=FinetuneConfig(lr=lr, seed=seed), path=Path("run.json"))
-    return harness.RunRecord(spec=spec, status=status, metric="accuracy" if status == "ok" else None,
+    return grid.RunRecord(spec=spec, status=status, metric="accuracy" if status == "ok" else None,
                              validation=validation, test=test, steps=None, seconds=0.0, extra={},
                              per_example=per_example, losses=None)
 
@@ -198,7 +199,7 @@ def test_aggregate_best_lr_ci_and_diverged_zeros():
         _record(1e-4, 0, 85, 78), _record(1e-4, 1, 86, 80), _record(1e-4, 2, 90, 85),
         _record(1e-3, 0, 95, 95), _record(1e-3, 1, 0, 0, "diverged"), _record(1e-3, 2, 0, 0, "diverged"),
     ]
-    result = harness.aggregate(records, (1e-5, 1e-4, 1e-3), task)
+    result = aggregation.aggregate(records, (1e-5, 1e-4, 1e-3), task)
     # 1e-3 has the best single seed but two diverged seeds count as 0: mean validation 31.67 < 87.
     assert result.best_lr == 1e-4 and result.validation_mean == pytest.approx(87.0)
     # Test at 1e-4: 78, 80, 85 -> mean 81, sample variance 26 / 2 = 13; t(0.975, 2) = 4.302653.
@@ -206,7 +207,7 @@ def test_aggregate_best_lr_ci_and_diverged_zeros():
     assert result.test_ci95 == pytest.approx(4.302653 * math.sqrt(13) / math.sqrt(3), rel=1e-6)
     assert result.diverged_runs == 2 and result.lr_curve[2].test_mean == pytest.approx(95 / 3)
     assert result.best_lr_scores.test == (78, 80, 85)
-    tie = harness.aggregate([_record(1e-5, 0, 50, 1), _record(1e-4, 0, 50, 2)], (1e-5, 1e-4), task)
+    tie = aggregation.aggregate([_record(1e-5, 0, 50, 1), _record(1e-4, 0, 50, 2)], (1e-5, 1e-4), task)
     assert tie.best_lr == 1e-5 and tie.test_ci95 is None  # ties: smaller LR; one seed: no CI
 
 
@@ -254,25 +255,25 @@ def test_models_are_ranked_on_their_test_examples():
     """Per task, models that no paired test separates share a rank; one model alone is not ranked.
     A diverged seed scores every example 0, as it scores the split."""
     ok = _record(1e-5, 0, 100, 100, per_example={"test": {str(i): 100.0 for i in range(40)}})
-    assert harness._mean_examples([ok, _record(1e-5, 1, 0, 0, "diverged")], "test") == {
+    assert aggregation._mean_examples([ok, _record(1e-5, 1, 0, 0, "diverged")], "test") == {
         str(i): 50.0 for i in range(40)}
     best = {str(i): 100.0 for i in range(40)}
     half = {str(i): 100.0 * (i % 2) for i in range(40)}
 
-    def result(model: str, task: str, test_examples: dict) -> harness.TaskResult:
-        return harness.TaskResult(
+    def result(model: str, task: str, test_examples: dict) -> aggregation.TaskResult:
+        return aggregation.TaskResult(
             model=model, base_model=model, checkpoint_step=None, pretrain_tokens=None, task=task, family="sc",
             metric="accuracy", best_lr=1e-5, test_mean=1.0, test_ci95=None,
             test_std=None, validation_mean=1.0, validation_std=None, seeds=1, diverged_runs=0, runs=1,
-            best_lr_scores=harness.BestLRScores(seeds=(0,), validation=(1.0,), test=(1.0,)), lr_curve=(),
+            best_lr_scores=aggregation.BestLRScores(seeds=(0,), validation=(1.0,), test=(1.0,)), lr_curve=(),
             test_examples=test_examples)
 
     results = [result("a", "t", best), result("b", "t", half), result("c", "t", dict(best)), result("a", "u", best)]
-    ranked, rankings = harness.rank_models(results)
+    ranked, rankings = aggregation.rank_models(results)
     assert [(ranked.system, ranked.rank) for ranked in rankings["t"]] == [("a", 1), ("c", 1), ("b", 2)]
     assert [r.rank for r in ranked] == [1, 2, 1, None] and "u" not in rankings
     assert [r.rank for r in results] == [None] * 4  # the results themselves are left as they were
-    markdown = harness.summary_markdown(ranked, [1e-5], [0], rankings)
+    markdown = render.summary_markdown(ranked, [1e-5], [0], rankings)
     assert "## t: ranking" in markdown and "## u: ranking" not in markdown
 
 
@@ -331,13 +332,24 @@ def test_sentence_pairs(tmp_path, suite, encoder):
     assert result.metric == "accuracy" and result.steps == 2 and 0 <= result.test <= 100 and len(result.losses) == 2
 
 
-def test_family_registry_and_defaults():
-    assert set(FAMILIES) == {"sc", "tc", "qa", "ir", "sts"}
-    assert harness.finetune_config("tc", 1e-4, 0, {}).steps_for(2294) == round(2294 / 32)  # one epoch
-    assert harness.finetune_config("tc", 1e-4, 0, {"max_steps": 7}).steps_for(2294) == 7
-    assert harness.finetune_config("sc", 1e-4, 0, {}).steps_for(7745) == 1000
+def test_family_registry_and_defaults(tmp_path):
+    # One module per family, in the reports' order; each says what the rest of the package asks.
+    assert list(FAMILIES) == ["sc", "tc", "qa", "ir", "sts"] and PAPER_FAMILIES == ("sc", "tc", "qa", "ir")
+    assert [FAMILIES[name].metric for name in FAMILIES] == ["accuracy", "f1", "f1", "ndcg@10", "spearman"]
+    assert all(family.leak_key is not None for family in FAMILIES.values() if family.paper)
+    assert [name for name, family in FAMILIES.items() if family.training_key] == ["ir"]
+    assert FAMILIES["ir"].schema.required("train") == ("id", "query", "positive")
+    assert FAMILIES["ir"].schema.splits(test_only=True) == ("test", "corpus")
+    (tmp_path / "train.jsonl").write_text('{"id": "q1", "query": "a"}\n')
+    with pytest.raises(UserError, match=r"line 1: missing column\(s\) \['positive'\] required for family 'ir'"):
+        FAMILIES["ir"].schema.read(tmp_path, "train")
+    with pytest.raises(ValueError, match="training_key and run_shared come together"):
+        dataclasses.replace(FAMILIES["sc"], training_key=lambda task_dir: "same")
+    assert grid.finetune_config("tc", 1e-4, 0, {}).steps_for(2294) == round(2294 / 32)  # one epoch
+    assert grid.finetune_config("tc", 1e-4, 0, {"max_steps": 7}).steps_for(2294) == 7
+    assert grid.finetune_config("sc", 1e-4, 0, {}).steps_for(7745) == 1000
     with pytest.raises(ValueError, match=r"unknown FinetuneConfig override\(s\) \['max_step'\]"):
-        harness.finetune_config("sc", 1e-4, 0, {"max_step": 3})
+        grid.finetune_config("sc", 1e-4, 0, {"max_step": 3})
     assert {"rt_sentiment", "lee_sts"} <= set(evaluate.default_tasks())  # lee_sts: zero-shot STS
 
 
@@ -400,7 +412,7 @@ def test_checkpoint_is_exported_once_through_the_cli(tmp_path, suite, encoder, t
     assert "minilm | wiki_mentions | tc | f1 | 0.001 |" in printed
     exported = out / "exported" / "tiny_mlm"
     assert json.loads((exported / "config.json").read_text())["architectures"] == ["EuroBertForMaskedLM"]
-    record = json.loads(harness.run_path(out, "tiny_mlm", "wiki_mentions", 1e-3, 0).read_text())
+    record = json.loads(grid.run_path(out, "tiny_mlm", "wiki_mentions", 1e-3, 0).read_text())
     assert record["status"] == "ok" and record["steps"] == 3
     assert record["model_source"].endswith("iter_0000002") and record["model_dir"] == str(exported)
     assert len(list(csv.DictReader((out / "summary.csv").open()))) == 4

@@ -15,8 +15,8 @@ import torch
 from scipy import stats
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.eval import harness
-from megatron_ext.eval.families import FAMILIES, ZERO_SHOT_FAMILIES, grid, sts
+from megatron_ext.eval import grid, harness
+from megatron_ext.eval.families import FAMILIES, sts
 from megatron_ext.eval.protocol import FinetuneConfig
 from megatron_ext.eval.suite import build_task
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task
@@ -109,7 +109,7 @@ def mixed_grid(tmp_path_factory, suite, minilm_dir):
 
 def test_the_harness_runs_sts_once_beside_an_sc_grid(mixed_grid, suite):
     evaluation, out, encoder = mixed_grid
-    assert "sts" in FAMILIES and grid("sts", (1e-5, 1e-4), (0, 1, 2)) == ((0.0,), (0,))
+    assert FAMILIES["sts"].grid((1e-5, 1e-4), (0, 1, 2)) == ((0.0,), (0,))
     assert (evaluation.executed, evaluation.reused) == (3, 0)  # 2 SC runs, 1 STS run
     assert sorted(p.name for p in (out / "runs" / "minilm" / "lee_sts").iterdir()) == ["lr0_seed0.json"]
     record = json.loads((out / "runs" / "minilm" / "lee_sts" / "lr0_seed0.json").read_text())
@@ -146,9 +146,9 @@ def test_the_harness_runs_sts_once_beside_an_sc_grid(mixed_grid, suite):
 
 
 def test_fine_tuning_families_refuse_lr_0():
-    assert "sts" in ZERO_SHOT_FAMILIES and "sc" not in ZERO_SHOT_FAMILIES
+    assert FAMILIES["sts"].zero_shot and not FAMILIES["sc"].zero_shot
     with pytest.raises(UserError, match="fine-tuning LRs must be > 0, got 0"):
-        harness.finetune_config("sc", 0.0, 0, {})
+        grid.finetune_config("sc", 0.0, 0, {})
     with pytest.raises(UserError, match="lr must be > 0"):
         FinetuneConfig(lr=-1e-5, seed=0)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.eval import harness
+from megatron_ext.eval import grid, harness, render
 from megatron_ext.claims import Claim, ClaimPolicy, Holder, Owner, claim_files, try_claim
 from test_eval_harness import TINY, encoder, suite  # noqa: F401 (fixtures)
 
@@ -145,15 +145,15 @@ def test_tasks_sharing_a_training_are_one_unit(tmp_path):
         (tmp_path / name).mkdir()
         key = "other-pairs" if name == "other" else "ms-marco-pairs"
         (tmp_path / name / "task.json").write_text(json.dumps({"family": "ir", "splits": {"train": {"sha256": key}}}))
-        tasks.append(harness.TaskRef(name=name, task_dir=tmp_path / name, family="ir", metric="ndcg@10"))
-    model = harness.ModelRef(name="m", hf_dir=tmp_path, source="m", base_model="m", checkpoint_step=None,
+        tasks.append(grid.TaskRef(name=name, task_dir=tmp_path / name, family="ir", metric="ndcg@10"))
+    model = grid.ModelRef(name="m", hf_dir=tmp_path, source="m", base_model="m", checkpoint_step=None,
                              pretrain_tokens=None)
     from megatron_ext.eval.protocol import FinetuneConfig
 
-    specs = {("m", task.name, lr, 0): harness.RunSpec(model=model, task=task, config=FinetuneConfig(lr=lr, seed=0),
-                                                      path=harness.run_path(tmp_path, "m", task.name, lr, 0))
+    specs = {("m", task.name, lr, 0): grid.RunSpec(model=model, task=task, config=FinetuneConfig(lr=lr, seed=0),
+                                                      path=grid.run_path(tmp_path, "m", task.name, lr, 0))
              for task in tasks for lr in LRS}
-    units = harness.grid_units(specs, harness._shared_runs(tasks))
+    units = grid.grid_units(specs, grid.shared_runs(tasks))
     assert [[spec.task.name for spec in unit.specs] for unit in units] == [["nq", "msmarco"]] * 2 + [["other"]] * 2
     assert units[0].claim_base == tmp_path / "runs" / "m" / "msmarco" / "lr0.0001_seed0"  # first by name
 
@@ -196,7 +196,7 @@ def test_three_workers_share_a_grid_and_write_the_one_process_summary(tmp_path, 
         == {"tiny@1": ("tiny", 1, 512), "tiny@2": ("tiny", 2, 1024), "minilm": ("minilm", None, None)}
     markdown = (shared / "summary.md").read_text()
     assert "## Score vs pretraining tokens" in markdown and "### tiny" in markdown
-    assert f"| 2 | 1.02k | {harness._pm(rows['tiny@2']['test_mean'], rows['tiny@2']['test_ci95'])} |" in markdown
+    assert f"| 2 | 1.02k | {render.pm(rows['tiny@2']['test_mean'], rows['tiny@2']['test_ci95'])} |" in markdown
     assert (shared / "plots" / "tokens" / "rt_sentiment.png").read_bytes().startswith(b"\x89PNG")
     assert (shared / "summary.csv").read_text().splitlines()[0].startswith("model,base_model,checkpoint_step,")
 
@@ -204,7 +204,7 @@ def test_three_workers_share_a_grid_and_write_the_one_process_summary(tmp_path, 
     partial = tmp_path / "partial"
     shutil.copytree(shared, partial)
     (partial / "summary.json").unlink()
-    harness.run_path(partial, "minilm", "rt_sentiment", 1e-3, 1).unlink()
+    grid.run_path(partial, "minilm", "rt_sentiment", 1e-3, 1).unlink()
     evaluation = harness.evaluate_models(models, ["rt_sentiment"], output_dir=partial, lrs=LRS, seeds=SEEDS,
                                          overrides=TINY, suite_dir=suite, summary_only=True)
     assert evaluation.executed == 0 and [spec.model.name for spec in evaluation.missing] == ["minilm"]
@@ -232,7 +232,7 @@ def test_stopped_or_killed_workers_run_is_taken_over(tmp_path, suite, encoder):
     out = tmp_path / "eval"
     models = [f"minilm={encoder}"]
     one_run = ("--lrs", "1e-4", "--seeds", "0", "--max-steps", "200")
-    record = harness.run_path(out, "minilm", "rt_sentiment", 1e-4, 0)
+    record = grid.run_path(out, "minilm", "rt_sentiment", 1e-4, 0)
 
     stopped = _worker(out, models, suite, *one_run)
     log = _killed_mid_run(stopped, record.with_suffix(".claim-0"), signal.SIGTERM)
@@ -280,7 +280,7 @@ def test_job_array_of_workers_shares_the_grid(slurm_cluster, tmp_path, suite, en
 
 
 def test_checkpoints_of_a_save_directory_as_models(tmp_path, tiny_save, encoder):
-    def resolve(*models: str) -> list[harness.ModelRef]:
+    def resolve(*models: str) -> list[grid.ModelRef]:
         return harness.resolve_models(list(models), tmp_path, export=False)
 
     every = resolve(f"mlm={tiny_save}@all")

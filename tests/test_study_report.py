@@ -18,7 +18,7 @@ from scipy import stats
 
 from megatron_ext.cli import study_report as cli
 from megatron_ext.config_loading import UserError
-from megatron_ext.eval import harness
+from megatron_ext.eval import aggregation, grid, harness
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir
 from megatron_ext.eval.suite import build_task
 from megatron_ext.study import report as study_report
@@ -141,7 +141,7 @@ def test_the_report_of_a_real_evaluation(evaluations, capsys):
         for entry in ranking["ranking"]:  # the mean of each test example's score over the best LR's seeds
             result = rows[entry["system"], task]
             eval_dir = evaluations["reference_eval" if entry["system"] == REFERENCE else "study_eval"]
-            runs = [json.loads(harness.run_path(eval_dir, entry["system"], task, result["best_lr"], seed).read_text())
+            runs = [json.loads(grid.run_path(eval_dir, entry["system"], task, result["best_lr"], seed).read_text())
                     for seed in SEEDS]
             examples = [statistics.fmean(run["per_example"]["test"][i] for run in runs)
                         for i in runs[0]["per_example"]["test"]]
@@ -231,9 +231,9 @@ def _result(model: str, task: str, family: str, tests: dict[int, float], lrs: di
 
 
 def test_family_scores_average_tasks_per_seed_then_over_seeds():
-    a = study_report.task_result(_result("m", "a", "sc", {0: 60.0, 1: 70.0, 2: 80.0}))
-    b = study_report.task_result(_result("m", "b", "sc", {0: 40.0, 1: 30.0, 2: 50.0}))
-    c = study_report.task_result(_result("m", "c", "tc", {0: 10.0, 1: 20.0, 2: 60.0}))
+    a = aggregation.TaskResult.from_json(_result("m", "a", "sc", {0: 60.0, 1: 70.0, 2: 80.0}))
+    b = aggregation.TaskResult.from_json(_result("m", "b", "sc", {0: 40.0, 1: 30.0, 2: 50.0}))
+    c = aggregation.TaskResult.from_json(_result("m", "c", "tc", {0: 10.0, 1: 20.0, 2: 60.0}))
     family = study_report.seed_score([[a, b]])
     assert family.mean == pytest.approx(55.0) and family.n == 3 and family.over == "fine-tuning seeds"
     assert family.ci95 == pytest.approx(_t_half_width([50.0, 50.0, 65.0]))

@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
 @entry_point("evaluate.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_ext.eval.harness import best_lr_label, evaluate_models
+    from megatron_ext.eval.harness import evaluate_models
+    from megatron_ext.eval.render import best_lr_label
 
     overrides = {key: value for key, value in (("max_steps", args.max_steps), ("batch_size", args.batch_size),
                                                ("max_length", args.max_length),

@@ -1,5 +1,7 @@
 """Downstream evaluation by fine-tuning, as in the paper: the tasks (the offline mini-suite,
 :mod:`.suite`; the paper's benchmarks, :mod:`.benchmarks`; both read through :mod:`.task_io`), the
-fine-tuning protocol and task families (:mod:`.protocol`, :mod:`.families`), the LR x seed grid
-and its reports (:mod:`.harness`, shared by N workers through :mod:`megatron_ext.claims`) and the ranking of
-models (:mod:`.ranking`)."""
+task families (:class:`.family.Family`, one module each in :mod:`.families`) under the fine-tuning
+protocol (:mod:`.protocol`), the LR x seed grid (:mod:`.harness`: its entry point; :mod:`.grid`:
+runs, records and the workers sharing it through :mod:`megatron_ext.claims`), the aggregation and
+ranking of models (:mod:`.aggregation`, :mod:`.ranking`) and the renderer of the summary, shared with
+the study's report (:mod:`.render`)."""

@@ -3,7 +3,7 @@
 The paper (arXiv 2507.00994) fine-tunes with EncodEval (github.com/hgissbkh/EncodEval, branch
 ``MLM_vs_CLM``): :data:`BENCHMARKS` names, for each of its tasks, the hub datasets that
 EncodEval's ``encodeval/datasets.py`` loads (commit 7e03774), how their columns map onto our
-per-family schema (:data:`megatron_ext.eval.task_io.COLUMNS`), the labels, the metric and the
+per-family schema (each family's ``SCHEMA``, :mod:`megatron_ext.eval.families`), the labels, the metric and the
 split. :func:`prepare_benchmarks` loads them and writes ``<suite dir>/<task>/`` (``<split>.jsonl``
 and ``task.json``) so :mod:`megatron_ext.eval.harness` and the families run them unchanged.
 
@@ -42,7 +42,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.eval.task_io import TASK_FILE, Family, required_columns
+from megatron_ext.eval.families import FAMILIES
+from megatron_ext.eval.family import TASK_FILE
 from megatron_ext.fileio import publish_dir, staged_dir, write_files
 
 CONVERSION_VERSION = 1
@@ -83,7 +84,7 @@ class Benchmark:
 
     name: str
     """Task name (``--tasks``), also its directory name."""
-    family: Family
+    family: str
     """Task family the harness fine-tunes it with."""
     metric: str
     """What the family reports (``task.json``'s metric)."""
@@ -596,7 +597,7 @@ def render(bench: Benchmark, loaded: Mapping[str, Any], origins: Mapping[str, st
         "description": f"{bench.name} from the Hugging Face hub, converted as EncodEval loads it",
         "splits": {split: {"file": f"{split}.jsonl", "rows": len(rows),
                            "sha256": hashlib.sha256(files[f"{split}.jsonl"]).hexdigest(),
-                           "columns": list(required_columns(bench.family, split))}
+                           "columns": list(FAMILIES[bench.family].schema.required(split))}
                    for split, rows in converted.items()},
         "benchmark": {
             "conversion_version": CONVERSION_VERSION, "encodeval": f"{ENCODEVAL}: {bench.encodeval}",

@@ -36,7 +36,7 @@ class FinetuneConfig:
 
     lr: float
     """Peak learning rate (the grid value of this run); 0 for a zero-shot run, which trains nothing
-    (:data:`megatron_ext.eval.families.ZERO_SHOT_FAMILIES`)."""
+    (a :attr:`~megatron_ext.eval.family.Family.zero_shot` family)."""
     seed: int
     """Seed of the head initialisation, data order and dropout."""
     batch_size: int = 32

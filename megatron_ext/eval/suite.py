@@ -47,7 +47,8 @@ from megatron_ext.data.wikipedia import (
     wikipedia_articles,
 )
 from megatron_ext.data.sentences import train_punkt
-from megatron_ext.eval.task_io import SPLITS, TASK_FILE, Family, required_columns
+from megatron_ext.eval.families import FAMILIES
+from megatron_ext.eval.family import SPLITS, TASK_FILE
 
 VALIDATION_FRACTION = 0.05
 """Share of the training documents held out for validation (the paper's 95/5)."""
@@ -85,9 +86,9 @@ class TaskSpec:
 
     name: str
     """Directory name and key in :data:`TASKS`."""
-    family: Family
-    """Which schema the rows follow (:data:`~megatron_ext.eval.task_io.COLUMNS`) and which
-    fine-tuning head applies."""
+    family: str
+    """Key of :data:`~megatron_ext.eval.families.FAMILIES`: the rows' schema, the run that scores
+    the task and what its test split must not share with training."""
     metric: str
     """What the paper reports for this family: accuracy, entity-level F1, SQuAD F1, NDCG@10."""
     labels: tuple[str, ...]
@@ -108,8 +109,7 @@ class TaskSpec:
 
     @property
     def splits(self) -> tuple[str, ...]:
-        named = SPLITS if self.test_fraction > 0 else ("test",)
-        return (*named, "corpus") if self.family == "ir" else named
+        return FAMILIES[self.family].schema.splits(test_only=self.test_fraction == 0)
 
 
 # ----------------------------------------------------------------------------- text helpers
@@ -202,7 +202,7 @@ def _build_rt_sentiment() -> TaskData:
             neutral += 1
             continue
         label = int(score > SST_NEUTRAL_BAND)
-        key = " ".join(re.findall(r"\w+", text.lower()))
+        key = FAMILIES["sc"].leak_key({"text": text})  # duplicates as the leak check sees them
         if key in kept:
             duplicates += 1
             if kept[key][1]["label"] != label:
@@ -718,15 +718,6 @@ def assign_splits(documents: Iterable[str], rows_per_document: Mapping[str, int]
     return split_of
 
 
-_LEAK_KEYS: dict[str, Callable[[dict], str]] = {
-    "sc": lambda r: " ".join(re.findall(r"\w+", r["text"].lower())),
-    "tc": lambda r: " ".join(r["tokens"]),
-    "qa": lambda r: r["question"],
-    "ir": lambda r: r["query"],
-}
-"""What must not be shared between the test split and the training splits, beyond documents."""
-
-
 def _jsonl(rows: list[dict]) -> bytes:
     return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
 
@@ -743,8 +734,8 @@ def _split(spec: TaskSpec, data: TaskData) -> tuple[dict[str, list[dict]], dict[
     empty = [split for split, split_rows in rows.items() if not split_rows]
     if empty:
         raise RuntimeError(f"task {spec.name!r}: splits {empty} came out empty")
-    if spec.family in _LEAK_KEYS and spec.test_fraction > 0:
-        key = _LEAK_KEYS[spec.family]
+    key = FAMILIES[spec.family].leak_key  # what the splits must not share beyond documents
+    if key is not None and spec.test_fraction > 0:
         seen = {key(r) for split in ("train", "validation") for r in rows[split]}
         leaked = [r["id"] for r in rows["test"] if key(r) in seen]
         if leaked:
@@ -764,7 +755,7 @@ def _render(spec: TaskSpec, data: TaskData) -> dict[str, bytes]:
             split: {
                 "file": f"{split}.jsonl", "rows": len(split_rows),
                 "sha256": hashlib.sha256(files[f"{split}.jsonl"]).hexdigest(),
-                "columns": list(required_columns(spec.family, split)),
+                "columns": list(FAMILIES[spec.family].schema.required(split)),
                 **({} if split == "corpus" else
                    {"documents": len({r["doc"] for r in split_rows}), **data.stats(split_rows)}),
             }

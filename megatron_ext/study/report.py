@@ -27,7 +27,7 @@ weighs families equally and needs every family.
 
 **Rankings** per task: the harness's (``summary.json``'s ``rankings``) when one evaluation folder
 ranked exactly the report's models on the task, otherwise ranked again with
-:func:`~megatron_ext.eval.harness.rank_models` (paired tests on the test examples' scores at each
+:func:`~megatron_ext.eval.aggregation.rank_models` (paired tests on the test examples' scores at each
 model's best LR) from the run files under each folder's ``runs/``.
 
 **Figures** (PNG, one subplot per family; each drawn when the study has the runs it needs and they
@@ -56,30 +56,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.eval.harness import (
-    CONFIDENCE,
-    BestLRScores,
-    LRPoint,
-    ModelRef,
-    RunRecord,
-    RunSpec,
-    TaskRef,
-    TaskResult,
-    aggregate,
-    mean_ci,
-    rank_models,
-    run_path,
-)
-from megatron_ext.eval.families import PAPER_FAMILIES, ZERO_SHOT_FAMILIES
+from megatron_ext.eval.aggregation import CONFIDENCE, TaskResult, aggregate, checkpoint_of, mean_ci, rank_models
+from megatron_ext.eval.families import FAMILIES, PAPER_FAMILIES
+from megatron_ext.eval.grid import ModelRef, RunRecord, RunSpec, TaskRef, run_path
 from megatron_ext.eval.protocol import FinetuneConfig
 from megatron_ext.eval.ranking import RankedSystem, format_ranking
+from megatron_ext.eval.render import pm, tokens_label
 from megatron_ext.study.plan import PlannedRun, StudyPlan
 from megatron_ext.objectives import CLM, MLM
 from megatron_ext.study.spec import BiphasicSpec, steps_label
 
-FAMILY_TITLES = {"sc": "sequence classification", "tc": "token classification", "qa": "question answering",
-                 "ir": "retrieval", "sts": "similarity"}
-"""Families in the order of the tables, and their names in reports (others follow, by key)."""
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.json"
 FIGURES_DIR = "figures"
@@ -105,34 +91,6 @@ class EvaluatedModel:
     """By task."""
     eval_dirs: Mapping[str, Path]
     """By task: the evaluation folder whose ``summary.json`` holds the result."""
-
-
-def _fields_of(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
-    """``values`` restricted to the fields of the dataclass ``cls``. The harness's models and rows
-    gain ``base_model``, ``checkpoint_step`` and ``pretrain_tokens`` with several checkpoints per
-    model; the report passes them where the harness has them and reads files written without."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {key: value for key, value in values.items() if key in names}
-
-
-def task_result(row: Mapping[str, Any]) -> TaskResult:
-    """A ``summary.json`` row (:meth:`TaskResult.to_json`) as the harness's :class:`TaskResult`,
-    without per-example scores; a row without ``base_model``/``checkpoint_step``/``pretrain_tokens``
-    gets them from :func:`checkpoint_of`."""
-    base, step = checkpoint_of(row)
-    scores = row["best_lr_scores"]
-    nested = {"best_lr_scores": BestLRScores(**{key: tuple(values) for key, values in scores.items()}),
-              "lr_curve": tuple(LRPoint(**point) for point in row["lr_curve"]), "test_examples": {}}
-    return TaskResult(**_fields_of(TaskResult, {"base_model": base, "checkpoint_step": step, "pretrain_tokens": None,
-                                                **row, **nested}))
-
-
-def checkpoint_of(row: Mapping[str, Any]) -> tuple[str, int | None]:
-    """``(base model, checkpoint step)`` of a row: its own keys, or parsed from ``NAME@STEP``."""
-    if "base_model" in row:
-        return row["base_model"], row.get("checkpoint_step")
-    name, at, step = row["model"].rpartition("@")
-    return (name, int(step)) if at and step.isdigit() else (row["model"], None)
 
 
 def read_summaries(eval_dirs: Sequence[Path], log: Callable[[str], None]) -> dict[Path, dict[str, Any]]:
@@ -161,7 +119,7 @@ def evaluated_models(summaries: Mapping[Path, Mapping[str, Any]]) -> list[Evalua
         path = eval_dir / SUMMARY_FILE
         for index, row in enumerate(summary["results"]):
             try:
-                result = task_result(row)
+                result = TaskResult.from_json(row)
             except (KeyError, TypeError) as err:
                 raise UserError(f"{path}: results[{index}]: not a row of the harness's summary ({err!r})") from None
             earlier = rows.setdefault(result.model, {}).get(result.task)
@@ -270,17 +228,17 @@ def join(plan: StudyPlan, models: Sequence[EvaluatedModel]) -> Joined:
 
 
 def family_tasks(models: Iterable[EvaluatedModel]) -> dict[str, tuple[str, ...]]:
-    """Family -> its tasks, over every evaluated model (families in :data:`FAMILY_TITLES` order)."""
+    """Family -> its tasks, over every evaluated model (families in the registry's order, others after by name)."""
     tasks: dict[str, dict[str, None]] = {}
     for model in models:
         for task, result in model.results.items():
             tasks.setdefault(result.family, {})[task] = None
-    order = [*(f for f in FAMILY_TITLES if f in tasks), *sorted(f for f in tasks if f not in FAMILY_TITLES)]
+    order = [*(f for f in FAMILIES if f in tasks), *sorted(f for f in tasks if f not in FAMILIES)]
     return {family: tuple(tasks[family]) for family in order}
 
 
 def family_title(family: str) -> str:
-    return FAMILY_TITLES.get(family, family)
+    return FAMILIES[family].title if family in FAMILIES else family
 
 
 def column_title(family: str) -> str:
@@ -293,7 +251,7 @@ def column_title(family: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Score:
-    """A mean and its :data:`~megatron_ext.eval.harness.CONFIDENCE` interval."""
+    """A mean and its :data:`~megatron_ext.eval.aggregation.CONFIDENCE` interval."""
 
     mean: float
     ci95: float | None
@@ -303,7 +261,7 @@ class Score:
     over: Literal["fine-tuning seeds", "pretraining seeds"]
 
     def cell(self) -> str:
-        return f"{self.mean:.2f}" if self.ci95 is None else f"{self.mean:.2f} ± {self.ci95:.2f}"
+        return pm(self.mean, self.ci95)
 
 
 def seed_score(parts: Sequence[Sequence[TaskResult]]) -> Score:
@@ -395,10 +353,8 @@ def _with_test_examples(result: TaskResult, eval_dir: Path) -> TaskResult:
                                                                           "config"))
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise _RunsUnavailable(f"{path} is not a run file of the harness ({err!r})") from None
-        base, step = checkpoint_of(result.to_json())
-        model = ModelRef(**_fields_of(ModelRef, {"name": result.model, "hf_dir": Path(model_dir), "source": source,
-                                                 "base_model": base, "checkpoint_step": step,
-                                                 "pretrain_tokens": getattr(result, "pretrain_tokens", None)}))
+        model = ModelRef(name=result.model, hf_dir=Path(model_dir), source=source, base_model=result.base_model,
+                         checkpoint_step=result.checkpoint_step, pretrain_tokens=result.pretrain_tokens)
         task = TaskRef(name=result.task, task_dir=Path(task_dir), family=result.family, metric=result.metric)
         try:
             records.append(RunRecord.read(RunSpec(model=model, task=task, config=FinetuneConfig(**config), path=path)))
@@ -657,7 +613,8 @@ def lr_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, Sequence
                 for group in longest.values()]
 
     # A zero-shot family (STS) has no LR: its one run is not a point of this figure.
-    series = _by_family({family: names for family, names in tasks.items() if family not in ZERO_SHOT_FAMILIES},
+    series = _by_family({family: names for family, names in tasks.items()
+                         if family not in FAMILIES or not FAMILIES[family].zero_shot},
                         family_lines)
     if not series:
         return dataclasses.replace(figure, skipped="no study run is evaluated on every task of a family")
@@ -835,14 +792,6 @@ def report_json(report: StudyReport) -> dict[str, Any]:
     }
 
 
-def tokens_label(value: float) -> str:
-    """``28.3B`` for 28,311,552,000 tokens."""
-    for unit, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if value >= scale:
-            return f"{value / scale:.3g}{unit}"
-    return f"{value:g}"
-
-
 def report_markdown(report: StudyReport) -> str:
     """``report.md``."""
     plan, families = report.plan, list(report.tasks)
@@ -893,9 +842,8 @@ def report_markdown(report: StudyReport) -> str:
             if result is None:
                 row.append("–")
                 continue
-            ci = "" if result.test_ci95 is None else f" ± {result.test_ci95:.2f}"
             rank = rank_of.get((task, model.name))
-            row.append(f"{result.test_mean:.2f}{ci}" + ("" if rank is None else f" [{rank}]"))
+            row.append(pm(result.test_mean, result.test_ci95) + ("" if rank is None else f" [{rank}]"))
         lines.append(f"| {model.name} | " + " | ".join(row) + " |")
     for task, ranking in report.rankings.items():
         lines += ["", f"### {task}", ""]

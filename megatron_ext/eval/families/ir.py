@@ -29,8 +29,13 @@ import torch
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval import protocol
 from megatron_ext.eval.protocol import FinetuneConfig, RunResult, eval_subset
-from megatron_ext.eval.task_io import TASK_FILE, load_task
+from megatron_ext.eval.family import TASK_FILE, Family, TaskSchema
 
+SCHEMA = TaskSchema(family="ir", columns=("id", "query", "relevance"), train_columns=("id", "query", "positive"),
+                    corpus=True)
+"""Training needs (query, positive passage) pairs only, like MS MARCO's; validation and test need
+graded ``relevance`` (passage id -> grade) for NDCG@10, against the ``corpus`` split's passages."""
+METRIC = "ndcg@10"
 TOP_K = 10
 """Cut-off of every reported metric (the paper's NDCG@10)."""
 _MEASURES = {"ndcg@10": "ndcg_cut.10", "mrr@10": "recip_rank", "recall@10": "recall.10"}
@@ -145,7 +150,7 @@ def run_shared(task_dirs: Sequence[Path], model_dir: str, config: FinetuneConfig
     keys = {Path(task_dir): training_key(task_dir) for task_dir in task_dirs}
     if len(set(keys.values())) != 1:
         raise UserError(f"tasks {[str(d) for d in keys]} do not share their training pairs (train.jsonl differs)")
-    train_rows = load_task(task_dirs[0], "train", family="ir")
+    train_rows = SCHEMA.read(task_dirs[0], "train")
 
     protocol.set_seed(config.seed)
     model = load_bi_encoder(model_dir, config)
@@ -174,11 +179,11 @@ def _score(model, task_dir: Path, config: FinetuneConfig, *, steps: int, losses:
 
     began = time.perf_counter()
 
-    corpus = load_task(task_dir, "corpus", family="ir")
+    corpus = SCHEMA.read(task_dir, "corpus")
     corpus_ids = [row["id"] for row in corpus]
     if len(set(corpus_ids)) != len(corpus_ids):
         raise UserError(f"{task_dir} corpus: passage ids are not unique")
-    rows = {split: eval_subset(load_task(task_dir, split, family="ir"), config.max_eval_examples)
+    rows = {split: eval_subset(SCHEMA.read(task_dir, split), config.max_eval_examples)
             for split in ("validation", "test")}
     qrels = {split: qrels_of(split_rows, set(corpus_ids), f"{task_dir} {split}")
              for split, split_rows in rows.items()}
@@ -192,10 +197,14 @@ def _score(model, task_dir: Path, config: FinetuneConfig, *, steps: int, losses:
                        for row, found in zip(split_rows, hits, strict=True)}
             per_query = query_metrics(qrels[split], ranking)
             scores[split] = mean_metrics(per_query)
-            per_example[split] = {query: values["ndcg@10"] for query, values in per_query.items()}
+            per_example[split] = {query: values[METRIC] for query, values in per_query.items()}
     extra = {f"{split}_{name}": value
-             for split in scores for name, value in scores[split].items() if name != "ndcg@10"}
+             for split in scores for name, value in scores[split].items() if name != METRIC}
     extra.update({f"{split}_examples": float(len(qrels[split])) for split in qrels})
-    return RunResult(metric="ndcg@10", validation=scores["validation"]["ndcg@10"], test=scores["test"]["ndcg@10"],
+    return RunResult(metric=METRIC, validation=scores["validation"][METRIC], test=scores["test"][METRIC],
                      steps=steps, seconds=trained_seconds + time.perf_counter() - began, extra=extra, losses=losses,
                      per_example=per_example)
+
+
+FAMILY = Family(schema=SCHEMA, title="retrieval", paper=True, metric=METRIC, run=run,
+                leak_key=lambda row: row["query"], training_key=training_key, run_shared=run_shared)

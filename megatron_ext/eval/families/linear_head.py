@@ -28,15 +28,15 @@ from megatron_ext.eval.protocol import (
     load_encoder,
     set_seed,
 )
-from megatron_ext.eval.task_io import load_task
+from megatron_ext.eval.family import TaskSchema
 
 
 @dataclass(frozen=True, kw_only=True)
 class LinearHeadTask:
     """What one linear-head family brings to :func:`run_linear_head`."""
 
-    family: str
-    """Short name shown in the progress bar (``sc``, ``tc``)."""
+    schema: TaskSchema
+    """The family's rows (its name is shown in the progress bar)."""
     pooled: bool
     """One prediction per sequence (mean-pooled states) or one per token."""
     metric: str
@@ -65,8 +65,8 @@ def run_linear_head(task: LinearHeadTask, model_dir: str, task_dir: Path,
     """Fine-tune ``model_dir`` with ``task``'s head on the train split; score validation and test."""
     started = time.perf_counter()
     task_dir = Path(task_dir)
-    train_rows = load_task(task_dir, "train")
-    splits = {split: eval_subset(load_task(task_dir, split), config.max_eval_examples)
+    train_rows = task.schema.read(task_dir, "train")
+    splits = {split: eval_subset(task.schema.read(task_dir, split), config.max_eval_examples)
               for split in ("validation", "test")}
     names = task.label_names(task_dir, train_rows + splits["validation"] + splits["test"])
     set_seed(config.seed)
@@ -84,7 +84,7 @@ def run_linear_head(task: LinearHeadTask, model_dir: str, task_dir: Path,
 
     losses = finetune(model, cycle_batches(train_rows, config.batch_size, config.seed), config=config,
                       total_steps=steps, loss_fn=loss_fn,
-                      desc=f"{task.family} lr={config.lr:g} seed={config.seed}")
+                      desc=f"{task.schema.family} lr={config.lr:g} seed={config.seed}")
     predictions = {split: task.predict(model, tokenizer, rows, names, config) for split, rows in splits.items()}
     scores = {split: task.score(rows, predictions[split]) for split, rows in splits.items()}
     per_example = {split: dict(zip([row["id"] for row in rows], task.example_scores(rows, predictions[split]),

@@ -35,8 +35,11 @@ from torch.nn import functional as F
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval import protocol
 from megatron_ext.eval.protocol import FinetuneConfig, RunResult, eval_subset
-from megatron_ext.eval.task_io import load_task
+from megatron_ext.eval.family import Family, TaskSchema
 
+SCHEMA = TaskSchema(family="qa", columns=("id", "context", "question", "answers"))
+"""SQuAD's rows: ``answers`` is ``{"text": [...], "answer_start": [...]}``, empty for an unanswerable question."""
+METRIC = "f1"
 MAX_QUESTION_TOKENS = 64
 """Longer questions are cut to their first 64 tokens (BERT's ``max_query_length``), so the
 context always keeps at least ``max_length - 64 - special tokens`` positions per window."""
@@ -261,7 +264,7 @@ def _logits(model: SpanModel, features: Sequence[Feature], pad_id: int,
 def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
     """Fine-tune ``model_dir`` on the task's train split; F1 on validation and test."""
     began = time.perf_counter()
-    splits = {split: load_task(task_dir, split, family="qa") for split in ("train", "validation", "test")}
+    splits = {split: SCHEMA.read(task_dir, split) for split in ("train", "validation", "test")}
     for split in ("validation", "test"):
         splits[split] = eval_subset(splits[split], config.max_eval_examples)
     for split, rows in splits.items():
@@ -295,10 +298,14 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
         texts = {k: a.text for k, a in answers.items()}
         per_question = question_scores(texts, splits[split])
         scores[split] = squad_scores(texts, splits[split], per_question)
-        per_example[split] = {question: values["f1"] for question, values in per_question.items()}
+        per_example[split] = {question: values[METRIC] for question, values in per_question.items()}
     extra = {f"{split}_{name}": value
-             for split in scores for name, value in scores[split].items() if name != "f1"}
+             for split in scores for name, value in scores[split].items() if name != METRIC}
     extra.update({f"{split}_examples": float(len(splits[split])) for split in scores})
-    return RunResult(metric="f1", validation=scores["validation"]["f1"], test=scores["test"]["f1"],
+    return RunResult(metric=METRIC, validation=scores["validation"][METRIC], test=scores["test"][METRIC],
                      steps=steps, seconds=time.perf_counter() - began, extra=extra, losses=losses,
                      per_example=per_example)
+
+
+FAMILY = Family(schema=SCHEMA, title="question answering", paper=True, metric=METRIC, run=run,
+                leak_key=lambda row: row["question"])

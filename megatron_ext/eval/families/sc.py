@@ -10,6 +10,7 @@ hidden states over real tokens.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,12 @@ from sklearn.metrics import accuracy_score
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval.families.linear_head import LinearHeadTask, run_linear_head
 from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, OwnHeadModel, RunResult, autocast, by_length
-from megatron_ext.eval.task_io import TASK_FILE
+from megatron_ext.eval.family import TASK_FILE, Family, TaskSchema
+
+
+SCHEMA = TaskSchema(family="sc", columns=("id", "text", "label"))
+"""Rows of a text (and, for pairs, ``text_pair``) and the index of its class in ``task.json``'s labels."""
+METRIC = "accuracy"
 
 
 def encode(tokenizer: Any, rows: list[dict], device: torch.device) -> dict[str, torch.Tensor]:
@@ -63,7 +69,7 @@ def predict(model: LinearHeadModel | OwnHeadModel, tokenizer: Any, rows: list[di
 
 def scores(rows: list[dict], predictions: list[int]) -> dict[str, float]:
     """Accuracy (0-100) of ``predictions`` for ``rows``."""
-    return {"accuracy": 100.0 * accuracy_score([row["label"] for row in rows], predictions)}
+    return {METRIC: 100.0 * accuracy_score([row["label"] for row in rows], predictions)}
 
 
 def example_scores(rows: list[dict], predictions: list[int]) -> list[float]:
@@ -73,7 +79,7 @@ def example_scores(rows: list[dict], predictions: list[int]) -> list[float]:
 
 def accuracy(model: LinearHeadModel | OwnHeadModel, tokenizer: Any, rows: list[dict], config: FinetuneConfig) -> float:
     """Accuracy (0-100) of ``model`` on ``rows``."""
-    return scores(rows, predict(model, tokenizer, rows, config))["accuracy"]
+    return scores(rows, predict(model, tokenizer, rows, config))[METRIC]
 
 
 def loss(model: LinearHeadModel | OwnHeadModel, tokenizer: Any, rows: list[dict], names: list[str],
@@ -85,7 +91,7 @@ def loss(model: LinearHeadModel | OwnHeadModel, tokenizer: Any, rows: list[dict]
 
 
 HEAD = LinearHeadTask(
-    family="sc", pooled=True, metric="accuracy", label_names=label_names, loss=loss,
+    schema=SCHEMA, pooled=True, metric=METRIC, label_names=label_names, loss=loss,
     predict=lambda model, tokenizer, rows, names, config: predict(model, tokenizer, rows, config),
     score=scores, example_scores=example_scores, own_head=lambda config: config.sc_head == "model",
 )
@@ -95,3 +101,12 @@ HEAD = LinearHeadTask(
 def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
     """Fine-tune ``model_dir`` on the task's train split; accuracy on validation and test."""
     return run_linear_head(HEAD, model_dir, task_dir, config)
+
+
+def _leak_key(row: dict) -> str:
+    # The same sentence up to case and punctuation is the same example.
+    return " ".join(re.findall(r"\w+", row["text"].lower()))
+
+
+FAMILY = Family(schema=SCHEMA, title="sequence classification", paper=True, metric=METRIC, run=run,
+                leak_key=_leak_key)

@@ -3,7 +3,7 @@ the way people rated them. Not one of the paper's families (EncodEval fine-tunes
 check of the embeddings that the suite's ``lee_sts`` and a local copy of STS-B feed.
 
 Nothing is trained, so the harness runs one evaluation per model and task, not the LR x seed grid
-(:data:`~megatron_ext.eval.families.ZERO_SHOT_FAMILIES`). Each distinct text of a split is
+(its :data:`FAMILY` is ``zero_shot``). Each distinct text of a split is
 encoded once by ``SentenceTransformer(model_dir)`` (:func:`~megatron_ext.eval.families.ir.load_bi_encoder`:
 the run's device, dtype and input length; causal LMs refused) and every pair is scored by the cosine
 similarity of its two embeddings. Two poolings:
@@ -52,9 +52,11 @@ import torch
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval import protocol
 from megatron_ext.eval.protocol import FinetuneConfig, RunResult, eval_subset
-from megatron_ext.eval.task_io import TASK_FILE, load_task
+from megatron_ext.eval.family import TASK_FILE, Family, TaskSchema
 from megatron_ext.fileio import write_files
 
+SCHEMA = TaskSchema(family="sts", columns=("id", "text", "text_pair", "score"))
+"""Pairs of texts and their gold similarity rating (any finite scale: STS-B's 0-5)."""
 METRIC = "spearman"
 """The family's metric: Spearman's rank correlation x 100."""
 SCORED_SPLITS = ("validation", "test")
@@ -151,7 +153,7 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
     began = time.perf_counter()
     rows = {}
     for split in splits_present(task_dir):
-        rows[split] = eval_subset(load_task(task_dir, split, family="sts"), config.max_eval_examples)
+        rows[split] = eval_subset(SCHEMA.read(task_dir, split), config.max_eval_examples)
         check_rows(rows[split], f"{task_dir} {split}")
     protocol.set_seed(config.seed)  # nothing is random in eval mode; seeded all the same
     model = load_bi_encoder(model_dir, config)
@@ -230,10 +232,10 @@ def convert_sts_file(path: str | Path, output_dir: str | Path, *, name: str = "s
     test = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
     scores = [row["score"] for row in rows]
     meta = {
-        "name": name, "family": "sts", "metric": "Spearman correlation x 100 (zero-shot, cosine of embeddings)",
+        "name": name, "family": SCHEMA.family, "metric": "Spearman correlation x 100 (zero-shot, cosine of embeddings)",
         "labels": [], "description": f"sentence pairs with gold similarity scores from {Path(path).name}",
         "splits": {"test": {"file": "test.jsonl", "rows": len(rows), "sha256": hashlib.sha256(test).hexdigest(),
-                            "columns": ["id", "text", "text_pair", "score"],
+                            "columns": list(SCHEMA.required("test")),
                             "score_min": min(scores), "score_max": max(scores)}},
         "sources": [{"file": str(Path(path).resolve()),
                      "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}],
@@ -269,3 +271,10 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+FAMILY = Family(schema=SCHEMA, title="similarity", paper=False, metric=METRIC, run=run, zero_shot=True,
+                splits_scored=splits_present,
+                score_note="STS scores are Spearman's correlation x 100 (-100 to 100) of the embeddings' cosine "
+                           "similarities with the gold ratings.")
+"""Not one of the paper's families: zero-shot, so no leak to check (nothing is trained on its splits)."""

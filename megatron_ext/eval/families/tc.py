@@ -21,8 +21,11 @@ from seqeval.metrics.sequence_labeling import get_entities
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval.families.linear_head import LinearHeadTask, run_linear_head
 from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, RunResult, autocast, by_length
-from megatron_ext.eval.task_io import TASK_FILE
+from megatron_ext.eval.family import TASK_FILE, Family, TaskSchema
 
+SCHEMA = TaskSchema(family="tc", columns=("id", "tokens", "tags"))
+"""Rows of words and their BIO tags (names, or indices into ``task.json``'s labels)."""
+METRIC = "f1"
 IGNORE_INDEX = -100
 """Label of the sub-tokens that are not the first of a word (cross-entropy skips them)."""
 
@@ -89,7 +92,7 @@ def predict(model: LinearHeadModel, tokenizer: Any, rows: list[dict], names: lis
 
 def entity_scores(gold: list[list[str]], predicted: list[list[str]]) -> dict[str, float]:
     """Entity-level micro precision, recall and F1 (0-100) with seqeval's conlleval rules."""
-    return {"f1": 100.0 * f1_score(gold, predicted), "precision": 100.0 * precision_score(gold, predicted),
+    return {METRIC: 100.0 * f1_score(gold, predicted), "precision": 100.0 * precision_score(gold, predicted),
             "recall": 100.0 * recall_score(gold, predicted)}
 
 
@@ -124,7 +127,7 @@ def _require_fast_tokenizer(model_dir: str, tokenizer: Any) -> None:
 
 
 HEAD = LinearHeadTask(
-    family="tc", pooled=False, metric="f1", label_names=tag_names, loss=loss, predict=predict,
+    schema=SCHEMA, pooled=False, metric=METRIC, label_names=tag_names, loss=loss, predict=predict,
     score=lambda rows, predicted: entity_scores([row["tags"] for row in rows], predicted),
     example_scores=lambda rows, predicted: [sentence_f1(row["tags"], p) for row, p in zip(rows, predicted, strict=True)],
     check_tokenizer=_require_fast_tokenizer,
@@ -135,3 +138,8 @@ HEAD = LinearHeadTask(
 def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
     """Fine-tune ``model_dir`` on the task's train split; entity F1 on validation and test."""
     return run_linear_head(HEAD, model_dir, task_dir, config)
+
+
+FAMILY = Family(schema=SCHEMA, title="token classification", paper=True, metric=METRIC, run=run,
+                defaults={"epochs": 1.0}, leak_key=lambda row: " ".join(row["tokens"]))
+"""The paper trains token classification for one epoch (``defaults``), the other families for ``max_steps``."""
