@@ -52,13 +52,13 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.results_file import write_record  # noqa: E402
-from megatron_ext import platform  # noqa: E402
+from megatron_ext import hardware  # noqa: E402
 from megatron_ext.checkpoint import core as ckpt  # noqa: E402
 from megatron_ext.checkpoint.config import check_nvrx_async_writer, nvrx_problem  # noqa: E402
 from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E402
 from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
 from megatron_ext.training.config import run_config_from_dict  # noqa: E402
-from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
+from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
 
 MEDIAN_KEYS = ("stall_s", "written_s", "excess_s", "cost_s", "cost_steps", "share_at_interval", "plain_step_s",
                "steps_while_writing", "stall_cpu_s", "excess_cpu_s", "plain_step_cpu_s", "first_step_extra_page_faults",
@@ -101,17 +101,17 @@ def main(argv: list[str] | None = None) -> int:
                     "global_batch_size": args.micro_batch_size},
            "schedule": {"lr": 1e-4, "lr_decay_style": "constant", "lr_warmup_iters": 0},
            "phases": [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}],
-           "training": {"train_iters": 1, "bf16": platform.on_gpu()},
+           "training": {"train_iters": 1, "bf16": hardware.on_gpu()},
            "parallel": {"use_distributed_optimizer": True}}
     config = run_config_from_dict(raw)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        platform.init_process_group_and_model_parallel(init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
-        stack.callback(platform.destroy_process_group_and_model_parallel)
+        hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        stack.callback(hardware.destroy_process_group_and_model_parallel)
         model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
-        engine = MegatronEngine(model.to(platform.device()), config)
-        gen = torch.Generator(device=platform.device()).manual_seed(0)
+        engine = MegatronEngine(model.to(hardware.device()), config)
+        gen = torch.Generator(device=hardware.device()).manual_seed(0)
         tokens = torch.randint(4, args.vocab_size, (args.micro_batch_size, args.seq_length),
-                               device=platform.device(), generator=gen)
+                               device=hardware.device(), generator=gen)
         batch = [MicroBatch(apply_mlm(tokens, config=MaskingConfig(mask_ratio=0.4), mask_id=3,
                                       vocab_size=args.vocab_size, special_ids=(0, 1, 2, 3), generator=gen), None)]
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.train_step(batch, lr=1e-4)
             if saver is not None:
                 saver.poll()  # as the training loop does after every step
-            if platform.on_gpu():
+            if hardware.on_gpu():
                 torch.cuda.synchronize()
             return (time.perf_counter() - start, time.process_time() - start_cpu,
                     resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         for strategy in strategies:
             savers[f"async_{strategy}"] = stack.enter_context(
                 ckpt.CheckpointSaver(async_save=True, async_strategy=strategy))
-        if platform.persistent_checkpoint_writer():  # GPU: also the writer forked per save, as on CPU
+        if hardware.persistent_checkpoint_writer():  # GPU: also the writer forked per save, as on CPU
             savers["async_mcore_forked"] = stack.enter_context(
                 ckpt.CheckpointSaver(async_save=True, persistent_writer=False))
         rounds: dict[str, list[dict]] = {side: [] for side in savers}
@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ran = {side: rows for side, rows in rounds.items() if rows}
     summary = {side: {key: statistics.median(r[key] for r in rows) for key in MEDIAN_KEYS} for side, rows in ran.items()}
-    device = platform.device_name() if platform.on_gpu() else f"cpu{torch.get_num_threads()}"
-    record = {"device": device, **platform.software_versions(),
+    device = hardware.device_name() if hardware.on_gpu() else f"cpu{torch.get_num_threads()}"
+    record = {"device": device, **hardware.software_versions(),
               "load_average_at_end": os.getloadavg(),  # a shared machine's figures are only as quiet as it was
               "preset": args.preset, "vocab_size": args.vocab_size, "seq_length": args.seq_length,
               "micro_batch_size": args.micro_batch_size, "parameters": parameter_count(config.model),

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from benchmarks.results_file import RESULTS, write_record  # noqa: E402
-from megatron_ext import assets, platform  # noqa: E402
+from megatron_ext import assets, hardware  # noqa: E402
 from megatron_ext.eval.families import sc  # noqa: E402
 from megatron_ext.eval.protocol import FinetuneConfig, eval_subset, input_length  # noqa: E402
 from megatron_ext.eval.suite import build_task  # noqa: E402
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{median['trainer']:.1f} s ({runs_per_hour['trainer']:.0f} runs/h): ours / Trainer x{ratio:.2f} "
           f"(CPU time: ours {median_cpu['ours']:.1f} s, Trainer {median_cpu['trainer']:.1f} s, x{cpu_ratio:.2f})")
 
-    device = platform.device_name() if platform.on_gpu() else f"cpu{os.cpu_count()}"
+    device = hardware.device_name() if hardware.on_gpu() else f"cpu{os.cpu_count()}"
     measurement = {"config": {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
                               "max_length": config.max_length, "seed": 0, "rounds": args.rounds,
                               "threads": torch.get_num_threads()},
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['function']}")
     path = args.output or RESULTS / f"finetune_speed_{device}.json"
     previous = json.loads(path.read_text())["measurements"] if path.is_file() else {}
-    record = {"device": device, **platform.software_versions(), "model": args.model or DEFAULT_MODEL, "task": args.task,
+    record = {"device": device, **hardware.software_versions(), "model": args.model or DEFAULT_MODEL, "task": args.task,
               "measurements": {**previous, args.label: measurement}}
     write_record("finetune_speed", device, record, path)
     return 0

@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO))
 
-from megatron_ext import platform  # noqa: E402
+from megatron_ext import hardware  # noqa: E402
 
 PYTEST_OPTIONS = (
     "-v", "-rA", "-p", "no:cacheprovider",
@@ -257,14 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.timeout_s is not None and args.timeout_s <= 0:
         parser.error(f"--timeout-s must be > 0, got {args.timeout_s:g}")
-    if not platform.on_gpu():
+    if not hardware.on_gpu():
         print("gpu_check.py: no CUDA device here; the GPU tests only run on a GPU machine", file=sys.stderr)
         return 2
     import torch
 
     targets = args.tests or gpu_test_files()
     extra = shlex.split(args.pytest_args) + (["-k", args.keyword] if args.keyword else [])
-    name = platform.device_name()
+    name = hardware.device_name()
     stem = f"gpu_check_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}"
     log_path, json_path = args.output_dir / f"{stem}.log", args.output_dir / f"{stem}.json"
     print(f"running the GPU tests of {', '.join(targets)}; pytest's output goes to {log_path}", flush=True)
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                                     else parse_log(log_path.read_text(encoding="utf-8", errors="replace")))
         gaps = {recipe: loss_gap(Path(tmp), recipe) for recipe in ("delayed", "tensorwise")}
     record = {"device": name, "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())),
-              **platform.software_versions(), "pytest_exit_code": code, "timed_out": code == TIMED_OUT,
+              **hardware.software_versions(), "pytest_exit_code": code, "timed_out": code == TIMED_OUT,
               "files": targets, "report_from": report, "log": log_path.name, "tests": tests,
               "collection_errors": collection_errors, "fp8_vs_bf16_loss": gaps}
     json_path.write_text(json.dumps(record, indent=2) + "\n")

@@ -128,13 +128,13 @@ def probe_machine() -> dict:
 
     import torch
 
-    from megatron_ext import platform
+    from megatron_ext import hardware
 
-    gpu = platform.on_gpu()
-    te = platform.transformer_engine_available() if gpu else importlib.util.find_spec("transformer_engine") is not None
-    fp8 = gpu and te and torch.cuda.get_device_capability() >= platform.FP8_MIN_COMPUTE_CAPABILITY
+    gpu = hardware.on_gpu()
+    te = hardware.transformer_engine_available() if gpu else importlib.util.find_spec("transformer_engine") is not None
+    fp8 = gpu and te and torch.cuda.get_device_capability() >= hardware.FP8_MIN_COMPUTE_CAPABILITY
     return {"gpu": gpu, "transformer_engine": bool(te), "fp8": bool(fp8),
-            "device": platform.device_name() or f"cpu{os.cpu_count()}",
+            "device": hardware.device_name() or f"cpu{os.cpu_count()}",
             "gpu_count": torch.cuda.device_count() if gpu else 0,
             "xdist": importlib.util.find_spec("xdist") is not None}
 
@@ -143,14 +143,14 @@ def probe_environment() -> dict:
     """Device, driver, memory, versions of every library the GPU path uses."""
     import torch
 
-    from megatron_ext import platform
+    from megatron_ext import hardware
 
-    record = {**probe_machine(), "versions": platform.software_versions()}
-    if platform.on_gpu():
+    record = {**probe_machine(), "versions": hardware.software_versions()}
+    if hardware.on_gpu():
         props = torch.cuda.get_device_properties(0)
         record.update(compute_capability=".".join(map(str, torch.cuda.get_device_capability())),
                       memory_gb=round(props.total_memory / 2**30, 1), multiprocessors=props.multi_processor_count)
-    record["accelerators"] = platform.accelerator_summary()
+    record["accelerators"] = hardware.accelerator_summary()
     return record
 
 

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--signal-at", type=int, default=8, help="send SIGTERM once this step is logged")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
-    from megatron_ext import platform
+    from megatron_ext import hardware
 
     if args.signal_at % args.save_interval == 0:
         parser.error("--signal-at on a save step measures nothing: choose a step between saves")
@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{size:>5} {name:<11}: exit {row['exit_code']:>3} | SIGTERM after step {args.signal_at}, "
                       f"last done {row['last_step_done']}, saved {row['saved_step']}: {row['steps_lost']} steps lost | "
                       f"signal to exit {row['signal_to_exit_s']:.1f} s", flush=True)
-    device = platform.device_name() if platform.on_gpu() else f"cpu{os.cpu_count()}"
-    record = {"device": device, **platform.software_versions(), "save_interval": args.save_interval,
+    device = hardware.device_name() if hardware.on_gpu() else f"cpu{os.cpu_count()}"
+    record = {"device": device, **hardware.software_versions(), "save_interval": args.save_interval,
               "signal_at": args.signal_at, "async_save": True, "results": results}
     write_record("preemption", device, record, args.output)
     return 0

@@ -14,7 +14,7 @@ on both sides:
 - megatron_ext: the size recipe's configuration (``examples/recipes/base/<size>.yaml``: spec, bf16
   parameters, fusions, LM head, distributed optimizer; ``RECIPE_SETTINGS``), with what the machine
   cannot run turned off as a training run would (``training.loop.runnable_here``): ``build_encoder_model``
-  driven by the trainer's engine (``training.engines.MegatronEngine``: Megatron-Core DDP + optimizer +
+  driven by the trainer's engine (``training.megatron_engine.MegatronEngine``: Megatron-Core DDP + optimizer +
   forward-backward schedule, on GPU and CPU), bf16 autocast, FP8 via TE;
 - Hugging Face: ``transformers.EuroBertForMaskedLM`` (SDPA attention) with its own loss, bf16
   autocast, fused AdamW; ``--hf-compile`` adds ``torch.compile``.
@@ -58,12 +58,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from megatron_ext import platform  # noqa: E402
+from megatron_ext import hardware  # noqa: E402
 from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E402
 from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
 from megatron_ext.training import cuda_graphs  # noqa: E402
 from megatron_ext.training.config import read_recipe, run_config_from_dict  # noqa: E402
-from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
+from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
 from megatron_ext.training.loop import runnable_here  # noqa: E402
 from megatron_ext.training.memory import estimate_memory  # noqa: E402
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device  # noqa: E402
@@ -207,7 +207,7 @@ def describe(config) -> dict:
 
 
 def _sync() -> None:
-    if platform.on_gpu():
+    if hardware.on_gpu():
         torch.cuda.synchronize()
 
 
@@ -221,7 +221,7 @@ PEAK_MEMORY_MEASURE = {
 def _peak_memory_gb() -> float:
     """This process's peak memory in GB: what the caching allocator handed out on GPU, the peak RSS
     on CPU (the only peak a CPU process has; it counts the interpreter and libraries too)."""
-    if platform.on_gpu():
+    if hardware.on_gpu():
         return torch.cuda.max_memory_allocated() / 2**30
     import resource
 
@@ -257,7 +257,7 @@ def profile_step(step, batch, out_dir: Path, stem: str, *, top: int = 40) -> dic
     ``<stem>.txt`` (torch's table) and ``<stem>.json``; returns both paths."""
     from torch.profiler import ProfilerActivity, profile
 
-    gpu = platform.on_gpu()
+    gpu = hardware.on_gpu()
     b = batch()
     _sync()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
@@ -272,7 +272,7 @@ def profile_step(step, batch, out_dir: Path, stem: str, *, top: int = 40) -> dic
     total = sum(getattr(e, key) for e in averages) or 1.0
     ops = sorted(averages, key=lambda e: getattr(e, key), reverse=True)[:top]
     record = {
-        "device": platform.device_name() or "cpu", "time": "CUDA (device) time" if gpu else "CPU time",
+        "device": hardware.device_name() or "cpu", "time": "CUDA (device) time" if gpu else "CPU time",
         "sort_by": key, "step_wall_s": wall, "total_self_time_us": total,
         "ops": [{"name": e.key, "calls": e.count, "self_time_us": getattr(e, key),
                  "self_share": getattr(e, key) / total,
@@ -291,7 +291,7 @@ def _ours(config, batch, args, profile_stem: str | None, wall: dict) -> dict:
     cuda_graphs.prepare_rng(config)  # graph-safe RNG tracker for the cuda_graphs variant (nothing otherwise)
     torch.manual_seed(0)
     model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
-    engine = MegatronEngine(model.to(platform.device()), config)
+    engine = MegatronEngine(model.to(hardware.device()), config)
     _sync()
     wall["build"] = time.perf_counter() - start
 
@@ -311,7 +311,7 @@ def _ours(config, batch, args, profile_stem: str | None, wall: dict) -> dict:
 
 def _hf(config, batch, args, wall: dict) -> dict:
     start = time.perf_counter()
-    device = platform.device()
+    device = hardware.device()
     torch.manual_seed(0)
     hf = hf_model(config.model).to(device)
     optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1,
@@ -336,7 +336,7 @@ def _batches(args, model_preset: str, seq_length: int, side: str):
     """A maker of one optimizer step's micro-batches; each side builds the step's sequences from the
     same generator seed and splits them into its own micro-batches (``side_shape``), so every side of a
     row trains on identical sequences."""
-    device = platform.device()
+    device = hardware.device()
     micro, count = side_shape(args, model_preset, side)
     masking = MaskingConfig(mask_ratio=0.4)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -361,16 +361,16 @@ def run_side(spec: dict) -> dict:
     side = spec["side"]
     if side == "probe":
         if "fp8" in args.precisions:
-            platform.check_run_supported(fp8_recipe=args.fp8_recipe, recompute_granularity=None)
-        return {"device": platform.device_name() or f"cpu{torch.get_num_threads()}",
-                "versions": platform.software_versions(), "wall_s": wall}
+            hardware.check_run_supported(fp8_recipe=args.fp8_recipe, recompute_granularity=None)
+        return {"device": hardware.device_name() or f"cpu{torch.get_num_threads()}",
+                "versions": hardware.software_versions(), "wall_s": wall}
     preset, seq_length, precision = spec["model"], spec["seq_length"], spec["precision"]
     config = run_config(args, preset, seq_length, precision, None if side in ("megatron_ext", "hf") else side)
-    if platform.on_gpu():
+    if hardware.on_gpu():
         torch.cuda.reset_peak_memory_stats()
     ours = side != "hf"
     if ours:  # the engine needs Megatron's parallel state; the baseline needs nothing of it
-        platform.init_process_group_and_model_parallel(seed=1234)
+        hardware.init_process_group_and_model_parallel(seed=1234)
     try:
         if side == "hf":
             result = _hf(config, _batches(args, preset, seq_length, side), args, wall)
@@ -381,7 +381,7 @@ def run_side(spec: dict) -> dict:
         result = {"error": f"out of memory: {str(error).splitlines()[0]}"}
     finally:
         if ours:
-            platform.destroy_process_group_and_model_parallel()
+            hardware.destroy_process_group_and_model_parallel()
     (phase,) = config.resolved_phases
     share = lm_head_share(phase, scored_only=config.training.lm_head_scored_only)
     # The trainer's dry-run estimate for this configuration, next to the measured peak (issue 32: within 10 %).
@@ -478,7 +478,7 @@ def measure(args, model_preset: str, seq_length: int, precision: str,
     hf_step_time, hf_tokens_per_s = speed(hf)
     hf_shape = side_shape(args, model_preset, "hf")
     achieved = tokens_per_s * ours["flops_per_token"] if tokens_per_s else None
-    peak = peak_flops_per_device(args.device_name) if platform.on_gpu() else None
+    peak = peak_flops_per_device(args.device_name) if hardware.on_gpu() else None
     return {
         "model": model_preset, "seq_length": seq_length, "precision": precision,
         "micro_batch_size": micro, "micro_batches_per_step": count, "tokens_per_step": tokens,
@@ -490,7 +490,7 @@ def measure(args, model_preset: str, seq_length: int, precision: str,
         "mfu": achieved / peak if achieved and peak else None,
         "peak_mem_gb": ours["peak_mem_gb"], "estimated_mem_gb": ours.get("estimated_mem_gb"), "step_time_s": step_time,
         "hf_tokens_per_s": hf_tokens_per_s, "hf_peak_mem_gb": hf["peak_mem_gb"], "hf_step_time_s": hf_step_time,
-        "peak_mem_measure": PEAK_MEMORY_MEASURE["gpu" if platform.on_gpu() else "cpu"],
+        "peak_mem_measure": PEAK_MEMORY_MEASURE["gpu" if hardware.on_gpu() else "cpu"],
         "speedup_vs_hf": hf_step_time / step_time if step_time and hf_step_time else None,
         "errors": {name: side["error"] for name, side in (("megatron_ext", ours), ("hf", hf)) if "error" in side},
         "variants": variants, "profile": ours.get("profile"), "settings": ours.get("settings"),
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         args.presets, args.seq_lengths, args.precisions = ["tiny"], [128], ["fp32"]
         args.vocab_size = min(args.vocab_size, 8192)
     gpu_only = [v for v in args.variants if v in GPU_ONLY_VARIANTS]
-    if gpu_only and not platform.on_gpu():
+    if gpu_only and not hardware.on_gpu():
         parser.error(f"--variants {' '.join(gpu_only)} need CUDA (Megatron's activation recomputation, CUDA graphs)")
 
     # This process only starts the sides and reads their results: it allocates nothing on the
@@ -633,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("\n".join(_format_row(row)), flush=True)
     result = {"benchmark": "throughput", "device": args.device_name, "flops_convention": MFU_CONVENTION,
               "mfu_peak": "dense bf16 peak of the device (also for fp8 rows)", "versions": probe["versions"],
-              "peak_mem_measure": PEAK_MEMORY_MEASURE["gpu" if platform.on_gpu() else "cpu"],
+              "peak_mem_measure": PEAK_MEMORY_MEASURE["gpu" if hardware.on_gpu() else "cpu"],
               "settings": {k: v for k, v in vars(args).items() if k not in ("output", "run_side", "side_result")},
               "rows": rows, "wall_s": {"probe": probe["wall_s"]["total"], "total": time.time() - started}}
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")

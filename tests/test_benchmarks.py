@@ -103,7 +103,7 @@ def test_the_default_side_is_the_size_recipe_and_variants_undo_one_setting():
     default = throughput.describe(throughput.run_config(args, "1b", 2048, "bf16"))
     assert default["params_dtype"] == "bfloat16" and default["bias_activation_fusion"] is True
     assert default["use_distributed_optimizer"] is True and default["lm_head_scored_only"] is True
-    if not throughput.platform.on_gpu():  # the fallbacks of a CPU run
+    if not throughput.hardware.on_gpu():  # the fallbacks of a CPU run
         assert default["attention_backend"] == "local" and not default["rope_fusion"]
         assert not default["gradient_accumulation_fusion"]
     for name, change in (("fp32_params", {"params_dtype": "float32"}), ("no_swiglu_fusion", {"bias_activation_fusion": False}),

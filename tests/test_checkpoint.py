@@ -14,7 +14,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 
 from distributed import run_ranks
-from megatron_ext import platform
+from megatron_ext import hardware
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, preset
 from megatron_ext.objectives import MaskingConfig, apply_mlm
 from megatron_ext.checkpoint import core
@@ -23,7 +23,7 @@ from megatron_ext.checkpoint.handle import Checkpoint
 from megatron_ext.checkpoint.core import COMPLETE, TRACKER, CheckpointSaver, latest_checkpoint, save_checkpoint
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.training.config import run_config_from_dict
-from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides
+from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
 
 TINY = preset("tiny", vocab_size=256)
 RUN_CONFIG = {"model": dataclasses.asdict(TINY), "training": {"train_iters": 4}}
@@ -347,7 +347,7 @@ def resharding_worker(rank: int, rendezvous: str, root: str) -> None:
     """TP=2 -> save -> load at TP=1 -> save -> load at TP=2: weights and AdamW state exact, and the
     next step the same as the saving engine's."""
     root_dir = Path(root)
-    platform.init_process_group_and_model_parallel(
+    hardware.init_process_group_and_model_parallel(
         tensor_parallel_size=2, init_method=rendezvous, rank=rank, world_size=WORLD
     )
     engine = build(seed=0)
@@ -378,7 +378,7 @@ def resharding_worker(rank: int, rendezvous: str, root: str) -> None:
     assert_same_optimizer(again, saved_optimizer)
     train_step(again, 1)
     assert_same_weights(again.checkpoint_model, after_next_step)
-    platform.destroy_process_group_and_model_parallel()
+    hardware.destroy_process_group_and_model_parallel()
 
 
 def test_reshard_between_tensor_parallel_sizes(tmp_path):
@@ -497,7 +497,7 @@ def test_only_extra_state_may_be_absent_from_a_checkpoint(single_rank, tmp_path)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not platform.transformer_engine_available(),
+@pytest.mark.skipif(not torch.cuda.is_available() or not hardware.transformer_engine_available(),
                     reason="needs Transformer Engine")
 def test_checkpoints_cross_between_local_and_te_specs(tmp_path, tiny_corpus):
     """Resuming with the optimizer across specs (distributed optimizer, dp_reshardable): 3 steps

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ext import platform
+from megatron_ext import hardware
 from megatron_ext.config_loading import UserError
 from megatron_ext.training import cuda_graphs
 from megatron_ext.training.config import add_override_flags, apply_overrides, run_config_from_dict
-from megatron_ext.training.engines import megatron_transformer_overrides
+from megatron_ext.training.megatron_engine import megatron_transformer_overrides
 from megatron_ext.training.memory import cuda_graph_pool_bytes, estimate_memory, layer_activation_bytes
 from helpers import tiny_recipe
 
@@ -65,10 +65,10 @@ def test_cpu_refuses_graphs_before_building_anything(tmp_path, tiny_corpus):
     from megatron_ext.training.loop import pretrain
 
     with pytest.raises(UserError, match=r"training.cuda_graphs='local': CUDA graphs need a CUDA GPU"):
-        platform.check_run_supported(fp8_recipe=None, recompute_granularity=None, cuda_graphs="local")
-    platform.check_run_supported(fp8_recipe=None, recompute_granularity=None, cuda_graphs="none")
+        hardware.check_run_supported(fp8_recipe=None, recompute_granularity=None, cuda_graphs="local")
+    hardware.check_run_supported(fp8_recipe=None, recompute_granularity=None, cuda_graphs="none")
     with pytest.raises(UserError, match="training.cuda_graphs"):
-        platform.seed_model_parallel(1234, cuda_graph_safe=True)
+        hardware.seed_model_parallel(1234, cuda_graph_safe=True)
     config = run_config_from_dict(tiny_recipe(tiny_corpus, tmp_path, training={"train_iters": 8, "cuda_graphs": "local"}))
     with pytest.raises(UserError, match=r"training.cuda_graphs='local': CUDA graphs need a CUDA GPU"):
         pretrain(config)
@@ -94,9 +94,9 @@ def test_transformer_config_overrides_are_megatrons_local_impl(tmp_path, single_
     te_model = {"preset": "tiny", "vocab_size": 1024, "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
                 "num_attention_heads": 4, "num_query_groups": 2, "attention_backend": "te"}
     te_run = _config(tmp_path, model=te_model, training={"train_iters": 8, "cuda_graphs": "local"})
-    monkeypatch.setattr(platform, "transformer_engine_available", lambda: True)
+    monkeypatch.setattr(hardware, "transformer_engine_available", lambda: True)
     assert cuda_graphs.transformer_overrides(te_run)["use_te_rng_tracker"] is True  # as Megatron-LM for TE layers
-    monkeypatch.setattr(platform, "transformer_engine_available", lambda: False)
+    monkeypatch.setattr(hardware, "transformer_engine_available", lambda: False)
     assert cuda_graphs.transformer_overrides(te_run)["use_te_rng_tracker"] is False  # te falls back to local
 
 
@@ -107,7 +107,7 @@ def test_graphs_are_primed_for_every_attention_pattern_of_the_phases(tmp_path):
     assert cuda_graphs.attention_patterns(_config(tmp_path, phases=[{"objective": "clm", "share": 1.0}])) == (True,)
 
     from megatron_ext.objectives import apply_clm
-    from megatron_ext.training.engines import MicroBatch
+    from megatron_ext.training.megatron_engine import MicroBatch
 
     tokens = torch.randint(4, 100, (2, 16))
     step = [MicroBatch(apply_clm(tokens, tokens, loss_mask=torch.ones(2, 16)), None) for _ in range(3)]

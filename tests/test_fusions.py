@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from helpers import tiny_recipe as _recipe
-from megatron_ext import platform
+from megatron_ext import hardware
 from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.training.config import run_config_from_dict
 
 FUSIONS = {"rope_fusion": True, "gradient_accumulation_fusion": True}
-cpu_only = pytest.mark.skipif(platform.on_gpu(), reason="the CPU fallbacks (a GPU keeps the settings)")
+cpu_only = pytest.mark.skipif(hardware.on_gpu(), reason="the CPU fallbacks (a GPU keeps the settings)")
 
 
 def _config(corpus, tmp_path, *, data=None, model=None, **training):
@@ -26,7 +26,7 @@ def _config(corpus, tmp_path, *, data=None, model=None, **training):
 
 
 def test_settings_parse_and_reach_the_transformer_config(tmp_path, tiny_corpus):
-    from megatron_ext.training.engines import megatron_transformer_overrides
+    from megatron_ext.training.megatron_engine import megatron_transformer_overrides
 
     config = _config(tiny_corpus, tmp_path, **FUSIONS)
     assert config.training.rope_fusion and config.training.gradient_accumulation_fusion
@@ -56,13 +56,13 @@ def test_rope_fusion_with_per_document_positions_is_refused(tmp_path, tiny_corpu
 
 @cpu_only
 def test_on_cpu_each_fusion_turns_off_with_one_warning_naming_it():
-    settings, warnings = platform.fusion_fallbacks(rope_fusion=True, gradient_accumulation_fusion=True,
+    settings, warnings = hardware.fusion_fallbacks(rope_fusion=True, gradient_accumulation_fusion=True,
                                                    attention_backend="local")
     assert settings == {"rope_fusion": False, "gradient_accumulation_fusion": False}
     assert len(warnings) == 2
     assert warnings[0].startswith("WARNING: training.rope_fusion needs a CUDA GPU")
     assert warnings[1].startswith("WARNING: training.gradient_accumulation_fusion needs a CUDA GPU")
-    assert platform.fusion_fallbacks(rope_fusion=False, gradient_accumulation_fusion=False,
+    assert hardware.fusion_fallbacks(rope_fusion=False, gradient_accumulation_fusion=False,
                                      attention_backend="te") == (
         {"rope_fusion": False, "gradient_accumulation_fusion": False}, [])
 
@@ -70,15 +70,15 @@ def test_on_cpu_each_fusion_turns_off_with_one_warning_naming_it():
 def test_fallback_reasons_on_a_gpu_without_te_or_apex(monkeypatch):
     """What a GPU machine without Transformer Engine (no fused RoPE) or without apex (the local
     spec's linears cannot fuse) is told; the te spec without apex keeps the fusion (TE's linears)."""
-    monkeypatch.setattr(platform, "on_gpu", lambda: True)
-    monkeypatch.setattr(platform, "fused_rope_available", lambda: False)
-    monkeypatch.setattr(platform, "megatron_linear_wgrad_fusion_available", lambda: False)
-    settings, warnings = platform.fusion_fallbacks(rope_fusion=True, gradient_accumulation_fusion=True,
+    monkeypatch.setattr(hardware, "on_gpu", lambda: True)
+    monkeypatch.setattr(hardware, "fused_rope_available", lambda: False)
+    monkeypatch.setattr(hardware, "megatron_linear_wgrad_fusion_available", lambda: False)
+    settings, warnings = hardware.fusion_fallbacks(rope_fusion=True, gradient_accumulation_fusion=True,
                                                    attention_backend="local")
     assert settings == {"rope_fusion": False, "gradient_accumulation_fusion": False}
     assert "training.rope_fusion needs Transformer Engine" in warnings[0]
     assert "training.gradient_accumulation_fusion needs apex's fused_weight_gradient_mlp_cuda" in warnings[1]
-    settings, warnings = platform.fusion_fallbacks(rope_fusion=False, gradient_accumulation_fusion=True,
+    settings, warnings = hardware.fusion_fallbacks(rope_fusion=False, gradient_accumulation_fusion=True,
                                                    attention_backend="te")
     assert settings == {"rope_fusion": False, "gradient_accumulation_fusion": True} and warnings == []
 
@@ -151,15 +151,15 @@ def test_per_row_positions_under_fused_rope_are_refused_by_the_model():
 
 @pytest.fixture
 def model_parallel_cpu(tmp_path):
-    platform.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     yield
-    platform.destroy_process_group_and_model_parallel()
+    hardware.destroy_process_group_and_model_parallel()
 
 
 def test_local_spec_without_apex_is_refused_by_the_builder(model_parallel_cpu):
     from megatron_ext.model import build_encoder_model, preset
 
-    if platform.megatron_linear_wgrad_fusion_available():
+    if hardware.megatron_linear_wgrad_fusion_available():
         pytest.skip("apex is installed: the local spec's linears fuse")
     with pytest.raises(UserError, match=r"training\.gradient_accumulation_fusion with model\.attention_backend: local"):
         build_encoder_model(preset("tiny", vocab_size=256), transformer_overrides={"gradient_accumulation_fusion": True})
@@ -179,7 +179,7 @@ def test_without_apex_only_the_te_linears_fuse(model_parallel_cpu, monkeypatch):
 
     real_spec = builder.encoder_block_spec
     monkeypatch.setattr(builder, "encoder_block_spec", spec)
-    monkeypatch.setattr(platform, "megatron_linear_wgrad_fusion_available", lambda: False)  # no apex
+    monkeypatch.setattr(hardware, "megatron_linear_wgrad_fusion_available", lambda: False)  # no apex
     config = preset("tiny", vocab_size=256, attention_backend="te")
     transformer_config = builder.transformer_config(config, {"gradient_accumulation_fusion": True})
     model = builder.EncoderModel(config, transformer_config)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext import platform
+from megatron_ext import hardware
 from megatron_ext.checkpoint import core as ckpt
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import pretrain
@@ -31,10 +31,10 @@ from helpers import tiny_recipe as _recipe
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.gpu
-needs_te = pytest.mark.skipif(not torch.cuda.is_available() or not platform.transformer_engine_available(),
+needs_te = pytest.mark.skipif(not torch.cuda.is_available() or not hardware.transformer_engine_available(),
                               reason="needs Transformer Engine")
 needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available()
-                               or torch.cuda.get_device_capability() < platform.FP8_MIN_COMPUTE_CAPABILITY,
+                               or torch.cuda.get_device_capability() < hardware.FP8_MIN_COMPUTE_CAPABILITY,
                                reason="needs compute capability >= 8.9")
 GPU_MODEL = {"preset": "tiny", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
              "num_query_groups": 2, "vocab_size": 1024, "attention_backend": "local"}
@@ -122,10 +122,10 @@ def _cpu_process(command: list[str], what: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def model_parallel(tmp_path_factory):
-    platform.init_process_group_and_model_parallel(
+    hardware.init_process_group_and_model_parallel(
         init_method=f"file://{tmp_path_factory.mktemp('pg')}/rendezvous", rank=0, world_size=1)
     yield
-    platform.destroy_process_group_and_model_parallel()
+    hardware.destroy_process_group_and_model_parallel()
 
 
 @needs_te
@@ -294,7 +294,7 @@ def test_scored_positions_lm_head_matches_the_full_head_under_bf16(model_paralle
     tests/test_megatron_engine.py.)"""
     from megatron_ext.model import build_encoder_model
     from megatron_ext.objectives import MaskingConfig, apply_mlm
-    from megatron_ext.training.engines import MicroBatch, megatron_transformer_overrides, per_token_loss
+    from megatron_ext.training.megatron_engine import MicroBatch, megatron_transformer_overrides, per_token_loss
 
     config = run_config_from_dict(_gpu_recipe(tiny_corpus, tmp_path, steps=10))
     torch.manual_seed(0)
@@ -324,7 +324,7 @@ def _train_in_a_process(raw: dict, what: str) -> dict[int, float]:
 def _resume_recipe(corpus, run_dir: Path, *, deterministic: bool) -> dict:
     raw = _gpu_recipe(corpus, run_dir, steps=200, deterministic=deterministic) | {
         "parallel": {"use_distributed_optimizer": True}}
-    raw["model"]["attention_backend"] = "te" if platform.transformer_engine_available() else "local"
+    raw["model"]["attention_backend"] = "te" if hardware.transformer_engine_available() else "local"
     return raw
 
 
@@ -336,7 +336,7 @@ def test_deterministic_runs_repeat_bit_for_bit(tmp_path, tiny_corpus):
         (tmp_path / name).mkdir()
         raw = _gpu_recipe(tiny_corpus, tmp_path / name, steps=40, deterministic=True) | {
             "parallel": {"use_distributed_optimizer": True}}
-        raw["model"]["attention_backend"] = "te" if platform.transformer_engine_available() else "local"
+        raw["model"]["attention_backend"] = "te" if hardware.transformer_engine_available() else "local"
         runs.append(_train_in_a_process(raw, f"the {name} deterministic run"))
     assert sorted(runs[0]) == list(range(1, 41))
     different = {step: (runs[0][step], runs[1][step]) for step in runs[0] if runs[0][step] != runs[1].get(step)}
@@ -411,7 +411,7 @@ def _one_backward(config, batches, weights: dict | None) -> tuple[dict, float, t
     buffers, the distributed optimizer's layout), from ``weights`` when given: this model's
     weights, the summed loss and the finalised gradient buffers (flat, fp32)."""
     from megatron_ext.model import build_encoder_model
-    from megatron_ext.training.engines import MegatronEngine, megatron_transformer_overrides
+    from megatron_ext.training.megatron_engine import MegatronEngine, megatron_transformer_overrides
 
     model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config)).cuda()
     if weights is not None:  # TE's _extra_state (FP8 metadata, none here) is not a tensor: left out
@@ -439,7 +439,7 @@ def test_fusion_gives_the_unfused_loss_and_gradients(model_parallel, tmp_path, t
     dtype first): the loss to 0.2 %, the gradient buffers to 5 % in norm of their difference and
     their norms to 5 %; a doubled or a lost accumulation is 50-100 % off."""
     from megatron_ext.objectives import MaskingConfig, apply_mlm
-    from megatron_ext.training.engines import MicroBatch
+    from megatron_ext.training.megatron_engine import MicroBatch
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     batches = [MicroBatch(apply_mlm(torch.randint(4, 1024, (8, 128), device="cuda", generator=gen),
@@ -458,7 +458,7 @@ def test_fusion_gives_the_unfused_loss_and_gradients(model_parallel, tmp_path, t
     else:  # TE's linears fuse; Megatron's LM head only with apex
         assert fused_model.decoder.layers[0].mlp.linear_fc1.fuse_wgrad_accumulation is True
         assert fused_model.decoder.layers[0].self_attention.linear_qkv.fuse_wgrad_accumulation is True
-        assert fused_model.output_layer.gradient_accumulation_fusion is platform.megatron_linear_wgrad_fusion_available()
+        assert fused_model.output_layer.gradient_accumulation_fusion is hardware.megatron_linear_wgrad_fusion_available()
     assert fused_loss == pytest.approx(plain_loss, rel=2e-3)
     assert float(plain_grads.norm()) > 0 and torch.isfinite(fused_grads).all()
     assert float((fused_grads - plain_grads).norm() / plain_grads.norm()) < 0.05
@@ -513,7 +513,7 @@ def _graph_engine_run(tmp_path, *, cuda_graphs: str, model: dict, initial_state:
     from megatron_ext.model import build_encoder_model
     from megatron_ext.objectives import MaskingConfig, apply_clm, apply_mlm
     from megatron_ext.training import cuda_graphs as graphs_lib
-    from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides
+    from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
     from helpers import tiny_recipe
 
     raw = tiny_recipe({"tokenizer": "unused", "data": "unused"}, tmp_path,
@@ -618,26 +618,26 @@ def test_cuda_graphs_train_like_eager_on_the_same_weights_and_batches(model_para
 
 
 def test_graph_safe_rng_state_saves_as_the_plain_trackers(model_parallel):
-    """With ``cuda_graphs`` the model-parallel RNG tracker holds generators; ``platform.rng_state``
+    """With ``cuda_graphs`` the model-parallel RNG tracker holds generators; ``hardware.rng_state``
     saves their states as tensors (the checkpoint format without graphs) and ``set_rng_state``
     restores them (into the tracker's generators)."""
     from megatron.core import tensor_parallel
 
-    platform.seed_model_parallel(1234, cuda_graph_safe=True)
+    hardware.seed_model_parallel(1234, cuda_graph_safe=True)
     try:
         tracker = tensor_parallel.get_cuda_rng_tracker()
         generators = tracker.get_states()
         assert generators and all(isinstance(g, torch.Generator) for g in generators.values())
-        state = platform.rng_state()
+        state = hardware.rng_state()
         assert all(isinstance(v, torch.Tensor) for v in state["megatron_rng_tracker_states"].values())
         with tracker.fork():
             first = torch.rand(4, device="cuda")
-        platform.set_rng_state(state)
+        hardware.set_rng_state(state)
         with tracker.fork():
             again = torch.rand(4, device="cuda")
         torch.testing.assert_close(first, again)
     finally:
-        platform.seed_model_parallel(1234)  # the plain tracker again for the other tests
+        hardware.seed_model_parallel(1234)  # the plain tracker again for the other tests
     assert not any(isinstance(v, torch.Generator) for v in tensor_parallel.get_cuda_rng_tracker().get_states().values())
 
 

@@ -113,9 +113,9 @@ def test_without_the_log_level_torch_checkpoint_fills_the_log(report):
 
 
 def test_main_refuses_without_a_gpu(tmp_path, capsys):
-    from megatron_ext import platform
+    from megatron_ext import hardware
 
-    if platform.on_gpu():
+    if hardware.on_gpu():
         pytest.skip("this machine has a GPU")
     assert gpu_check.main(["--output-dir", str(tmp_path)]) == 2
     assert "no CUDA device here" in capsys.readouterr().err

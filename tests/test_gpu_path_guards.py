@@ -11,7 +11,7 @@ import torch
 from megatron_ext.config_loading import ConfigError
 from megatron_ext.checkpoint.handle import Checkpoint
 from megatron_ext.training.config import run_config_from_dict
-from megatron_ext.training.engines import megatron_transformer_overrides
+from megatron_ext.training.megatron_engine import megatron_transformer_overrides
 from megatron_ext.training.loop import pretrain
 from helpers import tiny_recipe as _recipe
 
@@ -72,15 +72,15 @@ def test_transformer_overrides_carry_fp8_and_recomputation(tmp_path, tiny_corpus
         "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}
 
 
-def test_platform_imports_no_model_code():
-    """platform.py sits below the model: importing it pulls in nothing of megatron_ext.model (the
+def test_hardware_imports_no_model_code():
+    """hardware.py sits below the model: importing it pulls in nothing of megatron_ext.model (the
     Transformer Engine probe is Megatron-Core's own), so there is no import circle."""
     import subprocess
     import sys
 
-    probe = "import sys, megatron_ext.platform; print(sorted(m for m in sys.modules if m.startswith('megatron_ext.')))"
+    probe = "import sys, megatron_ext.hardware; print(sorted(m for m in sys.modules if m.startswith('megatron_ext.')))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    assert "megatron_ext.model" not in out and "megatron_ext.platform" in out
+    assert "megatron_ext.model" not in out and "megatron_ext.hardware" in out
 
 
 def test_deterministic_parses_and_reaches_megatrons_transformer_config(tmp_path, tiny_corpus):
@@ -116,40 +116,40 @@ def torch_determinism_restored(monkeypatch):
 def test_make_deterministic_sets_torch_and_the_cuda_libraries(torch_determinism_restored, monkeypatch):
     import os
 
-    from megatron_ext import platform
+    from megatron_ext import hardware
 
     torch.backends.cudnn.benchmark = True
-    platform.make_deterministic()
+    hardware.make_deterministic()
     assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
     assert {name: os.environ[name] for name in DETERMINISTIC_VARIABLES} == {
         "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "NCCL_ALGO": "Ring"}
     monkeypatch.setenv("NCCL_ALGO", "Tree")  # a deterministic choice of the user's is kept
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
-    platform.make_deterministic()
+    hardware.make_deterministic()
     assert os.environ["NCCL_ALGO"] == "Tree" and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     for name, value in (("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1"), ("NCCL_ALGO", "NVLS"),
                         ("CUBLAS_WORKSPACE_CONFIG", ":0:0")):
         with monkeypatch.context() as env:
             env.setenv(name, value)
-            with pytest.raises(platform.UserError,
+            with pytest.raises(hardware.UserError,
                                match=f"training.deterministic: true, but the environment sets {name}={value!r}"):
-                platform.make_deterministic()
+                hardware.make_deterministic()
 
 
 def test_a_deterministic_run_sets_determinism_before_the_model_is_built(tmp_path, tiny_corpus, monkeypatch,
                                                                          torch_determinism_restored):
-    """The loop calls ``platform.make_deterministic`` before the process group and the model exist,
+    """The loop calls ``hardware.make_deterministic`` before the process group and the model exist,
     the model's TransformerConfig has Megatron's ``deterministic_mode``, and the run trains (CPU:
     torch's deterministic algorithms cover every op of a step)."""
     import torch.distributed as dist
 
-    from megatron_ext import platform
+    from megatron_ext import hardware
     from megatron_ext.training import loop
 
     seen = []
-    make_deterministic = platform.make_deterministic
-    monkeypatch.setattr(platform, "make_deterministic",
+    make_deterministic = hardware.make_deterministic
+    monkeypatch.setattr(hardware, "make_deterministic",
                         lambda: (seen.append(dist.is_initialized()), make_deterministic()))
     build = loop.build_encoder_model
 

@@ -18,7 +18,7 @@ import transformers
 import yaml
 
 from distributed import run_ranks
-from megatron_ext import platform
+from megatron_ext import hardware
 from megatron_ext.hf import (
     FORMATS,
     UnsupportedArchitectureError,
@@ -147,7 +147,7 @@ def megatron_logits(checkpoint: Path, ids: torch.Tensor) -> dict[bool, torch.Ten
     with single_process_model_parallel(), torch.no_grad():
         model = load_megatron_checkpoint(checkpoint)
         assert sum(p.numel() for p in model.parameters()) == parameter_count(model.encoder_config)
-        ids = ids.to(platform.device())
+        ids = ids.to(hardware.device())
         return {causal: model(ids, causal=causal).cpu() for causal in (True, False)}
 
 
@@ -257,7 +257,7 @@ def test_sentence_transformers_mean_pooling(imports, tmp_path):
 def _tp2_worker(rank: int, rendezvous: str, checkpoint: str, ids: torch.Tensor,
                 reference: torch.Tensor) -> None:
     torch.set_num_threads(1)
-    platform.init_process_group_and_model_parallel(
+    hardware.init_process_group_and_model_parallel(
         tensor_parallel_size=2, init_method=rendezvous, rank=rank, world_size=2)
     saved = Checkpoint.open(checkpoint)
     model = build_encoder_model(saved.model_config()).eval()
@@ -265,7 +265,7 @@ def _tp2_worker(rank: int, rendezvous: str, checkpoint: str, ids: torch.Tensor,
     with torch.no_grad():
         logits = gather_vocab_parallel_logits(model(ids, causal=True))
     torch.testing.assert_close(logits[..., :reference.shape[-1]], reference, **TOL)
-    platform.destroy_process_group_and_model_parallel()
+    hardware.destroy_process_group_and_model_parallel()
 
 
 def test_import_at_tp1_loads_at_tp2(tmp_path, base_tokenizer_json):
@@ -333,7 +333,7 @@ def test_continued_pretraining_from_an_import(imports, tmp_path, news_texts):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not platform.transformer_engine_available(),
+@pytest.mark.skipif(not torch.cuda.is_available() or not hardware.transformer_engine_available(),
                     reason="needs Transformer Engine")
 def test_continued_pretraining_from_an_import_with_transformer_engine(imports, tmp_path, news_texts):
     """The import (a local-spec checkpoint, no TE ``_extra_state``) continues under the ``te``

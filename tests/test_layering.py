@@ -17,7 +17,7 @@ PACKAGE = "megatron_ext"
 
 LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     # bottom: asks nothing of the rest of the package
-    {"config_loading", "fileio", "platform", "processes", "assets", "claims"},
+    {"config_loading", "fileio", "hardware", "processes", "assets", "claims"},
     {"tokenizer", "schedule", "objectives", "model"},  # objectives/: one module per objective
     {"data", "checkpoint"},
     {"training"},

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from megatron_ext import platform
+from megatron_ext import hardware
 from megatron_ext.checkpoint import core as ckpt
 from megatron_ext.checkpoint.config import nvrx_problem
 from megatron_ext.checkpoint.handle import Checkpoint
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 def _layout_worker(rank: int, rendezvous: str, recipe: dict, out: str, world: int, exit_after: int | None) -> None:
     torch.set_num_threads(1)
     config = run_config_from_dict(recipe)
-    platform.init_process_group_and_model_parallel(
+    hardware.init_process_group_and_model_parallel(
         tensor_parallel_size=config.parallel.tensor_model_parallel_size,
         pipeline_parallel_size=config.parallel.pipeline_model_parallel_size,
         seed=config.training.seed, init_method=rendezvous, rank=rank, world_size=world,
@@ -42,7 +42,7 @@ def _layout_worker(rank: int, rendezvous: str, recipe: dict, out: str, world: in
     try:
         result = pretrain(config, exit_after_step=exit_after)
     finally:
-        platform.destroy_process_group_and_model_parallel()
+        hardware.destroy_process_group_and_model_parallel()
     if rank == 0:
         Path(out).write_text(json.dumps({"start": result.start_step, "losses": result.losses}))
 
@@ -70,7 +70,7 @@ def _engine_recipe(corpus, run_dir: Path, *, steps: int, parallel: dict | None =
 
 def _mlm_micro_batches(seed: int, count: int = 2) -> list:
     from megatron_ext.objectives import MaskingConfig, apply_mlm
-    from megatron_ext.training.engines import MicroBatch
+    from megatron_ext.training.megatron_engine import MicroBatch
 
     gen = torch.Generator().manual_seed(seed)
     rows = torch.arange(4).unsqueeze(1)
@@ -87,12 +87,12 @@ def test_a_step_is_torch_adamw_on_the_mean_loss_of_every_scored_token(tmp_path, 
     token of the step's micro-batches (micro-batches of different token counts), with no weight
     decay on 1-D parameters and the gradient norm clipped to ``optimizer.clip_grad`` (here active)."""
     from megatron_ext.model import build_encoder_model
-    from megatron_ext.training.engines import (MegatronEngine, masked_loss_sum, megatron_transformer_overrides,
+    from megatron_ext.training.megatron_engine import (MegatronEngine, masked_loss_sum, megatron_transformer_overrides,
                                                per_token_loss)
 
     config = run_config_from_dict(_engine_recipe(tiny_corpus, tmp_path, steps=4, optimizer={"clip_grad": 0.5}))
     o = config.optimizer
-    platform.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
         models = []
         for _ in range(2):  # the same initialisation twice
@@ -122,11 +122,11 @@ def test_a_step_is_torch_adamw_on_the_mean_loss_of_every_scored_token(tmp_path, 
             for (name, ours), theirs in zip(models[0].named_parameters(), params, strict=True):
                 torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6, msg=f"step {step}: {name}")
     finally:
-        platform.destroy_process_group_and_model_parallel()
+        hardware.destroy_process_group_and_model_parallel()
 
 
 def test_megatrons_cuda_calls_are_redirected_from_process_group_set_up_to_teardown(tmp_path, monkeypatch):
-    """Divergence 7 of ``platform``: on CPU, from ``init_process_group_and_model_parallel`` until
+    """Divergence 7 of ``hardware``: on CPU, from ``init_process_group_and_model_parallel`` until
     ``destroy_process_group_and_model_parallel`` (off for a while inside
     ``cuda_calls_not_redirected``, where Megatron code is refused with the fix), pinned to
     megatron-core 0.19.2; nothing at all on GPU."""
@@ -134,15 +134,15 @@ def test_megatrons_cuda_calls_are_redirected_from_process_group_set_up_to_teardo
     from torch.overrides import _get_current_function_mode_stack
 
     original = torch.cuda.current_device
-    assert not platform.cuda_calls_redirected() and not _get_current_function_mode_stack()
-    platform.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    assert not hardware.cuda_calls_redirected() and not _get_current_function_mode_stack()
+    hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        assert platform.cuda_calls_redirected() is not platform.on_gpu()
-        if not platform.on_gpu():
+        assert hardware.cuda_calls_redirected() is not hardware.on_gpu()
+        if not hardware.on_gpu():
             assert torch.zeros(1, device="cuda").device.type == "cpu" and torch.cuda.current_device() == torch.device("cpu")
             assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
-            with platform.cuda_calls_not_redirected():
-                assert not platform.cuda_calls_redirected() and torch.cuda.current_device is original
+            with hardware.cuda_calls_not_redirected():
+                assert not hardware.cuda_calls_redirected() and torch.cuda.current_device is original
                 assert torch.zeros(1).type() == "torch.FloatTensor" and not _get_current_function_mode_stack()
                 with pytest.raises((RuntimeError, AssertionError)):
                     torch.zeros(1, device="cuda")
@@ -150,16 +150,16 @@ def test_megatrons_cuda_calls_are_redirected_from_process_group_set_up_to_teardo
                                                        "init_process_group_and_model_parallel"):
                     ckpt.save_checkpoint(tmp_path / "ckpt", step=1, model=torch.nn.Linear(1, 1), optimizer=None,
                                          trainer_state={}, run_config={}, tokenizer_reference={}, keep_last=1)
-            assert platform.cuda_calls_redirected() and torch.zeros(1, device="cuda").device.type == "cpu"
+            assert hardware.cuda_calls_redirected() and torch.zeros(1, device="cuda").device.type == "cpu"
     finally:
-        platform.destroy_process_group_and_model_parallel()
-    assert not platform.cuda_calls_redirected() and torch.cuda.current_device is original
+        hardware.destroy_process_group_and_model_parallel()
+    assert not hardware.cuda_calls_redirected() and torch.cuda.current_device is original
     assert not _get_current_function_mode_stack()
-    if not platform.on_gpu():
-        monkeypatch.setattr(platform, "_megatron_core_version", lambda: "0.20.0")
+    if not hardware.on_gpu():
+        monkeypatch.setattr(hardware, "_megatron_core_version", lambda: "0.20.0")
         with pytest.raises(RuntimeError, match=r"megatron-core 0.20.0 is installed.*megatron-core==0.19.2"):
-            platform.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg2", rank=0, world_size=1)
-        assert not dist.is_initialized() and not platform.cuda_calls_redirected()  # nothing was started
+            hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg2", rank=0, world_size=1)
+        assert not dist.is_initialized() and not hardware.cuda_calls_redirected()  # nothing was started
 
 
 def _transformer_engine_kernels(calls: list[str]) -> dict[tuple[str, str], object]:
@@ -206,7 +206,7 @@ def test_a_cpu_step_where_transformer_engine_imports_runs_megatrons_torch_kernel
 
     calls: list[str] = []
     te_kernels = _transformer_engine_kernels(calls)
-    assert set(te_kernels) == set(platform._megatron_torch_kernels())  # the test covers the whole list
+    assert set(te_kernels) == set(hardware._megatron_torch_kernels())  # the test covers the whole list
     for (module, attribute), kernel in te_kernels.items():
         monkeypatch.setattr(importlib.import_module(module), attribute, kernel)
     seen = {}
@@ -219,8 +219,8 @@ def test_a_cpu_step_where_transformer_engine_imports_runs_megatrons_torch_kernel
                              for group in part.optimizer.param_groups}
         return init
 
-    from megatron_ext.training import engines
-    monkeypatch.setattr(engines.MegatronEngine, "__init__", record_the_optimizer(engines.MegatronEngine.__init__))
+    from megatron_ext.training import megatron_engine
+    monkeypatch.setattr(megatron_engine.MegatronEngine, "__init__", record_the_optimizer(megatron_engine.MegatronEngine.__init__))
     recipe = _engine_recipe(tiny_corpus, tmp_path, steps=3, optimizer={"clip_grad": 1e-3},
                             parallel={"use_distributed_optimizer": distributed})
     losses = _run(recipe, tmp_path, "te_imports")["losses"]
@@ -237,19 +237,19 @@ def test_the_megatron_core_pin_guards_the_kernel_list(tmp_path, monkeypatch):
     import importlib
     import inspect
 
-    kernels = platform._megatron_torch_kernels()
+    kernels = hardware._megatron_torch_kernels()
     for module in {module for module, _ in kernels}:
         source = inspect.getsource(importlib.import_module(module))
         assert "from transformer_engine.pytorch.optimizers import" in source and "from apex." in source, module
     for module, attribute in kernels:
         assert hasattr(importlib.import_module(module), attribute), f"{module}.{attribute}"
-    if platform.on_gpu():
+    if hardware.on_gpu():
         return
     before = {key: getattr(importlib.import_module(key[0]), key[1]) for key in kernels}
-    monkeypatch.setattr(platform, "_megatron_core_version", lambda: "0.20.0")
+    monkeypatch.setattr(hardware, "_megatron_core_version", lambda: "0.20.0")
     with pytest.raises(RuntimeError, match=r"megatron-core 0.20.0 is installed.*MEGATRON_CORE_CHECKED_ON_CPU"):
-        platform._redirect_cuda_calls()
-    assert not platform.cuda_calls_redirected()
+        hardware._redirect_cuda_calls()
+    assert not hardware.cuda_calls_redirected()
     assert all(getattr(importlib.import_module(module), attribute) is before[(module, attribute)]
                for module, attribute in kernels)
 
@@ -337,14 +337,14 @@ def test_a_portable_engine_checkpoint_is_refused_naming_the_fix_and_its_weights_
     from megatron_ext.config_loading import UserError
     from megatron_ext.model import build_encoder_model
     from megatron_ext.tokenizer import build_tokenizer
-    from megatron_ext.training.engines import megatron_transformer_overrides
+    from megatron_ext.training.megatron_engine import megatron_transformer_overrides
 
     recipe = _engine_recipe(tiny_corpus, tmp_path, steps=4, checkpoint={"save": str(tmp_path / "portable")})
     config = run_config_from_dict(recipe)
     saved_config = json.loads(json.dumps(config.to_dict()))
     saved_config["training"]["engine"] = "portable"
     tokenizer = build_tokenizer(config.tokenizer)
-    platform.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         torch.manual_seed(7)
         model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
@@ -353,7 +353,7 @@ def test_a_portable_engine_checkpoint_is_refused_naming_the_fix_and_its_weights_
                              tokenizer_reference={**tokenizer.reference(), ckpt.TOKENIZER_FINGERPRINT: tokenizer.fingerprint()},
                              keep_last=1)
     finally:
-        platform.destroy_process_group_and_model_parallel()
+        hardware.destroy_process_group_and_model_parallel()
     assert Checkpoint.open(tmp_path / "portable").optimizer_format() == {"optimizer": "torch"}
 
     with pytest.raises(UserError, match=r"cannot resume from checkpoint .*iter_0000002: it holds the optimizer state "
@@ -438,10 +438,10 @@ def test_non_finite_gradients_are_skipped_before_megatrons_optimizer(tmp_path, t
     fp16 loss scaling); the engine skips first and the parameters stay as they were."""
     from megatron_ext.model import build_encoder_model
     from megatron_ext.objectives import MaskingConfig, apply_mlm
-    from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides
+    from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
 
     config = run_config_from_dict(_engine_recipe(tiny_corpus, tmp_path, steps=10))
-    platform.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
         model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
         engine = MegatronEngine(model, config)
@@ -462,7 +462,7 @@ def test_non_finite_gradients_are_skipped_before_megatrons_optimizer(tmp_path, t
             assert torch.equal(param, snapshot[name]), name
         assert not engine.train_step(micro, lr=1e-3).skipped
     finally:
-        platform.destroy_process_group_and_model_parallel()
+        hardware.destroy_process_group_and_model_parallel()
 
 
 def test_megatron_engine_checkpoint_exports_with_logit_parity(tmp_path, tiny_corpus):
@@ -486,19 +486,19 @@ def test_fused_adam_matches_the_unfused_kernel(tmp_path, tiny_corpus):
     """``optimizer.fused`` (default) runs torch's fused AdamW where Megatron runs torch's AdamW (here:
     no TE/apex): the same losses as the loop-of-ops kernel to rounding, and the kernel really changes."""
     from megatron_ext.model import build_encoder_model
-    from megatron_ext.training.engines import MegatronEngine
+    from megatron_ext.training.megatron_engine import MegatronEngine
 
     losses = {}
     for fused in (True, False):
         recipe = _engine_recipe(tiny_corpus, tmp_path / f"fused{fused}", steps=6, optimizer={"fused": fused})
         losses[fused] = _run(recipe, tmp_path, f"fused{fused}")["losses"]
         config = run_config_from_dict(recipe)
-        platform.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg{fused}", rank=0, world_size=1)
+        hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg{fused}", rank=0, world_size=1)
         try:
             built = MegatronEngine(build_encoder_model(config.model), config)
             assert {group["fused"] for group in built.optimizer.optimizer.param_groups} == ({True} if fused else {None})
         finally:
-            platform.destroy_process_group_and_model_parallel()
+            hardware.destroy_process_group_and_model_parallel()
     for step in range(1, 7):
         assert losses[True][step] == pytest.approx(losses[False][step], rel=1e-4), f"step {step}"
 
@@ -581,12 +581,12 @@ def test_megatron_fusions_train_like_the_unfused_model(tmp_path, tiny_corpus, fu
     for step in range(1, 7):
         assert fused[step] == pytest.approx(plain[step], rel=2e-5), f"step {step}"
     from megatron_ext.model import build_encoder_model
-    from megatron_ext.training.engines import megatron_transformer_overrides
+    from megatron_ext.training.megatron_engine import megatron_transformer_overrides
 
     config = run_config_from_dict(recipe)
-    platform.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:  # the switch reaches the TransformerConfig Megatron's MLP and loss read
         model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
         assert getattr(model.config, fusion) is True
     finally:
-        platform.destroy_process_group_and_model_parallel()
+        hardware.destroy_process_group_and_model_parallel()

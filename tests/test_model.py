@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ext import platform
+from megatron_ext import hardware
 from megatron_ext.model import (
     EncoderModelConfig,
     build_encoder_model,
@@ -23,11 +23,11 @@ TINY = preset("tiny", vocab_size=1000, eod_token_id=EOD)
 
 @pytest.fixture(scope="module", autouse=True)
 def model_parallel(tmp_path_factory):
-    platform.init_process_group_and_model_parallel(
+    hardware.init_process_group_and_model_parallel(
         init_method=f"file://{tmp_path_factory.mktemp('pg')}/rendezvous", rank=0, world_size=1
     )
     yield
-    platform.destroy_process_group_and_model_parallel()
+    hardware.destroy_process_group_and_model_parallel()
 
 
 def build(config: EncoderModelConfig = TINY, seed: int = 0):
@@ -286,7 +286,7 @@ def test_config_validation():
         build()(random_ids(TINY.seq_length + 1, seed=0), causal=False)
 
 
-@pytest.mark.skipif(platform.on_gpu(), reason="checks the CPU-only error paths")
+@pytest.mark.skipif(hardware.on_gpu(), reason="checks the CPU-only error paths")
 def test_te_backend_errors_are_actionable():
     from megatron.core.extensions.transformer_engine import HAVE_TE
 

@@ -54,7 +54,7 @@ from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.config_loading import UserError
-from megatron_ext import platform, processes
+from megatron_ext import hardware, processes
 from megatron_ext.checkpoint import storage
 from megatron_ext.checkpoint.config import check_nvrx_async_writer
 
@@ -144,8 +144,8 @@ class CheckpointSaver:
         asynchronous writer, or ``nvrx``, the one of ``nvidia-resiliency-ext`` (``UserError`` in one
         line where it cannot run, ``checkpoint.config.nvrx_problem``); with ``async_save`` only.
         ``persistent_writer``: a persistent worker instead of a process forked per save (default:
-        ``platform.persistent_checkpoint_writer()``, the worker on GPU only)."""
-        platform.check_megatron_runs_here("saving a checkpoint")
+        ``hardware.persistent_checkpoint_writer()``, the worker on GPU only)."""
+        hardware.check_megatron_runs_here("saving a checkpoint")
         if async_strategy not in ASYNC_STRATEGIES:
             raise ValueError(f"async_strategy must be one of {ASYNC_STRATEGIES}, got {async_strategy!r}")
         self._queue = None
@@ -162,7 +162,7 @@ class CheckpointSaver:
             return
         try:
             if persistent_writer is None:
-                persistent_writer = platform.persistent_checkpoint_writer()
+                persistent_writer = hardware.persistent_checkpoint_writer()
             self.persistent_writer = persistent_writer
             self._queue = queue_class(persistent=persistent_writer)
             if persistent_writer:  # started now, not at the first save: its start-up (~30 s on an
@@ -220,7 +220,7 @@ class CheckpointSaver:
             raise RuntimeError("this CheckpointSaver is closed")
         if not dist.is_initialized():
             raise RuntimeError("save_checkpoint is a collective: initialise torch.distributed first "
-                               "(megatron_ext.platform.init_process_group_and_model_parallel)")
+                               "(megatron_ext.hardware.init_process_group_and_model_parallel)")
         if step < 0:
             raise UserError(f"checkpoint step must be >= 0, got {step}")
         if keep_last < 1:
@@ -530,7 +530,7 @@ def load_checkpoint(
     Returns:
         The ``trainer_state`` saved with it (with ``step``).
     """
-    platform.check_megatron_runs_here("loading a checkpoint")
+    hardware.check_megatron_runs_here("loading a checkpoint")
     check_intact(checkpoint)
     info = json.loads((checkpoint / COMPLETE).read_text())
     if optimizer is not None and not info["has_optimizer"]:

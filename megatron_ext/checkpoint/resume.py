@@ -61,7 +61,7 @@ steps (``training.branching.check_saved_parent``: the check lives above the chec
 
 
 class TrainingState(Protocol):
-    """What checkpoints save and load of a training engine (``training.engines.MegatronEngine``):
+    """What checkpoints save and load of a training engine (``training.megatron_engine.MegatronEngine``):
     the policy loads into it, the training loop saves it."""
 
     checkpoint_model: torch.nn.Module

@@ -105,9 +105,9 @@ class ThirdPartyWarning:
 
 THIRD_PARTY_WARNINGS = (
     ThirdPartyWarning("Transformer Engine and Apex are not installed", False,
-                      "the run's start-up line states the fallback (platform.accelerator_summary)"),
+                      "the run's start-up line states the fallback (hardware.accelerator_summary)"),
     ThirdPartyWarning("Apex is not installed", False,
-                      "the run's start-up line says whether apex is there (platform.accelerator_summary)"),
+                      "the run's start-up line says whether apex is there (hardware.accelerator_summary)"),
     ThirdPartyWarning("absl.logging is not installed", False,
                       "Megatron logs through the logging module instead; nothing is lost"),
     ThirdPartyWarning("MimoModelConfig is experimental", False,
@@ -122,7 +122,7 @@ THIRD_PARTY_WARNINGS = (
                       logger="megatron.core.dist_checkpointing.strategies.torch"),
     ThirdPartyWarning("The TemporalAsyncCaller will be deprecated soon", False,
                       "NVRx's note at every save with a writer forked per save, which the CPU needs "
-                      "(platform.persistent_checkpoint_writer)",
+                      "(hardware.persistent_checkpoint_writer)",
                       logger="nvidia_resiliency_ext.checkpointing.async_ckpt.core"),
     ThirdPartyWarning("No CUDA runtime is found", False,
                       "torch's note for building CUDA extensions, which nothing here does, on a machine "

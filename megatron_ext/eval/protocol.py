@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import torch
 
-from megatron_ext import platform
+from megatron_ext import hardware
 from megatron_ext.config_loading import UserError
 
 T = TypeVar("T")
@@ -94,7 +94,7 @@ class FinetuneConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device(self.device or platform.device().type)
+        return torch.device(self.device or hardware.device().type)
 
     @property
     def use_bf16(self) -> bool:

@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch import Tensor
 
-from megatron_ext import platform
+from megatron_ext import hardware
 
 
 def attention_mask_for(
@@ -108,7 +108,7 @@ class SDPAttention(MegatronModule):
         s, b = query.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
         dropout = self.dropout if self.training else 0.0
-        with platform.tensor_parallel_rng() if dropout else contextlib.nullcontext():
+        with hardware.tensor_parallel_rng() if dropout else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(
                 q, k, v,
                 attn_mask=None if mask is None else ~mask,  # SDPA: True = attend

@@ -23,7 +23,7 @@ from megatron.core.utils import init_method_normal
 from torch import Tensor
 
 from megatron_ext.config_loading import UserError
-from megatron_ext import platform
+from megatron_ext import hardware
 from megatron_ext.model.attention import attention_mask_for
 from megatron_ext.model.config import EncoderModelConfig, tensor_parallel_problem
 from megatron_ext.model.spec import encoder_block_spec, require_transformer_engine
@@ -37,7 +37,7 @@ class EncoderModel(GPTModel):
     ``torch.cuda.current_device()``; GPTModel is therefore built with no position embedding.
 
     ``gradient_accumulation_fusion`` in ``transformer_config`` without apex's
-    ``fused_weight_gradient_mlp_cuda`` (``platform.megatron_linear_wgrad_fusion_available``):
+    ``fused_weight_gradient_mlp_cuda`` (``hardware.megatron_linear_wgrad_fusion_available``):
     Megatron's ``ColumnParallelLinear`` (the LM head) raises at construction, Transformer Engine's
     layers need no apex. The model's config (``self.config``: embedding, LM head, layers) then has
     it off and the block's TE linears get a copy with it on (``encoder_block_spec``), so the wgrad
@@ -53,7 +53,7 @@ class EncoderModel(GPTModel):
         post_process: bool = True,
     ) -> None:
         te_linears_only = (transformer_config.gradient_accumulation_fusion
-                           and not platform.megatron_linear_wgrad_fusion_available())
+                           and not hardware.megatron_linear_wgrad_fusion_available())
         if te_linears_only:
             if config.attention_backend != "te":
                 raise UserError(
@@ -208,7 +208,7 @@ def transformer_config(config: EncoderModelConfig, overrides: Mapping[str, Any] 
 
     ``overrides``: fields the training run sets beyond the architecture (FP8 recipe, activation
     recomputation, per-token loss for Megatron's schedules), e.g.
-    ``megatron_ext.training.engines.megatron_transformer_overrides``.
+    ``megatron_ext.training.megatron_engine.megatron_transformer_overrides``.
     """
     dtype = config.torch_dtype
     return TransformerConfig(
@@ -236,7 +236,7 @@ def transformer_config(config: EncoderModelConfig, overrides: Mapping[str, Any] 
         pipeline_dtype=dtype,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        use_cpu_initialization=platform.use_cpu_initialization(),
+        use_cpu_initialization=hardware.use_cpu_initialization(),
         # Megatron's default ("full") means the same (no CUDA graphs are captured unless
         # cuda_graph_impl is set) but warns "full scope is deprecated" on every rank.
         cuda_graph_modules=[],
@@ -249,7 +249,7 @@ def build_encoder_model(
     transformer_overrides: Mapping[str, Any] | None = None,
 ) -> EncoderModel:
     """Build this rank's part of the encoder; needs ``parallel_state`` initialised
-    (``megatron_ext.platform.init_process_group_and_model_parallel``).
+    (``megatron_ext.hardware.init_process_group_and_model_parallel``).
 
     ``pre_process``/``post_process``: whether this pipeline stage holds the embedding / the
     final norm and LM head.
@@ -257,7 +257,7 @@ def build_encoder_model(
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "Megatron parallel_state is not initialised; call "
-            "megatron_ext.platform.init_process_group_and_model_parallel() first"
+            "megatron_ext.hardware.init_process_group_and_model_parallel() first"
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if (problem := tensor_parallel_problem(config, tp)) is not None:
@@ -267,7 +267,7 @@ def build_encoder_model(
                         f"tensor-parallel size {tp} (pad the vocabulary)")
     if config.attention_backend == "te":
         require_transformer_engine()
-    platform.check_model_parallel_supported(
+    hardware.check_model_parallel_supported(
         tensor_parallel_size=tp,
         num_query_groups=config.num_query_groups,
         attention_backend=config.attention_backend,
@@ -285,7 +285,7 @@ def gather_vocab_parallel_logits(logits: Tensor) -> Tensor:
     """Full-vocabulary logits ``[b, s, vocab]`` from each tensor-parallel rank's shard.
 
     For evaluation and tests (no autograd). Megatron's differentiable gather
-    (``runtime_gather_output``) allocates on CUDA, see ``megatron_ext.platform``.
+    (``runtime_gather_output``) allocates on CUDA, see ``megatron_ext.hardware``.
     """
     group = parallel_state.get_tensor_model_parallel_group()
     if dist.get_world_size(group) == 1:

@@ -105,10 +105,10 @@ def evaluation_grids(plan: StudyPlan, *, resolve_references: bool = True) -> lis
 def worker_environment(workers: int) -> dict[str, str]:
     """The environment of one of ``workers`` local evaluation processes: on CPU each gets its share
     of the cores (torch would give every process all of them, and they would fight)."""
-    from megatron_ext import platform
+    from megatron_ext import hardware
 
     env = dict(os.environ)
-    if not platform.on_gpu():
+    if not hardware.on_gpu():
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
     return env
 

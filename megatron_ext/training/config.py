@@ -130,7 +130,7 @@ class TrainingConfig:
     """Bit-identical steps from the same inputs, so that a resumed run repeats an uninterrupted one
     exactly on GPU too (CPU runs are deterministic without it): torch's deterministic algorithms and
     cuDNN settings, cuBLAS, Transformer Engine attention and NCCL in deterministic modes
-    (``platform.make_deterministic``), Megatron's ``deterministic_mode``. Slower; without it a GPU
+    (``hardware.make_deterministic``), Megatron's ``deterministic_mode``. Slower; without it a GPU
     run's losses differ from another's in the last bits (docs/design.md). Megatron-LM
     ``--deterministic-mode``."""
     lm_head_scored_only: bool = True

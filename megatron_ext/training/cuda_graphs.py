@@ -41,7 +41,7 @@ How Megatron-Core does it, and what this module adds around it:
   whenever graphs are on and switches to Transformer Engine's tracker when TE is the layers'
   implementation (``training/initialize.py::_set_random_seed``, ``training/arguments.py``), as
   ``prepare_rng`` does here. The tracker's states are saved in checkpoints in the same format as
-  without graphs (``platform.rng_state``).
+  without graphs (``hardware.rng_state``).
 - ``LayerGraphs.close`` deletes the graphs (``delete_cuda_graphs``: Megatron's global record,
   pool and saved-tensor observer) at the end of the run, so another model in the same process
   (tests, the benchmark) starts from a clean state; Megatron-LM does the same for its TE graphs at
@@ -53,7 +53,7 @@ How Megatron-Core does it, and what this module adds around it:
   saved and restored around the capture's warm-up by the runner itself.
 
 What is refused, before anything is built (``training_problem``, ``run_problem``; on CPU
-``platform.check_run_supported``): the ``transformer_engine`` implementation (TE's
+``hardware.check_run_supported``): the ``transformer_engine`` implementation (TE's
 ``make_graphed_callables`` captures each layer once per micro-batch with Megatron's sample
 arguments, a dense causal ``[b, 1, s, s]`` mask, and replays None as a dense zero mask:
 ``transformer_layer.py::get_layer_static_inputs``, ``_get_te_cuda_graph_replay_args``; the
@@ -85,7 +85,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext import platform
+from megatron_ext import hardware
 
 LOCAL = "local"
 """The one implementation this trainer runs (Megatron's ``cuda_graph_impl`` value)."""
@@ -139,7 +139,7 @@ def enabled(config: Any) -> bool:
 def uses_te_rng_tracker(config: Any) -> bool:
     """Transformer Engine's RNG tracker for graphed runs of the ``te`` spec, as Megatron-LM
     switches to it whenever graphs meet TE layers (``training/arguments.py``)."""
-    return enabled(config) and config.model.attention_backend == "te" and platform.transformer_engine_available()
+    return enabled(config) and config.model.attention_backend == "te" and hardware.transformer_engine_available()
 
 
 def transformer_overrides(config: Any) -> dict:
@@ -156,7 +156,7 @@ def prepare_rng(config: Any) -> None:
     """Seed Megatron's model-parallel RNG tracker graph-safe (``training.seed``), before the model
     is built (its layers' graph managers check the tracker). Nothing to do without graphs."""
     if enabled(config):
-        platform.seed_model_parallel(config.training.seed, cuda_graph_safe=True,
+        hardware.seed_model_parallel(config.training.seed, cuda_graph_safe=True,
                                      te_rng_tracker=uses_te_rng_tracker(config))
 
 

@@ -460,13 +460,13 @@ class _MicroBatchSampler:
 def _micro_batches(dataset: Dataset, sampler: _MicroBatchSampler, config: DataConfig) -> Iterator[dict]:
     import torch
 
-    from megatron_ext import platform
+    from megatron_ext import hardware
 
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=config.num_workers,
-        pin_memory=platform.on_gpu(),
+        pin_memory=hardware.on_gpu(),
     )
     tokenizer = dataset.config.tokenizer
     for indices, batch in zip(sampler, loader, strict=True):

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ext.config_loading import UserError
-from megatron_ext import platform, processes
+from megatron_ext import hardware, processes
 from megatron_ext.model import build_encoder_model
 from megatron_ext.objectives import Objective, PhaseProgress, Vocabulary, validation_objectives
 from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at
@@ -47,7 +47,7 @@ from megatron_ext.training import data as data_lib
 from megatron_ext.training import cuda_graphs
 from megatron_ext.training.branching import check_saved_parent
 from megatron_ext.training.config import RunConfig
-from megatron_ext.training.engines import MegatronEngine, MicroBatch, megatron_transformer_overrides
+from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
 from megatron_ext.training.memory import check_fits, estimate_memory, stage_parameters
 from megatron_ext.checkpoint import storage
 from megatron_ext.training.plan import check_paths, make_plan
@@ -111,7 +111,7 @@ def evaluate(engine: MegatronEngine, batches: list[dict[str, torch.Tensor]], *, 
     engine.model.eval()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    device = platform.device()
+    device = hardware.device()
     result = {}
     for key, objective in validation_objectives(config.training.eval_mask_ratio).items():
         micro_batches = []
@@ -137,7 +137,7 @@ def _trainer_state(step: int, config: RunConfig, nonfinite: int, skipped: int, w
         "nonfinite_in_a_row": nonfinite,
         "skipped_steps": skipped,
         "wandb_run_id": wandb_run_id,
-        **platform.rng_state(),
+        **hardware.rng_state(),
     }
     if branched_from is not None:
         state[BRANCHED_FROM] = branched_from
@@ -183,12 +183,12 @@ def model_positions(batch: dict[str, torch.Tensor], config: RunConfig) -> torch.
 
 
 def runnable_here(config: RunConfig, *, announce: bool = True) -> RunConfig:
-    """``config`` with what this machine cannot run turned off (``platform.attention_backend_fallback``,
-    ``platform.fusion_fallbacks``); each change is printed to stderr once when ``announce``."""
-    backend, warning = platform.attention_backend_fallback(config.model.attention_backend)
+    """``config`` with what this machine cannot run turned off (``hardware.attention_backend_fallback``,
+    ``hardware.fusion_fallbacks``); each change is printed to stderr once when ``announce``."""
+    backend, warning = hardware.attention_backend_fallback(config.model.attention_backend)
     warnings = [warning] if warning is not None else []
     t = config.training
-    fusions, fusion_warnings = platform.fusion_fallbacks(
+    fusions, fusion_warnings = hardware.fusion_fallbacks(
         rope_fusion=t.rope_fusion, gradient_accumulation_fusion=t.gradient_accumulation_fusion,
         attention_backend=backend)
     if announce:
@@ -207,7 +207,7 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
     check_paths(config)  # unwritable outputs and missing inputs, before anything starts
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     make_plan(config, world_size)  # the layout and batch sizes divide, before the process group exists
-    platform.check_run_supported(fp8_recipe=config.training.fp8_recipe,
+    hardware.check_run_supported(fp8_recipe=config.training.fp8_recipe,
                                  recompute_granularity=config.training.recompute_granularity,
                                  bf16_autocast=config.training.bf16, params_dtype=config.model.params_dtype,
                                  cuda_graphs=config.training.cuda_graphs)
@@ -215,12 +215,12 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
         check_nvrx_async_writer()
     config = runnable_here(config, announce=int(os.environ.get("RANK", "0")) == 0)
     if config.training.deterministic:  # before the process group (NCCL) and any CUDA work (cuBLAS)
-        platform.make_deterministic()
+        hardware.make_deterministic()
     processes.end_orphans()  # what a killed run on this machine left behind
     owns_process_group = not dist.is_initialized()
     try:
         if owns_process_group:
-            platform.init_process_group_and_model_parallel(
+            hardware.init_process_group_and_model_parallel(
                 tensor_parallel_size=config.parallel.tensor_model_parallel_size,
                 pipeline_parallel_size=config.parallel.pipeline_model_parallel_size,
                 seed=config.training.seed,
@@ -229,7 +229,7 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
             return _pretrain(config, exit_after_step=exit_after_step)
     finally:
         if owns_process_group:
-            platform.destroy_process_group_and_model_parallel()
+            hardware.destroy_process_group_and_model_parallel()
 
 
 def _build_model_and_engine(config: RunConfig, device: torch.device) -> MegatronEngine:
@@ -399,8 +399,8 @@ def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None,
     # Everything a launch can get wrong is refused here, before the model is allocated.
     if config.checkpoint.save:
         _check_save_space(config)
-    check_fits(estimate_memory(config, world_size=dist.get_world_size()), *platform.usable_memory_bytes())
-    device = platform.device()
+    check_fits(estimate_memory(config, world_size=dist.get_world_size()), *hardware.usable_memory_bytes())
+    device = hardware.device()
     tokenizer = build_tokenizer(config.tokenizer)
     check_tokenizer_fits(config, tokenizer)
     engine = _build_model_and_engine(config, device)
@@ -424,7 +424,7 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
     state = starting_point.trainer_state
     if starting_point.from_parent:
         state = {key: value for key, value in state.items() if key not in PARENT_ONLY}
-    platform.set_rng_state(state)
+    hardware.set_rng_state(state)
     start = int(state.get("step", 0))
     first_checkpoint = str(starting_point.checkpoint) if starting_point.checkpoint else None
     if start > total:

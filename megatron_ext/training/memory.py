@@ -1,7 +1,7 @@
 """Memory per rank a run needs, estimated from its config before anything is allocated.
 
 ``--dry-run`` prints the estimate; ``pretrain`` refuses a config whose estimate exceeds the
-memory this process can use (``platform.usable_memory_bytes``), naming the estimate and the
+memory this process can use (``hardware.usable_memory_bytes``), naming the estimate and the
 settings that reduce it, instead of hanging or dying in the allocator an hour in.
 
 The estimate is for the largest pipeline stage (the first holds the embedding and most
@@ -207,10 +207,10 @@ def check_fits(estimate: MemoryEstimate, usable_bytes: int, where: str) -> None:
 
 def memory_report(config: RunConfig, *, world_size: int) -> str:
     """``--dry-run``'s memory lines: the estimate and whether it fits this machine's device."""
-    from megatron_ext import platform
+    from megatron_ext import hardware
 
     estimate = estimate_memory(config, world_size=world_size)
-    usable, where = platform.usable_memory_bytes()
+    usable, where = hardware.usable_memory_bytes()
     if estimate.total <= usable:
         verdict = f"fits {where}: {usable / GiB:.1f} GiB usable"
     else:

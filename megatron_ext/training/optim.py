@@ -1,7 +1,7 @@
 """Megatron-Core's optimizer as the trainer uses it: the weight decay of each parameter group,
 torch's fused AdamW kernel, and the optimizer's state in a checkpoint.
 
-The engine (``engines.py``) builds the optimizer with ``get_megatron_optimizer`` (Adam with
+The engine (``megatron_engine.py``) builds the optimizer with ``get_megatron_optimizer`` (Adam with
 Megatron's parameter groups, optionally the distributed optimizer) and sets each group's LR and
 weight decay before every step (:func:`weight_decay_for`). :class:`MegatronOptimizerState` is how
 that optimizer goes into and out of a distributed checkpoint (the
@@ -48,7 +48,7 @@ def set_fused_adam(optimizer: torch.optim.Optimizer, fused: bool) -> None:
 
 def megatron_uses_torch_adam() -> bool:
     """Whether Megatron-Core builds torch's AdamW: neither Transformer Engine nor apex imports, or
-    the run is on CPU (where ``platform`` divergence 7 makes Megatron choose torch's optimizers)."""
+    the run is on CPU (where ``hardware`` divergence 7 makes Megatron choose torch's optimizers)."""
     from megatron.core import optimizer
 
     return optimizer.USING_PYTORCH_OPTIMIZER

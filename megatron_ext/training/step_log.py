@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_ext import platform
+from megatron_ext import hardware
 from megatron_ext.objectives import validation_objectives
 from megatron_ext.schedule import ResolvedPhase
 from megatron_ext.training.config import LoggingConfig, RunConfig
@@ -95,7 +95,7 @@ class StepLogger:
         self.total_steps = total_steps
         self.start_step = start_step
         self.tokens_per_step = config.data.global_batch_size * config.data.seq_length
-        name = platform.device_name()
+        name = hardware.device_name()
         self.peak = peak_flops_per_device(name) if name else None
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.run_start = self.window_start = time.perf_counter()
@@ -108,7 +108,7 @@ class StepLogger:
             print(f"training {self.total_steps} steps from step {self.start_step}: " + ", ".join(
                 f"{p.name} [{p.start}, {p.end})" for p in phases) + f"; MFU convention: {MFU_CONVENTION}",
                 flush=True)
-            print("engine: megatron; " + platform.accelerator_summary(), flush=True)
+            print("engine: megatron; " + hardware.accelerator_summary(), flush=True)
 
     def step(self, step: int, phase: ResolvedPhase, loss: float, lr: float, grad_norm: float, skipped: bool) -> None:
         self.window_steps += 1

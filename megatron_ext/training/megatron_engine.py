@@ -14,8 +14,8 @@ with ``calculate_per_token_loss``, so ``finalize_model_grads`` divides the summe
 the global token count (Megatron-LM's ``--calculate-per-token-loss``): every rank
 back-propagates the SUM of its token losses, and the update does not depend on how the global
 batch is split into micro-batches or ranks. Those pieces assume CUDA; on CPU they run over gloo
-with Megatron's CUDA-only calls redirected (``platform``, divergence 7, on from
-``platform.init_process_group_and_model_parallel``), so a parallel layout can be debugged on a
+with Megatron's CUDA-only calls redirected (``hardware``, divergence 7, on from
+``hardware.init_process_group_and_model_parallel``), so a parallel layout can be debugged on a
 laptop with the code a cluster runs.
 
 Mixed precision: bf16 autocast of the forward (``training.bf16``), optionally bf16 parameters
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_ext import platform
+from megatron_ext import hardware
 from megatron_ext.checkpoint.resume import TrainingState
 from megatron_ext.objectives import ObjectiveBatch
 from megatron_ext.training import cuda_graphs
@@ -71,7 +71,7 @@ def per_token_loss(model: torch.nn.Module, micro: MicroBatch, *, bf16: bool, lm_
     """
     batch = micro.objective
     labels = batch.labels.clamp(min=0)  # IGNORE_INDEX positions are zeroed by the loss mask
-    with torch.autocast(platform.device().type, dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(hardware.device().type, dtype=torch.bfloat16, enabled=bf16):
         return model(batch.input_ids, causal=batch.causal, position_ids=micro.position_ids, labels=labels,
                      loss_mask=batch.loss_mask if lm_head_scored_only else None,
                      max_scored_per_sequence=batch.max_scored_per_sequence)
@@ -113,7 +113,7 @@ class MegatronEngine(TrainingState):
     checkpoints save and load is its :class:`~megatron_ext.checkpoint.resume.TrainingState`."""
 
     def __init__(self, model: torch.nn.Module, config: RunConfig):
-        platform.check_megatron_runs_here("the Megatron engine")
+        hardware.check_megatron_runs_here("the Megatron engine")
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer
@@ -187,7 +187,7 @@ class MegatronEngine(TrainingState):
             num_microbatches=len(micro_batches), seq_length=d.seq_length, micro_batch_size=d.micro_batch_size,
             forward_only=forward_only,
         )
-        totals = torch.zeros(2, dtype=torch.float64, device=platform.device())
+        totals = torch.zeros(2, dtype=torch.float64, device=hardware.device())
         for item in reported or []:  # only the last pipeline stage reports losses
             totals += item["loss"].double()
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())

@@ -259,7 +259,7 @@ def make_deterministic() -> None:
     built; Megatron's ``TransformerConfig.deterministic_mode`` refuses TE attention without it)
     and ``NCCL_ALGO=Ring`` (read when NCCL's communicators are created: call this before the
     process group). Megatron's own half, ``deterministic_mode``, is set with the model's
-    ``TransformerConfig`` (``training.engines.megatron_transformer_overrides``).
+    ``TransformerConfig`` (``training.megatron_engine.megatron_transformer_overrides``).
 
     Raises ``UserError`` naming the variable where one is set to a value that is not deterministic.
     """
@@ -491,7 +491,7 @@ def _check_megatron_core_version() -> None:
         raise RuntimeError(
             f"megatron-core {installed} is installed, but megatron_ext runs Megatron-Core's DDP, optimizer, "
             f"schedules and checkpoint save on CPU only for megatron-core {MEGATRON_CORE_CHECKED_ON_CPU}, whose "
-            "CUDA-only calls it redirects (megatron_ext/platform.py, divergence 7). Install "
+            "CUDA-only calls it redirects (megatron_ext/hardware.py, divergence 7). Install "
             f"megatron-core=={MEGATRON_CORE_CHECKED_ON_CPU} (requirements.txt), or check the redirected calls "
             "against the new release and update MEGATRON_CORE_CHECKED_ON_CPU")
 
@@ -525,7 +525,7 @@ def _redirect_cuda_calls() -> None:
     missing = [f"{module}.{attribute}" for module, attribute in kernels if not hasattr(modules[module], attribute)]
     if missing:  # the version pin makes this a mistake in the list: nothing is replaced
         raise RuntimeError(f"{', '.join(missing)} not found in megatron-core {_megatron_core_version()}; "
-                           "update megatron_ext.platform._megatron_torch_kernels")
+                           "update megatron_ext.hardware._megatron_torch_kernels")
     replaced_kernels = {(module, attribute): getattr(modules[module], attribute) for module, attribute in kernels}
     for (module, attribute), local in kernels.items():
         setattr(modules[module], attribute, local)
@@ -581,7 +581,7 @@ def check_megatron_runs_here(what: str) -> None:
     if not on_gpu() and not cuda_calls_redirected():
         raise RuntimeError(
             f"{what} runs Megatron-Core code that calls CUDA; on CPU those calls are redirected from "
-            "megatron_ext.platform.init_process_group_and_model_parallel on: set up the process group with it")
+            "megatron_ext.hardware.init_process_group_and_model_parallel on: set up the process group with it")
 
 
 def persistent_checkpoint_writer() -> bool:
