@@ -7,7 +7,7 @@ writer (``checkpoint.async_strategy``: Megatron-Core's own, NVIDIA's resiliency 
 Builds the model and the Megatron engine with the distributed optimizer (what the paper recipes
 run), takes one training step so the optimizer has state, then, ``--rounds`` times, for each side in
 turn (sides alternate, so drift in the machine's speed spreads over all of them): ``--steps-before``
-plain steps, a save through ``megatron_ext.checkpoint.core.CheckpointSaver``, and training steps
+plain steps, a save through ``megatron_ext.checkpoint.megatron_io.CheckpointSaver``, and training steps
 polled as the training loop polls (``CheckpointSaver.poll`` after each) until the checkpoint is
 published and at least ``--steps-after`` steps have run. Per save:
 
@@ -53,7 +53,7 @@ import torch  # noqa: E402
 
 from benchmarks.results_file import write_record  # noqa: E402
 from megatron_ext import hardware  # noqa: E402
-from megatron_ext.checkpoint import core as ckpt  # noqa: E402
+from megatron_ext.checkpoint import megatron_io as ckpt  # noqa: E402
 from megatron_ext.checkpoint.config import check_nvrx_async_writer, nvrx_problem  # noqa: E402
 from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E402
 from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402

@@ -58,7 +58,7 @@ def build_corpus(root: Path) -> dict[str, str]:
 
 
 def run_once(recipe: dict, run_dir: Path, *, signal_at: int, handler: bool) -> dict:
-    from megatron_ext.checkpoint import core as ckpt
+    from megatron_ext.checkpoint import megatron_io as ckpt
 
     path = run_dir / "recipe.json"
     run_dir.mkdir(parents=True)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from megatron_ext import hardware
-from megatron_ext.checkpoint import core as ckpt
+from megatron_ext.checkpoint import megatron_io as ckpt
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from helpers import tiny_recipe as _recipe

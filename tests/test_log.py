@@ -12,7 +12,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from megatron_ext.checkpoint import core as ckpt
+from megatron_ext.checkpoint import megatron_io as ckpt
 from helpers import tiny_recipe
 
 REPO = Path(__file__).resolve().parent.parent

@@ -21,9 +21,9 @@ import torch
 
 from distributed import run_ranks
 from megatron_ext import hardware
-from megatron_ext.checkpoint import core as ckpt
+from megatron_ext.checkpoint import megatron_io as ckpt
 from megatron_ext.checkpoint.config import nvrx_problem
-from megatron_ext.checkpoint.handle import Checkpoint
+from megatron_ext.checkpoint.resolved import Checkpoint
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from helpers import tiny_recipe as _recipe

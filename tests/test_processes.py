@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from megatron_ext import processes
-from megatron_ext.checkpoint import core as ckpt
+from megatron_ext.checkpoint import megatron_io as ckpt
 from megatron_ext.checkpoint.config import nvrx_problem
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import NonFiniteLossError, pretrain

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from helpers import tiny_recipe
-from megatron_ext.checkpoint import core as ckpt
+from megatron_ext.checkpoint import megatron_io as ckpt
 from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
 
 

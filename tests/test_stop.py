@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.checkpoint import core as ckpt
-from megatron_ext.checkpoint.handle import Checkpoint
+from megatron_ext.checkpoint import megatron_io as ckpt
+from megatron_ext.checkpoint.resolved import Checkpoint
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from megatron_ext.training.stop import EXIT_STATUS_ENV, RESUMABLE_EXIT_CODE

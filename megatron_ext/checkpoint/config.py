@@ -1,4 +1,4 @@
-"""``checkpoint:`` of a run config. Kept apart from the checkpoint code (``core.py``, which
+"""``checkpoint:`` of a run config. Kept apart from the checkpoint code (``megatron_io.py``, which
 imports Megatron-Core's ``dist_checkpointing``) so reading and validating a recipe
 (``--dry-run`` on a login node) stays light."""
 

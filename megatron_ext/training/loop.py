@@ -38,9 +38,9 @@ from megatron_ext.model import build_encoder_model
 from megatron_ext.objectives import Objective, PhaseProgress, Vocabulary, validation_objectives
 from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at
 from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
-from megatron_ext.checkpoint import core as ckpt
+from megatron_ext.checkpoint import megatron_io as ckpt
 from megatron_ext.checkpoint.config import check_nvrx_async_writer
-from megatron_ext.checkpoint.handle import Checkpoint
+from megatron_ext.checkpoint.resolved import Checkpoint
 from megatron_ext.checkpoint.lock import SaveDirectoryLock
 from megatron_ext.checkpoint.resume import BRANCHED_FROM, load_starting_point
 from megatron_ext.training import data as data_lib
@@ -104,7 +104,7 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
 
 
 @torch.no_grad()
-def evaluate(engine: MegatronEngine, batches: list[dict[str, torch.Tensor]], *, config: RunConfig,
+def validate(engine: MegatronEngine, batches: list[dict[str, torch.Tensor]], *, config: RunConfig,
              vocabulary: Vocabulary) -> dict[str, float]:
     """Validation losses (``objectives.validation_objectives``) on the same fixed batches (global
     token means), whatever the run trains."""
@@ -497,7 +497,7 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
         result.losses[done] = outcome.loss
         log.step(done, phase, outcome.loss, lr, outcome.grad_norm, outcome.skipped)
         if batches.valid and _due(done, config.training.eval_interval, total):
-            result.valid[done] = evaluate(engine, batches.valid, config=config, vocabulary=vocabulary)
+            result.valid[done] = validate(engine, batches.valid, config=config, vocabulary=vocabulary)
             log.validation(done, result.valid[done])
         stopping = stop.reason_to_stop(done, device)  # a collective: every rank, every step
         if stopping is None and exit_after_step is not None and done >= exit_after_step:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ext.checkpoint import core
+from megatron_ext.checkpoint import megatron_io
 from megatron_ext.config_loading import UserError, build_dataclass
 from megatron_ext.model.config import EncoderModelConfig
 from megatron_ext.tokenizer import TokenizerConfig
@@ -33,28 +33,28 @@ class Checkpoint:
     def open(cls, location: str | os.PathLike) -> Checkpoint:
         """The checkpoint ``location`` names: itself, or the newest complete one in a save
         directory. ``UserError`` naming the path and what is missing otherwise."""
-        return cls(core.resolve_checkpoint(Path(location)))
+        return cls(megatron_io.resolve_checkpoint(Path(location)))
 
     @classmethod
     def latest(cls, location: str | os.PathLike | None) -> Checkpoint | None:
         """Like :meth:`open`, but None where there is no complete checkpoint (or no location)."""
-        found = core.latest_checkpoint(location) if location else None
+        found = megatron_io.latest_checkpoint(location) if location else None
         return cls(found) if found is not None else None
 
     @classmethod
     def every(cls, save_dir: str | os.PathLike) -> list[Checkpoint]:
         """The complete checkpoints of a save directory, oldest first (none, or no directory: [])."""
-        return [cls(path) for path in core.complete_checkpoints(Path(save_dir))]
+        return [cls(path) for path in megatron_io.complete_checkpoints(Path(save_dir))]
 
     @classmethod
     def at_step(cls, save_dir: str | os.PathLike, step: int) -> Checkpoint:
         """The complete checkpoint of ``step`` in ``save_dir`` (``checkpoint.load_step``)."""
-        return cls(core.checkpoint_at_step(Path(save_dir), step))
+        return cls(megatron_io.checkpoint_at_step(Path(save_dir), step))
 
     def check_intact(self) -> None:
         """``UserError`` naming the missing or resized file, the intact checkpoints left beside
         it and ``--load-step``, when the files no longer match the manifest saved with them."""
-        core.check_intact(self.path)
+        megatron_io.check_intact(self.path)
 
     def _json(self, name: str) -> dict:
         return json.loads((self.path / name).read_text())
@@ -62,15 +62,15 @@ class Checkpoint:
     @property
     def step(self) -> int:
         """The number of training steps the checkpoint has completed."""
-        return int(self._json(core.COMPLETE)["step"])
+        return int(self._json(megatron_io.COMPLETE)["step"])
 
     def run_config(self) -> dict:
         """The resolved run config the training run saved (``run_config.json``)."""
-        return self._json(core.RUN_CONFIG)
+        return self._json(megatron_io.RUN_CONFIG)
 
     def model_config(self) -> EncoderModelConfig:
         """The architecture of the saved weights (the run config's ``model`` section)."""
-        where = f"{self.path / core.RUN_CONFIG} model"
+        where = f"{self.path / megatron_io.RUN_CONFIG} model"
         run_config = self.run_config()
         if "model" not in run_config:
             raise UserError(f"{where}: missing; expected the saved model section")
@@ -79,24 +79,24 @@ class Checkpoint:
     def tokenizer_config(self) -> TokenizerConfig:
         """The tokenizer the weights expect (``tokenizer_reference.json``: the ``TokenizerConfig``
         fields that rebuild it)."""
-        reference = self._json(core.TOKENIZER_REFERENCE)
-        reference.pop(core.TOKENIZER_FINGERPRINT, None)
+        reference = self._json(megatron_io.TOKENIZER_REFERENCE)
+        reference.pop(megatron_io.TOKENIZER_FINGERPRINT, None)
         return TokenizerConfig(**reference)
 
     def tokenizer_fingerprint(self) -> str | None:
         """The content fingerprint of that tokenizer (``EncoderTokenizer.fingerprint``; None for
         checkpoints saved without one)."""
-        return self._json(core.TOKENIZER_REFERENCE).get(core.TOKENIZER_FINGERPRINT)
+        return self._json(megatron_io.TOKENIZER_REFERENCE).get(megatron_io.TOKENIZER_FINGERPRINT)
 
     def optimizer_format(self) -> dict | None:
-        """The optimizer-state format saved (None: weights only); see ``core.saved_optimizer_format``."""
-        return core.saved_optimizer_format(self.path)
+        """The optimizer-state format saved (None: weights only); see ``megatron_io.saved_optimizer_format``."""
+        return megatron_io.saved_optimizer_format(self.path)
 
-    def load(self, *, model: torch.nn.Module, optimizer: core.OptimizerCheckpointState | None = None,
+    def load(self, *, model: torch.nn.Module, optimizer: megatron_io.OptimizerCheckpointState | None = None,
              strict_shapes: bool = True) -> dict:
         """Load the weights (and ``optimizer``'s state) into place; returns the trainer state.
-        See :func:`megatron_ext.checkpoint.core.load_checkpoint`."""
-        return core.load_checkpoint(self.path, model=model, optimizer=optimizer, strict_shapes=strict_shapes)
+        See :func:`megatron_ext.checkpoint.megatron_io.load_checkpoint`."""
+        return megatron_io.load_checkpoint(self.path, model=model, optimizer=optimizer, strict_shapes=strict_shapes)
 
     def __str__(self) -> str:
         return str(self.path)
