@@ -50,7 +50,7 @@ requeues its jobs (``PreemptMode=REQUEUE``) after :data:`GRACE_TIME`."""
 PREEMPTOR_PARTITION = "urgent"
 """Same nodes, higher ``PriorityTier`` (``PreemptType=preempt/partition_prio``); not preemptible."""
 GRACE_TIME = 120
-"""Seconds a preempted job has between its first signal and SIGKILL (the partition's ``GraceTime``):
+"""Seconds a preempted job has between its first signal and SLURM ending it (``GraceTime``):
 longer than a step plus a save of the tests' recipes on a loaded 2-core machine, with a margin."""
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE"}
@@ -112,6 +112,8 @@ class SlurmCluster:
         self.partition = PARTITION
         self.preemptor_partition = PREEMPTOR_PARTITION
         self.user_signal_at_preemption = False
+        self.ports: list[int] | None = None
+        """slurmctld's, then each slurmd's: chosen when the configuration is first written."""
         self.verbose = verbose
         self.conf = root / "etc" / "slurm.conf"
         self.processes: dict[str, subprocess.Popen] = {}
@@ -171,7 +173,7 @@ class SlurmCluster:
     def _write_conf(self) -> None:
         """Write ``slurm.conf``: the first time with new ports and folders, then (for
         :meth:`send_user_signal`) the same ones."""
-        if not hasattr(self, "ports"):
+        if self.ports is None:
             for sub in ("etc", "state", "log", "run"):
                 (self.root / sub).mkdir(exist_ok=True)
             for node in self.nodes:
