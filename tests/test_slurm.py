@@ -114,10 +114,12 @@ def jobs(slurm_cluster, tiny_corpus, tmp_path_factory) -> dict[str, tuple[int, P
     the long recipe uninterrupted (the reference) and with ``--time=1`` and the warning 10 s before
     it (SLURM sends SIGUSR1 to the batch shell 20 to 50 s into each run, as it looks every 30 s; the
     script passes it on, the trainer saves and the job requeues, until a run finishes before its
-    warning), then the short recipe uninterrupted. Job id and run folder of each."""
+    warning), the long recipe again (stopped three times by the preemption test, which runs while the
+    others do), then the short recipe uninterrupted. Job id and run folder of each."""
     submitted = {}
     for name, steps, data, flags in [("long_reference", LONG["steps"], LONG["data"], ()),
                                      ("time_limit", LONG["steps"], LONG["data"], ("--time=1", "--signal=B:USR1@10")),
+                                     ("preempted", LONG["steps"], LONG["data"], ()),
                                      ("short_reference", SHORT_STEPS, None, ())]:
         run_dir = tmp_path_factory.mktemp(name)
         submitted[name] = (_submit(slurm_cluster, _recipe(tiny_corpus, run_dir, steps, data=data), *flags), run_dir)
@@ -145,19 +147,6 @@ def test_bad_recipe_fails_once_and_is_not_requeued(slurm_cluster, tiny_corpus, t
     assert "not requeued" in job.log and "(run 2)" not in job.log
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_two_rank_job_completes_within_a_minute_of_its_last_step(long_reference):
-    job = long_reference
-    assert job.info["JobState"] == "COMPLETED" and job.info["ExitCode"] == "0:0", (job.info, job.log)
-    assert job.info["Restarts"] == "0"
-    assert "1 nodes x 2 processes" in job.log and "training finished" in job.log
-    assert [s for s, _ in job.losses()] == list(range(1, LONG["steps"] + 1))
-    assert ckpt.latest_checkpoint(job.run_dir / "ckpt").name == f"iter_{LONG['steps']:07d}"
-    last_step_at = (job.run_dir / "log" / "metrics.jsonl").stat().st_mtime
-    assert _end_time(job.info) - last_step_at < 60
-
-
 def _wait_for_steps(cluster, job_id: int, run_dir: Path, steps: int) -> int:
     """Wait until the job has logged ``steps`` steps (it may wait for a node first); the steps logged.
     Fails, not hangs, if the job ends first."""
@@ -182,19 +171,20 @@ def _wait_until_not_running(cluster, job_id: int) -> None:
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_preemption_and_scancel_full_save_the_step_in_flight_and_the_requeued_job_resumes(
-        slurm_cluster, tiny_corpus, tmp_path, long_reference):
+        slurm_cluster, jobs, request):
     """The long recipe on 2 ranks, stopped three times, each after 20 more steps: preempted by a job
     of the higher tier on its node (SLURM sends SIGTERM to the job's steps), preempted again with
     ``preempt_send_user_signal`` (the script's ``--signal=B:USR1`` to the batch shell, passed on),
     then ``scancel --signal=TERM --full`` (SIGTERM to the batch shell's process group, which srun
-    is kept out of). Each stop saves the step in flight well within the grace time and requeues."""
-    job_id = _submit(slurm_cluster, _recipe(tiny_corpus, tmp_path, LONG["steps"], data=LONG["data"]))
+    is kept out of). Each stop saves the step in flight well within the grace time and requeues.
+    The job is one of ``jobs``: it shares the nodes with them while this test drives it."""
+    job_id, run_dir = jobs["preempted"]
     stops = []  # (steps seen when stopped, how, the signal the trainer names first)
     preemptors = []
     try:
         for how, signal_name in [("preempted", "SIGTERM"), ("preempted, user signal", "SIGUSR1"),
                                  ("scancel --full", "SIGUSR1")]:
-            seen = _wait_for_steps(slurm_cluster, job_id, tmp_path, (stops[-1][0] if stops else 0) + 20)
+            seen = _wait_for_steps(slurm_cluster, job_id, run_dir, (stops[-1][0] if stops else 0) + 20)
             if how.startswith("preempted"):
                 slurm_cluster.send_user_signal(how.endswith("user signal"))
                 node = slurm_cluster.job(job_id)["NodeList"]
@@ -205,7 +195,7 @@ def test_preemption_and_scancel_full_save_the_step_in_flight_and_the_requeued_jo
             stops.append((seen, how, signal_name))
     finally:
         slurm_cluster.send_user_signal(False)  # the session's cluster, as other tests expect it
-    job = _finish(slurm_cluster, job_id, tmp_path)
+    job = _finish(slurm_cluster, job_id, run_dir)
     assert job.info["JobState"] == "COMPLETED" and job.info["Restarts"] == "3", (job.info, job.log)
     stopped = re.findall(r"^stopped after step (\d+)/\d+ \(signal (\w+)\)", job.log, re.M)
     assert [name for _, name in stopped] == [name for _, _, name in stops], job.log
@@ -220,7 +210,21 @@ def test_preemption_and_scancel_full_save_the_step_in_flight_and_the_requeued_jo
         info = slurm_cluster.wait(preemptor, timeout=60)
         assert (info["JobState"], info["Partition"], info["NodeList"]) == \
             ("COMPLETED", slurm_cluster.preemptor_partition, node), info
-    _assert_resumed_exactly(job, long_reference, LONG["steps"])
+    # the reference only now: as a parameter, pytest would wait for it before the test starts
+    _assert_resumed_exactly(job, request.getfixturevalue("long_reference"), LONG["steps"])
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_two_rank_job_completes_within_a_minute_of_its_last_step(long_reference):
+    job = long_reference
+    assert job.info["JobState"] == "COMPLETED" and job.info["ExitCode"] == "0:0", (job.info, job.log)
+    assert job.info["Restarts"] == "0"
+    assert "1 nodes x 2 processes" in job.log and "training finished" in job.log
+    assert [s for s, _ in job.losses()] == list(range(1, LONG["steps"] + 1))
+    assert ckpt.latest_checkpoint(job.run_dir / "ckpt").name == f"iter_{LONG['steps']:07d}"
+    last_step_at = (job.run_dir / "log" / "metrics.jsonl").stat().st_mtime
+    assert _end_time(job.info) - last_step_at < 60
 
 
 @pytest.mark.slurm
