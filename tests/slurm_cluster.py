@@ -9,6 +9,14 @@ cluster ends exactly the processes it started; a system-wide SLURM or munge is n
     with start_cluster(nodes=2) as cluster:   # two slurmd on this host: nodes <hostname> and localhost
         job = cluster.sbatch(["--nodes=1", "script.sbatch"], env=...)
         info = cluster.wait(job)          # {"JobState": "COMPLETED", "ExitCode": "0:0", ...}
+        cluster.preempt(job)              # a high-tier job on its nodes: SLURM preempts it (requeue)
+
+Preemption is real: two partitions on the same nodes, the default one preemptible (``GraceTime``,
+``PreemptMode=REQUEUE``), the other of a higher ``PriorityTier``. What the preempted job receives
+(SLURM 22.05, slurmctld's preempt.c): SIGCONT and SIGTERM to every process of its steps, not the
+batch shell; with :meth:`SlurmCluster.send_user_signal` on, its ``--signal`` instead (for ``B:``, to
+the batch shell only); at the end of the grace time SIGCONT, SIGTERM to every process of the job,
+the batch shell and srun included, then SIGKILL after ``KillWait``.
 
 Runnable by hand to experiment: ``python tests/slurm_cluster.py [--nodes 2]`` starts a cluster,
 prints the ``SLURM_CONF`` to export, and stops it on Ctrl-C or SIGTERM.
@@ -37,6 +45,13 @@ from pathlib import Path
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo", "srun")
 PARTITION = "cpu"
+"""The default partition, preemptible: a job of :data:`PREEMPTOR_PARTITION` that needs its nodes
+requeues its jobs (``PreemptMode=REQUEUE``) after :data:`GRACE_TIME`."""
+PREEMPTOR_PARTITION = "urgent"
+"""Same nodes, higher ``PriorityTier`` (``PreemptType=preempt/partition_prio``); not preemptible."""
+GRACE_TIME = 120
+"""Seconds a preempted job has between its first signal and SLURM ending it (``GraceTime``):
+longer than a step plus a save of the tests' recipes on a loaded 2-core machine, with a margin."""
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE"}
 
@@ -95,6 +110,10 @@ class SlurmCluster:
             raise ValueError(f"a private cluster has 1 or 2 nodes on a host not named localhost, not {nodes}")
         self.nodes = [self.hostname, "localhost"][:nodes]
         self.partition = PARTITION
+        self.preemptor_partition = PREEMPTOR_PARTITION
+        self.user_signal_at_preemption = False
+        self.ports: list[int] | None = None
+        """slurmctld's, then each slurmd's: chosen when the configuration is first written."""
         self.verbose = verbose
         self.conf = root / "etc" / "slurm.conf"
         self.processes: dict[str, subprocess.Popen] = {}
@@ -152,13 +171,17 @@ class SlurmCluster:
             time.sleep(0.05)
 
     def _write_conf(self) -> None:
-        for sub in ("etc", "state", "log", "run"):
-            (self.root / sub).mkdir(exist_ok=True)
-        ctld_port, *slurmd_ports = _free_ports(1 + len(self.nodes))
+        """Write ``slurm.conf``: the first time with new ports and folders, then (for
+        :meth:`send_user_signal`) the same ones."""
+        if self.ports is None:
+            for sub in ("etc", "state", "log", "run"):
+                (self.root / sub).mkdir(exist_ok=True)
+            for node in self.nodes:
+                (self.root / "spool" / node).mkdir(parents=True)
+            self.ports = _free_ports(1 + len(self.nodes))
+        ctld_port, *slurmd_ports = self.ports
         node_lines = []
         for node, port in zip(self.nodes, slurmd_ports):
-            spool = self.root / "spool" / node
-            spool.mkdir(parents=True)
             node_lines.append(f"NodeName={node} NodeHostname={self.hostname} NodeAddr=127.0.0.1 Port={port} "
                               f"CPUs={self.cpus} RealMemory=1000 State=UNKNOWN")
         log, run = self.root / "log", self.root / "run"
@@ -205,10 +228,33 @@ class SlurmCluster:
             "SlurmdTimeout=120",
             # Test pending jobs every 2 s (default 60), so a requeued job starts once eligible.
             "SchedulerParameters=sched_interval=2",
+            # A job of the higher tier requeues the lower tier's jobs on the nodes it needs.
+            "PreemptType=preempt/partition_prio",
+            "PreemptMode=REQUEUE",
+            *(["SlurmctldParameters=preempt_send_user_signal"] if self.user_signal_at_preemption else []),
             *node_lines,
-            f"PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+            f"PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 "
+            f"GraceTime={GRACE_TIME}",
+            f"PartitionName={self.preemptor_partition} Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 "
+            "PreemptMode=OFF",
             "",
         ]))
+
+    def send_user_signal(self, on: bool) -> None:
+        """Set ``SlurmctldParameters=preempt_send_user_signal`` (SLURM 22.05's name; 23.02 and later:
+        ``PreemptParameters=send_user_signal``) and apply it with ``scontrol reconfigure``: a preempted
+        job gets its ``--signal`` instead of SIGTERM."""
+        self.user_signal_at_preemption = on
+        self._write_conf()
+        self.run(["scontrol", "reconfigure"])
+
+    def preempt(self, job_id: int) -> int:
+        """Submit a job of the higher tier that needs all of ``job_id``'s nodes (a running job), so
+        that SLURM preempts it; the preemptor's id (it sleeps a second)."""
+        nodes = self.job(job_id)["NodeList"]
+        return self.sbatch([f"--partition={self.preemptor_partition}", f"--nodelist={nodes}", "--exclusive",
+                            f"--job-name=preempts-{job_id}", f"--output={self.root / 'log'}/preemptor-%j.out",
+                            "--wrap=sleep 1"])
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         out = (self.root / "log" / f"{name}.stdout").open("wb")

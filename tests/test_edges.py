@@ -1,10 +1,13 @@
-"""The edges of a long job (issue 33): one trainer per save directory, damaged checkpoints named
-with the flag that resumes past them, a full disk stopping the run with exit code 74."""
+"""The edges of a long job (issue 33): one trainer per save directory (the ranks of one run share
+its lock, every rank of a second run is refused), damaged checkpoints named with the flag that
+resumes past them, a full disk stopping the run with exit code 74 (synchronous and asynchronous
+saves). Preemption by SLURM: tests/test_slurm.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -169,3 +172,59 @@ def test_disk_full_during_a_save_stops_with_exit_74_keeping_the_previous_checkpo
     assert report_user_error("pretrain_encoder.py", stopped.value) == storage.STORAGE_EXIT_CODE == 74
     left = sorted(path.name for path in (small_filesystem / "ckpt").iterdir())
     assert left == ["iter_0000002", "latest_checkpointed_iteration.txt"], left  # no .tmp-, no lock
+
+
+# One rank of a run on torch.distributed (gloo; argv: save directory, release file, rendezvous file,
+# rank): takes the save directory's lock with the other rank, says which outcome it got on stdout,
+# and (holding it) waits until the release file exists.
+_LOCK_RANK = """
+import os, sys, time
+from pathlib import Path
+import torch.distributed as dist
+from megatron_ext.checkpoint.lock import SaveDirectoryInUse, SaveDirectoryLock
+
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=int(sys.argv[4]), world_size=2)
+try:
+    lock = SaveDirectoryLock.acquire(sys.argv[1])
+except SaveDirectoryInUse as refused:
+    print(f"refused: {refused}", flush=True)
+    sys.exit(2)
+print(f"held by rank {dist.get_rank()}, pid {os.getpid()}", flush=True)
+while not Path(sys.argv[2]).exists():
+    time.sleep(0.05)
+dist.barrier()
+lock.release()
+"""
+
+
+def _start_run(save: Path, release: Path, rendezvous: Path) -> list[subprocess.Popen]:
+    """The two ranks of one run (one process each)."""
+    return [subprocess.Popen([sys.executable, "-c", _LOCK_RANK, str(save), str(release), str(rendezvous), str(rank)],
+                             cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for rank in range(2)]
+
+
+def test_the_ranks_of_one_run_share_the_lock_and_every_rank_of_a_second_run_is_refused(tmp_path):
+    save, release = tmp_path / "ckpt", tmp_path / "release"
+    first = _start_run(save, release, tmp_path / "first.rendezvous")
+    try:
+        lines = [rank.stdout.readline() for rank in first]  # both ranks past acquire: the lock is held
+        assert [line.split(", pid")[0] for line in lines] == ["held by rank 0", "held by rank 1"], \
+            [rank.stderr.read()[-2000:] for rank in first]
+        owner_pid = int(lines[0].split("pid ")[1])
+        assert sorted(path.name for path in save.iterdir()) == [f"{LOCK_NAME}.claim-0"]  # one lock, rank 0's
+
+        second = _start_run(save, tmp_path / "never", tmp_path / "second.rendezvous")
+        outcomes = [rank.communicate(timeout=120) for rank in second]
+        assert [rank.returncode for rank in second] == [2, 2], outcomes
+        for out, _ in outcomes:  # every rank stops on the same one line, naming the first run's rank 0
+            assert out.startswith("refused: checkpoint.save=") and out.count("\n") == 1, out
+            assert re.search(rf"pid {owner_pid}\b", out), out
+
+        release.touch()
+        assert [rank.wait(timeout=120) for rank in first] == [0, 0], [rank.stderr.read()[-2000:] for rank in first]
+    finally:
+        for rank in first:
+            rank.kill()
+            rank.wait()
+    assert not save.exists()  # released by rank 0: nothing left

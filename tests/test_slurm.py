@@ -4,8 +4,9 @@ and two slurmd), with only what a user of a CPU partition passes: ``--nodes=1 --
 ``GPUS_PER_NODE``, ``PYTHON``, ``RECIPE`` (and ``--output``, ``--time``, ``--signal``).
 
 What they check: a 2-rank job through srun + torchrun ends COMPLETED soon after its last step; a bad
-recipe fails once, not requeued, its error in the log; ``scancel --signal=TERM`` mid-run leaves a
-checkpoint of the step in flight and the requeued job resumes from it with the losses of an
+recipe fails once, not requeued, its error in the log; real preemption by a job of a higher tier
+(with and without ``preempt_send_user_signal``) and ``scancel --signal=TERM --full`` mid-run each
+leave a checkpoint of the step in flight and the requeued job resumes from it with the losses of an
 uninterrupted run; so does a real time limit (``--time=1``) with the script's warning signal
 (SIGUSR1 to the batch shell, which passes it on); 2 nodes x 1 rank train like 1 node x 2 ranks
 through the script's c10d rendezvous.
@@ -113,10 +114,12 @@ def jobs(slurm_cluster, tiny_corpus, tmp_path_factory) -> dict[str, tuple[int, P
     the long recipe uninterrupted (the reference) and with ``--time=1`` and the warning 10 s before
     it (SLURM sends SIGUSR1 to the batch shell 20 to 50 s into each run, as it looks every 30 s; the
     script passes it on, the trainer saves and the job requeues, until a run finishes before its
-    warning), then the short recipe uninterrupted. Job id and run folder of each."""
+    warning), the long recipe again (stopped three times by the preemption test, which runs while the
+    others do), then the short recipe uninterrupted. Job id and run folder of each."""
     submitted = {}
     for name, steps, data, flags in [("long_reference", LONG["steps"], LONG["data"], ()),
                                      ("time_limit", LONG["steps"], LONG["data"], ("--time=1", "--signal=B:USR1@10")),
+                                     ("preempted", LONG["steps"], LONG["data"], ()),
                                      ("short_reference", SHORT_STEPS, None, ())]:
         run_dir = tmp_path_factory.mktemp(name)
         submitted[name] = (_submit(slurm_cluster, _recipe(tiny_corpus, run_dir, steps, data=data), *flags), run_dir)
@@ -144,6 +147,73 @@ def test_bad_recipe_fails_once_and_is_not_requeued(slurm_cluster, tiny_corpus, t
     assert "not requeued" in job.log and "(run 2)" not in job.log
 
 
+def _wait_for_steps(cluster, job_id: int, run_dir: Path, steps: int) -> int:
+    """Wait until the job has logged ``steps`` steps (it may wait for a node first); the steps logged.
+    Fails, not hangs, if the job ends first."""
+    deadline = time.monotonic() + 600
+    checked = time.monotonic()
+    while (seen := _steps_logged(run_dir)) < steps:
+        if time.monotonic() - checked > 2:
+            info = cluster.job(job_id)
+            assert time.monotonic() < deadline and info["JobState"] in {"PENDING", "RUNNING", "COMPLETING"}, info
+            checked = time.monotonic()
+        time.sleep(0.05)
+    return seen
+
+
+def _wait_until_not_running(cluster, job_id: int) -> None:
+    deadline = time.monotonic() + 300
+    while cluster.job(job_id)["JobState"] == "RUNNING":
+        assert time.monotonic() < deadline, f"job {job_id} still running 300 s after it was stopped"
+        time.sleep(0.25)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_preemption_and_scancel_full_save_the_step_in_flight_and_the_requeued_job_resumes(
+        slurm_cluster, jobs, request):
+    """The long recipe on 2 ranks, stopped three times, each after 20 more steps: preempted by a job
+    of the higher tier on its node (SLURM sends SIGTERM to the job's steps), preempted again with
+    ``preempt_send_user_signal`` (the script's ``--signal=B:USR1`` to the batch shell, passed on),
+    then ``scancel --signal=TERM --full`` (SIGTERM to the batch shell's process group, which srun
+    is kept out of). Each stop saves the step in flight well within the grace time and requeues.
+    The job is one of ``jobs``: it shares the nodes with them while this test drives it."""
+    job_id, run_dir = jobs["preempted"]
+    stops = []  # (steps seen when stopped, how, the signal the trainer names first)
+    preemptors = []
+    try:
+        for how, signal_name in [("preempted", "SIGTERM"), ("preempted, user signal", "SIGUSR1"),
+                                 ("scancel --full", "SIGUSR1")]:
+            seen = _wait_for_steps(slurm_cluster, job_id, run_dir, (stops[-1][0] if stops else 0) + 20)
+            if how.startswith("preempted"):
+                slurm_cluster.send_user_signal(how.endswith("user signal"))
+                node = slurm_cluster.job(job_id)["NodeList"]
+                preemptors.append((slurm_cluster.preempt(job_id), node))
+            else:
+                slurm_cluster.run(["scancel", "--signal=TERM", "--full", str(job_id)])
+            _wait_until_not_running(slurm_cluster, job_id)
+            stops.append((seen, how, signal_name))
+    finally:
+        slurm_cluster.send_user_signal(False)  # the session's cluster, as other tests expect it
+    job = _finish(slurm_cluster, job_id, run_dir)
+    assert job.info["JobState"] == "COMPLETED" and job.info["Restarts"] == "3", (job.info, job.log)
+    stopped = re.findall(r"^stopped after step (\d+)/\d+ \(signal (\w+)\)", job.log, re.M)
+    assert [name for _, name in stopped] == [name for _, _, name in stops], job.log
+    for (seen, how, _), (step, _) in zip(stops, stopped):
+        assert seen <= int(step) < LONG["steps"], (how, seen, step)
+        assert f"resumable (stopped after step {step}" in job.log
+    # the batch shell got scancel's SIGTERM itself; srun did not (it would have killed its tasks), nor
+    # did the grace time run out
+    assert "SIGTERM received" in job.log and "forcing job termination" not in job.log, job.log
+    assert "DUE TO PREEMPTION" not in job.log, job.log
+    for preemptor, node in preemptors:
+        info = slurm_cluster.wait(preemptor, timeout=60)
+        assert (info["JobState"], info["Partition"], info["NodeList"]) == \
+            ("COMPLETED", slurm_cluster.preemptor_partition, node), info
+    # the reference only now: as a parameter, pytest would wait for it before the test starts
+    _assert_resumed_exactly(job, request.getfixturevalue("long_reference"), LONG["steps"])
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_two_rank_job_completes_within_a_minute_of_its_last_step(long_reference):
@@ -155,29 +225,6 @@ def test_two_rank_job_completes_within_a_minute_of_its_last_step(long_reference)
     assert ckpt.latest_checkpoint(job.run_dir / "ckpt").name == f"iter_{LONG['steps']:07d}"
     last_step_at = (job.run_dir / "log" / "metrics.jsonl").stat().st_mtime
     assert _end_time(job.info) - last_step_at < 60
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_signal_mid_run_saves_the_step_in_flight_and_the_requeued_job_resumes_it(
-        slurm_cluster, tiny_corpus, tmp_path, short_reference):
-    """``scancel --signal=TERM JOB``: SIGTERM to every process of the job's steps, as preemption does."""
-    job_id = _submit(slurm_cluster, _recipe(tiny_corpus, tmp_path, SHORT_STEPS))
-    deadline = time.monotonic() + 600  # it may wait for a node first
-    checked = time.monotonic()
-    while (seen := _steps_logged(tmp_path)) < 20:
-        if time.monotonic() - checked > 2:  # fail, not hang, if the job ends first
-            info = slurm_cluster.job(job_id)
-            assert time.monotonic() < deadline and info["JobState"] in {"PENDING", "RUNNING"}, info
-            checked = time.monotonic()
-        time.sleep(0.05)
-    slurm_cluster.run(["scancel", "--signal=TERM", str(job_id)])
-    job = _finish(slurm_cluster, job_id, tmp_path)
-    assert job.info["JobState"] == "COMPLETED" and job.info["Restarts"] == "1", (job.info, job.log)
-    (stopped_at,) = [int(m) for m in re.findall(r"^stopped after step (\d+)/\d+ \(signal SIGTERM\)", job.log, re.M)]
-    assert seen <= stopped_at < SHORT_STEPS
-    assert f"resumable (stopped after step {stopped_at}" in job.log and "requeueing" in job.log
-    _assert_resumed_exactly(job, short_reference, SHORT_STEPS)
 
 
 @pytest.mark.slurm
