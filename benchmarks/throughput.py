@@ -66,7 +66,7 @@ from megatron_ext.training.config import read_recipe, run_config_from_dict  # no
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
 from megatron_ext.training.loop import runnable_here  # noqa: E402
 from megatron_ext.training.memory import estimate_memory  # noqa: E402
-from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device  # noqa: E402
+from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, mean_lm_head_share, peak_flops_per_device  # noqa: E402
 
 SPECIAL_IDS = (0, 1, 2, 3)  # bos, pad, eos, mask of the synthetic vocabulary
 MASK_ID = 3
@@ -383,7 +383,7 @@ def run_side(spec: dict) -> dict:
         if ours:
             hardware.destroy_process_group_and_model_parallel()
     (phase,) = config.resolved_phases
-    share = lm_head_share(phase, scored_only=config.training.lm_head_scored_only)
+    share = mean_lm_head_share(phase, seq_length=seq_length, scored_only=config.training.lm_head_scored_only)
     # The trainer's dry-run estimate for this configuration, next to the measured peak (issue 32: within 10 %).
     estimated = estimate_memory(config, world_size=1).total / 2**30 if ours else None
     return {**result, "peak_mem_gb": _peak_memory_gb(), "estimated_mem_gb": estimated, "engine": "megatron",
