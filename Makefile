@@ -52,7 +52,7 @@ miniature: demo-data
 	$(PY) tools/run_study.py examples/studies/miniature.yaml --executor local
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 # The edit loop: everything but the tests marked slow (whole-suite builds, the miniature, SmolLM2 CPT).
 test-quick: setup
