@@ -99,7 +99,7 @@ def test_second_trainer_is_refused_in_one_line_before_building_its_model(tmp_pat
     assert not (tmp_path / "log").exists() and not list((tmp_path / "ckpt").glob("iter_*"))
 
 
-def test_damaged_newest_checkpoint_names_the_file_and_resumes_from_load_step(tmp_path, tiny_corpus):
+def test_damaged_newest_checkpoint_metadata_or_shard_names_the_file_and_resumes_from_load_step(tmp_path, tiny_corpus):
     from megatron_ext.training.config import run_config_from_dict
     from megatron_ext.training.loop import pretrain
 
@@ -109,6 +109,15 @@ def test_damaged_newest_checkpoint_names_the_file_and_resumes_from_load_step(tmp
     newest = Path(first.checkpoint)
     marker = json.loads((newest / "checkpoint_complete.json").read_text())
     assert marker[storage.MANIFEST_KEY][".metadata"] == (newest / ".metadata").stat().st_size
+    # Damaged metadata (cut short, as by a full disk or a copy that stopped) rather than a lost shard.
+    metadata = (newest / ".metadata").read_bytes()
+    (newest / ".metadata").write_bytes(metadata[: len(metadata) // 2])
+    with pytest.raises(UserError, match=rf"^checkpoint {re.escape(str(newest))} is damaged: \.metadata has "
+                                        rf"{len(metadata) // 2} bytes, {len(metadata)} recorded; complete checkpoints "
+                                        r"left in .*: iter_0000002; resume from one with --load-step 2 "):
+        pretrain(run_config_from_dict(recipe))
+    (newest / ".metadata").write_bytes(metadata)
+
     (shard,) = newest.glob("*.distcp")
     size = shard.stat().st_size
     shard.unlink()
