@@ -521,3 +521,25 @@ def test_checkpoints_cross_between_local_and_te_specs(tmp_path, tiny_corpus):
         assert resumed.start_step == 3
         for step in (4, 5, 6):
             assert resumed.losses[step] == pytest.approx(straight[step], rel=2e-2), (run, step)
+
+
+def _writer_loop(queue) -> None:
+    """A persistent writer's loop as Megatron's and NVRx's run it: work until "DONE" arrives."""
+    while queue.get() != "DONE":
+        pass
+
+
+@pytest.mark.parametrize("abort", [False, True], ids=["finish_then_stop", "abort"])
+def test_a_persistent_writer_is_asked_to_finish_or_killed(abort):
+    """The GPU's persistent writer (Megatron's or NVRx's) is stopped through one function: asked to
+    finish what was queued ("DONE": it exits by itself), or killed at once on abort."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    worker = context.Process(target=_writer_loop, args=(queue,))
+    worker.start()
+    queue.put("a save")
+    megatron_io._stop_writer_process(worker, queue, abort=abort)
+    assert not worker.is_alive()
+    assert worker.exitcode == (-9 if abort else 0)

@@ -360,6 +360,21 @@ _results_queue = _ResultsQueue()
 _PERSISTENT_WRITER_STOP_SECONDS = 120
 
 
+def _stop_writer_process(worker, queue, *, abort: bool) -> None:
+    """End a persistent writer process (Megatron's or NVRx's): unless ``abort``, ask it to finish
+    the saves queued before (``"DONE"`` on its ``queue`` ends its loop) and wait a bounded time;
+    kill it if it is still alive."""
+    if not abort and worker.is_alive():
+        queue.put("DONE")
+        worker.join(timeout=_PERSISTENT_WRITER_STOP_SECONDS)
+        if worker.is_alive():
+            logger.warning("the persistent checkpoint writer did not stop within %d s; killing it",
+                           _PERSISTENT_WRITER_STOP_SECONDS)
+    if worker.is_alive():
+        worker.kill()
+        worker.join()
+
+
 def _stop_persistent_writer(*, abort: bool) -> None:
     """Stop Megatron's persistent writer process (GPU) without ever waiting forever: its own
     ``close()`` joins a queue that a dead worker never drains."""
@@ -370,15 +385,7 @@ def _stop_persistent_writer(*, abort: bool) -> None:
     worker = PersistentAsyncCaller._persistent_process
     if worker is None:
         return
-    if not abort and worker.is_alive():
-        PersistentAsyncCaller._persistent_queue.put("DONE")  # its loop ends after the saves queued before
-        worker.join(timeout=_PERSISTENT_WRITER_STOP_SECONDS)
-        if worker.is_alive():
-            logger.warning("the persistent checkpoint writer did not stop within %d s; killing it",
-                           _PERSISTENT_WRITER_STOP_SECONDS)
-    if worker.is_alive():
-        worker.kill()
-        worker.join()
+    _stop_writer_process(worker, PersistentAsyncCaller._persistent_queue, abort=abort)
     # What Megatron's close() resets, so that a later asynchronous saver starts a new worker.
     if caller is not None:
         caller.process = None
@@ -397,15 +404,7 @@ def _stop_nvrx_persistent_writer(queue, *, abort: bool) -> None:
         worker = None if caller is None else caller.process
         if worker is None:
             continue
-        if not abort and worker.is_alive():
-            caller.queue.put("DONE")  # its loop ends after the saves queued before
-            worker.join(timeout=_PERSISTENT_WRITER_STOP_SECONDS)
-            if worker.is_alive():
-                logger.warning("the persistent checkpoint writer did not stop within %d s; killing it",
-                               _PERSISTENT_WRITER_STOP_SECONDS)
-        if worker.is_alive():
-            worker.kill()
-            worker.join()
+        _stop_writer_process(worker, caller.queue, abort=abort)
         caller.process = None
 
 
