@@ -148,9 +148,8 @@ def side_shape(args, model_preset: str, side: str) -> tuple[int, int]:
     sequences per step (the size must divide them)."""
     micro, count = recipe_shape(args, model_preset)
     sequences = micro * count
-    if side == "hf":
-        own = args.hf_micro_batch_size or HF_MICRO_BATCH_80GB.get(model_preset, micro)
-        side_micro = min(micro, own) if not args.hf_micro_batch_size else own
+    if side == "hf":  # as asked, else ours up to the largest measured to fit
+        side_micro = args.hf_micro_batch_size or min(micro, HF_MICRO_BATCH_80GB.get(model_preset, micro))
     elif side in VARIANTS:
         side_micro = VARIANTS[side][0].get("data", {}).get("micro_batch_size", micro)
     else:
