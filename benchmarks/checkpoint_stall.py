@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         check_nvrx_async_writer()  # one line, before minutes of set-up
     started = time.monotonic()
 
-    raw = {"model": {"preset": args.preset, "vocab_size": args.vocab_size, "attention_backend": "local"},
+    raw = {"model": {"preset": args.preset, "vocab_size": args.vocab_size, "transformer_impl": "local"},
            "tokenizer": {"tokenizer_model": "unused"},
            "data": {"data_path": ["unused"], "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
                     "global_batch_size": args.micro_batch_size},

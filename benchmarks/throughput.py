@@ -78,7 +78,7 @@ MASK_ID = 3
 # one it does not take (recomputation, the fused cross entropy, the unfused Adam), so its effect is a
 # ratio from one run (benchmarks/README.md keeps the table of steps).
 RECIPE_SETTINGS = {
-    "model": ("attention_backend", "params_dtype"),
+    "model": ("transformer_impl", "params_dtype"),
     "training": ("bias_activation_fusion", "cross_entropy_loss_fusion", "rope_fusion", "gradient_accumulation_fusion",
                  "lm_head_scored_only"),
     "parallel": ("use_distributed_optimizer", "overlap_grad_reduce"),
@@ -89,7 +89,7 @@ VARIANTS = {
     "no_rope_fusion": ({"training": {"rope_fusion": False}}, "RoPE unfused (Megatron's cat/mul chain)"),
     "no_grad_accum_fusion": ({"training": {"gradient_accumulation_fusion": False}},
                              "weight gradients added to main_grad outside the wgrad GEMM"),
-    "local_spec": ({"model": {"attention_backend": "local"}},
+    "local_spec": ({"model": {"transformer_impl": "local"}},
                    "the local spec: PyTorch SDPA attention, torch RMSNorm, Megatron's linears"),
     "fp32_params": ({"model": {"params_dtype": "float32"}}, "fp32 weights under bf16 autocast (no Float16Module)"),
     "no_swiglu_fusion": ({"training": {"bias_activation_fusion": False}}, "torch's SwiGLU (not Megatron's fused one)"),
@@ -197,7 +197,7 @@ def describe(config) -> dict:
     """What a side runs, after this machine's fallbacks: spec, precision, fusions, LM head, optimizer."""
     t, p = config.training, config.parallel
     return {"micro_batch_size": config.data.micro_batch_size,
-            "attention_backend": config.model.attention_backend, "params_dtype": config.model.params_dtype,
+            "transformer_impl": config.model.transformer_impl, "params_dtype": config.model.params_dtype,
             "bf16_autocast": t.bf16, "fp8_recipe": t.fp8_recipe,
             **{name: getattr(t, name) for name in RECIPE_SETTINGS["training"]},
             "recompute_granularity": t.recompute_granularity, "cuda_graphs": t.cuda_graphs,
@@ -387,7 +387,7 @@ def run_side(spec: dict) -> dict:
     estimated = estimate_memory(config, world_size=1).total / 2**30 if ours else None
     return {**result, "peak_mem_gb": _peak_memory_gb(), "estimated_mem_gb": estimated, "engine": "megatron",
             "wall_s": wall, "settings": describe(config) if ours else None,
-            "attention_backend": config.model.attention_backend, "parameters": parameter_count(config.model),
+            "transformer_impl": config.model.transformer_impl, "parameters": parameter_count(config.model),
             "flops_per_token": flops_per_token(config.model, seq_length, lm_head_share=share)}
 
 
@@ -484,7 +484,7 @@ def measure(args, model_preset: str, seq_length: int, precision: str,
         "micro_batch_time_s": step_time / count if step_time else None,
         "hf_micro_batch_size": hf_shape[0], "hf_micro_batches_per_step": hf_shape[1],
         "hf_micro_batch_time_s": hf_step_time / hf_shape[1] if hf_step_time else None,
-        "parameters": ours["parameters"], "engine": ours["engine"], "attention_backend": ours["attention_backend"],
+        "parameters": ours["parameters"], "engine": ours["engine"], "transformer_impl": ours["transformer_impl"],
         "tokens_per_s": tokens_per_s, "tflops": achieved / 1e12 if achieved else None,
         "mfu": achieved / peak if achieved and peak else None,
         "peak_mem_gb": ours["peak_mem_gb"], "estimated_mem_gb": ours.get("estimated_mem_gb"), "step_time_s": step_time,
@@ -525,7 +525,7 @@ def _format_row(row: dict) -> list[str]:
     lines = [f"{head}{ours} | {mem_label} {row['peak_mem_gb']:.2f} GB | {hf}"]
     if row.get("settings"):
         on = [k for k, v in row["settings"].items() if v is True]
-        lines.append(f"    default ({row['settings']['attention_backend']} spec, {row['settings']['params_dtype']} "
+        lines.append(f"    default ({row['settings']['transformer_impl']} spec, {row['settings']['params_dtype']} "
                      f"parameters): {', '.join(on) or 'no switches on'}")
     for name, v in row["variants"].items():
         if v.get("same_as_default"):

@@ -26,7 +26,7 @@ Divergences, and why:
 6. Kernels (``check_run_supported``): FP8 needs Transformer Engine on compute capability >= 8.9;
    activation recomputation checkpoints the CUDA RNG tracker
    (``tensor_parallel/random.py::CheckpointFunction``), so it is GPU-only. Without Transformer
-   Engine, ``attention_backend: te`` falls back to the local spec, announced once; so do
+   Engine, ``transformer_impl: te`` falls back to the local spec, announced once; so do
    ``training.rope_fusion`` (TE's kernel) and ``training.gradient_accumulation_fusion`` (GPU;
    with the local spec, apex) turn off (``fusion_fallbacks``). CUDA graphs
    (``training.cuda_graphs``) are CUDA: refused on CPU.
@@ -138,16 +138,16 @@ def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | 
                         "train in fp32 (training.bf16: false) or with model.params_dtype: bfloat16")
 
 
-def attention_backend_fallback(attention_backend: str) -> tuple[str, str | None]:
-    """The attention backend this machine runs for the requested one, and the warning to print
+def transformer_impl_fallback(transformer_impl: str) -> tuple[str, str | None]:
+    """The layer implementation this machine runs for the requested one, and the warning to print
     once when it differs (``te`` without Transformer Engine or without a GPU -> ``local``)."""
-    if attention_backend != "te":
-        return attention_backend, None
+    if transformer_impl != "te":
+        return transformer_impl, None
     if not on_gpu():
-        return "local", ("WARNING: model.attention_backend: te needs a CUDA GPU; this run uses the local spec "
+        return "local", ("WARNING: model.transformer_impl: te needs a CUDA GPU; this run uses the local spec "
                          "(PyTorch SDPA attention, torch RMSNorm). Checkpoints are interchangeable.")
     if not transformer_engine_available():
-        return "local", ("WARNING: model.attention_backend: te but Transformer Engine does not import; this run "
+        return "local", ("WARNING: model.transformer_impl: te but Transformer Engine does not import; this run "
                          "uses the local spec (PyTorch SDPA attention, torch RMSNorm, no fused norm+linear, no "
                          "FP8). Install Transformer Engine for speed (docs/gpu.md). Checkpoints are "
                          "interchangeable.")
@@ -174,11 +174,11 @@ def fused_rope_available() -> bool:
 
 
 def fusion_fallbacks(*, rope_fusion: bool, gradient_accumulation_fusion: bool,
-                     attention_backend: str) -> tuple[dict[str, bool], list[str]]:
+                     transformer_impl: str) -> tuple[dict[str, bool], list[str]]:
     """The fusion settings this machine runs for the requested ones, and one warning line to print
     once per setting turned off (never turned off silently: the GPU recipes enable them and must
-    still run on CPU, in CI and in the demo). ``attention_backend``: the backend the run uses
-    (after ``attention_backend_fallback``).
+    still run on CPU, in CI and in the demo). ``transformer_impl``: the backend the run uses
+    (after ``transformer_impl_fallback``).
 
     - ``training.rope_fusion``: Transformer Engine's fused RoPE kernel (either spec) on a GPU.
     - ``training.gradient_accumulation_fusion``: writes into Megatron DDP's ``main_grad`` from the
@@ -195,8 +195,8 @@ def fusion_fallbacks(*, rope_fusion: bool, gradient_accumulation_fusion: bool,
     if gradient_accumulation_fusion:
         if not on_gpu():
             why = "a CUDA GPU"
-        elif attention_backend != "te" and not megatron_linear_wgrad_fusion_available():
-            why = ("apex's fused_weight_gradient_mlp_cuda with model.attention_backend: local (Megatron's linear "
+        elif transformer_impl != "te" and not megatron_linear_wgrad_fusion_available():
+            why = ("apex's fused_weight_gradient_mlp_cuda with model.transformer_impl: local (Megatron's linear "
                    "layers), which does not import here")
         else:
             why = None
@@ -352,15 +352,15 @@ def use_cpu_initialization() -> bool:
 
 
 def check_model_parallel_supported(
-    *, tensor_parallel_size: int, num_query_groups: int, attention_backend: str
+    *, tensor_parallel_size: int, num_query_groups: int, transformer_impl: str
 ) -> None:
     """Raise ``UserError`` for model-parallel features this platform cannot run (divergence 5)."""
     if on_gpu():
         return
-    if attention_backend == "te":
+    if transformer_impl == "te":
         raise UserError(
-            "attention_backend='te' runs on CUDA only (Transformer Engine); "
-            "use attention_backend='local' on CPU"
+            "transformer_impl='te' runs on CUDA only (Transformer Engine); "
+            "use transformer_impl='local' on CPU"
         )
     if tensor_parallel_size > num_query_groups:
         raise UserError(

@@ -97,14 +97,14 @@ def test_the_default_side_is_the_size_recipe_and_variants_undo_one_setting():
     exactly its setting."""
     args = throughput.build_parser().parse_args([])
     assert throughput.recipe_settings("1b") == {
-        "model": {"attention_backend": "te", "params_dtype": "bfloat16"},
+        "model": {"transformer_impl": "te", "params_dtype": "bfloat16"},
         "training": {"bias_activation_fusion": True, "rope_fusion": True, "gradient_accumulation_fusion": True},
         "parallel": {"use_distributed_optimizer": True, "overlap_grad_reduce": True}}
     default = throughput.describe(throughput.run_config(args, "1b", 2048, "bf16"))
     assert default["params_dtype"] == "bfloat16" and default["bias_activation_fusion"] is True
     assert default["use_distributed_optimizer"] is True and default["lm_head_scored_only"] is True
     if not throughput.hardware.on_gpu():  # the fallbacks of a CPU run
-        assert default["attention_backend"] == "local" and not default["rope_fusion"]
+        assert default["transformer_impl"] == "local" and not default["rope_fusion"]
         assert not default["gradient_accumulation_fusion"]
     for name, change in (("fp32_params", {"params_dtype": "float32"}), ("no_swiglu_fusion", {"bias_activation_fusion": False}),
                          ("full_lm_head", {"lm_head_scored_only": False})):

@@ -424,6 +424,11 @@ def test_a_resolved_checkpoint_resolves_once_and_reads_what_was_saved(single_ran
         Checkpoint.open(newest)
     assert Checkpoint.open(tmp_path).step == 1  # the newest COMPLETE one
     run_config = json.loads((tmp_path / "iter_0000001" / "run_config.json").read_text())
+    # Saved before model.attention_backend became model.transformer_impl: read under the new name.
+    old_model = {("attention_backend" if k == "transformer_impl" else k): v for k, v in run_config["model"].items()}
+    (tmp_path / "iter_0000001" / "run_config.json").write_text(json.dumps({**run_config, "model": old_model}))
+    assert "attention_backend" in old_model and Checkpoint.open(tmp_path).model_config() == TINY
+    assert Checkpoint.open(tmp_path).run_config() == RUN_CONFIG
     (tmp_path / "iter_0000001" / "run_config.json").write_text(json.dumps({**run_config, "model": {"hidden": 1}}))
     with pytest.raises(ValueError, match=r"iter_0000001/run_config.json model.*hidden"):
         Checkpoint.open(tmp_path).model_config()
@@ -509,7 +514,7 @@ def test_checkpoints_cross_between_local_and_te_specs(tmp_path, tiny_corpus):
     from megatron_ext.training.loop import pretrain
 
     def recipe(run: str, backend: str) -> dict:
-        return tiny_recipe(tiny_corpus, tmp_path / run, model={"attention_backend": backend},
+        return tiny_recipe(tiny_corpus, tmp_path / run, model={"transformer_impl": backend},
                            training={"train_iters": 6, "eval_interval": 0, "bf16": True},
                            parallel={"use_distributed_optimizer": True})
 

@@ -92,7 +92,7 @@ def test_transformer_config_overrides_are_megatrons_local_impl(tmp_path, single_
     assert built.calculate_per_token_loss  # the run's other overrides stay
 
     te_model = {"preset": "tiny", "vocab_size": 1024, "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
-                "num_attention_heads": 4, "num_query_groups": 2, "attention_backend": "te"}
+                "num_attention_heads": 4, "num_query_groups": 2, "transformer_impl": "te"}
     te_run = _config(tmp_path, model=te_model, training={"train_iters": 8, "cuda_graphs": "local"})
     monkeypatch.setattr(hardware, "transformer_engine_available", lambda: True)
     assert cuda_graphs.transformer_overrides(te_run)["use_te_rng_tracker"] is True  # as Megatron-LM for TE layers

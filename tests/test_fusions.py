@@ -57,13 +57,13 @@ def test_rope_fusion_with_per_document_positions_is_refused(tmp_path, tiny_corpu
 @cpu_only
 def test_on_cpu_each_fusion_turns_off_with_one_warning_naming_it():
     settings, warnings = hardware.fusion_fallbacks(rope_fusion=True, gradient_accumulation_fusion=True,
-                                                   attention_backend="local")
+                                                   transformer_impl="local")
     assert settings == {"rope_fusion": False, "gradient_accumulation_fusion": False}
     assert len(warnings) == 2
     assert warnings[0].startswith("WARNING: training.rope_fusion needs a CUDA GPU")
     assert warnings[1].startswith("WARNING: training.gradient_accumulation_fusion needs a CUDA GPU")
     assert hardware.fusion_fallbacks(rope_fusion=False, gradient_accumulation_fusion=False,
-                                     attention_backend="te") == (
+                                     transformer_impl="te") == (
         {"rope_fusion": False, "gradient_accumulation_fusion": False}, [])
 
 
@@ -74,12 +74,12 @@ def test_fallback_reasons_on_a_gpu_without_te_or_apex(monkeypatch):
     monkeypatch.setattr(hardware, "fused_rope_available", lambda: False)
     monkeypatch.setattr(hardware, "megatron_linear_wgrad_fusion_available", lambda: False)
     settings, warnings = hardware.fusion_fallbacks(rope_fusion=True, gradient_accumulation_fusion=True,
-                                                   attention_backend="local")
+                                                   transformer_impl="local")
     assert settings == {"rope_fusion": False, "gradient_accumulation_fusion": False}
     assert "training.rope_fusion needs Transformer Engine" in warnings[0]
     assert "training.gradient_accumulation_fusion needs apex's fused_weight_gradient_mlp_cuda" in warnings[1]
     settings, warnings = hardware.fusion_fallbacks(rope_fusion=False, gradient_accumulation_fusion=True,
-                                                   attention_backend="te")
+                                                   transformer_impl="te")
     assert settings == {"rope_fusion": False, "gradient_accumulation_fusion": True} and warnings == []
 
 
@@ -112,7 +112,7 @@ def test_the_gpu_size_recipes_enable_both_and_still_run_on_cpu(capsys):
     config = run_config_from_dict(read_recipe(bases.parent / "paper" / "210m_mlm_40.yaml"),
                                   tokenizer_vocab_size=128_256)
     runnable = runnable_here(config)
-    assert runnable.model.attention_backend == "local" and not runnable.training.rope_fusion
+    assert runnable.model.transformer_impl == "local" and not runnable.training.rope_fusion
     assert not runnable.training.gradient_accumulation_fusion
     err = capsys.readouterr().err
     assert "training.rope_fusion" in err and "training.gradient_accumulation_fusion" in err
@@ -161,7 +161,7 @@ def test_local_spec_without_apex_is_refused_by_the_builder(model_parallel_cpu):
 
     if hardware.megatron_linear_wgrad_fusion_available():
         pytest.skip("apex is installed: the local spec's linears fuse")
-    with pytest.raises(UserError, match=r"training\.gradient_accumulation_fusion with model\.attention_backend: local"):
+    with pytest.raises(UserError, match=r"training\.gradient_accumulation_fusion with model\.transformer_impl: local"):
         build_encoder_model(preset("tiny", vocab_size=256), transformer_overrides={"gradient_accumulation_fusion": True})
 
 
@@ -180,7 +180,7 @@ def test_without_apex_only_the_te_linears_fuse(model_parallel_cpu, monkeypatch):
     real_spec = builder.encoder_block_spec
     monkeypatch.setattr(builder, "encoder_block_spec", spec)
     monkeypatch.setattr(hardware, "megatron_linear_wgrad_fusion_available", lambda: False)  # no apex
-    config = preset("tiny", vocab_size=256, attention_backend="te")
+    config = preset("tiny", vocab_size=256, transformer_impl="te")
     transformer_config = builder.transformer_config(config, {"gradient_accumulation_fusion": True})
     model = builder.EncoderModel(config, transformer_config)
     assert asked == {"backend": "te", "te_linears": True}

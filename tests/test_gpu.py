@@ -37,7 +37,7 @@ needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available()
                                or torch.cuda.get_device_capability() < hardware.FP8_MIN_COMPUTE_CAPABILITY,
                                reason="needs compute capability >= 8.9")
 GPU_MODEL = {"preset": "tiny", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
-             "num_query_groups": 2, "vocab_size": 1024, "attention_backend": "local"}
+             "num_query_groups": 2, "vocab_size": 1024, "transformer_impl": "local"}
 """The tiny preset cut to 2 layers of hidden 64 (FFN 128, 4 heads over 2 KV groups; the shape
 tests/helpers.tiny_recipe gives, and the GPU tests have always trained): every matmul dimension a
 multiple of 16, as FP8 needs. The local spec unless the test's subject is Transformer Engine
@@ -49,7 +49,7 @@ DISTRIBUTED_OPTIMIZER = {"parallel": {"use_distributed_optimizer": True, "overla
 
 
 def _te_model() -> dict:
-    return {**GPU_MODEL, "attention_backend": "te"}
+    return {**GPU_MODEL, "transformer_impl": "te"}
 
 
 def _gpu_recipe(corpus, run_dir: Path, *, steps: int, model: dict | None = None, start_from: str | None = None,
@@ -138,7 +138,7 @@ def test_te_attention_modes_and_agreement_with_local(model_parallel, tmp_path):
     local = build_encoder_model(preset("tiny", vocab_size=1024)).cuda().eval()
     ckpt.save_checkpoint(tmp_path / "local", step=1, model=local, optimizer=None, trainer_state={"step": 1},
                          run_config={}, tokenizer_reference={}, keep_last=1)
-    te = build_encoder_model(preset("tiny", vocab_size=1024, attention_backend="te")).cuda().eval()
+    te = build_encoder_model(preset("tiny", vocab_size=1024, transformer_impl="te")).cuda().eval()
     ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "local"), model=te, optimizer=None)
     ids = torch.randint(3, 1024, (2, 64), device="cuda")
     later = ids.clone()
@@ -324,7 +324,7 @@ def _train_in_a_process(raw: dict, what: str) -> dict[int, float]:
 def _resume_recipe(corpus, run_dir: Path, *, deterministic: bool) -> dict:
     raw = _gpu_recipe(corpus, run_dir, steps=200, deterministic=deterministic) | {
         "parallel": {"use_distributed_optimizer": True}}
-    raw["model"]["attention_backend"] = "te" if hardware.transformer_engine_available() else "local"
+    raw["model"]["transformer_impl"] = "te" if hardware.transformer_engine_available() else "local"
     return raw
 
 
@@ -336,7 +336,7 @@ def test_deterministic_runs_repeat_bit_for_bit(tmp_path, tiny_corpus):
         (tmp_path / name).mkdir()
         raw = _gpu_recipe(tiny_corpus, tmp_path / name, steps=40, deterministic=True) | {
             "parallel": {"use_distributed_optimizer": True}}
-        raw["model"]["attention_backend"] = "te" if hardware.transformer_engine_available() else "local"
+        raw["model"]["transformer_impl"] = "te" if hardware.transformer_engine_available() else "local"
         runs.append(_train_in_a_process(raw, f"the {name} deterministic run"))
     assert sorted(runs[0]) == list(range(1, 41))
     different = {step: (runs[0][step], runs[1][step]) for step in runs[0] if runs[0][step] != runs[1].get(step)}
@@ -383,7 +383,7 @@ def test_gpu_checkpoint_loads_on_cpu(tmp_path, tiny_corpus):
     that process fails, the assertion carries its exit code and stderr: once on the H100 it failed
     with a bare CalledProcessError whose cause was lost.)"""
     raw = _gpu_recipe(tiny_corpus, tmp_path, steps=20, bf16=False)
-    raw["model"]["attention_backend"] = "local"
+    raw["model"]["transformer_impl"] = "local"
     result = pretrain(run_config_from_dict(raw))
     ids = torch.randint(3, 1024, (1, 32), generator=torch.Generator().manual_seed(0))
     script = (

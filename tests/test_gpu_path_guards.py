@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a
 @pytest.mark.parametrize("sections, message", [
     ({"training": {"train_iters": 8, "fp8_recipe": "delayed"}}, "training.fp8_recipe='delayed' needs training.bf16"),
     ({"training": {"train_iters": 8, "bf16": True, "fp8_recipe": "tensorwise"}},
-     "needs model.attention_backend: te"),
+     "needs model.transformer_impl: te"),
     ({"parallel": {"overlap_param_gather": True}}, "overlap_param_gather needs parallel.use_distributed_optimizer"),
     ({"training": {"train_iters": 8, "recompute_num_layers": 0}}, "recompute_num_layers must be >= 1"),
 ])
@@ -33,7 +33,7 @@ def test_inconsistent_gpu_settings_are_config_errors(tmp_path, tiny_corpus, sect
 
 @pytest.mark.parametrize("sections, message", [
     ({"training": {"train_iters": 8, "bf16": True, "fp8_recipe": "delayed"},
-      "model": {"attention_backend": "te"}}, "FP8 needs a CUDA GPU with compute capability >= 8.9"),
+      "model": {"transformer_impl": "te"}}, "FP8 needs a CUDA GPU with compute capability >= 8.9"),
     ({"parallel": {"pipeline_model_parallel_size": 2}},
      "not divisible by tensor_model_parallel_size=1 x pipeline_model_parallel_size=2"),
     ({"training": {"train_iters": 8, "recompute_granularity": "full"}}, "recompute_granularity='full' runs on CUDA"),
@@ -51,20 +51,20 @@ def test_unsupported_requests_fail_before_the_model_is_built(tmp_path, tiny_corp
 def test_te_spec_falls_back_to_local_loudly_and_records_the_optimizer_format(tmp_path, tiny_corpus, capsys):
     """A recipe asking for Transformer Engine trains here with the local spec, says so once, and
     its checkpoint records the spec it ran and the format of its optimizer state."""
-    config = run_config_from_dict(_recipe(tiny_corpus, tmp_path, model={"attention_backend": "te"},
+    config = run_config_from_dict(_recipe(tiny_corpus, tmp_path, model={"transformer_impl": "te"},
                                           training={"train_iters": 4, "eval_interval": 0, "log_interval": 1}))
     result = pretrain(config)
     err = capsys.readouterr().err
-    assert err.count("WARNING: model.attention_backend: te needs a CUDA GPU; this run uses the local spec") == 1
+    assert err.count("WARNING: model.transformer_impl: te needs a CUDA GPU; this run uses the local spec") == 1
     assert result.final_step == 4 and all(math.isfinite(v) for v in result.losses.values())
     checkpoint = Checkpoint.open(result.checkpoint)
-    assert checkpoint.run_config()["model"]["attention_backend"] == "local"
+    assert checkpoint.run_config()["model"]["transformer_impl"] == "local"
     assert checkpoint.optimizer_format()["optimizer"] == "megatron"
 
 
 def test_transformer_overrides_carry_fp8_and_recomputation(tmp_path, tiny_corpus):
     config = run_config_from_dict(_recipe(
-        tiny_corpus, tmp_path, model={"attention_backend": "te"},
+        tiny_corpus, tmp_path, model={"transformer_impl": "te"},
         training={"train_iters": 8, "bf16": True, "fp8_recipe": "tensorwise", "recompute_granularity": "full",
                   "recompute_num_layers": 2}))
     assert megatron_transformer_overrides(config) == {

@@ -346,7 +346,7 @@ def test_continued_pretraining_from_an_import_with_transformer_engine(imports, t
     raw = read_recipe(_cpt_recipe(imp, tmp_path, news_texts))
     first = {}
     for backend in ("local", "te"):
-        raw["model"]["attention_backend"] = backend
+        raw["model"]["transformer_impl"] = backend
         raw["training"]["bf16"] = True
         raw["checkpoint"]["save"] = str(tmp_path / f"cpt_{backend}")
         result = pretrain(run_config_from_dict(raw))

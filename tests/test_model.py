@@ -278,8 +278,8 @@ def test_config_validation():
         preset("tiny", document_mask=True)
     with pytest.raises(ValueError, match="num_query_groups"):
         preset("tiny", num_query_groups=3)
-    with pytest.raises(ValueError, match="attention_backend"):
-        preset("tiny", attention_backend="flash")
+    with pytest.raises(ValueError, match="transformer_impl"):
+        preset("tiny", transformer_impl="flash")
     with pytest.raises(ValueError, match="unknown model preset"):
         preset("7b")
     with pytest.raises(ValueError, match="seq_length"):
@@ -290,9 +290,9 @@ def test_config_validation():
 def test_te_backend_errors_are_actionable():
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
-    config = dataclasses.replace(TINY, attention_backend="te")
+    config = dataclasses.replace(TINY, transformer_impl="te")
     error = ImportError if not HAVE_TE else ValueError
-    with pytest.raises(error, match="attention_backend='local'"):
+    with pytest.raises(error, match="transformer_impl='local'"):
         build_encoder_model(config)
 
 

@@ -116,7 +116,7 @@ def test_paper_recipe_plans(path: Path, capsys):
     assert f"world size        {world} = TP 1 x PP 1 x DP {world}" in plan
     layers, hidden, heads, kv = SHAPES[size]
     assert f"{layers} layers, hidden {hidden}," in plan and f"heads {heads}/{kv} KV, vocab 128,256" in plan
-    assert "(te attention)" in plan
+    assert "(te layers)" in plan
     micro = {"210m": 18, "610m": 9, "1b": 9}[size]
     assert f"global 1152 = micro {micro} x DP {world} x {1152 // (micro * world)} micro-batches/step" in plan
     assert total_tokens(plan) == (TOKENS_PER_STEP, TOKENS_PER_STEP * steps)
@@ -205,7 +205,7 @@ def demo_tokenizer(tmp_path_factory) -> Path:
 def test_demo_recipe_plan(demo_tokenizer: Path, tmp_path: Path, capsys):
     prefix = str(tmp_path / "train_text_document")
     plan = plan_of(DEMO, 1, capsys, "--tokenizer-model", str(demo_tokenizer), "--data-path", prefix)
-    assert "4 layers, hidden 128," in plan and "vocab 8,192," in plan and "(local attention)" in plan
+    assert "4 layers, hidden 128," in plan and "vocab 8,192," in plan and "(local layers)" in plan
     assert "global 16 = micro 8 x DP 1 x 2 micro-batches/step, sequence 128" in plan
     steps = yaml.safe_load(DEMO.read_text())["training"]["train_iters"]
     assert total_tokens(plan) == (2048, 2048 * steps)
@@ -243,6 +243,27 @@ def test_unknown_recipe_key_lists_the_valid_ones(tmp_path: Path, capsys):
     code, _, err = run(["--config", _recipe(tmp_path, "data: {micro_batch: 4}\n"), "--dry-run"], capsys)
     assert code == 2
     assert "data: unknown key(s) ['micro_batch']" in err and "'micro_batch_size'" in err
+
+
+def test_old_name_of_transformer_impl_still_reads(tmp_path: Path, capsys):
+    """``model.attention_backend`` (key and flag) is the old name of ``model.transformer_impl``;
+    the 610M recipe sets ``transformer_impl: te``."""
+    def layers(plan: str) -> str:
+        return re.search(r"parameters \((\w+) layers\)", plan).group(1)
+
+    assert layers(plan_of(RECIPES / "paper" / "610m_mlm_40.yaml", 8, capsys)) == "te"
+    old_key = _recipe(tmp_path, "model: {attention_backend: local}\n")
+    with pytest.warns(FutureWarning, match=r"recipe.yaml model: 'attention_backend' is now 'transformer_impl'"):
+        assert layers(plan_of(Path(old_key), 8, capsys)) == "local"
+    assert layers(plan_of(RECIPES / "paper" / "610m_mlm_40.yaml", 8, capsys, "--attention-backend", "local")) == "local"
+    assert layers(plan_of(RECIPES / "paper" / "610m_mlm_40.yaml", 8, capsys, "--transformer-impl", "local")) == "local"
+
+    code, _, err = run(["--config", _recipe(tmp_path, "model: {attention_backend: local, transformer_impl: te}\n"),
+                        "--dry-run", "--world-size", "8"], capsys)
+    assert code == 2 and "both 'attention_backend' and 'transformer_impl' are set" in err
+    code, _, err = run(["--config", str(RECIPES / "paper" / "610m_mlm_40.yaml"), "--dry-run", "--world-size", "8",
+                        "--attention-backend", "local", "--transformer-impl", "te"], capsys)
+    assert code == 2 and "--attention-backend and --transformer-impl both set model.transformer_impl" in err
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import torch
 
 from megatron_ext.checkpoint import megatron_io
 from megatron_ext.config_loading import UserError, build_dataclass
-from megatron_ext.model.config import EncoderModelConfig
+from megatron_ext.model.config import EncoderModelConfig, with_current_model_keys
 from megatron_ext.tokenizer import TokenizerConfig
 
 
@@ -65,8 +65,13 @@ class Checkpoint:
         return int(self._json(megatron_io.COMPLETE)["step"])
 
     def run_config(self) -> dict:
-        """The resolved run config the training run saved (``run_config.json``)."""
-        return self._json(megatron_io.RUN_CONFIG)
+        """The resolved run config the training run saved (``run_config.json``), with keys renamed
+        since under their current names."""
+        run_config = self._json(megatron_io.RUN_CONFIG)
+        if isinstance(run_config.get("model"), dict):
+            run_config["model"] = with_current_model_keys(
+                run_config["model"], f"{self.path / megatron_io.RUN_CONFIG} model", warn=False)
+        return run_config
 
     def model_config(self) -> EncoderModelConfig:
         """The architecture of the saved weights (the run config's ``model`` section)."""

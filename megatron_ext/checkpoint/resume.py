@@ -46,7 +46,7 @@ from megatron_ext.checkpoint.resolved import Checkpoint
 from megatron_ext.config_loading import UserError
 from megatron_ext.tokenizer import EncoderTokenizer
 
-RESUME_MAY_CHANGE_MODEL = ("attention_backend", "depth_scaled_init")
+RESUME_MAY_CHANGE_MODEL = ("transformer_impl", "depth_scaled_init")
 """Model fields that may differ on resume: the attention kernels (te and local load the same
 weights) and how weights are initialised (loaded weights replace them)."""
 

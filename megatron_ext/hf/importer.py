@@ -61,7 +61,7 @@ NEW_MASK_TOKEN = "<|mask|>"
 TOKENIZER_DIR = "tokenizer"
 RECIPE_SNIPPET = "recipe_model.yaml"
 # EncoderModelConfig fields the snippet leaves to the user's recipe (how to train, not what).
-_RUNTIME_FIELDS = ("attention_backend", "attention_dropout", "hidden_dropout", "params_dtype",
+_RUNTIME_FIELDS = ("transformer_impl", "attention_dropout", "hidden_dropout", "params_dtype",
                    "document_mask")
 
 

@@ -43,9 +43,9 @@ def single_process_model_parallel() -> Iterator[None]:
 
 
 def build_local_model(config: EncoderModelConfig) -> EncoderModel:
-    """The model at TP=1 with the ``local`` attention backend (its parameter names are the name
+    """The model at TP=1 with the ``local`` layer implementation (its parameter names are the name
     map's; both backends share dist-checkpoint keys). Needs the parallel state."""
-    return build_encoder_model(dataclasses.replace(config, attention_backend="local")).eval()
+    return build_encoder_model(dataclasses.replace(config, transformer_impl="local")).eval()
 
 
 def load_megatron_checkpoint(checkpoint: str | os.PathLike | Checkpoint) -> EncoderModel:

@@ -81,7 +81,7 @@ class SDPAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise ValueError("attention_backend='local' does not support context parallelism")
+            raise ValueError("transformer_impl='local' does not support context parallelism")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         tp = pg_collection.tp.size()

@@ -55,15 +55,15 @@ class EncoderModel(GPTModel):
         te_linears_only = (transformer_config.gradient_accumulation_fusion
                            and not hardware.megatron_linear_wgrad_fusion_available())
         if te_linears_only:
-            if config.attention_backend != "te":
+            if config.transformer_impl != "te":
                 raise UserError(
-                    "training.gradient_accumulation_fusion with model.attention_backend: local needs apex's "
+                    "training.gradient_accumulation_fusion with model.transformer_impl: local needs apex's "
                     "fused_weight_gradient_mlp_cuda (Megatron's linear layers), which does not import here; "
-                    "set training.gradient_accumulation_fusion: false or use attention_backend: te")
+                    "set training.gradient_accumulation_fusion: false or use transformer_impl: te")
             transformer_config = copy.copy(transformer_config)
             transformer_config.gradient_accumulation_fusion = False
         spec = encoder_block_spec(
-            config.attention_backend,
+            config.transformer_impl,
             get_num_layers_to_build(transformer_config),
             qk_layernorm=config.qk_layernorm,
             te_linears_fuse_weight_gradients=te_linears_only,
@@ -265,12 +265,12 @@ def build_encoder_model(
     if config.vocab_size % tp:
         raise UserError(f"EncoderModelConfig.vocab_size={config.vocab_size} is not divisible by the "
                         f"tensor-parallel size {tp} (pad the vocabulary)")
-    if config.attention_backend == "te":
+    if config.transformer_impl == "te":
         require_transformer_engine()
     hardware.check_model_parallel_supported(
         tensor_parallel_size=tp,
         num_query_groups=config.num_query_groups,
-        attention_backend=config.attention_backend,
+        transformer_impl=config.transformer_impl,
     )
     model = EncoderModel(
         config, transformer_config(config, transformer_overrides), pre_process=pre_process,

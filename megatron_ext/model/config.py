@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,9 +56,13 @@ class EncoderModelConfig:
     """Biases on the query/key/value projections only (Qwen2; Megatron ``--add-qkv-bias``)."""
     qk_layernorm: bool = False
     """Per-head RMSNorm on queries and keys before RoPE (Qwen3; Megatron ``--qk-layernorm``)."""
-    attention_backend: Literal["local", "te"] = "local"
-    """``local``: PyTorch scaled_dot_product_attention, CPU and GPU. ``te``: Transformer Engine
-    (fused norms/linears and flash attention), GPU only; needs ``transformer_engine``."""
+    transformer_impl: Literal["local", "te"] = "local"
+    """Which implementation of the transformer layer the model is built from (the layer
+    ``ModuleSpec``; Megatron-LM's ``--transformer-impl``). ``local``: Megatron-Core's own modules
+    with PyTorch scaled_dot_product_attention, CPU and GPU. ``te``: Transformer Engine's modules
+    (fused norm + linear, fused attention, FP8), GPU only; needs ``transformer_engine``. Both hold
+    the same weights. Older recipes and checkpoints spell it ``attention_backend``
+    (:data:`RENAMED_MODEL_KEYS`)."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
     hidden_dropout: float = 0.0
@@ -103,10 +108,10 @@ class EncoderModelConfig:
             )
         if self.head_dim % 2:
             raise UserError(f"EncoderModelConfig: RoPE needs an even head dim, got {self.head_dim}")
-        if self.attention_backend not in ("local", "te"):
+        if self.transformer_impl not in ("local", "te"):
             raise UserError(
-                f"EncoderModelConfig.attention_backend must be 'local' or 'te', "
-                f"got {self.attention_backend!r}"
+                f"EncoderModelConfig.transformer_impl must be 'local' or 'te', "
+                f"got {self.transformer_impl!r}"
             )
         if self.params_dtype not in _DTYPES:
             raise UserError(f"EncoderModelConfig.params_dtype must be one of {sorted(_DTYPES)}, "
@@ -127,6 +132,29 @@ class EncoderModelConfig:
     def torch_dtype(self) -> torch.dtype:
         """``params_dtype`` as a torch dtype."""
         return _DTYPES[self.params_dtype]
+
+
+RENAMED_MODEL_KEYS = {"attention_backend": "transformer_impl"}
+"""Old ``model`` keys and their current names: recipes and the ``run_config.json`` of checkpoints
+saved before the rename still read (``attention_backend`` chose the whole layer, not only attention)."""
+
+
+def with_current_model_keys(section: dict, where: str, *, warn: bool) -> dict:
+    """``section`` (a ``model`` mapping) with :data:`RENAMED_MODEL_KEYS` written under their current
+    names; both spellings at once is an error naming ``where``. ``warn``: say so once (a recipe the
+    user can edit; not a saved checkpoint's config)."""
+    out = dict(section)
+    for old, new in RENAMED_MODEL_KEYS.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise UserError(f"{where}: both {old!r} and {new!r} are set; {old!r} is the old name of "
+                            f"{new!r}: keep only {new!r}")
+        if warn:
+            warnings.warn(f"{where}: {old!r} is now {new!r} (read as such); rename it", FutureWarning,
+                          stacklevel=2)
+        out[new] = out.pop(old)
+    return out
 
 
 def _llama3(**shape: int) -> EncoderModelConfig:

@@ -1,4 +1,4 @@
-"""Megatron-Core ``ModuleSpec``s of the encoder block, one per attention backend.
+"""Megatron-Core ``ModuleSpec``s of the encoder block, one per layer implementation (``model.transformer_impl``).
 
 Both give one ``TransformerLayer`` per Llama/EuroBERT block: RMSNorm -> fused QKV (GQA) ->
 core attention -> output projection, then RMSNorm -> SwiGLU MLP (``linear_fc1`` holds
@@ -61,13 +61,13 @@ def _local_layer(qk_layernorm: bool) -> ModuleSpec:
 
 
 def require_transformer_engine() -> None:
-    """Raise an actionable ``ImportError`` when ``attention_backend='te'`` cannot be built."""
+    """Raise an actionable ``ImportError`` when ``transformer_impl='te'`` cannot be built."""
     if TEEncoderAttention is None:
         raise ImportError(
-            "attention_backend='te' needs Transformer Engine, which is not importable here "
+            "transformer_impl='te' needs Transformer Engine, which is not importable here "
             "(import transformer_engine failed). Install transformer-engine-torch built for this "
             "torch/CUDA (NVIDIA's NGC PyTorch container ships it), or set "
-            "attention_backend='local'."
+            "transformer_impl='local'."
         )
 
 
@@ -140,7 +140,7 @@ def _te_layer(qk_layernorm: bool, fuse_weight_gradients: bool = False) -> Module
 
 
 def encoder_block_spec(
-    attention_backend: str, num_layers: int, *, qk_layernorm: bool = False,
+    transformer_impl: str, num_layers: int, *, qk_layernorm: bool = False,
     te_linears_fuse_weight_gradients: bool = False,
 ) -> ModuleSpec:
     """Spec of a ``TransformerBlock`` of ``num_layers`` encoder layers and its final RMSNorm.
@@ -151,17 +151,17 @@ def encoder_block_spec(
     accumulate weight gradients into ``main_grad`` even where the model's config has
     ``gradient_accumulation_fusion`` off (see ``EncoderModel``).
     """
-    if te_linears_fuse_weight_gradients and attention_backend != "te":
-        raise ValueError("te_linears_fuse_weight_gradients needs attention_backend='te'")
-    if attention_backend == "local":
+    if te_linears_fuse_weight_gradients and transformer_impl != "te":
+        raise ValueError("te_linears_fuse_weight_gradients needs transformer_impl='te'")
+    if transformer_impl == "local":
         layer, final_norm = _local_layer(qk_layernorm), WrappedTorchNorm
-    elif attention_backend == "te":
+    elif transformer_impl == "te":
         layer = _te_layer(qk_layernorm, te_linears_fuse_weight_gradients)
         from megatron.core.extensions.transformer_engine import TENorm
 
         final_norm = TENorm
     else:
-        raise UserError(f"attention_backend must be 'local' or 'te', got {attention_backend!r}")
+        raise UserError(f"transformer_impl must be 'local' or 'te', got {transformer_impl!r}")
     return ModuleSpec(
         module=TransformerBlock,
         submodules=TransformerBlockSubmodules(

@@ -34,7 +34,7 @@ import yaml
 from megatron_ext.config_loading import UserError
 from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce
 from megatron_ext.objectives import validation_objectives
-from megatron_ext.model.config import PRESETS, EncoderModelConfig, padded_vocab_size
+from megatron_ext.model.config import PRESETS, EncoderModelConfig, padded_vocab_size, with_current_model_keys
 from megatron_ext.schedule import LRScheduleConfig, Phase, ResolvedPhase, lr_at, resolve_phases
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.checkpoint.config import CheckpointConfig
@@ -95,7 +95,7 @@ class TrainingConfig:
     max_nonfinite_steps: int = 5
     """A step whose loss is NaN/inf is skipped and counted; stop after this many in a row."""
     fp8_recipe: Literal["delayed", "tensorwise"] | None = None
-    """FP8 matmuls through Transformer Engine (Hopper or newer, ``attention_backend: te``,
+    """FP8 matmuls through Transformer Engine (Hopper or newer, ``transformer_impl: te``,
     ``bf16: true``): ``delayed`` scaling (amax history) or ``tensorwise`` current scaling
     (Megatron ``--fp8-recipe``); None trains without FP8."""
     fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
@@ -256,8 +256,8 @@ class RunConfig:
         if self.training.rope_fusion and self.data.reset_position_ids:
             raise ConfigError("training.rope_fusion needs data.reset_position_ids: false (Transformer Engine's fused "
                               "RoPE takes one position table for the whole batch, not positions per sequence)")
-        if self.training.fp8_recipe is not None and self.model.attention_backend != "te":
-            raise ConfigError(f"training.fp8_recipe={self.training.fp8_recipe!r} needs model.attention_backend: te "
+        if self.training.fp8_recipe is not None and self.model.transformer_impl != "te":
+            raise ConfigError(f"training.fp8_recipe={self.training.fp8_recipe!r} needs model.transformer_impl: te "
                               "(FP8 matmuls are Transformer Engine layers)")
         from megatron_ext.training.cuda_graphs import run_problem
 
@@ -336,6 +336,8 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
     unknown = sorted(set(raw) - set(TOP_LEVEL_KEYS))
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {unknown}; valid sections: {sorted(TOP_LEVEL_KEYS)}")
+    if isinstance(raw.get("model"), dict):  # before merging: a base and its child may spell a key differently
+        raw["model"] = with_current_model_keys(raw["model"], f"{path} model", warn=True)
     if "base" in raw:
         base = read_recipe(path.parent / raw.pop("base"))
         raw = deep_merge(base, raw)
@@ -361,6 +363,10 @@ def add_override_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, 
             dest = f"{section}__{name}"
             group.add_argument("--" + _FLAG_RENAMES[(section, name)].replace("_", "-"), dest=dest, default=None)
             dests[dest] = (section, name)
+    # An old flag name, still accepted: it sets the field under its current name.
+    parser.add_argument("--attention-backend", dest="model__attention_backend", default=None,
+                        help="old name of --transformer-impl")
+    dests["model__attention_backend"] = ("model", "transformer_impl")
     parser.add_argument("--model-preset", dest="model__preset", default=None, help=f"one of {sorted(PRESETS)}")
     dests["model__preset"] = ("model", "preset")
     parser.add_argument("--phases", dest="phases", default=None,
@@ -372,9 +378,14 @@ def add_override_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, 
 def apply_overrides(recipe: dict[str, Any], args: argparse.Namespace, dests: dict[str, tuple[str, str]]) -> dict[str, Any]:
     """Recipe with every flag given on the command line written into its section."""
     out = copy.deepcopy(recipe)
+    given: dict[tuple[str, str], str] = {}
     for dest, (section, name) in dests.items():
         value = getattr(args, dest, None)
         if value is not None:
+            if (section, name) in given:
+                flags = sorted("--" + d.split("__", 1)[1].replace("_", "-") for d in (given[(section, name)], dest))
+                raise ConfigError(f"{' and '.join(flags)} both set {section}.{name}; give one")
+            given[(section, name)] = dest
             out.setdefault(section, {})[name] = value
     if getattr(args, "phases", None) is not None:
         try:
@@ -385,7 +396,7 @@ def apply_overrides(recipe: dict[str, Any], args: argparse.Namespace, dests: dic
 
 
 def _model_config(section: dict[str, Any], *, data_seq_length: int, tokenizer_vocab_size: int | None, tp: int) -> EncoderModelConfig:
-    section = dict(section)
+    section = with_current_model_keys(section, "model", warn=True)
     preset_name = section.pop("preset", None)
     if preset_name is not None:
         if preset_name not in PRESETS:

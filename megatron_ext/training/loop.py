@@ -183,18 +183,18 @@ def model_positions(batch: dict[str, torch.Tensor], config: RunConfig) -> torch.
 
 
 def runnable_here(config: RunConfig, *, announce: bool = True) -> RunConfig:
-    """``config`` with what this machine cannot run turned off (``hardware.attention_backend_fallback``,
+    """``config`` with what this machine cannot run turned off (``hardware.transformer_impl_fallback``,
     ``hardware.fusion_fallbacks``); each change is printed to stderr once when ``announce``."""
-    backend, warning = hardware.attention_backend_fallback(config.model.attention_backend)
+    backend, warning = hardware.transformer_impl_fallback(config.model.transformer_impl)
     warnings = [warning] if warning is not None else []
     t = config.training
     fusions, fusion_warnings = hardware.fusion_fallbacks(
         rope_fusion=t.rope_fusion, gradient_accumulation_fusion=t.gradient_accumulation_fusion,
-        attention_backend=backend)
+        transformer_impl=backend)
     if announce:
         for line in warnings + fusion_warnings:
             print(line, file=sys.stderr, flush=True)
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, attention_backend=backend),
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, transformer_impl=backend),
                                training=dataclasses.replace(t, **fusions))
 
 

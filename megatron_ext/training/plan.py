@@ -78,7 +78,7 @@ def format_plan(config: RunConfig, plan: RunPlan) -> str:
         f"world size        {plan.world_size} = TP {plan.tensor_parallel} x PP {plan.pipeline_parallel} x DP {plan.data_parallel}",
         f"model             {config.model.num_layers} layers, hidden {config.model.hidden_size}, FFN "
         f"{config.model.ffn_hidden_size}, heads {config.model.num_attention_heads}/{config.model.num_query_groups} KV, "
-        f"vocab {config.model.vocab_size:,}, {plan.parameters:,} parameters ({config.model.attention_backend} attention)",
+        f"vocab {config.model.vocab_size:,}, {plan.parameters:,} parameters ({config.model.transformer_impl} layers)",
         f"batch             global {d.global_batch_size} = micro {d.micro_batch_size} x DP {plan.data_parallel} x "
         f"{plan.micro_batches_per_step} micro-batches/step, sequence {d.seq_length}",
         f"tokens            {plan.tokens_per_step:,}/step, {plan.total_tokens:,} in total ({plan.total_tokens / 1e9:.2f}B)",
