@@ -37,7 +37,7 @@ def test_the_miniature_evaluates_every_run_and_the_reference():
     parser = evaluate_cli.build_parser()
     args = parser.parse_args(list(runs.argv))  # evaluate.py takes what the study writes
     assert args.models == [f"{r.name}={r.recipe['checkpoint']['save']}" for r in plan.runs]
-    assert args.tasks == ["rt_sentiment", "wiki_mentions", "news_cloze"]
+    assert args.tasks == ["rt_sentiment", "wiki_mentions", "news_cloze", "lee_sts"]
     assert args.lrs == [5e-4, 2e-3, 5e-3] and args.seeds == [0, 1]
     assert (args.max_steps, args.max_length, args.max_eval_examples) == (60, 128, 300)
     assert args.output_dir == Path("runs/miniature/eval") == runs.output_dir
