@@ -10,6 +10,22 @@ import pytest
 
 
 
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker (`make test` runs two, one per core)
+        # One intra-op thread per worker and per process it starts: two workers with two threads
+        # each on two cores make small CPU ops ~10x slower (see one_torch_thread).
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+def pytest_itemcollected(item):
+    # Marked as it is collected: pytest-xdist reads the marks in its own pytest_collection_modifyitems.
+    if getattr(item.config.option, "loadgroup", False):  # set in the workers of `--dist loadgroup`
+        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
@@ -23,12 +39,25 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("slurm"):
                 item.add_marker(skip_slurm)
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    if getattr(config.option, "loadgroup", False):
+        # The longest groups first (the SLURM group, then the modules with `slow` tests), so that no
+        # long group is left to run alone at the end; a stable sort keeps each module's order.
+        with_slow = {_worker_group(item) for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: 0 if _worker_group(item) == "slurm" else 1 if _worker_group(item) in with_slow else 2)
+
+
+def _worker_group(item) -> str:
+    """Which tests `make test` keeps on one pytest-xdist worker (``--dist loadgroup
+    --no-loadscope-reorder``): a module's (its module fixtures are built once) and all those that use
+    the private SLURM cluster (one cluster, started once)."""
+    if item.get_closest_marker("slurm") or "slurm_cluster" in getattr(item, "fixturenames", ()):
+        return "slurm"
+    return item.module.__name__ if getattr(item, "module", None) is not None else item.nodeid.split("::")[0]
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +129,4 @@ def single_rank(tmp_path_factory):
     )
     yield
     hardware.destroy_process_group_and_model_parallel()
+
