@@ -343,7 +343,9 @@ def test_zero_shot_sts_is_an_extra_column_out_of_the_average(tmp_path):
     assert clm.scores[study_report.AVERAGE].mean == 51.0  # the paper's families only
     markdown = study_report.report_markdown(report)
     assert "| sequence classification | similarity (extra, not the paper's) | average |" in markdown
-    assert f"| 51.00 ± {clm.scores['sc'].ci95:.2f} | 25.00 | 51.00 ± " in markdown  # sc, sts, average
+    # sc, sts, average; the intervals are over the 2 fine-tuning seeds (the STS run has neither)
+    assert f"| 51.00 ± {clm.scores['sc'].ci95:.2f} | 25.00 | 51.00 ± {clm.scores['sc'].ci95:.2f} | 2 fine-tuning seeds |" \
+        in markdown
     assert study_report.report_json(report)["families"]["sts"]["paper"] is False
     figures = {figure.name: figure for figure in report.figures}
     assert "sts" not in figures["lr_sensitivity"].series and "sts" in figures["clm_share"].series

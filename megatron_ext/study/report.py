@@ -811,8 +811,9 @@ def report_markdown(report: StudyReport) -> str:
         return " | ".join(row.scores[key].cell() if key in row.scores else "–" for key in [*families, AVERAGE])
 
     def over(row: TableRow) -> str:
-        units = {(s.over, s.n) for s in row.scores.values()}
-        return ", ".join(f"{n} {what}" for what, n in sorted(units))
+        # only the cells with an interval: a zero-shot family (STS) is one run, without seeds
+        units = {(s.over, s.n) for s in row.scores.values() if s.ci95 is not None}
+        return ", ".join(f"{n} {what}" for what, n in sorted(units)) or "–"
 
     for row in report.rows:
         first = row.group.first
@@ -833,7 +834,9 @@ def report_markdown(report: StudyReport) -> str:
     lines += ["", "## Per-task scores and rankings", "",
               f"Test at the best validation LR, mean ± {CONFIDENCE:.0%} CI over fine-tuning seeds; [rank] among the "
               "models of the task (paired permutation tests on the test examples' scores, p < 0.05 opens a new "
-              "rank; tied models share a rank).", "",
+              "rank; tied models share a rank). A ranking's 'Mean' is the mean of those per-example scores; where "
+              "the task's metric is not a mean over examples (token classification: entity F1 over the whole "
+              "test set, against each sentence's F1 there) it differs from the score in this table.", "",
               "| model | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
     for model in report.task_models:
         row = []
