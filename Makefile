@@ -52,8 +52,8 @@ miniature: demo-data
 	$(PY) tools/run_study.py examples/studies/miniature.yaml --executor local
 
 # Two pytest-xdist workers, whatever the core count: the suite waits on subprocesses and SLURM jobs
-# about half of its time, so two workers on 2 cores finish it in about 2/3 of the time of one
-# (TEST_WORKERS=0: one process). How tests are grouped and ordered: tests/conftest.py.
+# part of its time. On 2 cores, 27 min against ~32 min in one process (a fresh clone, CI's command;
+# TEST_WORKERS=0: one process). How tests are grouped and ordered: tests/conftest.py.
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30 tests
