@@ -46,6 +46,7 @@ def _ci_size(tmp_path: Path, corpus: dict[str, str]) -> Path:
 
 
 @pytest.mark.slow  # twelve pretraining segments, 26 fine-tuning runs and the report
+@pytest.mark.timeout(1200)  # 296 s alone, 375 s beside the other test worker
 def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, capsys):
     path = _ci_size(tmp_path, tiny_corpus)
     plan = plan_study(read_study(path), path)

@@ -170,6 +170,7 @@ def _wait_until_not_running(cluster, job_id: int) -> None:
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 255 s alone, 402 s beside the other test worker; 600 s is the default
 def test_preemption_and_scancel_full_save_the_step_in_flight_and_the_requeued_job_resumes(
         slurm_cluster, jobs, request):
     """The long recipe on 2 ranks, stopped three times, each after 20 more steps: preempted by a job
@@ -229,6 +230,7 @@ def test_two_rank_job_completes_within_a_minute_of_its_last_step(long_reference)
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # its own wait allows 900 s (_finish)
 def test_time_limit_warning_saves_and_the_requeued_job_resumes(slurm_cluster, jobs, long_reference):
     job = _finish(slurm_cluster, *jobs["time_limit"], timeout=900)
     assert job.info["JobState"] == "COMPLETED", (job.info, job.log)

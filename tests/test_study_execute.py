@@ -207,6 +207,7 @@ def _times(info: dict[str, str]) -> tuple[float, float]:
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 163 s alone, 247 s beside the other test worker
 def test_slurm_dependencies_failure_and_rerun(slurm_cluster, tiny_corpus, tmp_path):
     """Two seeds, each a run and its CPT (4 jobs, 2 nodes). The CPU user's flags come from the study
     (``--nodes=1``), the size (``--gpus-per-node=0``) and the command line (``--time``). Once every
