@@ -47,8 +47,9 @@ def pytest_collection_modifyitems(config, items):
     if getattr(config.option, "loadgroup", False):
         # The longest groups first (the SLURM group, then the modules with `slow` tests), so that no
         # long group is left to run alone at the end; a stable sort keeps each module's order.
-        with_slow = {_worker_group(item) for item in items if item.get_closest_marker("slow")}
-        items.sort(key=lambda item: 0 if _worker_group(item) == "slurm" else 1 if _worker_group(item) in with_slow else 2)
+        group = {item.nodeid: _worker_group(item) for item in items}
+        with_slow = {group[item.nodeid] for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: (group[item.nodeid] != "slurm", group[item.nodeid] not in with_slow))
 
 
 def _worker_group(item) -> str:
@@ -129,4 +130,3 @@ def single_rank(tmp_path_factory):
     )
     yield
     hardware.destroy_process_group_and_model_parallel()
-
