@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import re
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,19 +157,29 @@ class EncoderTokenizer(abc.ABC):
     def _pieces(self) -> list[str]:
         """Every id's token string, in id order."""
 
-    def word_starts(self) -> list[bool]:
-        """Per id, whether its token begins a word (whole-word masking): byte-level BPE marks a
-        leading space with 'Ġ' and SentencePiece with '▁' (a token without the mark continues the
-        previous word, so punctuation joins the word before it), WordPiece marks continuations
-        with '##'. Special tokens begin words. The convention is the mark most pieces carry (a
-        BPE vocabulary may hold a literal '##' token, a WordPiece one a 'Ġ' character)."""
+    def word_boundaries(self) -> tuple[list[bool], list[bool]]:
+        """Per id, ``(starts, ends)`` for whole-word masking, BERT's words: text split at
+        whitespace and around every punctuation character.
+
+        A token *starts* a word when it carries the vocabulary's word mark (byte-level BPE 'Ġ',
+        SentencePiece '▁'; WordPiece marks continuations with '##' instead) or its text begins
+        with punctuation or whitespace (a newline 'Ċ'); it *ends* one when its text ends with
+        either, so the token after it starts the next (``"(", "hello"``). Special tokens do
+        both. The convention is the mark most pieces carry (a BPE vocabulary may hold a literal
+        '##' token, a WordPiece one a 'Ġ' character). A byte-level piece holding part of a
+        multi-byte character (the 'Ã' and '©' of 'é') is a letter, not punctuation."""
         pieces = self._pieces()
         marks = ("Ġ", "▁", "##")
         mark = max(marks, key=lambda m: sum(piece.startswith(m) for piece in pieces))
-        starts = [piece.startswith(mark) != (mark == "##") for piece in pieces]
+        starts, ends = [], []
+        for piece in pieces:
+            marked = piece.startswith(mark)
+            text = _piece_text(piece, mark)
+            starts.append(marked != (mark == "##") or (text != "" and _splits_words(text[0])))
+            ends.append(text != "" and _splits_words(text[-1]))
         for special in self.special_ids:
-            starts[special] = True
-        return starts
+            starts[special] = ends[special] = True
+        return starts, ends
 
     def fingerprint(self) -> str:
         """A hash of what the ids mean (every id's token and the special roles), not of where the
@@ -355,6 +367,56 @@ class GPT2BPETokenizer(_TokenizersBackend):
             f"merges={self._config.merge_file!r}), tok.add_special_tokens({{'{role}_token': '<{role}>'}}), "
             "tok.save_pretrained(NEW_DIR) and use HuggingFaceTokenizer with tokenizer_model=NEW_DIR"
         )
+
+
+@functools.cache
+def _byte_level_bytes() -> dict[str, int]:
+    """The inverse of GPT-2's byte-level alphabet (each byte written as one printable
+    character: 'Ġ' is the space, 'Ċ' the newline); ``tokenizers`` exposes the alphabet itself."""
+    from tokenizers import pre_tokenizers
+
+    # The alphabet lists the characters only; GPT-2's order: the printable Latin-1 bytes map to
+    # themselves, the rest to 256, 257, ... in byte order.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    characters = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in characters:
+            characters[b] = chr(256 + extra)
+            extra += 1
+    table = {c: b for b, c in characters.items()}
+    assert set(table) == set(pre_tokenizers.ByteLevel.alphabet()), "tokenizers' byte-level alphabet changed"
+    return table
+
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece's byte pieces
+
+
+def _piece_text(piece: str, mark: str) -> str:
+    """The text a vocabulary piece stands for, with its word mark as a space ('##' dropped); a
+    partial UTF-8 character reads as U+FFFD."""
+    if mark == "Ġ":
+        table = _byte_level_bytes()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece).decode("utf-8", errors="replace")
+        return piece  # an added token: written as itself
+    if mark == "##":
+        return piece.removeprefix("##")
+    fallback = _BYTE_FALLBACK.match(piece)
+    if fallback:
+        return bytes([int(fallback.group(1), 16)]).decode("utf-8", errors="replace")
+    return piece.replace("▁", " ")
+
+
+def _splits_words(character: str) -> bool:
+    """Whitespace or punctuation (BERT's rule: every non-alphanumeric printable ASCII character,
+    and Unicode's P* categories); U+FFFD, part of a split character, is not."""
+    if character.isspace():
+        return True
+    code = ord(character)
+    if 33 <= code <= 47 or 58 <= code <= 64 or 91 <= code <= 96 or 123 <= code <= 126:
+        return True
+    return unicodedata.category(character).startswith("P")
 
 
 def _load_transformers_tokenizer(model: str):

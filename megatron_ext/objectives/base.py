@@ -97,12 +97,12 @@ class Vocabulary:
         return self.tokenizer.special_ids
 
     @functools.lru_cache(maxsize=4)
-    def word_starts(self, device: torch.device) -> torch.Tensor:
-        """Bool ``[size]``: True for ids that begin a word (``EncoderTokenizer.word_starts``);
-        ids past the tokenizer's (model padding rows) count as starts."""
-        starts = torch.ones(self.size, dtype=torch.bool)
-        starts[: self.tokenizer.vocab_size] = torch.tensor(self.tokenizer.word_starts(), dtype=torch.bool)
-        return starts.to(device)
+    def word_boundaries(self, device: torch.device) -> torch.Tensor:
+        """Bool ``[2, size]``: per id, whether it starts a word and whether it ends one
+        (``EncoderTokenizer.word_boundaries``); ids past the tokenizer's (model padding rows) do both."""
+        boundaries = torch.ones(2, self.size, dtype=torch.bool)
+        boundaries[:, : self.tokenizer.vocab_size] = torch.tensor(self.tokenizer.word_boundaries(), dtype=torch.bool)
+        return boundaries.to(device)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,9 +1,10 @@
 """Whole-word masking (WWM): MLM that selects every token of a word or none of it (BERT's
 whole-word release, transformers PR 39485 for byte-level BPE and SentencePiece vocabularies).
 
-Word starts come from the tokenizer (``EncoderTokenizer.word_starts``: 'Ġ' / '▁' marks, WordPiece
-'##' continuations). A word is a start token and the tokens that follow it up to the next start;
-anything not eligible (special tokens, padding) ends a word. Words are drawn in a uniformly random
+Words are BERT's (text split at whitespace and around punctuation), read from the tokenizer's
+vocabulary (``EncoderTokenizer.word_boundaries``: 'Ġ' / '▁' marks or WordPiece '##' continuations,
+and tokens that begin or end with punctuation or whitespace). A word is a token that starts one and
+the tokens after it up to the next start; anything not eligible (special tokens, padding) ends a word. Words are drawn in a uniformly random
 order and taken while the selected tokens stay within MLM's exact count
 ``floor(mask_ratio * n + 0.5)`` (so the count is at most that, short of it by less than the first
 word that would overshoot); replacement then works per token, as in MLM.
@@ -21,11 +22,13 @@ from megatron_ext.objectives.mlm import MLM, Selection, max_selected, selected_c
 
 
 def select_whole_words(tokens: torch.Tensor, eligible: torch.Tensor, *, mask_ratio: float,
-                       generator: torch.Generator, word_starts: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """:data:`~megatron_ext.objectives.mlm.Selection` of whole words; ``word_starts`` is a bool
-    ``[vocab]`` table (True: the id begins a word)."""
+                       generator: torch.Generator, word_boundaries: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """:data:`~megatron_ext.objectives.mlm.Selection` of whole words; ``word_boundaries`` is the
+    bool ``[2, vocab]`` table of ``Vocabulary.word_boundaries`` (row 0: the id starts a word,
+    row 1: it ends one)."""
+    word_starts, word_ends = word_boundaries
     starts = word_starts[tokens] | ~eligible
-    starts[:, 1:] |= ~eligible[:, :-1]
+    starts[:, 1:] |= ~eligible[:, :-1] | word_ends[tokens[:, :-1]]
     starts[:, 0] = True
     word = starts.long().cumsum(dim=1) - 1  # each position's word, numbered per row from 0
     size = torch.zeros_like(word).scatter_add_(1, word, eligible.long())  # eligible tokens per word
@@ -43,4 +46,4 @@ class WholeWordMLM(MLM):
     tag = "wwm"
 
     def select(self, vocabulary: Vocabulary, device: torch.device) -> Selection:
-        return functools.partial(select_whole_words, word_starts=vocabulary.word_starts(device))
+        return functools.partial(select_whole_words, word_boundaries=vocabulary.word_boundaries(device))
