@@ -234,10 +234,36 @@ def test_study_planner_accepts_every_objective(tmp_path):
     assert {run.name: run.config.resolved_phases[0].name for run in plan.runs} == {
         "610m_wwm_30_12k": "wwm-30", "610m_span_30_12k": "span-30", "610m_mntp_20_12k": "mntp-20",
         "610m_mlm_30to5_12k": "mlm-30to5"}
-    study["objectives"].append({"objective": "span", "mask_ratio": 0.9})
+    # Biphasic runs and continuations take any objective too (LLM2Vec's MNTP continuation of a
+    # decoder); MLM at a constant ratio keeps the paper's run names.
+    study.update(objectives=[{"objective": "clm"}],
+                 biphasic={"clm_shares": [0.5], "objective": {"name": "wwm", "mask_ratio": 0.3}},
+                 cpt={"sources": ["clm"], "objective": {"name": "mntp", "mask_ratio": 0.2},
+                      "continuations": [{"steps": 2000, "overrides": {
+                          "schedule": {"lr_warmup_iters": 200, "lr_wsd_decay_iters": 200}}}]})
     path.write_text(yaml.safe_dump(study))
-    with pytest.raises(ConfigError, match=r"study\.objectives\[4\]: mask_ratio 0\.9 is above 0\.792"):
-        read_study(path)
+    plan = plan_study(read_study(path), path)
+    assert {run.name: [phase.name for phase in run.config.resolved_phases] for run in plan.runs} == {
+        "610m_clm_12k": ["clm"], "610m_biphasic_50_50_wwm_30_12k": ["clm", "wwm-30"],
+        "610m_clm_12k_cpt_mntp_20_2k": ["mntp-20"]}
+    study["biphasic"] = {"clm_shares": [0.5], "mask_ratio": 0.3}
+    path.write_text(yaml.safe_dump(study))
+    assert "610m_biphasic_50_50_12k" in {run.name for run in plan_study(read_study(path), path).runs}
+
+    for where, change, message in [
+        ("biphasic", {"mask_ratio": 0.3, "objective": "wwm"}, r"study\.biphasic: give mask_ratio inside the objective"),
+        ("biphasic", {"objective": "clm"}, r"study\.biphasic: objective: the phase after CLM must be bidirectional"),
+        ("cpt", {"objective": {"name": "span", "mask_ratio": 0.9}}, r"study\.cpt\.objective: mask_ratio 0\.9 is above"),
+        ("objectives", None, r"study\.objectives\[1\]: mask_ratio 0\.9 is above 0\.792"),
+    ]:
+        bad = json.loads(json.dumps(study))
+        if change is None:
+            bad["objectives"].append({"objective": "span", "mask_ratio": 0.9})
+        else:
+            bad[where] = {k: v for k, v in bad[where].items() if k not in ("mask_ratio", "objective")} | change
+        path.write_text(yaml.safe_dump(bad))
+        with pytest.raises(ConfigError, match=message):
+            read_study(path)
 
 
 def test_new_objectives_log_their_names_and_resume_exactly(tmp_path, tiny_corpus):

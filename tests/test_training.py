@@ -240,3 +240,10 @@ def test_step_line_names_phase_throughput_and_skips():
                             tokens_per_s=10.0, mfu=None, elapsed_s=5, eta_s=0, skipped=True)
     assert line.startswith("step 100/100 | clm     | loss nan") and "MFU" not in line
     assert line.endswith("| SKIPPED (non-finite)")
+    # A run with a longer phase name pads every phase to it, so the columns line up.
+    scheduled = resolve_phases((Phase(objective=MLM(mask_ratio=0.3, mask_ratio_schedule="cosine", final_mask_ratio=0.05),
+                                      share=1.0),), 100)[0]
+    lines = [format_step_line(step=1, total_steps=100, phase=p, loss=1.0, lr=1e-3, grad_norm=1.0, tokens_per_s=1.0,
+                              mfu=None, elapsed_s=1, eta_s=1, skipped=False, name_width=len(scheduled.name))
+             for p in (clm, scheduled)]
+    assert [line.index("| loss") for line in lines] == [len("step   1/100 | mlm-30to5-cosine ")] * 2

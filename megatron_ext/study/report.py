@@ -63,7 +63,7 @@ from megatron_ext.eval.protocol import FinetuneConfig
 from megatron_ext.eval.ranking import RankedSystem, format_ranking
 from megatron_ext.eval.render import pm, tokens_label
 from megatron_ext.study.plan import PlannedRun, StudyPlan
-from megatron_ext.objectives import CLM, MLM
+from megatron_ext.objectives import CLM
 from megatron_ext.study.spec import BiphasicSpec, steps_label
 
 SUMMARY_FILE = "summary.json"
@@ -499,11 +499,11 @@ def _size_label(plan: StudyPlan, size: str, text: str) -> str:
 
 
 def clm_share_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, Sequence[str]]) -> Figure:
-    """Score vs the share of CLM steps: the MLM run (at the biphasic runs' masking ratio) at 0 %,
+    """Score vs the share of CLM steps: the run of the biphasic runs' second objective alone at 0 %,
     each biphasic split, CLM at 100 %; a line per size and budget."""
     study = plan.study
-    mask = study.biphasic.mask_ratio if study.biphasic else BiphasicSpec.__dataclass_fields__["mask_ratio"].default
-    shares = {MLM(mask_ratio=mask).study_kind: 0.0, CLM().study_kind: 1.0}
+    second = study.biphasic.objective if study.biphasic else BiphasicSpec.__dataclass_fields__["objective"].default
+    shares = {second.study_kind: 0.0, CLM().study_kind: 1.0}
     if study.biphasic is not None:
         shares.update({study.biphasic.kind(share): share for share in study.biphasic.clm_shares})
     figure = Figure(name="clm_share", title="Score vs share of CLM steps (0 %: MLM, 100 %: CLM)",

@@ -11,11 +11,11 @@ A YAML mapping (``examples/studies/``)::
       - {objective: clm}
     biphasic:                             # CLM for a share of the steps, then MLM
       clm_shares: [0.25, 0.5, 0.75]
-      mask_ratio: 0.4
+      mask_ratio: 0.4                     # or any objective: objective: {name: wwm, mask_ratio: 0.4}
     cpt:                                  # continued pretraining from decayed runs of this study
       sources: [clm, mlm_40]              # run kinds: objectives (clm, mlm_40) or biphasic_25_75
       source_budget: 42000                # which budget of each source (default: the largest)
-      mask_ratio: 0.4
+      mask_ratio: 0.4                     # or objective: {name: mntp, mask_ratio: 0.2} (LLM2Vec)
       continuations:
         - {steps: 2000, overrides: {schedule: {lr_warmup_iters: 200, lr_wsd_decay_iters: 200}}}
         - {steps: 12000}
@@ -155,14 +155,37 @@ class ObjectiveSpec:
         return [{"objective": self.objective.to_config(), "share": 1.0}]
 
 
+def read_second_objective(raw: Any, where: str) -> Any:
+    """``raw`` (a ``biphasic`` or ``cpt`` mapping) with its ``objective`` read: a phase's spelling
+    (``objective: {name: wwm, mask_ratio: 0.4}`` or a name), or ``mask_ratio: 0.4`` alone for MLM at
+    that ratio (the paper's, and the older study files')."""
+    if not isinstance(raw, Mapping):
+        return raw  # build_dataclass names the expected mapping
+    values = dict(raw)
+    if "mask_ratio" in values:
+        if "objective" in values:
+            raise ConfigError(f"{where}: give mask_ratio inside the objective "
+                              "(objective: {name: mlm, mask_ratio: 0.4}) or mask_ratio alone (MLM), not both")
+        values["objective"] = read_objective({"name": MLM.tag, "mask_ratio": values.pop("mask_ratio")}, where)
+    elif "objective" in values:
+        values["objective"] = read_objective(values["objective"], where)
+    return values
+
+
 @dataclass(frozen=True, kw_only=True)
 class BiphasicSpec:
-    """CLM from step 0 for a share of the steps, then MLM, under one schedule."""
+    """CLM from step 0 for a share of the steps, then a bidirectional objective (MLM by default),
+    under one schedule."""
 
     clm_shares: tuple[float, ...]
     """Shares of the CLM phase, each in (0, 1): one run per share and budget."""
-    mask_ratio: float = 0.4
-    """Masking ratio of the MLM phase."""
+    objective: Objective = MLM(mask_ratio=0.4)
+    """The second phase's objective, spelled as in a phase (``{name: wwm, mask_ratio: 0.4}``);
+    ``mask_ratio: 0.4`` alone is MLM at that ratio."""
+
+    @classmethod
+    def from_config(cls, raw: Any, where: str) -> BiphasicSpec:
+        return build_dataclass(cls, read_second_objective(raw, where), where)
 
     def __post_init__(self) -> None:
         if not self.clm_shares:
@@ -171,20 +194,20 @@ class BiphasicSpec:
             if not 0.0 < share < 1.0:
                 raise ValueError(f"clm_shares: each share must be in (0, 1), got {share}")
         _unique(list(self.clm_shares), "clm_shares")
-        self.mlm  # checks the ratio
-
-    @property
-    def mlm(self) -> MLM:
-        """The objective of the MLM phase."""
-        return MLM(mask_ratio=self.mask_ratio)
+        if self.objective.causal:
+            raise ValueError(f"objective: the phase after CLM must be bidirectional (mlm, wwm, span, mntp), "
+                             f"got {self.objective.name}")
 
     def kind(self, share: float) -> str:
-        """``biphasic_25_75`` for share 0.25."""
-        return f"biphasic_{_percent(share)}_{_percent(1.0 - share)}"
+        """``biphasic_25_75`` for share 0.25 then MLM at a constant ratio (the paper's runs), else
+        with the second objective's study name: ``biphasic_25_75_wwm_40``."""
+        kind = f"biphasic_{_percent(share)}_{_percent(1.0 - share)}"
+        plain_mlm = type(self.objective) is MLM and self.objective.mask_ratio_schedule == "constant"
+        return kind if plain_mlm else f"{kind}_{self.objective.study_kind}"
 
     def phases(self, share: float) -> list[dict]:
         return [{"objective": CLM().to_config(), "share": share},
-                {"objective": self.mlm.to_config(), "share": 1.0 - share}]
+                {"objective": self.objective.to_config(), "share": 1.0 - share}]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,8 +228,8 @@ class ContinuationSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class CptSpec:
-    """Continued pretraining with MLM from the final (decayed) checkpoint of runs of the study:
-    weights only, a fresh optimizer and schedule (``checkpoint.finetune``)."""
+    """Continued pretraining (MLM by default) from the final (decayed) checkpoint of runs of the
+    study: weights only, a fresh optimizer and schedule (``checkpoint.finetune``)."""
 
     sources: tuple[str, ...]
     """Kinds of from-scratch runs to continue: an objective's (``clm``, ``mlm_40``) or a biphasic
@@ -215,8 +238,13 @@ class CptSpec:
     """The continuation lengths: one run per source and continuation."""
     source_budget: int | None = None
     """Which budget of each source is continued (one of ``budgets``; default: the largest)."""
-    mask_ratio: float = 0.4
-    """Masking ratio of the continuation."""
+    objective: Objective = MLM(mask_ratio=0.4)
+    """What the continuation trains, spelled as in a phase (``{name: mntp, mask_ratio: 0.2}``,
+    LLM2Vec's); ``mask_ratio: 0.4`` alone is MLM at that ratio."""
+
+    @classmethod
+    def from_config(cls, raw: Any, where: str) -> CptSpec:
+        return build_dataclass(cls, read_second_objective(raw, where), where)
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -225,19 +253,14 @@ class CptSpec:
         if not self.continuations:
             raise ValueError("continuations: give at least one")
         _unique([c.steps for c in self.continuations], "continuations[*].steps")
-        self.mlm  # checks the ratio
-
-    @property
-    def mlm(self) -> MLM:
-        """The continuation's objective."""
-        return MLM(mask_ratio=self.mask_ratio)
 
     @property
     def kind(self) -> str:
-        return f"cpt_{self.mlm.study_kind}"
+        """``cpt_mlm_40``: the continuation's objective's study name."""
+        return f"cpt_{self.objective.study_kind}"
 
     def phases(self) -> list[dict]:
-        return [{"objective": self.mlm.to_config(), "share": 1.0}]
+        return [{"objective": self.objective.to_config(), "share": 1.0}]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,10 +29,12 @@ def duration(seconds: float) -> str:
 
 
 def format_step_line(*, step: int, total_steps: int, phase: ResolvedPhase, loss: float, lr: float, grad_norm: float,
-                     tokens_per_s: float, mfu: float | None, elapsed_s: float, eta_s: float, skipped: bool) -> str:
+                     tokens_per_s: float, mfu: float | None, elapsed_s: float, eta_s: float, skipped: bool,
+                     name_width: int = 7) -> str:
     """The step log line, e.g. ``step  40/100 | mlm-30  | loss 5.2692 | lr 1.00e-03 | gnorm 0.912 |
-    12,345 tok/s | MFU 41.2% | elapsed 1m02s | ETA 1m33s``."""
-    line = (f"step {step:>{len(str(total_steps))}}/{total_steps} | {phase.name:<7} | loss {loss:.4f} | "
+    12,345 tok/s | MFU 41.2% | elapsed 1m02s | ETA 1m33s``; the phase name is padded to
+    ``name_width`` (the run's longest), so a run's columns line up."""
+    line = (f"step {step:>{len(str(total_steps))}}/{total_steps} | {phase.name:<{name_width}} | loss {loss:.4f} | "
             f"lr {lr:.2e} | gnorm {grad_norm:.3f} | {tokens_per_s:,.0f} tok/s")
     if mfu is not None:
         line += f" | MFU {100 * mfu:.1f}%"
@@ -101,6 +103,7 @@ class StepLogger:
         self.run_start = self.window_start = time.perf_counter()
         self.window_steps = 0
         self.window_flops = 0.0
+        self.name_width = max([7, *(len(phase.name) for phase in config.resolved_phases)])
 
     def banner(self, phases: list[ResolvedPhase]) -> None:
         """What the run will do and where: its phases, the MFU convention, the engine and device."""
@@ -131,7 +134,7 @@ class StepLogger:
                 print(format_step_line(
                     step=step, total_steps=self.total_steps, phase=phase, loss=loss, lr=lr, grad_norm=grad_norm,
                     tokens_per_s=values["tokens_per_s"], mfu=mfu, elapsed_s=elapsed, skipped=skipped,
-                    eta_s=elapsed / max(step - self.start_step, 1) * (self.total_steps - step)), flush=True)
+                    name_width=self.name_width, eta_s=elapsed / max(step - self.start_step, 1) * (self.total_steps - step)), flush=True)
             self.window_start, self.window_steps, self.window_flops = now, 0, 0.0
         self.sinks.record("train", step, values)
 
