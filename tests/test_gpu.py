@@ -309,6 +309,35 @@ def test_scored_positions_lm_head_matches_the_full_head_under_bf16(model_paralle
     assert scored == pytest.approx(full, rel=1e-2)
 
 
+@pytest.mark.parametrize("name", ["clm", "mlm_80_10_10", "wwm", "span", "mntp"])
+def test_objectives_build_batches_without_a_host_sync(tiny_corpus, name):
+    """Every objective builds its micro-batch on the GPU without waiting for it (the masks are made
+    at each step's start, and a host sync there drains the device's queue); the per-device tables
+    (excluded ids, word boundaries) are made once, on the first batch."""
+    from megatron_ext.objectives import CLM, MLM, MNTP, PhaseProgress, SpanMLM, Vocabulary, WholeWordMLM
+    from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
+
+    vocabulary = Vocabulary(build_tokenizer(TokenizerConfig(tokenizer_model=tiny_corpus["tokenizer"])), size=1024)
+    objective = {"clm": CLM(), "mlm_80_10_10": MLM(mask_ratio=0.4, mask_replace_prob=0.8, random_replace_prob=0.1),
+                 "wwm": WholeWordMLM(mask_ratio=0.4), "span": SpanMLM(mask_ratio=0.4),
+                 "mntp": MNTP(mask_ratio=0.2)}[name]
+    tokens = torch.randint(10, 1000, (4, 256), device="cuda")
+    batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(4, 256, device="cuda")}
+
+    def make():
+        return objective.make_batch(batch, progress=PhaseProgress(step=0, steps=1), vocabulary=vocabulary,
+                                    generator=torch.Generator(device="cuda").manual_seed(0))
+
+    first = make()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = make()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(first.input_ids, second.input_ids) and torch.equal(first.loss_mask, second.loss_mask)
+
+
 def _train_in_a_process(raw: dict, what: str) -> dict[int, float]:
     """Run ``raw`` to its end with ``pretrain_encoder.py`` in a process of its own (a fresh CUDA
     context: cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` when its handle is created, which in this

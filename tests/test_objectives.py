@@ -107,6 +107,21 @@ def test_80_10_10_split_within_binomial_bounds(news_batch):
     assert torch.equal(out.input_ids[~selected], news_batch[~selected])
 
 
+def test_random_replacement_is_uniform_over_the_allowed_ids():
+    """Random ids are drawn over every id but the special ones and the mask (here at both ends of
+    a small vocabulary and side by side), each about equally often."""
+    vocab, mask, specials = 12, 6, (0, 5, 11)
+    tokens = torch.full((64, 640), 1)
+    out = apply_mlm(tokens, config=MaskingConfig(mask_ratio=0.5, mask_replace_prob=0.0, random_replace_prob=1.0),
+                    mask_id=mask, vocab_size=vocab, special_ids=specials, generator=torch.Generator().manual_seed(0))
+    drawn = out.input_ids[out.loss_mask.bool()]
+    counts = torch.bincount(drawn, minlength=vocab)
+    allowed = [i for i in range(vocab) if i not in (*specials, mask)]
+    assert counts[[*specials, mask]].sum() == 0
+    n, p = drawn.numel(), 1 / len(allowed)
+    assert all(abs(counts[i].item() - n * p) < 5 * math.sqrt(n * p * (1 - p)) for i in allowed), counts.tolist()
+
+
 def test_keep_only_leaves_input_unchanged(news_batch):
     out = _mlm(news_batch, mask_replace_prob=0.0)
     assert torch.equal(out.input_ids, news_batch)

@@ -15,6 +15,7 @@ variants of this package (whole words, spans, MNTP's shifted targets) reuse ever
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass
@@ -87,6 +88,13 @@ def max_selected(seq_length: int, mask_ratio: float) -> int:
     return math.floor(seq_length * mask_ratio + 0.5)
 
 
+@functools.lru_cache(maxsize=16)
+def _ids_on(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``ids`` as a long tensor on ``device``, made once per device: copying a Python list to a GPU
+    waits for the device, a host sync per micro-batch otherwise (and a break in a CUDA graph)."""
+    return torch.tensor(ids, dtype=torch.long).to(device)
+
+
 def apply_mlm(
     tokens: torch.Tensor,
     *,
@@ -120,7 +128,7 @@ def apply_mlm(
         raise ValueError(
             f"special_ids must be in [0, vocab_size={vocab_size}), got {sorted(special_ids)}"
         )
-    excluded = torch.tensor(excluded_ids, dtype=torch.long, device=tokens.device)
+    excluded = _ids_on(tuple(excluded_ids), tokens.device)
 
     eligible = ~torch.isin(tokens, excluded)
     if maskable is not None:
@@ -133,13 +141,14 @@ def apply_mlm(
     if config.random_replace_prob > 0.0:
         replace_prob = config.mask_replace_prob + config.random_replace_prob
         to_random = selected & ~to_mask & (choice < replace_prob)
-        allowed = torch.ones(vocab_size, dtype=torch.bool, device=tokens.device)
-        allowed[excluded] = False
-        allowed_ids = allowed.nonzero().squeeze(1)
+        # A uniform id outside ``excluded``: the r-th such id is r plus the count of excluded ids
+        # at or below it, which searchsorted over ``excluded[i] - i`` gives (a nonzero() over
+        # the vocabulary would wait for the device).
         draws = torch.randint(
-            len(allowed_ids), tokens.shape, generator=generator, device=tokens.device
+            vocab_size - len(excluded_ids), tokens.shape, generator=generator, device=tokens.device
         )
-        input_ids = torch.where(to_random, allowed_ids[draws], input_ids)
+        holes = _ids_on(tuple(e - i for i, e in enumerate(excluded_ids)), tokens.device)
+        input_ids = torch.where(to_random, draws + torch.searchsorted(holes, draws, right=True), input_ids)
 
     return ObjectiveBatch(
         input_ids=input_ids,
