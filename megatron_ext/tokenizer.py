@@ -159,15 +159,18 @@ class EncoderTokenizer(abc.ABC):
 
     def word_boundaries(self) -> tuple[list[bool], list[bool]]:
         """Per id, ``(starts, ends)`` for whole-word masking, BERT's words: text split at
-        whitespace and around every punctuation character.
+        whitespace, around every punctuation character and around each CJK ideograph.
 
         A token *starts* a word when it carries the vocabulary's word mark (byte-level BPE 'Ġ',
         SentencePiece '▁'; WordPiece marks continuations with '##' instead) or its text begins
-        with punctuation or whitespace (a newline 'Ċ'); it *ends* one when its text ends with
-        either, so the token after it starts the next (``"(", "hello"``). Special tokens do
-        both. The convention is the mark most pieces carry (a BPE vocabulary may hold a literal
-        '##' token, a WordPiece one a 'Ġ' character). A byte-level piece holding part of a
-        multi-byte character (the 'Ã' and '©' of 'é') is a letter, not punctuation."""
+        with punctuation, whitespace (a newline 'Ċ') or an ideograph; it *ends* one when its text
+        ends with one of those and is not whitespace alone, so the token after it starts the next
+        (``"(", "hello"``). Special tokens do both. The convention is the mark most pieces carry (a
+        BPE vocabulary may hold a literal '##' token, a WordPiece one a 'Ġ' character).
+
+        A byte-level piece holding part of a multi-byte character (the 'Ã' and '©' of 'é') reads
+        as a letter, so punctuation or an ideograph that the vocabulary splits into bytes (an em
+        dash in a small vocabulary) does not split words: a limit of reading pieces one by one."""
         pieces = self._pieces()
         marks = ("Ġ", "▁", "##")
         mark = max(marks, key=lambda m: sum(piece.startswith(m) for piece in pieces))
@@ -176,7 +179,8 @@ class EncoderTokenizer(abc.ABC):
             marked = piece.startswith(mark)
             text = _piece_text(piece, mark)
             starts.append(marked != (mark == "##") or (text != "" and _splits_words(text[0])))
-            ends.append(text != "" and _splits_words(text[-1]))
+            # Whitespace alone ('Ġ', '▁', 'Ċ') starts the word after it rather than being one.
+            ends.append(text.strip() != "" and _splits_words(text[-1]))
         for special in self.special_ids:
             starts[special] = ends[special] = True
         return starts, ends
@@ -408,13 +412,21 @@ def _piece_text(piece: str, mark: str) -> str:
     return piece.replace("▁", " ")
 
 
+_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+               (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+"""CJK ideographs, each a word of its own in BERT's basic tokenizer (its ``_is_chinese_char``)."""
+
+
 def _splits_words(character: str) -> bool:
-    """Whitespace or punctuation (BERT's rule: every non-alphanumeric printable ASCII character,
-    and Unicode's P* categories); U+FFFD, part of a split character, is not."""
+    """Whitespace, punctuation or a CJK ideograph (BERT's rules: every non-alphanumeric printable
+    ASCII character and Unicode's P* categories are punctuation); U+FFFD, part of a split
+    character, is not."""
     if character.isspace():
         return True
     code = ord(character)
     if 33 <= code <= 47 or 58 <= code <= 64 or 91 <= code <= 96 or 123 <= code <= 126:
+        return True
+    if any(low <= code <= high for low, high in _CJK_RANGES):
         return True
     return unicodedata.category(character).startswith("P")
 

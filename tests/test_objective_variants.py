@@ -103,15 +103,18 @@ def test_a_stretched_schedule_is_another_run_from_its_second_step(tmp_path):
     assert "phase mlm 0.4->0.2 linear (steps 0-7) vs mlm 0.4->0.2 linear (steps 0-15)" in found.reason
 
 
-def _bert_word_starts(text: str) -> set[int]:
-    """Character offsets where BERT's words begin: text split at whitespace and around punctuation
-    (Unicode P*, or non-alphanumeric printable ASCII), written independently of the tokenizer's
-    vocabulary tables."""
-    def splits(c: str) -> bool:
-        return unicodedata.category(c).startswith("P") or (c.isascii() and c.isprintable() and not c.isalnum())
+def _bert_splits(c: str) -> bool:
+    """Punctuation (Unicode P*, or non-alphanumeric printable ASCII) or a CJK ideograph, told
+    apart by the character's Unicode category and name."""
+    return (unicodedata.category(c).startswith("P") or (c.isascii() and c.isprintable() and not c.isalnum())
+            or unicodedata.name(c, "").startswith(("CJK UNIFIED IDEOGRAPH", "CJK COMPATIBILITY IDEOGRAPH")))
 
+
+def _bert_word_starts(text: str) -> set[int]:
+    """Character offsets where BERT's words begin: text split at whitespace, around punctuation and
+    around CJK ideographs, written independently of the tokenizer's vocabulary tables."""
     return {i for i, c in enumerate(text)
-            if not c.isspace() and (i == 0 or splits(c) or text[i - 1].isspace() or splits(text[i - 1]))}
+            if not c.isspace() and (i == 0 or _bert_splits(c) or text[i - 1].isspace() or _bert_splits(text[i - 1]))}
 
 
 def _token_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -125,7 +128,7 @@ def _token_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int
 
 
 WORD_TEXT = ('Café owners (and "naïve" résumé-writers) said: élan, sorry... it\'s 2026!\n'
-             "New line: [brackets] and {braces}; über-fast.")
+             "New line: [brackets] and {braces}; über-fast. 東京 and 北京, twice:  spaces.")
 
 
 @pytest.mark.parametrize("kind", ["byte-level BPE", "SentencePiece", "WordPiece"])
@@ -149,9 +152,18 @@ def test_word_boundaries_are_berts_words(kind, bpe, minilm_dir, news_texts):
         ids, spans = _token_offsets(tokenizer, text)
         for k, (token, (begin, end)) in enumerate(zip(ids, spans)):
             first = next((i for i in range(begin, end) if not text[i].isspace()), None)
-            if first is None or token in tokenizer.special_ids or (k > 0 and ids[k - 1] in tokenizer.special_ids):
-                continue  # whitespace alone (a boundary either way), or next to an unknown character (it ends words)
-            is_start = starts[token] or k == 0 or ends[ids[k - 1]]
+            if first is None:  # whitespace alone: it starts the word after it
+                assert starts[token] and not ends[token], (kind, repr(text[begin:end]))
+                continue
+            if token in tokenizer.special_ids or (k > 0 and ids[k - 1] in tokenizer.special_ids):
+                continue  # next to an unknown character (a special token ends words)
+            cut = k > 0 and (tokenizer.detokenize([ids[k - 1]]).endswith("\ufffd")
+                             or tokenizer.detokenize([token]).startswith("\ufffd"))
+            if cut and (_bert_splits(text[first]) or _bert_splits(text[first - 1])):
+                continue  # next to an ideograph or punctuation cut into bytes (the documented limit)
+            # (a word may begin at the whitespace token before it)
+            after_whitespace = k > 0 and text[spans[k - 1][0]:spans[k - 1][1]].isspace()
+            is_start = starts[token] or k == 0 or ends[ids[k - 1]] or after_whitespace
             if k > 0 and spans[k - 1][0] == begin and first < spans[k - 1][1]:
                 should = False  # the second piece of a character split across tokens
                 split_characters += 1
@@ -161,6 +173,31 @@ def test_word_boundaries_are_berts_words(kind, bpe, minilm_dir, news_texts):
             assert is_start == should, (kind, text[max(0, begin - 15): end + 15], tokenizer.detokenize([token]))
     assert checked > 3000
     assert split_characters > 0 or kind != "byte-level BPE", "the accents must be split into bytes"
+
+
+def test_whole_word_masking_takes_whole_words(news, vocabulary, bpe):
+    out = _apply(WholeWordMLM(mask_ratio=0.4), news, vocabulary)
+    tokens, selected = news["tokens"], out.loss_mask.bool()
+    eligible = _eligible(tokens, vocabulary)
+    # A token continues a word unless it starts one or the token before it ends one (the tables
+    # are checked against BERT's words in test_word_boundaries_are_berts_words).
+    starts, ends = (torch.tensor(table) for table in bpe.word_boundaries())
+    continues = ~starts[tokens[:, 1:]] & ~ends[tokens[:, :-1]] & eligible[:, 1:] & eligible[:, :-1]
+    assert continues.float().mean() > 0.1, "the text must have multi-token words"
+    assert torch.equal(selected[:, 1:][continues], selected[:, :-1][continues]), "a word was split"
+    # At most MLM's exact count per row, short by less than one (longest) word; overall within 2 points.
+    target = torch.floor(eligible.sum(1).double() * 0.4 + 0.5).long()
+    counts = selected.sum(1)
+    assert (counts <= target).all() and (counts > target - 12).all()
+    share = selected.sum().item() / eligible.sum().item()
+    assert 0.38 < share <= 0.4
+    assert not (selected & ~eligible).any() and (out.input_ids[selected] == vocabulary.mask_id).all()
+    assert out.max_scored_per_sequence == math.floor(SEQ * 0.4 + 0.5) and out.causal is False
+    # Multi-token words are masked too, at about the same rate as their tokens' share.
+    multi_token_word_tokens = torch.zeros_like(selected)
+    multi_token_word_tokens[:, 1:] |= continues
+    multi_token_word_tokens[:, :-1] |= continues
+    assert abs(selected[multi_token_word_tokens].float().mean().item() - 0.4) < 0.05
 
 
 def test_span_masking_follows_spanbert_lengths(news, vocabulary):
@@ -246,12 +283,18 @@ def test_study_planner_accepts_every_objective(tmp_path):
     assert {run.name: [phase.name for phase in run.config.resolved_phases] for run in plan.runs} == {
         "610m_clm_12k": ["clm"], "610m_biphasic_50_50_wwm_30_12k": ["clm", "wwm-30"],
         "610m_clm_12k_cpt_mntp_20_2k": ["mntp-20"]}
-    study["biphasic"] = {"clm_shares": [0.5], "mask_ratio": 0.3}
-    path.write_text(yaml.safe_dump(study))
-    assert "610m_biphasic_50_50_12k" in {run.name for run in plan_study(read_study(path), path).runs}
+    for biphasic, kind in (({"mask_ratio": 0.3}, "biphasic_50_50"), ({"objective": "wwm", "mask_ratio": 0.3},
+                                                                        "biphasic_50_50_wwm_30")):
+        study["biphasic"] = {"clm_shares": [0.5], **biphasic}
+        path.write_text(yaml.safe_dump(study))
+        assert f"610m_{kind}_12k" in {run.name for run in plan_study(read_study(path), path).runs}
 
     for where, change, message in [
-        ("biphasic", {"mask_ratio": 0.3, "objective": "wwm"}, r"study\.biphasic: give mask_ratio inside the objective"),
+        ("biphasic", {"mask_ratio": 0.3, "objective": {"name": "wwm"}},
+         r"study\.biphasic: give the objective's settings inside objective: \{name: \.\.\.\} or beside it"),
+        ("biphasic", {"mask_ratio": 1.3}, r"study\.biphasic: mask_ratio must be in \(0, 1\), got 1\.3"),
+        ("biphasic", {"clm_share": 0.3}, r"study\.biphasic: unknown key\(s\) \['clm_share'\]; valid keys: "
+                                         r"\['clm_shares', 'objective'\] and the settings of objective 'mlm'"),
         ("biphasic", {"objective": "clm"}, r"study\.biphasic: objective: the phase after CLM must be bidirectional"),
         ("cpt", {"objective": {"name": "span", "mask_ratio": 0.9}}, r"study\.cpt\.objective: mask_ratio 0\.9 is above"),
         ("objectives", None, r"study\.objectives\[1\]: mask_ratio 0\.9 is above 0\.792"),

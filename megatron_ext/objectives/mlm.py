@@ -88,11 +88,20 @@ def max_selected(seq_length: int, mask_ratio: float) -> int:
     return math.floor(seq_length * mask_ratio + 0.5)
 
 
+# The two tables below are made once per device: copying a host tensor to a GPU waits for the
+# device, a host sync per micro-batch otherwise.
 @functools.lru_cache(maxsize=16)
 def _ids_on(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``ids`` as a long tensor on ``device``, made once per device: copying a Python list to a GPU
-    waits for the device, a host sync per micro-batch otherwise (and a break in a CUDA graph)."""
+    """``ids`` as a long tensor on ``device``."""
     return torch.tensor(ids, dtype=torch.long).to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _excluded_table(excluded_ids: tuple[int, ...], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Bool ``[vocab_size]`` on ``device``: True at ``excluded_ids``."""
+    table = torch.zeros(vocab_size, dtype=torch.bool)
+    table[list(excluded_ids)] = True
+    return table.to(device)
 
 
 def apply_mlm(
@@ -106,7 +115,7 @@ def apply_mlm(
     maskable: torch.Tensor | None = None,
     select: Selection = select_uniform,
 ) -> ObjectiveBatch:
-    """Corrupt ``tokens`` ``[b, s]`` for masked language modeling.
+    """Corrupt ``tokens`` ``[b, s]`` (ids in ``[0, vocab_size)``) for masked language modeling.
 
     Eligible = not in ``special_ids``, not ``mask_id``, and True in ``maskable`` (a bool tensor
     broadcastable to ``tokens``) when given. ``select`` picks among them (default
@@ -128,9 +137,9 @@ def apply_mlm(
         raise ValueError(
             f"special_ids must be in [0, vocab_size={vocab_size}), got {sorted(special_ids)}"
         )
-    excluded = _ids_on(tuple(excluded_ids), tokens.device)
-
-    eligible = ~torch.isin(tokens, excluded)
+    # A lookup in a per-device table: torch.isin sorts (and waits for the device) once the
+    # special ids are many (a Llama-3 vocabulary has 256).
+    eligible = ~_excluded_table(tuple(excluded_ids), vocab_size, tokens.device)[tokens]
     if maskable is not None:
         eligible &= maskable.to(device=tokens.device, dtype=torch.bool)
     selected, bound = select(tokens, eligible, mask_ratio=config.mask_ratio, generator=generator)
@@ -253,7 +262,8 @@ class MLM(Objective):
         tokens = batch["tokens"]
         return apply_mlm(
             tokens, config=self.masking(self.mask_ratio_at(progress)), mask_id=vocabulary.mask_id,
-            vocab_size=vocabulary.size, special_ids=vocabulary.special_ids, generator=generator,
+            # The tokenizer's ids: random replacements never draw the model's padding rows.
+            vocab_size=vocabulary.tokenizer.vocab_size, special_ids=vocabulary.special_ids, generator=generator,
             maskable=batch["loss_mask"].sum(-1, keepdim=True) > 0,  # batch-padding samples
             select=self.select(vocabulary, tokens.device),
         )

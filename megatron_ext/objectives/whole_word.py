@@ -1,13 +1,14 @@
 """Whole-word masking (WWM): MLM that selects every token of a word or none of it (BERT's
 whole-word release, transformers PR 39485 for byte-level BPE and SentencePiece vocabularies).
 
-Words are BERT's (text split at whitespace and around punctuation), read from the tokenizer's
-vocabulary (``EncoderTokenizer.word_boundaries``: 'Ġ' / '▁' marks or WordPiece '##' continuations,
-and tokens that begin or end with punctuation or whitespace). A word is a token that starts one and
-the tokens after it up to the next start; anything not eligible (special tokens, padding) ends a word. Words are drawn in a uniformly random
-order and taken while the selected tokens stay within MLM's exact count
-``floor(mask_ratio * n + 0.5)`` (so the count is at most that, short of it by less than the first
-word that would overshoot); replacement then works per token, as in MLM.
+Words are BERT's (text split at whitespace, around punctuation and around CJK ideographs), read
+from the tokenizer's vocabulary (``EncoderTokenizer.word_boundaries``: 'Ġ' / '▁' marks or WordPiece
+'##' continuations, and tokens that begin or end with punctuation or whitespace). A word is a token
+that starts one and the tokens after it up to the next start; anything not eligible (special
+tokens, padding) ends a word. Words are drawn in a uniformly random order and taken while the
+selected tokens stay within MLM's exact count ``floor(mask_ratio * n + 0.5)`` (so the count is at
+most that, short of it by less than the first word that would overshoot); replacement then works
+per token, as in MLM.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ ranked exactly the report's models on the task, otherwise ranked again with
 model's best LR) from the run files under each folder's ``runs/``.
 
 **Figures** (PNG, one subplot per family; each drawn when the study has the runs it needs and they
-are evaluated, otherwise named with the reason): score vs CLM share (MLM 0 %, biphasic, CLM 100 %;
-one line per budget), score vs pretraining tokens (MLM and CLM runs: their budgets' final
+are evaluated, otherwise named with the reason): score vs CLM share (MLM, or the biphasic runs'
+second objective, at 0 %; biphasic; CLM 100 %; one line per budget), score vs pretraining tokens (MLM and CLM runs: their budgets' final
 checkpoints, and each run's evaluated checkpoints), continued pretraining against added steps (from
 each source kind, the source's final score at +0) and score vs fine-tuning LR (one line per kind
 at its longest evaluated run; the harness's score-vs-LR curves averaged over the family's tasks).
@@ -63,8 +63,8 @@ from megatron_ext.eval.protocol import FinetuneConfig
 from megatron_ext.eval.ranking import RankedSystem, format_ranking
 from megatron_ext.eval.render import pm, tokens_label
 from megatron_ext.study.plan import PlannedRun, StudyPlan
-from megatron_ext.objectives import CLM
-from megatron_ext.study.spec import BiphasicSpec, steps_label
+from megatron_ext.objectives import CLM, Objective
+from megatron_ext.study.spec import BiphasicSpec, CptSpec, is_constant_mlm, steps_label
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.json"
@@ -498,6 +498,11 @@ def _size_label(plan: StudyPlan, size: str, text: str) -> str:
     return f"{size} {text}" if len(plan.study.sizes) > 1 else text
 
 
+def _objective_label(objective: Objective) -> str:
+    """``MLM`` for MLM at a constant ratio (the paper's runs), else the objective's name (``wwm-40``)."""
+    return "MLM" if is_constant_mlm(objective) else objective.name
+
+
 def clm_share_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, Sequence[str]]) -> Figure:
     """Score vs the share of CLM steps: the run of the biphasic runs' second objective alone at 0 %,
     each biphasic split, CLM at 100 %; a line per size and budget."""
@@ -506,7 +511,7 @@ def clm_share_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, S
     shares = {second.study_kind: 0.0, CLM().study_kind: 1.0}
     if study.biphasic is not None:
         shares.update({study.biphasic.kind(share): share for share in study.biphasic.clm_shares})
-    figure = Figure(name="clm_share", title="Score vs share of CLM steps (0 %: MLM, 100 %: CLM)",
+    figure = Figure(name="clm_share", title=f"Score vs share of CLM steps (0 %: {_objective_label(second)}, 100 %: CLM)",
                     xlabel="share of pretraining steps with CLM (%)", x_axis="percent")
     kinds = set(study.scratch_kinds()) & set(shares)
     if len(kinds) < 2:
@@ -571,7 +576,9 @@ def tokens_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, Sequ
 def cpt_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, Sequence[str]]) -> Figure:
     """Continued pretraining against added steps: a line per source (CLM, MLM ...) through its
     continuations' final checkpoints, starting at the source's final score at +0."""
-    figure = Figure(name="cpt", title="Continued pretraining (MLM) from each source vs added steps",
+    objective = plan.study.cpt.objective if plan.study.cpt else CptSpec.__dataclass_fields__["objective"].default
+    figure = Figure(name="cpt", title=f"Continued pretraining ({_objective_label(objective)}) from each source vs "
+                                      "added steps",
                     xlabel="continued-pretraining steps added")
     cpt = [g for g in scores.groups if g.source is not None]
     if not cpt:

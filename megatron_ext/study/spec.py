@@ -9,7 +9,7 @@ A YAML mapping (``examples/studies/``)::
     objectives:                           # one run per objective x budget
       - {objective: mlm, mask_ratio: 0.4}   # any objective, as a phase spells it
       - {objective: clm}
-    biphasic:                             # CLM for a share of the steps, then MLM
+    biphasic:                             # CLM for a share of the steps, then MLM (or another objective)
       clm_shares: [0.25, 0.5, 0.75]
       mask_ratio: 0.4                     # or any objective: objective: {name: wwm, mask_ratio: 0.4}
     cpt:                                  # continued pretraining from decayed runs of this study
@@ -39,6 +39,7 @@ study sets itself (phases, train_iters, seed, output and start paths) are refuse
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ from typing import Any
 import yaml
 
 from megatron_ext.config_loading import ConfigError, build_dataclass
-from megatron_ext.objectives import CLM, MLM, Objective, read_objective
+from megatron_ext.objectives import CLM, MLM, OBJECTIVES, Objective, read_objective
 from megatron_ext.training.config import SECTIONS
 
 PLANNER_KEYS = {
@@ -155,20 +156,31 @@ class ObjectiveSpec:
         return [{"objective": self.objective.to_config(), "share": 1.0}]
 
 
-def read_second_objective(raw: Any, where: str) -> Any:
-    """``raw`` (a ``biphasic`` or ``cpt`` mapping) with its ``objective`` read: a phase's spelling
-    (``objective: {name: wwm, mask_ratio: 0.4}`` or a name), or ``mask_ratio: 0.4`` alone for MLM at
-    that ratio (the paper's, and the older study files')."""
+def is_constant_mlm(objective: Objective) -> bool:
+    """Whether ``objective`` is plain MLM at a constant ratio, the paper's: its biphasic runs keep
+    their short names and reports call it MLM."""
+    return type(objective) is MLM and objective.mask_ratio_schedule == "constant"
+
+
+def read_second_objective(raw: Any, where: str, spec: type) -> Any:
+    """``raw`` (the mapping of ``spec``: ``biphasic`` or ``cpt``) with its ``objective`` read as a
+    phase spells it: ``objective: {name: wwm, mask_ratio: 0.4}``, or a name with its settings beside
+    it (``objective: wwm, mask_ratio: 0.4``); settings without a name are MLM's (``mask_ratio: 0.4``,
+    the paper's, and the older study files')."""
     if not isinstance(raw, Mapping):
         return raw  # build_dataclass names the expected mapping
     values = dict(raw)
-    if "mask_ratio" in values:
-        if "objective" in values:
-            raise ConfigError(f"{where}: give mask_ratio inside the objective "
-                              "(objective: {name: mlm, mask_ratio: 0.4}) or mask_ratio alone (MLM), not both")
-        values["objective"] = read_objective({"name": MLM.tag, "mask_ratio": values.pop("mask_ratio")}, where)
-    elif "objective" in values:
-        values["objective"] = read_objective(values["objective"], where)
+    own = {f.name for f in dataclasses.fields(spec)} - {"objective"}
+    settings = {key: values.pop(key) for key in list(values) if key not in own and key != "objective"}
+    if "objective" not in values and not settings:
+        return values  # the default objective
+    named = values.get("objective", MLM.tag)
+    if isinstance(named, str) and named in OBJECTIVES:  # a key neither the section's nor the objective's
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(OBJECTIVES[named])})
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(own | {'objective'})} "
+                              f"and the settings of objective {named!r}")
+    values["objective"] = read_objective(named, where, flat_settings=settings)  # names any other problem
     return values
 
 
@@ -180,12 +192,12 @@ class BiphasicSpec:
     clm_shares: tuple[float, ...]
     """Shares of the CLM phase, each in (0, 1): one run per share and budget."""
     objective: Objective = MLM(mask_ratio=0.4)
-    """The second phase's objective, spelled as in a phase (``{name: wwm, mask_ratio: 0.4}``);
-    ``mask_ratio: 0.4`` alone is MLM at that ratio."""
+    """The second phase's objective, spelled as in a phase (``objective: {name: wwm, mask_ratio: 0.4}``
+    or ``objective: wwm, mask_ratio: 0.4``); ``mask_ratio: 0.4`` alone is MLM at that ratio."""
 
     @classmethod
     def from_config(cls, raw: Any, where: str) -> BiphasicSpec:
-        return build_dataclass(cls, read_second_objective(raw, where), where)
+        return build_dataclass(cls, read_second_objective(raw, where, cls), where)
 
     def __post_init__(self) -> None:
         if not self.clm_shares:
@@ -202,8 +214,7 @@ class BiphasicSpec:
         """``biphasic_25_75`` for share 0.25 then MLM at a constant ratio (the paper's runs), else
         with the second objective's study name: ``biphasic_25_75_wwm_40``."""
         kind = f"biphasic_{_percent(share)}_{_percent(1.0 - share)}"
-        plain_mlm = type(self.objective) is MLM and self.objective.mask_ratio_schedule == "constant"
-        return kind if plain_mlm else f"{kind}_{self.objective.study_kind}"
+        return kind if is_constant_mlm(self.objective) else f"{kind}_{self.objective.study_kind}"
 
     def phases(self, share: float) -> list[dict]:
         return [{"objective": CLM().to_config(), "share": share},
@@ -239,12 +250,13 @@ class CptSpec:
     source_budget: int | None = None
     """Which budget of each source is continued (one of ``budgets``; default: the largest)."""
     objective: Objective = MLM(mask_ratio=0.4)
-    """What the continuation trains, spelled as in a phase (``{name: mntp, mask_ratio: 0.2}``,
-    LLM2Vec's); ``mask_ratio: 0.4`` alone is MLM at that ratio."""
+    """What the continuation trains, spelled as in a phase (``objective: {name: mntp, mask_ratio:
+    0.2}``, LLM2Vec's; CLM too, to continue a decoder as one); ``mask_ratio: 0.4`` alone is MLM at
+    that ratio."""
 
     @classmethod
     def from_config(cls, raw: Any, where: str) -> CptSpec:
-        return build_dataclass(cls, read_second_objective(raw, where), where)
+        return build_dataclass(cls, read_second_objective(raw, where, cls), where)
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -381,7 +393,7 @@ class Study:
     objectives: tuple[ObjectiveSpec, ...] = ()
     """Single-objective runs from scratch."""
     biphasic: BiphasicSpec | None = None
-    """CLM then MLM runs from scratch."""
+    """CLM then MLM (or another bidirectional objective) runs from scratch."""
     cpt: CptSpec | None = None
     """Continued pretraining from runs of the study."""
     seeds: tuple[int, ...] = ()
