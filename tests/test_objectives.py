@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -157,21 +156,16 @@ def test_maskable_excludes_rows(news_batch):
     assert out.loss_mask[:3].sum() == 0 and (out.loss_mask[3:].sum(1) > 0).all()
 
 
-def test_paper_sized_batch_is_fast():
-    """[8, 2048] with a Llama-3-sized vocabulary: vectorized, so far under a second."""
-    tokens = torch.randint(128_256, (8, 2048), generator=torch.Generator().manual_seed(0))
-    kwargs = dict(
-        config=MaskingConfig(mask_ratio=0.4, mask_replace_prob=0.8, random_replace_prob=0.1),
-        mask_id=128_002,
-        vocab_size=128_256,
-        special_ids=(128_000, 128_001),
-        generator=torch.Generator().manual_seed(0),
-    )
-    apply_mlm(tokens, **kwargs)
-    start = time.perf_counter()
-    out = apply_mlm(tokens, **kwargs)
-    assert time.perf_counter() - start < 1.0
+def test_paper_sized_batch_with_a_llama3_vocabulary():
+    """[8, 2048] with a Llama-3-sized vocabulary: the exact count per row, no special id drawn
+    (its speed: benchmarks/masking.py)."""
+    tokens = torch.randint(128_000, (8, 2048), generator=torch.Generator().manual_seed(0))
+    specials = tuple(range(128_000, 128_256))
+    out = apply_mlm(tokens, config=MaskingConfig(mask_ratio=0.4, mask_replace_prob=0.8, random_replace_prob=0.1),
+                    mask_id=128_002, vocab_size=128_256, special_ids=specials,
+                    generator=torch.Generator().manual_seed(0))
     assert (out.loss_mask.sum(1) == round(0.4 * 2048)).all()
+    assert not torch.isin(out.input_ids, torch.tensor([s for s in specials if s != 128_002])).any()
 
 
 @pytest.mark.parametrize(
