@@ -220,6 +220,15 @@ def read_te_smoke(stage_dir: Path) -> dict:
     return {"transformer_engine": record.get("transformer_engine"), **record.get("checks", {})}
 
 
+def read_fp8_gemm(stage_dir: Path) -> dict:
+    """FP8's speedup over bf16 per layer size and recipe, and the first size where it pays."""
+    record = _read_json(stage_dir / "fp8_gemm.json") or {}
+    speedups = {row["shape"]["name"]: {precision: side.get("speedup_vs_bf16", side.get("skipped"))
+                                       for precision, side in row["sides"].items() if precision != "bf16"}
+                for row in record.get("rows", [])}
+    return {"fp8_speedup_vs_bf16": speedups, "fp8_delayed_pays_from": record.get("fp8_delayed_pays_from")}
+
+
 def read_throughput(stage_dir: Path) -> dict:
     """Per row: tokens/s, MFU, step time, peak memory (and the trainer's estimate), the HF ratio, each
     variant's ratio and each side's wall time, from the JSON throughput.py writes at its end; when the
@@ -369,6 +378,11 @@ STAGES: tuple[Stage, ...] = (
     Stage(name="throughput_1b_fusions", purpose="1B bf16: the recipe's configuration vs each of its fusions undone",
           command=_throughput("1b", "bf16", variants=("no_rope_fusion", "no_grad_accum_fusion"), hf=False),
           max_s=150, min_s=80, needs=frozenset({"gpu"}), read=read_throughput),
+    Stage(name="fp8_gemm", purpose="one layer's GEMMs, bf16 vs FP8 (delayed, tensorwise), from 210M to Llama-3-70B "
+                                   "sizes: from what size FP8 pays",
+          command=lambda ctx: [ctx.python, str(REPO / "benchmarks" / "fp8_gemm.py"),
+                               "--output", str(ctx.stage_dir / "fp8_gemm.json")],
+          max_s=90, min_s=40, needs=frozenset({"fp8"}), read=read_fp8_gemm),
     Stage(name="throughput_1b_fp8", purpose="1B, seq 2048, FP8 (delayed scaling), with and without CUDA graphs",
           command=_throughput("1b", "fp8", variants=("cuda_graphs",), hf=False),
           max_s=150, min_s=60, needs=frozenset({"fp8"}), read=read_throughput),

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import masking, throughput
+from benchmarks import fp8_gemm, masking, throughput
 
 REQUIRED = ("model", "seq_length", "precision", "tokens_per_s", "tflops", "mfu", "peak_mem_gb", "hf_tokens_per_s")
 
@@ -140,3 +140,18 @@ def test_masking_benchmark_times_every_objective(tmp_path, capsys):
     assert set(record["objectives"]) == set(masking.OBJECTIVES) and record["objectives"]["mlm-40"]["ratio_to_mlm"] == 1.0
     assert all(row["ms_per_micro_batch"] > 0 for row in record["objectives"].values())
     assert "wwm-40" in capsys.readouterr().out
+
+
+def test_fp8_gemm_benchmark_cpu_mode_times_bf16_and_names_what_it_skips(tmp_path):
+    """benchmarks/fp8_gemm.py --cpu-tiny: the bf16 side per size, FP8 sides skipped with the reason
+    (they need a GPU), the layer's GEMM shapes and FLOPs those of the presets."""
+    record = fp8_gemm.main(["--cpu-tiny", "--warmup", "1", "--steps", "2", "--output", str(tmp_path / "f.json")])
+    assert [row["shape"]["name"] for row in record["rows"]] == ["tiny", "tiny x2"]
+    for row in record["rows"]:
+        assert row["sides"]["bf16"]["ms"] > 0 and row["sides"]["bf16"]["speedup_vs_bf16"] == 1.0
+        assert row["sides"]["fp8_delayed"] == {"skipped": "FP8 needs a CUDA GPU"}
+    assert record["fp8_delayed_pays_from"] is None
+    one_b = next(shape for shape in fp8_gemm.SHAPES if shape.name == "1b")
+    # 18 query heads of 96 and 6 KV groups: QKV 1728 -> 2880; SwiGLU FC1 1728 -> 8192.
+    assert one_b.gemms() == [("qkv", 1728, 2880), ("proj", 1728, 1728), ("fc1", 1728, 8192), ("fc2", 4096, 1728)]
+    assert one_b.flops(1) == 6 * (1728 * 2880 + 1728 * 1728 + 1728 * 8192 + 4096 * 1728)

@@ -140,6 +140,9 @@ def test_the_stages_on_a_gpu_machine_build_their_commands(tmp_path):
     assert "--output-dir" in gpu_tests and gpu_tests[gpu_tests.index("--timeout-s") + 1] == "180"
     assert gpu_tests[gpu_tests.index("--pytest-args") + 1].startswith("-n ")
     assert "--no-baseline" in commands["throughput_1b_fp8"]
+    fp8_gemm = commands["fp8_gemm"]
+    assert fp8_gemm[1].endswith("benchmarks/fp8_gemm.py") and "--cpu-tiny" not in fp8_gemm
+    assert fp8_gemm[fp8_gemm.index("--output") + 1] == str(tmp_path / "fp8_gemm" / "fp8_gemm.json")
     from benchmarks import checkpoint_stall
 
     cost = checkpoint_stall.build_parser().parse_args(commands["checkpoint_cost"][2:])
@@ -159,6 +162,21 @@ def test_the_checkpoint_cost_stage_reports_each_writer(tmp_path):
     page = gpu_suite.summary_markdown([result], machine=GPU, budget_s=100, elapsed_s=100, commit=None)
     assert "nvidia-resiliency-ext: not installed (no nvrx side); 2 rounds" in page
     assert "| sync | 7.0 | 6.0 | 12.3 | 1.234 | 3.46 |" in page and "| async_mcore | 0.5 | 6.0 | 12.3 | 1.234 | 3.46 |" in page
+
+
+def test_the_fp8_gemm_stage_reports_speedups_per_size(tmp_path):
+    """What the FP8 GEMM benchmark writes (its CPU mode, FP8 sides skipped), read into the summary."""
+    from benchmarks import fp8_gemm
+
+    fp8_gemm.main(["--cpu-tiny", "--warmup", "1", "--steps", "2", "--output", str(tmp_path / "fp8_gemm.json")])
+    figures = gpu_suite.read_fp8_gemm(tmp_path)
+    assert figures == {"fp8_speedup_vs_bf16": {name: {"fp8_delayed": "FP8 needs a CUDA GPU",
+                                                      "fp8_tensorwise": "FP8 needs a CUDA GPU"}
+                                               for name in ("tiny", "tiny x2")},
+                       "fp8_delayed_pays_from": None}
+    result = gpu_suite.StageResult(name="fp8_gemm", purpose="", status="passed", figures=figures)
+    assert "fp8_delayed_pays_from: None" in gpu_suite.summary_markdown([result], machine=GPU, budget_s=100,
+                                                                        elapsed_s=100, commit=None)
 
 
 def test_cli_refuses_an_unknown_stage_and_a_budget_below_its_reserve(capsys):
@@ -184,7 +202,8 @@ def test_the_suite_on_cpu_runs_what_a_cpu_can_and_says_why_not_the_rest(tmp_path
     assert status["throughput_1b_bf16"]["status"] == "passed"
     (row,) = status["throughput_1b_bf16"]["figures"]["rows"]
     assert row["row"] == "tiny seq 128 fp32" and row["tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0
-    for name in ("te_smoke", "gpu_tests", "resume_e2e", "checkpoint_cost", "throughput_1b_fp8", "throughput_610m_bf16"):
+    for name in ("te_smoke", "gpu_tests", "resume_e2e", "checkpoint_cost", "fp8_gemm", "throughput_1b_fp8",
+                 "throughput_610m_bf16"):
         assert status[name]["status"] == "not_applicable" and status[name]["reason"].startswith("needs"), name
     page = (out / "summary.md").read_text()
     assert "| tiny seq 128 fp32 |" in page and "needs a CUDA GPU" in page
