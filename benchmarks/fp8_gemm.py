@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.results_file import write_record  # noqa: E402
 from megatron_ext import hardware  # noqa: E402
+from megatron_ext.config_loading import UserError  # noqa: E402
 from megatron_ext.model.config import PRESETS  # noqa: E402
 
 
@@ -138,15 +139,15 @@ def time_layer(shape: LayerShape, precision: str, *, tokens: int, warmup: int, s
 
 
 def unavailable(precision: str, *, cpu_tiny: bool) -> str | None:
-    """Why ``precision`` cannot be timed here, or None."""
+    """Why ``precision`` cannot be timed here, or None (the trainer's own FP8 check on a GPU)."""
     if precision == "bf16":
         return None
-    if cpu_tiny or not hardware.on_gpu():
+    if cpu_tiny:
         return "FP8 needs a CUDA GPU"
-    if not hardware.transformer_engine_available():
-        return "FP8 needs Transformer Engine"
-    if torch.cuda.get_device_capability() < hardware.FP8_MIN_COMPUTE_CAPABILITY:
-        return f"FP8 needs compute capability >= {hardware.FP8_MIN_COMPUTE_CAPABILITY}"
+    try:
+        hardware.check_run_supported(fp8_recipe="delayed", recompute_granularity=None)
+    except UserError as err:
+        return str(err)
     return None
 
 

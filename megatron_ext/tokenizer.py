@@ -373,37 +373,21 @@ class GPT2BPETokenizer(_TokenizersBackend):
         )
 
 
-@functools.cache
-def _byte_level_bytes() -> dict[str, int]:
-    """The inverse of GPT-2's byte-level alphabet (each byte written as one printable
-    character: 'Ġ' is the space, 'Ċ' the newline); ``tokenizers`` exposes the alphabet itself."""
-    from tokenizers import pre_tokenizers
-
-    # The alphabet lists the characters only; GPT-2's order: the printable Latin-1 bytes map to
-    # themselves, the rest to 256, 257, ... in byte order.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    characters = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in characters:
-            characters[b] = chr(256 + extra)
-            extra += 1
-    table = {c: b for b, c in characters.items()}
-    assert set(table) == set(pre_tokenizers.ByteLevel.alphabet()), "tokenizers' byte-level alphabet changed"
-    return table
-
-
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece's byte pieces
+
+
+@functools.cache
+def _byte_level_decoder():
+    from tokenizers import decoders
+
+    return decoders.ByteLevel()
 
 
 def _piece_text(piece: str, mark: str) -> str:
     """The text a vocabulary piece stands for, with its word mark as a space ('##' dropped); a
     partial UTF-8 character reads as U+FFFD."""
-    if mark == "Ġ":
-        table = _byte_level_bytes()
-        if all(c in table for c in piece):
-            return bytes(table[c] for c in piece).decode("utf-8", errors="replace")
-        return piece  # an added token: written as itself
+    if mark == "Ġ":  # GPT-2's byte alphabet ('Ġ' the space, 'Ċ' the newline); added tokens stay as written
+        return _byte_level_decoder().decode([piece])
     if mark == "##":
         return piece.removeprefix("##")
     fallback = _BYTE_FALLBACK.match(piece)
