@@ -5,17 +5,17 @@
 The trainer builds every micro-batch of a step on the training device before the step's forward
 passes (``training/loop.py``), so this is time the accelerator waits for at each step's start
 (on a GPU, host time launching the kernels; they are small). Every objective runs on the same
-tokens (real text from the demo tokenizer, tiled to the shape) with a vocabulary the size of
-Llama-3's: 128,256 ids of which 256 are special (EuroBERT's tokenizer), where the demo
-tokenizer's own ids mark word starts for whole-word masking. Side by side in one run, as ratios
-to plain MLM. On a GPU the time is measured between synchronisations around each batch.
+tokens (real news text in the demo tokenizer's ids, tiled to the shape) with a vocabulary the size
+of Llama-3's: 128,256 ids of which 256 are special (EuroBERT's tokenizer), where the demo
+tokenizer's own ids mark word boundaries for whole-word masking. Side by side in one run, as ratios
+to plain MLM, the objectives taking turns in each repeat. On a GPU the time is measured between
+synchronisations around each batch.
 Writes ``benchmarks/results/masking_<device>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -60,31 +60,40 @@ class _Llama3SizedTokenizer:
         return self._boundaries
 
 
-def _tokens(micro_batch_size: int, seq_length: int, device: torch.device) -> torch.Tensor:
-    demo = assets.data_dir() / "demo_tokenizer"
-    if not (demo / "tokenizer.json").exists():
-        raise SystemExit(f"{demo}: no demo tokenizer; run `make demo-data` first")
-    tokenizer = build_tokenizer(TokenizerConfig(tokenizer_model=str(demo)))
-    corpus = assets.data_dir() / "demo_corpus" / "train.jsonl"
-    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()[:200]]
+def _tokens(tokenizer_model: Path, micro_batch_size: int, seq_length: int, device: torch.device):
+    """The tokenizer, and real news text (gensim's Lee corpus, a registry download) in its ids,
+    tiled to ``[micro_batch_size, seq_length]``."""
+    if not tokenizer_model.exists():
+        raise SystemExit(f"--tokenizer {tokenizer_model}: not found; run `make demo-data` for the demo tokenizer")
+    tokenizer = build_tokenizer(TokenizerConfig(tokenizer_model=str(tokenizer_model)))
+    news = assets.member("gensim", "gensim/test/test_data/lee_background.cor")
+    texts = [line for line in news.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
     ids = [i for document in tokenizer.tokenize_batch(texts) for i in document]
     need = micro_batch_size * seq_length
     ids = (ids * (need // len(ids) + 1))[:need]
     return tokenizer, torch.tensor(ids, device=device).view(micro_batch_size, seq_length)
 
 
-def _time_ms(build, repeats: int, device: torch.device) -> float:
-    build()  # warm-up: the per-device tables are made here
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+def _time_s(build, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    build()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def time_interleaved(builds: dict, repeats: int, device: torch.device) -> dict[str, float]:
+    """Median ms per build, the builds taking turns within each repeat (drift in the machine's
+    speed then falls on all of them alike); one untimed warm-up each makes the per-device tables."""
+    for build in builds.values():
         build()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    samples: dict[str, list[float]] = {name: [] for name in builds}
+    for _ in range(repeats):
+        for name, build in builds.items():
+            samples[name].append(_time_s(build, device) * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -92,21 +101,25 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--micro-batch-size", type=int, default=9, help="sequences per micro-batch (the 1B recipe's)")
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=100, help="timed batches per objective (median reported)")
+    parser.add_argument("--tokenizer", type=Path, default=assets.data_dir() / "demo_tokenizer",
+                        help="whose word boundaries whole-word masking reads (default: the demo tokenizer)")
     parser.add_argument("--output", type=Path, help="JSON path (default: results/masking_<device>.json)")
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    demo, tokens = _tokens(args.micro_batch_size, args.seq_length, device)
+    demo, tokens = _tokens(args.tokenizer, args.micro_batch_size, args.seq_length, device)
     vocabulary = Vocabulary(_Llama3SizedTokenizer(demo), size=LLAMA3_IDS)
     batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(tokens.shape, device=device)}
-    rows = {}
-    for name, objective in OBJECTIVES.items():
-        def build(objective=objective):
+    def builder(objective):
+        def build():
             generator = torch.Generator(device=device).manual_seed(0)
             return objective.make_batch(batch, progress=PhaseProgress(step=0, steps=1), vocabulary=vocabulary,
                                         generator=generator)
+        return build
 
-        rows[name] = {"ms_per_micro_batch": round(_time_ms(build, args.repeats, device), 3)}
+    medians = time_interleaved({name: builder(objective) for name, objective in OBJECTIVES.items()},
+                               args.repeats, device)
+    rows = {name: {"ms_per_micro_batch": round(ms, 3)} for name, ms in medians.items()}
     base = rows["mlm-40"]["ms_per_micro_batch"]
     name_device = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu{os.cpu_count()}"
     print(f"building one micro-batch of {args.micro_batch_size} x {args.seq_length} on {name_device} "

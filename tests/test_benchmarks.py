@@ -132,10 +132,11 @@ def test_every_variant_changes_a_setting_the_sides_record():
                 assert renamed.get((section, key), key) in recorded, f"variant {name}: {section}.{key} not recorded"
 
 
-def test_masking_benchmark_times_every_objective(tmp_path, capsys):
+def test_masking_benchmark_times_every_objective(tmp_path, capsys, tiny_corpus):
     """benchmarks/masking.py at a small shape: a row per objective, as ratios to plain MLM."""
     out = tmp_path / "masking.json"
-    record = masking.main(["--micro-batch-size", "2", "--seq-length", "128", "--repeats", "2", "--output", str(out)])
+    record = masking.main(["--micro-batch-size", "2", "--seq-length", "128", "--repeats", "2", "--output", str(out),
+                           "--tokenizer", tiny_corpus["tokenizer"]])
     assert json.loads(out.read_text()) == record
     assert set(record["objectives"]) == set(masking.OBJECTIVES) and record["objectives"]["mlm-40"]["ratio_to_mlm"] == 1.0
     assert all(row["ms_per_micro_batch"] > 0 for row in record["objectives"].values())
