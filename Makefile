@@ -52,7 +52,7 @@ miniature: demo-data
 	$(PY) tools/run_study.py examples/studies/miniature.yaml --executor local
 
 # Two pytest-xdist workers, whatever the core count: the suite waits on subprocesses and SLURM jobs
-# part of its time. On 2 cores, 27 min against ~32 min in one process (a fresh clone, CI's command;
+# part of its time. On 2 cores, 27-31 min against ~32 min in one process (fresh clones, CI's command;
 # TEST_WORKERS=0: one process). How tests are grouped and ordered: tests/conftest.py.
 TEST_WORKERS ?= 2
 test: setup
