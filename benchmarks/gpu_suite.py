@@ -366,8 +366,8 @@ def _finetune_speed(ctx: StageContext) -> list[str]:
     # EuroBERT-210M's shape, one SC task, the paper's batch and LR protocol, bf16 on the GPU; 300 steps
     # (the paper's runs are 1,000: the time per step is what a study's cost scales). The demo tokenizer
     # (--data-dir) and the task in the asset cache (benchmarks/results/gpu_visits/README.md: preparing a visit).
-    return [ctx.python, str(REPO / "benchmarks" / "finetune_speed.py"), "--model-size", "210m",
-            "--tokenizer", str(ctx.data_dir / "demo_tokenizer"), "--steps", "300",
+    tokenizer = ["--tokenizer", str(ctx.data_dir / "demo_tokenizer")] if ctx.data_dir else []  # run only with it
+    return [ctx.python, str(REPO / "benchmarks" / "finetune_speed.py"), "--model-size", "210m", *tokenizer, "--steps", "300",
             "--rounds", "1", "--workers", "1", "2", "4", "--grid-runs", "4", "--label", "suite",
             "--output", str(ctx.stage_dir / "finetune_speed.json")]
 
