@@ -53,8 +53,12 @@ def mean_lm_head_share(phase: ResolvedPhase, *, seq_length: int, scored_only: bo
                        steps: range | None = None) -> float:
     """:func:`lm_head_share` averaged over the steps of ``phase`` (its total FLOPs), or over
     ``steps`` of it (a segment of a run that trains part of the phase)."""
+    steps = steps if steps is not None else range(phase.start, phase.end)
+    ends = {lm_head_share(phase, step, seq_length=seq_length, scored_only=scored_only) for step in (steps[0], steps[-1])}
+    if ends == {peak_lm_head_share(phase, seq_length=seq_length, scored_only=scored_only)}:
+        return ends.pop()  # a constant share (schedules are monotone): no need to visit every step
     shares = [lm_head_share(phase, step, seq_length=seq_length, scored_only=scored_only)
-              for step in (steps if steps is not None else range(phase.start, phase.end))]
+              for step in steps]
     if len(set(shares)) == 1:  # a constant share as it is (a mean of equal floats may move its last bit)
         return shares[0]
     return math.fsum(shares) / len(shares)
