@@ -151,3 +151,19 @@ def test_progress_eta_is_the_estimate_corrected_by_the_segments_trained():
     assert progress.summary().endswith("ETA 7m30s (estimate x1.50, the measured pace of the segments trained)")
     progress.drop("c")
     assert progress.summary().endswith("ETA 2m30s (estimate x1.50, the measured pace of the segments trained)")
+
+
+def test_the_one_node_study_fits_its_node_and_a_smaller_budget_is_refused(capsys):
+    """examples/studies/one_node.yaml: within 8 H100s x 24 h by its own estimate; under 50 GPU-hours refused."""
+    from megatron_ext.cli import plan_study as cli
+
+    study = str(ROOT / "examples" / "studies" / "one_node.yaml")
+    assert cli.main([study, "--dry-run", "--gpu", "H100", "--budget-gpu-hours", "192"]) == 0
+    out = capsys.readouterr().out
+    whole = re.search(r"^  whole study: ([\d,.]+) GPU-hours; wall time ([\d.]+) h \(local executor\)", out, re.M)
+    assert whole and float(whole.group(1).replace(",", "")) <= 192 and float(whole.group(2)) <= 24, out
+    assert re.search(r"^  210m_clm_12k +8 ", out, re.M)  # 8 GPUs per run: the size's sbatch flags
+    assert cli.main([study, "--dry-run", "--gpu", "H100", "--budget-gpu-hours", "50"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.match(r"plan_study\.py: error: --budget-gpu-hours 50: study one_node is estimated at "
+                                      r"[\d.]+ GPU-hours; the biggest: segment 210m_clm_12k [\d.]+, ", err[0]), err
