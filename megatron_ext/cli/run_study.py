@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_ext.study.cost import report_study_cost
 
+    if args.executor == "local" and args.gpus is None:  # the local executor's runs use --nproc-per-node GPUs
+        args.gpus = args.nproc_per_node
     if args.dry_run:
         code = executor().run(dry_run=True)
         report_study_cost(plan, args)
