@@ -378,7 +378,7 @@ def band(sources: Iterable[str]) -> tuple[float, float]:
 def format_band(sources: Iterable[str]) -> str:
     sources = sorted(set(sources), key=list(BANDS).index)
     low, high = band(sources)
-    return f"expected within x{low:.2g} to x{high:.2g} of the estimate ({', '.join(sources)} speeds)"
+    return f"expected within x{low:.3g} to x{high:.3g} of the estimate ({', '.join(sources)} speeds)"
 
 
 def format_run_cost(cost: SegmentCost, kind: str, notices: Iterable[str] = ()) -> str:
