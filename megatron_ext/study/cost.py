@@ -38,6 +38,7 @@ one) and says so when there is none.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -181,8 +182,10 @@ def _git_added(results_dir: Path) -> dict[str, tuple[str, str]]:
     return found
 
 
-def read_measurements(results_dir: Path) -> list[MeasuredRow]:
-    """Every throughput row (with its FLOP/s) of the ``throughput*.json`` files below ``results_dir``."""
+@functools.lru_cache(maxsize=8)
+def read_measurements(results_dir: Path) -> tuple[MeasuredRow, ...]:
+    """Every throughput row (with its FLOP/s) of the ``throughput*.json`` files below ``results_dir``
+    (read once per process: a test or a tool may plan many runs)."""
     added = _git_added(results_dir)
     rows = []
     for path in sorted(results_dir.rglob("throughput*.json")):
@@ -207,7 +210,7 @@ def read_measurements(results_dir: Path) -> list[MeasuredRow]:
                                     seq_length=int(row["seq_length"]), precision=str(row["precision"]),
                                     backend=row.get("attention_backend"), flops_per_s=float(row["tflops"]) * 1e12,
                                     date=date))
-    return rows
+    return tuple(rows)
 
 
 def default_results_dir() -> Path | None:
@@ -226,7 +229,7 @@ class SpeedTable:
         self.results_dir = results_dir
         self.notices: list[str] = []
         if results_dir is None:
-            self.rows: list[MeasuredRow] = []
+            self.rows: tuple[MeasuredRow, ...] = ()
             self.notices.append("no benchmarks/results directory (an installed package has none; --results-dir "
                                 "DIR names one): speeds are assumed from peak FLOP/s")
         elif not results_dir.is_dir():
