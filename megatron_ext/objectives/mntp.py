@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ext.objectives.base import IGNORE_INDEX, ObjectiveBatch, PhaseProgress, Vocabulary
-from megatron_ext.objectives.mlm import MLM, Selection
+from megatron_ext.objectives.mlm import MLM, Selected, Selection
 
 
 def _after_first(select: Selection) -> Selection:
-    def select_after_first(tokens: torch.Tensor, eligible: torch.Tensor, **kwargs) -> tuple[torch.Tensor, int]:
+    def select_after_first(tokens: torch.Tensor, eligible: torch.Tensor, **kwargs) -> Selected:
         eligible = eligible.clone()
         eligible[:, 0] = False
         return select(tokens, eligible, **kwargs)
@@ -40,6 +40,11 @@ class MNTP(MLM):
     Llama-class models at ``mask_ratio`` 0.2 with BERT's 80/10/10 replacement)."""
 
     tag = "mntp"
+
+    prediction_offset = -1
+
+    def selectable_positions(self, seq_length: int) -> int:
+        return seq_length - 1  # never position 0
 
     def select(self, vocabulary: Vocabulary, device: torch.device) -> Selection:
         return _after_first(super().select(vocabulary, device))
