@@ -30,6 +30,7 @@ from megatron_ext.cli.entry import ArgumentParser, report_user_error
 import yaml
 
 from megatron_ext.config_loading import UserError
+from megatron_ext.tokenizer import EncoderTokenizer, TokenizerConfig, build_tokenizer
 from megatron_ext.training.config import (
     RunConfig,
     add_override_flags,
@@ -51,16 +52,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, dests
 
 
-def load_config(args: argparse.Namespace, dests: dict) -> RunConfig:
+def load_config(args: argparse.Namespace, dests: dict) -> tuple[RunConfig, EncoderTokenizer | None]:
+    """The run config, and its tokenizer when reading the config needed it (``model.vocab_size:
+    from_tokenizer``)."""
     raw = apply_overrides(read_recipe(args.config), args, dests)
-    vocab = None
+    tokenizer = None
     if needs_tokenizer_vocab(raw):
-        from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
         from megatron_ext.config_loading import build_dataclass
 
-        tokenizer_config = build_dataclass(TokenizerConfig, raw.get("tokenizer") or {}, "tokenizer")
-        vocab = build_tokenizer(tokenizer_config).vocab_size
-    return run_config_from_dict(raw, tokenizer_vocab_size=vocab)
+        tokenizer = build_tokenizer(build_dataclass(TokenizerConfig, raw.get("tokenizer") or {}, "tokenizer"))
+    return run_config_from_dict(raw, tokenizer_vocab_size=tokenizer and tokenizer.vocab_size), tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,15 +84,21 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
     parser, dests = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    config = load_config(args, dests)
+    config, tokenizer = load_config(args, dests)
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if args.dry_run:
-        from megatron_ext.training.plan import check_paths, format_plan, make_plan
+        from megatron_ext.training.plan import check_paths, check_tokenizer_serves, format_plan, make_plan
 
         from megatron_ext.training.memory import memory_report
 
         world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        try:  # like the paths below, the tokenizer may be on a mount of the compute nodes only
+            tokenizer = tokenizer or build_tokenizer(config.tokenizer)
+        except UserError as err:
+            print(f"tokenizer: NOT READY, a run would stop here: {err}")
+        else:  # what the objectives need of it: refused now, as the run would refuse it
+            check_tokenizer_serves(config, tokenizer)
         print(format_plan(config, make_plan(config, world)))
         print(memory_report(config, world_size=world))
         try:  # a plan made on a login node may name paths mounted only on the compute nodes

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_recipe
+from helpers import tiny_recipe, unmarked_bpe_dir
 from megatron_ext.cli import plot_loss
 from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.objectives import (
@@ -296,21 +296,9 @@ def test_whole_word_objective_masks_whole_words_of_news(news, vocabulary, bpe):
 
 @pytest.fixture(scope="module")
 def unmarked_bpe(tmp_path_factory, news_texts):
-    """A BPE trained on the news behind a whitespace pre-tokenizer: its pieces carry no word mark
-    ('hello', 'ing'), so its ids do not say where words begin."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    backend = Tokenizer(models.BPE(unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.BPEDecoder()
-    backend.train_from_iterator(news_texts, trainers.BpeTrainer(
-        vocab_size=1024, special_tokens=["[UNK]", "[SEP]", "[MASK]"], show_progress=False))
-    directory = tmp_path_factory.mktemp("unmarked_bpe")
-    from transformers import PreTrainedTokenizerFast
-
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[SEP]",
-                            mask_token="[MASK]").save_pretrained(directory)
-    return build_tokenizer(TokenizerConfig(tokenizer_model=str(directory)))
+    """A BPE trained on the news behind a whitespace pre-tokenizer (``helpers.unmarked_bpe_dir``)."""
+    return build_tokenizer(TokenizerConfig(tokenizer_model=str(
+        unmarked_bpe_dir(news_texts, tmp_path_factory.mktemp("unmarked_bpe")))))
 
 
 def test_a_vocabulary_without_word_marks(unmarked_bpe, news_texts, long_word_texts):
@@ -514,7 +502,7 @@ def test_new_objectives_log_their_names_and_resume_exactly(tmp_path, tiny_corpus
                "steps": 1}]
 
     def recipe(name, save):
-        return tiny_recipe(tiny_corpus, tmp_path / name, phases=phases, training={"train_iters": 5, "eval_interval": 0},
+        return tiny_recipe(tiny_corpus, tmp_path / name, phases=phases, training={"train_iters": 5, "eval_interval": 5},
                            checkpoint={"save": save, "save_interval": 100})  # saves only where a stop needs one
 
     straight = pretrain(run_config_from_dict(recipe("a", None)))
@@ -527,3 +515,7 @@ def test_new_objectives_log_their_names_and_resume_exactly(tmp_path, tiny_corpus
     assert resumed.start_step == 1 and all(math.isfinite(loss) for loss in straight.losses.values())
     assert {s: resumed.losses[s] for s in range(2, 6)} == {s: straight.losses[s] for s in range(2, 6)}
     assert plot_loss.main([str(tmp_path / "a/log"), "--output", str(tmp_path / "loss.png")]) == 0  # knows every tag
+    # A run that trains MNTP is validated as MNTP too: its own loss, beside CLM's and MLM's.
+    valid = straight.valid[5]
+    assert set(valid) == {"clm", "mlm", "mntp"} and valid["mntp"] != valid["mlm"] and valid == resumed.valid[5]
+    assert [set(r) - {"kind", "step"} for r in records if r["kind"] == "valid"] == [{"clm", "mlm", "mntp"}]

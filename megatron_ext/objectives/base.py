@@ -24,7 +24,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -165,9 +165,9 @@ class Objective(abc.ABC):
             except MissingSpecialTokenError as err:
                 raise MissingSpecialTokenError(f"objective {self.name} needs a mask token: {err}") from None
 
-    def selection_problem(self, seq_length: int) -> str | None:
-        """Why the objective would score (nearly) nothing in sequences of ``seq_length``, starting
-        with the key at fault; None when it scores enough."""
+    def selection_problem(self, seq_length: int, key: Callable[[str], str] = str) -> str | None:
+        """Why the objective would score (nearly) nothing in sequences of ``seq_length``, naming
+        the setting at fault as ``key(field)`` (its key in the recipe); None when it scores enough."""
         return None
 
     def validation_objective(self, eval_mask_ratio: float) -> Objective | None:

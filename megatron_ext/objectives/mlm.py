@@ -243,17 +243,17 @@ class MLM(Objective):
         """The ratios at the phase's first and last steps (:meth:`ratio_fields`)."""
         return tuple(ratio for _, ratio in self.ratio_fields())
 
-    def selection_problem(self, seq_length: int) -> str | None:
+    def selection_problem(self, seq_length: int, key: Callable[[str], str] = str) -> str | None:
         # The count of a sequence with every position maskable; a sequence holding a document
         # boundary or padding gets fewer, so a count below the floor leaves many with none.
         positions = self.selectable_positions(seq_length)
         for field, ratio in self.ratio_fields():
             count = max_selected(positions, ratio)
             if count < MIN_SELECTED_PER_SEQUENCE:
-                return (f"{field}: {ratio:g} of a sequence's {positions} maskable positions (data.seq_length "
+                return (f"{key(field)}: {ratio:g} of the {positions} maskable positions of a sequence (data.seq_length "
                         f"{seq_length}) selects {count} per sequence, fewer than {MIN_SELECTED_PER_SEQUENCE}: most "
-                        f"steps would score nothing; raise {field} to at least "
-                        f"{(MIN_SELECTED_PER_SEQUENCE - 0.5) / positions:.4g} or lengthen data.seq_length")
+                        f"steps would score nothing; raise {key(field)} to at least "
+                        f"{(MIN_SELECTED_PER_SEQUENCE - 0.5) / positions:.3g} or lengthen data.seq_length")
         return None
 
     def validation_objective(self, eval_mask_ratio: float) -> Objective | None:
