@@ -25,7 +25,7 @@ import sys
 
 # First: importing megatron_ext.cli keeps third-party warnings to one per job, before Megatron is
 # imported (megatron_ext.cli.entry.THIRD_PARTY_WARNINGS).
-from megatron_ext.cli.entry import ArgumentParser, report_user_error
+from megatron_ext.cli.entry import ArgumentParser, configure_logging, report_user_error
 
 import yaml
 
@@ -83,7 +83,7 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
     """The exit code and a one-line reason."""
     parser, dests = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     config, tokenizer = load_config(args, dests)
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False))

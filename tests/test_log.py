@@ -42,8 +42,7 @@ def test_two_rank_run_prints_every_line_once(tmp_path, tiny_corpus):
     repeated = {line: n for line, n in Counter(lines).items() if n > 1 and line not in REPEATS_ALLOWED}
     assert not repeated, output
     # What each rank printed before (issue 26), now once per job or not at all.
-    assert sum("GPTModel IS DEPRECATED" in line for line in lines) == 1, output
-    for gone in ("Apex is not installed", "MimoModelConfig is experimental", "full scope is deprecated",
+    for gone in ("GPTModel IS DEPRECATED", "Megatron-FSDP", "Apex is not installed", "MimoModelConfig is experimental", "full scope is deprecated",
                  "MCore's async save is deprecated",  # two async saves; the writer is checkpoint.async_strategy
                  "absl.logging is not installed", "No CUDA runtime is found"):
         assert gone not in output, gone

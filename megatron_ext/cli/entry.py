@@ -112,9 +112,18 @@ THIRD_PARTY_WARNINGS = (
                       "Megatron logs through the logging module instead; nothing is lost"),
     ThirdPartyWarning("MimoModelConfig is experimental", False,
                       "Megatron imports it for itself; this project does not use MIMO models"),
-    ThirdPartyWarning("GPTModel IS DEPRECATED", True,
-                      "true, and docs/design.md says why the encoder still subclasses it",
+    ThirdPartyWarning("GPTModel IS DEPRECATED", False,
+                      "nothing a user can act on: docs/design.md says why the encoder still subclasses it",
                       logger="megatron.core.models.gpt.gpt_model"),
+    ThirdPartyWarning("Using Megatron-FSDP without Transformer Engine", False,
+                      "Megatron's note at import; this project does not use Megatron-FSDP",
+                      logger="megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision"),
+    ThirdPartyWarning("Detected Megatron Core, using Megatron-FSDP with Megatron", False,
+                      "Megatron's note at import; this project does not use Megatron-FSDP",
+                      logger="megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"),
+    ThirdPartyWarning("Detected Megatron Core, using Megatron-FSDP with Megatron", False,
+                      "the same note from the module beside it",
+                      logger="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp"),
     ThirdPartyWarning("MCore's async save is deprecated", False,
                       "the writer is a setting, checkpoint.async_strategy (mcore by default); docs/gpu.md, "
                       "\"Asynchronous saves\", says why mcore stays the default (megatron-core 0.19.2 takes "
@@ -149,6 +158,13 @@ class _OnceFilter(logging.Filter):
                     return False
                 self.seen.add(index)
         return True
+
+
+def configure_logging(level: int = logging.WARNING) -> None:
+    """The one set-up of ``logging`` for an entry point: records at ``level`` and above as
+    ``LEVEL logger: message`` lines, with :data:`THIRD_PARTY_WARNINGS`' filters in place."""
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    third_party_warnings_once()
 
 
 def third_party_warnings_once() -> None:
