@@ -315,7 +315,7 @@ def test_append_eod_with_a_bert_tokenizer_ends_documents_with_one_sep(tmp_path, 
     """BERT's EOD is [SEP], which its own special tokens already put last: not appended twice."""
     config, _ = _run(tmp_path, [corpus], str(minilm_dir), append_eod=True)
     tokenizer = build_tokenizer(config.tokenizer)
-    dataset = _read(config.output_prefix)
+    dataset = _read(config.output_prefix_for("text"))
     assert len(dataset) == 120
     for i in range(len(dataset)):
         ids = dataset[i].tolist()
