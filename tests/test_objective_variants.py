@@ -488,7 +488,7 @@ def test_study_planner_accepts_every_objective(tmp_path):
             read_study(path)
 
 
-def test_new_objectives_log_their_names_and_resume_exactly(tmp_path, tiny_corpus):
+def test_new_objectives_log_their_names_and_resume_exactly(tmp_path, tiny_corpus, capsys):
     """One run through all four (the schedule over two steps, the others one each), stopped inside
     the schedule's phase (after step 1) and resumed: the same losses."""
     from megatron_ext.training.config import run_config_from_dict
@@ -519,3 +519,26 @@ def test_new_objectives_log_their_names_and_resume_exactly(tmp_path, tiny_corpus
     valid = straight.valid[5]
     assert set(valid) == {"clm", "mlm", "mntp"} and valid["mntp"] != valid["mlm"] and valid == resumed.valid[5]
     assert [set(r) - {"kind", "step"} for r in records if r["kind"] == "valid"] == [{"clm", "mlm", "mntp"}]
+
+    # Its export says so, and fill_mask reads each masked token where MNTP predicts it: one
+    # position before the mask.
+    from megatron_ext.cli import fill_mask
+    from megatron_ext.hf import export_checkpoint
+
+    exported = export_checkpoint(tmp_path / "b/ckpt", tmp_path / "hf", log=lambda _: None)
+    assert json.loads((exported / "config.json").read_text())["trained_objective"] == {
+        "name": "mntp-20", "prediction_offset": -1, "causal": False}
+    capsys.readouterr()
+    assert fill_mask.main([str(exported), "The minister said the [MASK] would", "--top-k", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("mntp-20: each masked token is read from the output 1 position(s) before it")
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    model = transformers.AutoModelForMaskedLM.from_pretrained(exported)
+    inputs = tokenizer(fill_mask._with_mask("The minister said the [MASK] would", tokenizer.mask_token, tokenizer),
+                       return_tensors="pt")
+    at = (inputs["input_ids"][0] == tokenizer.mask_token_id).nonzero()[0, 0].item() - 1
+    with torch.no_grad():
+        best = model(**inputs).logits[0, at].argmax().item()
+    assert lines[2].split("-> ")[1].startswith(repr(tokenizer.decode([best]).strip()))
