@@ -84,7 +84,7 @@ def test_mask_ratio_schedule_is_a_pure_function_of_the_step(news, vocabulary):
     assert constant.step_identity(PhaseProgress(step=1, steps=11)) != cosine.step_identity(PhaseProgress(step=1, steps=11))
     with pytest.raises(UserError, match="final_mask_ratio must be set exactly when"):
         MLM(mask_ratio=0.3, mask_ratio_schedule="linear")
-    with pytest.raises(UserError, match=r"mask_ratio must be in \(0, 1\), got 1.2"):
+    with pytest.raises(UserError, match=r"^final_mask_ratio must be in \(0, 1\), got 1.2"):
         MLM(mask_ratio=0.3, mask_ratio_schedule="cosine", final_mask_ratio=1.2)
 
 
