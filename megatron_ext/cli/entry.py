@@ -168,7 +168,9 @@ class _OnceFilter(logging.Filter):
 
 def configure_logging(level: int = logging.WARNING) -> None:
     """The one set-up of ``logging`` for an entry point: records at ``level`` and above as
-    ``LEVEL logger: message`` lines, with :data:`THIRD_PARTY_WARNINGS`' filters in place."""
+    ``LEVEL logger: message`` lines, with :data:`THIRD_PARTY_WARNINGS`' filters in place, and no
+    Hugging Face progress bars (transformers' "Loading weights" bar of a model of seconds)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when transformers is imported
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     third_party_warnings_once()
 

@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-from megatron_ext.cli.entry import ArgumentParser, entry_point
+from megatron_ext.cli.entry import ArgumentParser, configure_logging, entry_point
 from megatron_ext.config_loading import UserError
 
 DEFAULT_SENTENCES = (
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sentences", nargs="*", default=list(DEFAULT_SENTENCES), help="sentences with [MASK]")
     parser.add_argument("--top-k", type=int, default=5)
     args = parser.parse_args(argv)
+    configure_logging()
     for sentence in args.sentences:
         if "[MASK]" not in sentence:
             raise UserError(f"{sentence!r} has no [MASK]")
