@@ -51,10 +51,12 @@ def span_units(word: torch.Tensor, *, generator: torch.Generator, span_p: float,
     truncated_mass = 1.0 - (1.0 - span_p) ** max_span_length
     lengths = 1 + torch.floor(torch.log1p(-draws[:, :units] * truncated_mass) / math.log1p(-span_p)).long()
     offset = torch.floor(draws[:, units:] * (lengths[:, :1] + 1)).long()  # the row starts inside unit 0
-    ends = (lengths + 1).cumsum(dim=1) - offset  # each unit's end (exclusive) on the word axis
-    unit = torch.searchsorted(ends, word, right=True)
-    separator = word == ends.gather(1, unit) - 1
-    return torch.where(separator, s, unit)
+    ends = (lengths + 1).cumsum(dim=1) - offset  # each unit's end (exclusive) on the word axis, >= 1
+    edges = torch.zeros((b, s + 2), dtype=torch.long, device=word.device)
+    edges.scatter_add_(1, ends.clamp(max=s + 1), torch.ones_like(ends))  # 1 where a unit ends (past the row: s + 1)
+    unit_of_word = edges[:, :s].cumsum(dim=1)  # the units ended at or before each word
+    separator_of_word = edges[:, 1:s + 1] > 0  # the last word of its unit
+    return torch.where(separator_of_word.gather(1, word), s, unit_of_word.gather(1, word))
 
 
 def select_spans(tokens: torch.Tensor, eligible: torch.Tensor, *, mask_ratio: float, generator: torch.Generator,

@@ -51,6 +51,8 @@ def fill_budget(sizes: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
         fits = ~taken & (sizes > 0) & (sizes <= left)
         running = torch.where(fits, sizes, 0).cumsum(dim=1)
         take = fits & (running <= left)
+        if sizes.device.type == "cpu" and not take.any():
+            break  # settled (later passes take nothing); asking costs a GPU a wait for the device
         taken |= take
         left -= torch.where(take, sizes, 0).sum(dim=1, keepdim=True)
     return taken
