@@ -3,6 +3,10 @@ bidirectional attention, but a masked token at position ``i`` is predicted from 
 position ``i - 1``, as a decoder's LM head is trained to: the usual way to turn a decoder into an
 encoder. Position 0 has no previous position and is never selected; the count per sequence is
 MLM's over the remaining eligible positions.
+
+Validation measures it as it trains: a run with an MNTP phase reports an ``mntp`` loss (MNTP at
+``training.eval_mask_ratio``) beside the ``clm`` and same-position ``mlm`` ones; its export records
+the offset (``hf.exporter``), and ``tools/fill_mask.py`` reads each mask one position earlier.
 """
 
 from __future__ import annotations
