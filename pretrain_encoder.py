@@ -30,7 +30,7 @@ from megatron_ext.cli.entry import ArgumentParser, configure_logging, report_use
 import yaml
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.tokenizer import EncoderTokenizer, TokenizerConfig, build_tokenizer
+from megatron_ext.tokenizer import EncoderTokenizer, TokenizerConfig, build_tokenizer, is_hub_id
 from megatron_ext.training.config import (
     RunConfig,
     add_override_flags,
@@ -93,12 +93,17 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
         from megatron_ext.training.memory import memory_report
 
         world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-        try:  # like the paths below, the tokenizer may be on a mount of the compute nodes only
-            tokenizer = tokenizer or build_tokenizer(config.tokenizer)
-        except UserError as err:
-            print(f"tokenizer: NOT READY, a run would stop here: {err}")
-        else:  # what the objectives need of it: refused now, as the run would refuse it
-            check_tokenizer_serves(config, tokenizer)
+        model = config.tokenizer.tokenizer_model
+        if tokenizer is None and model is not None and not os.path.exists(model) and is_hub_id(model):
+            # A download (minutes of retries without network) has no place in a dry run.
+            print(f"tokenizer: hub id {model!r} not loaded by --dry-run; the run checks it before building the model")
+        else:
+            try:  # like the paths below, the tokenizer may be on a mount of the compute nodes only
+                tokenizer = tokenizer or build_tokenizer(config.tokenizer)
+            except UserError as err:
+                print(f"tokenizer: NOT READY, a run would stop here: {err}")
+            else:  # what the objectives need of it: refused now, as the run would refuse it
+                check_tokenizer_serves(config, tokenizer)
         print(format_plan(config, make_plan(config, world)))
         print(memory_report(config, world_size=world))
         try:  # a plan made on a login node may name paths mounted only on the compute nodes

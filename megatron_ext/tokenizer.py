@@ -452,7 +452,8 @@ def _load_transformers_tokenizer(model: str):
         raise UserError(f"tokenizer_model {model!r}: transformers could not load it: {err}") from err
 
 
-def _is_hub_id(model: str) -> bool:
+def is_hub_id(model: str) -> bool:
+    """Whether ``model`` names a Hugging Face hub repository rather than a local path."""
     return not Path(model).exists() and _HUB_ID.match(model) is not None
 
 
@@ -464,7 +465,7 @@ def _resolve(config: TokenizerConfig) -> TokenizerConfig:
         if model is not None:
             if ".model" in Path(model).suffixes:  # also versioned names like tokenizer.model.v1
                 kind = SENTENCEPIECE
-            elif Path(model).is_dir() or model.endswith(".json") or _is_hub_id(model):
+            elif Path(model).is_dir() or model.endswith(".json") or is_hub_id(model):
                 kind = HUGGINGFACE
             else:
                 raise UserError(
@@ -487,7 +488,7 @@ def _resolve(config: TokenizerConfig) -> TokenizerConfig:
 
     resolved = {}
     for field, value in needed.items():
-        if kind == HUGGINGFACE and _is_hub_id(value):
+        if kind == HUGGINGFACE and is_hub_id(value):
             resolved[field] = value  # a hub id stays as it is
         elif not Path(value).exists():
             raise UserError(f"{field} {value!r} does not exist")
