@@ -93,23 +93,27 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
         from megatron_ext.training.memory import memory_report
 
         world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        plan = make_plan(config, world)
+        tokenizer_note = None
         model = config.tokenizer.tokenizer_model
         if tokenizer is None and model is not None and not os.path.exists(model) and is_hub_id(model):
             # A download (minutes of retries without network) has no place in a dry run.
-            print(f"tokenizer: hub id {model!r} not loaded by --dry-run; the run checks it before building the model")
+            tokenizer_note = f"tokenizer: hub id {model!r} not loaded by --dry-run; the run checks it before building the model"
         else:
             try:  # like the paths below, the tokenizer may be on a mount of the compute nodes only
                 tokenizer = tokenizer or build_tokenizer(config.tokenizer)
             except UserError as err:
-                print(f"tokenizer: NOT READY, a run would stop here: {err}")
-            else:  # what the objectives need of it: refused now, as the run would refuse it
+                tokenizer_note = f"tokenizer: NOT READY, a run would stop here: {err}"
+            else:  # what the objectives need of it: refused now (before the plan), as the run would refuse it
                 check_tokenizer_serves(config, tokenizer)
-        print(format_plan(config, make_plan(config, world)))
+        print(format_plan(config, plan))
         print(memory_report(config, world_size=world))
         try:  # a plan made on a login node may name paths mounted only on the compute nodes
             print("checked: " + ", ".join(check_paths(config)))
         except UserError as err:
             print(f"paths: NOT READY, a run would stop here: {err}")
+        if tokenizer_note:
+            print(tokenizer_note)
         return 0, "dry run"
     from megatron_ext.training.loop import pretrain
     from megatron_ext.training.stop import RESUMABLE_EXIT_CODE, STOPPED_UNSAVED_EXIT_CODE
