@@ -23,6 +23,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {"training"},
     {"hf"},
     {"eval"},
+    {"launch"},  # jobs and launchers (local, slurm): starts the trainer and the evaluation as programs
     {"study"},  # reads training configs, runs the trainer, reports the study's evaluations
     {"cli"},
 ))
