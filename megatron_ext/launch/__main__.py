@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.launch import SCRIPTS_DIR, script
+from megatron_ext.launch.programs import SCRIPTS_DIR, script
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,7 @@ class Resources:
     def from_config(cls, value: Any, where: str) -> Resources:
         """``{nodes: 8, gpus_per_node: 8, time: "24:00:00", slurm: [--partition=gpu]}``: the neutral
         keys, and one list of flags per registered launcher (checked by that launcher)."""
-        from megatron_ext.launch import LAUNCHERS, launcher_class
+        from megatron_ext.launch.registry import LAUNCHERS, launcher_class
 
         if value is None:
             return cls()

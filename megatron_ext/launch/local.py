@@ -29,7 +29,7 @@ from pathlib import Path
 
 from megatron_ext import processes
 from megatron_ext.config_loading import UserError
-from megatron_ext.launch import program, script
+from megatron_ext.launch.programs import program, script
 from megatron_ext.launch.job import Job, JobEvents, JobState, Launcher
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
