@@ -7,6 +7,7 @@ lazy imports too and needs neither Megatron nor torch.
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -131,3 +132,31 @@ def test_objectives_are_reached_through_the_package(graph):
 def test_the_checker_sees_a_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+SCHEDULER_COMMANDS = re.compile(r"\b(sbatch|squeue|scontrol|sacct|scancel|srun)\b")
+
+
+def _code_strings(tree: ast.AST) -> list[ast.Constant]:
+    """The string constants of a module that are not documentation (a string statement: a module's,
+    class's or function's docstring, or an attribute's below it)."""
+    docstrings = {id(node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in docstrings]
+
+
+def test_only_the_launch_layer_runs_scheduler_commands():
+    """SLURM's commands (and flags named after them) appear in the code of ``megatron_ext/launch/``
+    only: a scheduler is one launcher module, not a branch elsewhere (docstrings may name them)."""
+    found = []
+    for name, path in _modules().items():
+        if name.startswith(f"{PACKAGE}.launch"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = [n.id for n in ast.walk(tree) if isinstance(n, ast.Name)] + \
+                [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)]
+        for text in [c.value for c in _code_strings(tree)] + names:
+            if SCHEDULER_COMMANDS.search(text):
+                found.append(f"{path.relative_to(ROOT)}: {text[:80]!r}")
+    assert not found, "\n".join(found)

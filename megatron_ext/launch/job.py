@@ -66,7 +66,10 @@ class Resources:
         for name in LAUNCHERS:
             if name in value:
                 flags = coerce(value[name], tuple[str, ...], f"{where}.{name}")
-                launcher_class(name).check_extras(flags, f"{where}.{name}")
+                try:
+                    launcher_class(name).check_extras(flags, f"{where}.{name}")
+                except ValueError as err:
+                    raise ConfigError(str(err)) from None
                 extras[name] = flags
         try:
             return cls(**kwargs, extras=extras)
