@@ -200,6 +200,7 @@ class LocalLauncher(Launcher):
             for job_id in job_ids:
                 if self.queue[job_id].state.status == "pending":
                     self.queue[job_id].state = JobState(status="ended", stopped=True, detail="not started")
+        # (a stopped job that never started has no exit code)
         return stop.signal
 
     def _run(self, job_id: str, job: Job, events: JobEvents, stop: _Stop) -> JobState:

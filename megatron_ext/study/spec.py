@@ -351,7 +351,7 @@ class EvaluationSpec:
     """Where the evaluation writes (``{study}`` is the study's name); references go to
     ``<output_dir>/references/<name>``."""
     workers: int = 1
-    """``evaluate.py`` processes that share the grid (local executor: at once on this machine,
+    """``evaluate.py`` processes that share the grid (local launcher: at once on this machine,
     each with its share of the cores; SLURM: the tasks of one job array)."""
     resources: Resources = field(default_factory=Resources)
     """What each worker asks for (``gpus_per_node: 1``, ``time: "12:00:00"``), over the study's

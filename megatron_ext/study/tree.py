@@ -158,7 +158,7 @@ class TreeScheduler(JobEvents):
             return SegmentState(status="complete", detail=label)
         if failed is not None:
             return SegmentState(status="blocked", detail=f"{failed} failed")
-        if job is None:
+        if job is None or (job.stopped and job.exit_code is None):  # none, or one that never started
             return done
         if job.stopped:
             saved = saved_step(self.plan.run(run))
