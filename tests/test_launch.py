@@ -106,3 +106,24 @@ def test_every_registered_launcher_is_a_launcher_with_its_own_options():
         cls.add_arguments(parser.add_argument_group(name))  # argparse refuses an option given twice
     with pytest.raises(Exception, match="no launcher named 'pbs'; the launchers: local, slurm"):
         launcher_class("pbs")
+
+
+def test_an_evaluation_grid_is_one_array_job_with_its_workers_resources(tmp_path):
+    from megatron_ext.launch.slurm import SlurmLauncher
+    from megatron_ext.study.evaluation import EvaluationStage
+    from megatron_ext.study.execute import StudyDir
+    from megatron_ext.study.plan import plan_study
+
+    path = _study(tmp_path, resources={"gpus_per_node": 8, "time": "24:00:00", "slurm": ["--partition=gpu"]},
+                  evaluation={"tasks": ["rt_sentiment"], "workers": 3, "output_dir": str(tmp_path / "eval"),
+                              "resources": {"gpus_per_node": 1, "time": "2:00:00", "slurm": ["--cpus-per-task=4"]}})
+    plan = plan_study(read_study(path), path)
+    launcher = SlurmLauncher()
+    stage = EvaluationStage(plan, StudyDir(root=tmp_path / "sd"), launcher)
+    (grid,) = stage.grids.values()
+    command = launcher.describe(stage.job(grid), ["7", "8"])
+    assert command.startswith(f"sbatch --parsable --array=0-2 --job-name=res.eval.runs --output="
+                              f"{(tmp_path / 'sd' / 'logs' / 'evaluation').resolve()}/runs-%A_%a.out --gpus=1 "
+                              "--time=2:00:00 --partition=gpu --cpus-per-task=4 --kill-on-invalid-dep=yes "
+                              f"--dependency=afterok:7:8 {script('evaluate.sbatch')} --models "), command
+    assert launcher.log_file(stage.job(grid), "9") == tmp_path / "sd" / "logs" / "evaluation" / "runs-9_0.out"

@@ -5,7 +5,7 @@ A job is submitted as ``sbatch --parsable --job-name=<name> --output=<log>-%j.ou
 the script being the program's: ``slurm.sbatch`` for the trainer (srun + torchrun on every node,
 requeued on a resumable stop), ``evaluate.sbatch`` for the evaluation workers (an array of
 ``array_size`` tasks, ``--array=0-<n-1>``, output ``<log>-%A_%a.out``). Resources map to
-``--nodes``, ``--gpus-per-node`` and ``--time``; then the study's ``slurm:`` extras, then the
+``--nodes``, ``--gpus-per-node`` (a one-process task: ``--gpus``) and ``--time``; then the study's ``slurm:`` extras, then the
 command line's ``--sbatch-arg`` (a later flag wins). ``--kill-on-invalid-dep=yes``: a job whose
 dependency failed is cancelled by SLURM, and so are the jobs waiting on it. The jobs get the
 submitting environment (sbatch exports it) with the job's own and ``PYTHON`` (``$PYTHON``, else
@@ -95,12 +95,17 @@ def run_command(argv: list[str], *, env: dict[str, str] | None = None, cwd: Path
 
 
 def resource_flags(job: Job) -> list[str]:
-    """The job's neutral resources as sbatch flags."""
+    """The job's neutral resources as sbatch flags. A trainer (``per_gpu``) asks for GPUs per node
+    (``slurm.sbatch`` starts one rank per GPU of each node); a one-process job (each task of an
+    array) runs on one node and asks for its GPUs (``--gpus``, the option ``evaluate.sbatch`` sets)."""
     resources, flags = job.resources, []
+    if not job.per_gpu and resources.nodes not in (None, 1):
+        raise UserError(f"job {job.name}: one process per task runs on one node, the job asks for "
+                        f"{resources.nodes} (resources.nodes)")
     if resources.nodes is not None:
         flags.append(f"--nodes={resources.nodes}")
     if resources.gpus_per_node is not None:
-        flags.append(f"--gpus-per-node={resources.gpus_per_node}")
+        flags.append(f"--gpus-per-node={resources.gpus_per_node}" if job.per_gpu else f"--gpus={resources.gpus_per_node}")
     if resources.time is not None:
         flags.append(f"--time={resources.time}")
     return flags
