@@ -7,7 +7,7 @@ writer (``checkpoint.async_strategy``: Megatron-Core's own, NVIDIA's resiliency 
 Builds the model and the Megatron engine with the distributed optimizer (what the paper recipes
 run), takes one training step so the optimizer has state, then, ``--rounds`` times, for each side in
 turn (sides alternate, so drift in the machine's speed spreads over all of them): ``--steps-before``
-plain steps, a save through ``megatron_ext.checkpoint.megatron_io.CheckpointSaver``, and training steps
+plain steps, a save through ``megatron_ext.checkpoint.writer.CheckpointSaver``, and training steps
 polled as the training loop polls (``CheckpointSaver.poll`` after each) until the checkpoint is
 published and at least ``--steps-after`` steps have run. Per save:
 
@@ -53,7 +53,8 @@ import torch  # noqa: E402
 
 from benchmarks.results_file import write_record  # noqa: E402
 from megatron_ext import hardware  # noqa: E402
-from megatron_ext.checkpoint import megatron_io as ckpt  # noqa: E402
+from megatron_ext.checkpoint.reader import latest_checkpoint  # noqa: E402
+from megatron_ext.checkpoint.writer import ASYNC_STRATEGIES, CheckpointSaver  # noqa: E402
 from megatron_ext.checkpoint.config import check_nvrx_async_writer, nvrx_problem  # noqa: E402
 from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E402
 from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--strategies", nargs="+", choices=ckpt.ASYNC_STRATEGIES, default=None,
+    parser.add_argument("--strategies", nargs="+", choices=ASYNC_STRATEGIES, default=None,
                         help="asynchronous writers to time (default: mcore, and nvrx where it can run)")
     parser.add_argument("--steps-before", type=int, default=3, help="plain steps before each save (the baseline)")
     parser.add_argument("--steps-after", type=int, default=5, help="at least this many steps after each save")
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         batch = [MicroBatch(apply_mlm(tokens, config=MaskingConfig(mask_ratio=0.4), mask_id=3,
                                       vocab_size=args.vocab_size, special_ids=(0, 1, 2, 3), generator=gen), None)]
 
-        def step(saver: ckpt.CheckpointSaver | None = None) -> tuple[float, float, int]:
+        def step(saver: CheckpointSaver | None = None) -> tuple[float, float, int]:
             """Wall and CPU seconds (this process, all its threads) of one training step, and its minor
             page faults (copy-on-write copies while a forked writer shares the trainer's memory)."""
             start, start_cpu = time.perf_counter(), time.process_time()
@@ -130,13 +131,13 @@ def main(argv: list[str] | None = None) -> int:
 
         step()
         # Closed before returning (the stack): no writer process outlives the benchmark.
-        savers = {"sync": stack.enter_context(ckpt.CheckpointSaver(async_save=False))}
+        savers = {"sync": stack.enter_context(CheckpointSaver(async_save=False))}
         for strategy in strategies:
             savers[f"async_{strategy}"] = stack.enter_context(
-                ckpt.CheckpointSaver(async_save=True, async_strategy=strategy))
+                CheckpointSaver(async_save=True, async_strategy=strategy))
         if hardware.persistent_checkpoint_writer():  # GPU: also the writer forked per save, as on CPU
             savers["async_mcore_forked"] = stack.enter_context(
-                ckpt.CheckpointSaver(async_save=True, persistent_writer=False))
+                CheckpointSaver(async_save=True, persistent_writer=False))
         rounds: dict[str, list[dict]] = {side: [] for side in savers}
         round_s = 0.0
         for i in range(args.rounds):
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _timed_save(saver: ckpt.CheckpointSaver, step, engine: MegatronEngine, save_dir: Path, *, save_step: int,
+def _timed_save(saver: CheckpointSaver, step, engine: MegatronEngine, save_dir: Path, *, save_step: int,
                 args: argparse.Namespace) -> dict:
     """One save between plain steps and the steps that run while it is written (module docstring).
     Besides wall time, CPU seconds, which other processes on a shared machine disturb less: the
@@ -205,7 +206,7 @@ def _timed_save(saver: ckpt.CheckpointSaver, step, engine: MegatronEngine, save_
             written = time.perf_counter() - start
             steps_while_writing = len(after)
             helpers = _helpers_cpu_s() - helpers
-    assert ckpt.latest_checkpoint(save_dir).name == f"iter_{save_step:07d}"
+    assert latest_checkpoint(save_dir).name == f"iter_{save_step:07d}"
     excess = sum(r[0] for r in after) - len(after) * plain
     excess_cpu = sum(r[1] for r in after) - len(after) * plain_cpu
     cost = stall + excess

@@ -58,7 +58,7 @@ def build_corpus(root: Path) -> dict[str, str]:
 
 
 def run_once(recipe: dict, run_dir: Path, *, signal_at: int, handler: bool) -> dict:
-    from megatron_ext.checkpoint import megatron_io as ckpt
+    from megatron_ext.checkpoint.reader import latest_checkpoint
 
     path = run_dir / "recipe.json"
     run_dir.mkdir(parents=True)
@@ -78,7 +78,7 @@ def run_once(recipe: dict, run_dir: Path, *, signal_at: int, handler: bool) -> d
     exited = time.perf_counter()
     if signalled is None:
         raise RuntimeError(f"the run ended (exit {run.returncode}) before step {signal_at}")
-    saved = ckpt.latest_checkpoint(run_dir / "ckpt")
+    saved = latest_checkpoint(run_dir / "ckpt")
     saved_step = int(saved.name.split("_")[1]) if saved else 0
     return {"exit_code": run.returncode, "signalled_after_step": signal_at, "last_step_done": logged,
             "saved_step": saved_step, "steps_lost": logged - saved_step,

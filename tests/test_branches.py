@@ -16,7 +16,7 @@ import yaml
 import pretrain_encoder
 from helpers import tiny_recipe
 from megatron_ext.checkpoint.config import CheckpointConfig
-from megatron_ext.checkpoint.resolved import Checkpoint
+from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.config_loading import UserError
 from megatron_ext.study.plan import plan_study, plan_to_dict
 from megatron_ext.study.spec import read_study

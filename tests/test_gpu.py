@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from megatron_ext import hardware
-from megatron_ext.checkpoint import megatron_io as ckpt
+from megatron_ext.checkpoint.reader import Checkpoint, latest_checkpoint
+from megatron_ext.checkpoint.writer import save_checkpoint
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from helpers import tiny_recipe as _recipe
@@ -136,10 +137,10 @@ def test_te_attention_modes_and_agreement_with_local(model_parallel, tmp_path):
 
     torch.manual_seed(0)
     local = build_encoder_model(preset("tiny", vocab_size=1024)).cuda().eval()
-    ckpt.save_checkpoint(tmp_path / "local", step=1, model=local, optimizer=None, trainer_state={"step": 1},
+    save_checkpoint(tmp_path / "local", step=1, model=local, optimizer=None, trainer_state={"step": 1},
                          run_config={}, tokenizer_reference={}, keep_last=1)
     te = build_encoder_model(preset("tiny", vocab_size=1024, transformer_impl="te")).cuda().eval()
-    ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "local"), model=te, optimizer=None)
+    Checkpoint.latest(tmp_path / "local").load(model=te, optimizer=None)
     ids = torch.randint(3, 1024, (2, 64), device="cuda")
     later = ids.clone()
     later[:, 40] = (later[:, 40] + 7) % 1024
@@ -164,7 +165,7 @@ def initial_weights(model_parallel, tmp_path_factory, tiny_corpus) -> str:
     config = run_config_from_dict(_gpu_recipe(tiny_corpus, root, steps=STEPS))
     torch.manual_seed(0)
     model = build_encoder_model(config.model).cuda()
-    ckpt.save_checkpoint(root / "ckpt", step=0, model=model, optimizer=None, trainer_state={"step": 0},
+    save_checkpoint(root / "ckpt", step=0, model=model, optimizer=None, trainer_state={"step": 0},
                          run_config=config.to_dict(), tokenizer_reference={}, keep_last=1)
     return str(root / "ckpt")
 
@@ -386,11 +387,11 @@ def test_kill_and_resume(tmp_path, tiny_corpus, deterministic):
     with open(log, "w") as output:
         run = subprocess.Popen(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT)
         deadline = time.time() + 300
-        while ckpt.latest_checkpoint(tmp_path / "ckpt") is None and time.time() < deadline and run.poll() is None:
+        while latest_checkpoint(tmp_path / "ckpt") is None and time.time() < deadline and run.poll() is None:
             time.sleep(0.2)
         run.send_signal(signal.SIGKILL)
         run.wait()
-    first = ckpt.latest_checkpoint(tmp_path / "ckpt")
+    first = latest_checkpoint(tmp_path / "ckpt")
     assert first is not None and first.name == "iter_0000100", log.read_text()[-8000:]
     if not deterministic:
         resumed = pretrain(run_config_from_dict(raw))
@@ -401,7 +402,7 @@ def test_kill_and_resume(tmp_path, tiny_corpus, deterministic):
     (tmp_path / "uninterrupted").mkdir()
     uninterrupted = _train_in_a_process(_resume_recipe(tiny_corpus, tmp_path / "uninterrupted", deterministic=True),
                                         "the uninterrupted deterministic run")
-    assert ckpt.latest_checkpoint(tmp_path / "ckpt").name == "iter_0000200"
+    assert latest_checkpoint(tmp_path / "ckpt").name == "iter_0000200"
     different = {step: (resumed[step], uninterrupted[step]) for step in range(1, 201)
                  if resumed.get(step) != uninterrupted[step]}
     assert not different, f"steps whose losses differ (resumed, uninterrupted): {different}"

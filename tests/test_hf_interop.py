@@ -29,7 +29,7 @@ from megatron_ext.hf import (
     single_process_model_parallel,
 )
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, parameter_count
-from megatron_ext.checkpoint.resolved import Checkpoint
+from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.config_loading import UserError
 from megatron_ext.cli import export_hf_checkpoint, import_hf_checkpoint
 

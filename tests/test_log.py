@@ -12,7 +12,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from megatron_ext.checkpoint import megatron_io as ckpt
+from megatron_ext.checkpoint.reader import latest_checkpoint
 from helpers import tiny_recipe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ def test_two_rank_run_prints_every_line_once(tmp_path, tiny_corpus):
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     output = run.stdout
     assert run.returncode == 0, output[-3000:]
-    assert ckpt.latest_checkpoint(tmp_path / "ckpt").name == "iter_0000008"
+    assert latest_checkpoint(tmp_path / "ckpt").name == "iter_0000008"
     lines = [TORCH_LOG_PREFIX.sub("", line) for line in output.splitlines() if line.strip()]
 
     steps = [line for line in lines if line.startswith("step ")]

@@ -21,9 +21,10 @@ import torch
 
 from distributed import run_ranks
 from megatron_ext import hardware
-from megatron_ext.checkpoint import megatron_io as ckpt
+from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, latest_checkpoint
+from megatron_ext.checkpoint.writer import save_checkpoint
 from megatron_ext.checkpoint.config import nvrx_problem
-from megatron_ext.checkpoint.resolved import Checkpoint
+from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from helpers import tiny_recipe as _recipe
@@ -148,7 +149,7 @@ def test_megatrons_cuda_calls_are_redirected_from_process_group_set_up_to_teardo
                     torch.zeros(1, device="cuda")
                 with pytest.raises(RuntimeError, match="saving a checkpoint runs Megatron-Core code that calls CUDA.*"
                                                        "init_process_group_and_model_parallel"):
-                    ckpt.save_checkpoint(tmp_path / "ckpt", step=1, model=torch.nn.Linear(1, 1), optimizer=None,
+                    save_checkpoint(tmp_path / "ckpt", step=1, model=torch.nn.Linear(1, 1), optimizer=None,
                                          trainer_state={}, run_config={}, tokenizer_reference={}, keep_last=1)
             assert hardware.cuda_calls_redirected() and torch.zeros(1, device="cuda").device.type == "cpu"
     finally:
@@ -348,9 +349,9 @@ def test_a_portable_engine_checkpoint_is_refused_naming_the_fix_and_its_weights_
     try:
         torch.manual_seed(7)
         model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
-        ckpt.save_checkpoint(tmp_path / "portable", step=2, model=model, optimizer=_PortableEngineOptimizerState(recorded),
+        save_checkpoint(tmp_path / "portable", step=2, model=model, optimizer=_PortableEngineOptimizerState(recorded),
                              trainer_state={"consumed_samples": 16}, run_config=saved_config,
-                             tokenizer_reference={**tokenizer.reference(), ckpt.TOKENIZER_FINGERPRINT: tokenizer.fingerprint()},
+                             tokenizer_reference={**tokenizer.reference(), TOKENIZER_FINGERPRINT: tokenizer.fingerprint()},
                              keep_last=1)
     finally:
         hardware.destroy_process_group_and_model_parallel()
@@ -415,7 +416,7 @@ def test_distributed_optimizer_killed_mid_save_resumes_exactly(tmp_path, tiny_co
     run.wait()
     psutil.wait_procs(ranks, timeout=30)
     assert not (save_dir / "iter_0000006").exists(), "the kill came after the save completed"
-    assert ckpt.latest_checkpoint(save_dir).name == "iter_0000003"
+    assert latest_checkpoint(save_dir).name == "iter_0000003"
     resumed = _run(raw, tmp_path, "resumed", world=2)
     assert resumed["start"] == 3
     for step in range(4, 10):
@@ -472,7 +473,7 @@ def test_megatron_engine_checkpoint_exports_with_logit_parity(tmp_path, tiny_cor
 
     recipe = _distopt(tiny_corpus, tmp_path, steps=3)
     pretrain(run_config_from_dict(recipe))
-    checkpoint = ckpt.latest_checkpoint(tmp_path / "ckpt")
+    checkpoint = latest_checkpoint(tmp_path / "ckpt")
     export_checkpoint(checkpoint, tmp_path / "hf", hf_format="eurobert", log=lambda _: None)
     hf = transformers.EuroBertForMaskedLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.randint(4, 1024, (2, 48), generator=torch.Generator().manual_seed(0))

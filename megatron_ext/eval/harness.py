@@ -64,7 +64,7 @@ from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task
 from megatron_ext.fileio import write_atomic
 
 if TYPE_CHECKING:
-    from megatron_ext.checkpoint.resolved import Checkpoint
+    from megatron_ext.checkpoint.reader import Checkpoint
 
 _NAME = re.compile(r"^[\w.+-]+$")
 _SELECTION = re.compile(r"^(all|\d+(,\d+)*)$")
@@ -110,7 +110,7 @@ def _split_selection(path: str) -> tuple[str, str | None]:
 
 def _selected_checkpoints(spec: str, save_dir: Path, selection: str) -> list[Checkpoint]:
     """The checkpoints of ``save_dir`` that ``selection`` (``all`` or ``STEP,STEP``) names, by step."""
-    from megatron_ext.checkpoint.resolved import Checkpoint
+    from megatron_ext.checkpoint.reader import Checkpoint
 
     found = Checkpoint.every(save_dir)
     if not found:
@@ -149,7 +149,7 @@ def resolve_models(models: Sequence[str], output_dir: Path, *, export: bool = Tr
     checkpoints and ``PATH@STEP,STEP,...`` for those steps (each must exist), as models
     ``NAME@STEP``.
     """
-    from megatron_ext.checkpoint.resolved import Checkpoint
+    from megatron_ext.checkpoint.reader import Checkpoint
 
     refs: list[ModelRef] = []
     bases: set[str] = set()

@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 from megatron_ext import hardware
 from megatron_ext.config_loading import UserError
 from megatron_ext.model import EncoderModel, EncoderModelConfig, build_encoder_model
-from megatron_ext.checkpoint.resolved import Checkpoint
+from megatron_ext.checkpoint.reader import Checkpoint
 
 
 @contextlib.contextmanager
