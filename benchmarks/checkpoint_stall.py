@@ -52,7 +52,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.results_file import write_record  # noqa: E402
-from megatron_ext import hardware  # noqa: E402
+from megatron_ext import hardware, process_group  # noqa: E402
 from megatron_ext.checkpoint.reader import latest_checkpoint  # noqa: E402
 from megatron_ext.checkpoint.writer import ASYNC_STRATEGIES, CheckpointSaver  # noqa: E402
 from megatron_ext.checkpoint.config import check_nvrx_async_writer, nvrx_problem  # noqa: E402
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
            "parallel": {"use_distributed_optimizer": True}}
     config = run_config_from_dict(raw)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
-        stack.callback(hardware.destroy_process_group_and_model_parallel)
+        process_group.init_process_group_and_model_parallel(init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        stack.callback(process_group.destroy_process_group_and_model_parallel)
         model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
         engine = MegatronEngine(model.to(hardware.device()), config)
         gen = torch.Generator(device=hardware.device()).manual_seed(0)

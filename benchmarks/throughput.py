@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from megatron_ext import hardware  # noqa: E402
+from megatron_ext import hardware, process_group  # noqa: E402
 from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E402
 from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
 from megatron_ext.training import cuda_graphs  # noqa: E402
@@ -369,7 +369,7 @@ def run_side(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     ours = side != "hf"
     if ours:  # the engine needs Megatron's parallel state; the baseline needs nothing of it
-        hardware.init_process_group_and_model_parallel(seed=1234)
+        process_group.init_process_group_and_model_parallel(seed=1234)
     try:
         if side == "hf":
             result = _hf(config, _batches(args, preset, seq_length, side), args, wall)
@@ -380,7 +380,7 @@ def run_side(spec: dict) -> dict:
         result = {"error": f"out of memory: {str(error).splitlines()[0]}"}
     finally:
         if ours:
-            hardware.destroy_process_group_and_model_parallel()
+            process_group.destroy_process_group_and_model_parallel()
     (phase,) = config.resolved_phases
     share = mean_lm_head_share(phase, seq_length=seq_length, scored_only=config.training.lm_head_scored_only)
     # The trainer's dry-run estimate for this configuration, next to the measured peak (issue 32: within 10 %).

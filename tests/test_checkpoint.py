@@ -14,7 +14,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 
 from distributed import run_ranks
-from megatron_ext import hardware
+from megatron_ext import hardware, process_group
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, preset
 from megatron_ext.objectives import MaskingConfig, apply_mlm
 from megatron_ext.checkpoint import reader, writer
@@ -347,7 +347,7 @@ def resharding_worker(rank: int, rendezvous: str, root: str) -> None:
     """TP=2 -> save -> load at TP=1 -> save -> load at TP=2: weights and AdamW state exact, and the
     next step the same as the saving engine's."""
     root_dir = Path(root)
-    hardware.init_process_group_and_model_parallel(
+    process_group.init_process_group_and_model_parallel(
         tensor_parallel_size=2, init_method=rendezvous, rank=rank, world_size=WORLD
     )
     engine = build(seed=0)
@@ -378,7 +378,7 @@ def resharding_worker(rank: int, rendezvous: str, root: str) -> None:
     assert_same_optimizer(again, saved_optimizer)
     train_step(again, 1)
     assert_same_weights(again.checkpoint_model, after_next_step)
-    hardware.destroy_process_group_and_model_parallel()
+    process_group.destroy_process_group_and_model_parallel()
 
 
 def test_reshard_between_tensor_parallel_sizes(tmp_path):

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext import hardware
+from megatron_ext import hardware, process_group
 from megatron_ext.checkpoint.reader import Checkpoint, latest_checkpoint
 from megatron_ext.checkpoint.writer import save_checkpoint
 from megatron_ext.training.config import run_config_from_dict
@@ -123,10 +123,10 @@ def _cpu_process(command: list[str], what: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def model_parallel(tmp_path_factory):
-    hardware.init_process_group_and_model_parallel(
+    process_group.init_process_group_and_model_parallel(
         init_method=f"file://{tmp_path_factory.mktemp('pg')}/rendezvous", rank=0, world_size=1)
     yield
-    hardware.destroy_process_group_and_model_parallel()
+    process_group.destroy_process_group_and_model_parallel()
 
 
 @needs_te

@@ -52,7 +52,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_ext import hardware
+from megatron_ext import cuda_on_cpu
 from megatron_ext.checkpoint.storage import one_line
 from megatron_ext.config_loading import UserError, build_dataclass
 from megatron_ext.model.config import EncoderModelConfig, with_current_model_keys
@@ -298,7 +298,7 @@ class Checkpoint:
                 checkpoint and model (or that only one of them has). False loads the tensors that
                 fit, leaves the others as initialised and logs them (weights only).
         """
-        hardware.check_megatron_runs_here("loading a checkpoint")
+        cuda_on_cpu.check_megatron_runs_here("loading a checkpoint")
         self.check_intact()
         if optimizer is not None and not self._json(COMPLETE)["has_optimizer"]:
             raise UserError(f"checkpoint {self} holds no optimizer state (saved weights only); "

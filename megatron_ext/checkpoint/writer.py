@@ -36,7 +36,7 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_ext import hardware, processes
+from megatron_ext import cuda_on_cpu, hardware, processes
 from megatron_ext.checkpoint import storage
 from megatron_ext.checkpoint.config import check_nvrx_async_writer
 from megatron_ext.checkpoint.reader import (COMPLETE, MANIFEST_KEY, RUN_CONFIG, TOKENIZER_REFERENCE,
@@ -107,7 +107,7 @@ class CheckpointSaver:
         line where it cannot run, ``checkpoint.config.nvrx_problem``); with ``async_save`` only.
         ``persistent_writer``: a persistent worker instead of a process forked per save (default:
         ``hardware.persistent_checkpoint_writer()``, the worker on GPU only)."""
-        hardware.check_megatron_runs_here("saving a checkpoint")
+        cuda_on_cpu.check_megatron_runs_here("saving a checkpoint")
         if async_strategy not in ASYNC_STRATEGIES:
             raise ValueError(f"async_strategy must be one of {ASYNC_STRATEGIES}, got {async_strategy!r}")
         self._queue = None
@@ -182,7 +182,7 @@ class CheckpointSaver:
             raise RuntimeError("this CheckpointSaver is closed")
         if not dist.is_initialized():
             raise RuntimeError("save_checkpoint is a collective: initialise torch.distributed first "
-                               "(megatron_ext.hardware.init_process_group_and_model_parallel)")
+                               "(megatron_ext.process_group.init_process_group_and_model_parallel)")
         if step < 0:
             raise UserError(f"checkpoint step must be >= 0, got {step}")
         if keep_last < 1:

@@ -249,7 +249,7 @@ def build_encoder_model(
     transformer_overrides: Mapping[str, Any] | None = None,
 ) -> EncoderModel:
     """Build this rank's part of the encoder; needs ``parallel_state`` initialised
-    (``megatron_ext.hardware.init_process_group_and_model_parallel``).
+    (``megatron_ext.process_group.init_process_group_and_model_parallel``).
 
     ``pre_process``/``post_process``: whether this pipeline stage holds the embedding / the
     final norm and LM head.
@@ -257,7 +257,7 @@ def build_encoder_model(
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "Megatron parallel_state is not initialised; call "
-            "megatron_ext.hardware.init_process_group_and_model_parallel() first"
+            "megatron_ext.process_group.init_process_group_and_model_parallel() first"
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if (problem := tensor_parallel_problem(config, tp)) is not None:

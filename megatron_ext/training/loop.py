@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ext.config_loading import UserError
-from megatron_ext import hardware, processes
+from megatron_ext import hardware, process_group, processes
 from megatron_ext.model import build_encoder_model
 from megatron_ext.objectives import Objective, PhaseProgress, Vocabulary, validation_objectives
 from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at
@@ -220,7 +220,7 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
     owns_process_group = not dist.is_initialized()
     try:
         if owns_process_group:
-            hardware.init_process_group_and_model_parallel(
+            process_group.init_process_group_and_model_parallel(
                 tensor_parallel_size=config.parallel.tensor_model_parallel_size,
                 pipeline_parallel_size=config.parallel.pipeline_model_parallel_size,
                 seed=config.training.seed,
@@ -229,7 +229,7 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
             return _pretrain(config, exit_after_step=exit_after_step)
     finally:
         if owns_process_group:
-            hardware.destroy_process_group_and_model_parallel()
+            process_group.destroy_process_group_and_model_parallel()
 
 
 def _build_model_and_engine(config: RunConfig, device: torch.device) -> MegatronEngine:

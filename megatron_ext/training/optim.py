@@ -48,7 +48,7 @@ def set_fused_adam(optimizer: torch.optim.Optimizer, fused: bool) -> None:
 
 def megatron_uses_torch_adam() -> bool:
     """Whether Megatron-Core builds torch's AdamW: neither Transformer Engine nor apex imports, or
-    the run is on CPU (where ``hardware`` divergence 7 makes Megatron choose torch's optimizers)."""
+    the run is on CPU (where ``cuda_on_cpu`` makes Megatron choose torch's optimizers)."""
     from megatron.core import optimizer
 
     return optimizer.USING_PYTORCH_OPTIMIZER
