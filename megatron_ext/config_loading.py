@@ -109,6 +109,8 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
         if hasattr(annotation, "from_config"):  # a class that reads its own YAML forms
             return annotation.from_config(value, where)
         return build_dataclass(annotation, value, where)
+    if isinstance(annotation, type) and hasattr(annotation, "parse"):  # a value type that checks itself
+        return annotation.parse(value, where)
     raise ConfigError(f"{where}: unsupported field type {annotation}")
 
 

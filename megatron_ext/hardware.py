@@ -67,6 +67,7 @@ from collections.abc import Iterator
 import torch
 
 from megatron_ext.config_loading import UserError
+from megatron_ext.transformer_impl import TransformerImpl
 
 # Megatron-Core is imported inside the functions that use it: reading and checking a recipe
 # (``--dry-run``, the memory estimate) imports none of it.
@@ -131,20 +132,21 @@ def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | 
                         "train in fp32 (training.bf16: false) or with model.params_dtype: bfloat16")
 
 
-def transformer_impl_fallback(transformer_impl: str) -> tuple[str, str | None]:
+def transformer_impl_fallback(transformer_impl: TransformerImpl | str) -> tuple[TransformerImpl, str | None]:
     """The layer implementation this machine runs for the requested one, and the warning to print
     once when it differs (``te`` without Transformer Engine or without a GPU -> ``local``)."""
-    if transformer_impl != "te":
+    transformer_impl = TransformerImpl(transformer_impl)
+    if not transformer_impl.uses_transformer_engine:
         return transformer_impl, None
     if not on_gpu():
-        return "local", ("WARNING: model.transformer_impl: te needs a CUDA GPU; this run uses the local spec "
+        return TransformerImpl.LOCAL, ("WARNING: model.transformer_impl: te needs a CUDA GPU; this run uses the local spec "
                          "(PyTorch SDPA attention, torch RMSNorm). Checkpoints are interchangeable.")
     if not transformer_engine_available():
-        return "local", ("WARNING: model.transformer_impl: te but Transformer Engine does not import; this run "
+        return TransformerImpl.LOCAL, ("WARNING: model.transformer_impl: te but Transformer Engine does not import; this run "
                          "uses the local spec (PyTorch SDPA attention, torch RMSNorm, no fused norm+linear, no "
                          "FP8). Install Transformer Engine for speed (docs/gpu.md). Checkpoints are "
                          "interchangeable.")
-    return "te", None
+    return transformer_impl, None
 
 
 def megatron_linear_wgrad_fusion_available() -> bool:
@@ -167,7 +169,7 @@ def fused_rope_available() -> bool:
 
 
 def fusion_fallbacks(*, rope_fusion: bool, gradient_accumulation_fusion: bool,
-                     transformer_impl: str) -> tuple[dict[str, bool], list[str]]:
+                     transformer_impl: TransformerImpl | str) -> tuple[dict[str, bool], list[str]]:
     """The fusion settings this machine runs for the requested ones, and one warning line to print
     once per setting turned off (never turned off silently: the GPU recipes enable them and must
     still run on CPU, in CI and in the demo). ``transformer_impl``: the backend the run uses
@@ -188,7 +190,7 @@ def fusion_fallbacks(*, rope_fusion: bool, gradient_accumulation_fusion: bool,
     if gradient_accumulation_fusion:
         if not on_gpu():
             why = "a CUDA GPU"
-        elif transformer_impl != "te" and not megatron_linear_wgrad_fusion_available():
+        elif not TransformerImpl(transformer_impl).uses_transformer_engine and not megatron_linear_wgrad_fusion_available():
             why = ("apex's fused_weight_gradient_mlp_cuda with model.transformer_impl: local (Megatron's linear "
                    "layers), which does not import here")
         else:
@@ -340,12 +342,12 @@ def use_cpu_initialization() -> bool:
 
 
 def check_model_parallel_supported(
-    *, tensor_parallel_size: int, num_query_groups: int, transformer_impl: str
+    *, tensor_parallel_size: int, num_query_groups: int, transformer_impl: TransformerImpl | str
 ) -> None:
     """Raise ``UserError`` for model-parallel features this platform cannot run (divergence 5)."""
     if on_gpu():
         return
-    if transformer_impl == "te":
+    if not TransformerImpl(transformer_impl).runs_on_cpu:
         raise UserError(
             "transformer_impl='te' runs on CUDA only (Transformer Engine); "
             "use transformer_impl='local' on CPU"

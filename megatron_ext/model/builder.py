@@ -55,7 +55,7 @@ class EncoderModel(GPTModel):
         te_linears_only = (transformer_config.gradient_accumulation_fusion
                            and not hardware.megatron_linear_wgrad_fusion_available())
         if te_linears_only:
-            if config.transformer_impl != "te":
+            if not config.transformer_impl.uses_transformer_engine:
                 raise UserError(
                     "training.gradient_accumulation_fusion with model.transformer_impl: local needs apex's "
                     "fused_weight_gradient_mlp_cuda (Megatron's linear layers), which does not import here; "
@@ -265,7 +265,7 @@ def build_encoder_model(
     if config.vocab_size % tp:
         raise UserError(f"EncoderModelConfig.vocab_size={config.vocab_size} is not divisible by the "
                         f"tensor-parallel size {tp} (pad the vocabulary)")
-    if config.transformer_impl == "te":
+    if config.transformer_impl.uses_transformer_engine:
         require_transformer_engine()
     hardware.check_model_parallel_supported(
         tensor_parallel_size=tp,

@@ -256,7 +256,7 @@ class RunConfig:
         if self.training.rope_fusion and self.data.reset_position_ids:
             raise ConfigError("training.rope_fusion needs data.reset_position_ids: false (Transformer Engine's fused "
                               "RoPE takes one position table for the whole batch, not positions per sequence)")
-        if self.training.fp8_recipe is not None and self.model.transformer_impl != "te":
+        if self.training.fp8_recipe is not None and not self.model.transformer_impl.uses_transformer_engine:
             raise ConfigError(f"training.fp8_recipe={self.training.fp8_recipe!r} needs model.transformer_impl: te "
                               "(FP8 matmuls are Transformer Engine layers)")
         from megatron_ext.training.cuda_graphs import run_problem

@@ -139,7 +139,7 @@ def enabled(config: Any) -> bool:
 def uses_te_rng_tracker(config: Any) -> bool:
     """Transformer Engine's RNG tracker for graphed runs of the ``te`` spec, as Megatron-LM
     switches to it whenever graphs meet TE layers (``training/arguments.py``)."""
-    return enabled(config) and config.model.transformer_impl == "te" and hardware.transformer_engine_available()
+    return enabled(config) and config.model.transformer_impl.uses_transformer_engine and hardware.transformer_engine_available()
 
 
 def transformer_overrides(config: Any) -> dict:
