@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from benchmarks.results_file import RESULTS, write_record  # noqa: E402
 from megatron_ext import assets, hardware  # noqa: E402
 from megatron_ext.eval.families import sc  # noqa: E402
-from megatron_ext.eval.protocol import FinetuneConfig, eval_subset, input_length  # noqa: E402
+from megatron_ext.eval.finetuning import FinetuneConfig, eval_subset, input_length  # noqa: E402
 from megatron_ext.eval.suite import build_task  # noqa: E402
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task  # noqa: E402
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.eval import aggregation, grid, render
-from megatron_ext.eval.protocol import FinetuneConfig
+from megatron_ext.eval.finetuning import FinetuneConfig
 from megatron_ext.study.report_scores import seed_score
 
 DATA = Path(__file__).resolve().parent / "data" / "mixed_grid"

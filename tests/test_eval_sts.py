@@ -17,7 +17,7 @@ from scipy import stats
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval import grid, harness
 from megatron_ext.eval.families import FAMILIES, sts
-from megatron_ext.eval.protocol import FinetuneConfig
+from megatron_ext.eval.finetuning import FinetuneConfig
 from megatron_ext.eval.suite import build_task
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task
 from megatron_ext.study.report_files import column_title

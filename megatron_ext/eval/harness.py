@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_ext.claims import ClaimPolicy, Holder, Owner, try_claim
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval.aggregation import TaskResult, aggregate_grid
-from megatron_ext.eval.benchmarks import BENCHMARKS, TASK_GROUPS, expand_tasks, prepare_benchmarks
+from megatron_ext.eval.hub_datasets import BENCHMARKS, TASK_GROUPS, expand_tasks, prepare_benchmarks
 from megatron_ext.eval.families import FAMILIES, family_of
 from megatron_ext.eval.grid import (
     GridWorker,
@@ -57,7 +57,7 @@ from megatron_ext.eval.grid import (
     run_path,
     shared_runs,
 )
-from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS
+from megatron_ext.eval.finetuning import PAPER_LR_GRID, PAPER_SEEDS
 from megatron_ext.eval.render import write_summary
 from megatron_ext.eval.suite import TASKS, build_task
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task
@@ -285,7 +285,7 @@ def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: 
         models: HF encoder directories or Megatron checkpoints, each ``PATH`` or ``NAME=PATH``; a
             save directory's checkpoints as ``PATH@all`` or ``PATH@STEP,STEP`` (:func:`resolve_models`).
         tasks: Names in :data:`~megatron_ext.eval.suite.TASKS`, benchmarks in
-            :data:`~megatron_ext.eval.benchmarks.BENCHMARKS` (``paper``: the paper's twelve), or task
+            :data:`~megatron_ext.eval.hub_datasets.BENCHMARKS` (``paper``: the paper's twelve), or task
             directories with ``task.json``.
         output_dir: Receives ``runs/``, ``exported/``, the summaries and plots (module docstring).
         lrs: Fine-tuning learning rates (default: the paper's grid); zero-shot tasks run once

@@ -17,7 +17,7 @@ from typing import Any
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval.aggregation import TaskResult, aggregate, rank_models
 from megatron_ext.eval.grid import ModelRef, RunRecord, RunSpec, TaskRef, run_path
-from megatron_ext.eval.protocol import FinetuneConfig
+from megatron_ext.eval.finetuning import FinetuneConfig
 from megatron_ext.eval.ranking import RankedSystem
 from megatron_ext.study.report_join import SUMMARY_FILE, EvaluatedModel
 
