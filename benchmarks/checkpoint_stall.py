@@ -39,27 +39,29 @@ import argparse
 import contextlib
 import os
 import resource
+import runpy
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import psutil
+import torch
 
-import psutil  # noqa: E402
-import torch  # noqa: E402
+from megatron_ext import hardware, process_group
+from megatron_ext.checkpoint.reader import latest_checkpoint
+from megatron_ext.checkpoint.writer import ASYNC_STRATEGIES, CheckpointSaver
+from megatron_ext.checkpoint.config import check_nvrx_async_writer, nvrx_problem
+from megatron_ext.model import build_encoder_model, parameter_count
+from megatron_ext.objectives import MaskingConfig, apply_mlm
+from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
 
-from benchmarks.results_file import write_record  # noqa: E402
-from megatron_ext import hardware, process_group  # noqa: E402
-from megatron_ext.checkpoint.reader import latest_checkpoint  # noqa: E402
-from megatron_ext.checkpoint.writer import ASYNC_STRATEGIES, CheckpointSaver  # noqa: E402
-from megatron_ext.checkpoint.config import check_nvrx_async_writer, nvrx_problem  # noqa: E402
-from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E402
-from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
-from megatron_ext.training.config import run_config_from_dict  # noqa: E402
-from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
+# results_file.py is a sibling file, not an installed module: read by its path, whether this runs
+# as a script or the tests import it.
+_results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
+write_record = _results_file["write_record"]
 
 MEDIAN_KEYS = ("stall_s", "written_s", "excess_s", "cost_s", "cost_steps", "share_at_interval", "plain_step_s",
                "steps_while_writing", "stall_cpu_s", "excess_cpu_s", "plain_step_cpu_s", "first_step_extra_page_faults",

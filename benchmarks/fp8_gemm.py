@@ -21,20 +21,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import runpy
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from megatron_ext import hardware
+from megatron_ext.config_loading import UserError
+from megatron_ext.model.config import PRESETS
 
-from benchmarks.results_file import write_record  # noqa: E402
-from megatron_ext import hardware  # noqa: E402
-from megatron_ext.config_loading import UserError  # noqa: E402
-from megatron_ext.model.config import PRESETS  # noqa: E402
+# results_file.py is a sibling file, not an installed module: read by its path, whether this runs
+# as a script or the tests import it.
+_results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
+write_record = _results_file["write_record"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

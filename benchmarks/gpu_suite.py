@@ -42,8 +42,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 STATUSES = ("passed", "failed", "timed_out", "skipped", "not_applicable")
 """passed: exit 0; failed: another exit code; timed_out: killed at its cap; skipped: the budget left

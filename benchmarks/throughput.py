@@ -53,20 +53,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
+from megatron_ext import hardware, process_group
+from megatron_ext.model import build_encoder_model, parameter_count
+from megatron_ext.objectives import MaskingConfig, apply_mlm
+from megatron_ext.training import cuda_graphs
+from megatron_ext.training.config import read_recipe, run_config_from_dict
+from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
+from megatron_ext.training.loop import runnable_here
+from megatron_ext.training.memory import estimate_memory
+from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, mean_lm_head_share, peak_flops_per_device
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from megatron_ext import hardware, process_group  # noqa: E402
-from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E402
-from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
-from megatron_ext.training import cuda_graphs  # noqa: E402
-from megatron_ext.training.config import read_recipe, run_config_from_dict  # noqa: E402
-from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
-from megatron_ext.training.loop import runnable_here  # noqa: E402
-from megatron_ext.training.memory import estimate_memory  # noqa: E402
-from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, mean_lm_head_share, peak_flops_per_device  # noqa: E402
 
 SPECIAL_IDS = (0, 1, 2, 3)  # bos, pad, eos, mask of the synthetic vocabulary
 MASK_ID = 3

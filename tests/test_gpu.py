@@ -417,16 +417,16 @@ def test_gpu_checkpoint_loads_on_cpu(tmp_path, tiny_corpus):
     result = pretrain(run_config_from_dict(raw))
     ids = torch.randint(3, 1024, (1, 32), generator=torch.Generator().manual_seed(0))
     script = (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]);"
+        "import sys, torch;"
         "from megatron_ext.hf import load_megatron_checkpoint, single_process_model_parallel;"
-        "ids = torch.load(sys.argv[3]);"
+        "ids = torch.load(sys.argv[2]);"
         "ctx = single_process_model_parallel();"
         "ctx.__enter__();"
-        "m = load_megatron_checkpoint(sys.argv[2]);"
-        "torch.save(m(ids, causal=False).detach(), sys.argv[4])"
+        "m = load_megatron_checkpoint(sys.argv[1]);"
+        "torch.save(m(ids, causal=False).detach(), sys.argv[3])"
     )
     torch.save(ids, tmp_path / "ids.pt")
-    _cpu_process([sys.executable, "-c", script, str(REPO), result.checkpoint, str(tmp_path / "ids.pt"),
+    _cpu_process([sys.executable, "-c", script, result.checkpoint, str(tmp_path / "ids.pt"),
                   str(tmp_path / "cpu_logits.pt")], "loading the GPU checkpoint in a CPU-only process")
     from megatron_ext.hf import load_megatron_checkpoint, single_process_model_parallel
 
