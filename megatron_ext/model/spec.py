@@ -140,7 +140,7 @@ def _te_layer(qk_layernorm: bool, fuse_weight_gradients: bool = False) -> Module
 
 
 def encoder_block_spec(
-    transformer_impl: TransformerImpl, num_layers: int, *, qk_layernorm: bool = False,
+    transformer_impl: TransformerImpl | str, num_layers: int, *, qk_layernorm: bool = False,
     te_linears_fuse_weight_gradients: bool = False,
 ) -> ModuleSpec:
     """Spec of a ``TransformerBlock`` of ``num_layers`` encoder layers and its final RMSNorm.
@@ -151,6 +151,7 @@ def encoder_block_spec(
     accumulate weight gradients into ``main_grad`` even where the model's config has
     ``gradient_accumulation_fusion`` off (see ``EncoderModel``).
     """
+    transformer_impl = TransformerImpl(transformer_impl)
     if te_linears_fuse_weight_gradients and not transformer_impl.uses_transformer_engine:
         raise ValueError("te_linears_fuse_weight_gradients needs transformer_impl='te'")
     if transformer_impl.uses_transformer_engine:
