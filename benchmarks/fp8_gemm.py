@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     record = {"device": device, "tokens": tokens, "warmup": args.warmup, "steps": args.steps, "rows": rows}
     crossing = next((r["shape"]["name"] for r in rows
                      if r["sides"].get("fp8_delayed", {}).get("speedup_vs_bf16", 0) >= 1.2), None)
-    record["fp8_delayed_pays_from"] = crossing  # the first size at issue 32's bar (>= 1.2x bf16), or None
+    record["fp8_delayed_pays_from"] = crossing  # the first size where FP8 pays (>= 1.2x bf16), or None
     print(f"FP8 (delayed) >= 1.2x bf16 from: {crossing or 'no size measured'}")
     write_record("fp8_gemm", device, record, args.output)
     return record

@@ -100,7 +100,7 @@ VARIANTS = {
     "unfused_adam": ({"optimizer": {"fused": False}}, "torch AdamW as Megatron builds it without TE/apex (not fused)"),
     "cuda_graphs": ({"training": {"cuda_graphs": "local"}},
                     "CUDA graphs of the transformer layers (Megatron's local CudaGraphManager; captured in warm-up)"),
-    # The micro-batches the size recipes had before issue 32 (same tokens per step, more micro-batches).
+    # The micro-batches the size recipes had before they grew to fit the GPU (same tokens per step, more micro-batches).
     "micro_batch_3": ({"data": {"micro_batch_size": 3}}, "3 sequences per micro-batch (the 1b recipe's before)"),
     "micro_batch_6": ({"data": {"micro_batch_size": 6}}, "6 sequences per micro-batch (the 610m recipe's before)"),
     "micro_batch_9": ({"data": {"micro_batch_size": 9}}, "9 sequences per micro-batch (the 210m recipe's before)"),
@@ -382,7 +382,7 @@ def run_side(spec: dict) -> dict:
             process_group.destroy_process_group_and_model_parallel()
     (phase,) = config.resolved_phases
     share = mean_lm_head_share(phase, seq_length=seq_length, scored_only=config.training.lm_head_scored_only)
-    # The trainer's dry-run estimate for this configuration, next to the measured peak (issue 32: within 10 %).
+    # The trainer's dry-run estimate for this configuration, next to the measured peak (its target: within 10 %).
     estimated = estimate_memory(config, world_size=1).total / 2**30 if ours else None
     return {**result, "peak_mem_gb": _peak_memory_gb(), "estimated_mem_gb": estimated, "engine": "megatron",
             "wall_s": wall, "settings": describe(config) if ours else None,

@@ -1,4 +1,4 @@
-"""The edges of a long job (issue 33): one trainer per save directory (the ranks of one run share
+"""The edges of a long job: one trainer per save directory (the ranks of one run share
 its lock, every rank of a second run is refused), damaged checkpoints named with the flag that
 resumes past them, a full disk stopping the run with exit code 74 (synchronous and asynchronous
 saves). Preemption by SLURM: tests/test_slurm.py."""

@@ -1,4 +1,4 @@
-"""``training.rope_fusion`` and ``training.gradient_accumulation_fusion`` (issue 32) on CPU: the
+"""``training.rope_fusion`` and ``training.gradient_accumulation_fusion`` on CPU: the
 settings parse and reach Megatron's ``TransformerConfig``, turn off with one announced warning
 where they cannot run (here: no GPU, no Transformer Engine, no apex), refusals name the key, and
 the model builder keeps Megatron's own LM head off the fused weight-gradient path when apex is

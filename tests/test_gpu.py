@@ -248,7 +248,7 @@ def test_biphasic_run_follows_the_cpu_fp32_reference(tmp_path, tiny_corpus, init
 
 
 def test_bf16_parameters_and_fusions_train_like_the_default(tmp_path, tiny_corpus, initial_weights):
-    """The issue-15 switches together on GPU (bf16 parameters with fp32 main params, Megatron's
+    """The speed switches together on GPU (bf16 parameters with fp32 main params, Megatron's
     fused SwiGLU and cross entropy, fused AdamW, distributed optimizer) against the default (fp32
     weights, bf16 autocast), both from the same weights, on the same batches and, both being on the
     GPU, the same masks: the same losses step by step for steps 1-10, and per 10-step window over
@@ -458,7 +458,7 @@ def _one_backward(config, batches, weights: dict | None) -> tuple[dict, float, t
 @pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("fusion", ["rope_fusion", "gradient_accumulation_fusion"])
 def test_fusion_gives_the_unfused_loss_and_gradients(model_parallel, tmp_path, tiny_corpus, fusion, params_dtype):
-    """Issue 32's fusions on the TE spec (fp32 weights under bf16 autocast, and bf16 weights with
+    """The RoPE and weight-gradient accumulation fusions on the TE spec (fp32 weights under bf16 autocast, and bf16 weights with
     fp32 main parameters: Float16Module), distributed optimizer with overlapped reduction: the same
     weights and two micro-batches give the unfused run's loss and gradient buffers, after one
     backward. The gradients are compared directly because a loss curve cannot see a wrong scale:
@@ -518,7 +518,7 @@ def test_the_recipe_fusions_train_like_the_default_on_te(tmp_path, tiny_corpus, 
     _assert_bf16_runs_agree(results["recipe"].losses, results["default"].losses, "recipe vs default (TE)")
 
 
-# --- CUDA graphs of the transformer layers (training.cuda_graphs, issue 32) ---------------------
+# --- CUDA graphs of the transformer layers (training.cuda_graphs) ---------------------------------
 
 GRAPH_STEPS = {"clm": 5, "mlm": 5}
 """A biphasic engine run: 5 CLM steps, validation of both objectives, 5 MLM steps, validation."""

@@ -41,7 +41,7 @@ def test_two_rank_run_prints_every_line_once(tmp_path, tiny_corpus):
     assert [line.split(" | ")[0] for line in steps] == [f"step {k}/8" for k in range(1, 9)], output  # rank 0 only
     repeated = {line: n for line, n in Counter(lines).items() if n > 1 and line not in REPEATS_ALLOWED}
     assert not repeated, output
-    # What each rank printed before (issue 26), now once per job or not at all.
+    # What each rank used to print (Megatron's import-time notices), now once per job or not at all.
     assert sum("GPTModel IS DEPRECATED" in line for line in lines) == 1, output
     for gone in ("Apex is not installed", "MimoModelConfig is experimental", "full scope is deprecated",
                  "MCore's async save is deprecated",  # two async saves; the writer is checkpoint.async_strategy

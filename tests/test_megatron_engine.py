@@ -166,7 +166,7 @@ def test_megatrons_cuda_calls_are_redirected_from_process_group_set_up_to_teardo
 def _transformer_engine_kernels(calls: list[str]) -> dict[tuple[str, str], object]:
     """What Megatron-Core's modules hold where Transformer Engine imports (each attribute divergence 7
     redirects), as stand-ins that record their call and fail as TE's CUDA kernels do on a machine
-    without a GPU (the crash of issue 31)."""
+    without a GPU (the crash of a CPU run on a machine where TE imports)."""
     def cuda_only(name):
         def kernel(*args, **kwargs):
             calls.append(name)
@@ -196,7 +196,7 @@ def _transformer_engine_kernels(calls: list[str]) -> dict[tuple[str, str], objec
 @pytest.mark.parametrize("distributed", [False, True], ids=["plain_optimizer", "distributed_optimizer"])
 def test_a_cpu_step_where_transformer_engine_imports_runs_megatrons_torch_kernels(tmp_path, tiny_corpus,
                                                                                    monkeypatch, distributed):
-    """Issue 31: Megatron-Core picks TE's (or apex's) CUDA multi-tensor kernels and FusedAdam at
+    """Megatron-Core picks TE's (or apex's) CUDA multi-tensor kernels and FusedAdam at
     import whenever TE imports, whatever the tensors' device. With TE's choices installed in
     Megatron's modules (as on a machine where TE imports), a CPU run's steps (each gradient norm
     above optimizer.clip_grad, so the gradients are scaled too) train with the local kernels and

@@ -3,7 +3,7 @@
 
 Why: the 1B model on an H200 (seq 2,048, 6 micro-batches of 3) spends 587 ms of GPU time in a
 854 ms step: the host, launching Transformer Engine's modules at 200-400 us of CPU each, is the
-bottleneck (issue 32). A graph replays a whole layer's forward (or backward) with one launch.
+bottleneck. A graph replays a whole layer's forward (or backward) with one launch.
 
 How Megatron-Core does it, and what this module adds around it:
 
@@ -73,7 +73,7 @@ the 1b throughput shape (seq 2,048, 6 micro-batches of 3) went from 0.741 to 0.7
 (x1.02: the local spec's modules cost the host little) and from 32.3 to 23.3 GB peak allocated.
 Through the trainer's loop, a graphed biphasic run stopped at step 20 and resumed trained steps
 21-40 exactly as the uninterrupted graphed run, and so did its checkpoint resumed without graphs.
-The TE spec, the target of issue 32, and FP8 under graphs are not measured yet.
+The TE spec, whose host-bound steps graphs are meant for, and FP8 under graphs are not measured yet.
 """
 
 from __future__ import annotations
