@@ -114,6 +114,8 @@ def _te_backend(fuse_weight_gradients: bool):
 
 
 def _te_layer(qk_layernorm: bool, fuse_weight_gradients: bool = False) -> ModuleSpec:
+    # Deliberately the same shape as _local_layer, slot for slot: both specs must hold the same
+    # weights under the same checkpoint keys, so a change to one is a change to both.
     require_transformer_engine()
     backend = _te_backend(fuse_weight_gradients)
     qk_norm = backend.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm else None

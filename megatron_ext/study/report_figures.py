@@ -65,8 +65,11 @@ def _drawable(series: Mapping[str, Sequence[Series]]) -> dict[str, tuple[Series,
     return {family: lines for family, lines in kept.items() if lines}
 
 
-def _longest_line(series: Mapping[str, Sequence[Series]]) -> int:
-    return max((len(s.points) for lines in series.values() for s in lines), default=0)
+def _drawn(figure: Figure, series: Mapping[str, tuple[Series, ...]], *, too_few: str) -> Figure:
+    """``figure`` with ``series``; skipped with ``too_few`` where no line has two points."""
+    if max((len(s.points) for lines in series.values() for s in lines), default=0) < 2:
+        return dataclasses.replace(figure, skipped=too_few)
+    return dataclasses.replace(figure, series=series)
 
 
 def _by_family(tasks: Mapping[str, Sequence[str]],
@@ -110,11 +113,8 @@ def clm_share_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, S
                                 color=f"{size}/{budget}"))
         return found
 
-    series = _by_family(tasks, family_lines)
-    if _longest_line(series) < 2:
-        return dataclasses.replace(figure, skipped="no budget has two or more of those runs evaluated on every task "
-                                                   "of a family")
-    return dataclasses.replace(figure, series=series)
+    return _drawn(figure, _by_family(tasks, family_lines),
+                  too_few="no budget has two or more of those runs evaluated on every task of a family")
 
 
 def tokens_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, Sequence[str]]) -> Figure:
@@ -146,11 +146,9 @@ def tokens_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, Sequ
                                             color=f"{size.name}/{kind}", dashed=True))
         return found
 
-    series = _by_family(tasks, family_lines)
-    if _longest_line(series) < 2:
-        return dataclasses.replace(figure, skipped="no MLM or CLM run is evaluated at two or more token counts "
-                                                   "(budgets' final checkpoints or RUN@STEP checkpoints)")
-    return dataclasses.replace(figure, series=series)
+    return _drawn(figure, _by_family(tasks, family_lines),
+                  too_few="no MLM or CLM run is evaluated at two or more token counts (budgets' final checkpoints "
+                          "or RUN@STEP checkpoints)")
 
 
 def cpt_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, Sequence[str]]) -> Figure:
@@ -205,9 +203,7 @@ def lr_figure(plan: StudyPlan, scores: GroupScores, tasks: Mapping[str, Sequence
                         family_lines)
     if not series:
         return dataclasses.replace(figure, skipped="no study run is evaluated on every task of a family")
-    if _longest_line(series) < 2:
-        return dataclasses.replace(figure, skipped="the evaluations have one fine-tuning LR")
-    return dataclasses.replace(figure, series=series)
+    return _drawn(figure, series, too_few="the evaluations have one fine-tuning LR")
 
 
 FIGURES = (clm_share_figure, tokens_figure, cpt_figure, lr_figure)
