@@ -98,7 +98,7 @@ VARIANTS = {
     "cross_entropy_fusion": ({"training": {"cross_entropy_loss_fusion": True}},
                              "Megatron's native fused cross entropy (torch.compile)"),
     "unfused_adam": ({"optimizer": {"fused": False}}, "torch AdamW as Megatron builds it without TE/apex (not fused)"),
-    "cuda_graphs": ({"training": {"cuda_graphs": "local"}},
+    "cuda_graphs": ({"training": {"cuda_graphs": "megatron"}},
                     "CUDA graphs of the transformer layers (Megatron's local CudaGraphManager; captured in warm-up)"),
     # The micro-batches the size recipes had before they grew to fit the GPU (same tokens per step, more micro-batches).
     "micro_batch_3": ({"data": {"micro_batch_size": 3}}, "3 sequences per micro-batch (the 1b recipe's before)"),

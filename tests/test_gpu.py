@@ -621,7 +621,7 @@ def _graph_engine_run(tmp_path, *, cuda_graphs: str, model: dict, initial_state:
 ])
 def test_cuda_graphs_train_like_eager_on_the_same_weights_and_batches(model_parallel, tmp_path, params_dtype,
                                                                       fp8_recipe, distributed):
-    """``training.cuda_graphs: local`` against eager mode from the same weights on the same batches:
+    """``training.cuda_graphs: megatron`` against eager mode from the same weights on the same batches:
     a biphasic engine run (5 CLM steps, validation, 5 MLM steps, validation), bf16 autocast with
     fp32 or bf16 parameters (Float16Module), the distributed optimizer with overlapped gradient
     reduction, FP8 where Transformer Engine runs. Graphs are captured on the first step for both
@@ -632,7 +632,7 @@ def test_cuda_graphs_train_like_eager_on_the_same_weights_and_batches(model_para
     model = _te_model() if fp8_recipe else dict(GPU_MODEL)
     kwargs = dict(model=model, params_dtype=params_dtype, fp8_recipe=fp8_recipe, distributed=distributed)
     eager = _graph_engine_run(tmp_path / "eager", cuda_graphs="none", initial_state=None, **kwargs)
-    graphed = _graph_engine_run(tmp_path / "graphs", cuda_graphs="local", initial_state=eager["state"], **kwargs)
+    graphed = _graph_engine_run(tmp_path / "graphs", cuda_graphs="megatron", initial_state=eager["state"], **kwargs)
     out = Path(os.environ.get("GPU_CHECK_OUT", tmp_path))
     (out / f"cuda_graphs_{params_dtype}_{fp8_recipe or 'bf16'}.json").write_text(json.dumps(
         {k: v for k, v in {"eager": eager, "graphs": graphed}.items()}, default=lambda o: None, indent=1))
@@ -673,7 +673,7 @@ def test_graph_safe_rng_state_saves_as_the_plain_trackers(model_parallel):
 
 def test_cuda_graphs_run_resumes_exactly_and_its_checkpoints_load_without_graphs(tmp_path, tiny_corpus,
                                                                                   initial_weights):
-    """The trainer's loop with ``training.cuda_graphs: local`` (biphasic, 40 steps, validation every
+    """The trainer's loop with ``training.cuda_graphs: megatron`` (biphasic, 40 steps, validation every
     20, the distributed optimizer): stopped after step 20 and resumed (graphs captured again on the
     resumed run's first step), it trains steps 21-40 exactly as the uninterrupted graphed run; the
     same checkpoint resumed *without* graphs trains them exactly so too (graphs are runtime state:
@@ -686,9 +686,9 @@ def test_cuda_graphs_run_resumes_exactly_and_its_checkpoints_load_without_graphs
             raw["checkpoint"] = {"save": str(save), "save_interval": 20}
         return raw
 
-    straight = pretrain(run_config_from_dict(recipe("straight", "local")))
+    straight = pretrain(run_config_from_dict(recipe("straight", "megatron")))
     assert straight.final_step == 40 and straight.skipped_steps == 0 and set(straight.valid) == {20, 40}
-    interrupted = recipe("interrupted", "local")
+    interrupted = recipe("interrupted", "megatron")
     first = pretrain(run_config_from_dict(interrupted), exit_after_step=20)
     assert first.final_step == 20
     saved = tmp_path / "saved_at_20"

@@ -26,6 +26,7 @@ import argparse
 import copy
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -225,11 +226,12 @@ class TrainingConfig:
     masked ones) instead of at every position: same loss and gradients, and on MLM steps
     ``1 - mask_ratio`` of the head's FLOPs and logits memory saved (the head is ~20 % of a
     step's FLOPs at 610M with the 128k vocabulary). ``false``: GPTModel's full head."""
-    cuda_graphs: Literal["none", "local", "transformer_engine"] = "none"
+    cuda_graphs: Literal["none", "megatron", "transformer_engine"] = "none"
     """CUDA graphs of the transformer layers (Megatron ``--cuda-graph-impl``; GPU only): each
     layer's forward and backward replayed as one graph, which removes the per-module CPU launch
-    cost that leaves the GPU idle when the host is slower than the kernels. ``local`` is
-    Megatron-Core's own ``CudaGraphManager``: graphs are captured once, during the run's first
+    cost that leaves the GPU idle when the host is slower than the kernels. Named after who
+    captures them. ``megatron`` is Megatron-Core's own ``CudaGraphManager`` (Megatron's value
+    ``local``, which older recipes spell too: :data:`RENAMED_VALUES`): graphs are captured once, during the run's first
     step, for every attention pattern the run's phases use (CLM causal, MLM bidirectional: one
     graph per layer and pattern, sharing one memory pool), and replayed by pattern after that;
     validation runs eagerly. ``transformer_engine`` (TE's ``make_graphed_callables``) is refused:
@@ -425,6 +427,7 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: unknown section(s) {unknown}; valid sections: {sorted(TOP_LEVEL_KEYS)}")
     if isinstance(raw.get("model"), dict):  # before merging: a base and its child may spell a key differently
         raw["model"] = with_current_model_keys(raw["model"], f"{path} model", warn=True)
+    raw = with_current_values(raw, str(path))
     if "base" in raw:
         base = read_recipe(path.parent / raw.pop("base"))
         raw = deep_merge(base, raw)
@@ -507,13 +510,32 @@ REMOVED_KEYS = {
 }
 """Keys older recipes may hold, and why each is refused (rather than only listed as unknown)."""
 
+RENAMED_VALUES = {("training", "cuda_graphs"): {"local": "megatron"}}
+"""Old values and their current spelling, per key: recipes and saved run configs written before the
+rename still read (``cuda_graphs: local``, Megatron's name for its own graphs, read as if it were
+``model.transformer_impl: local``, a different choice)."""
+
+
+def with_current_values(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """``raw`` (a recipe's sections) with :data:`RENAMED_VALUES` spelled as today, saying so once
+    for ``where`` (the recipe file, or what else holds the sections)."""
+    out = dict(raw)
+    for (section, key), renamed in RENAMED_VALUES.items():
+        block = out.get(section)
+        if isinstance(block, dict) and isinstance(block.get(key), str) and block[key] in renamed:
+            new = renamed[block[key]]
+            warnings.warn(f"{where}: {section}.{key}: {block[key]!r} is now {new!r} (read as such); rename it",
+                          FutureWarning, stacklevel=2)
+            out[section] = {**block, key: new}
+    return out
+
 
 def run_config_from_dict(raw: dict[str, Any], *, tokenizer_vocab_size: int | None = None) -> RunConfig:
     """Validate a merged recipe into a :class:`RunConfig` (errors name the section and key)."""
     missing = [s for s in ("model", "tokenizer", "data", "phases", "training") if s not in raw]
     if missing:
         raise ConfigError(f"recipe: missing section(s) {missing}")
-    sections = {name: raw.get(name, {}) or {} for name in SECTIONS}
+    sections = with_current_values({name: raw.get(name, {}) or {} for name in SECTIONS}, "run config")
     for (section, key), why in REMOVED_KEYS.items():
         if isinstance(sections[section], dict) and key in sections[section]:
             raise ConfigError(f"{section}.{key}: {why}")

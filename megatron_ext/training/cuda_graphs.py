@@ -93,7 +93,7 @@ REFUSED_IMPLEMENTATIONS = {
     "transformer_engine": "Transformer Engine's make_graphed_callables captures each layer with Megatron's sample "
                           "arguments (a dense causal [b, 1, s, s] mask) and replays a None mask as a dense zero mask, "
                           "so the per-call attention pattern (CLM causal, MLM bidirectional) would not reach the "
-                          "attention; use training.cuda_graphs: local (Megatron's CudaGraphManager, which graphs "
+                          "attention; use training.cuda_graphs: megatron (Megatron's CudaGraphManager, which graphs "
                           "Transformer Engine layers too)",
 }
 
@@ -185,7 +185,7 @@ class LayerGraphs:
         layers = _decoder_layers(model)
         missing = [layer.layer_number for layer in layers if not hasattr(layer, "cudagraph_manager")]
         if not layers or missing:
-            raise RuntimeError("training.cuda_graphs: local, but the model's layers have no CudaGraphManager "
+            raise RuntimeError("training.cuda_graphs: megatron, but the model's layers have no CudaGraphManager "
                                f"(layers {missing}): build the model with the engine's transformer overrides "
                                "(megatron_transformer_overrides) after cuda_graphs.prepare_rng")
 

@@ -22,7 +22,7 @@ Mixed precision: bf16 autocast of the forward (``training.bf16``), optionally bf
 with fp32 main parameters (``model.params_dtype: bfloat16``, Megatron's ``Float16Module``), fp32
 loss and gradient buffers; FP8 (Transformer Engine) comes from the model's ``TransformerConfig``.
 
-CUDA graphs of the transformer layers (``training.cuda_graphs: local``): Megatron-Core's
+CUDA graphs of the transformer layers (``training.cuda_graphs: megatron``): Megatron-Core's
 ``CudaGraphManager`` in every layer; the engine primes and captures them on its first training
 step, runs validation eagerly and deletes them in ``close`` (``training.cuda_graphs``).
 """
