@@ -60,6 +60,8 @@ _results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
 RESULTS = _results_file["RESULTS"]
 write_record = _results_file["write_record"]
 
+REPO = Path(__file__).resolve().parent.parent
+
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 """The model without ``--model``: its real weights and tokenizer from the asset cache."""
