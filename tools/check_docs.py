@@ -38,9 +38,11 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import functools
 import importlib
 import importlib.util
 import io
+import logging
 import os
 import re
 import runpy
@@ -48,6 +50,7 @@ import shlex
 import subprocess
 import sys
 import tomllib
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,14 +69,18 @@ LINK = re.compile(r"(?<!!)\[(?P<text>[^\]]*)\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
 DOTTED_KEY = re.compile(r"^(?P<section>[a-z]+)\.(?P<key>[a-z][a-z0-9_]*)(?P<rest>(?::\s.*|\s*=.*)?)$")
 KEY_VALUE = re.compile(r"^(?P<key>[a-z][a-z0-9_]*):\s+\S")
-MODULE = re.compile(r"^megatron_ext(?:\.[a-z_][a-z0-9_]*)+$")
+MODULE = re.compile(r"^megatron_ext(?:\.[A-Za-z_][A-Za-z0-9_]*)+$")
 SOURCE_SUFFIXES = (".py", ".yaml", ".yml", ".sh", ".sbatch", ".md", ".toml", ".json", ".txt", ".cfg")
+FILE_SUFFIXES = (*SOURCE_SUFFIXES, ".safetensors", ".bin", ".idx", ".jsonl", ".png", ".gguf", ".pt", ".tsv", ".csv",
+                 ".log", ".out", ".model")
+"""What ends a file name: ``model.safetensors`` is a file, not the recipe key ``model.safetensors``."""
 PLACEHOLDER_CHARS = set("<>{}*?[]…$~ ")
 
 EXTERNAL_FLAGS: dict[str, tuple[str, ...]] = {
     # flags of other programs the pages name, by program (not checked against this project's tools)
     "sbatch": ("--signal", "--array", "--partition", "--nodes", "--gpus-per-node", "--time", "--dependency",
-               "--kill-on-invalid-dep", "--ntasks-per-node", "--job-name", "--output"),
+               "--kill-on-invalid-dep", "--ntasks-per-node", "--job-name", "--output", "--account", "--qos",
+               "--exclusive", "--gres", "--mem", "--cpus-per-task"),
     "scancel": ("--signal", "--batch", "--full"),
     "torchrun": ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id",
                  "--master-addr", "--master-port", "--standalone"),
@@ -84,7 +91,8 @@ EXTERNAL_FLAGS: dict[str, tuple[str, ...]] = {
     "docker": ("--gpus", "--ipc", "--ulimit", "--rm", "--shm-size"),
     "wandb": ("--sync-all",),
     "megatron-lm": ("--calculate-per-token-loss", "--use-distributed-optimizer", "--overlap-grad-reduce",
-                    "--overlap-param-gather", "--bf16", "--fp8-format", "--fp8-recipe", "--transformer-impl"),
+                    "--overlap-param-gather", "--bf16", "--fp8-format", "--fp8-recipe", "--transformer-impl",
+                    "--lr-decay-iters", "--apply-rope-fusion", "--make-vocab-size-divisible-by"),
 }
 EXTERNAL_COMMANDS = ("python -m venv", "python -m pip", "pip", "ldd", "nvcc", "git", "docker", "apptainer", "sbatch",
                      "scancel", "srun", "squeue", "scontrol", "sacct", "torchrun", "apt-get", "make", "pytest", "wandb",
@@ -95,6 +103,7 @@ EXTERNAL_COMMANDS = ("python -m venv", "python -m pip", "pip", "ldd", "nvcc", "g
 # -- what the code defines -----------------------------------------------------------------------
 
 
+@functools.cache
 def _pyproject_scripts() -> dict[str, str]:
     return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 
@@ -111,15 +120,19 @@ class Program:
     """``module:function`` of a console script."""
 
     def run(self, args: list[str], *, env: dict[str, str] | None = None) -> tuple[int, str]:
-        """Run in this process with ``args``; returns the exit status and stdout + stderr."""
+        """Run in this process with ``args``; returns the exit status and stdout + stderr. The
+        process's argv, environment, working directory, warning filters and root logger are
+        restored afterwards (the docs' commands run inside the test process: no interpreter start)."""
         out = io.StringIO()
         saved_argv, saved_env, saved_cwd = sys.argv[:], dict(os.environ), os.getcwd()
         os.environ.update(env or {})
         os.environ.setdefault("COLUMNS", "100")
         code = 0
+        root = logging.getLogger()
+        saved_logging = (root.level, root.handlers[:])
         try:
             os.chdir(REPO)
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), warnings.catch_warnings():
                 if self.script is not None:
                     sys.argv = [str(self.script), *args]
                     runpy.run_path(str(self.script), run_name="__main__")
@@ -132,6 +145,8 @@ class Program:
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         finally:
+            root.setLevel(saved_logging[0])
+            root.handlers[:] = saved_logging[1]
             sys.argv = saved_argv
             os.environ.clear()
             os.environ.update(saved_env)
@@ -214,6 +229,9 @@ def config_keys() -> ConfigKeys:
     for cls in objectives.OBJECTIVES.values():
         keys |= set(_dataclass_fields(cls))
     keys |= set(_dataclass_fields(objectives.MaskingConfig))
+    from megatron_ext.eval.protocol import FinetuneConfig  # a study's evaluation settings
+
+    keys |= set(_dataclass_fields(FinetuneConfig))
     for value in vars(spec).values():
         if isinstance(value, type) and dataclasses.is_dataclass(value) and value.__module__ == spec.__name__:
             keys |= set(_dataclass_fields(value))
@@ -314,6 +332,7 @@ def commands(block: CodeBlock) -> Iterator[Command]:
             yield Command(line=line_number, env=env, tokens=tokens, text=command)
 
 
+@functools.cache
 def _tracked_top_level() -> set[str]:
     try:
         out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
@@ -324,6 +343,7 @@ def _tracked_top_level() -> set[str]:
         "data", "runs", "wandb", ".venv"}
 
 
+@functools.cache
 def _package_dirs() -> set[str]:
     return {p.name for p in (REPO / "megatron_ext").iterdir() if p.is_dir() and not p.name.startswith("_")}
 
@@ -361,6 +381,7 @@ def slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
+@functools.cache
 def anchors(path: Path) -> set[str]:
     found: dict[str, int] = {}
     out = set()
@@ -477,7 +498,7 @@ class DocsChecker:
             return []
         if program.script is not None and not program.script.is_file():
             return [f"no such program: {program.name}"]
-        if program.module is not None and importlib.util.find_spec(program.module) is None:
+        if program.module is not None and not _module_exists(program.module):
             return [f"no such module: {program.module}"]
         try:
             flags = help_flags(program)
@@ -598,7 +619,7 @@ class DocsChecker:
         if code.startswith(EXTERNAL_COMMANDS):
             problems = []
         if ((match := DOTTED_KEY.match(code)) and match["section"] in self.keys.sections
-                and not code.endswith(tuple(s.lstrip(".") for s in SOURCE_SUFFIXES))
+                and not code.endswith(FILE_SUFFIXES)
                 and not _is_attribute(f"megatron_ext.{match['section']}.{match['key']}")):
             fields = self.keys.sections[match["section"]]
             if match["key"] not in fields:
@@ -608,9 +629,8 @@ class DocsChecker:
         elif (match := KEY_VALUE.match(code)) and match["key"] not in self.keys.all_keys:
             near = difflib.get_close_matches(match["key"], sorted(self.keys.all_keys), n=1)
             problems.append(f"`{code}`: no config key {match['key']}" + (f" (did you mean {near[0]}?)" if near else ""))
-        if MODULE.match(code) and importlib.util.find_spec(code) is None:
-            if not _is_attribute(code):
-                problems.append(f"`{code}`: no such module or attribute")
+        if MODULE.match(code) and not _module_exists(code) and not _is_attribute(code):
+            problems.append(f"`{code}`: no such module or attribute")
         if not FLAG.match(code) and " " not in code.strip():
             if (problem := path_problem(code, page)) is not None:
                 problems.append(f"`{code}`: {problem}")
@@ -647,6 +667,13 @@ def recipe_problems(text: str) -> list[str]:
     except UserError as error:
         return [f"this recipe does not validate: {error}"]
     return []
+
+
+def _module_exists(dotted: str) -> bool:
+    try:
+        return importlib.util.find_spec(dotted) is not None
+    except ImportError:  # a parent is a module, not a package
+        return False
 
 
 def _is_attribute(dotted: str) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 import typing
@@ -81,10 +82,10 @@ def _test_figures(stage: dict) -> str:
     return text
 
 
-def render_gpu_status() -> str:
+def render_gpu_status(page: Path) -> str:
     summary_path = newest_gpu_suite_run()
     summary = json.loads(summary_path.read_text())
-    visit = summary_path.parent.relative_to(REPO)
+    visit = Path(os.path.relpath(summary_path.parent, page.parent))
     lines = [
         f"Newest GPU visit: **{summary['device']}**, commit `{summary['commit']}`, folder "
         f"[`{visit.name}/`]({visit}/) (`benchmarks/gpu_suite.py`, budget {summary['budget_s']:.0f} s, "
@@ -107,7 +108,7 @@ def render_gpu_status() -> str:
 RESULTS = REPO / "benchmarks" / "results"
 
 
-def render_preprocess_throughput() -> str:
+def render_preprocess_throughput(page: Path) -> str:
     result = json.loads((RESULTS / "preprocess_cpu2.json").read_text())
     lines = [f"{result['corpus']}, {result['host']['cpus']} CPU cores; target: {result['target']}.", "",
              "| workers | raw tokenizer batch encode | end to end | ratio | start-up |", "|---|---|---|---|---|"]
@@ -119,7 +120,7 @@ def render_preprocess_throughput() -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_cpu_throughput() -> str:
+def render_cpu_throughput(page: Path) -> str:
     result = json.loads((RESULTS / "throughput_cpu2.json").read_text())
     settings = result["settings"]
     lines = [f"Device `{result['device']}`, vocabulary {settings['vocab_size']:,}, torch "
@@ -166,7 +167,7 @@ def _dataclass_table(cls: type, prefix: str) -> list[str]:
     return lines
 
 
-def render_recipe_keys() -> str:
+def render_recipe_keys(page: Path) -> str:
     from megatron_ext import objectives
     from megatron_ext.schedule import Phase
     from megatron_ext.training.config import SECTIONS
@@ -187,7 +188,7 @@ def render_recipe_keys() -> str:
     return "\n".join(line if isinstance(line, str) else "\n".join(line) for line in out)
 
 
-def render_study_keys() -> str:
+def render_study_keys(page: Path) -> str:
     from megatron_ext.study import spec
 
     out = []
@@ -224,7 +225,7 @@ def _constant_doc(module_name: str, name: str) -> str:
     raise LookupError(f"{module_name}.{name} has no docstring")
 
 
-def render_exit_codes() -> str:
+def render_exit_codes(page: Path) -> str:
     import importlib
 
     rows = [("0", "", "Finished: the run reached `training.train_iters` (a tool: it did what was asked).")]
@@ -245,13 +246,13 @@ def _program(name: str) -> Program:
     return Program(name=name, script=REPO / name)
 
 
-def render_cli_help(name: str) -> str:
+def render_cli_help(page: Path, name: str) -> str:
     text = program_help(_program(name)).rstrip()
     text = re.sub(r"usage: \S*?([\w.-]+\.py)", r"usage: \1", text)
     return f"```text\n{text}\n```\n"
 
 
-GENERATORS: dict[str, Callable[..., str]] = {
+GENERATORS: dict[str, Callable[..., str]] = {  # each takes the page (for relative links), then its arguments
     "gpu-status": render_gpu_status,
     "preprocess-throughput": render_preprocess_throughput,
     "cpu-throughput": render_cpu_throughput,
@@ -262,14 +263,14 @@ GENERATORS: dict[str, Callable[..., str]] = {
 }
 
 
-def render_page(text: str) -> str:
-    """``text`` with every generated region rendered now."""
+def render_page(text: str, page: Path) -> str:
+    """``text`` (the page at ``page``) with every generated region rendered now."""
 
     def fill(match: re.Match) -> str:
         name, *args = match["name"].split()
         if name not in GENERATORS:
             raise KeyError(f"unknown generated region {name!r}; expected one of {sorted(GENERATORS)}")
-        return match["open"] + GENERATORS[name](*args) + match["close"]
+        return match["open"] + GENERATORS[name](page, *args) + match["close"]
 
     return REGION.sub(fill, text)
 
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         text = page.read_text()
         if "<!-- generated: " not in text:
             continue
-        new = render_page(text)
+        new = render_page(text, page)
         if new != text:
             stale.append(page.relative_to(REPO))
             if not args.check:
