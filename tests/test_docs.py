@@ -122,7 +122,7 @@ def test_the_checker_runs_a_recipe_block(checker):
     recipe = "\n".join(["<!-- check: recipe -->", "```yaml", "model: {preset: tiny}",
                         "tokenizer: {tokenizer_model: data/demo_tokenizer}",
                         "data: {data_path: [d], seq_length: 128, micro_batch_size: 8, global_batch_size: 16}",
-                        "schedule: {lr: 1.0e-3}", "phases: [{objective: mlm, mask_ratio: 0.4, share: 1.0}]",
+                        "schedule: {lr: 1.0e-3, lr_decay_style: constant}", "phases: [{objective: mlm, mask_ratio: 0.4, share: 1.0}]",
                         "training: {train_iters: 10}", "```", ""])
     page = Path(REPO / "docs" / "checker_test.md")
     assert checker.check_text(recipe, page) == []

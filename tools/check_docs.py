@@ -407,6 +407,8 @@ class DocsChecker:
     keys: ConfigKeys = dataclasses.field(default_factory=config_keys)
     known_flags: set[str] = dataclasses.field(default_factory=set)
     """Flags of every program named on the pages checked (filled while checking)."""
+    runs: dict[tuple, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    """Exit status and output of each command run, by program, arguments and environment."""
 
     def check_pages(self, pages: Iterable[Path]) -> list[Problem]:
         pages = list(pages)
@@ -512,7 +514,10 @@ class DocsChecker:
         if problems or mode not in ("run", "dry-run") or not self.run:
             return problems
         args = [a for a in args if a not in ("[", "]")]
-        code, output = program.run(args, env=command.env)
+        key = (program.name, tuple(args), tuple(sorted(command.env.items())))
+        if key not in self.runs:  # a command on several pages (or checked twice) runs once
+            self.runs[key] = program.run(args, env=command.env)
+        code, output = self.runs[key]
         if code != 0:
             return [f"exited {code}: {command.text}\n{output[-1500:]}"]
         return []
