@@ -101,6 +101,7 @@ CHANGES = {
     "a link's heading": ("(clusters.md#exit-codes)", "(clusters.md#exit-code)", "link to a missing heading"),
     "a quoted error line": ("`is in use by another trainer`", "`is used by another trainer`",
                             "no error line of the code contains 'is used by another trainer'"),
+    "an issue number": ("# A page\n", "# A page (issue 46)\n", "an internal issue number"),
     "an unmarked block": ("<!-- check: help -->\n", "", "a bash block without a marker"),
 }
 

@@ -26,6 +26,7 @@ What is checked, page by page:
   package) must exist; ``megatron_ext.x.y`` must be importable.
 - **Error messages**: in a table after ``<!-- check: messages -->``, the code in each row's first
   cell (split at ``...``) must appear in the package's source: the line is still printed.
+- **No internal issue numbers** in prose.
 - **Links**: every relative link must resolve, and its ``#anchor`` must be a heading of the target.
 
 Where a page must say something the checker would refuse (a removed key, say), it writes it in
@@ -69,6 +70,8 @@ LINK = re.compile(r"(?<!!)\[(?P<text>[^\]]*)\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
 DOTTED_KEY = re.compile(r"^(?P<section>[a-z]+)\.(?P<key>[a-z][a-z0-9_]*)(?P<rest>(?::\s.*|\s*=.*)?)$")
 KEY_VALUE = re.compile(r"^(?P<key>[a-z][a-z0-9_]*):\s+\S")
+ISSUE_NUMBER = re.compile(r"\b(?:issue|issues|PR)\s+#?\d+|#\d{2,}\b", re.I)
+"""The project's own issue numbers mean nothing to a reader."""
 MODULE = re.compile(r"^megatron_ext(?:\.[A-Za-z_][A-Za-z0-9_]*)+$")
 SOURCE_SUFFIXES = (".py", ".yaml", ".yml", ".sh", ".sbatch", ".md", ".toml", ".json", ".txt", ".cfg")
 FILE_SUFFIXES = (*SOURCE_SUFFIXES, ".safetensors", ".bin", ".idx", ".jsonl", ".png", ".gguf", ".pt", ".tsv", ".csv",
@@ -607,6 +610,9 @@ class DocsChecker:
             for match in INLINE_CODE.finditer(line):
                 for message in self.span_problems(match["code"].strip(), page, all_flags):
                     problems.append(Problem(path=rel, line=number, message=message))
+            if (match := ISSUE_NUMBER.search(line)) is not None:
+                problems.append(Problem(path=rel, line=number, message=f"an internal issue number: {match[0]!r}; "
+                                                                       "say what the change was instead"))
             for match in LINK.finditer(INLINE_CODE.sub("", line)):
                 if (message := link_problem(match["target"], page)) is not None:
                     problems.append(Problem(path=rel, line=number, message=message))

@@ -136,6 +136,52 @@ def render_cpu_throughput(page: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- the scaling plan's estimates ----------------------------------------------------------------
+
+SCALING_SIZES = ("210m", "610m", "1b")
+GLOBAL_TOKENS = 1152 * 2048
+"""The paper recipes' global batch: 1,152 sequences of 2,048 tokens."""
+H100_BF16_TFLOPS = 989.0
+NVLINK_GB_S, IB_GB_S_PER_GPU = 400.0, 45.0
+
+
+def render_scaling_estimates(page: Path) -> str:
+    """Parameters, distributed-optimizer traffic and step times of the paper's sizes, computed from
+    the presets and the FLOPs convention of ``megatron_ext/training/metrics.py``."""
+    from megatron_ext.model.config import PRESETS, parameter_count
+    from megatron_ext.training.metrics import flops_per_token
+
+    lines = ["| preset | parameters | bytes per GPU per step (DP 64) | step at 40 % MFU, 8 / 64 H100 | "
+             "NVLink (~400 GB/s), 8 GPUs | InfiniBand (~45 GB/s per GPU), 64 GPUs |", "|---|---|---|---|---|---|"]
+    for name in SCALING_SIZES:
+        config = PRESETS[name]
+        params = parameter_count(config)
+        # fp32 gradients reduce-scattered (4 bytes), bf16 parameters all-gathered (2 bytes)
+        traffic = {dp: 6 * params * (dp - 1) / dp for dp in (8, 64)}
+        flops = flops_per_token(config, 2048)
+        step = {gpus: GLOBAL_TOKENS * flops / (gpus * H100_BF16_TFLOPS * 1e12 * 0.4) for gpus in (8, 64)}
+        nvlink = traffic[8] / (NVLINK_GB_S * 1e9)
+        infiniband = traffic[64] / (IB_GB_S_PER_GPU * 1e9)
+        lines.append(f"| {name} | {params / 1e6:,.0f}M | {traffic[64] / 1e9:.1f} GB | {step[8]:.2f} s / {step[64]:.2f} s "
+                     f"| {nvlink * 1e3:.0f} ms | {infiniband * 1e3:.0f} ms ({100 * infiniband / step[64]:.0f} % of the step) |")
+    flops = ", ".join(f"{flops_per_token(PRESETS[name], 2048):.3g}" for name in SCALING_SIZES)
+    return "\n".join(lines) + (f"\n\nStep time = {GLOBAL_TOKENS:,} tokens x FLOPs/token with the LM head at every "
+                               f"position (CLM steps: {flops} at 210M / 610M / 1B) / (GPUs x {H100_BF16_TFLOPS:.0f} "
+                               "TFLOP/s x 0.4).\n")
+
+
+def render_dry_run_plan(page: Path, recipe: str, world_size: str) -> str:
+    """``pretrain_encoder.py --config RECIPE --dry-run --world-size N``'s plan, up to its memory
+    estimate (what follows depends on the machine it runs on)."""
+    code, output = _program("pretrain_encoder.py").run(["--config", recipe, "--dry-run", "--world-size", world_size])
+    if code != 0:
+        raise RuntimeError(f"pretrain_encoder.py --dry-run of {recipe} exited {code}: {output[-2000:]}")
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("world size"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("memory/rank"))
+    return "```text\n" + "\n".join(lines[start:end + 1]) + "\n```\n"
+
+
 # -- recipe keys ---------------------------------------------------------------------------------
 
 
@@ -256,6 +302,8 @@ GENERATORS: dict[str, Callable[..., str]] = {  # each takes the page (for relati
     "gpu-status": render_gpu_status,
     "preprocess-throughput": render_preprocess_throughput,
     "cpu-throughput": render_cpu_throughput,
+    "scaling-estimates": render_scaling_estimates,
+    "dry-run-plan": render_dry_run_plan,
     "recipe-keys": render_recipe_keys,
     "study-keys": render_study_keys,
     "exit-codes": render_exit_codes,
