@@ -299,9 +299,10 @@ THROUGHPUT_TIMING = ["--warmup", "3", "--steps", "3", "--rounds", "2"]
 """Short timings (a GPU visit is minutes): 3 warm-up steps (CUDA graphs are captured during warm-up),
 2 rounds of 3 timed steps per side; +-3 % between visits."""
 
-WANTED_VARIANTS_1B = ("cuda_graphs", "local_spec")
-"""What the 1B bf16 row times against the recipe's configuration: the lever not yet in the recipes,
-and the spec the recipes left. Names of ``throughput.VARIANTS`` (checked by a test, not here: importing
+WANTED_VARIANTS_1B = ("cuda_graphs", "te_spec", "te_spec_cuda_graphs", "local_spec")
+"""What the 1B bf16 row times against the recipe's configuration: what could flip its default
+(benchmarks/recipe_defaults.py): CUDA graphs, the other layer implementation with and without CUDA
+graphs (``local_spec`` is reported untimed while the recipe's default is the local spec). Names of ``throughput.VARIANTS`` (checked by a test, not here: importing
 the benchmark loads torch, Megatron and TE, ~13 s of a GPU visit, into the suite's own process)."""
 
 def _throughput(preset: str, precision: str, *, variants: tuple[str, ...] = (), hf: bool = True,
@@ -358,8 +359,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(name="te_smoke", purpose="Transformer Engine: FP8 LayerNormMLP, fused attention (no mask, causal)",
           command=_python_probe("te_smoke"), max_s=90, min_s=20, needs=frozenset({"gpu", "te"}), read=read_te_smoke),
     Stage(name="throughput_1b_bf16",
-          purpose="1B, seq 2048, bf16: the recipe's configuration vs CUDA graphs, the local spec, Hugging Face; "
-                  "a profile",
+          purpose="1B, seq 2048, bf16: the recipe's configuration vs CUDA graphs, the TE spec with and "
+                  "without CUDA graphs, Hugging Face; a profile",
           command=_throughput("1b", "bf16", variants=WANTED_VARIANTS_1B, profile=True),
           max_s=240, min_s=90, read=read_throughput),
     Stage(name="gpu_tests", purpose="every `gpu`-marked test (benchmarks/gpu_check.py)", command=_gpu_tests,

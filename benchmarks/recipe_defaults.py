@@ -1,0 +1,264 @@
+"""The paper recipes' GPU defaults, derived from the committed GPU measurements (never typed by hand).
+
+The rule: for each model size, the newest GPU suite visit (``benchmarks/results/gpu_visits/<kind>-<date>/``
+with a ``summary.json`` from ``benchmarks/gpu_suite.py``) that timed more than one value of a setting
+at that size in bf16, on the same batches, decides that setting: the fastest value wins, provided the
+visit's ``gpu`` tests passed (a ``gpu_tests*`` stage with status ``passed``). A setting no visit compared
+stays as the recipe has it; a size no visit timed follows the nearest timed size, and the table says so.
+The settings decided this way are the layer implementation (``model.transformer_impl``) and CUDA graphs
+(``training.cuda_graphs``); FP8 needs the TE spec whatever wins in bf16 (a run asking for FP8 with the
+local spec is refused in one line naming both keys).
+
+    python benchmarks/recipe_defaults.py            # print the table
+    python benchmarks/recipe_defaults.py --write    # rewrite benchmarks/results/recipe_defaults.{json,md}
+    python benchmarks/recipe_defaults.py --check    # exit 1 if the committed table or a recipe disagrees
+
+``tests/test_recipe_defaults.py`` runs ``--check``'s logic: the committed table is what the committed
+visits give, and every paper recipe sets what the table says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+VISITS_DIR = REPO / "benchmarks" / "results" / "gpu_visits"
+TABLE_JSON = REPO / "benchmarks" / "results" / "recipe_defaults.json"
+TABLE_MD = REPO / "benchmarks" / "results" / "recipe_defaults.md"
+SIZE_RECIPES = {"210m": "210m.yaml", "610m": "610m.yaml", "1b": "1b.yaml"}
+"""The size bases (examples/recipes/base/) every paper recipe inherits its GPU settings from."""
+SIZE_ORDER = ("210m", "610m", "1b")
+
+# The recipe keys the rule decides, as (section, key, what a side's settings call it, the trainer's default).
+DECIDED = (("model", "transformer_impl", "transformer_impl", "local"),
+           ("training", "cuda_graphs", "cuda_graphs", None))
+
+# Sides timed before the suite recorded each side's settings: what their names mean. The default side
+# ("megatron_ext") ran the recipe at the visit's commit; its layer implementation is the other one of
+# a timed ``local_spec``/``te_spec`` variant on the same row (two values exist).
+_NAMED_SIDES = {"local_spec": {"transformer_impl": "local"}, "te_spec": {"transformer_impl": "te"},
+                "te_spec_cuda_graphs": {"transformer_impl": "te", "cuda_graphs": "local"},
+                "cuda_graphs": {"cuda_graphs": "local"}}
+_OTHER_IMPL = {"local": "te", "te": "local"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Side:
+    """One timed configuration of one row of one visit."""
+
+    visit: str
+    device: str
+    commit: str
+    size: str
+    name: str
+    settings: dict
+    tokens_per_s: float
+    mfu: float | None
+
+
+def _visit_key(path: Path) -> tuple[str, str]:
+    """Visits sort by date, then by the letter after it (``h200-2026-11-26b`` after ``...-26``)."""
+    match = re.search(r"(\d{4}-\d{2}-\d{2})(\w*)$", path.name)
+    if not match:
+        raise SystemExit(f"recipe_defaults.py: error: {path}: a visit folder is named <kind>-<YYYY-MM-DD>[suffix]")
+    return match.group(1), match.group(2)
+
+
+def _mlm40_flops_per_token(size: str, seq_length: int) -> float:
+    """FLOPs per token of the throughput benchmark's step (MLM-40, LM head at the scored positions),
+    for sides recorded before the suite wrote them (the MFU convention of training/metrics.py)."""
+    from megatron_ext.model.config import preset
+    from megatron_ext.schedule import Phase, resolve_phases
+    from megatron_ext.training.metrics import flops_per_token, mean_lm_head_share
+
+    (phase,) = resolve_phases([Phase.from_config({"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}, "throughput")], 1)
+    share = mean_lm_head_share(phase, seq_length=seq_length, scored_only=True)
+    return flops_per_token(preset(size, vocab_size=128256), seq_length, lm_head_share=share)
+
+
+def _mfu(record: dict, size: str, seq_length: int, device: str) -> float | None:
+    from megatron_ext.training.metrics import peak_flops_per_device
+
+    peak = peak_flops_per_device(device)
+    if peak is None or not record.get("tokens_per_s"):
+        return None
+    flops = record.get("flops_per_token") or _mlm40_flops_per_token(size, seq_length)
+    return record["tokens_per_s"] * flops / peak
+
+
+def _side_settings(name: str, record: dict, row_sides: list[dict]) -> dict:
+    if record.get("settings"):
+        return {key: record["settings"].get(key) for _, _, key, _ in DECIDED}
+    settings = {key: default for _, _, key, default in DECIDED}
+    if name in _NAMED_SIDES:
+        return {**settings, **_NAMED_SIDES[name]}
+    if name != "megatron_ext":
+        raise ValueError(f"side {name!r} recorded no settings and has no known meaning")
+    impls = {_NAMED_SIDES[s["side"]]["transformer_impl"] for s in row_sides
+             if s["side"] in _NAMED_SIDES and "transformer_impl" in _NAMED_SIDES[s["side"]]}
+    if len(impls) == 1:
+        settings["transformer_impl"] = _OTHER_IMPL[impls.pop()]
+    else:
+        raise ValueError("the default side recorded no settings and no variant tells its layer implementation")
+    return settings
+
+
+def suite_sides(visit: Path) -> tuple[list[Side], bool]:
+    """The bf16 sides at seq 2048 a suite visit timed (complete rows and partial ones), and whether its
+    ``gpu`` tests passed."""
+    summary = json.loads((visit / "summary.json").read_text())
+    device, commit = summary["device"], summary["commit"]
+    passed = any(s["name"].startswith("gpu_tests") and s["status"] == "passed" for s in summary["stages"])
+    sides = []
+    for stage in summary["stages"]:
+        figures = stage.get("figures") or {}
+        records = list(figures.get("sides") or [])
+        for row in figures.get("rows") or []:  # a complete row: its default side and timed variants
+            name = f"{row['model']} seq {row['seq_length']} {row['precision']}"
+            records.append({"row": name, "side": "megatron_ext", "tokens_per_s": row.get("tokens_per_s"),
+                            "settings": row.get("settings")})
+            for variant, v in (row.get("variants") or {}).items():
+                if not v.get("same_as_default"):
+                    records.append({"row": name, "side": variant, "tokens_per_s": v.get("tokens_per_s"),
+                                    "settings": v.get("settings")})
+        by_row: dict[str, list[dict]] = {}
+        for record in records:
+            if record["side"] != "hf" and record.get("tokens_per_s"):
+                by_row.setdefault(record["row"], []).append(record)
+        for row, row_sides in by_row.items():
+            size, _, seq, precision = row.split()
+            if precision != "bf16" or seq != "2048":
+                continue
+            for record in row_sides:
+                sides.append(Side(visit=visit.name, device=device, commit=commit, size=size, name=record["side"],
+                                  settings=_side_settings(record["side"], record, row_sides),
+                                  tokens_per_s=record["tokens_per_s"], mfu=_mfu(record, size, int(seq), device)))
+    return sides, passed
+
+
+def decide(visits_dir: Path = VISITS_DIR) -> dict:
+    """The table: per size and decided setting, the value and the measurement behind it."""
+    visits = sorted((p for p in visits_dir.iterdir() if (p / "summary.json").is_file()), key=_visit_key, reverse=True)
+    measured: dict[str, dict[str, dict]] = {}
+    for visit in visits:
+        sides, passed = suite_sides(visit)
+        if not passed:
+            continue
+        for size in {s.size for s in sides}:
+            at_size = [s for s in sides if s.size == size]
+            for section, key, setting, _ in DECIDED:
+                if f"{section}.{key}" in measured.get(size, {}):
+                    continue  # a newer visit decided it
+                values = {s.settings.get(setting) for s in at_size}
+                if len(values) < 2:
+                    continue
+                best = {}
+                for s in at_size:  # the fastest side of each value
+                    value = s.settings.get(setting)
+                    if value not in best or s.tokens_per_s > best[value].tokens_per_s:
+                        best[value] = s
+                ranked = sorted(best.values(), key=lambda s: s.tokens_per_s, reverse=True)
+                winner = ranked[0]
+                measured.setdefault(size, {})[f"{section}.{key}"] = {
+                    "value": winner.settings.get(setting), "source": "measured", "visit": winner.visit,
+                    "device": winner.device, "commit": winner.commit, "gpu_tests": "passed",
+                    "candidates": [{"value": s.settings.get(setting), "side": s.name,
+                                    "tokens_per_s": round(s.tokens_per_s), "mfu": None if s.mfu is None else round(s.mfu, 4)}
+                                   for s in ranked]}
+    table = {}
+    for size in SIZE_ORDER:
+        entries = {}
+        for section, key, _, _ in DECIDED:
+            name = f"{section}.{key}"
+            if name in measured.get(size, {}):
+                entries[name] = measured[size][name]
+                continue
+            nearest = sorted((s for s in measured if name in measured[s]),
+                             key=lambda s: abs(SIZE_ORDER.index(s) - SIZE_ORDER.index(size)))
+            if nearest:
+                entries[name] = {**measured[nearest[0]][name], "source": f"follows {nearest[0]} (not timed at {size})"}
+            else:
+                entries[name] = {"value": None, "source": "not compared on a GPU yet: the recipe's own setting"}
+        table[size] = entries
+    rule = __doc__.split("\n\n")[1].replace("\n", " ").removeprefix("The rule: ")
+    return {"rule": rule[0].upper() + rule[1:], "sizes": table}
+
+
+def render_markdown(table: dict) -> str:
+    lines = ["# Paper recipes: GPU defaults and the measurements behind them", "",
+             "Written by `python benchmarks/recipe_defaults.py --write` from the committed GPU visits "
+             "(`benchmarks/results/gpu_visits/`); `tests/test_recipe_defaults.py` keeps it, and the recipes "
+             "under `examples/recipes/base/`, in step with them.", "", f"Rule: {table['rule']}", "",
+             "| size | setting | default | source | measured (bf16, seq 2048, MLM-40, one GPU) | device | visit | commit |",
+             "|---|---|---|---|---|---|---|---|"]
+    for size, entries in table["sizes"].items():
+        for name, entry in entries.items():
+            if entry["value"] is None and entry["source"].startswith("not compared"):
+                lines.append(f"| {size} | `{name}` | (recipe's) | {entry['source']} | | | | |")
+                continue
+            figures = "; ".join(
+                f"{c['value'] or 'off'}: {c['tokens_per_s']:,} tok/s"
+                + ("" if c["mfu"] is None else f", {100 * c['mfu']:.1f} % MFU") for c in entry["candidates"])
+            lines.append(f"| {size} | `{name}` | `{entry['value'] or 'off'}` | {entry['source']} | {figures} | "
+                         f"{entry['device']} | `{entry['visit']}` | {entry['commit']} |")
+    lines += ["", "FP8 (`training.fp8_recipe`) runs Transformer Engine layers only: with the local spec a run "
+              "asking for FP8 is refused in one line; add `--transformer-impl te`.", ""]
+    return "\n".join(lines)
+
+
+def recipe_setting(size: str, section: str, key: str):
+    recipe = yaml.safe_load((REPO / "examples" / "recipes" / "base" / SIZE_RECIPES[size]).read_text())
+    return (recipe.get(section) or {}).get(key)
+
+
+def disagreements(table: dict) -> list[str]:
+    """Where the size recipes differ from the table (a setting the table leaves to the recipe is skipped)."""
+    problems = []
+    for size, entries in table["sizes"].items():
+        for name, entry in entries.items():
+            if entry["value"] is None and entry["source"].startswith("not compared"):
+                continue
+            section, key = name.split(".")
+            have = recipe_setting(size, section, key)
+            if have != entry["value"]:
+                problems.append(f"examples/recipes/base/{SIZE_RECIPES[size]}: {name} is {have!r}; the measurements "
+                                f"say {entry['value']!r} ({entry['source']}, {entry.get('visit')})")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite benchmarks/results/recipe_defaults.{json,md}")
+    mode.add_argument("--check", action="store_true",
+                      help="exit 1 when the committed table or a size recipe disagrees with the committed visits")
+    args = parser.parse_args(argv)
+    table = decide()
+    text = render_markdown(table)
+    if args.write:
+        TABLE_JSON.write_text(json.dumps(table, indent=1) + "\n")
+        TABLE_MD.write_text(text)
+        print(f"wrote {TABLE_JSON.relative_to(REPO)} and {TABLE_MD.relative_to(REPO)}")
+        return 0
+    if args.check:
+        problems = disagreements(table)
+        if not TABLE_JSON.is_file() or json.loads(TABLE_JSON.read_text()) != table:
+            problems.append(f"{TABLE_JSON.relative_to(REPO)} is not what the committed visits give: "
+                            "run python benchmarks/recipe_defaults.py --write")
+        for problem in problems:
+            print(f"recipe_defaults.py: {problem}", file=sys.stderr)
+        return 1 if problems else 0
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
