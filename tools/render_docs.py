@@ -67,7 +67,7 @@ def _throughput_figures(stage: dict) -> str:
         if ours:
             parts.append(f"{row.get('name', row.get('row', ''))}: {ours:,.0f} tok/s")
     for side in sides:
-        label = "recipe default" if side["side"] == "megatron_ext" else side["side"].replace("_", " ")
+        label = ("the recipe at that commit" if side["side"] == "megatron_ext" else side["side"].replace("_", " "))
         parts.append(f"{label} {side['tokens_per_s']:,.0f} tok/s (peak {side['peak_mem_gb']:.1f} GB)")
     return "; ".join(parts)
 
@@ -100,6 +100,28 @@ def render_gpu_status(page: Path) -> str:
         if stage.get("reason"):
             status += f" ({stage['reason']})"
         lines.append(f"| `{stage['name']}` | {status} | {figures} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_recipe_defaults(page: Path) -> str:
+    """The paper recipes' GPU defaults and the measurement behind each, from the table
+    ``benchmarks/recipe_defaults.py`` writes (``benchmarks/results/recipe_defaults.json``)."""
+    table = json.loads((RESULTS / "recipe_defaults.json").read_text())
+    lines = ["| size | setting | default | why | measured (bf16, one GPU) | device, visit, commit |",
+             "|---|---|---|---|---|---|"]
+    for size, settings in table["sizes"].items():
+        for key, entry in settings.items():
+            if entry.get("value") is None:
+                continue
+            measured = "; ".join(f"{c['value']}: {c['tokens_per_s']:,} tok/s, {100 * c['mfu']:.1f} % MFU"
+                                 for c in entry.get("candidates", []))
+            lines.append(f"| {size} | `{key}` | `{entry['value']}` | {entry['source']} | {measured} | "
+                         f"{entry['device']}, `{entry['visit']}`, {entry['commit']} |")
+    unmeasured = sorted({key for settings in table["sizes"].values() for key, entry in settings.items()
+                         if entry.get("value") is None})
+    if unmeasured:
+        lines += ["", "Not compared on a GPU yet (each recipe keeps its own setting): "
+                  + ", ".join(f"`{key}`" for key in unmeasured) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -300,6 +322,7 @@ def render_cli_help(page: Path, name: str) -> str:
 
 GENERATORS: dict[str, Callable[..., str]] = {  # each takes the page (for relative links), then its arguments
     "gpu-status": render_gpu_status,
+    "recipe-defaults": render_recipe_defaults,
     "preprocess-throughput": render_preprocess_throughput,
     "cpu-throughput": render_cpu_throughput,
     "scaling-estimates": render_scaling_estimates,
