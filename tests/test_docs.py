@@ -35,6 +35,13 @@ def test_generated_parts_are_current():
     assert not stale, f"out of date, run `python tools/render_docs.py`: {stale}"
 
 
+def test_every_page_is_on_the_readme_map():
+    readme = (REPO / "README.md").read_text()
+    unlinked = [str(page.relative_to(REPO)) for page in doc_pages()[1:]
+                if f"]({page.relative_to(REPO)})" not in readme and f"]({page.relative_to(REPO)}#" not in readme]
+    assert not unlinked, f"pages the README's documentation map does not link: {unlinked}"
+
+
 def test_every_generator_is_used():
     used = {match["name"].split()[0] for page in doc_pages() for match in REGION.finditer(page.read_text())}
     assert used == set(GENERATORS)
