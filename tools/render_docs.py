@@ -82,14 +82,24 @@ def _test_figures(stage: dict) -> str:
     return text
 
 
+def _visit_notes(folder: Path, link: Path) -> str:
+    """The title of the visit's own notes (``README.md``), which say what the suite's record does
+    not (a corrected commit, what was cut short)."""
+    notes = folder / "README.md"
+    if not notes.is_file():
+        return ""
+    title = notes.read_text().splitlines()[0].lstrip("# ").strip()
+    return f" Its notes: [{title}]({link}/README.md)."
+
+
 def render_gpu_status(page: Path) -> str:
     summary_path = newest_gpu_suite_run()
     summary = json.loads(summary_path.read_text())
     visit = Path(os.path.relpath(summary_path.parent, page.parent))
     lines = [
-        f"Newest GPU visit: **{summary['device']}**, commit `{summary['commit']}`, folder "
+        f"Newest GPU visit: **{summary['device']}**, recorded commit `{summary['commit']}`, folder "
         f"[`{visit.name}/`]({visit}/) (`benchmarks/gpu_suite.py`, budget {summary['budget_s']:.0f} s, "
-        f"used {summary['elapsed_s']:.0f} s).",
+        f"used {summary['elapsed_s']:.0f} s)." + _visit_notes(summary_path.parent, visit),
         "",
         "| stage | status | what it measured |",
         "|---|---|---|",
