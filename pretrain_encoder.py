@@ -3,6 +3,12 @@
     python pretrain_encoder.py --config examples/recipes/demo_tiny_biphasic.yaml [--lr 1e-3 ...]
     torchrun --nproc-per-node 8 pretrain_encoder.py --config RECIPE.yaml --tensor-model-parallel-size 2
     python pretrain_encoder.py --config RECIPE.yaml --dry-run --world-size 64   # validate + print the plan
+    python pretrain_encoder.py --config RECIPE.yaml --dry-run --world-size 64 --gpu H100 --budget-gpu-hours 5000
+
+--dry-run also prints what the run costs: GPU-hours and wall time on --world-size GPUs of --gpu KIND
+(default: this machine's), from a committed throughput measurement, else the kind's peak at an
+assumed MFU, with the source of the speed (megatron_ext/study/cost.py); --budget-gpu-hours N
+refuses (exit 2) a run estimated above N.
 
 Every config field has a flag named like Megatron-LM's (see --help); the recipe's values are
 the defaults. Resumes automatically from the newest complete checkpoint in --save (or --load).
@@ -47,6 +53,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     parser.add_argument("--world-size", type=int, default=None,
                         help="--dry-run: plan for this many processes (default: $WORLD_SIZE or 1)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
+    from megatron_ext.study.cost import add_cost_flags
+
+    add_cost_flags(parser, study=False)
     dests = add_override_flags(parser)
     return parser, dests
 
@@ -91,9 +100,15 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
 
         from megatron_ext.training.memory import memory_report
 
+        from megatron_ext.study.cost import check_budget, format_run_cost, segment_cost, speed_table
+
         world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
         print(format_plan(config, make_plan(config, world)))
         print(memory_report(config, world_size=world))
+        speeds = speed_table(args)
+        cost = segment_cost(config, run="the run", gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
+        print(format_run_cost(cost, speeds.kind, speeds.notices))
+        check_budget(args.budget_gpu_hours, cost.gpu_hours, [("the run", cost.gpu_hours or 0.0)], "the run")
         try:  # a plan made on a login node may name paths mounted only on the compute nodes
             print("checked: " + ", ".join(check_paths(config)))
         except UserError as err:

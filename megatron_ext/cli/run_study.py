@@ -23,6 +23,12 @@ relative to: the trainers run there.
          A rerun leaves pending and running jobs alone and resubmits failed or cancelled segments
          and the ones below them. --wait: follow the jobs until they end.
 
+--dry-run also prints the study's cost (GPU-hours and wall time per segment, the tree against
+every run from scratch, the evaluation, the whole study; megatron_ext/study/cost.py); with
+--budget-gpu-hours N a study estimated above N is refused (exit 2) before anything starts. While it
+trains, the progress lines give the study's ETA from the same estimate, corrected by the measured
+time of the segments already trained.
+
 Then, with the local executor, the study's evaluation: section (when it has one; not with --only
 or --train-only): tools/evaluate.py over every run (and each reference model) with
 evaluation.workers processes sharing each grid, logs in <study dir>/logs/evaluation/, outputs in
@@ -76,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--wait", action="store_true", help="follow the study's jobs until they end")
     slurm.add_argument("--poll-interval", type=float, default=30.0, metavar="SECONDS",
                        help="--wait: seconds between looks at the queue [30]")
+    from megatron_ext.study.cost import add_cost_flags
+
+    add_cost_flags(parser, study=True)
     return parser
 
 
@@ -101,8 +110,16 @@ def main(argv: list[str] | None = None) -> int:
         return SlurmExecutor(plan, study_dir, selected, SlurmOptions(
             sbatch_args=tuple(args.sbatch_arg), wait=args.wait, poll_interval=args.poll_interval))
 
+    from megatron_ext.study.cost import report_study_cost
+
+    if args.executor == "local" and args.gpus is None:  # the local executor's runs use --nproc-per-node GPUs
+        args.gpus = args.nproc_per_node
     if args.dry_run:
-        return executor().run(dry_run=True)
+        code = executor().run(dry_run=True)
+        report_study_cost(plan, args)
+        return code
+    if args.budget_gpu_hours is not None:  # refused before anything is written or started
+        report_study_cost(plan, args, show=False)
     with study_dir.lock():  # one executor at a time writes the study directory and trains or submits
         write_plan(plan, study_dir)
         print(f"wrote {study_dir.plan_json} and {len(plan.runs)} recipes", flush=True)

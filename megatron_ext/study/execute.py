@@ -263,11 +263,17 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 class Progress:
-    """The steps an execution trains: how many are done, and the ETA at the pace so far."""
+    """The steps an execution trains: how many are done, and the ETA: the cost model's estimate of
+    the segments left (``estimates``, ``study.cost.seconds_left``), scaled by the measured time
+    over the estimate of the segments finished so far; without estimates, at the pace so far."""
 
-    def __init__(self, steps: dict[str, int]):
+    def __init__(self, steps: dict[str, int], estimates: dict[str, float] | None = None):
         self.steps = dict(steps)
         """Steps left in each segment to train, when the execution started."""
+        self.estimates = estimates
+        """The cost model's seconds for each segment's steps left (None: no speed known here)."""
+        self.took: dict[str, float] = {}
+        """Measured seconds of the segments finished, where known."""
         self.finished: list[str] = []
         self.dropped: list[str] = []
         self.started = time.monotonic()
@@ -280,18 +286,30 @@ class Progress:
     def done(self) -> int:
         return sum(self.steps[run] for run in self.finished)
 
-    def finish(self, run: str) -> None:
+    def finish(self, run: str, seconds: float | None = None) -> None:
         self.finished.append(run)
+        if seconds is not None:
+            self.took[run] = seconds
 
     def drop(self, run: str) -> None:
         """``run`` will not be trained by this execution (failed, blocked)."""
         self.dropped.append(run)
+
+    def correction(self) -> float:
+        """Measured over estimated seconds of the finished segments (1: none finished yet)."""
+        estimated = sum(self.estimates[run] for run in self.took)
+        return sum(self.took.values()) / estimated if estimated > 0 else 1.0
 
     def summary(self) -> str:
         elapsed = time.monotonic() - self.started
         segments = len(self.steps) - len(self.dropped)
         line = (f"study: {len(self.finished)}/{segments} segments, {self.done:,}/{self.total:,} steps, "
                 f"elapsed {duration(elapsed)}")
-        if 0 < self.done < self.total:
+        if self.estimates is not None and self.done < self.total:
+            left = sum(self.estimates[run] for run in self.steps if run not in self.finished and run not in self.dropped)
+            factor = self.correction()
+            line += f", ETA {duration(left * factor)} (estimate" + (
+                f" x{factor:.2f}, the measured pace of the segments trained)" if self.took else ")")
+        elif 0 < self.done < self.total:
             line += f", ETA {duration(elapsed / self.done * (self.total - self.done))}"
         return line

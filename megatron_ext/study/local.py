@@ -174,7 +174,10 @@ class LocalExecutor:
                 prefix = "".join(f"{k}={v} " for k, v in env.items() if k != "REPO_DIR")
                 self.out(f"  {prefix}{' '.join(command)}")
             return 0
-        progress = Progress({s.run: steps_left(self.plan, s) for s in todo})
+        from megatron_ext.study.cost import seconds_left
+
+        progress = Progress({s.run: steps_left(self.plan, s) for s in todo},
+                            seconds_left(self.plan, todo, gpus=self.options.nproc_per_node, say=self.out))
         with processes.signal_handlers(STOP_SIGNALS, self.stop):
             for index, segment in enumerate(todo, 1):
                 if self.stop.signal is not None:
@@ -190,7 +193,7 @@ class LocalExecutor:
                 state = self._run_segment(segment, tag, progress)
                 self.states[segment.run] = state
                 if state.status == "complete":
-                    progress.finish(segment.run)
+                    progress.finish(segment.run, time.monotonic() - started)
                     took = duration(time.monotonic() - started)
                     self.out(f"{tag}: complete in {took} | {progress.summary()}")
                 elif state.status == "failed":

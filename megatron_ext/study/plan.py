@@ -154,18 +154,21 @@ class StudyPlan:
     def tokens_tree(self) -> int:
         return sum(s.steps * self.run(s.run).tokens_per_step for s in self.segments)
 
-    def wall_steps(self, rule: Literal["separate", "checkpoint", "parent_done"]) -> int:
+    def wall_steps(self, rule: Literal["separate", "checkpoint", "parent_done"],
+                   step_cost: dict[str, float] | None = None) -> float:
         """Steps on the longest chain with one machine per run or segment: ``separate`` runs (a
         continued pretraining after its source), segments starting as soon as their parent's
         checkpoint exists (``checkpoint``), or once their parent's segment is done
-        (``parent_done``: a job dependency on the parent's job)."""
-        done: dict[str, int] = {}
-        began: dict[str, int] = {}
+        (``parent_done``: a job dependency on the parent's job). ``step_cost``: the seconds of a
+        step of each run (the chain's wall time instead of its steps)."""
+        cost = (lambda name: 1) if step_cost is None else step_cost.__getitem__
+        done: dict[str, float] = {}
+        began: dict[str, float] = {}
         for segment in self._parents_first():
             run = self.run(segment.run)
             if rule == "separate":
                 began[run.name] = done[run.source] if run.source else 0
-                done[run.name] = began[run.name] + run.train_iters
+                done[run.name] = began[run.name] + run.train_iters * cost(run.name)
                 continue
             parent = self.segment(segment.parent) if segment.parent else None
             if parent is None:
@@ -173,8 +176,8 @@ class StudyPlan:
             elif segment.start_from == "weights" or rule == "parent_done":
                 began[run.name] = done[parent.run]
             else:
-                began[run.name] = began[parent.run] + segment.branch_step - parent.start
-            done[run.name] = began[run.name] + segment.steps
+                began[run.name] = began[parent.run] + (segment.branch_step - parent.start) * cost(parent.run)
+            done[run.name] = began[run.name] + segment.steps * cost(run.name)
         return max(done.values())
 
     def _parents_first(self) -> list[Segment]:

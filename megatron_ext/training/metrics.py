@@ -21,10 +21,15 @@ MFU_CONVENTION = ("6*N(matmul params incl. LM head, the head counted at the posi
                   "+ 12*L*h*s (full bidirectional attention)")
 
 PEAK_TFLOPS = {
-    # dense, no sparsity: (bf16, fp8)
-    "H100": (989.0, 1979.0),
-    "H200": (989.0, 1979.0),
-    "A100": (312.0, None),
+    # Dense peak TFLOP/s per device, no sparsity: (bf16, fp8); matched as a substring of the device
+    # name, in this order. Sources: the vendors' datasheets.
+    "H100": (989.0, 1979.0),    # NVIDIA H100 Tensor Core GPU datasheet, SXM (PCIe: 756 / 1,513)
+    "H200": (989.0, 1979.0),    # NVIDIA H200 Tensor Core GPU datasheet, SXM
+    "B200": (2250.0, 4500.0),   # NVIDIA HGX B200 datasheet, per GPU
+    "A100": (312.0, None),      # NVIDIA A100 Tensor Core GPU datasheet (no FP8)
+    "L40S": (362.05, 733.0),    # NVIDIA L40S datasheet
+    "MI300X": (1307.4, 2614.9),  # AMD Instinct MI300X datasheet
+    "MI250X": (383.0, None),    # AMD Instinct MI250X datasheet: the whole OAM module, two GCDs of 191.5
 }
 
 
@@ -44,10 +49,16 @@ def lm_head_share(phase: ResolvedPhase, step: int, *, seq_length: int, scored_on
     return phase.objective.lm_head_share(phase.progress(step), seq_length=seq_length) if scored_only else 1.0
 
 
-def mean_lm_head_share(phase: ResolvedPhase, *, seq_length: int, scored_only: bool) -> float:
-    """:func:`lm_head_share` averaged over the steps of ``phase`` (its total FLOPs)."""
+def mean_lm_head_share(phase: ResolvedPhase, *, seq_length: int, scored_only: bool,
+                       steps: range | None = None) -> float:
+    """:func:`lm_head_share` averaged over the steps of ``phase`` (its total FLOPs), or over
+    ``steps`` of it (a segment of a run that trains part of the phase)."""
+    steps = steps if steps is not None else range(phase.start, phase.end)
+    ends = {lm_head_share(phase, step, seq_length=seq_length, scored_only=scored_only) for step in (steps[0], steps[-1])}
+    if ends == {peak_lm_head_share(phase, seq_length=seq_length, scored_only=scored_only)}:
+        return ends.pop()  # a constant share (schedules are monotone): no need to visit every step
     shares = [lm_head_share(phase, step, seq_length=seq_length, scored_only=scored_only)
-              for step in range(phase.start, phase.end)]
+              for step in steps]
     if len(set(shares)) == 1:  # a constant share as it is (a mean of equal floats may move its last bit)
         return shares[0]
     return math.fsum(shares) / len(shares)

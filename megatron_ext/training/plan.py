@@ -56,18 +56,37 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
     phases = config.resolved_phases
     names = tuple((p.name, p.start, p.end) for p in phases)
     tokens_per_step = d.global_batch_size * d.seq_length
-    total_flops = sum(
-        (p.end - p.start) * tokens_per_step * flops_per_token(
-            m, d.seq_length, lm_head_share=mean_lm_head_share(p, seq_length=d.seq_length,
-                                                               scored_only=config.training.lm_head_scored_only))
-        for p in phases
-    )
+    total_flops = training_flops(config)
     return RunPlan(
         world_size=world_size, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
         micro_batches_per_step=d.global_batch_size // (d.micro_batch_size * dp),
         tokens_per_step=tokens_per_step, total_tokens=tokens_per_step * config.training.train_iters,
         parameters=parameter_count(m), total_flops=total_flops, phases=names,
     )
+
+
+def phase_flops(config: RunConfig, start: int = 0, end: int | None = None) -> list[tuple[str, float]]:
+    """``(objective tag, training FLOPs)`` of each phase's steps within ``[start, end)`` (default:
+    the whole run), in the convention of ``metrics.MFU_CONVENTION``: what a segment of a study
+    trains, per objective."""
+    d = config.data
+    end = config.training.train_iters if end is None else end
+    tokens_per_step = d.global_batch_size * d.seq_length
+    found = []
+    for p in config.resolved_phases:
+        lo, hi = max(start, p.start), min(end, p.end)
+        if hi <= lo:
+            continue
+        share = mean_lm_head_share(p, seq_length=d.seq_length, scored_only=config.training.lm_head_scored_only,
+                                   steps=None if (lo, hi) == (p.start, p.end) else range(lo, hi))
+        found.append((p.objective.tag,
+                      (hi - lo) * tokens_per_step * flops_per_token(config.model, d.seq_length, lm_head_share=share)))
+    return found
+
+
+def training_flops(config: RunConfig, start: int = 0, end: int | None = None) -> float:
+    """Training FLOPs of steps ``[start, end)`` of a run (default: all of them)."""
+    return sum(flops for _, flops in phase_flops(config, start, end))
 
 
 def format_plan(config: RunConfig, plan: RunPlan) -> str:
