@@ -31,11 +31,12 @@ import sys
 
 # First: importing megatron_ext.cli keeps third-party warnings to one per job, before Megatron is
 # imported (megatron_ext.cli.entry.THIRD_PARTY_WARNINGS).
-from megatron_ext.cli.entry import ArgumentParser, report_user_error
+from megatron_ext.cli.entry import ArgumentParser, configure_logging, report_user_error
 
 import yaml
 
 from megatron_ext.config_loading import UserError
+from megatron_ext.tokenizer import EncoderTokenizer, TokenizerConfig, build_tokenizer, is_hub_id
 from megatron_ext.training.config import (
     RunConfig,
     add_override_flags,
@@ -60,16 +61,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, dests
 
 
-def load_config(args: argparse.Namespace, dests: dict) -> RunConfig:
+def load_config(args: argparse.Namespace, dests: dict) -> tuple[RunConfig, EncoderTokenizer | None]:
+    """The run config, and its tokenizer when reading the config needed it (``model.vocab_size:
+    from_tokenizer``)."""
     raw = apply_overrides(read_recipe(args.config), args, dests)
-    vocab = None
+    tokenizer = None
     if needs_tokenizer_vocab(raw):
-        from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
         from megatron_ext.config_loading import build_dataclass
 
-        tokenizer_config = build_dataclass(TokenizerConfig, raw.get("tokenizer") or {}, "tokenizer")
-        vocab = build_tokenizer(tokenizer_config).vocab_size
-    return run_config_from_dict(raw, tokenizer_vocab_size=vocab)
+        tokenizer = build_tokenizer(build_dataclass(TokenizerConfig, raw.get("tokenizer") or {}, "tokenizer"))
+    return run_config_from_dict(raw, tokenizer_vocab_size=tokenizer and tokenizer.vocab_size), tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,19 +92,32 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
     """The exit code and a one-line reason."""
     parser, dests = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    config = load_config(args, dests)
+    configure_logging()
+    config, tokenizer = load_config(args, dests)
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if args.dry_run:
-        from megatron_ext.training.plan import check_paths, format_plan, make_plan
+        from megatron_ext.training.plan import check_paths, check_tokenizer_serves, format_plan, make_plan
 
         from megatron_ext.training.memory import memory_report
 
         from megatron_ext.study.cost import check_budget, format_run_cost, segment_cost, speed_table
 
         world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-        print(format_plan(config, make_plan(config, world)))
+        plan = make_plan(config, world)
+        tokenizer_note = None
+        model = config.tokenizer.tokenizer_model
+        if tokenizer is None and model is not None and not os.path.exists(model) and is_hub_id(model):
+            # A download (minutes of retries without network) has no place in a dry run.
+            tokenizer_note = f"tokenizer: hub id {model!r} not loaded by --dry-run; the run checks it before building the model"
+        else:
+            try:  # like the paths below, the tokenizer may be on a mount of the compute nodes only
+                tokenizer = tokenizer or build_tokenizer(config.tokenizer)
+            except UserError as err:
+                tokenizer_note = f"tokenizer: NOT READY, a run would stop here: {err}"
+            else:  # what the objectives need of it: refused now (before the plan), as the run would refuse it
+                check_tokenizer_serves(config, tokenizer)
+        print(format_plan(config, plan))
         print(memory_report(config, world_size=world))
         speeds = speed_table(args)
         cost = segment_cost(config, run="the run", gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
@@ -113,6 +127,8 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
             print("checked: " + ", ".join(check_paths(config)))
         except UserError as err:
             print(f"paths: NOT READY, a run would stop here: {err}")
+        if tokenizer_note:
+            print(tokenizer_note)
         return 0, "dry run"
     from megatron_ext.training.loop import pretrain
     from megatron_ext.training.stop import RESUMABLE_EXIT_CODE, STOPPED_UNSAVED_EXIT_CODE

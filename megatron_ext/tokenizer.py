@@ -46,6 +46,13 @@ TOKENIZER_TYPES: tuple[str, ...] = tuple(_ALIASES)
 
 GPT2_EOD = "<|endoftext|>"
 TRAIN_HINT = "train one with `python tools/train_tokenizer.py --input CORPUS --output-dir DIR`"
+WORD_MARKS = ("Ġ", "▁", "##")
+"""How vocabularies mark words: a word's first piece (byte-level BPE 'Ġ', SentencePiece '▁') or
+its continuations (WordPiece '##')."""
+WORD_MARK_MIN_SHARE = 0.02
+"""The share of pieces that must carry a mark for ``EncoderTokenizer.word_mark`` to read one: 19 %
+of BERT's WordPiece, about half of a SentencePiece or byte-level BPE vocabulary, none of a BPE
+trained behind a whitespace pre-tokenizer."""
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -157,6 +164,16 @@ class EncoderTokenizer(abc.ABC):
     def _pieces(self) -> list[str]:
         """Every id's token string, in id order."""
 
+    def word_mark(self) -> str | None:
+        """The word mark most of the vocabulary's pieces carry ('Ġ' byte-level BPE, '▁'
+        SentencePiece, '##' WordPiece continuations), or None when none is carried by at least
+        :data:`WORD_MARK_MIN_SHARE` of them: a vocabulary trained behind a whitespace
+        pre-tokenizer without marks, whose ids do not say where words begin."""
+        pieces = self._pieces()
+        counts = {mark: sum(piece.startswith(mark) for piece in pieces) for mark in WORD_MARKS}
+        mark = max(WORD_MARKS, key=counts.__getitem__)
+        return mark if counts[mark] >= WORD_MARK_MIN_SHARE * len(pieces) else None
+
     def word_boundaries(self) -> tuple[list[bool], list[bool]]:
         """Per id, ``(starts, ends)`` for whole-word masking, BERT's words: text split at
         whitespace, around every punctuation character and around each CJK ideograph.
@@ -170,10 +187,14 @@ class EncoderTokenizer(abc.ABC):
 
         A byte-level piece holding part of a multi-byte character (the 'Ã' and '©' of 'é') reads
         as a letter, so punctuation or an ideograph that the vocabulary splits into bytes (an em
-        dash in a small vocabulary) does not split words: a limit of reading pieces one by one."""
+        dash in a small vocabulary) does not split words: a limit of reading pieces one by one.
+
+        A vocabulary without word marks (:meth:`word_mark` None) raises ``UserError``."""
+        mark = self.word_mark()
+        if mark is None:
+            raise UserError(f"tokenizer {self.name}: its pieces carry no word mark ({', '.join(WORD_MARKS)}), so "
+                            "its ids do not say where words begin")
         pieces = self._pieces()
-        marks = ("Ġ", "▁", "##")
-        mark = max(marks, key=lambda m: sum(piece.startswith(m) for piece in pieces))
         starts, ends = [], []
         for piece in pieces:
             marked = piece.startswith(mark)
@@ -431,7 +452,8 @@ def _load_transformers_tokenizer(model: str):
         raise UserError(f"tokenizer_model {model!r}: transformers could not load it: {err}") from err
 
 
-def _is_hub_id(model: str) -> bool:
+def is_hub_id(model: str) -> bool:
+    """Whether ``model`` names a Hugging Face hub repository rather than a local path."""
     return not Path(model).exists() and _HUB_ID.match(model) is not None
 
 
@@ -443,7 +465,7 @@ def _resolve(config: TokenizerConfig) -> TokenizerConfig:
         if model is not None:
             if ".model" in Path(model).suffixes:  # also versioned names like tokenizer.model.v1
                 kind = SENTENCEPIECE
-            elif Path(model).is_dir() or model.endswith(".json") or _is_hub_id(model):
+            elif Path(model).is_dir() or model.endswith(".json") or is_hub_id(model):
                 kind = HUGGINGFACE
             else:
                 raise UserError(
@@ -466,7 +488,7 @@ def _resolve(config: TokenizerConfig) -> TokenizerConfig:
 
     resolved = {}
     for field, value in needed.items():
-        if kind == HUGGINGFACE and _is_hub_id(value):
+        if kind == HUGGINGFACE and is_hub_id(value):
             resolved[field] = value  # a hub id stays as it is
         elif not Path(value).exists():
             raise UserError(f"{field} {value!r} does not exist")

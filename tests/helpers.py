@@ -27,3 +27,20 @@ def tiny_recipe(corpus: dict[str, str], run_dir: Path, **sections) -> dict:
         else:
             recipe[section] = values
     return recipe
+
+
+def unmarked_bpe_dir(texts: list[str], directory: Path) -> Path:
+    """A BPE tokenizer directory trained on ``texts`` behind a whitespace pre-tokenizer: its pieces
+    carry no word mark ('hello', 'ing'), so its ids do not say where words begin; 1,024 ids with
+    [UNK], [SEP] (eos) and [MASK]."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.BPEDecoder()
+    backend.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=1024, special_tokens=["[UNK]", "[SEP]", "[MASK]"], show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[SEP]",
+                            mask_token="[MASK]").save_pretrained(directory)
+    return directory

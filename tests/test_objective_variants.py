@@ -5,6 +5,7 @@ and an exactly resumed run through all four)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import re
@@ -14,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_recipe
+from helpers import tiny_recipe, unmarked_bpe_dir
 from megatron_ext.cli import plot_loss
 from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.objectives import (
     IGNORE_INDEX, MLM, MNTP, PhaseProgress, SpanMLM, Vocabulary, WholeWordMLM,
 )
-from megatron_ext.objectives.span import mean_span_length, span_cap
+from megatron_ext.objectives.span import mean_span_length
 from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +84,7 @@ def test_mask_ratio_schedule_is_a_pure_function_of_the_step(news, vocabulary):
     assert constant.step_identity(PhaseProgress(step=1, steps=11)) != cosine.step_identity(PhaseProgress(step=1, steps=11))
     with pytest.raises(UserError, match="final_mask_ratio must be set exactly when"):
         MLM(mask_ratio=0.3, mask_ratio_schedule="linear")
-    with pytest.raises(UserError, match=r"mask_ratio must be in \(0, 1\), got 1.2"):
+    with pytest.raises(UserError, match=r"^final_mask_ratio must be in \(0, 1\), got 1.2"):
         MLM(mask_ratio=0.3, mask_ratio_schedule="cosine", final_mask_ratio=1.2)
 
 
@@ -175,62 +176,240 @@ def test_word_boundaries_are_berts_words(kind, bpe, minilm_dir, news_texts):
     assert split_characters > 0 or kind != "byte-level BPE", "the accents must be split into bytes"
 
 
-def test_whole_word_masking_takes_whole_words(news, vocabulary, bpe):
+@pytest.fixture(scope="module")
+def long_word_texts(news_texts) -> list[str]:
+    """Real text with long words: Wikipedia articles as raw wikitext (URLs, ISBNs, long numbers,
+    the CJK of interlanguage links) and news articles each followed by its SHA-256 (a 64-digit
+    hexadecimal word that vocabularies cut into many pieces)."""
+    import hashlib
+
+    from megatron_ext import assets
+    from megatron_ext.data.wikipedia import DUMP_ASSET, DUMP_MEMBER, wikipedia_articles
+
+    def opening(text: str, characters: int) -> str:  # cut at a space: no word is cut
+        return text[:characters].rsplit(" ", 1)[0]
+
+    articles, _ = wikipedia_articles(assets.member(DUMP_ASSET, DUMP_MEMBER))
+    texts = []
+    for article, news in zip(articles, news_texts):  # short openings: every row holds long words
+        news = opening(news, 400)
+        texts += [opening(article.wikitext, 800), f"{news}\nsha256 {hashlib.sha256(news.encode()).hexdigest()}"]
+    return texts
+
+
+def _rows(tokenizer, texts: list[str]) -> torch.Tensor:
+    """``texts`` as documents + EOD packed into [ROWS, SEQ], as GPTDataset yields them."""
+    ids = []
+    for document in tokenizer.tokenize_batch(texts):
+        ids += [*document, tokenizer.eod]
+    assert len(ids) >= ROWS * SEQ
+    return torch.tensor(ids[: ROWS * SEQ]).view(ROWS, SEQ)
+
+
+def _word_table(tokenizer) -> torch.Tensor:
+    return torch.tensor(tokenizer.word_boundaries(), dtype=torch.bool)
+
+
+def _not_special(tokens: torch.Tensor, tokenizer) -> torch.Tensor:
+    return ~torch.isin(tokens, torch.tensor(sorted(tokenizer.special_ids)))
+
+
+@pytest.fixture(scope="module")
+def real_tokenizers(bpe, minilm_dir):
+    """Vocabularies that mark words three ways: WordPiece ('##', all-MiniLM's BERT vocabulary),
+    SentencePiece ('▁', Mistral's 32k Llama-2-style model) and byte-level BPE ('Ġ')."""
+    from megatron_ext import assets
+
+    return {"WordPiece": build_tokenizer(TokenizerConfig(tokenizer_model=str(minilm_dir))),
+            "SentencePiece": build_tokenizer(TokenizerConfig(tokenizer_model=str(
+                assets.member("mistral-common", "mistral_common/data/tokenizer.model.v1")))),
+            "byte-level BPE": bpe}
+
+
+def test_fill_budget_is_berts_rule():
+    """The tensor passes take exactly what BERT's walk takes (skip a unit that overshoots, keep
+    going), on unit sizes with long ones among them."""
+    from megatron_ext.objectives.whole_word import fill_budget
+
+    generator = torch.Generator().manual_seed(3)
+    sizes = torch.randint(1, 4, (400, 60), generator=generator)
+    sizes[torch.rand(sizes.shape, generator=generator) < 0.1] = 25  # long words (hashes, URLs)
+    sizes[:, 50:] = 0  # empty slots
+    budget = torch.randint(0, 120, (400,), generator=generator)
+    taken = fill_budget(sizes, budget)
+    for row, left, got in zip(sizes.tolist(), budget.tolist(), taken.tolist()):
+        expected = []
+        for size in row:
+            expected.append(0 < size <= left)
+            left -= size if expected[-1] else 0
+        assert got == expected
+
+
+@pytest.mark.parametrize("kind", ["WordPiece", "SentencePiece", "byte-level BPE"])
+def test_whole_word_masking_reaches_its_count_on_long_words(kind, real_tokenizers, long_word_texts):
+    """Whole words only, and each row gets MLM's exact count unless every word it leaves is longer
+    than its shortfall (the stated bound; in practice never), on text whose long words (hashes,
+    long numbers) stopped the old prefix rule short in up to a third of the rows."""
+    from megatron_ext.objectives.mlm import selected_counts
+    from megatron_ext.objectives.whole_word import select_whole_words, word_numbers
+
+    tokenizer = real_tokenizers[kind]
+    tokens = _rows(tokenizer, long_word_texts)
+    eligible, table = _not_special(tokens, tokenizer), _word_table(tokenizer)
+    word = word_numbers(tokens, eligible, table)
+    size = torch.zeros_like(word).scatter_add_(1, word, eligible.long())
+    assert (size >= 12).sum() >= ROWS // 2, "the text must hold long words"
+    for ratio in (0.15, 0.4):
+        target = selected_counts(eligible, ratio)
+        for seed in range(3):
+            picked = select_whole_words(tokens, eligible, mask_ratio=ratio, word_boundaries=table,
+                                        generator=torch.Generator().manual_seed(seed))
+            selected = picked.positions
+            # Whole words: every token of a word shares its word's choice.
+            first = torch.zeros_like(selected).scatter_(1, word, selected)  # any selected token per word
+            assert torch.equal(first.gather(1, word) & eligible, selected), "a word was split"
+            counts = selected.sum(1)
+            assert (counts <= target).all() and picked.bound == math.floor(SEQ * ratio + 0.5)
+            short = target - counts
+            taken_words = torch.zeros_like(size).scatter_(1, word, selected.long()).bool()
+            left_sizes = torch.where(~taken_words & (size > 0), size, SEQ + 1)
+            assert (left_sizes.min(1).values > short).all(), "a row fell short while a word that fits was left"
+            assert counts.sum().item() == target.sum().item(), (kind, ratio, short.max())
+    # Long words are masked too, a little less often than short ones (BERT's rule).
+    long_words = size >= 8
+    masked_long = (torch.zeros_like(size).scatter_(1, word, selected.long()).bool() & long_words).sum()
+    assert 0.2 < masked_long.item() / long_words.sum().item() < 0.4
+
+
+def test_whole_word_objective_masks_whole_words_of_news(news, vocabulary, bpe):
     out = _apply(WholeWordMLM(mask_ratio=0.4), news, vocabulary)
     tokens, selected = news["tokens"], out.loss_mask.bool()
     eligible = _eligible(tokens, vocabulary)
-    # A token continues a word unless it starts one or the token before it ends one (the tables
-    # are checked against BERT's words in test_word_boundaries_are_berts_words).
     starts, ends = (torch.tensor(table) for table in bpe.word_boundaries())
     continues = ~starts[tokens[:, 1:]] & ~ends[tokens[:, :-1]] & eligible[:, 1:] & eligible[:, :-1]
     assert continues.float().mean() > 0.1, "the text must have multi-token words"
     assert torch.equal(selected[:, 1:][continues], selected[:, :-1][continues]), "a word was split"
-    # At most MLM's exact count per row, short by less than one (longest) word; overall within 2 points.
-    target = torch.floor(eligible.sum(1).double() * 0.4 + 0.5).long()
-    counts = selected.sum(1)
-    assert (counts <= target).all() and (counts > target - 12).all()
-    share = selected.sum().item() / eligible.sum().item()
-    assert 0.38 < share <= 0.4
+    assert torch.equal(selected.sum(1), torch.floor(eligible.sum(1).double() * 0.4 + 0.5).long())
     assert not (selected & ~eligible).any() and (out.input_ids[selected] == vocabulary.mask_id).all()
     assert out.max_scored_per_sequence == math.floor(SEQ * 0.4 + 0.5) and out.causal is False
-    # Multi-token words are masked too, at about the same rate as their tokens' share.
-    multi_token_word_tokens = torch.zeros_like(selected)
-    multi_token_word_tokens[:, 1:] |= continues
-    multi_token_word_tokens[:, :-1] |= continues
-    assert abs(selected[multi_token_word_tokens].float().mean().item() - 0.4) < 0.05
 
 
-def test_span_masking_follows_spanbert_lengths(news, vocabulary):
-    objective = SpanMLM(mask_ratio=0.4)
-    assert objective.name == "span-40" and mean_span_length(0.2, 10) == pytest.approx(3.797, abs=1e-3)
-    eligible = _eligible(news["tokens"], vocabulary)
-    lengths, selected_total = [], 0
-    for seed in range(5):
-        out = _apply(objective, news, vocabulary, seed=seed)
-        selected = out.loss_mask.bool()
-        assert not (selected & ~eligible).any()
-        assert out.max_scored_per_sequence == span_cap(SEQ, 0.4, 10) and (selected.sum(1) <= span_cap(SEQ, 0.4, 10)).all()
-        selected_total += selected.sum().item()
-        # Runs of selected tokens inside eligible text, away from the row ends: whole spans.
-        for row, keep in zip(selected.tolist(), eligible.tolist()):
-            start = None
-            for i, on in enumerate(row + [False]):
-                if on and start is None:
-                    start = i
-                elif not on and start is not None:
-                    if start > 0 and i < SEQ and keep[start - 1] and keep[i]:
-                        lengths.append(i - start)
-                    start = None
-    share = selected_total / (5 * eligible.sum().item())
-    assert abs(share - 0.4) < 0.015, share
+@pytest.fixture(scope="module")
+def unmarked_bpe(tmp_path_factory, news_texts):
+    """A BPE trained on the news behind a whitespace pre-tokenizer (``helpers.unmarked_bpe_dir``)."""
+    return build_tokenizer(TokenizerConfig(tokenizer_model=str(
+        unmarked_bpe_dir(news_texts, tmp_path_factory.mktemp("unmarked_bpe")))))
+
+
+def test_a_vocabulary_without_word_marks(unmarked_bpe, news_texts, long_word_texts):
+    """Whole words and word spans are refused (naming the objective and the tokenizer); MLM and
+    token spans train on it and reach their counts."""
+    from megatron_ext.objectives.mlm import selected_counts
+
+    assert unmarked_bpe.word_mark() is None
+    for objective in (WholeWordMLM(mask_ratio=0.15), SpanMLM(mask_ratio=0.15)):
+        with pytest.raises(UserError, match=rf"objective {objective.name}.*tokenizer HuggingFaceTokenizer .*unmarked_bpe"
+                                            r".* carry no word mark"):
+            objective.check_tokenizer(unmarked_bpe)
+    vocabulary = Vocabulary(unmarked_bpe, size=unmarked_bpe.vocab_size)
+    tokens = _rows(unmarked_bpe, long_word_texts)
+    batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(ROWS, SEQ)}
+    eligible = _eligible(tokens, vocabulary)
+    for objective in (MLM(mask_ratio=0.15), SpanMLM(mask_ratio=0.15, span_unit="token")):
+        objective.check_tokenizer(unmarked_bpe)
+        scored = _apply(objective, batch, vocabulary).loss_mask.bool()
+        target = selected_counts(eligible, 0.15)
+        assert (scored.sum(1) <= target).all() and scored.sum() >= target.sum() - ROWS // 4, objective.name
+
+
+def test_span_lengths_are_drawn_from_spanberts_law():
+    """The units spans are cut into: a span whose length in words follows SpanBERT's clipped
+    geometric law, then one separating word."""
+    from megatron_ext.objectives.span import span_units
+
+    words = torch.arange(SEQ).expand(ROWS * 4, SEQ)
+    unit = span_units(words, generator=torch.Generator().manual_seed(0), span_p=0.2, max_span_length=10)
+    lengths = []
+    for row in unit.tolist():
+        runs = [sum(1 for _ in group) for key, group in itertools.groupby(row) if key != SEQ]
+        lengths += runs[1:-1]  # whole units: not cut by the row's ends
     n = len(lengths)
     mean, sd = sum(lengths) / n, (sum((x - 3.797) ** 2 for x in lengths) / n) ** 0.5
     assert n > 5000 and abs(mean - 3.797) < 4 * sd / n**0.5, (n, mean)
-    assert max(lengths) == 10 and min(lengths) == 1
     p1 = 0.2 / (1 - 0.8**10)  # SpanBERT's truncated law at length 1
     assert abs(lengths.count(1) / n - p1) < 4 * math.sqrt(p1 * (1 - p1) / n)
+    assert max(lengths) == 10 and min(lengths) == 1
+    separators = unit == SEQ
+    assert not (separators[:, 1:] & separators[:, :-1]).any(), "one word between spans"
+
+
+def _runs(selected: torch.Tensor, eligible: torch.Tensor, word: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Lengths in words and tokens of the runs of selected positions inside eligible text, away
+    from the row ends (whole spans)."""
+    words, tokens = [], []
+    for row, keep, numbers in zip(selected.tolist(), eligible.tolist(), word.tolist()):
+        start = None
+        for i, on in enumerate(row + [False]):
+            if on and start is None:
+                start = i
+            elif not on and start is not None:
+                if start > 0 and i < SEQ and keep[start - 1] and keep[i]:
+                    words.append(numbers[i - 1] - numbers[start] + 1)
+                    tokens.append(i - start)
+                start = None
+    return words, tokens
+
+
+@pytest.mark.parametrize("kind", ["WordPiece", "byte-level BPE"])
+def test_span_masking_follows_spanbert(kind, real_tokenizers, long_word_texts):
+    """SpanBERT's spans: whole words, lengths in words following its clipped geometric law, the
+    exact count per row within the stated bound on long-word text, one replacement per span."""
+    from megatron_ext.objectives.mlm import selected_counts
+    from megatron_ext.objectives.whole_word import word_numbers
+
+    tokenizer = real_tokenizers[kind]
+    objective = SpanMLM(mask_ratio=0.4, mask_replace_prob=0.8, random_replace_prob=0.1)
+    assert objective.name == "span-40" and mean_span_length(0.2, 10) == pytest.approx(3.797, abs=1e-3)
+    tokens = _rows(tokenizer, long_word_texts)
+    vocabulary = Vocabulary(tokenizer, size=tokenizer.vocab_size)
+    batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(ROWS, SEQ)}
+    eligible = _eligible(tokens, vocabulary)
+    word = word_numbers(tokens, eligible, _word_table(tokenizer))
+    target = selected_counts(eligible, 0.4)
+    lengths, token_lengths, whole, parts = [], [], 0, 0
+    for seed in range(4):
+        out = _apply(objective, batch, vocabulary, seed=seed)
+        selected = out.loss_mask.bool()
+        assert not (selected & ~eligible).any() and out.max_scored_per_sequence == math.floor(SEQ * 0.4 + 0.5)
+        # Spans start and end at word boundaries: a change of state inside a word never happens.
+        inside = (word[:, 1:] == word[:, :-1]) & eligible[:, 1:] & eligible[:, :-1]
+        assert torch.equal(selected[:, 1:][inside], selected[:, :-1][inside]), "a span cut a word"
+        short = target - selected.sum(1)
+        assert (short >= 0).all() and short.sum().item() <= ROWS, short.max()
+        runs, run_tokens = _runs(selected, eligible, word)
+        lengths += runs
+        token_lengths += run_tokens
+        # One replacement per span: a run is all masks, or has none.
+        masked = out.input_ids == vocabulary.mask_id
+        for row in range(ROWS):
+            edges = torch.nonzero(torch.diff(selected[row].long(), prepend=torch.zeros(1, dtype=torch.long)))
+            for begin, stop in zip(edges[::2].flatten().tolist(), edges[1::2].flatten().tolist()):
+                states = masked[row, begin:stop][eligible[row, begin:stop]]
+                parts += 1
+                whole += bool(states.all() or not states.any())
+    assert whole == parts
+    # Realised spans are a little shorter than the law (BERT's rule fills a row's last tokens with
+    # the spans that still fit, where SpanBERT cuts its last span at the budget; and runs that
+    # touch a document boundary, longer ones more often, are not counted here).
+    n = len(lengths)
+    mean = sum(lengths) / n
+    assert n > 2000 and 3.3 < mean < 3.85, (n, mean)
+    assert max(lengths) == 10 and min(lengths) == 1
+    assert sum(token_lengths) / n > mean + 0.3  # tokens per span exceed words per span: multi-token words
     with pytest.raises(UserError, match="above 0.792"):
         SpanMLM(mask_ratio=0.85)
+    with pytest.raises(UserError, match="final_mask_ratio 0.85 is above 0.792"):
+        SpanMLM(mask_ratio=0.3, mask_ratio_schedule="linear", final_mask_ratio=0.85)
 
 
 def test_mntp_predicts_each_masked_token_from_the_previous_position(news, vocabulary):
@@ -309,7 +488,7 @@ def test_study_planner_accepts_every_objective(tmp_path):
             read_study(path)
 
 
-def test_new_objectives_log_their_names_and_resume_exactly(tmp_path, tiny_corpus):
+def test_new_objectives_log_their_names_and_resume_exactly(tmp_path, tiny_corpus, capsys):
     """One run through all four (the schedule over two steps, the others one each), stopped inside
     the schedule's phase (after step 1) and resumed: the same losses."""
     from megatron_ext.training.config import run_config_from_dict
@@ -323,7 +502,7 @@ def test_new_objectives_log_their_names_and_resume_exactly(tmp_path, tiny_corpus
                "steps": 1}]
 
     def recipe(name, save):
-        return tiny_recipe(tiny_corpus, tmp_path / name, phases=phases, training={"train_iters": 5, "eval_interval": 0},
+        return tiny_recipe(tiny_corpus, tmp_path / name, phases=phases, training={"train_iters": 5, "eval_interval": 5},
                            checkpoint={"save": save, "save_interval": 100})  # saves only where a stop needs one
 
     straight = pretrain(run_config_from_dict(recipe("a", None)))
@@ -336,3 +515,30 @@ def test_new_objectives_log_their_names_and_resume_exactly(tmp_path, tiny_corpus
     assert resumed.start_step == 1 and all(math.isfinite(loss) for loss in straight.losses.values())
     assert {s: resumed.losses[s] for s in range(2, 6)} == {s: straight.losses[s] for s in range(2, 6)}
     assert plot_loss.main([str(tmp_path / "a/log"), "--output", str(tmp_path / "loss.png")]) == 0  # knows every tag
+    # A run that trains MNTP is validated as MNTP too: its own loss, beside CLM's and MLM's.
+    valid = straight.valid[5]
+    assert set(valid) == {"clm", "mlm", "mntp"} and valid["mntp"] != valid["mlm"] and valid == resumed.valid[5]
+    assert [set(r) - {"kind", "step"} for r in records if r["kind"] == "valid"] == [{"clm", "mlm", "mntp"}]
+
+    # Its export says so, and fill_mask reads each masked token where MNTP predicts it: one
+    # position before the mask.
+    from megatron_ext.cli import fill_mask
+    from megatron_ext.hf import export_checkpoint
+
+    exported = export_checkpoint(tmp_path / "b/ckpt", tmp_path / "hf", log=lambda _: None)
+    assert json.loads((exported / "config.json").read_text())["trained_objective"] == {
+        "name": "mntp-20", "prediction_offset": -1, "causal": False}
+    capsys.readouterr()
+    assert fill_mask.main([str(exported), "The minister said the [MASK] would", "--top-k", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("mntp-20: each masked token is read from the output 1 position(s) before it")
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    model = transformers.AutoModelForMaskedLM.from_pretrained(exported)
+    inputs = tokenizer(fill_mask._with_mask("The minister said the [MASK] would", tokenizer.mask_token, tokenizer),
+                       return_tensors="pt")
+    at = (inputs["input_ids"][0] == tokenizer.mask_token_id).nonzero()[0, 0].item() - 1
+    with torch.no_grad():
+        best = model(**inputs).logits[0, at].argmax().item()
+    assert lines[2].split("-> ")[1].startswith(repr(tokenizer.decode([best]).strip()))

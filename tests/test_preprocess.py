@@ -309,3 +309,14 @@ def test_ctrl_c_prints_one_line_and_keeps_the_previous_output(tmp_path, corpus, 
     assert err.strip().splitlines()[-1] == "preprocess_data.py: interrupted; no output written"
     assert "Traceback" not in err
     assert {p.name: p.read_bytes() for p in tmp_path.glob("out_text_document.*")} == previous
+
+
+def test_append_eod_with_a_bert_tokenizer_ends_documents_with_one_sep(tmp_path, corpus, minilm_dir):
+    """BERT's EOD is [SEP], which its own special tokens already put last: not appended twice."""
+    config, _ = _run(tmp_path, [corpus], str(minilm_dir), append_eod=True)
+    tokenizer = build_tokenizer(config.tokenizer)
+    dataset = _read(config.output_prefix_for("text"))
+    assert len(dataset) == 120
+    for i in range(len(dataset)):
+        ids = dataset[i].tolist()
+        assert ids[0] == tokenizer.bos and ids[-1] == tokenizer.eod and ids[-2] != tokenizer.eod

@@ -247,3 +247,77 @@ def test_step_line_names_phase_throughput_and_skips():
                               mfu=None, elapsed_s=1, eta_s=1, skipped=False, name_width=len(scheduled.name))
              for p in (clm, scheduled)]
     assert [line.index("| loss") for line in lines] == [len("step   1/100 | mlm-30to5-cosine ")] * 2
+
+
+def _write(recipe: dict, path: Path) -> str:
+    import yaml
+
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+@pytest.mark.parametrize("objective, tokenizer, message", [
+    ({"name": "wwm", "mask_ratio": 0.4}, "sentencepiece",
+     r"objective wwm-40 needs a mask token: tokenizer SentencePieceTokenizer '.*botchan_en_bpe_1000.model' has no mask"),
+    ({"name": "mntp", "mask_ratio": 0.2}, "sentencepiece", r"objective mntp-20 needs a mask token"),
+    ({"name": "wwm", "mask_ratio": 0.4}, "unmarked", r"objective wwm-40 masks whole words, but the pieces of tokenizer "
+                                                     r"HuggingFaceTokenizer '.*unmarked' carry no word mark"),
+    ({"name": "span", "mask_ratio": 0.4}, "unmarked", r"objective span-40 \(span_unit: word\) masks whole words"),
+    ("clm", "sentencepiece", r"validation \(training.eval_interval=4\) measures mlm-40: objective mlm-40 needs a "
+                             r"mask token: .*; or set training.eval_interval: 0"),
+])
+def test_dry_run_refuses_a_tokenizer_an_objective_cannot_serve(tmp_path, tiny_corpus, news_texts, capsys, objective,
+                                                               tokenizer, message):
+    """One line naming the objective and the tokenizer, exit 2, from --dry-run (no model is built)
+    as from the run itself, before anything is written."""
+    from helpers import unmarked_bpe_dir
+    from megatron_ext import assets
+
+    model = (str(assets.member("sentencepiece-sdist", "sentencepiece-0.2.3/test/botchan_en_bpe_1000.model"))
+             if tokenizer == "sentencepiece" else str(unmarked_bpe_dir(news_texts[:100], tmp_path / "unmarked")))
+    recipe = _recipe(tiny_corpus, tmp_path, tokenizer={"tokenizer_model": model},
+                     phases=[{"objective": objective, "share": 1.0}])
+    assert pretrain_encoder.main(["--config", _write(recipe, tmp_path / "r.yaml"), "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert re.fullmatch(r"pretrain_encoder.py: error: " + message + ".*\n", captured.err), captured.err
+    assert "world size" not in captured.out  # refused before the plan
+    with pytest.raises(ValueError, match=message):
+        pretrain(run_config_from_dict(recipe))
+    assert not (tmp_path / "log").exists()
+
+
+@pytest.mark.parametrize("sections, key", [
+    ({"phases": [{"objective": "wwm", "mask_ratio": 0.003, "share": 1.0}]}, r"phases\[0\]\.mask_ratio: 0.003 .*"
+                                                                             r"selects 0 per sequence"),
+    ({"phases": [{"objective": {"name": "mlm", "mask_ratio": 0.3, "mask_ratio_schedule": "linear",
+                                "final_mask_ratio": 0.01}, "share": 1.0}]},
+     r"phases\[0\]\.final_mask_ratio: 0.01 of the 64 maskable positions .* selects 1 per sequence, fewer than 2"),
+    ({"phases": [{"objective": "mntp", "mask_ratio": 0.02, "share": 1.0}]},
+     r"phases\[0\]\.mask_ratio: 0.02 of the 63 maskable"),
+    ({"training": {"eval_mask_ratio": 0.01}}, r"training\.eval_mask_ratio: 0.01 .*raise training\.eval_mask_ratio to "
+                                              r"at least 0.0234 or lengthen data.seq_length"),
+])
+def test_a_ratio_that_selects_nearly_nothing_is_refused(tmp_path, tiny_corpus, capsys, sections, key):
+    """At --dry-run, naming the key (the schedule's end by its own name), before any step's loss
+    is 0/0."""
+    recipe = _recipe(tiny_corpus, tmp_path, **sections)
+    assert pretrain_encoder.main(["--config", _write(recipe, tmp_path / "r.yaml"), "--dry-run"]) == 2
+    assert re.fullmatch(r"pretrain_encoder.py: error: " + key + ".*\n", capsys.readouterr().err)
+    recipe["data"]["seq_length"] = 2048  # the same ratios select enough in longer sequences
+    recipe["model"]["seq_length"] = 2048
+    run_config_from_dict(recipe)
+
+
+def test_a_step_that_scored_nothing_does_not_blame_the_learning_rate(tmp_path, tiny_corpus):
+    from megatron_ext.training.loop import _NonFiniteGuard
+    from megatron_ext.training.megatron_engine import StepOutcome
+
+    phase = run_config_from_dict(_recipe(tiny_corpus, tmp_path)).resolved_phases[1]
+    nothing = StepOutcome(loss=math.nan, grad_norm=math.nan, skipped=True, scored_tokens=0.0)
+    with pytest.raises(NonFiniteLossError, match=r"step 7: .*the last step scored no token, so its loss is 0/0: phase "
+                                                 r"mlm-40's objective selected nothing") as raised:
+        _NonFiniteGuard(2, in_a_row=1).update(7, nothing, phase)
+    assert "learning rate" not in str(raised.value)
+    diverged = StepOutcome(loss=math.inf, grad_norm=math.nan, skipped=True, scored_tokens=512.0)
+    with pytest.raises(NonFiniteLossError, match="lower the learning rate"):
+        _NonFiniteGuard(1).update(7, diverged, phase)

@@ -112,9 +112,24 @@ THIRD_PARTY_WARNINGS = (
                       "Megatron logs through the logging module instead; nothing is lost"),
     ThirdPartyWarning("MimoModelConfig is experimental", False,
                       "Megatron imports it for itself; this project does not use MIMO models"),
-    ThirdPartyWarning("GPTModel IS DEPRECATED", True,
-                      "true, and docs/design.md says why the encoder still subclasses it",
+    ThirdPartyWarning("GPTModel IS DEPRECATED", False,
+                      "nothing a user can act on: docs/design.md says why the encoder still subclasses it",
                       logger="megatron.core.models.gpt.gpt_model"),
+    ThirdPartyWarning("torch.distributed is disabled, unavailable or uninitialized", False,
+                      "torch's note when a checkpoint is read in one process, as the export does on purpose"),
+    ThirdPartyWarning("The argument order of load has been changed", False,
+                      "torch's note to callers of its checkpoint load; Megatron's call is not the user's"),
+    ThirdPartyWarning("Please use DTensor instead and we are deprecating ShardedTensor", False,
+                      "torch's note on Megatron's checkpoint format, which a user cannot change"),
+    ThirdPartyWarning("Using Megatron-FSDP without Transformer Engine", False,
+                      "Megatron's note at import; this project does not use Megatron-FSDP",
+                      logger="megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision"),
+    ThirdPartyWarning("Detected Megatron Core, using Megatron-FSDP with Megatron", False,
+                      "Megatron's note at import; this project does not use Megatron-FSDP",
+                      logger="megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"),
+    ThirdPartyWarning("Detected Megatron Core, using Megatron-FSDP with Megatron", False,
+                      "the same note from the module beside it",
+                      logger="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp"),
     ThirdPartyWarning("MCore's async save is deprecated", False,
                       "the writer is a setting, checkpoint.async_strategy (mcore by default); docs/gpu.md, "
                       "\"Asynchronous saves\", says why mcore stays the default (megatron-core 0.19.2 takes "
@@ -149,6 +164,15 @@ class _OnceFilter(logging.Filter):
                     return False
                 self.seen.add(index)
         return True
+
+
+def configure_logging(level: int = logging.WARNING) -> None:
+    """The one set-up of ``logging`` for an entry point: records at ``level`` and above as
+    ``LEVEL logger: message`` lines, with :data:`THIRD_PARTY_WARNINGS`' filters in place, and no
+    Hugging Face progress bars (transformers' "Loading weights" bar of a model of seconds)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when transformers is imported
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    third_party_warnings_once()
 
 
 def third_party_warnings_once() -> None:

@@ -3,8 +3,13 @@
     python tools/fill_mask.py runs/demo/hf_eurobert "The capital of France is [MASK]."
 
 ``[MASK]`` in a sentence stands for the model's own mask token (``<mask>``, ``<|mask|>`` ...).
-The model directory is loaded with ``pipeline("fill-mask")`` only, which shows that the export
-works without this project's code.
+The model directory is loaded with plain ``transformers`` only (``pipeline("fill-mask")``), which
+shows that the export works without this project's code.
+
+Where the export says its last step trained an objective whose prediction is not at the mask
+(``trained_objective`` in ``config.json``: MNTP predicts a masked token from the position before
+it), the masked token is read from that position instead, and a line says so; a model whose last
+step was causal (CLM) is refused in one line: it predicts next tokens, not masked ones.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import argparse
 import os
 import sys
 
-from megatron_ext.cli.entry import ArgumentParser, entry_point
+from megatron_ext.cli.entry import ArgumentParser, configure_logging, entry_point
 from megatron_ext.config_loading import UserError
 
 DEFAULT_SENTENCES = (
@@ -44,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sentences", nargs="*", default=list(DEFAULT_SENTENCES), help="sentences with [MASK]")
     parser.add_argument("--top-k", type=int, default=5)
     args = parser.parse_args(argv)
+    configure_logging()
     for sentence in args.sentences:
         if "[MASK]" not in sentence:
             raise UserError(f"{sentence!r} has no [MASK]")
@@ -57,12 +63,36 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:  # transformers' "not a local folder and not a valid model identifier"
         raise UserError(f"model_dir {args.model_dir}: cannot load a fill-mask model "
                         f"({str(error).strip().splitlines()[0]})") from error
+    trained = getattr(fill.model.config, "trained_objective", None) or {}
+    if trained.get("causal"):
+        raise UserError(f"model_dir {args.model_dir}: its last step trained {trained['name']}, which predicts the next "
+                        "token, not a masked one: not a fill-mask model (export a checkpoint of a masked phase)")
+    offset = trained.get("prediction_offset", 0)
+    if offset:
+        print(f"{trained['name']}: each masked token is read from the output {-offset} position(s) before it, where "
+              "this objective predicts it")
     mask = fill.tokenizer.mask_token
     for sentence in args.sentences:
-        predictions = fill(_with_mask(sentence, mask, fill.tokenizer), top_k=args.top_k)
+        masked = _with_mask(sentence, mask, fill.tokenizer)
+        predictions = fill(masked, top_k=args.top_k) if not offset else _predict_away(fill, masked, offset, args.top_k)
         ranked = ", ".join(f"{p['token_str'].strip()!r} {p['score']:.2f}" for p in predictions)
         print(f"{sentence}\n    -> {ranked}")
     return 0
+
+
+def _predict_away(fill, text: str, offset: int, top_k: int) -> list[dict]:
+    """The pipeline's predictions for the mask of ``text``, read from the output ``offset``
+    positions away from it (the pipeline reads the mask's own)."""
+    import torch
+
+    inputs = fill.tokenizer(text, return_tensors="pt")
+    at = (inputs["input_ids"][0] == fill.tokenizer.mask_token_id).nonzero()[0, 0].item() + offset
+    if at < 0:
+        raise UserError(f"{text!r}: nothing stands before [MASK], where this model predicts it; put a word first")
+    with torch.no_grad():
+        probabilities = fill.model(**inputs).logits[0, at].float().softmax(-1)
+    scores, ids = probabilities.topk(top_k)
+    return [{"token_str": fill.tokenizer.decode([i]), "score": s} for s, i in zip(scores.tolist(), ids.tolist())]
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.readers import INPUT_FORMATS
 from megatron_ext.tokenizer import TokenizerConfig
-from megatron_ext.cli.entry import ArgumentParser, entry_point
+from megatron_ext.cli.entry import ArgumentParser, configure_logging, entry_point
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +82,7 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
 @entry_point("preprocess_data.py")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO)
     try:
         summary = preprocess(config_from_args(args))
     except KeyboardInterrupt:  # temporaries are removed on the way out; existing outputs untouched

@@ -64,7 +64,9 @@ class PreprocessConfig:
     workers: int = 1
     """Tokenizer processes; the output is byte-identical for any value."""
     append_eod: bool = False
-    """Append the tokenizer's EOD id to every non-empty document."""
+    """End every non-empty document with the tokenizer's EOD id: appended, unless the tokenizer's
+    own special tokens already end it there (a BERT tokenizer's EOD is ``[SEP]``, which
+    ``add_special_tokens`` puts last: one ``[SEP]``, not two)."""
     add_special_tokens: bool = True
     """Let the tokenizer add its own specials (BOS/CLS...) per text, like Megatron's default."""
     split_sentences: bool = False
@@ -205,7 +207,7 @@ class _Encoder:
                     ids.extend(piece)
                     sentence_lengths.append(len(piece))
             k += len(doc)
-            if self.eod is not None and len(sentence_lengths) > n_before:
+            if self.eod is not None and len(sentence_lengths) > n_before and ids[-1] != self.eod:
                 ids.append(self.eod)
                 sentence_lengths[-1] += 1
             sentences_per_doc.append(len(sentence_lengths) - n_before)

@@ -14,6 +14,11 @@ Output (``hf_format='eurobert'``, the encoder default)::
     config_sentence_transformers.json,                  hidden states, mean-pooled
     1_Pooling/config.json
 
+``config.json`` also records what the checkpoint's last step trained, as ``trained_objective``
+(``{"name": "mntp-20", "prediction_offset": -1, "causal": false}``): where the output predicting
+a masked token sits, which ``tools/fill_mask.py`` reads (None for a checkpoint without phases,
+an import from Hugging Face).
+
 ``llama`` (``mistral``, ``qwen2``, ``qwen3``) writes that causal LM instead, without the
 sentence-transformers files. The vocabulary is the tokenizer's (largest id + 1): Megatron's
 padding rows are dropped. Written into a temporary directory, then renamed into place; an
@@ -64,6 +69,24 @@ def _tokenizers(checkpoint: Checkpoint, tokenizer: str | None) -> tuple[HuggingF
                         "tokenizer files: pass --tokenizer with a transformers tokenizer directory")
     # The same loading rules (directory, tokenizer.json, hub id) as the tokenizer built above.
     return encoder_tokenizer, _load_transformers_tokenizer(encoder_tokenizer.reference()["tokenizer_model"])
+
+
+TRAINED_OBJECTIVE = "trained_objective"
+"""The key of ``config.json`` that records the objective of the checkpoint's last step."""
+
+
+def trained_objective(checkpoint: Checkpoint) -> dict | None:
+    """What the checkpoint's last step trained (:data:`TRAINED_OBJECTIVE`), from its run config;
+    None when the run config has no phases (an import from Hugging Face)."""
+    from megatron_ext.config_loading import coerce
+    from megatron_ext.schedule import Phase, phase_at, resolve_phases
+
+    run = checkpoint.run_config()
+    if not run.get("phases") or "train_iters" not in (run.get("training") or {}):
+        return None
+    phases = [coerce(raw, Phase, f"{checkpoint} run_config.json phases[{i}]") for i, raw in enumerate(run["phases"])]
+    objective = phase_at(resolve_phases(phases, run["training"]["train_iters"]), max(checkpoint.step - 1, 0)).objective
+    return {"name": objective.name, "prediction_offset": objective.prediction_offset, "causal": objective.causal}
 
 
 def _sentence_transformers_files(root: Path, hidden_size: int) -> None:
@@ -156,6 +179,7 @@ def export_checkpoint(
         hf_state |= zero_o_proj_biases(config)  # the flag also adds an o_proj bias
     hf_state = {k: v.to("cpu", DTYPES[dtype]) for k, v in hf_state.items()}
     hf_config = export_format.hf_config(config, vocab_size=vocab, token_ids=token_ids, dtype=dtype)
+    setattr(hf_config, TRAINED_OBJECTIVE, trained_objective(source))
     _check_against_hf_class(export_format.architecture, hf_config, hf_state)
 
     from safetensors.torch import save_file

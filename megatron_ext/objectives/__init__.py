@@ -11,7 +11,7 @@ in the flat form older recipes use, the settings beside the phase's own keys
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from megatron_ext.config_loading import ConfigError, build_dataclass
@@ -54,7 +54,14 @@ def read_objective(value: Any, where: str, *, flat_settings: Mapping[str, Any] |
     return build_dataclass(OBJECTIVES[tag], settings, where if isinstance(value, str) else f"{where}.objective")
 
 
-def validation_objectives(eval_mask_ratio: float) -> dict[str, Objective]:
+def validation_objectives(eval_mask_ratio: float, trained: Iterable[Objective] = ()) -> dict[str, Objective]:
     """What every validation pass measures, by its key in ``metrics.jsonl``: CLM, and MLM at the
-    fixed ``training.eval_mask_ratio`` (so that runs of any objectives compare)."""
-    return {CLM.tag: CLM(), MLM.tag: MLM(mask_ratio=eval_mask_ratio)}
+    fixed ``training.eval_mask_ratio`` (so that runs of any objectives compare), and for each
+    ``trained`` objective whose prediction is not at the mask (MNTP) its own loss at that ratio,
+    keyed by its tag."""
+    measured: dict[str, Objective] = {CLM.tag: CLM(), MLM.tag: MLM(mask_ratio=eval_mask_ratio)}
+    for objective in trained:
+        own = objective.validation_objective(eval_mask_ratio)
+        if own is not None:
+            measured.setdefault(objective.tag, own)
+    return measured

@@ -24,13 +24,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from megatron_ext.tokenizer import EncoderTokenizer
+from megatron_ext.tokenizer import EncoderTokenizer, MissingSpecialTokenError
 
 IGNORE_INDEX = -100
 """Label value at positions that carry no loss (also ``torch.nn.CrossEntropyLoss``'s default)."""
@@ -123,6 +123,12 @@ class Objective(abc.ABC):
     needs_mask_token: ClassVar[bool]
     """Whether the tokenizer must have a mask token (checked before a run starts)."""
 
+    prediction_offset: ClassVar[int] = 0
+    """Where the output that predicts a selected token sits, relative to it: 0 at the token itself
+    (MLM and its variants), -1 at the position before it (MNTP). An objective whose prediction is
+    not at the mask is validated by a loss of its own (:meth:`validation_objective`) and read so
+    by ``tools/fill_mask.py`` (the export records the offset)."""
+
     @property
     @abc.abstractmethod
     def name(self) -> str:
@@ -148,6 +154,26 @@ class Objective(abc.ABC):
     @abc.abstractmethod
     def peak_lm_head_share(self, *, seq_length: int) -> float:
         """The largest :meth:`lm_head_share` of any step of a phase (what memory must hold)."""
+
+    def check_tokenizer(self, tokenizer: EncoderTokenizer) -> None:
+        """Raise a ``UserError`` naming the objective and the tokenizer when the objective cannot
+        train with ``tokenizer`` (``pretrain_encoder.py --dry-run`` asks, and every run before its
+        model is built)."""
+        if self.needs_mask_token:
+            try:
+                tokenizer.mask
+            except MissingSpecialTokenError as err:
+                raise MissingSpecialTokenError(f"objective {self.name} needs a mask token: {err}") from None
+
+    def selection_problem(self, seq_length: int, key: Callable[[str], str] = str) -> str | None:
+        """Why the objective would score (nearly) nothing in sequences of ``seq_length``, naming
+        the setting at fault as ``key(field)`` (its key in the recipe); None when it scores enough."""
+        return None
+
+    def validation_objective(self, eval_mask_ratio: float) -> Objective | None:
+        """What validation measures for a run that trains this objective besides CLM and MLM at
+        ``eval_mask_ratio`` (``objectives.validation_objectives``): None when those measure it."""
+        return None
 
     def step_identity(self, progress: PhaseProgress) -> Hashable:
         """What a step at ``progress`` computes besides its data and learning rate: two phases'

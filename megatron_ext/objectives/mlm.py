@@ -55,14 +55,28 @@ class MaskingConfig:
             )
 
 
-Selection = Callable[..., tuple[torch.Tensor, int]]
-"""``select(tokens, eligible, *, mask_ratio, generator) -> (selected, bound)``: which of the
-``eligible`` positions of ``tokens`` (both ``[b, s]``) are predicted, and a host-side bound on any
-row's count (``ObjectiveBatch.max_scored_per_sequence``)."""
+@dataclass(frozen=True, kw_only=True)
+class Selected:
+    """What a :data:`Selection` picked."""
+
+    positions: torch.Tensor
+    """Bool ``[b, s]``: the positions predicted."""
+
+    bound: int
+    """A host-side bound on any row's count (``ObjectiveBatch.max_scored_per_sequence``)."""
+
+    replaced_together: torch.Tensor | None = None
+    """Long ``[b, s]`` in ``[0, s]``: selected positions with the same number share one replacement
+    draw (mask, random or kept as a whole: SpanBERT's spans); None: each position draws its own."""
+
+
+Selection = Callable[..., Selected]
+"""``select(tokens, eligible, *, mask_ratio, generator) -> Selected``: which of the ``eligible``
+positions of ``tokens`` (both ``[b, s]``) are predicted."""
 
 
 def select_uniform(tokens: torch.Tensor, eligible: torch.Tensor, *, mask_ratio: float,
-                   generator: torch.Generator) -> tuple[torch.Tensor, int]:
+                   generator: torch.Generator) -> Selected:
     """An exact count per sequence: ``floor(mask_ratio * n + 0.5)`` positions drawn uniformly
     without replacement among the ``n`` eligible positions of that sequence (lower variance than
     per-position Bernoulli draws; a sequence with few eligible positions may get none)."""
@@ -75,12 +89,17 @@ def select_uniform(tokens: torch.Tensor, eligible: torch.Tensor, *, mask_ratio: 
         1, order, torch.arange(tokens.shape[1], device=tokens.device).expand_as(order)
     )
     selected = ranks < selected_counts(eligible, mask_ratio).unsqueeze(1)
-    return selected, max_selected(tokens.shape[1], mask_ratio)
+    return Selected(positions=selected, bound=max_selected(tokens.shape[1], mask_ratio))
 
 
 def selected_counts(eligible: torch.Tensor, mask_ratio: float) -> torch.Tensor:
     """``floor(mask_ratio * n + 0.5)`` per row of ``eligible``, ``n`` its eligible positions."""
     return torch.floor(eligible.sum(dim=1, dtype=torch.float64) * mask_ratio + 0.5).long()
+
+
+MIN_SELECTED_PER_SEQUENCE = 2
+"""The fewest positions a ratio may select in a full sequence (``MLM.selection_problem``): below
+it, sequences that hold a document boundary or padding select none, and steps score nothing."""
 
 
 def max_selected(seq_length: int, mask_ratio: float) -> int:
@@ -119,9 +138,10 @@ def apply_mlm(
 
     Eligible = not in ``special_ids``, not ``mask_id``, and True in ``maskable`` (a bool tensor
     broadcastable to ``tokens``) when given. ``select`` picks among them (default
-    :func:`select_uniform`). Each selected position is then independently replaced by ``mask_id``,
-    by a uniformly drawn id of ``[0, vocab_size)`` outside ``special_ids``/``mask_id``, or kept,
-    with the config's probabilities.
+    :func:`select_uniform`). Each selected position (or group of positions, where the selection
+    says which are ``replaced_together``) is then independently replaced by ``mask_id``, by uniformly
+    drawn ids of ``[0, vocab_size)`` outside ``special_ids``/``mask_id``, or kept, with the config's
+    probabilities.
 
     The output is a function of the inputs and ``generator``'s state, which must live on
     ``tokens.device``.
@@ -142,9 +162,12 @@ def apply_mlm(
     eligible = ~_excluded_table(tuple(excluded_ids), vocab_size, tokens.device)[tokens]
     if maskable is not None:
         eligible &= maskable.to(device=tokens.device, dtype=torch.bool)
-    selected, bound = select(tokens, eligible, mask_ratio=config.mask_ratio, generator=generator)
+    picked = select(tokens, eligible, mask_ratio=config.mask_ratio, generator=generator)
+    selected = picked.positions
 
     choice = torch.rand(tokens.shape, generator=generator, device=tokens.device)
+    if picked.replaced_together is not None:  # one draw per group: the draw at the group's number
+        choice = choice.gather(1, picked.replaced_together.clamp(max=tokens.shape[1] - 1))
     to_mask = selected & (choice < config.mask_replace_prob)
     input_ids = tokens.masked_fill(to_mask, mask_id)
     if config.random_replace_prob > 0.0:
@@ -164,7 +187,7 @@ def apply_mlm(
         labels=tokens.masked_fill(~selected, IGNORE_INDEX),
         loss_mask=selected.float(),
         causal=False,
-        max_scored_per_sequence=bound,
+        max_scored_per_sequence=picked.bound,
     )
 
 
@@ -203,14 +226,43 @@ class MLM(Objective):
             raise UserError(f"final_mask_ratio must be set exactly when mask_ratio_schedule is linear or cosine, "
                             f"got final_mask_ratio={self.final_mask_ratio} with {self.mask_ratio_schedule!r}")
         # The replacement checks and the ratio's range live in MaskingConfig; the schedule is
-        # monotone, so its two ends bound every step's ratio.
-        for ratio in self.ratio_ends():
-            self.masking(ratio)
+        # monotone, so its two ends bound every step's ratio. Each end is named by its own key.
+        for field, ratio in self.ratio_fields():
+            try:
+                self.masking(ratio)
+            except UserError as err:
+                raise UserError(str(err).replace("mask_ratio", field, 1)) from None
+
+    def ratio_fields(self) -> tuple[tuple[str, float], ...]:
+        """``(key, ratio)`` at the phase's first and last steps: a schedule is monotone, so every
+        step's ratio lies between them."""
+        ends = (("mask_ratio", self.mask_ratio),)
+        return ends if self.final_mask_ratio is None else (*ends, ("final_mask_ratio", self.final_mask_ratio))
 
     def ratio_ends(self) -> tuple[float, ...]:
-        """The ratios at the phase's first and last steps: a schedule is monotone, so every step's
-        ratio lies between them."""
-        return (self.mask_ratio,) if self.final_mask_ratio is None else (self.mask_ratio, self.final_mask_ratio)
+        """The ratios at the phase's first and last steps (:meth:`ratio_fields`)."""
+        return tuple(ratio for _, ratio in self.ratio_fields())
+
+    def selection_problem(self, seq_length: int, key: Callable[[str], str] = str) -> str | None:
+        # The count of a sequence with every position maskable; a sequence holding a document
+        # boundary or padding gets fewer, so a count below the floor leaves many with none.
+        positions = self.selectable_positions(seq_length)
+        for field, ratio in self.ratio_fields():
+            count = max_selected(positions, ratio)
+            if count < MIN_SELECTED_PER_SEQUENCE:
+                return (f"{key(field)}: {ratio:g} of the {positions} maskable positions of a sequence (data.seq_length "
+                        f"{seq_length}) selects {count} per sequence, fewer than {MIN_SELECTED_PER_SEQUENCE}: most "
+                        f"steps would score nothing; raise {key(field)} to at least "
+                        f"{(MIN_SELECTED_PER_SEQUENCE - 0.5) / positions:.3g} or lengthen data.seq_length")
+        return None
+
+    def validation_objective(self, eval_mask_ratio: float) -> Objective | None:
+        # A prediction away from the mask (MNTP's) is not what MLM's same-position loss measures.
+        return type(self)(mask_ratio=eval_mask_ratio) if self.prediction_offset != 0 else None
+
+    def selectable_positions(self, seq_length: int) -> int:
+        """Positions of a ``seq_length`` sequence that may be selected (all of them for MLM)."""
+        return seq_length
 
     def masking(self, ratio: float) -> MaskingConfig:
         return MaskingConfig(mask_ratio=ratio, mask_replace_prob=self.mask_replace_prob,

@@ -3,6 +3,10 @@ bidirectional attention, but a masked token at position ``i`` is predicted from 
 position ``i - 1``, as a decoder's LM head is trained to: the usual way to turn a decoder into an
 encoder. Position 0 has no previous position and is never selected; the count per sequence is
 MLM's over the remaining eligible positions.
+
+Validation measures it as it trains: a run with an MNTP phase reports an ``mntp`` loss (MNTP at
+``training.eval_mask_ratio``) beside the ``clm`` and same-position ``mlm`` ones; its export records
+the offset (``hf.exporter``), and ``tools/fill_mask.py`` reads each mask one position earlier.
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ext.objectives.base import IGNORE_INDEX, ObjectiveBatch, PhaseProgress, Vocabulary
-from megatron_ext.objectives.mlm import MLM, Selection
+from megatron_ext.objectives.mlm import MLM, Selected, Selection
 
 
 def _after_first(select: Selection) -> Selection:
-    def select_after_first(tokens: torch.Tensor, eligible: torch.Tensor, **kwargs) -> tuple[torch.Tensor, int]:
+    def select_after_first(tokens: torch.Tensor, eligible: torch.Tensor, **kwargs) -> Selected:
         eligible = eligible.clone()
         eligible[:, 0] = False
         return select(tokens, eligible, **kwargs)
@@ -40,6 +44,11 @@ class MNTP(MLM):
     Llama-class models at ``mask_ratio`` 0.2 with BERT's 80/10/10 replacement)."""
 
     tag = "mntp"
+
+    prediction_offset = -1
+
+    def selectable_positions(self, seq_length: int) -> int:
+        return seq_length - 1  # never position 0
 
     def select(self, vocabulary: Vocabulary, device: torch.device) -> Selection:
         return _after_first(super().select(vocabulary, device))

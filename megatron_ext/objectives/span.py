@@ -1,16 +1,22 @@
-"""Span masking (SpanBERT, Joshi et al. 2020): MLM that selects contiguous spans of tokens whose
-lengths follow SpanBERT's distribution, a geometric law of parameter ``span_p`` (0.2) truncated to
-``[1, max_span_length]`` (10): SpanBERT's ``len_distrib``, mean 3.8 at the defaults. SpanBERT
-measures spans in words; here they are tokens.
+"""Span masking (SpanBERT, Joshi et al. 2020): MLM that selects contiguous spans of whole words
+whose lengths follow SpanBERT's distribution, a geometric law of parameter ``span_p`` (0.2)
+truncated to ``[1, max_span_length]`` (10): SpanBERT's ``len_distrib``, mean 3.8 at the defaults.
+As in SpanBERT, lengths count words (``span_unit: word``, the default: BERT's words as whole-word
+masking reads them from the vocabulary, ``objectives.whole_word``); ``span_unit: token`` counts
+tokens instead, for a vocabulary whose pieces carry no word mark (word spans refuse one).
 
-Each sequence is walked as alternating gaps and spans: span lengths drawn from that law, gaps of
-unmasked tokens (at least one, so spans never merge) from a geometric law whose mean
-``mean_span * (1 - r) / r`` makes the expected selected share the ratio ``r`` (so a ratio above
-``mean_span / (mean_span + 1)``, 0.79 at the defaults, is refused). Non-eligible positions
-(special tokens, padding) inside a span stay unselected. The count varies per sequence around
-``r * s``; the LM head at the scored positions needs a bound known on the host, so a sequence
-keeps at most :func:`span_cap` selected positions (its first ones; more than five standard
-deviations above the mean at the paper's sizes, so practically never cut).
+Each sequence's words are cut into units, each a span (its length drawn from that law) followed by
+one separating word, so that two spans never touch (their lengths stay the law's), starting at a
+random offset; units are then taken whole in a random order by BERT's rule
+(``whole_word.fill_budget``) up to MLM's exact count ``floor(mask_ratio * n + 0.5)``: a sequence
+reaches it unless every span it leaves is longer than what is left (then short by less than its
+shortest one). The share of words a sequence can hold in spans is ``mean / (mean + 1)`` (0.79 at
+the defaults); a higher ratio is refused. Non-eligible positions (special tokens, padding) are
+words of their own and stay unselected inside a span.
+
+Replacement is decided per span, as SpanBERT does (its paper, section 3.1, and ``span_masking`` in
+its code, one draw per span): a span becomes mask tokens, random tokens or stays as it was as a
+whole, with MLM's probabilities.
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.objectives.base import PhaseProgress, Vocabulary
-from megatron_ext.objectives.mlm import MLM, Selection
+from megatron_ext.objectives.base import Vocabulary
+from megatron_ext.objectives.mlm import MLM, Selected, Selection, max_selected
+from megatron_ext.objectives.whole_word import check_word_marks, select_units, word_numbers
 
 
 def mean_span_length(span_p: float, max_span_length: int) -> float:
@@ -32,32 +40,35 @@ def mean_span_length(span_p: float, max_span_length: int) -> float:
     return sum(length * w for length, w in enumerate(weights, start=1)) / sum(weights)
 
 
-def span_cap(seq_length: int, mask_ratio: float, max_span_length: int) -> int:
-    """Most positions a sequence of ``seq_length`` keeps selected (module docstring)."""
-    return min(seq_length, math.ceil(1.5 * mask_ratio * seq_length) + max_span_length)
+def span_units(word: torch.Tensor, *, generator: torch.Generator, span_p: float,
+               max_span_length: int) -> torch.Tensor:
+    """Each position's unit (long ``[b, s]``: its span's number, ``s`` for a separating word), the
+    positions numbered by ``word`` (module docstring)."""
+    b, s = word.shape
+    units = s // 2 + max_span_length  # each unit holds >= 2 words: they cover the row and its offset
+    draws = torch.rand((b, units + 1), generator=generator, device=word.device, dtype=torch.float64)
+    # The inverse CDF of the geometric law of span_p truncated at max_span_length.
+    truncated_mass = 1.0 - (1.0 - span_p) ** max_span_length
+    lengths = 1 + torch.floor(torch.log1p(-draws[:, :units] * truncated_mass) / math.log1p(-span_p)).long()
+    offset = torch.floor(draws[:, units:] * (lengths[:, :1] + 1)).long()  # the row starts inside unit 0
+    ends = (lengths + 1).cumsum(dim=1) - offset  # each unit's end (exclusive) on the word axis, >= 1
+    edges = torch.zeros((b, s + 2), dtype=torch.long, device=word.device)
+    edges.scatter_add_(1, ends.clamp(max=s + 1), torch.ones_like(ends))  # 1 where a unit ends (past the row: s + 1)
+    unit_of_word = edges[:, :s].cumsum(dim=1)  # the units ended at or before each word
+    separator_of_word = edges[:, 1:s + 1] > 0  # the last word of its unit
+    return torch.where(separator_of_word.gather(1, word), s, unit_of_word.gather(1, word))
 
 
 def select_spans(tokens: torch.Tensor, eligible: torch.Tensor, *, mask_ratio: float, generator: torch.Generator,
-                 span_p: float, max_span_length: int) -> tuple[torch.Tensor, int]:
-    """:data:`~megatron_ext.objectives.mlm.Selection` of spans (module docstring)."""
+                 span_p: float, max_span_length: int, word_boundaries: torch.Tensor | None) -> Selected:
+    """:data:`~megatron_ext.objectives.mlm.Selection` of spans (module docstring); spans count the
+    words of ``word_boundaries`` (``whole_word.word_numbers``'s table), or tokens when None."""
     b, s = tokens.shape
-    pairs = s // 2 + 1  # every gap and span is at least one position: enough to cover the row
-    draws = torch.rand((b, pairs, 2), generator=generator, device=tokens.device, dtype=torch.float64)
-    # Inverse CDFs: a geometric law of span_p truncated at max_span_length, and gaps on {1, 2, ...}.
-    truncated_mass = 1.0 - (1.0 - span_p) ** max_span_length
-    lengths = 1 + torch.floor(torch.log1p(-draws[..., 0] * truncated_mass) / math.log1p(-span_p)).long()
-    mean_gap = mean_span_length(span_p, max_span_length) * (1.0 - mask_ratio) / mask_ratio
-    gaps = 1 + torch.floor(torch.log1p(-draws[..., 1]) / math.log1p(-1.0 / mean_gap)).long() if mean_gap > 1 \
-        else torch.ones_like(lengths)
-    # Span k starts after the gaps and spans before it and its own gap (the first may start at 0).
-    starts = (gaps + lengths).cumsum(dim=1) - lengths - 1
-    ends = starts + lengths
-    edges = torch.zeros((b, s + 1), dtype=torch.long, device=tokens.device)
-    edges.scatter_add_(1, starts.clamp(max=s), torch.ones_like(starts))
-    edges.scatter_add_(1, ends.clamp(max=s), -torch.ones_like(ends))
-    selected = (edges[:, :s].cumsum(dim=1) > 0) & eligible
-    cap = span_cap(s, mask_ratio, max_span_length)
-    return selected & (selected.long().cumsum(dim=1) <= cap), cap
+    word = (word_numbers(tokens, eligible, word_boundaries) if word_boundaries is not None
+            else torch.arange(s, device=tokens.device).expand(b, s))
+    unit = span_units(word, generator=generator, span_p=span_p, max_span_length=max_span_length)
+    return Selected(positions=select_units(unit, eligible, mask_ratio=mask_ratio, generator=generator),
+                    bound=max_selected(s, mask_ratio), replaced_together=unit)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,25 +83,31 @@ class SpanMLM(MLM):
     max_span_length: int = 10
     """Longest span; the law is truncated there (SpanBERT: 10)."""
 
+    span_unit: Literal["word", "token"] = "word"
+    """What span lengths count: ``word`` (SpanBERT; needs a vocabulary that marks words) or
+    ``token``."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0.0 < self.span_p < 1.0:
             raise UserError(f"span_p must be in (0, 1), got {self.span_p}")
         if self.max_span_length < 1:
             raise UserError(f"max_span_length must be >= 1, got {self.max_span_length}")
+        if self.span_unit not in ("word", "token"):
+            raise UserError(f"span_unit must be word or token, got {self.span_unit!r}")
         mean = mean_span_length(self.span_p, self.max_span_length)
-        highest = mean / (mean + 1.0)  # at least one unmasked token between spans
-        for ratio in self.ratio_ends():
+        highest = mean / (mean + 1.0)  # at least one unmasked word between spans
+        for field, ratio in self.ratio_fields():
             if ratio > highest:
-                raise UserError(f"mask_ratio {ratio} is above {highest:.3f}, the most span masking reaches with "
-                                f"mean span length {mean:.2f} and a token between spans")
+                raise UserError(f"{field} {ratio} is above {highest:.3f}, the most span masking reaches with "
+                                f"mean span length {mean:.2f} and a {self.span_unit} between spans")
 
     def select(self, vocabulary: Vocabulary, device: torch.device) -> Selection:
-        return functools.partial(select_spans, span_p=self.span_p, max_span_length=self.max_span_length)
+        return functools.partial(select_spans, span_p=self.span_p, max_span_length=self.max_span_length,
+                                 word_boundaries=vocabulary.word_boundaries(device) if self.span_unit == "word"
+                                 else None)
 
-    def lm_head_share(self, progress: PhaseProgress, *, seq_length: int) -> float:
-        return span_cap(seq_length, self.mask_ratio_at(progress), self.max_span_length) / seq_length
-
-    def peak_lm_head_share(self, *, seq_length: int) -> float:
-        return max(span_cap(seq_length, ratio, self.max_span_length) / seq_length
-                   for ratio in self.ratio_ends())
+    def check_tokenizer(self, tokenizer) -> None:
+        super().check_tokenizer(tokenizer)
+        if self.span_unit == "word":
+            check_word_marks(f"{self.name} (span_unit: word)", tokenizer)

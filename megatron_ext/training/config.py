@@ -33,7 +33,7 @@ import yaml
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce
-from megatron_ext.objectives import validation_objectives
+from megatron_ext.objectives import Objective, validation_objectives
 from megatron_ext.model.config import PRESETS, EncoderModelConfig, padded_vocab_size, with_current_model_keys
 from megatron_ext.schedule import LRScheduleConfig, Phase, ResolvedPhase, lr_at, resolve_phases
 from megatron_ext.tokenizer import TokenizerConfig
@@ -283,6 +283,18 @@ class RunConfig:
         except ValueError as err:
             raise ConfigError(f"schedule: {err}") from err
         object.__setattr__(self, "_resolved_phases", tuple(resolved))  # frozen: set once, here
+        seq_length = self.data.seq_length
+        for index, phase in enumerate(self.phases):
+            if problem := phase.objective.selection_problem(seq_length, lambda field: f"phases[{index}].{field}"):
+                raise ConfigError(problem)
+        if self.training.eval_interval:
+            for objective in self.validation_objectives().values():
+                if problem := objective.selection_problem(seq_length, lambda field: "training.eval_mask_ratio"):
+                    raise ConfigError(problem)
+
+    def validation_objectives(self) -> dict[str, Objective]:
+        """What each validation measures (``objectives.validation_objectives`` for this run's phases)."""
+        return validation_objectives(self.training.eval_mask_ratio, [phase.objective for phase in self.phases])
 
     @property
     def resolved_phases(self) -> tuple[ResolvedPhase, ...]:

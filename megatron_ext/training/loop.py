@@ -35,7 +35,7 @@ from megatron.core import parallel_state
 from megatron_ext.config_loading import UserError
 from megatron_ext import hardware, processes
 from megatron_ext.model import build_encoder_model
-from megatron_ext.objectives import Objective, PhaseProgress, Vocabulary, validation_objectives
+from megatron_ext.objectives import Objective, PhaseProgress, Vocabulary
 from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at
 from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
 from megatron_ext.checkpoint import megatron_io as ckpt
@@ -47,10 +47,10 @@ from megatron_ext.training import data as data_lib
 from megatron_ext.training import cuda_graphs
 from megatron_ext.training.branching import check_saved_parent
 from megatron_ext.training.config import RunConfig
-from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
+from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, StepOutcome, megatron_transformer_overrides
 from megatron_ext.training.memory import check_fits, estimate_memory, stage_parameters
 from megatron_ext.checkpoint import storage
-from megatron_ext.training.plan import check_paths, make_plan
+from megatron_ext.training.plan import check_paths, check_tokenizer_serves, make_plan
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
 from megatron_ext.training.stop import RESUMABLE_EXIT_CODE, StopPolicy, write_exit_status
 
@@ -71,7 +71,8 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)
     """Completed step -> global mean training loss."""
     valid: dict[int, dict[str, float]] = field(default_factory=dict)
-    """Completed step -> validation loss by ``objectives.validation_objectives`` key ({"clm": ..., "mlm": ...})."""
+    """Completed step -> validation loss by ``objectives.validation_objectives`` key ({"clm": ..., "mlm": ...},
+    and "mntp" for a run that trains MNTP)."""
     skipped_steps: int = 0
     checkpoint: str | None = None
     """The last checkpoint written or loaded."""
@@ -113,7 +114,7 @@ def validate(engine: MegatronEngine, batches: list[dict[str, torch.Tensor]], *, 
     dp_size = parallel_state.get_data_parallel_world_size()
     device = hardware.device()
     result = {}
-    for key, objective in validation_objectives(config.training.eval_mask_ratio).items():
+    for key, objective in config.validation_objectives().items():
         micro_batches = []
         for i, batch in enumerate(batches):
             gen = masking_generator(config.training.seed, 0, i * dp_size + dp_rank, device, stream=EVAL_STREAM)
@@ -142,16 +143,6 @@ def _trainer_state(step: int, config: RunConfig, nonfinite: int, skipped: int, w
     if branched_from is not None:
         state[BRANCHED_FROM] = branched_from
     return state
-
-
-def check_tokenizer_fits(config: RunConfig, tokenizer: EncoderTokenizer) -> None:
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise UserError(
-            f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size is "
-            f"{config.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size} (or from_tokenizer)"
-        )
-    if any(p.objective.needs_mask_token for p in config.phases) or config.training.eval_interval:
-        tokenizer.mask  # raises MissingSpecialTokenError with the fix
 
 
 def _micro_batch(batch: dict[str, torch.Tensor], step: int, phase: ResolvedPhase, group: int, *, config: RunConfig,
@@ -278,18 +269,23 @@ class _NonFiniteGuard:
     def __init__(self, limit: int, *, in_a_row: int = 0, total: int = 0):
         self.limit, self.in_a_row, self.total = limit, in_a_row, total
 
-    def update(self, step: int, loss: float, grad_norm: float, skipped: bool) -> None:
-        if not skipped:
+    def update(self, step: int, outcome: StepOutcome, phase: ResolvedPhase) -> None:
+        if not outcome.skipped:
             self.in_a_row = 0
             return
         self.in_a_row += 1
         self.total += 1
-        if self.in_a_row >= self.limit:
+        if self.in_a_row < self.limit:
+            return
+        where = (f"step {step}: loss {outcome.loss} / grad norm {outcome.grad_norm} non-finite for {self.in_a_row} "
+                 f"consecutive steps (training.max_nonfinite_steps={self.limit})")
+        if outcome.scored_tokens == 0:  # 0/0: nothing to learn from, whatever the learning rate
             raise NonFiniteLossError(
-                f"step {step}: loss {loss} / grad norm {grad_norm} non-finite for {self.in_a_row} consecutive "
-                f"steps (training.max_nonfinite_steps={self.limit}); lower the learning rate, check the data, "
-                "or resume from an earlier checkpoint"
-            )
+                f"{where}: the last step scored no token, so its loss is 0/0: phase {phase.name}'s objective selected "
+                "nothing in the batch; raise its masking ratio or data.seq_length, or check that the data holds "
+                "tokens the objective may select (not only special tokens)")
+        raise NonFiniteLossError(f"{where}; lower the learning rate, check the data, or resume from an earlier "
+                                 "checkpoint")
 
 
 class _RunCheckpoints:
@@ -402,7 +398,7 @@ def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None,
     check_fits(estimate_memory(config, world_size=dist.get_world_size()), *hardware.usable_memory_bytes())
     device = hardware.device()
     tokenizer = build_tokenizer(config.tokenizer)
-    check_tokenizer_fits(config, tokenizer)
+    check_tokenizer_serves(config, tokenizer)
     engine = _build_model_and_engine(config, device)
     try:
         return _train_engine(config, engine, tokenizer=tokenizer, device=device, exit_after_step=exit_after_step,
@@ -492,7 +488,7 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
                                       vocabulary=vocabulary, device=device) for micro in range(batches.micro_per_step)]
         outcome = engine.train_step(micro_batches, lr)
         checkpoints.poll()
-        guard.update(done, outcome.loss, outcome.grad_norm, outcome.skipped)
+        guard.update(done, outcome, phase)
         result.final_step = done
         result.losses[done] = outcome.loss
         log.step(done, phase, outcome.loss, lr, outcome.grad_norm, outcome.skipped)

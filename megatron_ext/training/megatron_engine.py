@@ -62,6 +62,8 @@ class StepOutcome:
     """Gradient L2 norm before clipping (NaN when the step was skipped before computing it)."""
     skipped: bool
     """True when the loss or the gradient norm was non-finite: parameters were not updated."""
+    scored_tokens: float
+    """Tokens the loss scored in the step, over every rank (0: the loss is 0/0, NaN)."""
 
 
 def per_token_loss(model: torch.nn.Module, micro: MicroBatch, *, bf16: bool, lm_head_scored_only: bool) -> torch.Tensor:
@@ -207,10 +209,10 @@ class MegatronEngine(TrainingState):
         loss = loss_sum / tokens if tokens > 0 else math.nan
         if not (math.isfinite(loss) and self._gradients_finite()):
             self.ddp.zero_grad_buffer()
-            return StepOutcome(loss=loss, grad_norm=math.nan, skipped=True)
+            return StepOutcome(loss=loss, grad_norm=math.nan, skipped=True, scored_tokens=tokens)
         _, grad_norm, _ = self.optimizer.step()  # clips to optimizer.clip_grad, then updates
         grad_norm = math.nan if grad_norm is None else float(grad_norm)
-        return StepOutcome(loss=loss, grad_norm=grad_norm, skipped=not math.isfinite(grad_norm))
+        return StepOutcome(loss=loss, grad_norm=grad_norm, skipped=not math.isfinite(grad_norm), scored_tokens=tokens)
 
     def _set_lr(self, lr: float) -> None:
         """What Megatron's ``OptimizerParamScheduler.step`` does to each parameter group: the

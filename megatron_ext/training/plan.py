@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megatron_ext.config_loading import UserError
 from megatron_ext.model.config import parameter_count, tensor_parallel_problem
 from megatron_ext.schedule import lr_at
+from megatron_ext.tokenizer import EncoderTokenizer
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, mean_lm_head_share
 
@@ -145,6 +146,27 @@ def format_plan(config: RunConfig, plan: RunPlan) -> str:
     )
     lines.append(f"data              {' '.join(map(str, d.data_path))} (split {d.split})")
     return "\n".join(lines)
+
+
+def check_tokenizer_serves(config: RunConfig, tokenizer: EncoderTokenizer) -> None:
+    """Refuse, naming the tokenizer (and the objective), a tokenizer the run cannot train with: more
+    ids than the model's embedding rows, or what an objective needs and it lacks (a mask token,
+    word marks: ``Objective.check_tokenizer``), validation's objectives included. ``--dry-run`` and
+    every run ask, before any model is built."""
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise UserError(
+            f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size is "
+            f"{config.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size} (or from_tokenizer)"
+        )
+    for phase in config.phases:
+        phase.objective.check_tokenizer(tokenizer)
+    if config.training.eval_interval:
+        for objective in config.validation_objectives().values():
+            try:
+                objective.check_tokenizer(tokenizer)
+            except UserError as err:
+                raise type(err)(f"validation (training.eval_interval={config.training.eval_interval}) measures "
+                                f"{objective.name}: {err}; or set training.eval_interval: 0") from None
 
 
 def check_paths(config: RunConfig) -> list[str]:

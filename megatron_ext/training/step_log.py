@@ -14,7 +14,6 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_ext import hardware
-from megatron_ext.objectives import validation_objectives
 from megatron_ext.schedule import ResolvedPhase
 from megatron_ext.training.config import LoggingConfig, RunConfig
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device
@@ -141,6 +140,6 @@ class StepLogger:
     def validation(self, step: int, losses: dict[str, float]) -> None:
         self.sinks.record("valid", step, losses)
         if is_writer():
-            measured = validation_objectives(self.config.training.eval_mask_ratio)
+            measured = self.config.validation_objectives()
             print(f"validation at step {step}: " + " | ".join(
                 f"{objective.name} loss {losses[key]:.4f}" for key, objective in measured.items()), flush=True)
