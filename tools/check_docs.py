@@ -631,6 +631,7 @@ class DocsChecker:
             problems = []
         if ((match := DOTTED_KEY.match(code)) and match["section"] in self.keys.sections
                 and not code.endswith(FILE_SUFFIXES)
+                and not _module_exists(f"megatron_ext.{match['section']}.{match['key']}")
                 and not _is_attribute(f"megatron_ext.{match['section']}.{match['key']}")):
             fields = self.keys.sections[match["section"]]
             if match["key"] not in fields:
