@@ -47,9 +47,9 @@ demo: demo-data
 	$(PY) tools/fill_mask.py runs/demo/hf_eurobert
 
 # The paper in miniature: a study (examples/studies/miniature.yaml) trained, evaluated and reported
-# by the local executor, the code path of a cluster study. Rerunning skips what is complete.
+# by the local launcher, the code path of a cluster study. Rerunning skips what is complete.
 miniature: demo-data
-	$(PY) tools/run_study.py examples/studies/miniature.yaml --executor local
+	$(PY) tools/run_study.py examples/studies/miniature.yaml --launcher local
 
 # Two pytest-xdist workers, whatever the core count: the suite waits on subprocesses and SLURM jobs
 # part of its time. On 2 cores, 27-31 min against ~32 min in one process (fresh clones, CI's command;

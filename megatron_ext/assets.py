@@ -21,12 +21,18 @@ from pathlib import Path
 from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import staged_file
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+_SOURCE_ROOT = Path(__file__).resolve().parent.parent
+"""The folder the package is in: a clone's root (where ``pyproject.toml`` is) or site-packages."""
 
 
 def data_dir() -> Path:
-    """Root of downloaded and derived data (``$MEGATRON_EXT_DATA`` or ``<repo>/data``)."""
-    return Path(os.environ.get("MEGATRON_EXT_DATA", _REPO_ROOT / "data")).resolve()
+    """Root of downloaded and derived data: ``$MEGATRON_EXT_DATA``; else, run from a clone, its
+    ``data/``; else (an installed package) ``$XDG_CACHE_HOME/megatron_ext`` (``~/.cache/megatron_ext``)."""
+    if "MEGATRON_EXT_DATA" in os.environ:
+        return Path(os.environ["MEGATRON_EXT_DATA"]).resolve()
+    if (_SOURCE_ROOT / "pyproject.toml").is_file():
+        return _SOURCE_ROOT / "data"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).resolve() / "megatron_ext"
 
 
 def cache_dir() -> Path:

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 
@@ -130,3 +134,36 @@ def single_rank(tmp_path_factory):
     )
     yield
     hardware.destroy_process_group_and_model_parallel()
+
+
+@pytest.fixture(scope="session")
+def installed_package(tmp_path_factory) -> dict:
+    """The project installed NOT editable (``pip install --target``, from a copy of its sources), as a
+    user's cluster environment has it. ``env``: this environment with ``PYTHONPATH`` = the install
+    folder only (so ``python -m megatron_ext...`` and the jobs it starts run the installed copy, not
+    this checkout) and ``MEGATRON_EXT_DATA`` = this checkout's data (its verified downloads);
+    ``site``: the install folder; ``work``: an empty folder outside the checkout to run in."""
+    import shutil
+    import subprocess
+
+    from megatron_ext import assets
+
+    root = tmp_path_factory.mktemp("installed")
+    source = root / "source"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "megatron_ext", source / "megatron_ext", ignore=ignore)
+    for name in ("pretrain_encoder.py", "pyproject.toml"):
+        shutil.copy(ROOT / name, source / name)
+    site = root / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(source)], check=True, capture_output=True, timeout=600)
+    shutil.rmtree(source)  # nothing may run from the sources
+    env = {**os.environ, "PYTHONPATH": str(site), "MEGATRON_EXT_DATA": str(assets.data_dir())}
+    work = root / "work"
+    work.mkdir()
+    where = subprocess.run(
+        [sys.executable, "-c", "import megatron_ext.launch, pretrain_encoder; print(megatron_ext.__file__); "
+         "print(pretrain_encoder.__file__); print(megatron_ext.launch.script('slurm.sbatch'))"],
+        env=env, cwd=work, capture_output=True, text=True, check=True).stdout.split()
+    assert all(Path(path).is_relative_to(site) for path in where), where
+    return {"env": env, "site": site, "work": work}

@@ -57,7 +57,7 @@ BAD_INPUTS = {
         [str(PAPER_STUDY), "--eval-dir", str(tmp), "--output-dir", str(tmp / "report")],
         f"--eval-dir {tmp}: no summary.json"),
     "megatron-ext-run-study": lambda tmp, corpus: (
-        [str(tmp / "missing.yaml"), "--executor", "local"], f"{tmp / 'missing.yaml'}: no such study file"),
+        [str(tmp / "missing.yaml"), "--launcher", "local"], f"{tmp / 'missing.yaml'}: no such study file"),
     "megatron-ext-fill-mask": lambda tmp, corpus: (
         [str(tmp / "missing"), "The [MASK] is here."], f"model_dir {tmp / 'missing'}: no such directory"),
 }

@@ -7,6 +7,7 @@ lazy imports too and needs neither Megatron nor torch.
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,6 +24,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {"training"},
     {"hf"},
     {"eval"},
+    {"launch"},  # jobs and launchers (local, slurm): starts the trainer and the evaluation as programs
     {"study"},  # reads training configs, runs the trainer, reports the study's evaluations
     {"cli"},
 ))
@@ -113,13 +115,14 @@ def test_every_import_runs_down_the_layers(graph):
 
 def test_objectives_are_reached_through_the_package(graph):
     """Outside ``objectives/`` the package imports ``megatron_ext.objectives`` (its registry and
-    base types), never one objective's module; inside, an objective's module imports ``base`` and at
-    most the objective it varies (``mlm``). Adding an objective then touches the package alone."""
+    base types), never one objective's module; inside, an objective's module imports ``base``, the
+    word tables of ``words`` and at most the objective it varies (``mlm``). Adding an objective then
+    touches the package alone."""
     inside = {m for m in graph if _unit(m) == "objectives"}
     reaching_in = [f"{module} -> {imported}" for module, targets in sorted(graph.items()) if module not in inside
                    for imported in sorted(targets & inside) if imported != f"{PACKAGE}.objectives"]
     assert not reaching_in, "import megatron_ext.objectives instead:\n" + "\n".join(reaching_in)
-    allowed = {f"{PACKAGE}.objectives.base", f"{PACKAGE}.objectives.mlm"}
+    allowed = {f"{PACKAGE}.objectives.base", f"{PACKAGE}.objectives.mlm", f"{PACKAGE}.objectives.words"}
     objective_modules = inside - {f"{PACKAGE}.objectives", *allowed}
     assert objective_modules >= {f"{PACKAGE}.objectives.{name}" for name in ("clm", "whole_word", "span", "mntp")}
     crossing = [f"{module} -> {imported}" for module in sorted(objective_modules)
@@ -130,3 +133,31 @@ def test_objectives_are_reached_through_the_package(graph):
 def test_the_checker_sees_a_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+SCHEDULER_COMMANDS = re.compile(r"\b(sbatch|squeue|scontrol|sacct|scancel|srun)\b")
+
+
+def _code_strings(tree: ast.AST) -> list[ast.Constant]:
+    """The string constants of a module that are not documentation (a string statement: a module's,
+    class's or function's docstring, or an attribute's below it)."""
+    docstrings = {id(node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in docstrings]
+
+
+def test_only_the_launch_layer_runs_scheduler_commands():
+    """SLURM's commands (and flags named after them) appear in the code of ``megatron_ext/launch/``
+    only: a scheduler is one launcher module, not a branch elsewhere (docstrings may name them)."""
+    found = []
+    for name, path in _modules().items():
+        if name.startswith(f"{PACKAGE}.launch"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = [n.id for n in ast.walk(tree) if isinstance(n, ast.Name)] + \
+                [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)]
+        for text in [c.value for c in _code_strings(tree)] + names:
+            if SCHEDULER_COMMANDS.search(text):
+                found.append(f"{path.relative_to(ROOT)}: {text[:80]!r}")
+    assert not found, "\n".join(found)

@@ -1,19 +1,24 @@
 """The paper in miniature (``examples/studies/miniature.yaml``, ``make miniature``) end to end at CI
-size through the local executor: the same study file with smaller budgets and grid, trained as a
-tree of branches, evaluated by two workers sharing each grid, and reported."""
+size through the local launcher: the same study file with smaller budgets and grid, trained as a
+tree of branches, evaluated by two workers sharing each grid, and reported. It runs as a user of
+the installed package would: the project installed NOT editable (``installed_package``), the
+study and its recipes copied out of the checkout, ``python -m megatron_ext.cli.run_study`` run
+from a folder outside it."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from megatron_ext.checkpoint.resolved import Checkpoint
-from megatron_ext.cli import run_study
 from megatron_ext.study import cost
 from megatron_ext.study.plan import plan_study
 from megatron_ext.study.spec import read_study
@@ -24,9 +29,11 @@ REFERENCE = "all-MiniLM-L6-v2"
 
 
 def _ci_size(tmp_path: Path, corpus: dict[str, str]) -> Path:
-    """The miniature study with budgets of 8 and 16 steps on the tiny news corpus, one task, two LRs."""
+    """The miniature study with budgets of 8 and 16 steps on the tiny news corpus, one task, two LRs,
+    beside a copy of the recipes it links to (outside the checkout)."""
+    shutil.copytree(ROOT / "examples" / "recipes", tmp_path / "examples" / "recipes")
     study = yaml.safe_load(MINIATURE.read_text())
-    study["sizes"][0]["base"] = str(ROOT / "examples" / "recipes" / "base" / "tiny.yaml")
+    assert study["sizes"][0]["base"] == "../recipes/base/tiny.yaml"  # the copy's, beside it
     study["budgets"] = [8, 16]
     study["cpt"]["source_budget"] = 16
     study["cpt"]["continuations"] = [
@@ -43,28 +50,37 @@ def _ci_size(tmp_path: Path, corpus: dict[str, str]) -> Path:
                        "log_dir": str(tmp_path / "pretrain" / "{run}")}
     study["evaluation"].update({"tasks": ["rt_sentiment"], "lrs": [1e-3, 3e-3], "seeds": [0], "max_steps": 2,
                                 "max_length": 64, "max_eval_examples": 16, "output_dir": str(tmp_path / "eval")})
-    path = tmp_path / "miniature_ci.yaml"
+    path = tmp_path / "examples" / "studies" / "miniature_ci.yaml"
+    path.parent.mkdir(parents=True)
     path.write_text(yaml.safe_dump(study, sort_keys=False))
     return path
 
 
 @pytest.mark.slow  # twelve pretraining segments, 26 fine-tuning runs and the report
 @pytest.mark.timeout(1200)  # 296 s alone, 375 s beside the other test worker
-def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, capsys):
+def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, installed_package):
     path = _ci_size(tmp_path, tiny_corpus)
     plan = plan_study(read_study(path), path)
     assert len(plan.runs) == 12 and plan.steps_tree < plan.steps_separate
     branches = [s for s in plan.segments if s.start_from == "branch"]
     assert {s.run for s in branches} >= {"tiny_clm_8", "tiny_mlm_40_8", "tiny_biphasic_25_75_16"}
 
-    code = run_study.main([str(path), "--executor", "local", "--study-dir", str(tmp_path / "study")])
-    printed = capsys.readouterr().out
-    assert code == 0, printed
+    run = subprocess.run([sys.executable, "-m", "megatron_ext.cli.run_study", str(path), "--launcher", "local",
+                          "--study-dir", str(tmp_path / "study")], cwd=installed_package["work"],
+                         env={**installed_package["env"], cost.RESULTS_DIR_VARIABLE: str(cost.REPO_RESULTS)}, capture_output=True, text=True, timeout=1100)
+    printed = run.stdout
+    assert run.returncode == 0, printed + run.stderr
     assert "training: every run complete" in printed and "evaluation: runs: 2 worker(s)" in printed
+    # Every job ran the installed package's programs (the log's first line names the command).
+    site = str(installed_package["site"])
+    assert (tmp_path / "study" / "logs" / "tiny_clm_16.log").read_text().split("\n", 1)[0].endswith(
+        f"{site}/pretrain_encoder.py --config {tmp_path / 'study' / 'recipes' / 'tiny_clm_16.yaml'}")
+    assert not (installed_package["work"] / "runs").exists()  # the study wrote where it was told
 
     # The cost model: the training's measured time inside the band its estimate states (from the
     # committed CPU throughput and the assumed start-up per trainer), and an ETA from it, corrected
-    # by the segments trained, in the progress lines.
+    # by the segments trained, in the progress lines (the installed package reads the committed
+    # measurements through MEGATRON_EXT_RESULTS_DIR).
     took = float(re.search(r"^training: every run complete \((\d+) s\)$", printed, re.M).group(1))
     speeds = cost.SpeedTable(kind=cost.CPU, results_dir=cost.REPO_RESULTS)
     estimate = cost.study_cost(plan, speeds=speeds, gpus=None, gpus_per_node=8)

@@ -229,7 +229,7 @@ def real_tokenizers(bpe, minilm_dir):
 def test_fill_budget_is_berts_rule():
     """The tensor passes take exactly what BERT's walk takes (skip a unit that overshoots, keep
     going), on unit sizes with long ones among them."""
-    from megatron_ext.objectives.whole_word import fill_budget
+    from megatron_ext.objectives.words import fill_budget
 
     generator = torch.Generator().manual_seed(3)
     sizes = torch.randint(1, 4, (400, 60), generator=generator)
@@ -251,7 +251,8 @@ def test_whole_word_masking_reaches_its_count_on_long_words(kind, real_tokenizer
     than its shortfall (the stated bound; in practice never), on text whose long words (hashes,
     long numbers) stopped the old prefix rule short in up to a third of the rows."""
     from megatron_ext.objectives.mlm import selected_counts
-    from megatron_ext.objectives.whole_word import select_whole_words, word_numbers
+    from megatron_ext.objectives.whole_word import select_whole_words
+    from megatron_ext.objectives.words import word_numbers
 
     tokenizer = real_tokenizers[kind]
     tokens = _rows(tokenizer, long_word_texts)

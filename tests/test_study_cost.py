@@ -160,9 +160,9 @@ def test_the_one_node_study_fits_its_node_and_a_smaller_budget_is_refused(capsys
     study = str(ROOT / "examples" / "studies" / "one_node.yaml")
     assert cli.main([study, "--dry-run", "--gpu", "H100", "--budget-gpu-hours", "192"]) == 0
     out = capsys.readouterr().out
-    whole = re.search(r"^  whole study: ([\d,.]+) GPU-hours; wall time ([\d.]+) h \(local executor\)", out, re.M)
+    whole = re.search(r"^  whole study: ([\d,.]+) GPU-hours; wall time ([\d.]+) h \(local launcher\)", out, re.M)
     assert whole and float(whole.group(1).replace(",", "")) <= 192 and float(whole.group(2)) <= 24, out
-    assert re.search(r"^  210m_clm_12k +8 ", out, re.M)  # 8 GPUs per run: the size's sbatch flags
+    assert re.search(r"^  210m_clm_12k +8 ", out, re.M)  # 8 GPUs per run: the size's resources
     assert cli.main([study, "--dry-run", "--gpu", "H100", "--budget-gpu-hours", "50"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.match(r"plan_study\.py: error: --budget-gpu-hours 50: study one_node is estimated at "

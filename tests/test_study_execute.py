@@ -141,7 +141,7 @@ def test_local_failure_blocks_descendants_only_and_reruns_finish(tmp_path, tiny_
     assert _row(out, "late_clm_40").endswith(
         f"to do: stopped (exit 75: stopped after step {stopped}: signal SIGTERM); resumes at step {stopped}")
     assert "stopped on SIGINT: run the same command to continue" in out
-    assert re.search(r"^=== .* tools/run_study\.py: bash \S+/examples/launch/single_node\.sh$",
+    assert re.search(r"^=== .*: bash \S+/single_node\.sh --config \S+/late_clm_40\.yaml$",
                      logs["late_clm_40"].read_text(), re.M)
     assert _attempts(logs["late_clm_40_cpt_mlm_40_8"]) == 0
 
@@ -208,10 +208,12 @@ def _times(info: dict[str, str]) -> tuple[float, float]:
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # 163 s alone, 247 s beside the other test worker
-def test_slurm_dependencies_failure_and_rerun(slurm_cluster, tiny_corpus, tmp_path):
+def test_slurm_dependencies_failure_and_rerun(slurm_cluster, tiny_corpus, tmp_path, installed_package):
     """Two seeds, each a run and its CPT (4 jobs, 2 nodes). The CPU user's flags come from the study
-    (``--nodes=1``), the size (``--gpus-per-node=0``) and the command line (``--time``). Once every
-    run is trained, the evaluation is a job array of two workers, then the report."""
+    (``--nodes=1``), the size (``--gpus-per-node=0``) and the command line (``--time``), in the older
+    form of the study file (``sbatch:`` keys). Once every run is trained, the evaluation is a job
+    array of two workers, then the report. Everything runs from the installed package
+    (``installed_package``), in a folder outside the checkout."""
     evaluation = {"tasks": ["rt_sentiment"], "lrs": [1e-3], "seeds": [0], "max_steps": 2, "max_length": 64,
                   "max_eval_examples": 16, "output_dir": str(tmp_path / "eval"), "workers": 2,
                   "sbatch": ["--gpus=0", "--cpus-per-task=1"]}
@@ -219,9 +221,11 @@ def test_slurm_dependencies_failure_and_rerun(slurm_cluster, tiny_corpus, tmp_pa
                    seeds=[1, 2], sbatch=["--nodes=1"], evaluation=evaluation)
     study_dir = tmp_path / "study_dir"
     env = {**{k: v for k, v in slurm_cluster.env.items() if k not in LAUNCH_ENV}, "GPUS_PER_NODE": "1",
-           "PYTHONPATH": str(REPO)}
-    command = [sys.executable, str(TOOL), str(study), "--executor", "slurm", "--study-dir", str(study_dir),
-               "--sbatch-arg=--time=10", "--wait", "--poll-interval", "1"]
+           "PYTHONPATH": installed_package["env"]["PYTHONPATH"],
+           "MEGATRON_EXT_DATA": installed_package["env"]["MEGATRON_EXT_DATA"]}
+    cwd = installed_package["work"]
+    command = [sys.executable, "-m", "megatron_ext.cli.run_study", str(study), "--launcher", "slurm", "--study-dir",
+               str(study_dir), "--sbatch-arg=--time=10", "--wait", "--poll-interval", "1"]
     runs = ["tiny_clm_40_s1", "tiny_clm_40_s1_cpt_mlm_40_8", "tiny_clm_40_s2", "tiny_clm_40_s2_cpt_mlm_40_8"]
 
     def records() -> dict[str, list[dict]]:
@@ -233,15 +237,20 @@ def test_slurm_dependencies_failure_and_rerun(slurm_cluster, tiny_corpus, tmp_pa
         return {run: [r["job_id"] for r in found] for run, found in records().items()}
 
     # The plan of submissions, flags in order; nothing submitted.
-    dry = subprocess.run(command[:-3] + ["--dry-run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    dry = subprocess.run(command[:-3] + ["--dry-run"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert (f"sbatch --parsable --job-name=sl.tiny_clm_40_s1_cpt_mlm_40_8 --output={study_dir}/logs/"
             "tiny_clm_40_s1_cpt_mlm_40_8-%j.out --nodes=1 --gpus-per-node=0 --time=10 --kill-on-invalid-dep=yes "
             "--dependency=afterok:<job of tiny_clm_40_s1> ") in dry.stdout, dry.stdout
+    # the installed package's launch script, not the checkout's
+    assert f" {installed_package['site']}/megatron_ext/launch/scripts/slurm.sbatch --config " in dry.stdout
+    notices = [line for line in dry.stderr.splitlines() if line.startswith("notice:")]
+    assert len(notices) == 1 and notices[0].startswith(
+        f"notice: {study}: study.sbatch, study.sizes[0].sbatch, study.evaluation.sbatch: the older form"), dry.stderr
     assert not (study_dir / "jobs.json").exists()
 
     # 1. Submit and follow; cancel seed 2's run as soon as its job is submitted (before it can finish).
-    first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while not jobs()["tiny_clm_40_s2"]:
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0]
@@ -270,7 +279,7 @@ def test_slurm_dependencies_failure_and_rerun(slurm_cluster, tiny_corpus, tmp_pa
     assert _step(tmp_path / "out" / "tiny_clm_40_s1_cpt_mlm_40_8" / "ckpt") == CPT_STEPS
 
     # 2. The rerun leaves seed 1 alone and resubmits seed 2's run and its CPT, which waits for it.
-    second = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    second = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     again = jobs()
     assert again["tiny_clm_40_s1"] == submitted["tiny_clm_40_s1"]

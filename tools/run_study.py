@@ -1,4 +1,4 @@
-"""Train a study: its segments on this machine or as SLURM jobs, parents before children.
+"""Train a study: its segments through a launcher (this machine, SLURM), parents before children.
 
 The implementation is ``megatron_ext/cli/run_study.py``; ``pip install -e .`` (``make setup``) also
 installs it as the ``megatron-ext-run-study`` command.

@@ -1,27 +1,30 @@
-"""Train a study: plan it, then train its segments on this machine or as SLURM jobs.
+"""Train a study: plan it, then run its segments through a launcher, then evaluate and report.
 
-    python tools/run_study.py examples/studies/paper_610m.yaml --executor local
-    python tools/run_study.py examples/studies/paper_610m.yaml --executor slurm --sbatch-arg=--partition=gpu
-    python tools/run_study.py STUDY.yaml --executor slurm --dry-run      # the status and the sbatch commands
-    python tools/run_study.py STUDY.yaml --executor local --only 610m_clm_12k  # and the runs it starts from
+    python -m megatron_ext.cli.run_study examples/studies/paper_610m.yaml --launcher local
+    python -m megatron_ext.cli.run_study examples/studies/paper_610m.yaml --launcher slurm --sbatch-arg=--partition=gpu
+    python -m megatron_ext.cli.run_study STUDY.yaml --launcher slurm --dry-run   # the status and the submissions
+    python -m megatron_ext.cli.run_study STUDY.yaml --launcher local --only 610m_clm_12k  # and the runs it starts from
 
-The plan (tools/plan_study.py) and one recipe per run are written to the study directory
-(--study-dir, default runs/studies/<study name>), then the segments are trained in tree order, a
-parent before its children. A segment is complete when the newest checkpoint in its run's
-checkpoint.save is at its train_iters; rerunning the command skips complete segments and trains
-the rest (an interrupted run resumes from its own newest checkpoint). A failed segment blocks its
-descendants only. Run it from the directory the study's relative paths (data, output) are
-relative to: the trainers run there.
+(also ``megatron-ext-run-study`` and, in a clone, ``tools/run_study.py``). The plan
+(plan_study) and one recipe per run are written to the study directory (--study-dir, default
+runs/studies/<study name>), then each segment is a job of the trainer (pretrain_encoder --config
+<its recipe>), submitted in tree order, a parent before its children, each waiting for its
+parent's job. A segment is complete when the newest checkpoint in its run's checkpoint.save is
+at its train_iters; rerunning the command skips complete segments and trains the rest (an
+interrupted run resumes from its own newest checkpoint). A failed segment blocks its descendants
+only. Run it from the directory the study's relative paths (data, output) are relative to: the
+jobs run there. Jobs ask for the study's resources: (nodes, gpus_per_node, time; a size's over the
+study's), which each launcher maps to its own form, plus that launcher's extra flags.
 
-  local  one trainer after another (--nproc-per-node N > 1: torchrun through
-         examples/launch/single_node.sh); logs in <study dir>/logs/<run>.log. Ctrl-C or SIGTERM:
-         the running trainer saves and stops, then the executor (exit 75; rerun to continue).
-  slurm  one job per segment: sbatch examples/launch/slurm.sbatch with RECIPE=<its recipe>, job
-         name <study>.<run>, --dependency=afterok:<parent's job> while the parent is not complete
-         (--kill-on-invalid-dep=yes: a failed parent cancels its children); sbatch flags: the
-         study's `sbatch:`, the size's `sbatch:`, then --sbatch-arg. Job ids in <study dir>/jobs.json.
-         A rerun leaves pending and running jobs alone and resubmits failed or cancelled segments
-         and the ones below them. --wait: follow the jobs until they end.
+  local  one job after another on this machine (--nproc-per-node N > 1, else the study's
+         gpus_per_node: torchrun through the packaged single_node.sh); logs in
+         <study dir>/logs/<run>.log. Ctrl-C or SIGTERM: the running trainer saves and stops, then
+         run_study (exit 75; rerun to continue).
+  slurm  one batch job per segment (the packaged slurm.sbatch), job name <study>.<run>, waiting
+         (afterok) for its parent's job while the parent is not complete; a failed parent cancels
+         its children. Flags: the resources, the study's slurm: extras, then --sbatch-arg. Job ids
+         in <study dir>/jobs.json. A rerun leaves pending and running jobs alone and resubmits
+         failed or cancelled segments and the ones below them. --wait: follow the jobs until they end.
 
 --dry-run also prints the study's cost (GPU-hours and wall time per segment, the tree against
 every run from scratch, the evaluation, the whole study; megatron_ext/study/cost.py); with
@@ -29,21 +32,18 @@ every run from scratch, the evaluation, the whole study; megatron_ext/study/cost
 trains, the progress lines give the study's ETA from the same estimate, corrected by the measured
 time of the segments already trained.
 
-Then, with the local executor, the study's evaluation: section (when it has one; not with --only
-or --train-only): tools/evaluate.py over every run (and each reference model) with
-evaluation.workers processes sharing each grid, logs in <study dir>/logs/evaluation/, outputs in
-evaluation.output_dir; finished fine-tuning runs are reused on a rerun. Then the report
-(tools/study_report.py: tables and the paper's figures) into <evaluation.output_dir>/report/.
+Then the study's evaluation: section (when it has one; not with --only or --train-only): one job
+per grid (the study's runs, each reference model) of python -m megatron_ext.cli.evaluate with
+evaluation.workers copies sharing it (local: processes here; slurm: a job array), after the
+training jobs still queued; logs in <study dir>/logs/evaluation/, outputs in evaluation.output_dir;
+finished fine-tuning runs are reused on a rerun. Then the report (study_report: tables and the
+paper's figures) into <evaluation.output_dir>/report/, written by the command that finds every grid
+finished (slurm: with --wait, this one once the arrays end; without, a later run).
 
-With the slurm executor, each grid is a job array of evaluation.workers tasks
-(examples/launch/evaluate.sbatch) submitted after the training jobs still queued (afterok), its
-ids in <study dir>/evaluation_jobs.json; the report is written by the command that finds every
-grid finished (with --wait: this one, once the arrays end).
-
-Exit status: 0 every selected segment complete (slurm without --wait: all submitted) and, where the
-evaluation ran, the report written; 1 a segment failed or is blocked, or the evaluation failed (an
-evaluation worker's error; slurm --wait: its arrays ended with a grid unfinished); 2 bad input (one
-line naming it); 75 stopped on request (rerun to continue).
+Exit status: 0 every selected segment complete (a launcher not followed: all submitted) and,
+where the evaluation ran, the report written; 1 a segment failed or is blocked, or the evaluation
+failed (a worker's error, or its jobs ended with a grid unfinished); 2 bad input (one line naming
+it); 75 stopped on request (rerun to continue).
 """
 
 from __future__ import annotations
@@ -56,32 +56,24 @@ from megatron_ext.cli.entry import ArgumentParser, entry_point
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_ext.launch import LAUNCHERS, launcher_class
+
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study", help="study file (YAML, see examples/studies/)")
-    parser.add_argument("--executor", required=True, choices=["local", "slurm"],
-                        help="local: segments one after another here; slurm: one job per segment")
+    parser.add_argument("--launcher", choices=list(LAUNCHERS), default=None,
+                        help="where the jobs run: " + ", ".join(LAUNCHERS))
+    parser.add_argument("--executor", choices=list(LAUNCHERS), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--study-dir", default=None, metavar="DIR",
                         help="plan, recipes, logs and jobs of the study [runs/studies/<study name>]")
     parser.add_argument("--only", nargs="+", default=None, metavar="RUN",
                         help="train these runs (and the runs they start from) only")
     parser.add_argument("--train-only", action="store_true",
-                        help="stop once the runs are trained (slurm: submitted); default: then the study's evaluation: "
-                             "section and its report)")
+                        help="stop once the runs are trained (or submitted); default: then the study's evaluation: "
+                             "section and its report")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the status and what would be trained or submitted; "
-                             "write and start nothing")
-    local = parser.add_argument_group("local executor")
-    local.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
-                       help="processes per trainer; N > 1: torchrun over N GPUs [1]")
-    local.add_argument("--progress-interval", type=float, default=600.0, metavar="SECONDS",
-                       help="seconds between lines saying where the running segment is [600]")
-    slurm = parser.add_argument_group("slurm executor")
-    slurm.add_argument("--sbatch-arg", action="append", default=[], metavar="FLAG",
-                       help="an sbatch flag for every job, e.g. --sbatch-arg=--partition=gpu (repeatable; "
-                            "after the study's and the size's)")
-    slurm.add_argument("--wait", action="store_true", help="follow the study's jobs until they end")
-    slurm.add_argument("--poll-interval", type=float, default=30.0, metavar="SECONDS",
-                       help="--wait: seconds between looks at the queue [30]")
+                        help="print the status and what would be started or submitted; write and start nothing")
+    for name in LAUNCHERS:
+        launcher_class(name).add_arguments(parser.add_argument_group(f"{name} launcher"))
     from megatron_ext.study.cost import add_cost_flags
 
     add_cost_flags(parser, study=True)
@@ -90,79 +82,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 @entry_point("run_study.py")
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.executor is not None:
+        if args.launcher is not None and args.launcher != args.executor:
+            parser.error(f"--executor {args.executor} and --launcher {args.launcher}: give --launcher only")
+        print(f"notice: --executor is the older name of --launcher; read as --launcher {args.executor}",
+              file=sys.stderr, flush=True)
+        args.launcher = args.executor
+    if args.launcher is None:
+        parser.error("the following arguments are required: --launcher")
+    from megatron_ext.launch import launcher_class
     from megatron_ext.study.execute import StudyDir, select_runs, write_plan
     from megatron_ext.study.plan import plan_study
     from megatron_ext.study.spec import read_study
+    from megatron_ext.study.tree import TreeScheduler
 
     plan = plan_study(read_study(args.study), args.study)
     study_dir = StudyDir.for_plan(plan, args.study_dir)
     selected = select_runs(plan, args.only)
+    launcher = launcher_class(args.launcher).from_args(args)
+    from megatron_ext.study.cost import report_study_cost, seconds_left
 
-    def executor():
-        if args.executor == "local":
-            from megatron_ext.study.local import LocalExecutor, LocalOptions
+    scheduler = TreeScheduler(plan, study_dir, selected, launcher,
+                              estimate_seconds=lambda segments: seconds_left(plan, segments, gpus=args.gpus))
 
-            return LocalExecutor(plan, study_dir, selected, LocalOptions(
-                nproc_per_node=args.nproc_per_node, progress_interval=args.progress_interval))
-        from megatron_ext.study.slurm import SlurmExecutor, SlurmOptions
-
-        return SlurmExecutor(plan, study_dir, selected, SlurmOptions(
-            sbatch_args=tuple(args.sbatch_arg), wait=args.wait, poll_interval=args.poll_interval))
-
-    from megatron_ext.study.cost import report_study_cost
-
-    if args.executor == "local" and args.gpus is None:  # the local executor's runs use --nproc-per-node GPUs
-        args.gpus = args.nproc_per_node
     if args.dry_run:
-        code = executor().run(dry_run=True)
+        code = scheduler.run(dry_run=True)
         report_study_cost(plan, args)
         return code
     if args.budget_gpu_hours is not None:  # refused before anything is written or started
         report_study_cost(plan, args, show=False)
-    with study_dir.lock():  # one executor at a time writes the study directory and trains or submits
+    with study_dir.lock():  # one run_study at a time writes the study directory and trains or submits
         write_plan(plan, study_dir)
         print(f"wrote {study_dir.plan_json} and {len(plan.runs)} recipes", flush=True)
         started = time.perf_counter()
-        trainer = executor()
-        code = trainer.run(dry_run=False)
+        code = scheduler.run(dry_run=False)
         if args.only or args.train_only or plan.study.evaluation is None:
             return code
         if code != 0:
             print("evaluation: not started, the training is not complete (above); the same command finishes it, "
                   "then evaluates", flush=True)
             return code
-        if args.executor == "local":
+        unfinished = [run for run, state in scheduler.current.items() if state.status in ("failed", "blocked", "to do")]
+        if unfinished:
+            print(f"evaluation: not submitted, {len(unfinished)} segment(s) failed or blocked "
+                  f"({', '.join(unfinished[:5])}{', ...' if len(unfinished) > 5 else ''})", flush=True)
+            return 1
+        if all(state.status == "complete" for state in scheduler.current.values()):
             print(f"training: every run complete ({time.perf_counter() - started:.0f} s)", flush=True)
-            from megatron_ext.study.evaluation import evaluate_and_report_locally
-            from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
+        from megatron_ext.study.evaluation import EvaluationStage
 
-            outcome = evaluate_and_report_locally(plan, log_dir=study_dir.logs / "evaluation")
-            return {"done": 0, "failed": 1, "stopped": RESUMABLE_EXIT_CODE}[outcome]
-        return _evaluate_on_slurm(plan, study_dir, trainer, args)
-
-
-def _evaluate_on_slurm(plan, study_dir, trainer, args: argparse.Namespace) -> int:
-    """Submit the evaluation arrays after the training jobs still queued; with --wait, follow them
-    and write the report; without, write it once every grid is finished (a later run)."""
-    from megatron_ext.study.evaluation import SlurmEvaluation
-
-    states = trainer.states()
-    unfinished = [run for run, state in states.items() if state.status in ("failed", "blocked", "to do")]
-    if unfinished:
-        print(f"evaluation: not submitted, {len(unfinished)} segment(s) failed or blocked "
-              f"({', '.join(unfinished[:5])}{', ...' if len(unfinished) > 5 else ''})", flush=True)
-        return 1
-    queued = [trainer.jobs.latest(run).job_id for run, state in states.items()
-              if state.status in ("pending", "running")]
-    evaluation = SlurmEvaluation(plan=plan, jobs_file=study_dir.root / "evaluation_jobs.json",
-                                 logs=study_dir.logs / "evaluation", sbatch_args=tuple(args.sbatch_arg))
-    evaluation.submit(after=queued)
-    if not args.wait:
-        evaluation.report_if_finished()
-        return 0
-    evaluation.follow(args.poll_interval)
-    return 0 if evaluation.report_if_finished() else 1  # the arrays ended without finishing a grid
+        return EvaluationStage(plan, study_dir, launcher).run(after=scheduler.live_jobs())
 
 
 if __name__ == "__main__":

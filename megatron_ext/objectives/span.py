@@ -8,7 +8,7 @@ tokens instead, for a vocabulary whose pieces carry no word mark (word spans ref
 Each sequence's words are cut into units, each a span (its length drawn from that law) followed by
 one separating word, so that two spans never touch (their lengths stay the law's), starting at a
 random offset; units are then taken whole in a random order by BERT's rule
-(``whole_word.fill_budget``) up to MLM's exact count ``floor(mask_ratio * n + 0.5)``: a sequence
+(``words.fill_budget``) up to MLM's exact count ``floor(mask_ratio * n + 0.5)``: a sequence
 reaches it unless every span it leaves is longer than what is left (then short by less than its
 shortest one). The share of words a sequence can hold in spans is ``mean / (mean + 1)`` (0.79 at
 the defaults); a higher ratio is refused. Non-eligible positions (special tokens, padding) are
@@ -31,7 +31,7 @@ import torch
 from megatron_ext.config_loading import UserError
 from megatron_ext.objectives.base import Vocabulary
 from megatron_ext.objectives.mlm import MLM, Selected, Selection, max_selected
-from megatron_ext.objectives.whole_word import check_word_marks, select_units, word_numbers
+from megatron_ext.objectives.words import check_word_marks, select_units, word_numbers
 
 
 def mean_span_length(span_p: float, max_span_length: int) -> float:
@@ -62,7 +62,7 @@ def span_units(word: torch.Tensor, *, generator: torch.Generator, span_p: float,
 def select_spans(tokens: torch.Tensor, eligible: torch.Tensor, *, mask_ratio: float, generator: torch.Generator,
                  span_p: float, max_span_length: int, word_boundaries: torch.Tensor | None) -> Selected:
     """:data:`~megatron_ext.objectives.mlm.Selection` of spans (module docstring); spans count the
-    words of ``word_boundaries`` (``whole_word.word_numbers``'s table), or tokens when None."""
+    words of ``word_boundaries`` (``words.word_numbers``'s table), or tokens when None."""
     b, s = tokens.shape
     word = (word_numbers(tokens, eligible, word_boundaries) if word_boundaries is not None
             else torch.arange(s, device=tokens.device).expand(b, s))

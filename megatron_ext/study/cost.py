@@ -41,6 +41,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import re
 import subprocess
 from collections.abc import Callable, Iterable
@@ -213,8 +214,18 @@ def read_measurements(results_dir: Path) -> tuple[MeasuredRow, ...]:
     return tuple(rows)
 
 
+RESULTS_DIR_VARIABLE = "MEGATRON_EXT_RESULTS_DIR"
+"""Where an installed package (which has no ``benchmarks/``) finds committed measurements."""
+
+
 def default_results_dir() -> Path | None:
-    """The checkout's ``benchmarks/results``, or None in an installed package."""
+    """``$MEGATRON_EXT_RESULTS_DIR``, else the checkout's ``benchmarks/results``, else None (an
+    installed package without the variable: speeds are then calibrated or assumed, and said so)."""
+    if os.environ.get(RESULTS_DIR_VARIABLE):
+        path = Path(os.environ[RESULTS_DIR_VARIABLE])
+        if not path.is_dir():
+            raise UserError(f"{RESULTS_DIR_VARIABLE}={path}: not a directory (expected a benchmarks/results folder)")
+        return path
     return REPO_RESULTS if REPO_RESULTS.is_dir() else None
 
 
@@ -418,7 +429,7 @@ def add_cost_flags(parser: argparse.ArgumentParser, *, study: bool) -> None:
                        help=f"GPU kind to estimate for: {', '.join(PEAK_TFLOPS)} or {CPU} [this machine's]")
     if study:
         group.add_argument("--gpus", type=int, default=None, metavar="N",
-                           help="GPUs per run [the size's sbatch --nodes x --gpus-per-node, else 1]")
+                           help="GPUs per run [the size's resources: nodes x gpus_per_node, else 1]")
         group.add_argument("--calibrate", action="store_true",
                            help="time a few steps of each distinct shape (and one fine-tuning run per family) "
                                 "on this machine first")
@@ -599,17 +610,21 @@ def _flag(flags: Iterable[str], *names: str) -> int | None:
 
 
 def study_gpus_per_run(plan, size: str, *, gpus_per_node: int) -> int:
-    """GPUs of one run of ``size``: its sbatch flags' ``--nodes`` x ``--gpus-per-node`` (or
-    ``--gpus``), after the study's; 1 when they say nothing. The one place that reads a study's
-    resources."""
-    flags = [*plan.study.sbatch, *next(s for s in plan.study.sizes if s.name == size).sbatch]
-    gpus = _flag(flags, "--gpus", "-G")
-    if gpus is not None:
-        return gpus
-    nodes = _flag(flags, "--nodes", "-N")
-    per_node = _flag(flags, "--gpus-per-node")
+    """GPUs of one run of ``size``: its ``resources`` over the study's, ``nodes`` x ``gpus_per_node``
+    (``gpus_per_node`` here where only ``nodes`` is set); older study files' SLURM flags
+    (``--nodes``, ``--gpus-per-node``, ``--gpus``, read as the ``slurm`` extras) where the neutral
+    keys say nothing; 1 when nothing does. The one place that reads a study's resources for a cost."""
+    spec = next(s for s in plan.study.sizes if s.name == size)
+    resources = spec.resources.over(plan.study.resources)
+    nodes, per_node = resources.nodes, resources.gpus_per_node
     if nodes is None and per_node is None:
-        return 1
+        flags = list(resources.extras.get("slurm", ()))
+        gpus = _flag(flags, "--gpus", "-G")
+        if gpus is not None:
+            return gpus
+        nodes, per_node = _flag(flags, "--nodes", "-N"), _flag(flags, "--gpus-per-node")
+        if nodes is None and per_node is None:
+            return 1
     return (nodes or 1) * (per_node if per_node is not None else gpus_per_node)
 
 
@@ -757,7 +772,7 @@ class StudyCost:
     """Each run trained alone from step 0."""
     evaluation: EvaluationCost | None
     sequential_s: float | None
-    """Training wall time with one segment at a time (the local executor)."""
+    """Training wall time with one segment at a time (the local launcher)."""
     parallel_s: float | None
     """Training wall time with one job per segment, each once its parent's job is done (SLURM)."""
     notices: tuple[str, ...] = ()
@@ -845,8 +860,8 @@ def format_study_cost(plan, cost: StudyCost) -> str:
     out.append(f"  training as the tree: {_gh(tree)} GPU-hours; every run from scratch: {_gh(separate)} "
                f"GPU-hours{saved}")
     if cost.sequential_s is not None:
-        out.append(f"  training wall time: {hours(cost.sequential_s)} one segment at a time (local executor); "
-                   f"{hours(cost.parallel_s)} with a job per segment after its parent's (slurm executor)")
+        out.append(f"  training wall time: {hours(cost.sequential_s)} one segment at a time (local launcher); "
+                   f"{hours(cost.parallel_s)} with a job per segment after its parent's (slurm launcher)")
     speeds = sorted({label for c in cost.segments for label in c.speeds})
     if cost.sequential_s is not None:
         out.append(f"  training: {format_band(s for c in cost.segments for s in c.sources)}")
@@ -865,8 +880,8 @@ def format_study_cost(plan, cost: StudyCost) -> str:
     line = f"  whole study: {_gh(total)} GPU-hours"
     if cost.sequential_s is not None and (evaluation is None or not math.isnan(evaluation.wall_s)):
         after = evaluation.wall_s if evaluation is not None else 0.0
-        line += (f"; wall time {hours(cost.sequential_s + after)} (local executor) or "
-                 f"{hours(cost.parallel_s + after)} (slurm executor), the evaluation after the training")
+        line += (f"; wall time {hours(cost.sequential_s + after)} (local launcher) or "
+                 f"{hours(cost.parallel_s + after)} (slurm launcher), the evaluation after the training")
     out.append(line)
     return "\n".join(out)
 
@@ -880,8 +895,7 @@ def calibrate_finetuning(plan, checkpoints: dict[str, Path], *, say: Callable[[s
     import sys
     import tempfile
 
-    from megatron_ext.study.evaluation import _settings, worker_environment
-    from megatron_ext.study.execute import repository_file
+    from megatron_ext.study.evaluation import _settings
 
     spec = plan.study.evaluation
     if spec is None:
@@ -895,9 +909,11 @@ def calibrate_finetuning(plan, checkpoints: dict[str, Path], *, say: Callable[[s
     scratch = Path(tempfile.mkdtemp(prefix="calibration-eval-"))
     for size, checkpoint in checkpoints.items():
         out = scratch / size
-        argv = [sys.executable, str(repository_file("tools/evaluate.py")), "--models", f"calibration={checkpoint}",
+        argv = [sys.executable, "-m", "megatron_ext.cli.evaluate", "--models", f"calibration={checkpoint}",
                 "--output-dir", str(out), *_settings(one, lrs)]
-        done = subprocess.run(argv, capture_output=True, text=True, env=worker_environment(spec.workers))
+        # As one of evaluation.workers copies on this machine: its share of the cores (launch/local.py).
+        threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, spec.workers)))}
+        done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **threads})
         if done.returncode != 0:
             tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
             raise UserError(f"--calibrate: a fine-tuning run of {size} failed (exit {done.returncode}): {tail[0]}")

@@ -4,26 +4,27 @@ several worker processes share.
 A study's ``evaluation:`` section (``spec.EvaluationSpec``) becomes one grid for the study's runs
 (every run named by its run name, at its final checkpoint, or ``@all`` checkpoints for the kinds in
 ``all_checkpoints``) and one grid per reference model (its own output folder, so it may have its
-own LR grid). Each grid is one ``evaluate.py`` command; ``workers`` copies of it share the grid
-(each claims a run before fine-tuning it), and whichever finishes last writes the summary. The
-executors start the copies: ``local`` as processes on this machine (:func:`run_grids_locally`),
-``slurm`` as the tasks of a job array (``examples/launch/evaluate.sbatch``).
+own LR grid). Each grid is one job of ``python -m megatron_ext.cli.evaluate`` with an array of
+``workers`` copies that share the grid (each claims a run before fine-tuning it); whichever
+finishes last writes the summary. :class:`EvaluationStage` submits the grids through the study's
+launcher (local: the copies as processes on this machine; slurm: the tasks of a job array), after
+the training jobs still queued, and writes the report once every grid is finished.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import write_atomic
+from megatron_ext.launch import Job, JobEvents, JobState, Launcher
+from megatron_ext.study.execute import StudyDir, log_tail, say
 from megatron_ext.study.plan import StudyPlan
+from megatron_ext.study.tree import stored_id
 from megatron_ext.study.spec import EvaluationSpec, ReferenceSpec
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,17 +103,6 @@ def evaluation_grids(plan: StudyPlan, *, resolve_references: bool = True) -> lis
     return grids
 
 
-def worker_environment(workers: int) -> dict[str, str]:
-    """The environment of one of ``workers`` local evaluation processes: on CPU each gets its share
-    of the cores (torch would give every process all of them, and they would fight)."""
-    from megatron_ext import hardware
-
-    env = dict(os.environ)
-    if not hardware.on_gpu():
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
-    return env
-
-
 def prepare_tasks(plan: StudyPlan) -> None:
     """Build the evaluation's suite tasks (and load every split) here, once, before its workers start:
     they would otherwise each build what is missing at the same time, hours into a study."""
@@ -121,67 +111,6 @@ def prepare_tasks(plan: StudyPlan) -> None:
         from megatron_ext.eval.harness import resolve_tasks
 
         resolve_tasks(list(spec.tasks))
-
-
-def run_grids_locally(grids: list[EvaluationGrid], *, workers: int, log_dir: Path) -> str:
-    """Run each grid with ``workers`` copies of its command at once on this machine; the logs go
-    to ``log_dir``. Returns ``done``, ``failed`` (the log of a worker that failed is printed) or
-    ``stopped``: SIGINT/SIGTERM are passed on to the workers (each gives its run in flight back) and
-    stop the stage. The workers die with this process."""
-    from megatron_ext import processes
-    from megatron_ext.study.execute import log_tail, repository_file
-
-    log_dir.mkdir(parents=True, exist_ok=True)
-    env = worker_environment(workers)
-    evaluate = repository_file("tools/evaluate.py")
-    executor, running, stop = os.getpid(), [], []
-
-    def pass_on(signum: int, frame) -> None:
-        stop.append(signum)
-        for process in running:
-            process.send_signal(signal.SIGTERM)
-
-    with processes.signal_handlers((signal.SIGINT, signal.SIGTERM), pass_on):
-        for grid in grids:
-            started = time.perf_counter()
-            print(f"evaluation: {grid.name}: {workers} worker(s) -> {grid.output_dir}", flush=True)
-            slug = grid.name.replace(" ", "_")
-            logs = [log_dir / f"{slug}.worker{worker}.log" for worker in range(workers)]
-            running.clear()
-            for log in logs:
-                with open(log, "w", encoding="utf-8") as handle:
-                    running.append(subprocess.Popen(
-                        [sys.executable, str(evaluate), *grid.argv], env=env, stdout=handle, stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL, preexec_fn=lambda: processes.die_with_parent(executor)))
-            codes = [process.wait() for process in running]
-            if stop:
-                print(f"evaluation: stopped on {signal.Signals(stop[0]).name}; the same command resumes it "
-                      "(finished fine-tuning runs are kept)", flush=True)
-                return "stopped"
-            failed = [(log, code) for log, code in zip(logs, codes) if code != 0]
-            if failed:
-                log, code = failed[0]
-                print(f"evaluation {grid.name}: a worker failed (exit {code}); log {log}:\n{log_tail(log)}", flush=True)
-                return "failed"
-            print(f"evaluation: {grid.name} done in {time.perf_counter() - started:.0f} s", flush=True)
-    return "done"
-
-
-def evaluate_and_report_locally(plan: StudyPlan, *, log_dir: Path) -> str:
-    """The study's evaluation stage on this machine (every grid with ``evaluation.workers``
-    processes; finished fine-tuning runs are reused), then its report once every grid is done;
-    returns what :func:`run_grids_locally` returns."""
-    spec = evaluation_spec(plan)
-    grids = evaluation_grids(plan)
-    started = time.perf_counter()
-    prepare_tasks(plan)
-    outcome = run_grids_locally(grids, workers=spec.workers, log_dir=log_dir)
-    if outcome != "done":
-        return outcome
-    evaluated = time.perf_counter()
-    path = write_study_report(plan, grids)
-    print(f"evaluation {evaluated - started:.0f} s, report {time.perf_counter() - evaluated:.0f} s: {path}", flush=True)
-    return outcome
 
 
 def grid_finished(grid: EvaluationGrid) -> bool:
@@ -210,77 +139,106 @@ def write_study_report(plan: StudyPlan, grids: list[EvaluationGrid]) -> Path:
     return report_dir(plan) / "report.md"
 
 
-@dataclass(frozen=True, kw_only=True)
-class SlurmEvaluation:
-    """The evaluation stage on SLURM: each grid as a job array of ``evaluation.workers`` tasks of
-    ``examples/launch/evaluate.sbatch``, after the training jobs still queued (``afterok``)."""
+EVALUATE = "megatron_ext.cli.evaluate"
+"""The evaluation's module: what every grid runs."""
 
-    plan: StudyPlan
-    jobs_file: Path
-    """``evaluation_jobs.json`` of the study directory: grid name -> its newest array job id."""
-    logs: Path
-    sbatch_args: tuple[str, ...] = ()
-    """Flags for every job after the study's ``sbatch:`` (``--sbatch-arg``)."""
 
-    def _jobs(self) -> dict[str, int]:
-        return json.loads(self.jobs_file.read_text()) if self.jobs_file.is_file() else {}
+class EvaluationStage(JobEvents):
+    """The study's evaluation through ``launcher``: each grid not finished nor queued is one job of
+    ``evaluation.workers`` copies, waiting for the training jobs still queued; then the report."""
 
-    def sbatch_command(self, grid: EvaluationGrid, after: list[int]) -> list[str]:
-        from megatron_ext.study.execute import repository_file
+    def __init__(self, plan: StudyPlan, study_dir: StudyDir, launcher: Launcher, *,
+                 out: Callable[[str], None] = say):
+        self.plan = plan
+        self.launcher = launcher
+        self.out = out
+        self.logs = study_dir.logs / "evaluation"
+        self.jobs_file = study_dir.root / "evaluation_jobs.json"
+        """Grid name -> its newest job (launchers whose jobs outlive them)."""
+        self.grids = {grid.name: grid for grid in evaluation_grids(plan)}
+        self.job_ids: dict[str, str] = {}
+        self._started: dict[str, float] = {}
+        self.failed = False
 
+    def job(self, grid: EvaluationGrid) -> Job:
         spec = evaluation_spec(self.plan)
         slug = grid.name.replace(" ", "_")
-        argv = ["sbatch", "--parsable", f"--array=0-{spec.workers - 1}",
-                f"--job-name={self.plan.study.name}.eval.{slug}",
-                f"--output={self.logs.resolve() / slug}-%A_%a.out", *self.plan.study.sbatch, *spec.sbatch, *self.sbatch_args,
-                "--kill-on-invalid-dep=yes"]
-        if after:
-            argv.append("--dependency=afterok:" + ":".join(map(str, after)))
-        return argv + [str(repository_file("examples/launch/evaluate.sbatch")), *grid.argv]
+        return Job(name=f"{self.plan.study.name}.eval.{slug}", module=EVALUATE, args=grid.argv, log=self.logs / slug,
+                   resources=spec.resources.over(self.plan.study.resources), array_size=spec.workers)
 
-    def queued(self) -> dict[str, int]:
-        """The grids whose newest array job still has a task pending or running."""
-        from megatron_ext.study.slurm import FINAL_STATES, _command
+    def _stored(self) -> dict[str, str]:
+        if not self.launcher.persistent or not self.jobs_file.is_file():
+            return {}
+        return {name: str(job_id) for name, job_id in json.loads(self.jobs_file.read_text()).items()}
 
-        live: set[int] = set()  # %F: a task's array job id (a pending array is one row, "7_[0-1]")
-        for line in _command(["squeue", "--me", "--states=all", "--noheader", "--format=%F|%T"]).splitlines():
-            array, _, state = line.strip().partition("|")
-            if array.isdigit() and state not in FINAL_STATES:
-                live.add(int(array))
-        return {name: job for name, job in self._jobs().items() if job in live}
+    def queued(self) -> dict[str, str]:
+        """The grids whose newest job is still pending or running."""
+        stored = self._stored()
+        states = self.launcher.states(list(stored.values())) if stored else {}
+        return {name: job_id for name, job_id in stored.items() if states[job_id].live}
 
-    def submit(self, *, after: list[int]) -> list[int]:
-        """Submit each grid that is neither finished nor queued; returns the array job ids queued now."""
-        from megatron_ext.study.execute import job_environment
-        from megatron_ext.study.slurm import submit
-
-        grids, queued, jobs = evaluation_grids(self.plan), self.queued(), self._jobs()
-        if any(not grid_finished(g) and g.name not in queued for g in grids):
+    def run(self, *, after: list[str]) -> int:
+        """Submit, and with a launcher that follows, follow and report: 0 done (or submitted), 1 a
+        grid failed or ended unfinished, 75 stopped on a signal (the same command resumes it)."""
+        queued = self.queued()
+        todo = [g for g in self.grids.values() if not grid_finished(g) and g.name not in queued]
+        if todo:
             prepare_tasks(self.plan)
-        for grid in grids:
-            if grid_finished(grid) or grid.name in queued:
-                continue
+        self.job_ids = dict(queued)
+        stored = self._stored()
+        workers = evaluation_spec(self.plan).workers
+        for grid in todo:
             self.logs.mkdir(parents=True, exist_ok=True)
-            jobs[grid.name] = submit(self.sbatch_command(grid, after), env={**os.environ, **job_environment()},
-                                     what=f"the evaluation of {grid.name}")
-            write_atomic(self.jobs_file, json.dumps(jobs, indent=1) + "\n")
-            print(f"submitted evaluation {grid.name}: array job {jobs[grid.name]} ({evaluation_spec(self.plan).workers} "
-                  "task(s))" + (f", after job(s) {', '.join(map(str, after))}" if after else ""), flush=True)
-        return list(self.queued().values())
+            job_id = self.launcher.submit(self.job(grid), after)
+            self.job_ids[grid.name] = job_id
+            if self.launcher.persistent:
+                stored[grid.name] = job_id
+                write_atomic(self.jobs_file, json.dumps({k: stored_id(v) for k, v in stored.items()}, indent=1) + "\n")
+                self.out(f"submitted evaluation {grid.name}: array job {job_id} ({workers} task(s))"
+                         + (f", after job(s) {', '.join(after)}" if after else ""))
+        if not self.launcher.follows:
+            self.report_if_finished()
+            return 0
+        stopped = self.launcher.follow(list(self.job_ids.values()), self)
+        if stopped is not None:
+            from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
 
-    def follow(self, poll_interval: float) -> None:
-        """Return once no evaluation array of the study is pending or running."""
-        while self.queued():
-            time.sleep(poll_interval)
+            self.out(f"evaluation: stopped on {stopped}; the same command resumes it (finished fine-tuning runs "
+                     "are kept)")
+            return RESUMABLE_EXIT_CODE
+        if self.failed:
+            return 1
+        return 0 if self.report_if_finished() else 1  # the jobs ended without finishing a grid
+
+    def _grid(self, job_id: str) -> EvaluationGrid:
+        return self.grids[next(name for name, j in self.job_ids.items() if j == job_id)]
+
+    def started(self, job_id: str) -> None:
+        grid = self._grid(job_id)
+        self._started[job_id] = time.perf_counter()
+        self.out(f"evaluation: {grid.name}: {evaluation_spec(self.plan).workers} worker(s) -> {grid.output_dir}")
+
+    def stopping(self, job_id: str, signal_name: str) -> None:
+        self.out(f"{signal_name} received: the evaluation workers give their runs in flight back and stop")
+
+    def ended(self, job_id: str, state: JobState) -> None:
+        grid = self._grid(job_id)
+        if state.succeeded:
+            took = time.perf_counter() - self._started.get(job_id, time.perf_counter())
+            self.out(f"evaluation: {grid.name} done in {took:.0f} s")
+        elif not state.stopped:
+            self.failed = True
+            log = state.log or self.launcher.log_file(self.job(grid), job_id)
+            self.out(f"evaluation {grid.name}: a worker failed ({state.detail}); log {log}:\n{log_tail(log)}")
 
     def report_if_finished(self) -> Path | None:
         """Write the report once every grid is finished; None (and why) otherwise."""
-        grids = evaluation_grids(self.plan)
-        waiting = [grid.name for grid in grids if not grid_finished(grid)]
+        waiting = [grid.name for grid in self.grids.values() if not grid_finished(grid)]
         if waiting:
-            print(f"report: waiting for the evaluation of {', '.join(waiting)}; run the same command again once "
-                  "its jobs have ended (or add --wait)", flush=True)
+            self.out(f"report: waiting for the evaluation of {', '.join(waiting)}; run the same command again once "
+                     "its jobs have ended (or add --wait)")
             return None
-        path = write_study_report(self.plan, grids)
-        print(f"report: {path}", flush=True)
+        started = time.perf_counter()
+        path = write_study_report(self.plan, list(self.grids.values()))
+        self.out(f"report: {path} ({time.perf_counter() - started:.0f} s)")
         return path

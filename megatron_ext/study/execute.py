@@ -1,24 +1,24 @@
-"""Executing a study's plan: the study directory, what is left to train, and what executors print.
+"""Executing a study's plan: the study directory, what is left to train, and what is printed.
 
-``tools/run_study.py`` plans a study (:func:`megatron_ext.study.plan.plan_study`), writes the plan
-and one recipe per run into the study directory (:func:`write_plan`) and hands the segments to an
-executor: ``local`` (one after another on this machine, :mod:`megatron_ext.study.local`) or
-``slurm`` (one job per segment, :mod:`megatron_ext.study.slurm`). Both take the segments in tree
-order (a parent before its children) and know what is done from the checkpoints alone: a segment
-is complete when the newest complete checkpoint in its run's ``checkpoint.save`` is at the run's
-``train_iters``. Anything else is trained (again); the trainer resumes an interrupted run from its
-own newest checkpoint.
+``run_study`` plans a study (:func:`megatron_ext.study.plan.plan_study`), writes the plan and one
+recipe per run into the study directory (:func:`write_plan`) and hands the segments to the tree
+scheduler (:mod:`megatron_ext.study.tree`), which submits them through a launcher
+(:mod:`megatron_ext.launch`: ``local``, ``slurm``). It takes the segments in tree order (a parent
+before its children) and knows what is done from the checkpoints: a segment is complete when the
+newest complete checkpoint in its run's ``checkpoint.save`` is at the run's ``train_iters``.
+Anything else is trained (again); the trainer resumes an interrupted run from its own newest
+checkpoint.
 
 The study directory (``runs/studies/<study name>`` unless given)::
 
     plan.json              the plan (plan_to_dict): the runs with their recipes, the segments, totals
-    recipes/<run>.yaml     what ``pretrain_encoder.py --config`` reads for each run
-    logs/<run>.log         the trainer's output (local; every attempt appended)
-    logs/<run>-<job>.out   the job's output (slurm)
-    jobs.json              the jobs submitted for each run, newest last (slurm)
+    recipes/<run>.yaml     what ``pretrain_encoder --config`` reads for each run
+    logs/<run>.log         the trainer's output (local launcher; every attempt appended)
+    logs/<run>-<job>.out   the job's output (slurm launcher)
+    jobs.json              the jobs submitted for each run, newest last (launchers whose jobs outlive it)
 
 Paths in the recipes that are relative (the study's ``output`` templates, data paths of the base
-recipes) are relative to the working directory of the executor: the trainers run there (local: its
+recipes) are relative to the working directory of ``run_study``: the jobs run there (local: its
 working directory; slurm: the submission directory).
 """
 
@@ -28,7 +28,6 @@ import contextlib
 import fcntl
 import json
 import os
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -44,41 +43,23 @@ from megatron_ext.study.plan import PlannedRun, Segment, StudyPlan, plan_to_dict
 from megatron_ext.study.render import tree_rows
 from megatron_ext.training.step_log import duration
 
-REPO_DIR = Path(__file__).resolve().parents[2]
-"""The repository: ``pretrain_encoder.py`` and ``examples/launch/``, which the executors start."""
-
-def repository_file(relative: str) -> Path:
-    """A file of the repository that the executors start (``pretrain_encoder.py``, a launch script)."""
-    path = REPO_DIR / relative
-    if not path.is_file():
-        raise UserError(f"{path}: no such file; run_study.py starts the repository's pretrain_encoder.py and "
-                        "examples/launch/ scripts: use it from a clone (pip install -e .)")
-    return path
-
-
 STUDY_DIR = "runs/studies/{study}"
 """The study directory when none is given (relative to the working directory)."""
 
 Status = Literal["complete", "running", "pending", "to do", "failed", "blocked"]
 
-def job_environment() -> dict[str, str]:
-    """What a SLURM job's launch script needs besides the submitting shell's environment (sbatch
-    exports it): this Python (``$PYTHON``, else the executor's) and this repository."""
-    return {"PYTHON": os.environ.get("PYTHON", sys.executable), "REPO_DIR": str(REPO_DIR)}
-
-
 def say(line: str) -> None:
-    """An executor's output line, flushed at once (its trainers write to their logs meanwhile)."""
+    """An output line of ``run_study``, flushed at once (its jobs write to their logs meanwhile)."""
     print(line, flush=True)
 
 
 LOG_TAIL_LINES = 15
-"""Lines of a failed segment's log that an executor prints."""
+"""Lines of a failed job's log that are printed."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class StudyDir:
-    """Where an executor keeps a study's plan, recipes, logs and jobs."""
+    """Where ``run_study`` keeps a study's plan, recipes, logs and jobs."""
 
     root: Path
 
@@ -104,13 +85,9 @@ class StudyDir:
     def log(self, run: str) -> Path:
         return self.logs / f"{run}.log"
 
-    def exit_status(self, run: str) -> Path:
-        """Where the trainer of ``run`` writes its own exit status (``training.stop.EXIT_STATUS_ENV``)."""
-        return self.logs / f".{run}.exit-status"
-
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """Held while an executor trains or submits, so that two never run the same segment."""
+        """Held while a ``run_study`` trains or submits, so that two never run the same segment."""
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / ".lock", "a+") as handle:
             try:
@@ -132,7 +109,7 @@ def write_plan(plan: StudyPlan, study_dir: StudyDir) -> None:
     write_atomic(study_dir.plan_json, json.dumps(plan_to_dict(plan), indent=1) + "\n")
     for run in plan.runs:
         header = (f"# Run {run.name} of study {plan.study.name} ({plan.path}), written by "
-                  "tools/run_study.py:\n# edit the study file, not this recipe.\n")
+                  "run_study:\n# edit the study file, not this recipe.\n")
         write_atomic(study_dir.recipe(run.name), header + yaml.safe_dump(run.recipe, sort_keys=False))
 
 
@@ -229,7 +206,7 @@ def _start_label(segment: Segment) -> str:
 
 
 def format_status(plan: StudyPlan, study_dir: StudyDir, states: dict[str, SegmentState], *,
-                  selected: set[str], executor: str) -> str:
+                  selected: set[str], launcher: str) -> str:
     """The status table: the tree, each segment's steps and start, and its state."""
     counts: dict[str, int] = {}
     for name in selected:
@@ -237,7 +214,7 @@ def format_status(plan: StudyPlan, study_dir: StudyDir, states: dict[str, Segmen
     summary = ", ".join(f"{n} {status}" for status, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     scope = f"{len(selected)} of {len(plan.segments)} segments" if len(selected) < len(plan.segments) else \
         f"{len(plan.segments)} segments"
-    lines = [f"study {plan.study.name} ({executor}, {study_dir.root}): {scope}: {summary}"]
+    lines = [f"study {plan.study.name} ({launcher}, {study_dir.root}): {scope}: {summary}"]
     rows = tree_rows(plan)
     name_width = max(len(name) for name, _ in rows) + 2
     spans = {s.run: f"[{s.start:,}, {s.end:,})" for _, s in rows}

@@ -346,7 +346,7 @@ def plan_study(study: Study, path: str | Path) -> StudyPlan:
 
 
 def plan_to_dict(plan: StudyPlan) -> dict[str, Any]:
-    """The plan as plain data (JSON-able): what executors read."""
+    """The plan as plain data (JSON-able): what the launch layer reads."""
     return {
         "study": plan.study.name,
         "study_file": str(plan.path),

@@ -4,7 +4,7 @@ A YAML mapping (``examples/studies/``)::
 
     name: paper_610m                      # used in output paths ({study})
     sizes:                                # one base recipe per model size (relative to this file)
-      - {name: 610m, base: ../recipes/base/610m.yaml, sbatch: [--nodes=8, --time=24:00:00]}
+      - {name: 610m, base: ../recipes/base/610m.yaml, resources: {nodes: 8, time: "24:00:00"}}
     budgets: [12000, 22000, 42000]        # train_iters of every from-scratch run
     objectives:                           # one run per objective x budget
       - {objective: mlm, mask_ratio: 0.4}   # any objective, as a phase spells it
@@ -29,10 +29,16 @@ A YAML mapping (``examples/studies/``)::
       references: [{name: ettin-150m, path: /models/ettin-150m, lrs: [5.0e-5]}]
       output_dir: /eval/{study}
       workers: 8                          # evaluate.py processes sharing the grid
-    sbatch: [--partition=gpu]             # slurm executor: flags of every job (a size's come after)
+      resources: {gpus_per_node: 1, time: "12:00:00"}   # each worker's
+    resources:                            # every job's (a size's and the evaluation's win over these)
+      gpus_per_node: 8                    # nodes, gpus_per_node, time: each launcher maps them
+      slurm: [--partition=gpu]            # a launcher's own flags, after the neutral ones
 
 Every section is a kw-only frozen dataclass read with ``config_loading.build_dataclass``: unknown
 keys are errors naming the key and the valid ones, values are converted or refused by key.
+Older study files gave SLURM flags as ``sbatch:`` (study, sizes, evaluation): they are read as
+``resources: {slurm: [...]}``, with one notice naming the file.
+
 ``overrides`` are partial recipes (the sections of ``pretrain_encoder.py --config``); the keys the
 study sets itself (phases, train_iters, seed, output and start paths) are refused there.
 """
@@ -49,6 +55,7 @@ from typing import Any
 import yaml
 
 from megatron_ext.config_loading import ConfigError, build_dataclass
+from megatron_ext.launch import Resources, read_legacy_keys
 from megatron_ext.objectives import CLM, MLM, OBJECTIVES, Objective, read_objective
 from megatron_ext.training.config import SECTIONS
 
@@ -106,13 +113,6 @@ def check_lrs(lrs: tuple[float, ...]) -> None:
             raise ValueError(f"lrs: each must be > 0, got {lr}")
 
 
-def check_sbatch_flags(flags: tuple[str, ...], where: str) -> None:
-    """Each of ``flags`` is one sbatch option (``--nodes=8``), not a script or a positional value."""
-    for flag in flags:
-        if not flag.startswith("-"):
-            raise ValueError(f"{where}: {flag!r} is not an sbatch option; write each as --name=value")
-
-
 @dataclass(frozen=True, kw_only=True)
 class SizeSpec:
     """One model size and the recipe its runs start from."""
@@ -122,14 +122,12 @@ class SizeSpec:
     base: str
     """Base recipe (a YAML of ``pretrain_encoder.py --config``, ``base:`` links followed), relative
     to the study file; it must not set ``phases`` (the study does)."""
-    sbatch: tuple[str, ...] = ()
-    """``tools/run_study.py --executor slurm``: sbatch flags of this size's jobs (its resources:
-    ``--nodes=8``, ``--time=24:00:00``), after the study's ``sbatch``."""
+    resources: Resources = field(default_factory=Resources)
+    """What this size's training jobs ask for (``nodes: 8``), over the study's ``resources``."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
             raise ValueError(f"name {self.name!r}: use letters, digits, '_', '.', '-'")
-        check_sbatch_flags(self.sbatch, "sbatch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -353,11 +351,11 @@ class EvaluationSpec:
     """Where the evaluation writes (``{study}`` is the study's name); references go to
     ``<output_dir>/references/<name>``."""
     workers: int = 1
-    """``evaluate.py`` processes that share the grid (local executor: at once on this machine,
+    """``evaluate.py`` processes that share the grid (local launcher: at once on this machine,
     each with its share of the cores; SLURM: the tasks of one job array)."""
-    sbatch: tuple[str, ...] = ()
-    """SLURM executor: sbatch flags of the evaluation arrays (their resources, e.g. ``--gpus=1``,
-    ``--time=12:00:00``), after the study's ``sbatch:`` and before ``--sbatch-arg``."""
+    resources: Resources = field(default_factory=Resources)
+    """What each worker asks for (``gpus_per_node: 1``, ``time: "12:00:00"``), over the study's
+    ``resources``."""
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -374,7 +372,6 @@ class EvaluationSpec:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
-        check_sbatch_flags(self.sbatch, "sbatch")
         unknown = sorted({m.group(1) for m in re.finditer(r"\{([^{}]*)\}", self.output_dir)} - {"study"})
         if unknown:
             raise ValueError(f"output_dir: unknown placeholder(s) {unknown}; valid: ['study']")
@@ -405,9 +402,9 @@ class Study:
     """Output paths of each run."""
     evaluation: EvaluationSpec | None = None
     """How the runs are evaluated; None: the study trains only."""
-    sbatch: tuple[str, ...] = ()
-    """``tools/run_study.py --executor slurm``: sbatch flags of every job (``--partition=gpu``,
-    ``--account=...``); each size's ``sbatch`` and the command line's ``--sbatch-arg`` come after."""
+    resources: Resources = field(default_factory=Resources)
+    """What every job asks for; a size's (training) and the evaluation's (its workers) win over
+    these, and their launcher extras come after these."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -426,7 +423,6 @@ class Study:
         if not self.objectives and self.biphasic is None:
             raise ValueError("no runs: give objectives and/or biphasic")
         check_overrides(self.overrides, "overrides")
-        check_sbatch_flags(self.sbatch, "sbatch")
         if self.cpt is not None:
             kinds = self.scratch_kinds()
             unknown = [s for s in self.cpt.sources if s not in kinds]
@@ -469,6 +465,7 @@ def read_study(path: str | Path) -> Study:
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: invalid YAML: {err}") from err
     try:
+        raw = read_legacy_keys(raw, path, sections=("", "sizes[*]", "evaluation"))
         return build_dataclass(Study, raw if raw is not None else {}, "study")
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
