@@ -238,6 +238,9 @@ def config_keys() -> ConfigKeys:
     for value in vars(spec).values():
         if isinstance(value, type) and dataclasses.is_dataclass(value) and value.__module__ == spec.__name__:
             keys |= set(_dataclass_fields(value))
+    from megatron_ext.launch import LAUNCHERS, Resources  # a study's resources: neutral keys, launchers' flags
+
+    keys |= set(_dataclass_fields(Resources)) | set(LAUNCHERS)
     return ConfigKeys(sections=sections, all_keys=keys)
 
 

@@ -269,13 +269,43 @@ def render_recipe_keys(page: Path) -> str:
 def render_study_keys(page: Path) -> str:
     from megatron_ext.study import spec
 
+    from megatron_ext.launch import LAUNCHERS, Resources
+
     out = []
     classes = [v for v in vars(spec).values()
                if isinstance(v, type) and dataclasses.is_dataclass(v) and v.__module__ == spec.__name__]
+    classes.append(Resources)
     for cls in classes:
         out += [f"### `{cls.__name__}`", "", " ".join((cls.__doc__ or "").split()), ""]
         out += _dataclass_table(cls, ""), ""
+    out += [f"In a study file, `resources:` takes `nodes`, `gpus_per_node`, `time` and one list of extra flags "
+            f"per launcher, by its name: {', '.join(f'`{name}`' for name in LAUNCHERS)}.", ""]
     return "\n".join(line if isinstance(line, str) else "\n".join(line) for line in out)
+
+
+# -- the import layers -------------------------------------------------------------------------
+
+
+def render_import_layers(page: Path) -> str:
+    """The layers of ``tests/test_layering.py`` (``LAYERS``, bottom up, with each layer's comment),
+    from the top down: the test is what holds the imports to them."""
+    import ast
+
+    source = (REPO / "tests" / "test_layering.py").read_text()
+    tree = ast.parse(source)
+    layers = next(node.value for node in tree.body if isinstance(node, ast.AnnAssign)
+                  and getattr(node.target, "id", None) == "LAYERS")
+    sets = [element for element in ast.walk(layers) if isinstance(element, ast.Set)]
+    lines = source.splitlines()
+    out = []
+    for number, layer in enumerate(reversed(sets), start=1):
+        units = [element.value for element in layer.elts]
+        names = [f"`{unit}/`" if (REPO / "megatron_ext" / unit).is_dir() else f"`{unit}.py`" for unit in units]
+        comment = lines[layer.end_lineno - 1].partition("#")[2].strip()
+        if units == ["cli"]:
+            names.append("`pretrain_encoder.py`, `tools/`")
+        out.append(f"{number}. {', '.join(names)}" + (f" ({comment})" if comment else ""))
+    return "\n".join(out) + "\n"
 
 
 # -- exit codes ----------------------------------------------------------------------------------
@@ -340,6 +370,7 @@ GENERATORS: dict[str, Callable[..., str]] = {  # each takes the page (for relati
     "recipe-keys": render_recipe_keys,
     "study-keys": render_study_keys,
     "exit-codes": render_exit_codes,
+    "import-layers": render_import_layers,
     "cli-help": render_cli_help,
 }
 
