@@ -7,7 +7,7 @@ writer (``checkpoint.async_strategy``: Megatron-Core's own, NVIDIA's resiliency 
 Builds the model and the Megatron engine with the distributed optimizer (what the paper recipes
 run), takes one training step so the optimizer has state, then, ``--rounds`` times, for each side in
 turn (sides alternate, so drift in the machine's speed spreads over all of them): ``--steps-before``
-plain steps, a save through ``megatron_ext.checkpoint.megatron_io.CheckpointSaver``, and training steps
+plain steps, a save through ``megatron_ext.checkpoint.writer.CheckpointSaver``, and training steps
 polled as the training loop polls (``CheckpointSaver.poll`` after each) until the checkpoint is
 published and at least ``--steps-after`` steps have run. Per save:
 
@@ -39,26 +39,29 @@ import argparse
 import contextlib
 import os
 import resource
+import runpy
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import psutil
+import torch
 
-import psutil  # noqa: E402
-import torch  # noqa: E402
+from megatron_ext import hardware, process_group
+from megatron_ext.checkpoint.reader import latest_checkpoint
+from megatron_ext.checkpoint.writer import ASYNC_STRATEGIES, CheckpointSaver
+from megatron_ext.checkpoint.config import check_nvrx_async_writer, nvrx_problem
+from megatron_ext.model import build_encoder_model, parameter_count
+from megatron_ext.objectives import MaskingConfig, apply_mlm
+from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
 
-from benchmarks.results_file import write_record  # noqa: E402
-from megatron_ext import hardware  # noqa: E402
-from megatron_ext.checkpoint import megatron_io as ckpt  # noqa: E402
-from megatron_ext.checkpoint.config import check_nvrx_async_writer, nvrx_problem  # noqa: E402
-from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E402
-from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
-from megatron_ext.training.config import run_config_from_dict  # noqa: E402
-from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
+# results_file.py is a sibling file, not an installed module: read by its path, whether this runs
+# as a script or the tests import it.
+_results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
+write_record = _results_file["write_record"]
 
 MEDIAN_KEYS = ("stall_s", "written_s", "excess_s", "cost_s", "cost_steps", "share_at_interval", "plain_step_s",
                "steps_while_writing", "stall_cpu_s", "excess_cpu_s", "plain_step_cpu_s", "first_step_extra_page_faults",
@@ -72,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--strategies", nargs="+", choices=ckpt.ASYNC_STRATEGIES, default=None,
+    parser.add_argument("--strategies", nargs="+", choices=ASYNC_STRATEGIES, default=None,
                         help="asynchronous writers to time (default: mcore, and nvrx where it can run)")
     parser.add_argument("--steps-before", type=int, default=3, help="plain steps before each save (the baseline)")
     parser.add_argument("--steps-after", type=int, default=5, help="at least this many steps after each save")
@@ -105,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
            "parallel": {"use_distributed_optimizer": True}}
     config = run_config_from_dict(raw)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
-        stack.callback(hardware.destroy_process_group_and_model_parallel)
+        process_group.init_process_group_and_model_parallel(init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        stack.callback(process_group.destroy_process_group_and_model_parallel)
         model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
         engine = MegatronEngine(model.to(hardware.device()), config)
         gen = torch.Generator(device=hardware.device()).manual_seed(0)
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         batch = [MicroBatch(apply_mlm(tokens, config=MaskingConfig(mask_ratio=0.4), mask_id=3,
                                       vocab_size=args.vocab_size, special_ids=(0, 1, 2, 3), generator=gen), None)]
 
-        def step(saver: ckpt.CheckpointSaver | None = None) -> tuple[float, float, int]:
+        def step(saver: CheckpointSaver | None = None) -> tuple[float, float, int]:
             """Wall and CPU seconds (this process, all its threads) of one training step, and its minor
             page faults (copy-on-write copies while a forked writer shares the trainer's memory)."""
             start, start_cpu = time.perf_counter(), time.process_time()
@@ -130,13 +133,13 @@ def main(argv: list[str] | None = None) -> int:
 
         step()
         # Closed before returning (the stack): no writer process outlives the benchmark.
-        savers = {"sync": stack.enter_context(ckpt.CheckpointSaver(async_save=False))}
+        savers = {"sync": stack.enter_context(CheckpointSaver(async_save=False))}
         for strategy in strategies:
             savers[f"async_{strategy}"] = stack.enter_context(
-                ckpt.CheckpointSaver(async_save=True, async_strategy=strategy))
+                CheckpointSaver(async_save=True, async_strategy=strategy))
         if hardware.persistent_checkpoint_writer():  # GPU: also the writer forked per save, as on CPU
             savers["async_mcore_forked"] = stack.enter_context(
-                ckpt.CheckpointSaver(async_save=True, persistent_writer=False))
+                CheckpointSaver(async_save=True, persistent_writer=False))
         rounds: dict[str, list[dict]] = {side: [] for side in savers}
         round_s = 0.0
         for i in range(args.rounds):
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _timed_save(saver: ckpt.CheckpointSaver, step, engine: MegatronEngine, save_dir: Path, *, save_step: int,
+def _timed_save(saver: CheckpointSaver, step, engine: MegatronEngine, save_dir: Path, *, save_step: int,
                 args: argparse.Namespace) -> dict:
     """One save between plain steps and the steps that run while it is written (module docstring).
     Besides wall time, CPU seconds, which other processes on a shared machine disturb less: the
@@ -205,7 +208,7 @@ def _timed_save(saver: ckpt.CheckpointSaver, step, engine: MegatronEngine, save_
             written = time.perf_counter() - start
             steps_while_writing = len(after)
             helpers = _helpers_cpu_s() - helpers
-    assert ckpt.latest_checkpoint(save_dir).name == f"iter_{save_step:07d}"
+    assert latest_checkpoint(save_dir).name == f"iter_{save_step:07d}"
     excess = sum(r[0] for r in after) - len(after) * plain
     excess_cpu = sum(r[1] for r in after) - len(after) * plain_cpu
     cost = stall + excess

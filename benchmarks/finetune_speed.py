@@ -38,6 +38,7 @@ import io
 import json
 import os
 import pstats
+import runpy
 import statistics
 import subprocess
 import sys
@@ -45,17 +46,21 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from megatron_ext import assets, hardware
+from megatron_ext.eval.families import sc
+from megatron_ext.eval.finetuning import FinetuneConfig, eval_subset, input_length
+from megatron_ext.eval.suite import build_task
+from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task
+
+# results_file.py is a sibling file, not an installed module: read by its path, whether this runs
+# as a script or the tests import it.
+_results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
+RESULTS = _results_file["RESULTS"]
+write_record = _results_file["write_record"]
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from benchmarks.results_file import RESULTS, write_record  # noqa: E402
-from megatron_ext import assets, hardware  # noqa: E402
-from megatron_ext.eval.families import sc  # noqa: E402
-from megatron_ext.eval.protocol import FinetuneConfig, eval_subset, input_length  # noqa: E402
-from megatron_ext.eval.suite import build_task  # noqa: E402
-from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task  # noqa: E402
 
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"

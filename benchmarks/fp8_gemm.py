@@ -21,20 +21,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import runpy
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from megatron_ext import hardware
+from megatron_ext.config_loading import UserError
+from megatron_ext.model.config import PRESETS
 
-from benchmarks.results_file import write_record  # noqa: E402
-from megatron_ext import hardware  # noqa: E402
-from megatron_ext.config_loading import UserError  # noqa: E402
-from megatron_ext.model.config import PRESETS  # noqa: E402
+# results_file.py is a sibling file, not an installed module: read by its path, whether this runs
+# as a script or the tests import it.
+_results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
+write_record = _results_file["write_record"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     record = {"device": device, "tokens": tokens, "warmup": args.warmup, "steps": args.steps, "rows": rows}
     crossing = next((r["shape"]["name"] for r in rows
                      if r["sides"].get("fp8_delayed", {}).get("speedup_vs_bf16", 0) >= 1.2), None)
-    record["fp8_delayed_pays_from"] = crossing  # the first size at issue 32's bar (>= 1.2x bf16), or None
+    record["fp8_delayed_pays_from"] = crossing  # the first size where FP8 pays (>= 1.2x bf16), or None
     print(f"FP8 (delayed) >= 1.2x bf16 from: {crossing or 'no size measured'}")
     write_record("fp8_gemm", device, record, args.output)
     return record

@@ -48,11 +48,10 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from megatron_ext import hardware
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-sys.path.insert(0, str(REPO))
-
-from megatron_ext import hardware  # noqa: E402
 
 PYTEST_OPTIONS = (
     "-v", "-rA", "-p", "no:cacheprovider",

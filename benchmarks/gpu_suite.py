@@ -42,8 +42,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 STATUSES = ("passed", "failed", "timed_out", "skipped", "not_applicable")
 """passed: exit 0; failed: another exit code; timed_out: killed at its cap; skipped: the budget left
@@ -170,6 +168,8 @@ def probe_te_smoke() -> dict:
         except Exception as error:  # a record of what failed, the suite goes on
             checks[name] = f"FAILED: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
+    # The TE smoke test of the 2026-11-26 visit (results/gpu_visits/h200-2026-11-26/visit.sh), kept here
+    # as a check of every visit: the same lines on purpose.
     def fp8_mlp() -> str:
         mlp = te.LayerNormMLP(256, 1024, normalization="RMSNorm", activation="swiglu").cuda()
         x = torch.randn(64, 256, device="cuda", requires_grad=True)

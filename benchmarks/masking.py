@@ -17,20 +17,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import runpy
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from megatron_ext import assets
+from megatron_ext.objectives import CLM, MLM, MNTP, PhaseProgress, SpanMLM, Vocabulary, WholeWordMLM
+from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
 
-from benchmarks.results_file import write_record  # noqa: E402
-from megatron_ext import assets  # noqa: E402
-from megatron_ext.objectives import CLM, MLM, MNTP, PhaseProgress, SpanMLM, Vocabulary, WholeWordMLM  # noqa: E402
-from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer  # noqa: E402
+# results_file.py is a sibling file, not an installed module: read by its path, whether this runs
+# as a script or the tests import it.
+_results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
+write_record = _results_file["write_record"]
 
 LLAMA3_IDS, LLAMA3_SPECIAL = 128_256, 256
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import re
 import signal
 import subprocess
@@ -27,10 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+# results_file.py is a sibling file, not an installed module: read by its path, whether this runs
+# as a script or the tests import it.
+_results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
+write_record = _results_file["write_record"]
 
-from benchmarks.results_file import write_record  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+
 
 SIZES = {  # model section, data shape: the demo recipe's, and the paper's 210M at a CPU-sized batch
     "demo": ({"preset": "tiny", "vocab_size": 8192}, {"seq_length": 128, "micro_batch_size": 8, "global_batch_size": 16}),
@@ -58,7 +62,7 @@ def build_corpus(root: Path) -> dict[str, str]:
 
 
 def run_once(recipe: dict, run_dir: Path, *, signal_at: int, handler: bool) -> dict:
-    from megatron_ext.checkpoint import megatron_io as ckpt
+    from megatron_ext.checkpoint.reader import latest_checkpoint
 
     path = run_dir / "recipe.json"
     run_dir.mkdir(parents=True)
@@ -78,7 +82,7 @@ def run_once(recipe: dict, run_dir: Path, *, signal_at: int, handler: bool) -> d
     exited = time.perf_counter()
     if signalled is None:
         raise RuntimeError(f"the run ended (exit {run.returncode}) before step {signal_at}")
-    saved = ckpt.latest_checkpoint(run_dir / "ckpt")
+    saved = latest_checkpoint(run_dir / "ckpt")
     saved_step = int(saved.name.split("_")[1]) if saved else 0
     return {"exit_code": run.returncode, "signalled_after_step": signal_at, "last_step_done": logged,
             "saved_step": saved_step, "steps_lost": logged - saved_step,

@@ -26,11 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from megatron_ext import assets
+from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
 
-from megatron_ext import assets  # noqa: E402
-from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _ensure_demo_inputs() -> tuple[Path, Path]:

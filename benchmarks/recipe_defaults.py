@@ -44,8 +44,8 @@ DECIDED = (("model", "transformer_impl", "transformer_impl", "local"),
 # ("megatron_ext") ran the recipe at the visit's commit; its layer implementation is the other one of
 # a timed ``local_spec``/``te_spec`` variant on the same row (two values exist).
 _NAMED_SIDES = {"local_spec": {"transformer_impl": "local"}, "te_spec": {"transformer_impl": "te"},
-                "te_spec_cuda_graphs": {"transformer_impl": "te", "cuda_graphs": "local"},
-                "cuda_graphs": {"cuda_graphs": "local"}}
+                "te_spec_cuda_graphs": {"transformer_impl": "te", "cuda_graphs": "megatron"},
+                "cuda_graphs": {"cuda_graphs": "megatron"}}
 _OTHER_IMPL = {"local": "te", "te": "local"}
 
 
@@ -95,7 +95,11 @@ def _mfu(record: dict, size: str, seq_length: int, device: str) -> float | None:
 
 def _side_settings(name: str, record: dict, row_sides: list[dict]) -> dict:
     if record.get("settings"):
-        return {key: record["settings"].get(key) for _, _, key, _ in DECIDED}
+        from megatron_ext.training.config import RENAMED_VALUES
+
+        # A value recorded before its rename (cuda_graphs: local) under today's spelling.
+        return {key: RENAMED_VALUES.get((section, name), {}).get(value, value)
+                for section, name, key, _ in DECIDED for value in [record["settings"].get(key)]}
     settings = {key: default for _, _, key, default in DECIDED}
     if name in _NAMED_SIDES:
         return {**settings, **_NAMED_SIDES[name]}

@@ -53,20 +53,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
+from megatron_ext import hardware, process_group
+from megatron_ext.model import build_encoder_model, parameter_count
+from megatron_ext.objectives import MaskingConfig, apply_mlm
+from megatron_ext.training import cuda_graphs
+from megatron_ext.training.config import read_recipe, run_config_from_dict
+from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
+from megatron_ext.training.loop import runnable_here
+from megatron_ext.training.memory import estimate_memory
+from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, mean_lm_head_share, peak_flops_per_device
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from megatron_ext import hardware  # noqa: E402
-from megatron_ext.model import build_encoder_model, parameter_count  # noqa: E402
-from megatron_ext.objectives import MaskingConfig, apply_mlm  # noqa: E402
-from megatron_ext.training import cuda_graphs  # noqa: E402
-from megatron_ext.training.config import read_recipe, run_config_from_dict  # noqa: E402
-from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides  # noqa: E402
-from megatron_ext.training.loop import runnable_here  # noqa: E402
-from megatron_ext.training.memory import estimate_memory  # noqa: E402
-from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, mean_lm_head_share, peak_flops_per_device  # noqa: E402
 
 SPECIAL_IDS = (0, 1, 2, 3)  # bos, pad, eos, mask of the synthetic vocabulary
 MASK_ID = 3
@@ -97,7 +96,7 @@ VARIANTS = {
     "te_spec": ({"model": {"transformer_impl": "te"}, "training": {"gradient_accumulation_fusion": True}},
                 "the Transformer Engine spec (with wgrad-accumulation fusion)"),
     "te_spec_cuda_graphs": ({"model": {"transformer_impl": "te"},
-                             "training": {"gradient_accumulation_fusion": True, "cuda_graphs": "local"}},
+                             "training": {"gradient_accumulation_fusion": True, "cuda_graphs": "megatron"}},
                             "the Transformer Engine spec with CUDA graphs of its layers"),
     "fp32_params": ({"model": {"params_dtype": "float32"}}, "fp32 weights under bf16 autocast (no Float16Module)"),
     "no_swiglu_fusion": ({"training": {"bias_activation_fusion": False}}, "torch's SwiGLU (not Megatron's fused one)"),
@@ -107,9 +106,9 @@ VARIANTS = {
     "cross_entropy_fusion": ({"training": {"cross_entropy_loss_fusion": True}},
                              "Megatron's native fused cross entropy (torch.compile)"),
     "unfused_adam": ({"optimizer": {"fused": False}}, "torch AdamW as Megatron builds it without TE/apex (not fused)"),
-    "cuda_graphs": ({"training": {"cuda_graphs": "local"}},
+    "cuda_graphs": ({"training": {"cuda_graphs": "megatron"}},
                     "CUDA graphs of the transformer layers (Megatron's local CudaGraphManager; captured in warm-up)"),
-    # The micro-batches the size recipes had before issue 32 (same tokens per step, more micro-batches).
+    # The micro-batches the size recipes had before they grew to fit the GPU (same tokens per step, more micro-batches).
     "micro_batch_3": ({"data": {"micro_batch_size": 3}}, "3 sequences per micro-batch (the 1b recipe's before)"),
     "micro_batch_6": ({"data": {"micro_batch_size": 6}}, "6 sequences per micro-batch (the 610m recipe's before)"),
     "micro_batch_9": ({"data": {"micro_batch_size": 9}}, "9 sequences per micro-batch (the 210m recipe's before)"),
@@ -379,7 +378,7 @@ def run_side(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     ours = side != "hf"
     if ours:  # the engine needs Megatron's parallel state; the baseline needs nothing of it
-        hardware.init_process_group_and_model_parallel(seed=1234)
+        process_group.init_process_group_and_model_parallel(seed=1234)
     try:
         if side == "hf":
             result = _hf(config, _batches(args, preset, seq_length, side), args, wall)
@@ -390,10 +389,10 @@ def run_side(spec: dict) -> dict:
         result = {"error": f"out of memory: {str(error).splitlines()[0]}"}
     finally:
         if ours:
-            hardware.destroy_process_group_and_model_parallel()
+            process_group.destroy_process_group_and_model_parallel()
     (phase,) = config.resolved_phases
     share = mean_lm_head_share(phase, seq_length=seq_length, scored_only=config.training.lm_head_scored_only)
-    # The trainer's dry-run estimate for this configuration, next to the measured peak (issue 32: within 10 %).
+    # The trainer's dry-run estimate for this configuration, next to the measured peak (its target: within 10 %).
     estimated = estimate_memory(config, world_size=1).total / 2**30 if ours else None
     return {**result, "peak_mem_gb": _peak_memory_gb(), "estimated_mem_gb": estimated, "engine": "megatron",
             "wall_s": wall, "settings": describe(config) if ours else None,

@@ -1,7 +1,7 @@
 """Typed configuration from YAML recipes plus Megatron-style command-line overrides.
 
 A recipe is a YAML mapping of sections; each section is one kw-only dataclass (one concern), e.g.
-``data:`` -> :class:`megatron_ext.training.data.DataConfig`. Every dataclass field also gets a
+``data:`` -> :class:`megatron_ext.training.config.DataConfig`. Every dataclass field also gets a
 command-line flag named like Megatron-LM's (``micro_batch_size`` -> ``--micro-batch-size``), so
 ``--lr 3e-4 --train-iters 100`` override the recipe. Unknown keys are errors that list the valid
 ones; values are converted to the field's declared type or rejected naming the key.
@@ -109,6 +109,8 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
         if hasattr(annotation, "from_config"):  # a class that reads its own YAML forms
             return annotation.from_config(value, where)
         return build_dataclass(annotation, value, where)
+    if isinstance(annotation, type) and hasattr(annotation, "parse"):  # a value type that checks itself
+        return annotation.parse(value, where)
     raise ConfigError(f"{where}: unsupported field type {annotation}")
 
 

@@ -4,7 +4,7 @@ one, never a half-written one; and the project's one rule for outputs that alrea
 Files and directories are staged under hidden temporary names beside their target and renamed
 into place once complete (a rename within a directory is atomic). Two writers keep their own
 staging because they publish more than a rename: distributed checkpoints (every rank writes,
-rank 0 publishes after a barrier; ``checkpoint/megatron_io.py``) and indexed datasets (a ``.bin``/``.idx``
+rank 0 publishes after a barrier; ``checkpoint/writer.py``) and indexed datasets (a ``.bin``/``.idx``
 pair, with temporaries named by process id so that a killed run's leftovers can be recognised;
 ``data/preprocess.py``).
 

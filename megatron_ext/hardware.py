@@ -1,12 +1,16 @@
-"""Every CPU-versus-GPU divergence of megatron_ext, in one module.
+"""Every CPU-versus-GPU divergence of megatron_ext: what this machine can run (capability probes),
+and the choices made for it.
 
 The model, data, objectives and checkpoint format are shared between CPU (development, CI,
 demo) and GPU (training). Where Megatron-Core 0.19 cannot run as-is on CPU, the choice is made
-here, explicitly, and nowhere else. The platform is "gpu" when ``torch.cuda.is_available()``.
+here, explicitly, and nowhere else: in this module, or in the two that act on it for the whole
+process, ``process_group`` (divergence 1: starting ``torch.distributed`` and Megatron's
+model-parallel groups) and ``cuda_on_cpu`` (divergence 7: Megatron's CUDA-only calls redirected).
+The platform is "gpu" when ``torch.cuda.is_available()``.
 
 Divergences, and why:
 
-1. Process-group backend: ``gloo`` on CPU, ``nccl`` on GPU (nccl is CUDA-only).
+1. Process-group backend: ``gloo`` on CPU, ``nccl`` on GPU (nccl is CUDA-only; ``process_group``).
 2. Device: ``cpu``, or ``cuda:<LOCAL_RANK>`` selected with ``torch.cuda.set_device``.
 3. Parameter initialisation: ``use_cpu_initialization=True`` on CPU. Megatron's default path
    allocates weights on ``torch.cuda.current_device()`` and initialises them under the CUDA RNG
@@ -33,17 +37,11 @@ Divergences, and why:
 7. Megatron-Core outside the model: its DDP, optimizers, gradient clipping, forward-backward
    schedules (pipeline p2p included) and the distributed-checkpoint save place small tensors
    on CUDA, use CUDA streams and check for ``torch.cuda`` tensor types even when every
-   parameter is on the CPU. On CPU, ``init_process_group_and_model_parallel`` redirects those
-   calls to the CPU for the whole process, until ``destroy_process_group_and_model_parallel``
-   (``cuda_calls_not_redirected`` turns it off for a while, e.g. in a test), pinned to the
-   megatron-core release it was checked against, so the same Megatron engine (and the same
-   checkpoint writer) runs on CPU over gloo and on GPU. Megatron also picks Transformer Engine's
-   or apex's CUDA multi-tensor kernels (gradient norm and clipping, main-parameter copies) and
-   fused optimizers (FusedAdam/FusedSGD) whenever they import, whatever the tensors' device: on
-   a CPU machine with TE installed the first optimizer step died in ``clip_grads.py`` ("no
-   CUDA-capable device is detected"). While the redirection is on, those module attributes hold
-   Megatron's local torch implementations and torch's AdamW/SGD, as when neither imports
-   (``_megatron_torch_kernels`` lists each one), and get their originals back when it is off.
+   parameter is on the CPU, and pick Transformer Engine's or apex's CUDA kernels whenever they
+   import. On CPU, ``process_group.init_process_group_and_model_parallel`` redirects those calls
+   to the CPU for the whole process, until ``destroy_process_group_and_model_parallel``, pinned
+   to the megatron-core release it was checked against (``cuda_on_cpu``), so the same Megatron
+   engine (and the same checkpoint writer) runs on CPU over gloo and on GPU.
 8. Asynchronous checkpoint writer (``persistent_checkpoint_writer``): a persistent worker on GPU,
    a process forked per save on CPU (where staging copies nothing).
 9. Memory a process may use (``usable_memory_bytes``, checked against
@@ -63,17 +61,13 @@ RoPE is computed by the model from positions on the activations' device (Megatro
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 from megatron_ext.config_loading import UserError
+from megatron_ext.transformer_impl import TransformerImpl
 
 # Megatron-Core is imported inside the functions that use it: reading and checking a recipe
 # (``--dry-run``, the memory estimate) imports none of it.
@@ -138,20 +132,21 @@ def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | 
                         "train in fp32 (training.bf16: false) or with model.params_dtype: bfloat16")
 
 
-def transformer_impl_fallback(transformer_impl: str) -> tuple[str, str | None]:
+def transformer_impl_fallback(transformer_impl: TransformerImpl | str) -> tuple[TransformerImpl, str | None]:
     """The layer implementation this machine runs for the requested one, and the warning to print
     once when it differs (``te`` without Transformer Engine or without a GPU -> ``local``)."""
-    if transformer_impl != "te":
+    transformer_impl = TransformerImpl(transformer_impl)
+    if not transformer_impl.uses_transformer_engine:
         return transformer_impl, None
     if not on_gpu():
-        return "local", ("WARNING: model.transformer_impl: te needs a CUDA GPU; this run uses the local spec "
+        return TransformerImpl.LOCAL, ("WARNING: model.transformer_impl: te needs a CUDA GPU; this run uses the local spec "
                          "(PyTorch SDPA attention, torch RMSNorm). Checkpoints are interchangeable.")
     if not transformer_engine_available():
-        return "local", ("WARNING: model.transformer_impl: te but Transformer Engine does not import; this run "
+        return TransformerImpl.LOCAL, ("WARNING: model.transformer_impl: te but Transformer Engine does not import; this run "
                          "uses the local spec (PyTorch SDPA attention, torch RMSNorm, no fused norm+linear, no "
                          "FP8). Install Transformer Engine for speed (docs/gpu.md). Checkpoints are "
                          "interchangeable.")
-    return "te", None
+    return transformer_impl, None
 
 
 def megatron_linear_wgrad_fusion_available() -> bool:
@@ -174,7 +169,7 @@ def fused_rope_available() -> bool:
 
 
 def fusion_fallbacks(*, rope_fusion: bool, gradient_accumulation_fusion: bool,
-                     transformer_impl: str) -> tuple[dict[str, bool], list[str]]:
+                     transformer_impl: TransformerImpl | str) -> tuple[dict[str, bool], list[str]]:
     """The fusion settings this machine runs for the requested ones, and one warning line to print
     once per setting turned off (never turned off silently: the GPU recipes enable them and must
     still run on CPU, in CI and in the demo). ``transformer_impl``: the backend the run uses
@@ -195,7 +190,7 @@ def fusion_fallbacks(*, rope_fusion: bool, gradient_accumulation_fusion: bool,
     if gradient_accumulation_fusion:
         if not on_gpu():
             why = "a CUDA GPU"
-        elif transformer_impl != "te" and not megatron_linear_wgrad_fusion_available():
+        elif not TransformerImpl(transformer_impl).uses_transformer_engine and not megatron_linear_wgrad_fusion_available():
             why = ("apex's fused_weight_gradient_mlp_cuda with model.transformer_impl: local (Megatron's linear "
                    "layers), which does not import here")
         else:
@@ -341,23 +336,18 @@ def usable_memory_bytes() -> tuple[int, str]:
     return available // local_processes, f"this machine's memory (shared by {local_processes} process(es))"
 
 
-def distributed_backend() -> str:
-    """``torch.distributed`` backend for this platform."""
-    return "nccl" if on_gpu() else "gloo"
-
-
 def use_cpu_initialization() -> bool:
     """Value for ``TransformerConfig.use_cpu_initialization`` (divergence 3)."""
     return not on_gpu()
 
 
 def check_model_parallel_supported(
-    *, tensor_parallel_size: int, num_query_groups: int, transformer_impl: str
+    *, tensor_parallel_size: int, num_query_groups: int, transformer_impl: TransformerImpl | str
 ) -> None:
     """Raise ``UserError`` for model-parallel features this platform cannot run (divergence 5)."""
     if on_gpu():
         return
-    if transformer_impl == "te":
+    if not TransformerImpl(transformer_impl).runs_on_cpu:
         raise UserError(
             "transformer_impl='te' runs on CUDA only (Transformer Engine); "
             "use transformer_impl='local' on CPU"
@@ -384,204 +374,6 @@ def tensor_parallel_rng() -> Iterator[None]:
             yield
     else:
         yield
-
-
-MEGATRON_CORE_CHECKED_ON_CPU = "0.19.2"
-"""The megatron-core release whose CUDA-only calls divergence 7 was checked against."""
-
-
-def _megatron_core_version() -> str:
-    import importlib.metadata
-
-    return importlib.metadata.version("megatron-core")
-
-
-def _is_cuda(device) -> bool:
-    return isinstance(device, (str, torch.device)) and str(device).startswith("cuda")
-
-
-class _CudaToCpu(TorchFunctionMode):
-    """Tensor-level half of divergence 7: CUDA placements become CPU ones, and a CPU tensor's
-    ``type()`` answers with its ``torch.cuda`` name (Megatron's optimizers dispatch on it)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _is_cuda(kwargs.get("device")):
-            kwargs = {**kwargs, "device": "cpu"}
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
-
-
-class _NoStream:
-    """Stands in for ``torch.cuda.Stream``: CPU work is ordered already."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, *args) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-
-_CUDA_STAND_INS = {
-    "current_device": lambda: torch.device("cpu"),
-    "synchronize": lambda device=None: None,
-    "empty_cache": lambda: None,
-    "Stream": _NoStream,
-    "current_stream": lambda device=None: _NoStream(),
-    "stream": lambda stream=None: contextlib.nullcontext(),
-}
-_redirection: tuple[_CudaToCpu, dict, dict] | None = None
-"""While divergence 7 is on: the mode entered, the ``torch.cuda`` functions it replaced, and the
-Megatron-Core module attributes it replaced (``{(module, attribute): original}``)."""
-
-
-def _megatron_torch_kernels() -> dict[tuple[str, str], object]:
-    """Module attribute -> value for every place megatron-core 0.19.2 chooses Transformer Engine's
-    or apex's CUDA kernels at import (``try: from transformer_engine... except ImportError: try:
-    apex... except ImportError: <local>``), set to what it chooses when neither imports: its local
-    torch multi-tensor functions and torch's optimizers. Those choices are made once per process,
-    whatever the tensors' device, so a CPU run on a machine where TE or apex imports would reach a
-    CUDA kernel (TE's ``multi_tensor_applier`` at the first gradient clipping: "no CUDA-capable
-    device is detected")."""
-    from megatron.core.utils import local_multi_tensor_applier, local_multi_tensor_l2_norm, local_multi_tensor_scale
-
-    clip_grads, optimizer = "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"
-    package, distributed = "megatron.core.optimizer", "megatron.core.optimizer.distrib_optimizer"
-    return {
-        # Gradient norm and clipping (get_grad_norm_fp32, clip_grad_by_total_norm_fp32); no tensor
-        # scale kernel: the norm is then a float, as without TE.
-        (clip_grads, "multi_tensor_applier"): local_multi_tensor_applier,
-        (clip_grads, "l2_norm_impl"): local_multi_tensor_l2_norm,
-        (clip_grads, "multi_tensor_scale_impl"): local_multi_tensor_scale,
-        (clip_grads, "multi_tensor_scale_tensor_impl"): None,
-        # Main-parameter copies of the mixed-precision optimizer (_multi_tensor_copy_this_to_that).
-        (optimizer, "multi_tensor_applier"): local_multi_tensor_applier,
-        (optimizer, "multi_tensor_scale_impl"): local_multi_tensor_scale,
-        # get_megatron_optimizer: torch's AdamW/SGD instead of TE's (or apex's) FusedAdam/FusedSGD
-        # (CUDA kernels; torch's AdamW runs fused on CPU, training.optim.set_fused_adam).
-        (package, "USING_PYTORCH_OPTIMIZER"): True,
-        (package, "Adam"): torch.optim.AdamW,
-        (package, "SGD"): torch.optim.SGD,
-        # The distributed optimizer's state handling follows the optimizer actually built.
-        (distributed, "HAVE_APEX_OR_TE"): False,
-        (distributed, "USING_TE_OPTIMIZER"): False,
-        (distributed, "USING_APEX_OPTIMIZER"): False,
-        (distributed, "Adam"): torch.optim.Adam,
-    }
-
-
-def _check_megatron_core_version() -> None:
-    installed = _megatron_core_version()
-    if installed != MEGATRON_CORE_CHECKED_ON_CPU:
-        raise RuntimeError(
-            f"megatron-core {installed} is installed, but megatron_ext runs Megatron-Core's DDP, optimizer, "
-            f"schedules and checkpoint save on CPU only for megatron-core {MEGATRON_CORE_CHECKED_ON_CPU}, whose "
-            "CUDA-only calls it redirects (megatron_ext/hardware.py, divergence 7). Install "
-            f"megatron-core=={MEGATRON_CORE_CHECKED_ON_CPU} (requirements.txt), or check the redirected calls "
-            "against the new release and update MEGATRON_CORE_CHECKED_ON_CPU")
-
-
-def _redirect_cuda_calls() -> None:
-    """Turn divergence 7 on for this process (CPU only; already on: nothing to do).
-
-    megatron-core 0.19.2's DDP, optimizers, gradient clipping, pipeline schedules and
-    distributed-checkpoint save place small tensors with ``device="cuda"`` or
-    ``torch.cuda.current_device()`` (the optimizers' step and gradient norm, the pipeline
-    schedules and their p2p communication, the distributed-checkpoint save), order work with
-    CUDA streams and ``torch.cuda.synchronize`` (the gradient buffers, the async file writer)
-    and accept parameters only if ``param.type()`` names a ``torch.cuda`` type (the
-    distributed optimizer). While on: those placements are the CPU, streams and synchronisation
-    do nothing, and ``type()`` gives the ``torch.cuda`` name (a ``TorchFunctionMode`` of this
-    thread and stand-ins in ``torch.cuda``). Where Transformer Engine or apex imports, Megatron
-    chose their CUDA multi-tensor kernels and fused optimizers at import: while on, its modules
-    hold the local torch ones instead (``_megatron_torch_kernels``).
-
-    The list was checked against megatron-core ``MEGATRON_CORE_CHECKED_ON_CPU`` only: with any
-    other version this raises ``RuntimeError`` rather than risk a call it does not cover.
-    """
-    global _redirection
-    if on_gpu() or _redirection is not None:
-        return
-    _check_megatron_core_version()
-    import importlib
-
-    kernels = _megatron_torch_kernels()
-    modules = {name: importlib.import_module(name) for name, _ in kernels}
-    missing = [f"{module}.{attribute}" for module, attribute in kernels if not hasattr(modules[module], attribute)]
-    if missing:  # the version pin makes this a mistake in the list: nothing is replaced
-        raise RuntimeError(f"{', '.join(missing)} not found in megatron-core {_megatron_core_version()}; "
-                           "update megatron_ext.hardware._megatron_torch_kernels")
-    replaced_kernels = {(module, attribute): getattr(modules[module], attribute) for module, attribute in kernels}
-    for (module, attribute), local in kernels.items():
-        setattr(modules[module], attribute, local)
-    replaced = {name: getattr(torch.cuda, name) for name in _CUDA_STAND_INS}
-    for name, stand_in in _CUDA_STAND_INS.items():
-        setattr(torch.cuda, name, stand_in)
-    mode = _CudaToCpu()
-    mode.__enter__()
-    _redirection = (mode, replaced, replaced_kernels)
-
-
-def _stop_redirecting_cuda_calls() -> None:
-    """Turn divergence 7 off again (off already: nothing to do)."""
-    global _redirection
-    if _redirection is None:
-        return
-    mode, replaced, replaced_kernels = _redirection
-    if torch.overrides._get_current_function_mode_stack()[-1:] != [mode]:
-        raise RuntimeError("the CUDA-call redirection is being turned off inside another TorchFunctionMode; "
-                           "leave that mode first")
-    _redirection = None
-    mode.__exit__(None, None, None)
-    for name, original in replaced.items():
-        setattr(torch.cuda, name, original)
-    import sys
-
-    for (module, attribute), original in replaced_kernels.items():
-        setattr(sys.modules[module], attribute, original)
-
-
-def cuda_calls_redirected() -> bool:
-    """Whether divergence 7 is on in this process (always False on GPU)."""
-    return _redirection is not None
-
-
-@contextlib.contextmanager
-def cuda_calls_not_redirected() -> Iterator[None]:
-    """Divergence 7 off inside the block (e.g. a test of real ``torch.cuda`` behaviour), back on
-    after it if it was on."""
-    was_on = cuda_calls_redirected()
-    _stop_redirecting_cuda_calls()
-    try:
-        yield
-    finally:
-        if was_on:
-            _redirect_cuda_calls()
-
-
-def check_megatron_runs_here(what: str) -> None:
-    """Raise ``RuntimeError`` when ``what`` (Megatron-Core code outside the model) would reach
-    for CUDA on a CPU process whose process group was not set up by
-    ``init_process_group_and_model_parallel`` (which turns divergence 7 on)."""
-    if not on_gpu() and not cuda_calls_redirected():
-        raise RuntimeError(
-            f"{what} runs Megatron-Core code that calls CUDA; on CPU those calls are redirected from "
-            "megatron_ext.hardware.init_process_group_and_model_parallel on: set up the process group with it")
 
 
 def persistent_checkpoint_writer() -> bool:
@@ -612,81 +404,3 @@ def seed_model_parallel(seed: int, *, cuda_graph_safe: bool = False, te_rng_trac
             megatron_random._CUDA_RNG_STATE_TRACKER)
         tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_rng_tracker,
                                                         use_cudagraphable_rng=cuda_graph_safe, force_reset_rng=replace)
-
-
-def init_process_group_and_model_parallel(
-    *,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    seed: int = 1234,
-    init_method: str = "env://",
-    rank: int | None = None,
-    world_size: int | None = None,
-    timeout_minutes: int = 30,
-) -> None:
-    """Start ``torch.distributed`` (if not started) and Megatron's model-parallel groups.
-
-    Args:
-        tensor_parallel_size: Tensor-parallel size.
-        pipeline_parallel_size: Pipeline-parallel size; data parallelism takes the rest. Whether the
-            world size divides is the plan's rule (``training.plan.make_plan``, checked before a run
-            starts); Megatron's ``initialize_model_parallel`` refuses it too.
-        seed: Seed for parameter initialisation (same on every rank, see divergence 3/4).
-        init_method: ``torch.distributed`` rendezvous; ``env://`` reads ``MASTER_ADDR``,
-            ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` as set by torchrun or SLURM scripts.
-        rank: This process's rank; ``None`` reads ``RANK`` (default 0).
-        world_size: Number of processes; ``None`` reads ``WORLD_SIZE`` (default 1).
-        timeout_minutes: Collective timeout.
-
-    On CPU this also turns divergence 7 on, until ``destroy_process_group_and_model_parallel``
-    (after checking the megatron-core version first, so a refused version starts nothing).
-    """
-    if not on_gpu():
-        _check_megatron_core_version()
-    if not dist.is_initialized():
-        rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-        world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-        if init_method == "env://" and world_size == 1 and "MASTER_PORT" not in os.environ:
-            # A lone process (no torchrun) still needs a rendezvous: a file store, no TCP port (a
-            # probed "free" port can be taken by another process before the store binds it).
-            global _rendezvous_dir
-            _rendezvous_dir = tempfile.mkdtemp(prefix="megatron_ext_rendezvous_")
-            init_method = f"file://{_rendezvous_dir}/store"
-        if on_gpu():
-            local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(
-            backend=distributed_backend(),
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-        )
-    from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel_size,
-        pipeline_model_parallel_size=pipeline_parallel_size,
-        distributed_timeout_minutes=timeout_minutes,
-    )
-    seed_model_parallel(seed)
-    _redirect_cuda_calls()  # divergence 7, on until destroy_process_group_and_model_parallel
-
-
-_rendezvous_dir: str | None = None
-"""Directory of a lone process's file-store rendezvous (removed on teardown)."""
-
-
-def destroy_process_group_and_model_parallel() -> None:
-    """Undo ``init_process_group_and_model_parallel`` (tests, tools that run twice), divergence 7
-    included."""
-    global _rendezvous_dir
-    from megatron.core import parallel_state
-    try:
-        parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if _rendezvous_dir is not None:  # a lone process's file store
-            shutil.rmtree(_rendezvous_dir, ignore_errors=True)
-            _rendezvous_dir = None
-    finally:
-        _stop_redirecting_cuda_calls()

@@ -3,7 +3,7 @@
 A trainer starts helper processes: Megatron's asynchronous checkpoint writers (a process forked
 per save on CPU, one persistent spawned worker per rank on GPU), the manager process behind their
 results queue, DataLoader workers, the W&B service. When the trainer ends normally it closes them
-(``checkpoint.megatron_io.CheckpointSaver.close``). When it is killed (``kill -9``, the OOM killer, a node
+(``checkpoint.writer.CheckpointSaver.close``). When it is killed (``kill -9``, the OOM killer, a node
 agent) nothing in it runs any more, so two mechanisms keep its children from living on:
 
 1. They die with it (Linux): while :func:`trainer_session` is active, every process the trainer

@@ -127,13 +127,13 @@ def tiny_corpus(tmp_path_factory, news_texts) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def single_rank(tmp_path_factory):
     """Megatron's parallel state for this one CPU process (gloo, world size 1), per test module."""
-    from megatron_ext import hardware
+    from megatron_ext import process_group
 
-    hardware.init_process_group_and_model_parallel(
+    process_group.init_process_group_and_model_parallel(
         init_method=f"file://{tmp_path_factory.mktemp('pg')}/rendezvous", rank=0, world_size=1
     )
     yield
-    hardware.destroy_process_group_and_model_parallel()
+    process_group.destroy_process_group_and_model_parallel()
 
 
 @pytest.fixture(scope="session")

@@ -14,13 +14,13 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 
 from distributed import run_ranks
-from megatron_ext import hardware
+from megatron_ext import hardware, process_group
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, preset
 from megatron_ext.objectives import MaskingConfig, apply_mlm
-from megatron_ext.checkpoint import megatron_io
+from megatron_ext.checkpoint import reader, writer
 from megatron_ext.checkpoint.config import NVRX_MIN_VERSION, CheckpointConfig, check_nvrx_async_writer, nvrx_problem
-from megatron_ext.checkpoint.resolved import Checkpoint
-from megatron_ext.checkpoint.megatron_io import COMPLETE, TRACKER, CheckpointSaver, latest_checkpoint, save_checkpoint
+from megatron_ext.checkpoint.reader import COMPLETE, Checkpoint, latest_checkpoint
+from megatron_ext.checkpoint.writer import TRACKER, CheckpointSaver, save_checkpoint
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
@@ -334,10 +334,10 @@ def test_the_nvrx_writer_is_refused_in_one_line_where_it_cannot_run(monkeypatch)
 
 @pytest.mark.skipif(NVRX_UNUSABLE is None, reason="nvidia-resiliency-ext can run here")
 def test_without_nvrx_the_saver_refuses_it_and_leaves_nothing_running(single_rank):
-    users = megatron_io._results_queue._users
+    users = writer._results_queue._users
     with pytest.raises(ValueError, match="^checkpoint.async_strategy: nvrx: nvidia-resiliency-ext"):
         CheckpointSaver(async_save=True, async_strategy="nvrx")
-    assert megatron_io._results_queue._users == users  # refused before the results queue's manager started
+    assert writer._results_queue._users == users  # refused before the results queue's manager started
 
 
 WORLD = 2
@@ -347,7 +347,7 @@ def resharding_worker(rank: int, rendezvous: str, root: str) -> None:
     """TP=2 -> save -> load at TP=1 -> save -> load at TP=2: weights and AdamW state exact, and the
     next step the same as the saving engine's."""
     root_dir = Path(root)
-    hardware.init_process_group_and_model_parallel(
+    process_group.init_process_group_and_model_parallel(
         tensor_parallel_size=2, init_method=rendezvous, rank=rank, world_size=WORLD
     )
     engine = build(seed=0)
@@ -378,7 +378,7 @@ def resharding_worker(rank: int, rendezvous: str, root: str) -> None:
     assert_same_optimizer(again, saved_optimizer)
     train_step(again, 1)
     assert_same_weights(again.checkpoint_model, after_next_step)
-    hardware.destroy_process_group_and_model_parallel()
+    process_group.destroy_process_group_and_model_parallel()
 
 
 def test_reshard_between_tensor_parallel_sizes(tmp_path):
@@ -403,13 +403,12 @@ def test_a_resolved_checkpoint_resolves_once_and_reads_what_was_saved(single_ran
 
     # Resolved once: no read goes back to the save directory (a newer checkpoint appearing there
     # changes nothing for this handle).
-    from megatron_ext.checkpoint import megatron_io
-
     def resolving_again(*args, **kwargs):
         raise AssertionError("resolved again")
 
-    monkeypatch.setattr(megatron_io, "resolve_checkpoint", resolving_again)
-    monkeypatch.setattr(megatron_io, "latest_checkpoint", resolving_again)
+    monkeypatch.setattr(Checkpoint, "open", resolving_again)
+    monkeypatch.setattr(reader, "latest_checkpoint", resolving_again)
+    monkeypatch.setattr(reader, "complete_checkpoints", resolving_again)
     assert (checkpoint.step, checkpoint.run_config(), checkpoint.model_config(), checkpoint.tokenizer_config(),
             checkpoint.tokenizer_fingerprint(), checkpoint.optimizer_format()["optimizer"]) == (
         2, RUN_CONFIG, TINY, TokenizerConfig(**TOKENIZER), None, "megatron")
@@ -462,7 +461,7 @@ def test_checkpoints_cross_between_specs_with_and_without_extra_state(single_ran
     save(tmp_path / "local", 1, local)
 
     te_like = MegatronEngine(_with_extra_state(build_model(seed=5)), run_config())
-    with caplog.at_level("WARNING", logger="megatron_ext.checkpoint.megatron_io"):
+    with caplog.at_level("WARNING", logger="megatron_ext.checkpoint.reader"):
         load(tmp_path / "local", te_like)
     assert "no Transformer Engine state for 1 modules" in caplog.text
     te_model = te_like.checkpoint_model
@@ -488,7 +487,7 @@ def test_only_extra_state_may_be_absent_from_a_checkpoint(single_rank, tmp_path)
     object is refused, its key named."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron_ext.checkpoint.megatron_io import _fresh_extra_states
+    from megatron_ext.checkpoint.reader import _fresh_extra_states
 
     saved = {"decoder.layers.self_attention.linear_qkv._extra_state/shard_0_1": None}
     wanted = {name: ShardedObject(key, None, (1,), (0,)) for name, key in (
@@ -545,6 +544,6 @@ def test_a_persistent_writer_is_asked_to_finish_or_killed(abort):
     worker = context.Process(target=_writer_loop, args=(queue,))
     worker.start()
     queue.put("a save")
-    megatron_io._stop_writer_process(worker, queue, abort=abort)
+    writer._stop_writer_process(worker, queue, abort=abort)
     assert not worker.is_alive()
     assert worker.exitcode == (-9 if abort else 0)

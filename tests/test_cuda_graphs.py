@@ -28,11 +28,13 @@ def _config(tmp_path, **sections):
 
 def test_the_setting_parses_from_recipes_and_flags(tmp_path):
     assert _config(tmp_path).training.cuda_graphs == "none"  # off unless asked for
-    assert _config(tmp_path, training={"train_iters": 8, "cuda_graphs": "local"}).training.cuda_graphs == "local"
+    assert _config(tmp_path, training={"train_iters": 8, "cuda_graphs": "megatron"}).training.cuda_graphs == "megatron"
+    with pytest.warns(FutureWarning, match=r"training.cuda_graphs: 'local' is now 'megatron'"):  # the old spelling
+        assert _config(tmp_path, training={"train_iters": 8, "cuda_graphs": "local"}).training.cuda_graphs == "megatron"
     parser = argparse.ArgumentParser()
     dests = add_override_flags(parser)
-    raw = apply_overrides(tiny_recipe(FAKE_CORPUS, tmp_path), parser.parse_args(["--cuda-graphs", "local"]), dests)
-    assert run_config_from_dict(raw).training.cuda_graphs == "local"
+    raw = apply_overrides(tiny_recipe(FAKE_CORPUS, tmp_path), parser.parse_args(["--cuda-graphs", "megatron"]), dests)
+    assert run_config_from_dict(raw).training.cuda_graphs == "megatron"
     with pytest.raises(UserError, match="training.cuda_graphs"):
         _config(tmp_path, training={"train_iters": 8, "cuda_graphs": "full_iteration"})
 
@@ -40,14 +42,14 @@ def test_the_setting_parses_from_recipes_and_flags(tmp_path):
 @pytest.mark.parametrize("sections, keys", [
     ({"training": {"train_iters": 8, "cuda_graphs": "transformer_engine"}},
      ["training.cuda_graphs='transformer_engine'", "make_graphed_callables"]),
-    ({"training": {"train_iters": 8, "cuda_graphs": "local", "recompute_granularity": "full"}},
-     ["training.cuda_graphs='local'", "training.recompute_granularity='full'"]),
-    ({"training": {"train_iters": 8, "cuda_graphs": "local", "recompute_granularity": "selective"}},
+    ({"training": {"train_iters": 8, "cuda_graphs": "megatron", "recompute_granularity": "full"}},
+     ["training.cuda_graphs='megatron'", "training.recompute_granularity='full'"]),
+    ({"training": {"train_iters": 8, "cuda_graphs": "megatron", "recompute_granularity": "selective"}},
      ["training.recompute_granularity='selective'"]),
-    ({"training": {"train_iters": 8, "cuda_graphs": "local"}, "model": {"document_mask": True, "eod_token_id": 2}},
-     ["training.cuda_graphs='local'", "model.document_mask"]),
-    ({"training": {"train_iters": 8, "cuda_graphs": "local"}, "parallel": {"pipeline_model_parallel_size": 2}},
-     ["training.cuda_graphs='local'", "parallel.pipeline_model_parallel_size=2"]),
+    ({"training": {"train_iters": 8, "cuda_graphs": "megatron"}, "model": {"document_mask": True, "eod_token_id": 2}},
+     ["training.cuda_graphs='megatron'", "model.document_mask"]),
+    ({"training": {"train_iters": 8, "cuda_graphs": "megatron"}, "parallel": {"pipeline_model_parallel_size": 2}},
+     ["training.cuda_graphs='megatron'", "parallel.pipeline_model_parallel_size=2"]),
 ])
 def test_incompatible_settings_are_refused_naming_the_keys(tmp_path, sections, keys):
     model = {"preset": "tiny", "vocab_size": 1024, "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
@@ -64,13 +66,13 @@ def test_incompatible_settings_are_refused_naming_the_keys(tmp_path, sections, k
 def test_cpu_refuses_graphs_before_building_anything(tmp_path, tiny_corpus):
     from megatron_ext.training.loop import pretrain
 
-    with pytest.raises(UserError, match=r"training.cuda_graphs='local': CUDA graphs need a CUDA GPU"):
-        hardware.check_run_supported(fp8_recipe=None, recompute_granularity=None, cuda_graphs="local")
+    with pytest.raises(UserError, match=r"training.cuda_graphs='megatron': CUDA graphs need a CUDA GPU"):
+        hardware.check_run_supported(fp8_recipe=None, recompute_granularity=None, cuda_graphs="megatron")
     hardware.check_run_supported(fp8_recipe=None, recompute_granularity=None, cuda_graphs="none")
     with pytest.raises(UserError, match="training.cuda_graphs"):
         hardware.seed_model_parallel(1234, cuda_graph_safe=True)
-    config = run_config_from_dict(tiny_recipe(tiny_corpus, tmp_path, training={"train_iters": 8, "cuda_graphs": "local"}))
-    with pytest.raises(UserError, match=r"training.cuda_graphs='local': CUDA graphs need a CUDA GPU"):
+    config = run_config_from_dict(tiny_recipe(tiny_corpus, tmp_path, training={"train_iters": 8, "cuda_graphs": "megatron"}))
+    with pytest.raises(UserError, match=r"training.cuda_graphs='megatron': CUDA graphs need a CUDA GPU"):
         pretrain(config)
     assert not (tmp_path / "log").exists() and not (tmp_path / "ckpt").exists()  # nothing ran
 
@@ -82,7 +84,7 @@ def test_transformer_config_overrides_are_megatrons_local_impl(tmp_path, single_
     assert not {"cuda_graph_impl", "use_te_rng_tracker"} & megatron_transformer_overrides(off).keys()
     assert transformer_config(off.model, megatron_transformer_overrides(off)).cuda_graph_impl == "none"
 
-    on = _config(tmp_path, training={"train_iters": 8, "cuda_graphs": "local"})
+    on = _config(tmp_path, training={"train_iters": 8, "cuda_graphs": "megatron"})
     overrides = megatron_transformer_overrides(on)
     assert overrides["cuda_graph_impl"] == "local" and overrides["use_te_rng_tracker"] is False
     built = transformer_config(on.model, overrides)
@@ -93,7 +95,7 @@ def test_transformer_config_overrides_are_megatrons_local_impl(tmp_path, single_
 
     te_model = {"preset": "tiny", "vocab_size": 1024, "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
                 "num_attention_heads": 4, "num_query_groups": 2, "transformer_impl": "te"}
-    te_run = _config(tmp_path, model=te_model, training={"train_iters": 8, "cuda_graphs": "local"})
+    te_run = _config(tmp_path, model=te_model, training={"train_iters": 8, "cuda_graphs": "megatron"})
     monkeypatch.setattr(hardware, "transformer_engine_available", lambda: True)
     assert cuda_graphs.transformer_overrides(te_run)["use_te_rng_tracker"] is True  # as Megatron-LM for TE layers
     monkeypatch.setattr(hardware, "transformer_engine_available", lambda: False)
@@ -101,7 +103,7 @@ def test_transformer_config_overrides_are_megatrons_local_impl(tmp_path, single_
 
 
 def test_graphs_are_primed_for_every_attention_pattern_of_the_phases(tmp_path):
-    biphasic = _config(tmp_path, training={"train_iters": 8, "cuda_graphs": "local"})
+    biphasic = _config(tmp_path, training={"train_iters": 8, "cuda_graphs": "megatron"})
     assert cuda_graphs.attention_patterns(biphasic) == (True, False)  # CLM causal, MLM bidirectional
     assert cuda_graphs.attention_patterns(_config(tmp_path, phases=MLM_ONLY)) == (False,)
     assert cuda_graphs.attention_patterns(_config(tmp_path, phases=[{"objective": "clm", "share": 1.0}])) == (True,)
@@ -120,7 +122,7 @@ def test_graphs_are_primed_for_every_attention_pattern_of_the_phases(tmp_path):
 def test_memory_estimate_counts_the_graph_pool(tmp_path):
     without = estimate_memory(_config(tmp_path), world_size=1)
     assert without.cuda_graph_pool == 0 and "CUDA graph pool" not in without.describe()
-    config = _config(tmp_path, training={"train_iters": 8, "cuda_graphs": "local"})
+    config = _config(tmp_path, training={"train_iters": 8, "cuda_graphs": "megatron"})
     with_graphs = estimate_memory(config, world_size=1)
     m, d = config.model, config.data
     per_layer = layer_activation_bytes(m, residual_bytes=4, compute_bytes=4)
@@ -132,6 +134,6 @@ def test_memory_estimate_counts_the_graph_pool(tmp_path):
     # One micro-batch's layer activations plus two [s, b, h] buffers per layer and pattern.
     tokens = d.micro_batch_size * d.seq_length
     assert expected == pytest.approx(tokens * m.num_layers * (per_layer + 2 * 2 * m.hidden_size * 4), abs=1)
-    mlm_only = estimate_memory(_config(tmp_path, phases=MLM_ONLY, training={"train_iters": 8, "cuda_graphs": "local"}),
+    mlm_only = estimate_memory(_config(tmp_path, phases=MLM_ONLY, training={"train_iters": 8, "cuda_graphs": "megatron"}),
                                world_size=1)
     assert mlm_only.cuda_graph_pool == expected - tokens * m.num_layers * 2 * m.hidden_size * 4

@@ -1,4 +1,4 @@
-"""The edges of a long job (issue 33): one trainer per save directory (the ranks of one run share
+"""The edges of a long job: one trainer per save directory (the ranks of one run share
 its lock, every rank of a second run is refused), damaged checkpoints named with the flag that
 resumes past them, a full disk stopping the run with exit code 74 (synchronous and asynchronous
 saves). Preemption by SLURM: tests/test_slurm.py."""
@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from helpers import tiny_recipe as _recipe
-from megatron_ext.checkpoint import storage
+from megatron_ext.checkpoint import reader, storage
 from megatron_ext.checkpoint.lock import LOCK_NAME, SaveDirectoryInUse, SaveDirectoryLock, SaveDirectoryLockLost
 from megatron_ext.cli.entry import report_user_error
 from megatron_ext.config_loading import UserError
@@ -108,7 +108,7 @@ def test_damaged_newest_checkpoint_metadata_or_shard_names_the_file_and_resumes_
     first = pretrain(run_config_from_dict(recipe))
     newest = Path(first.checkpoint)
     marker = json.loads((newest / "checkpoint_complete.json").read_text())
-    assert marker[storage.MANIFEST_KEY][".metadata"] == (newest / ".metadata").stat().st_size
+    assert marker[reader.MANIFEST_KEY][".metadata"] == (newest / ".metadata").stat().st_size
     # Damaged metadata (cut short, as by a full disk or a copy that stopped) rather than a lost shard.
     metadata = (newest / ".metadata").read_bytes()
     (newest / ".metadata").write_bytes(metadata[: len(metadata) // 2])
@@ -132,7 +132,7 @@ def test_damaged_newest_checkpoint_metadata_or_shard_names_the_file_and_resumes_
     resumed = pretrain(run_config_from_dict({**recipe, "checkpoint": {**recipe["checkpoint"], "load_step": 2}}))
     assert resumed.start_step == 2 and resumed.final_step == 4
     assert resumed.losses[4] == first.losses[4]  # the same steps again, exactly
-    assert storage.damage(newest, json.loads((newest / "checkpoint_complete.json").read_text())) is None
+    assert reader.Checkpoint(newest).damage() is None
 
 
 @pytest.fixture

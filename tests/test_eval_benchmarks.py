@@ -13,8 +13,8 @@ import datasets
 from datasets import ClassLabel, Dataset, Features, List, Value
 
 from megatron_ext.cli import evaluate, fetch_benchmarks
-from megatron_ext.eval import benchmarks, grid, harness
-from megatron_ext.eval.benchmarks import BENCHMARKS, PAPER_TASKS, Source, prepare_benchmarks
+from megatron_ext.eval import grid, harness, hub_datasets
+from megatron_ext.eval.hub_datasets import BENCHMARKS, PAPER_TASKS, Source, prepare_benchmarks
 from megatron_ext.eval.task_io import TASK_FILE, load_task
 
 GLUE_FEATURES = {
@@ -38,13 +38,13 @@ def no_hub(monkeypatch):
     """The hub is out of reach (as on this machine); a test that wants it says so."""
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(benchmarks, "hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(hub_datasets, "hub_reachable", lambda timeout=3.0: False)
     monkeypatch.setattr(evaluate, "hub_reachable", lambda timeout=3.0: False)
 
     def refuse(source):
         raise AssertionError(f"the test tried the hub for {source}")
 
-    monkeypatch.setattr(benchmarks, "_hub_load", refuse)
+    monkeypatch.setattr(hub_datasets, "_hub_load", refuse)
 
 
 def _glue_rows(config: str, n: int, offset: int = 0) -> dict:
@@ -80,7 +80,7 @@ def _squad_rows(n: int, split: str, unanswerable_every: int = 0) -> dict:
 
 
 def _save(root: Path, source: Source, data: dict, features: Features, *, parquet: bool = False) -> Dataset:
-    """Write ``data`` where :func:`benchmarks.local_copy` looks: save_to_disk, or a hub-style parquet shard."""
+    """Write ``data`` where :func:`hub_datasets.local_copy` looks: save_to_disk, or a hub-style parquet shard."""
     dataset = Dataset.from_dict(data, features=features)
     config_dir = root / source.dataset / (source.config or "default")
     if parquet:
@@ -92,7 +92,7 @@ def _save(root: Path, source: Source, data: dict, features: Features, *, parquet
 
 
 def _pairs(root: Path) -> None:
-    _save(root, benchmarks.MSMARCO_PAIRS, {"query": [f"what is thing {i}" for i in range(40)],
+    _save(root, hub_datasets.MSMARCO_PAIRS, {"query": [f"what is thing {i}" for i in range(40)],
                                            "positive": [f"thing {i} is a thing" for i in range(40)]},
           Features({"query": Value("string"), "positive": Value("string")}))
 
@@ -113,7 +113,7 @@ def hub_copy(tmp_path_factory) -> Path:
     for split, n in (("train", 24), ("validation", 6), ("test", 6)):
         _save(root, Source(dataset="hgissbkh/conll2003-en", split=split), _tc_rows(n, "words", "ner", conll),
               Features({"words": List(Value("string")),
-                        "ner": List(ClassLabel(names=list(benchmarks.CONLL2003_LABELS)))}))
+                        "ner": List(ClassLabel(names=list(hub_datasets.CONLL2003_LABELS)))}))
         _save(root, Source(dataset="hgissbkh/ontonotes5", split=split), _tc_rows(n, "tokens", "tags", onto),
               Features({"tokens": List(Value("string")), "tags": List(Value("int32"))}))
         uner = _tc_rows(n, "tokens", "ner_tags", {"Anna": 1, "Acme": 3, "Corp": 4, "Paris": 5})
@@ -121,7 +121,7 @@ def hub_copy(tmp_path_factory) -> Path:
                     annotator=[["Annotator1"] for _ in range(n)])
         _save(root, Source(dataset="hgissbkh/uner_en", split=split), uner,
               Features({"idx": Value("string"), "text": Value("string"), "tokens": List(Value("string")),
-                        "ner_tags": List(ClassLabel(names=list(benchmarks.UNER_LABELS))),
+                        "ner_tags": List(ClassLabel(names=list(hub_datasets.UNER_LABELS))),
                         "annotator": List(Value("string"))}))
     for dataset, parquet, every in (("rajpurkar/squad", False, 0), ("rajpurkar/squad_v2", True, 3)):
         for split, n in (("train", 60), ("validation", 8)):
@@ -219,7 +219,7 @@ def test_tc_tags_become_names(converted):
     conll = load_task(converted / "conll2003", "train")
     assert conll[0] == {"id": "train-0", "tokens": WORDS,
                         "tags": ["B-LOC", "O", "O", "B-LOC", "O", "B-PER", "O", "O", "B-ORG", "I-ORG", "O"]}
-    assert _meta(converted / "conll2003")["labels"] == list(benchmarks.CONLL2003_LABELS)
+    assert _meta(converted / "conll2003")["labels"] == list(hub_datasets.CONLL2003_LABELS)
     splits = _meta(converted / "conll2003")["splits"]
     assert [splits[s]["rows"] for s in ("train", "validation", "test")] == [24, 6, 6]
     onto = load_task(converted / "ontonotes", "test")  # bare integer tags: names from tner's label.json
@@ -249,7 +249,7 @@ def test_qa_drops_misplaced_answers(tmp_path):
     rows["answers"][1] = {"text": ["Rome"], "answer_start": [0]}
     loaded = {"train": Dataset.from_dict(rows, features=SQUAD_FEATURES),
               "test": Dataset.from_dict(_squad_rows(4, "validation"), features=SQUAD_FEATURES)}
-    files = benchmarks.render(BENCHMARKS["squad"], loaded, {"train": "test", "test": "test"})
+    files = hub_datasets.render(BENCHMARKS["squad"], loaded, {"train": "test", "test": "test"})
     meta = json.loads(files[TASK_FILE])
     assert meta["benchmark"]["conversion"] == {"dropped_misplaced_answers": 2, "dropped_questions": 1}
     assert sum(meta["splits"][s]["rows"] for s in ("train", "validation")) == 39
@@ -300,8 +300,8 @@ def test_evaluate_cli_reports_missing_benchmarks(tmp_path, capsys, minilm_dir):
 
 
 def test_task_names_and_defaults(tmp_path):
-    assert benchmarks.expand_tasks(["sst2", "paper", "qed", "rt_sentiment"])[:2] == ["sst2", "qqp"]
-    assert benchmarks.expand_tasks(["paper", "qed"]) == [*PAPER_TASKS, "qed"] and len(PAPER_TASKS) == 12
+    assert hub_datasets.expand_tasks(["sst2", "paper", "qed", "rt_sentiment"])[:2] == ["sst2", "qqp"]
+    assert hub_datasets.expand_tasks(["paper", "qed"]) == [*PAPER_TASKS, "qed"] and len(PAPER_TASKS) == 12
     assert evaluate.tasks_without_flag(None) == evaluate.default_tasks()  # no hub: the offline suite
     assert evaluate.tasks_without_flag(tmp_path) == ["paper"]
     with pytest.raises(ValueError, match="unknown task 'sst3'.*'paper'"):
@@ -314,9 +314,9 @@ def test_fetch_tool_writes_a_benchmarks_dir(tmp_path, monkeypatch, hub_copy):
 
     def from_fixture(source):
         served.append(source)
-        return benchmarks.load_source(source, hub_copy)
+        return hub_datasets.load_source(source, hub_copy)
 
-    monkeypatch.setattr(benchmarks, "_hub_load", from_fixture)
+    monkeypatch.setattr(hub_datasets, "_hub_load", from_fixture)
     assert fetch_benchmarks.main(["--tasks", "sst2", "--output-dir", str(tmp_path / "dl")]) == 2  # hub unreachable
     monkeypatch.setattr(fetch_benchmarks, "hub_reachable", lambda: True)
     assert fetch_benchmarks.main(["--tasks", "sst2", "mnli", "--output-dir", str(tmp_path / "dl")]) == 0

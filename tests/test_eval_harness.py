@@ -16,7 +16,7 @@ import torch
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval import aggregation, grid, harness, render
 from megatron_ext.eval.families import FAMILIES, PAPER_FAMILIES, sc, tc
-from megatron_ext.eval.protocol import FinetuneConfig, eval_subset, load_encoder
+from megatron_ext.eval.finetuning import FinetuneConfig, eval_subset, load_encoder
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task
 from megatron_ext.eval.suite import build_task
 from megatron_ext.cli import evaluate
@@ -239,7 +239,7 @@ def test_sc_fine_tunes_the_models_own_head_by_default(suite, encoder):
 
 
 def test_input_length_is_99_percent_of_the_models_by_default():
-    from megatron_ext.eval.protocol import input_length
+    from megatron_ext.eval.finetuning import input_length
 
     paper = FinetuneConfig(lr=1e-5, seed=0)
     assert input_length(paper, 2048, where="m") == 2028 and input_length(paper, 512, where="m") == 507
@@ -434,7 +434,7 @@ def test_load_report_only_when_encoder_weights_are_missing(tmp_path, encoder):
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    from megatron_ext.eval.protocol import load_pretrained
+    from megatron_ext.eval.finetuning import load_pretrained
 
     reports: list[str] = []
     handler = logging.Handler()

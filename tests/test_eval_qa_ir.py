@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.eval.families import ir, qa
-from megatron_ext.eval.protocol import FinetuneConfig
+from megatron_ext.eval.finetuning import FinetuneConfig
 from megatron_ext.eval.task_io import load_task
 from megatron_ext.eval.suite import build_task
 

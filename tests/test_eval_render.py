@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.eval import aggregation, grid, render
-from megatron_ext.eval.protocol import FinetuneConfig
-from megatron_ext.study import report as study_report
+from megatron_ext.eval.finetuning import FinetuneConfig
+from megatron_ext.study.report_scores import seed_score
 
 DATA = Path(__file__).resolve().parent / "data" / "mixed_grid"
 
@@ -62,7 +62,7 @@ def test_every_family_is_in_the_grid_and_the_study_report_reads_the_same_results
     for row, result in zip(rows, results, strict=True):
         again = aggregation.TaskResult.from_json(row)
         assert again == aggregation.TaskResult(**{**result.__dict__, "test_examples": {}})
-        score = study_report.seed_score([[again]])
+        score = seed_score([[again]])
         assert score.mean == result.test_mean
         assert score.ci95 == pytest.approx(result.test_ci95)  # one task: its own interval over seeds
         if len(result.best_lr_scores.seeds) > 1:

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from megatron_ext.eval import protocol
+from megatron_ext.eval import finetuning
 from megatron_ext.eval.families import sc
-from megatron_ext.eval.protocol import FinetuneConfig, by_length, load_encoder
+from megatron_ext.eval.finetuning import FinetuneConfig, by_length, load_encoder
 from megatron_ext.eval.task_io import load_task
 from test_eval_harness import TINY, encoder, suite  # noqa: F401 (fixtures)
 
@@ -54,7 +54,7 @@ def test_a_paper_sized_encoder_for_the_speed_benchmark_is_a_eurobert_the_harness
 
 def test_divergence_is_found_without_a_sync_per_step(monkeypatch):
     """A loss that turns non-finite at step 3 is reported as step 3, though read only every 2 steps."""
-    monkeypatch.setattr(protocol, "FINITE_CHECK_STEPS", 2)
+    monkeypatch.setattr(finetuning, "FINITE_CHECK_STEPS", 2)
     model = torch.nn.Linear(4, 1)
     steps = []
 
@@ -64,10 +64,10 @@ def test_divergence_is_found_without_a_sync_per_step(monkeypatch):
 
     config = FinetuneConfig(lr=1e-4, seed=0, device="cpu")
     with pytest.raises(FloatingPointError, match=r"non-finite loss at step 3 \(lr 0.0001\)"):
-        protocol.finetune(model, iter(torch.ones(10, 4)), config=config, total_steps=6, loss_fn=loss_fn)
+        finetuning.finetune(model, iter(torch.ones(10, 4)), config=config, total_steps=6, loss_fn=loss_fn)
     assert len(steps) == 4  # stopped at the next read, not after all 6 steps
     model = torch.nn.Linear(4, 1)
-    losses = protocol.finetune(model, iter(torch.ones(10, 4)), config=config, total_steps=3,
+    losses = finetuning.finetune(model, iter(torch.ones(10, 4)), config=config, total_steps=3,
                                loss_fn=lambda m, batch: m(batch).sum())
     assert len(losses) == 3 and all(isinstance(loss, float) for loss in losses) and losses[0] != losses[2]
 
@@ -80,6 +80,6 @@ def test_length_sorted_scoring_keeps_the_rows_order(suite, encoder):
     assert lengths == sorted(lengths, reverse=True)
     config = FinetuneConfig(lr=1e-4, seed=0, **TINY)
     tokenizer, model = load_encoder(encoder, config, num_labels=2)
-    model = protocol.OwnHeadModel(model).eval()
+    model = finetuning.OwnHeadModel(model).eval()
     one_by_one = [sc.predict(model, tokenizer, [row], config)[0] for row in rows]
     assert sc.predict(model, tokenizer, rows, config) == one_by_one

@@ -17,10 +17,12 @@ from scipy import stats
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval import grid, harness
 from megatron_ext.eval.families import FAMILIES, sts
-from megatron_ext.eval.protocol import FinetuneConfig
+from megatron_ext.eval.finetuning import FinetuneConfig
 from megatron_ext.eval.suite import build_task
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task
-from megatron_ext.study import report as study_report
+from megatron_ext.study.report_files import column_title
+from megatron_ext.study.report_join import evaluated_models, family_tasks, read_summaries
+from megatron_ext.study.report_scores import AVERAGE, model_scores
 
 TINY = {"max_steps": 3, "batch_size": 8, "max_eval_examples": 16, "max_length": 32, "device": "cpu"}
 """The harness tests' CI-sized runs (tests/test_eval_harness.py)."""
@@ -135,14 +137,14 @@ def test_the_harness_runs_sts_once_beside_an_sc_grid(mixed_grid, suite):
     assert (again.executed, again.reused) == (0, 3)
 
     # The study report: a family column of its own, marked, and out of the paper's average.
-    models = study_report.evaluated_models(study_report.read_summaries([out], log=lambda line: None))
-    tasks = study_report.family_tasks(models)
+    models = evaluated_models(read_summaries([out], log=lambda line: None))
+    tasks = family_tasks(models)
     assert tasks == {"sc": ("rt_sentiment",), "sts": ("lee_sts",)}
-    scores = study_report.model_scores(models[0], tasks)
+    scores = model_scores(models[0], tasks)
     assert scores["sts"].mean == pytest.approx(record["test"])
-    assert scores[study_report.AVERAGE].mean == pytest.approx(scores["sc"].mean)
-    assert study_report.column_title("sts") == "similarity (extra, not the paper's)"
-    assert study_report.column_title("sc") == "sequence classification"
+    assert scores[AVERAGE].mean == pytest.approx(scores["sc"].mean)
+    assert column_title("sts") == "similarity (extra, not the paper's)"
+    assert column_title("sc") == "sequence classification"
 
 
 def test_fine_tuning_families_refuse_lr_0():

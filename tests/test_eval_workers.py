@@ -148,7 +148,7 @@ def test_tasks_sharing_a_training_are_one_unit(tmp_path):
         tasks.append(grid.TaskRef(name=name, task_dir=tmp_path / name, family="ir", metric="ndcg@10"))
     model = grid.ModelRef(name="m", hf_dir=tmp_path, source="m", base_model="m", checkpoint_step=None,
                              pretrain_tokens=None)
-    from megatron_ext.eval.protocol import FinetuneConfig
+    from megatron_ext.eval.finetuning import FinetuneConfig
 
     specs = {("m", task.name, lr, 0): grid.RunSpec(model=model, task=task, config=FinetuneConfig(lr=lr, seed=0),
                                                       path=grid.run_path(tmp_path, "m", task.name, lr, 0))

@@ -1,4 +1,4 @@
-"""``training.rope_fusion`` and ``training.gradient_accumulation_fusion`` (issue 32) on CPU: the
+"""``training.rope_fusion`` and ``training.gradient_accumulation_fusion`` on CPU: the
 settings parse and reach Megatron's ``TransformerConfig``, turn off with one announced warning
 where they cannot run (here: no GPU, no Transformer Engine, no apex), refusals name the key, and
 the model builder keeps Megatron's own LM head off the fused weight-gradient path when apex is
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import tiny_recipe as _recipe
-from megatron_ext import hardware
+from megatron_ext import hardware, process_group
 from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.training.config import run_config_from_dict
 
@@ -151,9 +151,9 @@ def test_per_row_positions_under_fused_rope_are_refused_by_the_model():
 
 @pytest.fixture
 def model_parallel_cpu(tmp_path):
-    hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    process_group.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     yield
-    hardware.destroy_process_group_and_model_parallel()
+    process_group.destroy_process_group_and_model_parallel()
 
 
 def test_local_spec_without_apex_is_refused_by_the_builder(model_parallel_cpu):

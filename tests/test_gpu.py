@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext import hardware
-from megatron_ext.checkpoint import megatron_io as ckpt
+from megatron_ext import hardware, process_group
+from megatron_ext.checkpoint.reader import Checkpoint, latest_checkpoint
+from megatron_ext.checkpoint.writer import save_checkpoint
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from helpers import tiny_recipe as _recipe
@@ -122,10 +123,10 @@ def _cpu_process(command: list[str], what: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def model_parallel(tmp_path_factory):
-    hardware.init_process_group_and_model_parallel(
+    process_group.init_process_group_and_model_parallel(
         init_method=f"file://{tmp_path_factory.mktemp('pg')}/rendezvous", rank=0, world_size=1)
     yield
-    hardware.destroy_process_group_and_model_parallel()
+    process_group.destroy_process_group_and_model_parallel()
 
 
 @needs_te
@@ -136,10 +137,10 @@ def test_te_attention_modes_and_agreement_with_local(model_parallel, tmp_path):
 
     torch.manual_seed(0)
     local = build_encoder_model(preset("tiny", vocab_size=1024)).cuda().eval()
-    ckpt.save_checkpoint(tmp_path / "local", step=1, model=local, optimizer=None, trainer_state={"step": 1},
+    save_checkpoint(tmp_path / "local", step=1, model=local, optimizer=None, trainer_state={"step": 1},
                          run_config={}, tokenizer_reference={}, keep_last=1)
     te = build_encoder_model(preset("tiny", vocab_size=1024, transformer_impl="te")).cuda().eval()
-    ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "local"), model=te, optimizer=None)
+    Checkpoint.latest(tmp_path / "local").load(model=te, optimizer=None)
     ids = torch.randint(3, 1024, (2, 64), device="cuda")
     later = ids.clone()
     later[:, 40] = (later[:, 40] + 7) % 1024
@@ -164,7 +165,7 @@ def initial_weights(model_parallel, tmp_path_factory, tiny_corpus) -> str:
     config = run_config_from_dict(_gpu_recipe(tiny_corpus, root, steps=STEPS))
     torch.manual_seed(0)
     model = build_encoder_model(config.model).cuda()
-    ckpt.save_checkpoint(root / "ckpt", step=0, model=model, optimizer=None, trainer_state={"step": 0},
+    save_checkpoint(root / "ckpt", step=0, model=model, optimizer=None, trainer_state={"step": 0},
                          run_config=config.to_dict(), tokenizer_reference={}, keep_last=1)
     return str(root / "ckpt")
 
@@ -247,7 +248,7 @@ def test_biphasic_run_follows_the_cpu_fp32_reference(tmp_path, tiny_corpus, init
 
 
 def test_bf16_parameters_and_fusions_train_like_the_default(tmp_path, tiny_corpus, initial_weights):
-    """The issue-15 switches together on GPU (bf16 parameters with fp32 main params, Megatron's
+    """The speed switches together on GPU (bf16 parameters with fp32 main params, Megatron's
     fused SwiGLU and cross entropy, fused AdamW, distributed optimizer) against the default (fp32
     weights, bf16 autocast), both from the same weights, on the same batches and, both being on the
     GPU, the same masks: the same losses step by step for steps 1-10, and per 10-step window over
@@ -386,11 +387,11 @@ def test_kill_and_resume(tmp_path, tiny_corpus, deterministic):
     with open(log, "w") as output:
         run = subprocess.Popen(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT)
         deadline = time.time() + 300
-        while ckpt.latest_checkpoint(tmp_path / "ckpt") is None and time.time() < deadline and run.poll() is None:
+        while latest_checkpoint(tmp_path / "ckpt") is None and time.time() < deadline and run.poll() is None:
             time.sleep(0.2)
         run.send_signal(signal.SIGKILL)
         run.wait()
-    first = ckpt.latest_checkpoint(tmp_path / "ckpt")
+    first = latest_checkpoint(tmp_path / "ckpt")
     assert first is not None and first.name == "iter_0000100", log.read_text()[-8000:]
     if not deterministic:
         resumed = pretrain(run_config_from_dict(raw))
@@ -401,7 +402,7 @@ def test_kill_and_resume(tmp_path, tiny_corpus, deterministic):
     (tmp_path / "uninterrupted").mkdir()
     uninterrupted = _train_in_a_process(_resume_recipe(tiny_corpus, tmp_path / "uninterrupted", deterministic=True),
                                         "the uninterrupted deterministic run")
-    assert ckpt.latest_checkpoint(tmp_path / "ckpt").name == "iter_0000200"
+    assert latest_checkpoint(tmp_path / "ckpt").name == "iter_0000200"
     different = {step: (resumed[step], uninterrupted[step]) for step in range(1, 201)
                  if resumed.get(step) != uninterrupted[step]}
     assert not different, f"steps whose losses differ (resumed, uninterrupted): {different}"
@@ -416,16 +417,16 @@ def test_gpu_checkpoint_loads_on_cpu(tmp_path, tiny_corpus):
     result = pretrain(run_config_from_dict(raw))
     ids = torch.randint(3, 1024, (1, 32), generator=torch.Generator().manual_seed(0))
     script = (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]);"
+        "import sys, torch;"
         "from megatron_ext.hf import load_megatron_checkpoint, single_process_model_parallel;"
-        "ids = torch.load(sys.argv[3]);"
+        "ids = torch.load(sys.argv[2]);"
         "ctx = single_process_model_parallel();"
         "ctx.__enter__();"
-        "m = load_megatron_checkpoint(sys.argv[2]);"
-        "torch.save(m(ids, causal=False).detach(), sys.argv[4])"
+        "m = load_megatron_checkpoint(sys.argv[1]);"
+        "torch.save(m(ids, causal=False).detach(), sys.argv[3])"
     )
     torch.save(ids, tmp_path / "ids.pt")
-    _cpu_process([sys.executable, "-c", script, str(REPO), result.checkpoint, str(tmp_path / "ids.pt"),
+    _cpu_process([sys.executable, "-c", script, result.checkpoint, str(tmp_path / "ids.pt"),
                   str(tmp_path / "cpu_logits.pt")], "loading the GPU checkpoint in a CPU-only process")
     from megatron_ext.hf import load_megatron_checkpoint, single_process_model_parallel
 
@@ -457,7 +458,7 @@ def _one_backward(config, batches, weights: dict | None) -> tuple[dict, float, t
 @pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("fusion", ["rope_fusion", "gradient_accumulation_fusion"])
 def test_fusion_gives_the_unfused_loss_and_gradients(model_parallel, tmp_path, tiny_corpus, fusion, params_dtype):
-    """Issue 32's fusions on the TE spec (fp32 weights under bf16 autocast, and bf16 weights with
+    """The RoPE and weight-gradient accumulation fusions on the TE spec (fp32 weights under bf16 autocast, and bf16 weights with
     fp32 main parameters: Float16Module), distributed optimizer with overlapped reduction: the same
     weights and two micro-batches give the unfused run's loss and gradient buffers, after one
     backward. The gradients are compared directly because a loss curve cannot see a wrong scale:
@@ -517,7 +518,7 @@ def test_the_recipe_fusions_train_like_the_default_on_te(tmp_path, tiny_corpus, 
     _assert_bf16_runs_agree(results["recipe"].losses, results["default"].losses, "recipe vs default (TE)")
 
 
-# --- CUDA graphs of the transformer layers (training.cuda_graphs, issue 32) ---------------------
+# --- CUDA graphs of the transformer layers (training.cuda_graphs) ---------------------------------
 
 GRAPH_STEPS = {"clm": 5, "mlm": 5}
 """A biphasic engine run: 5 CLM steps, validation of both objectives, 5 MLM steps, validation."""
@@ -620,7 +621,7 @@ def _graph_engine_run(tmp_path, *, cuda_graphs: str, model: dict, initial_state:
 ])
 def test_cuda_graphs_train_like_eager_on_the_same_weights_and_batches(model_parallel, tmp_path, params_dtype,
                                                                       fp8_recipe, distributed):
-    """``training.cuda_graphs: local`` against eager mode from the same weights on the same batches:
+    """``training.cuda_graphs: megatron`` against eager mode from the same weights on the same batches:
     a biphasic engine run (5 CLM steps, validation, 5 MLM steps, validation), bf16 autocast with
     fp32 or bf16 parameters (Float16Module), the distributed optimizer with overlapped gradient
     reduction, FP8 where Transformer Engine runs. Graphs are captured on the first step for both
@@ -631,7 +632,7 @@ def test_cuda_graphs_train_like_eager_on_the_same_weights_and_batches(model_para
     model = _te_model() if fp8_recipe else dict(GPU_MODEL)
     kwargs = dict(model=model, params_dtype=params_dtype, fp8_recipe=fp8_recipe, distributed=distributed)
     eager = _graph_engine_run(tmp_path / "eager", cuda_graphs="none", initial_state=None, **kwargs)
-    graphed = _graph_engine_run(tmp_path / "graphs", cuda_graphs="local", initial_state=eager["state"], **kwargs)
+    graphed = _graph_engine_run(tmp_path / "graphs", cuda_graphs="megatron", initial_state=eager["state"], **kwargs)
     out = Path(os.environ.get("GPU_CHECK_OUT", tmp_path))
     (out / f"cuda_graphs_{params_dtype}_{fp8_recipe or 'bf16'}.json").write_text(json.dumps(
         {k: v for k, v in {"eager": eager, "graphs": graphed}.items()}, default=lambda o: None, indent=1))
@@ -672,7 +673,7 @@ def test_graph_safe_rng_state_saves_as_the_plain_trackers(model_parallel):
 
 def test_cuda_graphs_run_resumes_exactly_and_its_checkpoints_load_without_graphs(tmp_path, tiny_corpus,
                                                                                   initial_weights):
-    """The trainer's loop with ``training.cuda_graphs: local`` (biphasic, 40 steps, validation every
+    """The trainer's loop with ``training.cuda_graphs: megatron`` (biphasic, 40 steps, validation every
     20, the distributed optimizer): stopped after step 20 and resumed (graphs captured again on the
     resumed run's first step), it trains steps 21-40 exactly as the uninterrupted graphed run; the
     same checkpoint resumed *without* graphs trains them exactly so too (graphs are runtime state:
@@ -685,9 +686,9 @@ def test_cuda_graphs_run_resumes_exactly_and_its_checkpoints_load_without_graphs
             raw["checkpoint"] = {"save": str(save), "save_interval": 20}
         return raw
 
-    straight = pretrain(run_config_from_dict(recipe("straight", "local")))
+    straight = pretrain(run_config_from_dict(recipe("straight", "megatron")))
     assert straight.final_step == 40 and straight.skipped_steps == 0 and set(straight.valid) == {20, 40}
-    interrupted = recipe("interrupted", "local")
+    interrupted = recipe("interrupted", "megatron")
     first = pretrain(run_config_from_dict(interrupted), exit_after_step=20)
     assert first.final_step == 20
     saved = tmp_path / "saved_at_20"

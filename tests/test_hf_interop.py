@@ -18,7 +18,7 @@ import transformers
 import yaml
 
 from distributed import run_ranks
-from megatron_ext import hardware
+from megatron_ext import hardware, process_group
 from megatron_ext.hf import (
     FORMATS,
     UnsupportedArchitectureError,
@@ -29,7 +29,7 @@ from megatron_ext.hf import (
     single_process_model_parallel,
 )
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, parameter_count
-from megatron_ext.checkpoint.resolved import Checkpoint
+from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.config_loading import UserError
 from megatron_ext.cli import export_hf_checkpoint, import_hf_checkpoint
 
@@ -257,7 +257,7 @@ def test_sentence_transformers_mean_pooling(imports, tmp_path):
 def _tp2_worker(rank: int, rendezvous: str, checkpoint: str, ids: torch.Tensor,
                 reference: torch.Tensor) -> None:
     torch.set_num_threads(1)
-    hardware.init_process_group_and_model_parallel(
+    process_group.init_process_group_and_model_parallel(
         tensor_parallel_size=2, init_method=rendezvous, rank=rank, world_size=2)
     saved = Checkpoint.open(checkpoint)
     model = build_encoder_model(saved.model_config()).eval()
@@ -265,7 +265,7 @@ def _tp2_worker(rank: int, rendezvous: str, checkpoint: str, ids: torch.Tensor,
     with torch.no_grad():
         logits = gather_vocab_parallel_logits(model(ids, causal=True))
     torch.testing.assert_close(logits[..., :reference.shape[-1]], reference, **TOL)
-    hardware.destroy_process_group_and_model_parallel()
+    process_group.destroy_process_group_and_model_parallel()
 
 
 def test_import_at_tp1_loads_at_tp2(tmp_path, base_tokenizer_json):

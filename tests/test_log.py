@@ -12,7 +12,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from megatron_ext.checkpoint import megatron_io as ckpt
+from megatron_ext.checkpoint.reader import latest_checkpoint
 from helpers import tiny_recipe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,14 +34,14 @@ def test_two_rank_run_prints_every_line_once(tmp_path, tiny_corpus):
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     output = run.stdout
     assert run.returncode == 0, output[-3000:]
-    assert ckpt.latest_checkpoint(tmp_path / "ckpt").name == "iter_0000008"
+    assert latest_checkpoint(tmp_path / "ckpt").name == "iter_0000008"
     lines = [TORCH_LOG_PREFIX.sub("", line) for line in output.splitlines() if line.strip()]
 
     steps = [line for line in lines if line.startswith("step ")]
     assert [line.split(" | ")[0] for line in steps] == [f"step {k}/8" for k in range(1, 9)], output  # rank 0 only
     repeated = {line: n for line, n in Counter(lines).items() if n > 1 and line not in REPEATS_ALLOWED}
     assert not repeated, output
-    # What each rank printed before (issue 26), now once per job or not at all.
+    # What each rank used to print (Megatron's import-time notices), now once per job or not at all.
     for gone in ("GPTModel IS DEPRECATED", "Megatron-FSDP", "Apex is not installed", "MimoModelConfig is experimental", "full scope is deprecated",
                  "MCore's async save is deprecated",  # two async saves; the writer is checkpoint.async_strategy
                  "absl.logging is not installed", "No CUDA runtime is found"):

@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from megatron_ext import hardware
-from megatron_ext.checkpoint import megatron_io as ckpt
+from megatron_ext import cuda_on_cpu, hardware, process_group
+from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, latest_checkpoint
+from megatron_ext.checkpoint.writer import save_checkpoint
 from megatron_ext.checkpoint.config import nvrx_problem
-from megatron_ext.checkpoint.resolved import Checkpoint
+from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from helpers import tiny_recipe as _recipe
@@ -34,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 def _layout_worker(rank: int, rendezvous: str, recipe: dict, out: str, world: int, exit_after: int | None) -> None:
     torch.set_num_threads(1)
     config = run_config_from_dict(recipe)
-    hardware.init_process_group_and_model_parallel(
+    process_group.init_process_group_and_model_parallel(
         tensor_parallel_size=config.parallel.tensor_model_parallel_size,
         pipeline_parallel_size=config.parallel.pipeline_model_parallel_size,
         seed=config.training.seed, init_method=rendezvous, rank=rank, world_size=world,
@@ -42,7 +43,7 @@ def _layout_worker(rank: int, rendezvous: str, recipe: dict, out: str, world: in
     try:
         result = pretrain(config, exit_after_step=exit_after)
     finally:
-        hardware.destroy_process_group_and_model_parallel()
+        process_group.destroy_process_group_and_model_parallel()
     if rank == 0:
         Path(out).write_text(json.dumps({"start": result.start_step, "losses": result.losses}))
 
@@ -92,7 +93,7 @@ def test_a_step_is_torch_adamw_on_the_mean_loss_of_every_scored_token(tmp_path, 
 
     config = run_config_from_dict(_engine_recipe(tiny_corpus, tmp_path, steps=4, optimizer={"clip_grad": 0.5}))
     o = config.optimizer
-    hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    process_group.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
         models = []
         for _ in range(2):  # the same initialisation twice
@@ -122,7 +123,7 @@ def test_a_step_is_torch_adamw_on_the_mean_loss_of_every_scored_token(tmp_path, 
             for (name, ours), theirs in zip(models[0].named_parameters(), params, strict=True):
                 torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6, msg=f"step {step}: {name}")
     finally:
-        hardware.destroy_process_group_and_model_parallel()
+        process_group.destroy_process_group_and_model_parallel()
 
 
 def test_megatrons_cuda_calls_are_redirected_from_process_group_set_up_to_teardown(tmp_path, monkeypatch):
@@ -134,38 +135,38 @@ def test_megatrons_cuda_calls_are_redirected_from_process_group_set_up_to_teardo
     from torch.overrides import _get_current_function_mode_stack
 
     original = torch.cuda.current_device
-    assert not hardware.cuda_calls_redirected() and not _get_current_function_mode_stack()
-    hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    assert not cuda_on_cpu.cuda_calls_redirected() and not _get_current_function_mode_stack()
+    process_group.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        assert hardware.cuda_calls_redirected() is not hardware.on_gpu()
+        assert cuda_on_cpu.cuda_calls_redirected() is not hardware.on_gpu()
         if not hardware.on_gpu():
             assert torch.zeros(1, device="cuda").device.type == "cpu" and torch.cuda.current_device() == torch.device("cpu")
             assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
-            with hardware.cuda_calls_not_redirected():
-                assert not hardware.cuda_calls_redirected() and torch.cuda.current_device is original
+            with cuda_on_cpu.cuda_calls_not_redirected():
+                assert not cuda_on_cpu.cuda_calls_redirected() and torch.cuda.current_device is original
                 assert torch.zeros(1).type() == "torch.FloatTensor" and not _get_current_function_mode_stack()
                 with pytest.raises((RuntimeError, AssertionError)):
                     torch.zeros(1, device="cuda")
                 with pytest.raises(RuntimeError, match="saving a checkpoint runs Megatron-Core code that calls CUDA.*"
                                                        "init_process_group_and_model_parallel"):
-                    ckpt.save_checkpoint(tmp_path / "ckpt", step=1, model=torch.nn.Linear(1, 1), optimizer=None,
+                    save_checkpoint(tmp_path / "ckpt", step=1, model=torch.nn.Linear(1, 1), optimizer=None,
                                          trainer_state={}, run_config={}, tokenizer_reference={}, keep_last=1)
-            assert hardware.cuda_calls_redirected() and torch.zeros(1, device="cuda").device.type == "cpu"
+            assert cuda_on_cpu.cuda_calls_redirected() and torch.zeros(1, device="cuda").device.type == "cpu"
     finally:
-        hardware.destroy_process_group_and_model_parallel()
-    assert not hardware.cuda_calls_redirected() and torch.cuda.current_device is original
+        process_group.destroy_process_group_and_model_parallel()
+    assert not cuda_on_cpu.cuda_calls_redirected() and torch.cuda.current_device is original
     assert not _get_current_function_mode_stack()
     if not hardware.on_gpu():
-        monkeypatch.setattr(hardware, "_megatron_core_version", lambda: "0.20.0")
+        monkeypatch.setattr(cuda_on_cpu, "_megatron_core_version", lambda: "0.20.0")
         with pytest.raises(RuntimeError, match=r"megatron-core 0.20.0 is installed.*megatron-core==0.19.2"):
-            hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg2", rank=0, world_size=1)
-        assert not dist.is_initialized() and not hardware.cuda_calls_redirected()  # nothing was started
+            process_group.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg2", rank=0, world_size=1)
+        assert not dist.is_initialized() and not cuda_on_cpu.cuda_calls_redirected()  # nothing was started
 
 
 def _transformer_engine_kernels(calls: list[str]) -> dict[tuple[str, str], object]:
     """What Megatron-Core's modules hold where Transformer Engine imports (each attribute divergence 7
     redirects), as stand-ins that record their call and fail as TE's CUDA kernels do on a machine
-    without a GPU (the crash of issue 31)."""
+    without a GPU (the crash of a CPU run on a machine where TE imports)."""
     def cuda_only(name):
         def kernel(*args, **kwargs):
             calls.append(name)
@@ -195,7 +196,7 @@ def _transformer_engine_kernels(calls: list[str]) -> dict[tuple[str, str], objec
 @pytest.mark.parametrize("distributed", [False, True], ids=["plain_optimizer", "distributed_optimizer"])
 def test_a_cpu_step_where_transformer_engine_imports_runs_megatrons_torch_kernels(tmp_path, tiny_corpus,
                                                                                    monkeypatch, distributed):
-    """Issue 31: Megatron-Core picks TE's (or apex's) CUDA multi-tensor kernels and FusedAdam at
+    """Megatron-Core picks TE's (or apex's) CUDA multi-tensor kernels and FusedAdam at
     import whenever TE imports, whatever the tensors' device. With TE's choices installed in
     Megatron's modules (as on a machine where TE imports), a CPU run's steps (each gradient norm
     above optimizer.clip_grad, so the gradients are scaled too) train with the local kernels and
@@ -206,7 +207,7 @@ def test_a_cpu_step_where_transformer_engine_imports_runs_megatrons_torch_kernel
 
     calls: list[str] = []
     te_kernels = _transformer_engine_kernels(calls)
-    assert set(te_kernels) == set(hardware._megatron_torch_kernels())  # the test covers the whole list
+    assert set(te_kernels) == set(cuda_on_cpu._megatron_torch_kernels())  # the test covers the whole list
     for (module, attribute), kernel in te_kernels.items():
         monkeypatch.setattr(importlib.import_module(module), attribute, kernel)
     seen = {}
@@ -237,7 +238,7 @@ def test_the_megatron_core_pin_guards_the_kernel_list(tmp_path, monkeypatch):
     import importlib
     import inspect
 
-    kernels = hardware._megatron_torch_kernels()
+    kernels = cuda_on_cpu._megatron_torch_kernels()
     for module in {module for module, _ in kernels}:
         source = inspect.getsource(importlib.import_module(module))
         assert "from transformer_engine.pytorch.optimizers import" in source and "from apex." in source, module
@@ -246,10 +247,10 @@ def test_the_megatron_core_pin_guards_the_kernel_list(tmp_path, monkeypatch):
     if hardware.on_gpu():
         return
     before = {key: getattr(importlib.import_module(key[0]), key[1]) for key in kernels}
-    monkeypatch.setattr(hardware, "_megatron_core_version", lambda: "0.20.0")
+    monkeypatch.setattr(cuda_on_cpu, "_megatron_core_version", lambda: "0.20.0")
     with pytest.raises(RuntimeError, match=r"megatron-core 0.20.0 is installed.*MEGATRON_CORE_CHECKED_ON_CPU"):
-        hardware._redirect_cuda_calls()
-    assert not hardware.cuda_calls_redirected()
+        cuda_on_cpu.redirect_cuda_calls()
+    assert not cuda_on_cpu.cuda_calls_redirected()
     assert all(getattr(importlib.import_module(module), attribute) is before[(module, attribute)]
                for module, attribute in kernels)
 
@@ -344,16 +345,16 @@ def test_a_portable_engine_checkpoint_is_refused_naming_the_fix_and_its_weights_
     saved_config = json.loads(json.dumps(config.to_dict()))
     saved_config["training"]["engine"] = "portable"
     tokenizer = build_tokenizer(config.tokenizer)
-    hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    process_group.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         torch.manual_seed(7)
         model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
-        ckpt.save_checkpoint(tmp_path / "portable", step=2, model=model, optimizer=_PortableEngineOptimizerState(recorded),
+        save_checkpoint(tmp_path / "portable", step=2, model=model, optimizer=_PortableEngineOptimizerState(recorded),
                              trainer_state={"consumed_samples": 16}, run_config=saved_config,
-                             tokenizer_reference={**tokenizer.reference(), ckpt.TOKENIZER_FINGERPRINT: tokenizer.fingerprint()},
+                             tokenizer_reference={**tokenizer.reference(), TOKENIZER_FINGERPRINT: tokenizer.fingerprint()},
                              keep_last=1)
     finally:
-        hardware.destroy_process_group_and_model_parallel()
+        process_group.destroy_process_group_and_model_parallel()
     assert Checkpoint.open(tmp_path / "portable").optimizer_format() == {"optimizer": "torch"}
 
     with pytest.raises(UserError, match=r"cannot resume from checkpoint .*iter_0000002: it holds the optimizer state "
@@ -415,7 +416,7 @@ def test_distributed_optimizer_killed_mid_save_resumes_exactly(tmp_path, tiny_co
     run.wait()
     psutil.wait_procs(ranks, timeout=30)
     assert not (save_dir / "iter_0000006").exists(), "the kill came after the save completed"
-    assert ckpt.latest_checkpoint(save_dir).name == "iter_0000003"
+    assert latest_checkpoint(save_dir).name == "iter_0000003"
     resumed = _run(raw, tmp_path, "resumed", world=2)
     assert resumed["start"] == 3
     for step in range(4, 10):
@@ -441,7 +442,7 @@ def test_non_finite_gradients_are_skipped_before_megatrons_optimizer(tmp_path, t
     from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
 
     config = run_config_from_dict(_engine_recipe(tiny_corpus, tmp_path, steps=10))
-    hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    process_group.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
         model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
         engine = MegatronEngine(model, config)
@@ -462,7 +463,7 @@ def test_non_finite_gradients_are_skipped_before_megatrons_optimizer(tmp_path, t
             assert torch.equal(param, snapshot[name]), name
         assert not engine.train_step(micro, lr=1e-3).skipped
     finally:
-        hardware.destroy_process_group_and_model_parallel()
+        process_group.destroy_process_group_and_model_parallel()
 
 
 def test_megatron_engine_checkpoint_exports_with_logit_parity(tmp_path, tiny_corpus):
@@ -472,7 +473,7 @@ def test_megatron_engine_checkpoint_exports_with_logit_parity(tmp_path, tiny_cor
 
     recipe = _distopt(tiny_corpus, tmp_path, steps=3)
     pretrain(run_config_from_dict(recipe))
-    checkpoint = ckpt.latest_checkpoint(tmp_path / "ckpt")
+    checkpoint = latest_checkpoint(tmp_path / "ckpt")
     export_checkpoint(checkpoint, tmp_path / "hf", hf_format="eurobert", log=lambda _: None)
     hf = transformers.EuroBertForMaskedLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.randint(4, 1024, (2, 48), generator=torch.Generator().manual_seed(0))
@@ -493,12 +494,12 @@ def test_fused_adam_matches_the_unfused_kernel(tmp_path, tiny_corpus):
         recipe = _engine_recipe(tiny_corpus, tmp_path / f"fused{fused}", steps=6, optimizer={"fused": fused})
         losses[fused] = _run(recipe, tmp_path, f"fused{fused}")["losses"]
         config = run_config_from_dict(recipe)
-        hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg{fused}", rank=0, world_size=1)
+        process_group.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg{fused}", rank=0, world_size=1)
         try:
             built = MegatronEngine(build_encoder_model(config.model), config)
             assert {group["fused"] for group in built.optimizer.optimizer.param_groups} == ({True} if fused else {None})
         finally:
-            hardware.destroy_process_group_and_model_parallel()
+            process_group.destroy_process_group_and_model_parallel()
     for step in range(1, 7):
         assert losses[True][step] == pytest.approx(losses[False][step], rel=1e-4), f"step {step}"
 
@@ -584,9 +585,9 @@ def test_megatron_fusions_train_like_the_unfused_model(tmp_path, tiny_corpus, fu
     from megatron_ext.training.megatron_engine import megatron_transformer_overrides
 
     config = run_config_from_dict(recipe)
-    hardware.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    process_group.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:  # the switch reaches the TransformerConfig Megatron's MLP and loss read
         model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
         assert getattr(model.config, fusion) is True
     finally:
-        hardware.destroy_process_group_and_model_parallel()
+        process_group.destroy_process_group_and_model_parallel()

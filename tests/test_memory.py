@@ -108,7 +108,7 @@ def test_estimate_responds_to_each_knob(tmp_path, tiny_corpus):
 
 
 def test_a_run_that_cannot_fit_is_refused_before_allocating(tmp_path, tiny_corpus, capsys):
-    """The issue's case: a sequence length far beyond the machine, refused with the estimate and
+    """A run that cannot fit: a sequence length far beyond the machine, refused with the estimate and
     the knobs, in --dry-run and before the run builds anything."""
     recipe = _recipe(tiny_corpus, tmp_path, data={"seq_length": 400_000, "micro_batch_size": 8, "global_batch_size": 8},
                      model={"seq_length": 400_000})

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_ext.checkpoint.resolved import Checkpoint
+from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.study import cost
 from megatron_ext.study.plan import plan_study
 from megatron_ext.study.spec import read_study

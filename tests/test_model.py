@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ext import hardware
+from megatron_ext import hardware, process_group
 from megatron_ext.model import (
     EncoderModelConfig,
     build_encoder_model,
@@ -23,11 +23,11 @@ TINY = preset("tiny", vocab_size=1000, eod_token_id=EOD)
 
 @pytest.fixture(scope="module", autouse=True)
 def model_parallel(tmp_path_factory):
-    hardware.init_process_group_and_model_parallel(
+    process_group.init_process_group_and_model_parallel(
         init_method=f"file://{tmp_path_factory.mktemp('pg')}/rendezvous", rank=0, world_size=1
     )
     yield
-    hardware.destroy_process_group_and_model_parallel()
+    process_group.destroy_process_group_and_model_parallel()
 
 
 def build(config: EncoderModelConfig = TINY, seed: int = 0):

@@ -8,7 +8,7 @@ import torch
 from megatron.core import parallel_state
 
 from distributed import run_ranks
-from megatron_ext import hardware
+from megatron_ext import process_group
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, preset
 
 WORLD = 2
@@ -53,7 +53,7 @@ def run(ids: torch.Tensor, model, labels: torch.Tensor, loss_mask: torch.Tensor)
 
 
 def worker(rank: int, rendezvous: str) -> None:
-    hardware.init_process_group_and_model_parallel(
+    process_group.init_process_group_and_model_parallel(
         tensor_parallel_size=1, init_method=rendezvous, rank=rank, world_size=WORLD
     )
     generator = torch.Generator().manual_seed(0)
@@ -86,7 +86,7 @@ def worker(rank: int, rendezvous: str) -> None:
         torch.testing.assert_close(
             grad, shard(name, ref_grads[name], rank, WORLD), atol=1e-5, rtol=1e-4, msg=name
         )
-    hardware.destroy_process_group_and_model_parallel()
+    process_group.destroy_process_group_and_model_parallel()
 
 
 def test_tensor_parallel_matches_single_rank(tmp_path):

@@ -18,7 +18,8 @@ import psutil
 import pytest
 
 from megatron_ext import processes
-from megatron_ext.checkpoint import megatron_io as ckpt
+from megatron_ext.checkpoint.reader import latest_checkpoint
+from megatron_ext.checkpoint.writer import CheckpointSaver
 from megatron_ext.checkpoint.config import nvrx_problem
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import NonFiniteLossError, pretrain
@@ -44,7 +45,7 @@ def test_saves_leave_no_process_when_the_run_returns_or_raises(tmp_path, tiny_co
     before = _live_children()
     result = pretrain(run_config_from_dict(_async_recipe(tiny_corpus, tmp_path / "ok", steps=4)))
     assert result.final_step == 4
-    assert ckpt.latest_checkpoint(tmp_path / "ok/ckpt").name == "iter_0000004"  # published before returning
+    assert latest_checkpoint(tmp_path / "ok/ckpt").name == "iter_0000004"  # published before returning
     assert _live_children() - before == set()
     synchronous = _async_recipe(tiny_corpus, tmp_path / "sync", steps=4)
     synchronous["checkpoint"]["async_save"] = False  # Megatron's results queue serves these too
@@ -92,7 +93,7 @@ def test_the_results_queue_outlives_the_signals_a_scheduler_sends_to_every_proce
     results-queue manager that must still be there: it ignores them (and Ctrl-C's SIGINT) and
     ends when the saver closes."""
     before = _live_children()
-    with ckpt.CheckpointSaver(async_save=False):
+    with CheckpointSaver(async_save=False):
         manager, = [psutil.Process(pid) for pid in _live_children() - before]
         for sig in processes.IGNORED_BY_HELPERS:
             manager.send_signal(sig)
@@ -168,4 +169,4 @@ def test_gpu_run_with_async_saves_exits(tmp_path, tiny_corpus, async_strategy):
         trainer.kill()
         pytest.fail("the process did not exit within 30 s of its last step")
     assert trainer.returncode == 0
-    assert ckpt.latest_checkpoint(tmp_path / "ckpt").name == "iter_0000040"
+    assert latest_checkpoint(tmp_path / "ckpt").name == "iter_0000040"

@@ -54,7 +54,7 @@ def _visit(root: Path, name: str, *, tests_passed: bool, sides: dict[str, tuple[
 def test_the_newest_visit_with_passing_gpu_tests_decides(tmp_path):
     local, te, te_graphs = ({"transformer_impl": "local", "cuda_graphs": None},
                             {"transformer_impl": "te", "cuda_graphs": None},
-                            {"transformer_impl": "te", "cuda_graphs": "local"})
+                            {"transformer_impl": "te", "cuda_graphs": "megatron"})
     _visit(tmp_path, "h100-2026-12-01", tests_passed=True,
            sides={"megatron_ext": (50_000.0, local), "te_spec": (40_000.0, te)})
     # Newer and faster with the TE spec under CUDA graphs, but its gpu tests failed: not eligible.
@@ -69,7 +69,7 @@ def test_the_newest_visit_with_passing_gpu_tests_decides(tmp_path):
     _visit(tmp_path, "h100-2026-12-02b", tests_passed=True,
            sides={"megatron_ext": (50_000.0, local), "te_spec_cuda_graphs": (70_000.0, te_graphs)})
     table = defaults["decide"](tmp_path)
-    for name, value in (("model.transformer_impl", "te"), ("training.cuda_graphs", "local")):
+    for name, value in (("model.transformer_impl", "te"), ("training.cuda_graphs", "megatron")):
         entry = table["sizes"]["1b"][name]
         assert (entry["value"], entry["visit"]) == (value, "h100-2026-12-02b")
     assert table["sizes"]["210m"]["model.transformer_impl"]["source"] == "follows 1b (not timed at 210m)"

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from helpers import tiny_recipe
-from megatron_ext.checkpoint import megatron_io as ckpt
+from megatron_ext.checkpoint.reader import latest_checkpoint
 from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
 
 
@@ -223,7 +223,7 @@ def test_two_rank_job_completes_within_a_minute_of_its_last_step(long_reference)
     assert job.info["Restarts"] == "0"
     assert "1 nodes x 2 processes" in job.log and "training finished" in job.log
     assert [s for s, _ in job.losses()] == list(range(1, LONG["steps"] + 1))
-    assert ckpt.latest_checkpoint(job.run_dir / "ckpt").name == f"iter_{LONG['steps']:07d}"
+    assert latest_checkpoint(job.run_dir / "ckpt").name == f"iter_{LONG['steps']:07d}"
     last_step_at = (job.run_dir / "log" / "metrics.jsonl").stat().st_mtime
     assert _end_time(job.info) - last_step_at < 60
 

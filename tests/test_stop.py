@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.checkpoint import megatron_io as ckpt
-from megatron_ext.checkpoint.resolved import Checkpoint
+from megatron_ext.checkpoint.reader import latest_checkpoint
+from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from megatron_ext.training.stop import EXIT_STATUS_ENV, RESUMABLE_EXIT_CODE
@@ -86,7 +86,7 @@ def test_a_signal_saves_the_step_in_flight_and_the_rerun_resumes_exactly(tmp_pat
     logged = max(int(m) for m in re.findall(rf"^step +(\d+)/{STEPS}", output, re.M))
     assert step == logged >= 5  # the last step done is the one saved
     assert stopped[2] == signal.Signals(signals[0]).name
-    assert ckpt.latest_checkpoint(tmp_path / "ckpt").name == f"iter_{step:07d}"
+    assert latest_checkpoint(tmp_path / "ckpt").name == f"iter_{step:07d}"
     assert status.read_text().startswith(f"{RESUMABLE_EXIT_CODE} stopped after step {step}")
 
     resumed = pretrain(run_config_from_dict(_stop_recipe(tiny_corpus, tmp_path)))
@@ -110,7 +110,7 @@ def test_every_torchrun_worker_saves_on_a_signal_to_the_agent(tmp_path, tiny_cor
     assert run.returncode != 0
     assert status.read_text().startswith(f"{RESUMABLE_EXIT_CODE} stopped after step"), output
     step = int(re.search(r"stopped after step (\d+)", status.read_text())[1])
-    assert step >= 5 and ckpt.latest_checkpoint(tmp_path / "ckpt").name == f"iter_{step:07d}"
+    assert step >= 5 and latest_checkpoint(tmp_path / "ckpt").name == f"iter_{step:07d}"
     saved = Checkpoint.open(tmp_path / "ckpt").optimizer_format()
     assert saved["data_parallel_size"] == 2  # both ranks wrote their part of the one checkpoint
     resumed = pretrain(run_config_from_dict(_stop_recipe(tiny_corpus, tmp_path)))  # at DP=1
@@ -121,7 +121,7 @@ def test_time_budget_and_exit_interval_stop_after_a_saved_step(tmp_path, tiny_co
     # In-process the budget counts from this (long-running) process's start: spent at once.
     budget = pretrain(run_config_from_dict(_stop_recipe(tiny_corpus, tmp_path / "budget", exit_duration_in_mins=1e-6)))
     assert budget.final_step == 1 and "exit_duration_in_mins" in budget.stopped
-    assert ckpt.latest_checkpoint(tmp_path / "budget/ckpt").name == "iter_0000001"
+    assert latest_checkpoint(tmp_path / "budget/ckpt").name == "iter_0000001"
 
     interval = _stop_recipe(tiny_corpus, tmp_path / "interval", exit_interval=15)
     ends = []
@@ -140,4 +140,4 @@ def test_without_the_handler_a_signal_ends_the_run_at_once(tmp_path, tiny_corpus
     run = _start([sys.executable, str(REPO / "pretrain_encoder.py"), "--config", str(recipe)])
     _signal_at_step(run, run.pid, 3, [signal.SIGTERM])
     assert run.returncode == -signal.SIGTERM
-    assert ckpt.latest_checkpoint(tmp_path / "ckpt") is None
+    assert latest_checkpoint(tmp_path / "ckpt") is None

@@ -21,9 +21,10 @@ from megatron_ext.config_loading import UserError
 from megatron_ext.eval import aggregation, grid, harness
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir
 from megatron_ext.eval.suite import build_task
-from megatron_ext.study import report as study_report
+from megatron_ext.study.report import build_report
+from megatron_ext.study.report_scores import AVERAGE, Score, pool, seed_score
 from megatron_ext.study.plan import plan_study
-from megatron_ext.study.report_files import write_report
+from megatron_ext.study.report_files import report_json, report_markdown, write_report
 from megatron_ext.study.spec import read_study
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,7 +198,7 @@ def test_a_study_without_the_runs_a_figure_needs(evaluations, tmp_path):
     model; with one folder holding every model, its summary's rankings are used as they are."""
     study = _write_study(tmp_path / "study.yaml", {**{k: v for k, v in STUDY.items() if k != "cpt"}})
     plan = plan_study(read_study(study), study)
-    report = study_report.build_report(plan, [evaluations["study_eval"]])
+    report = build_report(plan, [evaluations["study_eval"]])
     write_report(report, tmp_path / "report")
     data = json.loads((tmp_path / "report" / "report.json").read_text())
     markdown = (tmp_path / "report" / "report.md").read_text()
@@ -234,17 +235,17 @@ def test_family_scores_average_tasks_per_seed_then_over_seeds():
     a = aggregation.TaskResult.from_json(_result("m", "a", "sc", {0: 60.0, 1: 70.0, 2: 80.0}))
     b = aggregation.TaskResult.from_json(_result("m", "b", "sc", {0: 40.0, 1: 30.0, 2: 50.0}))
     c = aggregation.TaskResult.from_json(_result("m", "c", "tc", {0: 10.0, 1: 20.0, 2: 60.0}))
-    family = study_report.seed_score([[a, b]])
+    family = seed_score([[a, b]])
     assert family.mean == pytest.approx(55.0) and family.n == 3 and family.over == "fine-tuning seeds"
     assert family.ci95 == pytest.approx(_t_half_width([50.0, 50.0, 65.0]))
-    average = study_report.seed_score([[a, b], [c]])  # families weigh equally, not tasks
+    average = seed_score([[a, b], [c]])  # families weigh equally, not tasks
     assert average.mean == pytest.approx((55.0 + 30.0) / 2)
     assert average.ci95 == pytest.approx(_t_half_width([30.0, 35.0, 62.5]))
-    runs = [study_report.Score(mean=m, ci95=1.0, n=3, over="fine-tuning seeds") for m in (50.0, 54.0, 61.0)]
-    pooled = study_report.pool(runs)
+    runs = [Score(mean=m, ci95=1.0, n=3, over="fine-tuning seeds") for m in (50.0, 54.0, 61.0)]
+    pooled = pool(runs)
     assert (pooled.mean, pooled.n, pooled.over) == (pytest.approx(55.0), 3, "pretraining seeds")
     assert pooled.ci95 == pytest.approx(_t_half_width([50.0, 54.0, 61.0]))
-    assert study_report.pool(runs[:1]) is runs[0]
+    assert pool(runs[:1]) is runs[0]
 
 
 def test_checkpoints_and_pretraining_seeds_join_to_the_plan(tmp_path):
@@ -267,7 +268,7 @@ def test_checkpoints_and_pretraining_seeds_join_to_the_plan(tmp_path):
     eval_dir.mkdir()
     missing_runs = [f"runs/210m_clm_12k/b/lr0.0001_seed{seed}.json" for seed in range(6)]
     (eval_dir / "summary.json").write_text(json.dumps({"results": rows, "missing_runs": missing_runs}))
-    report = study_report.build_report(plan, [eval_dir])
+    report = build_report(plan, [eval_dir])
 
     groups = {row.label: row for row in report.rows}
     assert list(groups) == ["210m_mlm_40_12k", "210m_clm_12k"]
@@ -301,7 +302,7 @@ def test_each_figure_names_why_it_is_skipped_and_bad_folders_are_refused(tmp_pat
     eval_dir = tmp_path / "eval"
     eval_dir.mkdir()
     (eval_dir / "summary.json").write_text(json.dumps({"results": [_result("210m_clm_12k", "a", "sc", {0: 50.0})]}))
-    report = study_report.build_report(plan, [eval_dir])
+    report = build_report(plan, [eval_dir])
     assert {figure.name: figure.skipped for figure in report.figures} == {
         "clm_share": "the study has fewer than two of the runs it compares (mlm_40, clm); it has clm",
         "tokens": "no MLM or CLM run is evaluated at two or more token counts (budgets' final checkpoints or "
@@ -312,16 +313,16 @@ def test_each_figure_names_why_it_is_skipped_and_bad_folders_are_refused(tmp_pat
     assert report.rankings["a"].skipped == "fewer than two models evaluated on it"
 
     with pytest.raises(UserError, match=f"--eval-dir {tmp_path}: no summary.json"):
-        study_report.build_report(plan, [tmp_path])
+        build_report(plan, [tmp_path])
     again = tmp_path / "again"
     again.mkdir()
     (again / "summary.json").write_text((eval_dir / "summary.json").read_text())
     with pytest.raises(UserError, match=r"model 210m_clm_12k on task a is in .*eval/summary.json and in "
                                                      r".*again/summary.json: give each evaluation once"):
-        study_report.build_report(plan, [eval_dir, again])
+        build_report(plan, [eval_dir, again])
     (again / "summary.json").write_text(json.dumps({"results": [{"model": "x"}]}))
     with pytest.raises(UserError, match=r"again/summary.json: results\[0\]: not a row"):
-        study_report.build_report(plan, [again])
+        build_report(plan, [again])
 
 
 def test_zero_shot_sts_is_an_extra_column_out_of_the_average(tmp_path):
@@ -337,15 +338,15 @@ def test_zero_shot_sts_is_an_extra_column_out_of_the_average(tmp_path):
     eval_dir = tmp_path / "eval"
     eval_dir.mkdir()
     (eval_dir / "summary.json").write_text(json.dumps({"results": rows}))
-    report = study_report.build_report(plan, [eval_dir])
+    report = build_report(plan, [eval_dir])
     clm = {row.label: row for row in report.rows}["210m_clm_12k"]
     assert clm.scores["sts"].mean == 25.0 and clm.scores["sc"].mean == 51.0
-    assert clm.scores[study_report.AVERAGE].mean == 51.0  # the paper's families only
-    markdown = study_report.report_markdown(report)
+    assert clm.scores[AVERAGE].mean == 51.0  # the paper's families only
+    markdown = report_markdown(report)
     assert "| sequence classification | similarity (extra, not the paper's) | average |" in markdown
     # sc, sts, average; the intervals are over the 2 fine-tuning seeds (the STS run has neither)
     assert f"| 51.00 ± {clm.scores['sc'].ci95:.2f} | 25.00 | 51.00 ± {clm.scores['sc'].ci95:.2f} | 2 fine-tuning seeds |" \
         in markdown
-    assert study_report.report_json(report)["families"]["sts"]["paper"] is False
+    assert report_json(report)["families"]["sts"]["paper"] is False
     figures = {figure.name: figure for figure in report.figures}
     assert "sts" not in figures["lr_sensitivity"].series and "sts" in figures["clm_share"].series

@@ -13,7 +13,7 @@ import torch
 import pretrain_encoder
 from distributed import run_ranks
 from helpers import tiny_recipe as _recipe
-from megatron_ext import hardware
+from megatron_ext import process_group
 from megatron_ext.training.config import run_config_from_dict
 from megatron_ext.training.loop import NonFiniteLossError, pretrain
 from megatron_ext.cli import plot_loss
@@ -62,12 +62,12 @@ def test_continued_pretraining_loads_weights_only(tmp_path, tiny_corpus):
 def _two_rank_worker(rank: int, rendezvous: str, recipe: dict, out: str) -> None:
     torch.set_num_threads(1)
     config = run_config_from_dict(recipe)
-    hardware.init_process_group_and_model_parallel(
+    process_group.init_process_group_and_model_parallel(
         tensor_parallel_size=config.parallel.tensor_model_parallel_size, seed=config.training.seed,
         init_method=rendezvous, rank=rank, world_size=2,
     )
     result = pretrain(config)
-    hardware.destroy_process_group_and_model_parallel()
+    process_group.destroy_process_group_and_model_parallel()
     if rank == 0:
         Path(out).write_text(json.dumps(result.losses))
 

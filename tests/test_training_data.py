@@ -19,7 +19,8 @@ import torch
 from megatron_ext import assets
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
-from megatron_ext.training.data import DataConfig, build_datasets, build_train_iterator, build_valid_iterator
+from megatron_ext.training.config import DataConfig
+from megatron_ext.training.data import build_datasets, build_train_iterator, build_valid_iterator
 
 REPO = Path(__file__).resolve().parent.parent
 SEQ, MBS, GBS = 32, 2, 8
@@ -180,7 +181,8 @@ def test_ranks_of_a_gloo_group_build_and_split_the_same_data(tmp_path, corpora, 
     script = textwrap.dedent(f"""
         import os, sys, torch, torch.distributed as dist
         from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
-        from megatron_ext.training.data import DataConfig, build_datasets, build_train_iterator
+        from megatron_ext.training.config import DataConfig
+        from megatron_ext.training.data import build_datasets, build_train_iterator
         dist.init_process_group("gloo")
         rank = dist.get_rank()
         config = DataConfig(data_path=({corpora["a"]!r},), seq_length={SEQ}, micro_batch_size={MBS},

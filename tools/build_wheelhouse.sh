@@ -250,9 +250,9 @@ print("torch %s (CUDA %s)" % (ver.group(1) if ver else "?", cuda.group(1) if cud
 PYEOF
 )"
 fi
-PY_FULL="$("$PY" -c 'import platform; print(hardware.python_version())')"
+PY_FULL="$("$PY" -c 'import platform; print(platform.python_version())')"
 PLATFORM="$("$PY" -c 'import sysconfig; print(sysconfig.get_platform())')"
-LIBC="$("$PY" -c 'import platform; print(" ".join(hardware.libc_ver()) or "unknown")')"
+LIBC="$("$PY" -c 'import platform; print(" ".join(platform.libc_ver()) or "unknown")')"
 PIP_VERSION="$("$PY" -m pip --version | cut -d ' ' -f 2)"
 if [[ -n "$NVCC" ]]; then
     NVCC_LINE="$("$NVCC" --version 2>/dev/null | grep -i 'release' | head -n 1)  [$NVCC]"

@@ -1,5 +1,6 @@
 """Checkpoints: the artifact every stage above training reads (resume, continued pretraining,
 Hugging Face export, evaluation). ``config``: the run config's ``checkpoint:`` section (no
-Megatron import); ``megatron_io``: Megatron distributed checkpoints written atomically, the tracker,
-optimizer-state formats, the tokenizer reference and the asynchronous saver; ``resolved``: one
-checkpoint resolved once, as export, evaluation and resume read it; ``resume``: the resume policy."""
+Megatron import); ``reader``: the read side, :class:`~megatron_ext.checkpoint.reader.Checkpoint`
+(resolving, listing, verifying, loading; the layout on disk); ``writer``: the write side, the save
+engine and its asynchronous writers, publishing atomically; ``storage``: a full or read-only disk;
+``resume``: the resume policy; ``lock``: one trainer per save directory."""

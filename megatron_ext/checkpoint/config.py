@@ -1,5 +1,5 @@
-"""``checkpoint:`` of a run config. Kept apart from the checkpoint code (``megatron_io.py``, which
-imports Megatron-Core's ``dist_checkpointing``) so reading and validating a recipe
+"""``checkpoint:`` of a run config. Kept apart from the checkpoint code (``reader.py`` and
+``writer.py``, which import Megatron-Core's ``dist_checkpointing``) so reading and validating a recipe
 (``--dry-run`` on a login node) stays light."""
 
 from __future__ import annotations

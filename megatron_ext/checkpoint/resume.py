@@ -41,8 +41,7 @@ from typing import Protocol
 import torch
 
 from megatron_ext.checkpoint.config import CheckpointConfig
-from megatron_ext.checkpoint.megatron_io import OptimizerCheckpointState, optimizer_format_problem
-from megatron_ext.checkpoint.resolved import Checkpoint
+from megatron_ext.checkpoint.reader import Checkpoint, OptimizerCheckpointState, optimizer_format_problem
 from megatron_ext.config_loading import UserError
 from megatron_ext.tokenizer import EncoderTokenizer
 

@@ -1,16 +1,11 @@
-"""What a checkpoint holds on disk, and what the disk did to it.
+"""What the disk does to a save: full, over quota or read-only.
 
-Integrity: before a checkpoint is published, rank 0 checks that every shard file Megatron's
-``.metadata`` names is there and long enough (:func:`missing_shards`), then records every file
-of the checkpoint with its size in the completion marker (``files``, :func:`manifest`). A
-published checkpoint whose files no longer match (:func:`damage`) is *damaged*, told apart from
-one still being written (no marker yet). Checkpoints written before manifests were recorded are
-checked against ``.metadata`` alone.
-
-Storage: a save that fails because the disk is full, over quota or read-only (Megatron's writer
+A save that fails because the disk is full, over quota or read-only (Megatron's writer
 processes lose the ``OSError`` and raise ``RuntimeError: Worker failure``, so the save directory
 is examined too: :func:`storage_problem`) is a :class:`CheckpointStorageError`: one line naming
-the directory, the problem and the size needed, exit code :data:`STORAGE_EXIT_CODE`.
+the directory, the problem and the size needed, exit code :data:`STORAGE_EXIT_CODE`. Before a run
+starts, :class:`SpaceCheck` holds the free space against the checkpoints it will keep. Whether a
+saved checkpoint's files are still whole is the reader's question (``checkpoint/reader.py``).
 """
 
 from __future__ import annotations
@@ -30,9 +25,6 @@ space is freed. Not requeued automatically: the disk would still be full."""
 
 STORAGE_ERRNOS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
                   errno.EROFS: "Read-only file system"}
-MANIFEST_KEY = "files"
-"""Key of the completion marker holding ``{file name: size in bytes}`` of the checkpoint."""
-DCP_METADATA = ".metadata"
 
 
 class CheckpointStorageError(UserError):
@@ -64,55 +56,6 @@ def one_line(error: BaseException) -> str:
     cause = root_cause(error)
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     return f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
-
-
-def shard_sizes(checkpoint: Path) -> dict[str, int]:
-    """``{shard file: bytes needed}`` from the checkpoint's ``.metadata`` (raises what reading it raises)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    needed: dict[str, int] = {}
-    for info in FileSystemReader(str(checkpoint)).read_metadata().storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    return needed
-
-
-def missing_shards(checkpoint: Path) -> str | None:
-    """What of ``.metadata``'s shard files is missing or short in ``checkpoint``; None: all there."""
-    if not (checkpoint / DCP_METADATA).is_file():
-        return f"{DCP_METADATA} is missing"
-    try:
-        needed = shard_sizes(checkpoint)
-    except Exception as error:  # whatever unpickling a damaged file raises
-        return f"{DCP_METADATA} is unreadable ({one_line(error)})"
-    for name, size in sorted(needed.items()):
-        path = checkpoint / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size < size:
-            return f"{name} has {path.stat().st_size} bytes, {size} expected"
-    return None
-
-
-def manifest(checkpoint: Path, *, leave_out: str) -> dict[str, int]:
-    """``{file name: size}`` of every file of ``checkpoint`` except ``leave_out`` (the marker)."""
-    return {path.name: path.stat().st_size for path in sorted(checkpoint.iterdir())
-            if path.is_file() and path.name != leave_out}
-
-
-def damage(checkpoint: Path, marker: dict, *, editable: tuple[str, ...] = ()) -> str | None:
-    """Why the published ``checkpoint`` (its completion marker's content ``marker``) is damaged:
-    a recorded file missing or of another size (``editable`` files: missing only, since users and
-    tools may rewrite them, e.g. a moved tokenizer's path); None: intact."""
-    recorded = marker.get(MANIFEST_KEY)
-    if recorded is None:  # written before manifests were recorded
-        return missing_shards(checkpoint)
-    for name, size in sorted(recorded.items()):
-        path = checkpoint / name
-        if not path.is_file():
-            return f"{name} is missing ({size} bytes recorded)"
-        if name not in editable and path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, {size} recorded"
-    return None
 
 
 def directory_bytes(directory: Path) -> int:

@@ -40,10 +40,10 @@ import sys
 from pathlib import Path
 
 
-from megatron_ext.eval.benchmarks import BENCHMARKS, hub_offline, hub_reachable
+from megatron_ext.eval.hub_datasets import BENCHMARKS, hub_offline, hub_reachable
 from megatron_ext.claims import DEFAULT_TIMEOUT_S, ClaimPolicy
 from megatron_ext.eval.families import FAMILIES
-from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS
+from megatron_ext.eval.finetuning import PAPER_LR_GRID, PAPER_SEEDS
 from megatron_ext.eval.suite import TASKS
 from megatron_ext.cli.entry import ArgumentParser, entry_point
 from megatron_ext.processes import signal_handlers

@@ -12,7 +12,7 @@ interrupted fetch resumes. Copy the folder to the cluster and evaluate there wit
 
     python tools/evaluate.py --models ... --tasks paper --benchmarks-dir /shared/benchmarks --output-dir runs/eval
 
-The datasets, their columns and splits are in :mod:`megatron_ext.eval.benchmarks` and
+The datasets, their columns and splits are in :mod:`megatron_ext.eval.hub_datasets` and
 docs/eval_suite.md ("The paper's benchmarks"). MS MARCO's and NQ's BEIR corpora are large
 (8.8 M and 2.7 M passages); the conversion keeps only the passages the qrels judge.
 """
@@ -23,7 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_ext.eval.benchmarks import BENCHMARKS, TASK_GROUPS, expand_tasks, fetch, hub_endpoint, hub_reachable
+from megatron_ext.eval.hub_datasets import BENCHMARKS, TASK_GROUPS, expand_tasks, fetch, hub_endpoint, hub_reachable
 from megatron_ext.cli.entry import ArgumentParser, entry_point
 from megatron_ext.config_loading import UserError
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_ext.config_loading import UserError
 
 if TYPE_CHECKING:
-    from megatron_ext.eval.protocol import FinetuneConfig, RunResult
+    from megatron_ext.eval.finetuning import FinetuneConfig, RunResult
 
 SPLITS = ("train", "validation", "test")
 """The splits every task has (IR adds ``corpus``; a test-only task has just ``test``)."""

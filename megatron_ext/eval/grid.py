@@ -1,7 +1,7 @@
 """The evaluation grid: one run per (model, task, LR, seed), its record, and the workers that share the grid.
 
 A :class:`RunSpec` is one run of a model (:class:`ModelRef`) on a task (:class:`TaskRef`) through
-the task family's ``run`` (:mod:`.families`) under the shared protocol (:mod:`.protocol`); once
+the task family's ``run`` (:mod:`.families`) under the shared protocol (:mod:`.finetuning`); once
 done it is a :class:`RunRecord`, saved to ``runs/<model>/<task>/lr<lr>_seed<seed>.json``
 (:func:`run_path`). A run whose loss turns non-finite is recorded as ``diverged`` and scored
 :data:`DIVERGED_SCORE`. Zero-shot families train nothing: their tasks get one run per model
@@ -28,7 +28,7 @@ from typing import Any, Literal
 from megatron_ext.claims import Claim, ClaimPolicy, Holder, Owner, try_claim
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval.families import FAMILIES
-from megatron_ext.eval.protocol import FinetuneConfig, RunResult
+from megatron_ext.eval.finetuning import FinetuneConfig, RunResult
 from megatron_ext.fileio import write_atomic
 from megatron_ext.training.step_log import duration
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_ext.claims import ClaimPolicy, Holder, Owner, try_claim
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval.aggregation import TaskResult, aggregate_grid
-from megatron_ext.eval.benchmarks import BENCHMARKS, TASK_GROUPS, expand_tasks, prepare_benchmarks
+from megatron_ext.eval.hub_datasets import BENCHMARKS, TASK_GROUPS, expand_tasks, prepare_benchmarks
 from megatron_ext.eval.families import FAMILIES, family_of
 from megatron_ext.eval.grid import (
     GridWorker,
@@ -57,14 +57,14 @@ from megatron_ext.eval.grid import (
     run_path,
     shared_runs,
 )
-from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS
+from megatron_ext.eval.finetuning import PAPER_LR_GRID, PAPER_SEEDS
 from megatron_ext.eval.render import write_summary
 from megatron_ext.eval.suite import TASKS, build_task
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task
 from megatron_ext.fileio import write_atomic
 
 if TYPE_CHECKING:
-    from megatron_ext.checkpoint.resolved import Checkpoint
+    from megatron_ext.checkpoint.reader import Checkpoint
 
 _NAME = re.compile(r"^[\w.+-]+$")
 _SELECTION = re.compile(r"^(all|\d+(,\d+)*)$")
@@ -110,7 +110,7 @@ def _split_selection(path: str) -> tuple[str, str | None]:
 
 def _selected_checkpoints(spec: str, save_dir: Path, selection: str) -> list[Checkpoint]:
     """The checkpoints of ``save_dir`` that ``selection`` (``all`` or ``STEP,STEP``) names, by step."""
-    from megatron_ext.checkpoint.resolved import Checkpoint
+    from megatron_ext.checkpoint.reader import Checkpoint
 
     found = Checkpoint.every(save_dir)
     if not found:
@@ -149,7 +149,7 @@ def resolve_models(models: Sequence[str], output_dir: Path, *, export: bool = Tr
     checkpoints and ``PATH@STEP,STEP,...`` for those steps (each must exist), as models
     ``NAME@STEP``.
     """
-    from megatron_ext.checkpoint.resolved import Checkpoint
+    from megatron_ext.checkpoint.reader import Checkpoint
 
     refs: list[ModelRef] = []
     bases: set[str] = set()
@@ -285,7 +285,7 @@ def evaluate_models(models: Sequence[str], tasks: Sequence[str], *, output_dir: 
         models: HF encoder directories or Megatron checkpoints, each ``PATH`` or ``NAME=PATH``; a
             save directory's checkpoints as ``PATH@all`` or ``PATH@STEP,STEP`` (:func:`resolve_models`).
         tasks: Names in :data:`~megatron_ext.eval.suite.TASKS`, benchmarks in
-            :data:`~megatron_ext.eval.benchmarks.BENCHMARKS` (``paper``: the paper's twelve), or task
+            :data:`~megatron_ext.eval.hub_datasets.BENCHMARKS` (``paper``: the paper's twelve), or task
             directories with ``task.json``.
         output_dir: Receives ``runs/``, ``exported/``, the summaries and plots (module docstring).
         lrs: Fine-tuning learning rates (default: the paper's grid); zero-shot tasks run once

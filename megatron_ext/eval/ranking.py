@@ -4,7 +4,7 @@ The paper (arXiv 2507.00994) does not only compare mean test scores: its harness
 the models of each task with head-to-head paired tests on the same test examples and clusters
 them, so that models whose difference is not significant share a rank
 (``encodeval/system_ranking.py``). This module does the same from the per-example scores each
-fine-tuning run saves (:attr:`megatron_ext.eval.protocol.RunResult.per_example`).
+fine-tuning run saves (:attr:`megatron_ext.eval.finetuning.RunResult.per_example`).
 
 EncodEval's method
 ------------------

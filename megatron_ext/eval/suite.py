@@ -644,6 +644,7 @@ TASKS: dict[str, TaskSpec] = {
             test_fraction=0.2, split_key="lee", build=_build_news_cloze(unanswerable=False),
         ),
         TaskSpec(
+            # Deliberately news_cloze's entry again with unanswerable queries added (SQuAD v2 beside v1).
             name="news_cloze_v2", family="qa", metric="SQuAD v2 F1 (and exact match)", labels=(),
             description="news_cloze plus unanswerable queries with empty answers (SQuAD v2-like)",
             sources=(("gensim", _LEE_BACKGROUND_MEMBER), ("gensim", _LEE_MEMBER)), license=_LEE_LICENSE,

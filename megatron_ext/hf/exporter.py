@@ -48,7 +48,7 @@ from megatron_ext.tokenizer import (
     _load_transformers_tokenizer,
     build_tokenizer,
 )
-from megatron_ext.checkpoint.resolved import Checkpoint
+from megatron_ext.checkpoint.reader import Checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

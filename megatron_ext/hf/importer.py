@@ -54,7 +54,7 @@ from megatron_ext.hf.runtime import build_local_model, single_process_model_para
 from megatron_ext.model import EncoderModelConfig
 from megatron_ext.model.config import padded_vocab_size, tensor_parallel_problem
 from megatron_ext.tokenizer import HUGGINGFACE, MissingSpecialTokenError, TokenizerConfig, build_tokenizer
-from megatron_ext.checkpoint.megatron_io import save_checkpoint
+from megatron_ext.checkpoint.writer import save_checkpoint
 
 LLAMA3_MASK_TOKEN = "<|reserved_special_token_0|>"
 NEW_MASK_TOKEN = "<|mask|>"

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_ext import hardware
+from megatron_ext import process_group
 from megatron_ext.config_loading import UserError
 from megatron_ext.model import EncoderModel, EncoderModelConfig, build_encoder_model
-from megatron_ext.checkpoint.resolved import Checkpoint
+from megatron_ext.checkpoint.reader import Checkpoint
 
 
 @contextlib.contextmanager
@@ -34,12 +34,12 @@ def single_process_model_parallel() -> Iterator[None]:
             yield
             return
         with tempfile.TemporaryDirectory() as tmp:
-            hardware.init_process_group_and_model_parallel(
+            process_group.init_process_group_and_model_parallel(
                 init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
             try:
                 yield
             finally:
-                hardware.destroy_process_group_and_model_parallel()
+                process_group.destroy_process_group_and_model_parallel()
 
 
 def build_local_model(config: EncoderModelConfig) -> EncoderModel:

@@ -130,6 +130,8 @@ if HAVE_TE:
         ``cu_seqlens``) route for documents is the faster GPU path and is not wired yet.
         """
 
+        # The same signature as SDPAttention.forward, deliberately: both are Megatron's core-attention
+        # interface (``DotProductAttention.forward``), which the layer calls either way.
         def forward(  # type: ignore[override]
             self,
             query: Tensor,

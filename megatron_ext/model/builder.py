@@ -55,7 +55,7 @@ class EncoderModel(GPTModel):
         te_linears_only = (transformer_config.gradient_accumulation_fusion
                            and not hardware.megatron_linear_wgrad_fusion_available())
         if te_linears_only:
-            if config.transformer_impl != "te":
+            if not config.transformer_impl.uses_transformer_engine:
                 raise UserError(
                     "training.gradient_accumulation_fusion with model.transformer_impl: local needs apex's "
                     "fused_weight_gradient_mlp_cuda (Megatron's linear layers), which does not import here; "
@@ -249,7 +249,7 @@ def build_encoder_model(
     transformer_overrides: Mapping[str, Any] | None = None,
 ) -> EncoderModel:
     """Build this rank's part of the encoder; needs ``parallel_state`` initialised
-    (``megatron_ext.hardware.init_process_group_and_model_parallel``).
+    (``megatron_ext.process_group.init_process_group_and_model_parallel``).
 
     ``pre_process``/``post_process``: whether this pipeline stage holds the embedding / the
     final norm and LM head.
@@ -257,7 +257,7 @@ def build_encoder_model(
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "Megatron parallel_state is not initialised; call "
-            "megatron_ext.hardware.init_process_group_and_model_parallel() first"
+            "megatron_ext.process_group.init_process_group_and_model_parallel() first"
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if (problem := tensor_parallel_problem(config, tp)) is not None:
@@ -265,7 +265,7 @@ def build_encoder_model(
     if config.vocab_size % tp:
         raise UserError(f"EncoderModelConfig.vocab_size={config.vocab_size} is not divisible by the "
                         f"tensor-parallel size {tp} (pad the vocabulary)")
-    if config.transformer_impl == "te":
+    if config.transformer_impl.uses_transformer_engine:
         require_transformer_engine()
     hardware.check_model_parallel_supported(
         tensor_parallel_size=tp,

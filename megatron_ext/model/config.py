@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from megatron_ext.config_loading import UserError
+from megatron_ext.transformer_impl import TransformerImpl
 
 LLAMA3_VOCAB_SIZE = 128_256
 LLAMA3_EOD_TOKEN_ID = 128_001
@@ -56,9 +57,10 @@ class EncoderModelConfig:
     """Biases on the query/key/value projections only (Qwen2; Megatron ``--add-qkv-bias``)."""
     qk_layernorm: bool = False
     """Per-head RMSNorm on queries and keys before RoPE (Qwen3; Megatron ``--qk-layernorm``)."""
-    transformer_impl: Literal["local", "te"] = "local"
+    transformer_impl: TransformerImpl = TransformerImpl.LOCAL
     """Which implementation of the transformer layer the model is built from (the layer
-    ``ModuleSpec``; Megatron-LM's ``--transformer-impl``). ``local``: Megatron-Core's own modules
+    ``ModuleSpec``; Megatron-LM's ``--transformer-impl``), given as ``local`` or ``te``
+    (:class:`~megatron_ext.transformer_impl.TransformerImpl`). ``local``: Megatron-Core's own modules
     with PyTorch scaled_dot_product_attention, CPU and GPU. ``te``: Transformer Engine's modules
     (fused norm + linear, fused attention, FP8), GPU only; needs ``transformer_engine``. Both hold
     the same weights. Older recipes and checkpoints spell it ``attention_backend``
@@ -108,11 +110,7 @@ class EncoderModelConfig:
             )
         if self.head_dim % 2:
             raise UserError(f"EncoderModelConfig: RoPE needs an even head dim, got {self.head_dim}")
-        if self.transformer_impl not in ("local", "te"):
-            raise UserError(
-                f"EncoderModelConfig.transformer_impl must be 'local' or 'te', "
-                f"got {self.transformer_impl!r}"
-            )
+        self.transformer_impl = TransformerImpl.parse(self.transformer_impl, "EncoderModelConfig.transformer_impl")
         if self.params_dtype not in _DTYPES:
             raise UserError(f"EncoderModelConfig.params_dtype must be one of {sorted(_DTYPES)}, "
                             f"got {self.params_dtype!r}")

@@ -23,8 +23,8 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from megatron_ext.config_loading import UserError
 from megatron_ext.model.attention import SDPAttention, TEEncoderAttention
+from megatron_ext.transformer_impl import TransformerImpl
 
 # Core attention reads the pattern per call (attention.py); this construction-time type only
 # reaches Megatron code paths we do not use (inference KV cache).
@@ -114,6 +114,8 @@ def _te_backend(fuse_weight_gradients: bool):
 
 
 def _te_layer(qk_layernorm: bool, fuse_weight_gradients: bool = False) -> ModuleSpec:
+    # Deliberately the same shape as _local_layer, slot for slot: both specs must hold the same
+    # weights under the same checkpoint keys, so a change to one is a change to both.
     require_transformer_engine()
     backend = _te_backend(fuse_weight_gradients)
     qk_norm = backend.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm else None
@@ -140,7 +142,7 @@ def _te_layer(qk_layernorm: bool, fuse_weight_gradients: bool = False) -> Module
 
 
 def encoder_block_spec(
-    transformer_impl: str, num_layers: int, *, qk_layernorm: bool = False,
+    transformer_impl: TransformerImpl | str, num_layers: int, *, qk_layernorm: bool = False,
     te_linears_fuse_weight_gradients: bool = False,
 ) -> ModuleSpec:
     """Spec of a ``TransformerBlock`` of ``num_layers`` encoder layers and its final RMSNorm.
@@ -151,17 +153,16 @@ def encoder_block_spec(
     accumulate weight gradients into ``main_grad`` even where the model's config has
     ``gradient_accumulation_fusion`` off (see ``EncoderModel``).
     """
-    if te_linears_fuse_weight_gradients and transformer_impl != "te":
+    transformer_impl = TransformerImpl(transformer_impl)
+    if te_linears_fuse_weight_gradients and not transformer_impl.uses_transformer_engine:
         raise ValueError("te_linears_fuse_weight_gradients needs transformer_impl='te'")
-    if transformer_impl == "local":
-        layer, final_norm = _local_layer(qk_layernorm), WrappedTorchNorm
-    elif transformer_impl == "te":
+    if transformer_impl.uses_transformer_engine:
         layer = _te_layer(qk_layernorm, te_linears_fuse_weight_gradients)
         from megatron.core.extensions.transformer_engine import TENorm
 
         final_norm = TENorm
     else:
-        raise UserError(f"transformer_impl must be 'local' or 'te', got {transformer_impl!r}")
+        layer, final_norm = _local_layer(qk_layernorm), WrappedTorchNorm
     return ModuleSpec(
         module=TransformerBlock,
         submodules=TransformerBlockSubmodules(

@@ -631,7 +631,7 @@ def study_gpus_per_run(plan, size: str, *, gpus_per_node: int) -> int:
 def finetune_families(tasks: Iterable[str]) -> list[tuple[str, str, bool]]:
     """``(task, family, zero-shot)`` of each of ``tasks`` as ``evaluate.py --tasks`` takes them,
     without building or reading any (a task directory's ``task.json`` is read)."""
-    from megatron_ext.eval.benchmarks import BENCHMARKS, expand_tasks
+    from megatron_ext.eval.hub_datasets import BENCHMARKS, expand_tasks
     from megatron_ext.eval.families import FAMILIES
     from megatron_ext.eval.suite import TASKS
 
@@ -709,7 +709,7 @@ def _finetune_measurement(results_dir: Path | None, kind: str) -> tuple[dict, st
 def evaluation_cost(plan, *, speeds: SpeedTable, calibrated: dict[tuple[str, str], float] | None = None
                     ) -> EvaluationCost | None:
     """The fine-tuning runs of the study's ``evaluation:`` section and their time (module docstring)."""
-    from megatron_ext.eval.protocol import PAPER_LR_GRID, PAPER_SEEDS
+    from megatron_ext.eval.finetuning import PAPER_LR_GRID, PAPER_SEEDS
 
     spec = plan.study.evaluation
     if spec is None:

@@ -36,7 +36,7 @@ from typing import Literal
 
 import yaml
 
-from megatron_ext.checkpoint.resolved import Checkpoint
+from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import write_atomic
 from megatron_ext.study.plan import PlannedRun, Segment, StudyPlan, plan_to_dict

@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -38,7 +40,93 @@ from megatron_ext.model.config import PRESETS, EncoderModelConfig, padded_vocab_
 from megatron_ext.schedule import LRScheduleConfig, Phase, ResolvedPhase, lr_at, resolve_phases
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.checkpoint.config import CheckpointConfig
-from megatron_ext.training.data import DataConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Which data to read and how to batch it; names follow Megatron-LM's flags."""
+
+    data_path: tuple[str, ...]
+    """``--data-path``: dataset prefixes (``{prefix}.bin``/``.idx``), or alternating
+    ``weight prefix weight prefix ...`` to blend them in those proportions. Several prefixes without
+    weights blend in proportion to their sizes, one pass over each (Megatron never repeats them)."""
+    split: str = "98,2,0"
+    """``--split``: comma-separated train,valid,test proportions of each prefix's sequences."""
+    seq_length: int
+    """``--seq-length``: tokens per sample."""
+    micro_batch_size: int
+    """``--micro-batch-size``: samples per forward/backward pass on one data-parallel rank."""
+    global_batch_size: int
+    """``--global-batch-size``: samples per optimizer step, over all data-parallel ranks."""
+    num_workers: int = 0
+    """``--num-workers``: DataLoader worker processes (0: load in the training process)."""
+    data_cache_path: str | None = None
+    """``--data-cache-path``: where Megatron caches its index arrays. None: ``cache/<fingerprint>``
+    in the directory of the first prefix, the fingerprint changing whenever the data files do."""
+    eval_iters: int = 100
+    """``--eval-iters``: global batches per evaluation (0: no validation)."""
+    reset_position_ids: bool = False
+    """``--reset-position-ids``: restart position ids after each EOD token."""
+    reset_attention_mask: bool = False
+    """``--reset-attention-mask``: keep attention within documents; batches then carry Megatron's
+    ``attention_mask`` ``[b, 1, s, s]`` (bool, True = masked out; causal, as GPTDataset builds it)."""
+    eod_mask_loss: bool = False
+    """``--eod-mask-loss``: give no loss to positions whose input token is EOD."""
+    max_tokens_to_scan: int = 100_000_000
+    """Datasets with at most this many tokens are scanned whole at start-up for ids outside the
+    tokenizer vocab (fast with numpy); larger ones rely on the per-batch check. 0: never scan."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data_path, str) or not self.data_path:
+            raise UserError(f"data_path: expected a non-empty list of prefixes, got {self.data_path!r}")
+        object.__setattr__(self, "data_path", tuple(self.data_path))
+        prefixes, weights = self.blend
+        if weights is None and any(_is_number(p) for p in prefixes):
+            raise UserError(
+                f"data_path {list(self.data_path)}: expected either only prefixes or alternating "
+                "'weight prefix' pairs, got a mix"
+            )
+        if weights is not None and not all(w > 0 for w in weights):
+            raise UserError(f"data_path: blend weights must be > 0, got {weights}")
+        split_proportions(self.split)
+        for name in ("seq_length", "micro_batch_size", "global_batch_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        for name in ("num_workers", "eval_iters", "max_tokens_to_scan"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name}: expected >= 0, got {getattr(self, name)}")
+
+    @property
+    def blend(self) -> tuple[list[str], list[float] | None]:
+        """``data_path`` as Megatron's ``(prefixes, weights or None)``, the pair its
+        ``datasets.utils.get_blend_from_list`` returns (tested equal): ``weight prefix`` pairs when
+        every other entry from the first is a number, prefixes alone otherwise. Parsed here so that
+        reading a recipe (and ``--dry-run``) imports no Megatron."""
+        entries = [entry.strip() for entry in self.data_path]
+        if len(entries) % 2 == 0 and all(_is_number(weight) for weight in entries[::2]):
+            return entries[1::2], [float(weight) for weight in entries[::2]]
+        return entries, None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def split_proportions(split: str) -> list[float]:
+    """``data.split`` as its train, valid, test proportions (``UserError`` naming it otherwise)."""
+    try:
+        parts = [float(p) for p in split.split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(p < 0 or not math.isfinite(p) for p in parts) or parts[0] <= 0:
+        raise UserError(
+            f"split: expected 'train,valid,test' proportions such as '98,2,0' (train > 0), got {split!r}"
+        )
+    return parts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,11 +226,12 @@ class TrainingConfig:
     masked ones) instead of at every position: same loss and gradients, and on MLM steps
     ``1 - mask_ratio`` of the head's FLOPs and logits memory saved (the head is ~20 % of a
     step's FLOPs at 610M with the 128k vocabulary). ``false``: GPTModel's full head."""
-    cuda_graphs: Literal["none", "local", "transformer_engine"] = "none"
+    cuda_graphs: Literal["none", "megatron", "transformer_engine"] = "none"
     """CUDA graphs of the transformer layers (Megatron ``--cuda-graph-impl``; GPU only): each
     layer's forward and backward replayed as one graph, which removes the per-module CPU launch
-    cost that leaves the GPU idle when the host is slower than the kernels. ``local`` is
-    Megatron-Core's own ``CudaGraphManager``: graphs are captured once, during the run's first
+    cost that leaves the GPU idle when the host is slower than the kernels. Named after who
+    captures them. ``megatron`` is Megatron-Core's own ``CudaGraphManager`` (Megatron's value
+    ``local``, which older recipes spell too: :data:`RENAMED_VALUES`): graphs are captured once, during the run's first
     step, for every attention pattern the run's phases use (CLM causal, MLM bidirectional: one
     graph per layer and pattern, sharing one memory pool), and replayed by pattern after that;
     validation runs eagerly. ``transformer_engine`` (TE's ``make_graphed_callables``) is refused:
@@ -256,7 +345,7 @@ class RunConfig:
         if self.training.rope_fusion and self.data.reset_position_ids:
             raise ConfigError("training.rope_fusion needs data.reset_position_ids: false (Transformer Engine's fused "
                               "RoPE takes one position table for the whole batch, not positions per sequence)")
-        if self.training.fp8_recipe is not None and self.model.transformer_impl != "te":
+        if self.training.fp8_recipe is not None and not self.model.transformer_impl.uses_transformer_engine:
             # Refused rather than switched: the bf16 default is the local spec because it measured
             # faster (benchmarks/results/recipe_defaults.md); a silent switch would hide that FP8 runs
             # the other layer implementation.
@@ -354,6 +443,7 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: unknown section(s) {unknown}; valid sections: {sorted(TOP_LEVEL_KEYS)}")
     if isinstance(raw.get("model"), dict):  # before merging: a base and its child may spell a key differently
         raw["model"] = with_current_model_keys(raw["model"], f"{path} model", warn=True)
+    raw = with_current_values(raw, str(path))
     if "base" in raw:
         base = read_recipe(path.parent / raw.pop("base"))
         raw = deep_merge(base, raw)
@@ -436,13 +526,32 @@ REMOVED_KEYS = {
 }
 """Keys older recipes may hold, and why each is refused (rather than only listed as unknown)."""
 
+RENAMED_VALUES = {("training", "cuda_graphs"): {"local": "megatron"}}
+"""Old values and their current spelling, per key: recipes and saved run configs written before the
+rename still read (``cuda_graphs: local``, Megatron's name for its own graphs, read as if it were
+``model.transformer_impl: local``, a different choice)."""
+
+
+def with_current_values(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """``raw`` (a recipe's sections) with :data:`RENAMED_VALUES` spelled as today, saying so once
+    for ``where`` (the recipe file, or what else holds the sections)."""
+    out = dict(raw)
+    for (section, key), renamed in RENAMED_VALUES.items():
+        block = out.get(section)
+        if isinstance(block, dict) and isinstance(block.get(key), str) and block[key] in renamed:
+            new = renamed[block[key]]
+            warnings.warn(f"{where}: {section}.{key}: {block[key]!r} is now {new!r} (read as such); rename it",
+                          FutureWarning, stacklevel=2)
+            out[section] = {**block, key: new}
+    return out
+
 
 def run_config_from_dict(raw: dict[str, Any], *, tokenizer_vocab_size: int | None = None) -> RunConfig:
     """Validate a merged recipe into a :class:`RunConfig` (errors name the section and key)."""
     missing = [s for s in ("model", "tokenizer", "data", "phases", "training") if s not in raw]
     if missing:
         raise ConfigError(f"recipe: missing section(s) {missing}")
-    sections = {name: raw.get(name, {}) or {} for name in SECTIONS}
+    sections = with_current_values({name: raw.get(name, {}) or {} for name in SECTIONS}, "run config")
     for (section, key), why in REMOVED_KEYS.items():
         if isinstance(sections[section], dict) and key in sections[section]:
             raise ConfigError(f"{section}.{key}: {why}")

@@ -3,7 +3,7 @@
 
 Why: the 1B model on an H200 (seq 2,048, 6 micro-batches of 3) spends 587 ms of GPU time in a
 854 ms step: the host, launching Transformer Engine's modules at 200-400 us of CPU each, is the
-bottleneck (issue 32). A graph replays a whole layer's forward (or backward) with one launch.
+bottleneck. A graph replays a whole layer's forward (or backward) with one launch.
 
 How Megatron-Core does it, and what this module adds around it:
 
@@ -73,7 +73,7 @@ the 1b throughput shape (seq 2,048, 6 micro-batches of 3) went from 0.741 to 0.7
 (x1.02: the local spec's modules cost the host little) and from 32.3 to 23.3 GB peak allocated.
 Through the trainer's loop, a graphed biphasic run stopped at step 20 and resumed trained steps
 21-40 exactly as the uninterrupted graphed run, and so did its checkpoint resumed without graphs.
-The TE spec, the target of issue 32, and FP8 under graphs are not measured yet.
+The TE spec, whose host-bound steps graphs are meant for, and FP8 under graphs are not measured yet.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ REFUSED_IMPLEMENTATIONS = {
     "transformer_engine": "Transformer Engine's make_graphed_callables captures each layer with Megatron's sample "
                           "arguments (a dense causal [b, 1, s, s] mask) and replays a None mask as a dense zero mask, "
                           "so the per-call attention pattern (CLM causal, MLM bidirectional) would not reach the "
-                          "attention; use training.cuda_graphs: local (Megatron's CudaGraphManager, which graphs "
+                          "attention; use training.cuda_graphs: megatron (Megatron's CudaGraphManager, which graphs "
                           "Transformer Engine layers too)",
 }
 
@@ -139,7 +139,7 @@ def enabled(config: Any) -> bool:
 def uses_te_rng_tracker(config: Any) -> bool:
     """Transformer Engine's RNG tracker for graphed runs of the ``te`` spec, as Megatron-LM
     switches to it whenever graphs meet TE layers (``training/arguments.py``)."""
-    return enabled(config) and config.model.transformer_impl == "te" and hardware.transformer_engine_available()
+    return enabled(config) and config.model.transformer_impl.uses_transformer_engine and hardware.transformer_engine_available()
 
 
 def transformer_overrides(config: Any) -> dict:
@@ -185,7 +185,7 @@ class LayerGraphs:
         layers = _decoder_layers(model)
         missing = [layer.layer_number for layer in layers if not hasattr(layer, "cudagraph_manager")]
         if not layers or missing:
-            raise RuntimeError("training.cuda_graphs: local, but the model's layers have no CudaGraphManager "
+            raise RuntimeError("training.cuda_graphs: megatron, but the model's layers have no CudaGraphManager "
                                f"(layers {missing}): build the model with the engine's transformer overrides "
                                "(megatron_transformer_overrides) after cuda_graphs.prepare_rng")
 

@@ -20,7 +20,6 @@ Batches follow Megatron's ``MegatronPretrainingSampler``: global batch ``k`` is 
 
 from __future__ import annotations
 
-import math
 import hashlib
 import os
 import struct
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_ext.config_loading import UserError
+from megatron_ext.training.config import DataConfig, split_proportions
 from megatron_ext.tokenizer import EncoderTokenizer
 
 if TYPE_CHECKING:
@@ -38,92 +38,6 @@ if TYPE_CHECKING:
 
 SPLIT_NAMES = ("train", "valid", "test")
 _INDEX_PREAMBLE = struct.Struct("<9sQBQQ")  # header, version, dtype code, sequences, documents
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    """Which data to read and how to batch it; names follow Megatron-LM's flags."""
-
-    data_path: tuple[str, ...]
-    """``--data-path``: dataset prefixes (``{prefix}.bin``/``.idx``), or alternating
-    ``weight prefix weight prefix ...`` to blend them in those proportions. Several prefixes without
-    weights blend in proportion to their sizes, one pass over each (Megatron never repeats them)."""
-    split: str = "98,2,0"
-    """``--split``: comma-separated train,valid,test proportions of each prefix's sequences."""
-    seq_length: int
-    """``--seq-length``: tokens per sample."""
-    micro_batch_size: int
-    """``--micro-batch-size``: samples per forward/backward pass on one data-parallel rank."""
-    global_batch_size: int
-    """``--global-batch-size``: samples per optimizer step, over all data-parallel ranks."""
-    num_workers: int = 0
-    """``--num-workers``: DataLoader worker processes (0: load in the training process)."""
-    data_cache_path: str | None = None
-    """``--data-cache-path``: where Megatron caches its index arrays. None: ``cache/<fingerprint>``
-    in the directory of the first prefix, the fingerprint changing whenever the data files do."""
-    eval_iters: int = 100
-    """``--eval-iters``: global batches per evaluation (0: no validation)."""
-    reset_position_ids: bool = False
-    """``--reset-position-ids``: restart position ids after each EOD token."""
-    reset_attention_mask: bool = False
-    """``--reset-attention-mask``: keep attention within documents; batches then carry Megatron's
-    ``attention_mask`` ``[b, 1, s, s]`` (bool, True = masked out; causal, as GPTDataset builds it)."""
-    eod_mask_loss: bool = False
-    """``--eod-mask-loss``: give no loss to positions whose input token is EOD."""
-    max_tokens_to_scan: int = 100_000_000
-    """Datasets with at most this many tokens are scanned whole at start-up for ids outside the
-    tokenizer vocab (fast with numpy); larger ones rely on the per-batch check. 0: never scan."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.data_path, str) or not self.data_path:
-            raise UserError(f"data_path: expected a non-empty list of prefixes, got {self.data_path!r}")
-        object.__setattr__(self, "data_path", tuple(self.data_path))
-        prefixes, weights = self.blend
-        if weights is None and any(_is_number(p) for p in prefixes):
-            raise UserError(
-                f"data_path {list(self.data_path)}: expected either only prefixes or alternating "
-                "'weight prefix' pairs, got a mix"
-            )
-        if weights is not None and not all(w > 0 for w in weights):
-            raise UserError(f"data_path: blend weights must be > 0, got {weights}")
-        _split_vector(self.split)
-        for name in ("seq_length", "micro_batch_size", "global_batch_size"):
-            if getattr(self, name) < 1:
-                raise UserError(f"{name}: expected >= 1, got {getattr(self, name)}")
-        for name in ("num_workers", "eval_iters", "max_tokens_to_scan"):
-            if getattr(self, name) < 0:
-                raise UserError(f"{name}: expected >= 0, got {getattr(self, name)}")
-
-    @property
-    def blend(self) -> tuple[list[str], list[float] | None]:
-        """``data_path`` as Megatron's ``(prefixes, weights or None)``, the pair its
-        ``datasets.utils.get_blend_from_list`` returns (tested equal): ``weight prefix`` pairs when
-        every other entry from the first is a number, prefixes alone otherwise. Parsed here so that
-        reading a recipe (and ``--dry-run``) imports no Megatron."""
-        entries = [entry.strip() for entry in self.data_path]
-        if len(entries) % 2 == 0 and all(_is_number(weight) for weight in entries[::2]):
-            return entries[1::2], [float(weight) for weight in entries[::2]]
-        return entries, None
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _split_vector(split: str) -> list[float]:
-    try:
-        parts = [float(p) for p in split.split(",")]
-    except ValueError:
-        parts = []
-    if not 1 <= len(parts) <= 3 or any(p < 0 or not math.isfinite(p) for p in parts) or parts[0] <= 0:
-        raise UserError(
-            f"split: expected 'train,valid,test' proportions such as '98,2,0' (train > 0), got {split!r}"
-        )
-    return parts
 
 
 # --- validating .bin/.idx pairs ---------------------------------------------------------------
@@ -278,7 +192,7 @@ def _short_splits(split: str, indexes: list[_Index], min_tokens: int) -> list[st
 
 
 def _suggest_split(split: str, indexes: list[_Index], min_tokens: int) -> str:
-    shared = [i for i, share in enumerate(_split_vector(split)[1:3], start=1) if share > 0]
+    shared = [i for i, share in enumerate(split_proportions(split)[1:3], start=1) if share > 0]
     for percent in range(1, 100 // (len(shared) + 1) + 1):
         candidate = [100 - percent * len(shared), *(percent if i in shared else 0 for i in (1, 2))]
         candidate_split = ",".join(map(str, candidate))

@@ -33,16 +33,16 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ext.config_loading import UserError
-from megatron_ext import hardware, processes
+from megatron_ext import hardware, process_group, processes
 from megatron_ext.model import build_encoder_model
 from megatron_ext.objectives import Objective, PhaseProgress, Vocabulary
 from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at
 from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
-from megatron_ext.checkpoint import megatron_io as ckpt
 from megatron_ext.checkpoint.config import check_nvrx_async_writer
-from megatron_ext.checkpoint.resolved import Checkpoint
+from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, Checkpoint, intact_checkpoints
 from megatron_ext.checkpoint.lock import SaveDirectoryLock
 from megatron_ext.checkpoint.resume import BRANCHED_FROM, load_starting_point
+from megatron_ext.checkpoint.writer import CheckpointSaver
 from megatron_ext.training import data as data_lib
 from megatron_ext.training import cuda_graphs
 from megatron_ext.training.branching import check_saved_parent
@@ -211,7 +211,7 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
     owns_process_group = not dist.is_initialized()
     try:
         if owns_process_group:
-            hardware.init_process_group_and_model_parallel(
+            process_group.init_process_group_and_model_parallel(
                 tensor_parallel_size=config.parallel.tensor_model_parallel_size,
                 pipeline_parallel_size=config.parallel.pipeline_model_parallel_size,
                 seed=config.training.seed,
@@ -220,7 +220,7 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
             return _pretrain(config, exit_after_step=exit_after_step)
     finally:
         if owns_process_group:
-            hardware.destroy_process_group_and_model_parallel()
+            process_group.destroy_process_group_and_model_parallel()
 
 
 def _build_model_and_engine(config: RunConfig, device: torch.device) -> MegatronEngine:
@@ -298,8 +298,8 @@ class _RunCheckpoints:
         self.engine = engine
         self.lock = lock
         self.run_config = config.to_dict()
-        self.tokenizer_reference = {**tokenizer.reference(), ckpt.TOKENIZER_FINGERPRINT: tokenizer.fingerprint()}
-        self.saver = ckpt.CheckpointSaver(async_save=self.config.async_save, async_strategy=self.config.async_strategy)
+        self.tokenizer_reference = {**tokenizer.reference(), TOKENIZER_FINGERPRINT: tokenizer.fingerprint()}
+        self.saver = CheckpointSaver(async_save=self.config.async_save, async_strategy=self.config.async_strategy)
 
     def save(self, step: int, trainer_state: dict) -> str:
         """Save (or start saving) the state after ``step``; returns the checkpoint's path."""
@@ -373,7 +373,7 @@ def _check_save_space(config: RunConfig) -> None:
     verdict: list = [None]
     if dist.get_rank() == 0:
         save_dir = Path(config.checkpoint.save)
-        kept = ckpt.intact_checkpoints(save_dir)[-config.checkpoint.keep_last:]
+        kept = intact_checkpoints(save_dir)[-config.checkpoint.keep_last:]
         sizes = [storage.directory_bytes(path) for path in kept]
         check = storage.SpaceCheck(save_dir=save_dir, checkpoint_bytes=sizes[-1] if sizes else
                                    checkpoint_bytes_estimate(config), measured=bool(sizes),

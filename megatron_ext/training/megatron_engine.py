@@ -14,15 +14,15 @@ with ``calculate_per_token_loss``, so ``finalize_model_grads`` divides the summe
 the global token count (Megatron-LM's ``--calculate-per-token-loss``): every rank
 back-propagates the SUM of its token losses, and the update does not depend on how the global
 batch is split into micro-batches or ranks. Those pieces assume CUDA; on CPU they run over gloo
-with Megatron's CUDA-only calls redirected (``hardware``, divergence 7, on from
-``hardware.init_process_group_and_model_parallel``), so a parallel layout can be debugged on a
+with Megatron's CUDA-only calls redirected (``cuda_on_cpu``, on from
+``process_group.init_process_group_and_model_parallel``), so a parallel layout can be debugged on a
 laptop with the code a cluster runs.
 
 Mixed precision: bf16 autocast of the forward (``training.bf16``), optionally bf16 parameters
 with fp32 main parameters (``model.params_dtype: bfloat16``, Megatron's ``Float16Module``), fp32
 loss and gradient buffers; FP8 (Transformer Engine) comes from the model's ``TransformerConfig``.
 
-CUDA graphs of the transformer layers (``training.cuda_graphs: local``): Megatron-Core's
+CUDA graphs of the transformer layers (``training.cuda_graphs: megatron``): Megatron-Core's
 ``CudaGraphManager`` in every layer; the engine primes and captures them on its first training
 step, runs validation eagerly and deletes them in ``close`` (``training.cuda_graphs``).
 """
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_ext import hardware
+from megatron_ext import cuda_on_cpu, hardware
 from megatron_ext.checkpoint.resume import TrainingState
 from megatron_ext.objectives import ObjectiveBatch
 from megatron_ext.training import cuda_graphs
@@ -115,7 +115,7 @@ class MegatronEngine(TrainingState):
     checkpoints save and load is its :class:`~megatron_ext.checkpoint.resume.TrainingState`."""
 
     def __init__(self, model: torch.nn.Module, config: RunConfig):
-        hardware.check_megatron_runs_here("the Megatron engine")
+        cuda_on_cpu.check_megatron_runs_here("the Megatron engine")
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer

@@ -238,7 +238,7 @@ def largest_micro_batch(config: RunConfig, *, world_size: int, usable_bytes: int
     and with it the training, is unchanged, only the number of micro-batches per step changes);
     ``None`` when even one sequence does not fit. Larger
     micro-batches mean fewer, bigger kernels per step and fewer host calls per token, which is what a
-    host-bound step (Transformer Engine at small micro-batches, issue 32) lacks."""
+    host-bound step (Transformer Engine at small micro-batches) lacks."""
     from megatron_ext.training.plan import make_plan
 
     per_rank = sequences_per_rank or config.data.global_batch_size // make_plan(config, world_size).data_parallel

@@ -5,7 +5,7 @@ The engine (``megatron_engine.py``) builds the optimizer with ``get_megatron_opt
 Megatron's parameter groups, optionally the distributed optimizer) and sets each group's LR and
 weight decay before every step (:func:`weight_decay_for`). :class:`MegatronOptimizerState` is how
 that optimizer goes into and out of a distributed checkpoint (the
-``checkpoint.megatron_io.OptimizerCheckpointState`` protocol): the recorded format, Megatron-LM's
+``checkpoint.reader.OptimizerCheckpointState`` protocol): the recorded format, Megatron-LM's
 sharding metadata, and the megatron-core 0.19.2 bugs with torch's Adam (no TE/apex) worked
 around at load.
 """
@@ -48,7 +48,7 @@ def set_fused_adam(optimizer: torch.optim.Optimizer, fused: bool) -> None:
 
 def megatron_uses_torch_adam() -> bool:
     """Whether Megatron-Core builds torch's AdamW: neither Transformer Engine nor apex imports, or
-    the run is on CPU (where ``hardware`` divergence 7 makes Megatron choose torch's optimizers)."""
+    the run is on CPU (where ``cuda_on_cpu`` makes Megatron choose torch's optimizers)."""
     from megatron.core import optimizer
 
     return optimizer.USING_PYTORCH_OPTIMIZER

@@ -7,7 +7,7 @@ SIGUSR1 only raise a flag: the step in flight finishes, every rank agrees to sto
 step (a MAX all-reduce of the flag each step, so no rank waits for one that went on), the loop
 saves that step, waits until the checkpoint is published, and the process exits with
 :data:`RESUMABLE_EXIT_CODE`. A second signal while that save runs is recorded and otherwise
-ignored; publication is atomic anyway (``checkpoint.megatron_io``), so even SIGKILL loses only the save in
+ignored; publication is atomic anyway (``checkpoint.writer``), so even SIGKILL loses only the save in
 flight. The same path serves Megatron-LM's ``--exit-duration-in-mins`` (a wall-clock budget from
 the process's start, checked after every step) and ``--exit-interval`` (stop after every step that
 is a multiple of it).

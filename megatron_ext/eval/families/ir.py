@@ -4,7 +4,7 @@ A sentence-transformers bi-encoder (``SentenceTransformer(model_dir)``: the expo
 or mean pooling added for a bare HF encoder) is fine-tuned with InfoNCE over in-batch negatives
 (``MultipleNegativesRankingLoss``: cosine similarity x 20, cross-entropy against the other
 positives of the batch) on the task's (query, positive) pairs. The steps run through
-:func:`protocol.finetune` with the loss on the sentence-transformers model's forward, so optimizer,
+:func:`finetuning.finetune` with the loss on the sentence-transformers model's forward, so optimizer,
 schedule, clipping, seeding and precision are exactly the other families'. (The
 sentence-transformers trainer would bring the transformers ``Trainer``, whose optimizer grouping,
 scheduler and bf16 handling differ in the details.)
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.eval import protocol
-from megatron_ext.eval.protocol import FinetuneConfig, RunResult, eval_subset
+from megatron_ext.eval import finetuning
+from megatron_ext.eval.finetuning import FinetuneConfig, RunResult, eval_subset
 from megatron_ext.eval.family import TASK_FILE, Family, TaskSchema
 
 SCHEMA = TaskSchema(family="ir", columns=("id", "query", "relevance"), train_columns=("id", "query", "positive"),
@@ -94,7 +94,7 @@ def qrels_of(rows: Sequence[dict], corpus_ids: set[str], where: str) -> dict[str
 
 def load_bi_encoder(model_dir: str, config: FinetuneConfig):
     """``SentenceTransformer(model_dir)`` in the run's weights dtype on its device, truncating at the run's
-    input length (``protocol.input_length``, as ``protocol.load_encoder``).
+    input length (``finetuning.input_length``, as ``finetuning.load_encoder``).
     Causal LMs are refused as there: their ``AutoModel`` would attend causally."""
     from sentence_transformers import SentenceTransformer
     from transformers import AutoConfig
@@ -104,18 +104,18 @@ def load_bi_encoder(model_dir: str, config: FinetuneConfig):
     if causal:
         raise UserError(f"{model_dir} is a causal LM ({causal[0]}): its AutoModel attends causally; "
                         "retrieval needs a bidirectional encoder (e.g. an export with --format eurobert)")
-    with protocol.held_load_reports() as reports:  # an encoder export's unused LM head is expected
+    with finetuning.held_load_reports() as reports:  # an encoder export's unused LM head is expected
         model = SentenceTransformer(str(model_dir), device=str(config.torch_device),
                                     model_kwargs={"dtype": config.weights_dtype})
     if any(status in record.getMessage() for record in reports.records for status in ("MISSING", "MISMATCH")):
         reports.release()  # the bare encoder it loads lacks weights of its own
-    model.max_seq_length = protocol.input_length(config, getattr(hf_config, "max_position_embeddings", None),
+    model.max_seq_length = finetuning.input_length(config, getattr(hf_config, "max_position_embeddings", None),
                                                  where=model_dir)
     return model
 
 
 def _embed(model, texts: list[str], config: FinetuneConfig) -> torch.Tensor:
-    with protocol.autocast(config):
+    with finetuning.autocast(config):
         embeddings = model.encode(texts, batch_size=config.batch_size, convert_to_tensor=True,
                                   normalize_embeddings=True, show_progress_bar=False)
     return embeddings.float()
@@ -152,7 +152,7 @@ def run_shared(task_dirs: Sequence[Path], model_dir: str, config: FinetuneConfig
         raise UserError(f"tasks {[str(d) for d in keys]} do not share their training pairs (train.jsonl differs)")
     train_rows = SCHEMA.read(task_dirs[0], "train")
 
-    protocol.set_seed(config.seed)
+    finetuning.set_seed(config.seed)
     model = load_bi_encoder(model_dir, config)
     infonce = MultipleNegativesRankingLoss(model)
 
@@ -162,7 +162,7 @@ def run_shared(task_dirs: Sequence[Path], model_dir: str, config: FinetuneConfig
         return infonce(features, None)
 
     steps = config.steps_for(len(train_rows))
-    losses = protocol.finetune(model, protocol.cycle_batches(train_rows, config.batch_size, config.seed),
+    losses = finetuning.finetune(model, finetuning.cycle_batches(train_rows, config.batch_size, config.seed),
                                config=config, total_steps=steps, loss_fn=loss_fn,
                                desc=f"ir lr={config.lr:g} seed={config.seed}")
     trained = time.perf_counter() - began

@@ -1,6 +1,6 @@
 """The fine-tuning run of the linear-head families: sequence (SC) and token (TC) classification.
 
-Both fine-tune the encoder with a head (:class:`~megatron_ext.eval.protocol.LinearHeadModel`, or
+Both fine-tune the encoder with a head (:class:`~megatron_ext.eval.finetuning.LinearHeadModel`, or
 SC's own transformers head) under the shared protocol, then score its predictions on the validation and test subsets. What
 differs (the head's input, mean-pooled or per token; the label set; the loss; the prediction; the
 score) is a :class:`LinearHeadTask` that :mod:`.sc` and :mod:`.tc` pass to :func:`run_linear_head`.
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.eval.protocol import (
+from megatron_ext.eval.finetuning import (
     FinetuneConfig,
     LinearHeadModel,
     OwnHeadModel,
@@ -57,7 +57,7 @@ class LinearHeadTask:
     """Refuses a tokenizer the family cannot use (``model_dir``, tokenizer), before the head exists."""
     own_head: Callable[[FinetuneConfig], bool] = lambda config: False
     """Whether the run uses the model's own transformers classification head
-    (:class:`~megatron_ext.eval.protocol.OwnHeadModel`) instead of :class:`LinearHeadModel`."""
+    (:class:`~megatron_ext.eval.finetuning.OwnHeadModel`) instead of :class:`LinearHeadModel`."""
 
 
 def run_linear_head(task: LinearHeadTask, model_dir: str, task_dir: Path,

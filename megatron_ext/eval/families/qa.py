@@ -33,8 +33,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.eval import protocol
-from megatron_ext.eval.protocol import FinetuneConfig, RunResult, eval_subset
+from megatron_ext.eval import finetuning
+from megatron_ext.eval.finetuning import FinetuneConfig, RunResult, eval_subset
 from megatron_ext.eval.family import Family, TaskSchema
 
 SCHEMA = TaskSchema(family="qa", columns=("id", "context", "question", "answers"))
@@ -245,11 +245,11 @@ def _collate(features: Sequence[Feature], pad_id: int, device: torch.device) -> 
 def _logits(model: SpanModel, features: Sequence[Feature], pad_id: int,
             config: FinetuneConfig) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each feature's start and end logits over its own tokens: batches of similar length
-    (:func:`protocol.by_length`), each batch's logits copied to the host once all are queued."""
+    (:func:`finetuning.by_length`), each batch's logits copied to the host once all are queued."""
     model.eval()
     scored = []
-    for positions, chunk in protocol.by_length(features, lambda f: len(f.inputs["input_ids"]), config.batch_size):
-        with protocol.autocast(config):
+    for positions, chunk in finetuning.by_length(features, lambda f: len(f.inputs["input_ids"]), config.batch_size):
+        with finetuning.autocast(config):
             start, end = model(**_collate(chunk, pad_id, config.torch_device))
         scored.append((positions, chunk, start, end))
     by_position = {}
@@ -272,8 +272,8 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
     # SQuAD v2 style when the training data teaches the null answer.
     allow_empty = any(not row["answers"]["text"] for row in splits["train"])
 
-    protocol.set_seed(config.seed)
-    tokenizer, encoder = protocol.load_encoder(model_dir, config)
+    finetuning.set_seed(config.seed)
+    tokenizer, encoder = finetuning.load_encoder(model_dir, config)
     # Windows of the run's input length: config.max_length capped by the model's positions.
     features = {split: prepare_features(tokenizer, rows, max_length=tokenizer.model_max_length)
                 for split, rows in splits.items()}
@@ -287,7 +287,7 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
         return (F.cross_entropy(start, start_target) + F.cross_entropy(end, end_target)) / 2
 
     steps = config.steps_for(len(features["train"]))
-    losses = protocol.finetune(model, protocol.cycle_batches(features["train"], config.batch_size, config.seed),
+    losses = finetuning.finetune(model, finetuning.cycle_batches(features["train"], config.batch_size, config.seed),
                                config=config, total_steps=steps, loss_fn=span_loss,
                                desc=f"qa lr={config.lr:g} seed={config.seed}")
 

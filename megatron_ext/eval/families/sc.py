@@ -19,7 +19,7 @@ from sklearn.metrics import accuracy_score
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval.families.linear_head import LinearHeadTask, run_linear_head
-from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, OwnHeadModel, RunResult, autocast, by_length
+from megatron_ext.eval.finetuning import FinetuneConfig, LinearHeadModel, OwnHeadModel, RunResult, autocast, by_length
 from megatron_ext.eval.family import TASK_FILE, Family, TaskSchema
 
 

@@ -11,7 +11,7 @@ similarity of its two embeddings. Two poolings:
 - the model directory's own sentence-transformers pooling when it has one (a ``modules.json``:
   e.g. all-MiniLM-L6-v2's mean pooling and normalisation, or a CLS-pooled model's CLS): the
   headline score, since that is how such a model is meant to be used;
-- the mean of the last hidden states over real tokens (:func:`~megatron_ext.eval.protocol.mean_pool`),
+- the mean of the last hidden states over real tokens (:func:`~megatron_ext.eval.finetuning.mean_pool`),
   always, as ``<split>_spearman_mean_pooling``: the same pooling for every model (and the headline
   for a bare Hugging Face directory or an export, where sentence-transformers adds mean pooling).
 
@@ -50,8 +50,8 @@ from typing import Any
 import torch
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.eval import protocol
-from megatron_ext.eval.protocol import FinetuneConfig, RunResult, eval_subset
+from megatron_ext.eval import finetuning
+from megatron_ext.eval.finetuning import FinetuneConfig, RunResult, eval_subset
 from megatron_ext.eval.family import TASK_FILE, Family, TaskSchema
 from megatron_ext.fileio import write_files
 
@@ -97,23 +97,23 @@ def embed(model: Any, texts: Sequence[str], config: FinetuneConfig, *, where: st
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(own, mean)`` float32 embeddings of ``texts``, in order: the sentence-transformers model's
     own output (its pooling and any layers after it) and the mean of its token states over real
-    tokens, both from one forward pass per batch (batches of similar length: :func:`protocol.by_length`).
+    tokens, both from one forward pass per batch (batches of similar length: :func:`finetuning.by_length`).
     ``where``: the model folder, for errors."""
     from sentence_transformers.util import batch_to_device
 
     model.eval()  # SentenceTransformer loads in training mode: dropout would make the scores random
     order: list[int] = []
     own, mean = [], []
-    for positions, batch in protocol.by_length(list(texts), len, config.batch_size):
+    for positions, batch in finetuning.by_length(list(texts), len, config.batch_size):
         features = batch_to_device(model.preprocess(batch), config.torch_device)
-        with protocol.autocast(config):
+        with finetuning.autocast(config):
             out = model(features)
         if "token_embeddings" not in out:
             raise UserError(f"{where}: its sentence-transformers modules output no token_embeddings "
                             "to mean-pool (STS needs a transformer encoder)")
         order += positions
         own.append(out["sentence_embedding"].float().cpu())
-        mean.append(protocol.mean_pool(out["token_embeddings"].float(), out["attention_mask"]).cpu())
+        mean.append(finetuning.mean_pool(out["token_embeddings"].float(), out["attention_mask"]).cpu())
     back = torch.empty(len(order), dtype=torch.long)
     back[torch.tensor(order)] = torch.arange(len(order))  # batch order -> the order of texts
     return torch.cat(own)[back], torch.cat(mean)[back]
@@ -155,7 +155,7 @@ def run(model_dir: str, task_dir: Path, config: FinetuneConfig) -> RunResult:
     for split in splits_present(task_dir):
         rows[split] = eval_subset(SCHEMA.read(task_dir, split), config.max_eval_examples)
         check_rows(rows[split], f"{task_dir} {split}")
-    protocol.set_seed(config.seed)  # nothing is random in eval mode; seeded all the same
+    finetuning.set_seed(config.seed)  # nothing is random in eval mode; seeded all the same
     model = load_bi_encoder(model_dir, config)
     own_pooling = has_own_pooling(model_dir)
     scores: dict[str, dict[str, float]] = {}

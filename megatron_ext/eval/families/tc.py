@@ -20,7 +20,7 @@ from seqeval.metrics.sequence_labeling import get_entities
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval.families.linear_head import LinearHeadTask, run_linear_head
-from megatron_ext.eval.protocol import FinetuneConfig, LinearHeadModel, RunResult, autocast, by_length
+from megatron_ext.eval.finetuning import FinetuneConfig, LinearHeadModel, RunResult, autocast, by_length
 from megatron_ext.eval.family import TASK_FILE, Family, TaskSchema
 
 SCHEMA = TaskSchema(family="tc", columns=("id", "tokens", "tags"))

@@ -1,32 +1,18 @@
-"""Training checkpoints in Megatron-Core's distributed checkpoint format, saved atomically.
-
-Layout (Megatron-LM's names)::
-
-    <save>/iter_0000100/                  one checkpoint
-        .metadata, __<rank>_<n>.distcp,   Megatron dist checkpoint (torch_dist backend): weights
-        metadata.json                     under ``model.sharded_state_dict()`` keys, the
-                                          optimizer's state in Megatron's layout (its format
-                                          recorded as Megatron's ``content_metadata``), and a
-                                          common state (``iteration``, ``trainer_state``, the
-                                          optimizer's param groups and step)
-        run_config.json                   the run's resolved config
-        tokenizer_reference.json          the tokenizer the weights expect
-        checkpoint_complete.json          written last: marks a complete checkpoint
-    <save>/latest_checkpointed_iteration.txt   Megatron's tracker: the newest step
-
-Tensors are stored whole (global shapes; each rank writes its shards), so a checkpoint saved at
-one tensor-parallel size loads at any other, on CPU or GPU alike.
+"""Writing checkpoints: the save engine (synchronous, or Megatron's asynchronous writers) and the
+atomic publication of what it wrote. The layout written, and how it is read back:
+``checkpoint/reader.py``.
 
 Atomicity: every rank writes into ``iter_0000100.tmp-<id>``; after Megatron's closing barrier
 rank 0 adds the JSON files, the completion marker last, fsyncs, renames the directory to its
 final name, then replaces the tracker (temp file + ``os.replace``) and prunes old checkpoints
 (renamed aside before deletion; never the steps a run keeps for others, ``keep_steps``). A crash
-at any point leaves the previous checkpoints intact, and ``latest_checkpoint`` only returns
-``iter_NNNNNNN`` directories holding both the marker and Megatron's ``metadata.json``. Leftovers
+at any point leaves the previous checkpoints intact, and the reader only lists ``iter_NNNNNNN``
+directories holding both the marker and Megatron's ``metadata.json``. Leftovers
 (``.tmp-``/``.trash-``) are removed by the next save. One training run per save directory;
 checkpoints are ordered by step (``checkpoint/lock.py`` keeps a second trainer out).
 Before the marker, the shards are checked against ``.metadata`` and every file's size is recorded
-in the marker: a damaged checkpoint is told from one being written (``checkpoint/storage.py``).
+in the marker (the manifest): a damaged checkpoint is told from one being written. A save that
+fails because the disk is full is one line (``checkpoint/storage.py``).
 """
 
 from __future__ import annotations
@@ -42,53 +28,29 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_ext.config_loading import UserError
-from megatron_ext import hardware, processes
+from megatron_ext import cuda_on_cpu, hardware, processes
 from megatron_ext.checkpoint import storage
 from megatron_ext.checkpoint.config import check_nvrx_async_writer
+from megatron_ext.checkpoint.reader import (COMPLETE, MANIFEST_KEY, RUN_CONFIG, TOKENIZER_REFERENCE,
+                                            OptimizerCheckpointState, complete_checkpoints, latest_checkpoint,
+                                            missing_shards)
+from megatron_ext.config_loading import UserError
 
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
-COMPLETE = "checkpoint_complete.json"
-RUN_CONFIG = "run_config.json"
-TOKENIZER_REFERENCE = "tokenizer_reference.json"
-TOKENIZER_FINGERPRINT = "fingerprint"
-"""Key of ``tokenizer_reference.json`` holding the tokenizer's content fingerprint."""
-_MEGATRON_METADATA = "metadata.json"  # written last by dist_checkpointing.save
-_CHECKPOINT = re.compile(r"^iter_(\d{7,})$")
+"""Megatron's tracker in a save directory: the newest step (written, never read here)."""
 _LEFTOVER = re.compile(
     r"^(iter_\d{7,}\.(tmp|trash)|latest_checkpointed_iteration\.txt\.tmp)-[0-9a-f]+$"
 )
-# What a damaged or half-copied dist checkpoint raises while being read.
-_READ_ERRORS = (CheckpointingException, CheckpointException, OSError, pickle.UnpicklingError)
-
-
-class OptimizerCheckpointState(Protocol):
-    """How the training engine's optimizer state goes into and out of a distributed checkpoint
-    (``training.optim.MegatronOptimizerState``)."""
-
-    def format(self) -> dict:
-        """JSON-serialisable description of the layout written (recorded in the checkpoint as
-        Megatron's ``content_metadata``; e.g. the distributed optimizer's sharding type)."""
-
-    def sharded_state_dict(self, model_state: dict, *, saved_format: dict | None = None) -> dict:
-        """The state to save (``saved_format`` None), or the placeholders to load a state saved in
-        ``saved_format`` (``saved_optimizer_format``) into."""
-
-    def load_state_dict(self, loaded: dict) -> None:
-        """Take the state ``dist_checkpointing.load`` filled in."""
 
 
 def save_checkpoint(
@@ -145,7 +107,7 @@ class CheckpointSaver:
         line where it cannot run, ``checkpoint.config.nvrx_problem``); with ``async_save`` only.
         ``persistent_writer``: a persistent worker instead of a process forked per save (default:
         ``hardware.persistent_checkpoint_writer()``, the worker on GPU only)."""
-        hardware.check_megatron_runs_here("saving a checkpoint")
+        cuda_on_cpu.check_megatron_runs_here("saving a checkpoint")
         if async_strategy not in ASYNC_STRATEGIES:
             raise ValueError(f"async_strategy must be one of {ASYNC_STRATEGIES}, got {async_strategy!r}")
         self._queue = None
@@ -220,7 +182,7 @@ class CheckpointSaver:
             raise RuntimeError("this CheckpointSaver is closed")
         if not dist.is_initialized():
             raise RuntimeError("save_checkpoint is a collective: initialise torch.distributed first "
-                               "(megatron_ext.hardware.init_process_group_and_model_parallel)")
+                               "(megatron_ext.process_group.init_process_group_and_model_parallel)")
         if step < 0:
             raise UserError(f"checkpoint step must be >= 0, got {step}")
         if keep_last < 1:
@@ -422,9 +384,9 @@ def _publish_checkpoint(tmp: Path, final: Path, *, files: dict[str, str], info: 
                 _fsync(path)
             # Verified before it counts: a checkpoint published short of a shard would be found
             # damaged only at the resume that needs it.
-            if missing := storage.missing_shards(tmp):
+            if missing := missing_shards(tmp):
                 raise IncompleteSaveError(f"{tmp}: {missing} after every rank's writer finished")
-            marker = {**info, storage.MANIFEST_KEY: storage.manifest(tmp, leave_out=COMPLETE)}
+            marker = {**info, MANIFEST_KEY: _manifest(tmp, leave_out=COMPLETE)}
             (tmp / COMPLETE).write_text(json.dumps(marker) + "\n")
             _fsync(tmp / COMPLETE)
             _fsync(tmp)
@@ -493,138 +455,6 @@ def _needed_bytes(save_dir: Path, state: dict) -> int:
     return local * (dist.get_world_size() if dist.is_initialized() else 1)
 
 
-def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``load_dir``; None if there is none (or no dir).
-
-    ``load_dir`` may also be one complete checkpoint, returned as is. Half-written (``.tmp-``)
-    directories and ``iter_*`` directories lacking the completion marker or Megatron's metadata
-    are ignored.
-    """
-    load_dir = Path(load_dir)
-    if load_dir.is_dir() and _incomplete_reason(load_dir) is None:
-        return load_dir
-    complete = complete_checkpoints(load_dir)
-    return complete[-1] if complete else None
-
-
-def load_checkpoint(
-    checkpoint: Path,
-    *,
-    model: torch.nn.Module,
-    optimizer: OptimizerCheckpointState | None = None,
-    strict_shapes: bool = True,
-) -> dict:
-    """Load a checkpoint into ``model`` (and ``optimizer``) at the current parallel layout.
-
-    Args:
-        checkpoint: One complete checkpoint directory, as ``resolve_checkpoint`` returns it (the
-            readers above training go through ``handle.Checkpoint``, which resolves it once).
-        model: Built for this run; its tensor-parallel size may differ from the saved one's.
-        optimizer: Restored too when given (in a format it can take; see
-            ``optimizer_format_problem``); None loads weights only.
-        strict_shapes: Raise ``UserError`` listing every tensor whose shape differs between
-            checkpoint and model (or that only one of them has). False loads the tensors that
-            fit, leaves the others as initialised and logs them (weights only).
-
-    Returns:
-        The ``trainer_state`` saved with it (with ``step``).
-    """
-    hardware.check_megatron_runs_here("loading a checkpoint")
-    check_intact(checkpoint)
-    info = json.loads((checkpoint / COMPLETE).read_text())
-    if optimizer is not None and not info["has_optimizer"]:
-        raise UserError(f"checkpoint {checkpoint} holds no optimizer state (saved weights only); "
-                         "load it with optimizer=None (e.g. checkpoint.finetune)")
-    if optimizer is not None and not strict_shapes:
-        raise UserError("strict_shapes=False loads weights only: pass optimizer=None")
-    try:
-        saved_entries = load_sharded_metadata(str(checkpoint))
-    except _READ_ERRORS as error:
-        raise UserError(damaged_message(checkpoint, storage.one_line(error))) from error
-    metadata = {key: value for key, value in saved_entries.items() if isinstance(value, ShardedTensor)}
-
-    model_state = model.sharded_state_dict()
-    fresh_extra_states = _fresh_extra_states(model_state, saved_entries, checkpoint)
-    if fresh_extra_states:
-        logger.warning("checkpoint %s has no Transformer Engine state for %d modules (written with the local "
-                       "spec?): their FP8 scaling state starts fresh", checkpoint, len(fresh_extra_states))
-        model_state = {name: value for name, value in model_state.items() if name not in fresh_extra_states}
-    mismatches = _shape_mismatches(model_state, metadata)
-    if mismatches:
-        listing = "\n".join(
-            f"  {key}: checkpoint {saved or 'absent'}, model {current or 'absent'}"
-            for key, (saved, current) in sorted(mismatches.items())
-        )
-        if strict_shapes:
-            raise UserError(f"checkpoint {checkpoint} does not fit the model "
-                             f"({len(mismatches)} tensors differ):\n{listing}")
-        logger.warning("not loading %d tensors whose shapes differ:\n%s", len(mismatches), listing)
-    unloaded = {name for name, value in model_state.items() if getattr(value, "key", None) in mismatches}
-    model_state = {name: value for name, value in model_state.items() if name not in unloaded}
-
-    state = {"model": model_state}
-    if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_state,
-                                                          saved_format=saved_optimizer_format(checkpoint) or {})
-    try:
-        loaded = dist_checkpointing.load(state, str(checkpoint))
-    except _READ_ERRORS as error:
-        raise UserError(damaged_message(checkpoint, storage.one_line(error))) from error
-    outcome = model.load_state_dict(loaded["model"], strict=False)
-    not_loaded = set(outcome.missing_keys) - set(fresh_extra_states) - unloaded
-    if not_loaded or outcome.unexpected_keys:  # the sharded state dict and the module disagree: a bug, not input
-        raise RuntimeError(f"loading {checkpoint}: missing {sorted(not_loaded)}, unexpected {outcome.unexpected_keys}")
-    if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
-    return loaded["trainer_state"]
-
-
-PORTABLE_ENGINE_FORMAT = {"optimizer": "torch"}
-"""The optimizer format of checkpoints written by the portable engine (``training.engine:
-portable``, removed after commit b763d8e): torch's AdamW state, which the Megatron engine cannot
-take. Their weights still load (continued pretraining, export)."""
-
-
-def saved_optimizer_format(checkpoint: Path) -> dict | None:
-    """The optimizer format recorded in a complete checkpoint directory (None: weights only).
-    Checkpoints written before formats were recorded get the format of the engine their run config
-    names (the portable engine, the only one then, where it names none)."""
-    if not json.loads((checkpoint / COMPLETE).read_text())["has_optimizer"]:
-        return None
-    try:
-        recorded = dist_checkpointing.load_content_metadata(str(checkpoint))
-    except _READ_ERRORS as error:
-        raise UserError(damaged_message(checkpoint, storage.one_line(error))) from error
-    if recorded is None:  # written before formats were recorded: the engine named in its run config
-        engine = json.loads((checkpoint / RUN_CONFIG).read_text()).get("training", {}).get("engine", "portable")
-        recorded = dict(PORTABLE_ENGINE_FORMAT) if engine == "portable" else {"optimizer": "megatron"}
-    return recorded
-
-
-def optimizer_format_problem(saved: dict | None, current: dict) -> str | None:
-    """Why optimizer state saved in format ``saved`` cannot resume into ``current`` (both from
-    ``OptimizerCheckpointState.format()``), or None when it can."""
-    if not saved:
-        return None  # weights only: nothing to compare
-    kind, want = saved.get("optimizer"), current.get("optimizer")
-    if kind == PORTABLE_ENGINE_FORMAT["optimizer"]:
-        return ("it holds the optimizer state of the portable engine (training.engine: portable), which "
-                "megatron_ext no longer has (removed after commit b763d8e); resume it with that version")
-    if kind != want:
-        return f"it holds optimizer state of kind {kind!r} and this run's optimizer is {want!r}"
-    if saved.get("distributed_optimizer") != current.get("distributed_optimizer"):
-        return (f"it was saved with parallel.use_distributed_optimizer: {str(saved['distributed_optimizer']).lower()}"
-                " and the optimizer state layouts differ; set it back")
-    if saved.get("distrib_optim_sharding_type") == "dp_reshardable":
-        changed = [f"{name}={saved.get(name)} -> {current.get(name)}"
-                   for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-                   if saved.get(name) != current.get(name)]
-        if changed:
-            return (f"its distributed-optimizer state is in the dp_reshardable format, which resumes at another "
-                    f"data-parallel size only, and the layout changed ({', '.join(changed)}); resume at the saved "
-                    "tensor/pipeline sizes, or save with checkpoint.optimizer_format: fully_reshardable to change them")
-    return None
-
 
 def _checked_trainer_state(trainer_state: dict, step: int) -> dict:
     if trainer_state.get("step", step) != step:
@@ -650,140 +480,6 @@ def _to_json(what: str, value: dict) -> str:
     except (TypeError, ValueError) as error:
         raise UserError(f"{what} must be JSON-serialisable: {error}") from error
 
-
-def _shape_mismatches(
-    model_state: dict, metadata: dict
-) -> dict[str, tuple[tuple[int, ...] | None, tuple[int, ...] | None]]:
-    """``{key: (checkpoint shape, model shape)}`` of the model tensors that differ (None: absent)."""
-    expected: dict[str, tuple[int, ...]] = {}
-    pending = list(nested_values(model_state))
-    while pending:
-        item = pending.pop()
-        if isinstance(item, ShardedTensorFactory):  # e.g. SwiGLU's fc1, saved as two halves
-            built = item.build()
-            pending.extend(nested_values(built) if isinstance(built, (dict, list)) else [built])
-        elif isinstance(item, ShardedTensor):
-            expected[item.key] = tuple(item.global_shape)
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # each stage holds its own layers
-        stages: list[dict] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(stages, expected, group=parallel_state.get_pipeline_model_parallel_group())
-        expected = {key: shape for stage in stages for key, shape in stage.items()}
-    saved = {key: tuple(value.global_shape) for key, value in metadata.items()
-             if not key.startswith("optimizer.")}
-    return {key: (saved.get(key), expected.get(key))
-            for key in saved.keys() | expected.keys() if saved.get(key) != expected.get(key)}
-
-
-EXTRA_STATE = "_extra_state"
-"""Suffix of a module's extra state in state dicts (Transformer Engine: FP8 scaling metadata)."""
-
-
-def _fresh_extra_states(model_state: dict, saved: dict, checkpoint: Path) -> list[str]:
-    """State-dict names of the model's ``_extra_state`` objects that the checkpoint lacks.
-
-    Transformer Engine's modules carry an ``_extra_state`` (FP8 scaling history) that the local
-    spec's modules (torch norms, SDPA attention) do not, so a checkpoint of the local spec lacks
-    them in a ``te`` model: those are initialised fresh. Any other object the checkpoint lacks is
-    refused, named (tensors are checked by shape, ``_shape_mismatches``). Objects only the
-    checkpoint holds (a ``te`` checkpoint read by the local spec) are not requested, so not read.
-    """
-    fresh, absent = [], []
-    for name, value in model_state.items():
-        if isinstance(value, ShardedObject) and value.unique_key not in saved:
-            (fresh if value.key.rsplit(".", 1)[-1] == EXTRA_STATE else absent).append(name)
-    if absent:
-        raise UserError(f"checkpoint {checkpoint} lacks {len(absent)} entries the model needs: "
-                        + ", ".join(model_state[name].unique_key for name in absent))
-    return fresh
-
-
-_EDITABLE = (RUN_CONFIG, TOKENIZER_REFERENCE)
-"""Files of a checkpoint that may be rewritten after it was saved (checked for presence only)."""
-
-
-def check_intact(checkpoint: Path) -> None:
-    """Raise ``UserError`` (:func:`damaged_message`) when a published checkpoint's files no longer
-    match its manifest (``storage.damage``)."""
-    try:
-        marker = json.loads((checkpoint / COMPLETE).read_text())
-    except (OSError, ValueError) as error:
-        raise UserError(damaged_message(checkpoint, f"{COMPLETE} is unreadable ({storage.one_line(error)})")) from None
-    if problem := storage.damage(checkpoint, marker, editable=_EDITABLE):
-        raise UserError(damaged_message(checkpoint, problem))
-
-
-def intact_checkpoints(save_dir: Path) -> list[Path]:
-    """The complete checkpoints of ``save_dir`` whose files match their manifest, oldest first."""
-    found = []
-    for path in complete_checkpoints(save_dir):
-        try:
-            if storage.damage(path, json.loads((path / COMPLETE).read_text()), editable=_EDITABLE) is None:
-                found.append(path)
-        except (OSError, ValueError):
-            continue  # an unreadable marker: damaged, so not listed
-    return found
-
-
-def damaged_message(checkpoint: Path, problem: str) -> str:
-    """One line: which file of ``checkpoint`` is missing or unreadable, the intact checkpoints left
-    beside it, and the flag that resumes from one of them."""
-    others = [path for path in intact_checkpoints(checkpoint.parent) if path != checkpoint]
-    if others:
-        listing = ", ".join(path.name for path in others)
-        step = int(_CHECKPOINT.match(others[-1].name)[1])
-        remedy = (f"complete checkpoints left in {checkpoint.parent}: {listing}; resume from one with "
-                  f"--load-step {step} (checkpoint.load_step: {step}; a tool takes its directory)")
-    else:
-        remedy = (f"no other complete checkpoint is left in {checkpoint.parent}: restore the file, or start over "
-                  "with another --save")
-    return f"checkpoint {checkpoint} is damaged: {problem}; {remedy}"
-
-
-def checkpoint_at_step(directory: Path, step: int) -> Path:
-    """The complete checkpoint of ``step`` in the save directory ``directory`` (``UserError``
-    listing the steps there when it has none)."""
-    for path in complete_checkpoints(directory):
-        if int(_CHECKPOINT.match(path.name)[1]) == step:
-            return path
-    steps = [int(_CHECKPOINT.match(path.name)[1]) for path in intact_checkpoints(directory)]
-    held = f"its complete checkpoints are at steps {', '.join(map(str, steps))}" if steps else "it holds none"
-    raise UserError(f"checkpoint.load_step={step}: no complete checkpoint iter_{step:07d} in {directory}; {held}")
-
-
-def _incomplete_reason(path: Path) -> str | None:
-    if not (path / COMPLETE).is_file():
-        return f"no {COMPLETE} (the save did not finish)"
-    if not (path / _MEGATRON_METADATA).is_file():
-        return f"no {_MEGATRON_METADATA} (not a Megatron distributed checkpoint)"
-    return None
-
-
-def complete_checkpoints(save_dir: Path) -> list[Path]:
-    """Complete checkpoints under ``save_dir``, oldest first (none: an empty list)."""
-    if not save_dir.is_dir():
-        return []
-    found = [(int(match[1]), path) for path in save_dir.iterdir()
-             if (match := _CHECKPOINT.match(path.name)) and path.is_dir()
-             and _incomplete_reason(path) is None]
-    return [path for _, path in sorted(found)]
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """The checkpoint ``path`` names: itself if it is one, else the newest one inside it
-    (``UserError`` naming the path and what is missing when there is none)."""
-    if not path.is_dir():
-        raise UserError(f"no complete checkpoint at {path}: not a directory")
-    looks_like_one = _CHECKPOINT.match(path.name.split(".")[0]) or any(
-        (path / name).exists() for name in (COMPLETE, _MEGATRON_METADATA))
-    if looks_like_one:
-        if reason := _incomplete_reason(path):
-            raise UserError(f"{path} is not a complete checkpoint: {reason}")
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise UserError(f"no complete checkpoint in {path} (expected iter_NNNNNNN directories "
-                         f"holding {COMPLETE})")
-    return latest
 
 
 def _fsync(path: Path) -> None:
@@ -831,3 +527,9 @@ def _remove_leftovers(save_dir: Path) -> None:
         if _LEFTOVER.match(path.name):
             logger.warning("removing %s, left by an interrupted checkpoint save", path)
             shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _manifest(checkpoint: Path, *, leave_out: str) -> dict[str, int]:
+    """``{file name: size}`` of every file of ``checkpoint`` except ``leave_out`` (the marker)."""
+    return {path.name: path.stat().st_size for path in sorted(checkpoint.iterdir())
+            if path.is_file() and path.name != leave_out}

@@ -1,4 +1,4 @@
-"""The fine-tuning protocol shared by every task family (the paper's, after EncodEval).
+"""The fine-tuning recipe (protocol) shared by every task family (the paper's, after EncodEval).
 
 One fine-tuning run = one (model, task, learning rate, seed). Defaults follow the paper: batch 32,
 AdamW (0.9, 0.95), eps 1e-5, weight decay 0.1, linear schedule with 10 % warmup, gradient clipping
