@@ -75,7 +75,7 @@ python tools/plan_study.py examples/studies/miniature.yaml --dry-run
 
 Resume past a damaged checkpoint with `--load-step N`; `training.rope_fusion` fuses RoPE;
 `mask_ratio: 0.4`; the lock lives in `megatron_ext/checkpoint/lock.py` (`checkpoint/lock.py`);
-`megatron_ext.training.stop.RESUMABLE_EXIT_CODE`; see [the clusters page](clusters.md#exit-codes).
+`megatron_ext.training.stop.RESUMABLE_EXIT_CODE`, `cuda_on_cpu.check_megatron_runs_here`; see [the clusters page](clusters.md#exit-codes).
 
 ```yaml
 training: {train_iters: 100, rope_fusion: true}
@@ -104,6 +104,8 @@ CHANGES = {
                           "no such file or directory: megatron_ext/checkpoint/core.py"),
     "a path inside the package": ("(`checkpoint/lock.py`)", "(`checkpoint/locks.py`)", "no such file or directory"),
     "a module attribute": ("stop.RESUMABLE_EXIT_CODE", "stop.RESUMABLE_EXIT", "no such module or attribute"),
+    "a function moved": ("`cuda_on_cpu.check_megatron_runs_here`", "`hardware.check_megatron_runs_here`",
+                         "megatron_ext.hardware has no check_megatron_runs_here"),
     "a link": ("(clusters.md#exit-codes)", "(cluster.md#exit-codes)", "link to a missing file"),
     "a link's heading": ("(clusters.md#exit-codes)", "(clusters.md#exit-code)", "link to a missing heading"),
     "a quoted error line": ("`is in use by another trainer`", "`is used by another trainer`",

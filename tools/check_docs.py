@@ -68,7 +68,7 @@ FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)")
 INLINE_CODE = re.compile(r"(?<!`)(`+)(?!`)(?P<code>.+?)(?<!`)\1(?!`)")
 LINK = re.compile(r"(?<!!)\[(?P<text>[^\]]*)\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
-DOTTED_KEY = re.compile(r"^(?P<section>[a-z]+)\.(?P<key>[a-z][a-z0-9_]*)(?P<rest>(?::\s.*|\s*=.*)?)$")
+DOTTED_KEY = re.compile(r"^(?P<section>[a-z_]+)\.(?P<key>[A-Za-z_][A-Za-z0-9_]*)(?P<rest>(?::\s.*|\s*=.*)?)$")
 KEY_VALUE = re.compile(r"^(?P<key>[a-z][a-z0-9_]*):\s+\S")
 ISSUE_NUMBER = re.compile(r"\b(?:issue|issues|PR)\s+#?\d+|#\d{2,}\b", re.I)
 """The project's own issue numbers mean nothing to a reader."""
@@ -232,7 +232,7 @@ def config_keys() -> ConfigKeys:
     for cls in objectives.OBJECTIVES.values():
         keys |= set(_dataclass_fields(cls))
     keys |= set(_dataclass_fields(objectives.MaskingConfig))
-    from megatron_ext.eval.protocol import FinetuneConfig  # a study's evaluation settings
+    from megatron_ext.eval.finetuning import FinetuneConfig  # a study's evaluation settings
 
     keys |= set(_dataclass_fields(FinetuneConfig))
     for value in vars(spec).values():
@@ -644,6 +644,11 @@ class DocsChecker:
         elif (match := KEY_VALUE.match(code)) and match["key"] not in self.keys.all_keys:
             near = difflib.get_close_matches(match["key"], sorted(self.keys.all_keys), n=1)
             problems.append(f"`{code}`: no config key {match['key']}" + (f" (did you mean {near[0]}?)" if near else ""))
+        if ((match := DOTTED_KEY.match(code)) and not match["rest"] and match["section"] not in self.keys.sections
+                and not code.endswith(FILE_SUFFIXES)
+                and _module_exists(f"megatron_ext.{match['section']}")
+                and not _module_exists(f"megatron_ext.{code}") and not _is_attribute(f"megatron_ext.{code}")):
+            problems.append(f"`{code}`: megatron_ext.{match['section']} has no {match['key']}")
         if MODULE.match(code) and not _module_exists(code) and not _is_attribute(code):
             problems.append(f"`{code}`: no such module or attribute")
         if not FLAG.match(code) and " " not in code.strip():
