@@ -12,7 +12,7 @@ DEMO_DATASET := $(DATA)/demo_dataset
 # Extra pretrain_encoder.py flags for the demo, e.g. DEMO_ARGS="--train-iters 200"
 DEMO_ARGS ?=
 
-.PHONY: setup demo-data demo miniature test test-quick bench clean
+.PHONY: setup demo-data demo miniature test test-quick bench docs clean
 
 # Idempotent: re-installs only when a requirements file changed.
 setup: $(VENV)/.installed
@@ -64,6 +64,12 @@ test-quick: setup
 
 bench: setup
 	$(PY) benchmarks/preprocess.py
+
+# The generated parts of README.md and docs/ rendered again (GPU and benchmark tables, recipe keys,
+# exit codes, each tool's --help), then every page checked against the code (tests/test_docs.py).
+docs: setup
+	$(PY) tools/render_docs.py
+	$(PY) tools/check_docs.py --no-run
 
 clean:
 	rm -rf $(VENV) .pytest_cache

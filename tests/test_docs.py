@@ -1,0 +1,140 @@
+"""The docs against the code: every command on the README's and docs/'s pages runs or is checked as
+its block is marked, every flag, recipe key, repository path, link and quoted error line they name
+exists (``tools/check_docs.py``), and the generated parts are what ``tools/render_docs.py`` renders
+now. The checker's own test shows that a changed flag, key, path, link or message fails it.
+
+The commands run inside this process (no interpreter start per command), so the module costs the
+imports of the tools and two dry runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tools.check_docs import REPO, DocsChecker, doc_pages
+from tools.render_docs import GENERATORS, REGION, render_page
+
+
+@pytest.fixture(scope="module")
+def checker() -> DocsChecker:
+    return DocsChecker(run=True)
+
+
+def test_every_page_matches_the_code(checker):
+    problems = checker.check_pages(doc_pages())
+    assert not problems, "\n".join(map(str, problems))
+
+
+def test_generated_parts_are_current():
+    stale = []
+    for page in doc_pages():
+        text = page.read_text()
+        if REGION.search(text) and render_page(text, page) != text:
+            stale.append(str(page.relative_to(REPO)))
+    assert not stale, f"out of date, run `python tools/render_docs.py`: {stale}"
+
+
+def test_every_page_is_on_the_readme_map():
+    readme = (REPO / "README.md").read_text()
+    unlinked = [str(page.relative_to(REPO)) for page in doc_pages()[1:]
+                if f"]({page.relative_to(REPO)})" not in readme and f"]({page.relative_to(REPO)}#" not in readme]
+    assert not unlinked, f"pages the README's documentation map does not link: {unlinked}"
+
+
+def test_every_generator_is_used():
+    used = {match["name"].split()[0] for page in doc_pages() for match in REGION.finditer(page.read_text())}
+    assert used == set(GENERATORS)
+
+
+def test_the_renderer_rewrites_a_hand_edited_region():
+    page = REPO / "docs" / "troubleshooting.md"
+    text = page.read_text()
+    edited = text.replace("| **75** |", "| **77** |", 1)
+    assert edited != text
+    assert render_page(edited, page) == text
+
+
+# A page that matches the code, and the same page with one thing changed at a time: each change is
+# one problem, named.
+PAGE = """# A page
+
+What it is for: the checker's own test.
+
+<!-- check: help -->
+```bash
+python pretrain_encoder.py --config examples/recipes/paper/610m_mlm_40.yaml --micro-batch-size 4 --dry-run
+RECIPE=examples/recipes/paper/610m_mlm_40.yaml DRY_RUN=1 bash examples/launch/slurm.sbatch
+make test TEST_WORKERS=0
+```
+
+<!-- check: dry-run -->
+```bash
+python tools/plan_study.py examples/studies/miniature.yaml --dry-run
+```
+
+Resume past a damaged checkpoint with `--load-step N`; `training.rope_fusion` fuses RoPE;
+`mask_ratio: 0.4`; the lock lives in `megatron_ext/checkpoint/lock.py` (`checkpoint/lock.py`);
+`megatron_ext.training.stop.RESUMABLE_EXIT_CODE`, `cuda_on_cpu.check_megatron_runs_here`; see [the clusters page](clusters.md#exit-codes).
+
+```yaml
+training: {train_iters: 100, rope_fusion: true}
+```
+
+<!-- check: messages -->
+| the line says | fix |
+|---|---|
+| `is in use by another trainer` | wait |
+"""
+
+CHANGES = {
+    "a flag in a command": ("--micro-batch-size 4", "--micro-batch-sise 4", "has no flag --micro-batch-sise"),
+    "a flag in prose": ("`--load-step N`", "`--load-steps N`", "has no flag --load-steps"),
+    "a recipe file in a command": ("paper/610m_mlm_40.yaml --micro", "paper/610m_mlm_41.yaml --micro",
+                                   "no such file or directory: examples/recipes/paper/610m_mlm_41.yaml"),
+    "a launch script's variable": ("DRY_RUN=1 bash", "DRYRUN=1 bash", "does not read DRYRUN"),
+    "a make target": ("make test TEST", "make tests TEST", "no make target 'tests'"),
+    "a dry run that fails": ("examples/studies/miniature.yaml --dry-run", "examples/recipes/demo_tiny_biphasic.yaml --dry-run",
+                             "exited 2"),
+    "a dry-run block without --dry-run": ("miniature.yaml --dry-run\n", "miniature.yaml\n", "without --dry-run"),
+    "a dotted recipe key": ("`training.rope_fusion`", "`training.rope_fusoin`", "recipe section training has no key rope_fusoin"),
+    "a key: value": ("`mask_ratio: 0.4`", "`mask_ration: 0.4`", "no config key mask_ration"),
+    "a key in YAML": ("rope_fusion: true}", "rope_fusions: true}", "no key 'rope_fusions'"),
+    "a repository path": ("megatron_ext/checkpoint/lock.py", "megatron_ext/checkpoint/core.py",
+                          "no such file or directory: megatron_ext/checkpoint/core.py"),
+    "a path inside the package": ("(`checkpoint/lock.py`)", "(`checkpoint/locks.py`)", "no such file or directory"),
+    "a module attribute": ("stop.RESUMABLE_EXIT_CODE", "stop.RESUMABLE_EXIT", "no such module or attribute"),
+    "a function moved": ("`cuda_on_cpu.check_megatron_runs_here`", "`hardware.check_megatron_runs_here`",
+                         "megatron_ext.hardware has no check_megatron_runs_here"),
+    "a link": ("(clusters.md#exit-codes)", "(cluster.md#exit-codes)", "link to a missing file"),
+    "a link's heading": ("(clusters.md#exit-codes)", "(clusters.md#exit-code)", "link to a missing heading"),
+    "a quoted error line": ("`is in use by another trainer`", "`is used by another trainer`",
+                            "no error line of the code contains 'is used by another trainer'"),
+    "an issue number": ("# A page\n", "# A page (issue 46)\n", "an internal issue number"),
+    "an unmarked block": ("<!-- check: help -->\n", "", "a bash block without a marker"),
+}
+
+
+def test_the_checker_passes_the_page(checker):
+    page = REPO / "docs" / "checker_test.md"  # never written: the links resolve from docs/
+    assert checker.check_text(PAGE, page) == []
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_the_checker_fails_on_a_change(checker, change):
+    old, new, expected = CHANGES[change]
+    assert old in PAGE
+    problems = checker.check_text(PAGE.replace(old, new, 1), REPO / "docs" / "checker_test.md")
+    assert len(problems) == 1 and expected in problems[0].message, (change, [str(p) for p in problems])
+
+
+def test_the_checker_runs_a_recipe_block(checker):
+    recipe = "\n".join(["<!-- check: recipe -->", "```yaml", "model: {preset: tiny}",
+                        "tokenizer: {tokenizer_model: data/demo_tokenizer}",
+                        "data: {data_path: [d], seq_length: 128, micro_batch_size: 8, global_batch_size: 16}",
+                        "schedule: {lr: 1.0e-3, lr_decay_style: constant}", "phases: [{objective: mlm, mask_ratio: 0.4, share: 1.0}]",
+                        "training: {train_iters: 10}", "```", ""])
+    page = Path(REPO / "docs" / "checker_test.md")
+    assert checker.check_text(recipe, page) == []
+    problems = checker.check_text(recipe.replace("share: 1.0", "share: 0.5"), page)
+    assert len(problems) == 1 and "does not validate" in problems[0].message, [str(p) for p in problems]

@@ -1,0 +1,410 @@
+"""Write the parts of the docs that the code and the committed results already hold, so that no one
+types them by hand: the README's GPU status table, the recipe keys, the exit codes and each tool's
+``--help``.
+
+    python tools/render_docs.py           # rewrite every generated region in place
+    python tools/render_docs.py --check   # exit 1, naming each page, when one is out of date
+
+A generated region sits between two HTML comments in a page::
+
+    <!-- generated: NAME -->
+    ... (written by this script; edits here are overwritten)
+    <!-- end generated: NAME -->
+
+:data:`GENERATORS` maps each NAME to the function that renders it (``cli-help TOOL`` takes the
+tool as its argument). ``tests/test_docs.py`` fails when a committed region differs from what this
+script renders now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import typing
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script: ``tools`` is importable from the repository root
+    sys.path.insert(0, str(REPO))
+
+from tools.check_docs import Program, doc_pages, program_help  # noqa: E402
+
+GPU_VISITS = REPO / "benchmarks" / "results" / "gpu_visits"
+REGION = re.compile(r"(?P<open><!-- generated: (?P<name>[^>]*?) -->\n)(?P<body>.*?)(?P<close><!-- end generated: (?P=name) -->)",
+                    re.S)
+
+
+# -- the GPU status table ------------------------------------------------------------------------
+
+
+def newest_gpu_suite_run(root: Path = GPU_VISITS) -> Path:
+    """The newest committed ``summary.json`` of ``benchmarks/gpu_suite.py`` under
+    ``gpu_visits/<device>-<date>[suffix]/``: by date, then by suffix (``h200-2026-11-26b`` after
+    ``h200-2026-11-26``)."""
+
+    def key(path: Path) -> tuple[str, str]:
+        match = re.search(r"(\d{4}-\d{2}-\d{2})(.*)$", path.parent.name)
+        return (match[1], match[2]) if match else ("", path.parent.name)
+
+    summaries = sorted(root.glob("*/summary.json"), key=key)
+    if not summaries:
+        raise FileNotFoundError(f"no gpu_suite summary.json under {root}")
+    return summaries[-1]
+
+
+def _throughput_figures(stage: dict) -> str:
+    figures = stage.get("figures") or {}
+    sides = [s for s in figures.get("sides", []) if s.get("tokens_per_s")]
+    rows = figures.get("rows") or []
+    parts = []
+    for row in rows:
+        ours = row.get("tokens_per_s") or row.get("megatron_ext", {}).get("tokens_per_s")
+        if ours:
+            parts.append(f"{row.get('name', row.get('row', ''))}: {ours:,.0f} tok/s")
+    for side in sides:
+        label = ("the recipe at that commit" if side["side"] == "megatron_ext" else side["side"].replace("_", " "))
+        parts.append(f"{label} {side['tokens_per_s']:,.0f} tok/s (peak {side['peak_mem_gb']:.1f} GB)")
+    return "; ".join(parts)
+
+
+def _test_figures(stage: dict) -> str:
+    figures = stage.get("figures") or {}
+    counts = figures.get("counts") or {}
+    text = ", ".join(f"{n} {what}" for what, n in counts.items())
+    problems = figures.get("problems") or []
+    if problems:
+        text += f"; problems: {len(problems)}"
+    return text
+
+
+def _visit_notes(folder: Path, link: Path) -> str:
+    """The title of the visit's own notes (``README.md``), which say what the suite's record does
+    not (a corrected commit, what was cut short)."""
+    notes = folder / "README.md"
+    if not notes.is_file():
+        return ""
+    title = notes.read_text().splitlines()[0].lstrip("# ").strip()
+    return f" Its notes: [{title}]({link}/README.md)."
+
+
+def render_gpu_status(page: Path) -> str:
+    summary_path = newest_gpu_suite_run()
+    summary = json.loads(summary_path.read_text())
+    visit = Path(os.path.relpath(summary_path.parent, page.parent))
+    lines = [
+        f"Newest GPU visit: **{summary['device']}**, recorded commit `{summary['commit']}`, folder "
+        f"[`{visit.name}/`]({visit}/) (`benchmarks/gpu_suite.py`, budget {summary['budget_s']:.0f} s, "
+        f"used {summary['elapsed_s']:.0f} s)." + _visit_notes(summary_path.parent, visit),
+        "",
+        "| stage | status | what it measured |",
+        "|---|---|---|",
+    ]
+    for stage in summary["stages"]:
+        figures = _throughput_figures(stage) or _test_figures(stage)
+        status = stage["status"].replace("_", " ")
+        if stage.get("reason"):
+            status += f" ({stage['reason']})"
+        lines.append(f"| `{stage['name']}` | {status} | {figures} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_recipe_defaults(page: Path) -> str:
+    """The paper recipes' GPU defaults and the measurement behind each, from the table
+    ``benchmarks/recipe_defaults.py`` writes (``benchmarks/results/recipe_defaults.json``)."""
+    table = json.loads((RESULTS / "recipe_defaults.json").read_text())
+    lines = ["| size | setting | default | why | measured (bf16, one GPU) | device, visit, commit |",
+             "|---|---|---|---|---|---|"]
+    for size, settings in table["sizes"].items():
+        for key, entry in settings.items():
+            if entry.get("value") is None:
+                continue
+            measured = "; ".join(f"{c['value']}: {c['tokens_per_s']:,} tok/s, {100 * c['mfu']:.1f} % MFU"
+                                 for c in entry.get("candidates", []))
+            lines.append(f"| {size} | `{key}` | `{entry['value']}` | {entry['source']} | {measured} | "
+                         f"{entry['device']}, `{entry['visit']}`, {entry['commit']} |")
+    unmeasured = sorted({key for settings in table["sizes"].values() for key, entry in settings.items()
+                         if entry.get("value") is None})
+    if unmeasured:
+        lines += ["", "Not compared on a GPU yet (each recipe keeps its own setting): "
+                  + ", ".join(f"`{key}`" for key in unmeasured) + "."]
+    return "\n".join(lines) + "\n"
+
+
+# -- CPU benchmark tables ------------------------------------------------------------------------
+
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def render_preprocess_throughput(page: Path) -> str:
+    result = json.loads((RESULTS / "preprocess_cpu2.json").read_text())
+    lines = [f"{result['corpus']}, {result['host']['cpus']} CPU cores; target: {result['target']}.", "",
+             "| workers | raw tokenizer batch encode | end to end | ratio | start-up |", "|---|---|---|---|---|"]
+    for row in result["rows"]:
+        end = row["end_to_end"]
+        lines.append(f"| {row['workers']} | {row['raw_tokenizer']['tokens_per_s'] / 1e3:,.0f}k tokens/s | "
+                     f"{end['tokens_per_s'] / 1e3:,.0f}k tokens/s | {row['ratio_to_raw_tokenizer']:.2f} | "
+                     f"{end['startup_seconds']:.1f} s |")
+    return "\n".join(lines) + "\n"
+
+
+def render_cpu_throughput(page: Path) -> str:
+    result = json.loads((RESULTS / "throughput_cpu2.json").read_text())
+    settings = result["settings"]
+    lines = [f"Device `{result['device']}`, vocabulary {settings['vocab_size']:,}, torch "
+             f"{result['versions']['torch']}, megatron-core {result['versions']['megatron_core']}; each variant "
+             "undoes or adds one setting, timed in the same run:", "",
+             "| model | seq | precision | tokens/s | Hugging Face tokens/s | vs HF | variant: tokens/s (default's speedup) |",
+             "|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        variants = "; ".join(f"{name}: {v['tokens_per_s']:,.0f} (x{v['default_speedup']:.2f})"
+                             for name, v in (row.get("variants") or {}).items() if v.get("tokens_per_s"))
+        lines.append(f"| {row['model']} | {row['seq_length']} | {row['precision']} | {row['tokens_per_s']:,.0f} | "
+                     f"{row['hf_tokens_per_s']:,.0f} | x{row['speedup_vs_hf']:.2f} | {variants} |")
+    return "\n".join(lines) + "\n"
+
+
+# -- the scaling plan's estimates ----------------------------------------------------------------
+
+SCALING_SIZES = ("210m", "610m", "1b")
+GLOBAL_TOKENS = 1152 * 2048
+"""The paper recipes' global batch: 1,152 sequences of 2,048 tokens."""
+H100_BF16_TFLOPS = 989.0
+NVLINK_GB_S, IB_GB_S_PER_GPU = 400.0, 45.0
+
+
+def render_scaling_estimates(page: Path) -> str:
+    """Parameters, distributed-optimizer traffic and step times of the paper's sizes, computed from
+    the presets and the FLOPs convention of ``megatron_ext/training/metrics.py``."""
+    from megatron_ext.model.config import PRESETS, parameter_count
+    from megatron_ext.training.metrics import flops_per_token
+
+    lines = ["| preset | parameters | bytes per GPU per step (DP 64) | step at 40 % MFU, 8 / 64 H100 | "
+             "NVLink (~400 GB/s), 8 GPUs | InfiniBand (~45 GB/s per GPU), 64 GPUs |", "|---|---|---|---|---|---|"]
+    for name in SCALING_SIZES:
+        config = PRESETS[name]
+        params = parameter_count(config)
+        # fp32 gradients reduce-scattered (4 bytes), bf16 parameters all-gathered (2 bytes)
+        traffic = {dp: 6 * params * (dp - 1) / dp for dp in (8, 64)}
+        flops = flops_per_token(config, 2048)
+        step = {gpus: GLOBAL_TOKENS * flops / (gpus * H100_BF16_TFLOPS * 1e12 * 0.4) for gpus in (8, 64)}
+        nvlink = traffic[8] / (NVLINK_GB_S * 1e9)
+        infiniband = traffic[64] / (IB_GB_S_PER_GPU * 1e9)
+        lines.append(f"| {name} | {params / 1e6:,.0f}M | {traffic[64] / 1e9:.1f} GB | {step[8]:.2f} s / {step[64]:.2f} s "
+                     f"| {nvlink * 1e3:.0f} ms | {infiniband * 1e3:.0f} ms ({100 * infiniband / step[64]:.0f} % of the step) |")
+    flops = ", ".join(f"{flops_per_token(PRESETS[name], 2048):.3g}" for name in SCALING_SIZES)
+    return "\n".join(lines) + (f"\n\nStep time = {GLOBAL_TOKENS:,} tokens x FLOPs/token with the LM head at every "
+                               f"position (CLM steps: {flops} at 210M / 610M / 1B) / (GPUs x {H100_BF16_TFLOPS:.0f} "
+                               "TFLOP/s x 0.4).\n")
+
+
+def render_dry_run_plan(page: Path, recipe: str, world_size: str) -> str:
+    """``pretrain_encoder.py --config RECIPE --dry-run --world-size N``'s plan, up to its memory
+    estimate (what follows depends on the machine it runs on)."""
+    code, output = _program("pretrain_encoder.py").run(["--config", recipe, "--dry-run", "--world-size", world_size])
+    if code != 0:
+        raise RuntimeError(f"pretrain_encoder.py --dry-run of {recipe} exited {code}: {output[-2000:]}")
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("world size"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("memory/rank"))
+    return "```text\n" + "\n".join(lines[start:end + 1]) + "\n```\n"
+
+
+# -- recipe keys ---------------------------------------------------------------------------------
+
+
+def _type_name(annotation: typing.Any) -> str:
+    text = str(annotation) if not isinstance(annotation, type) else annotation.__name__
+    text = re.sub(r"typing\.", "", text).replace("NoneType", "None")
+    return text.replace("|", "\\|")
+
+
+def _default(field: dataclasses.Field) -> str:
+    if field.default is not dataclasses.MISSING:
+        return f"`{field.default!r}`"
+    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f"`{field.default_factory()!r}`"  # type: ignore[misc]
+    return "required"
+
+
+def _dataclass_table(cls: type, prefix: str) -> list[str]:
+    from megatron_ext.config_loading import _field_docs
+
+    hints = typing.get_type_hints(cls)
+    docs = _field_docs(cls)
+    lines = ["| key | type | default | what it is |", "|---|---|---|---|"]
+    for field in dataclasses.fields(cls):
+        if not field.init:
+            continue
+        doc = docs.get(field.name, "").replace("%%", "%").replace("|", "\\|")
+        lines.append(f"| `{prefix}{field.name}` | {_type_name(hints[field.name])} | {_default(field)} | {doc} |")
+    return lines
+
+
+def render_recipe_keys(page: Path) -> str:
+    from megatron_ext import objectives
+    from megatron_ext.schedule import Phase
+    from megatron_ext.training.config import SECTIONS
+
+    out = []
+    for name, cls in SECTIONS.items():
+        out += [f"### `{name}:`", "", " ".join((cls.__doc__ or "").split()), ""]
+        if name == "model":
+            out += ["`model.preset` (`210m`, `610m`, `1b`, ...) fills every shape key below; the recipe's own keys "
+                    "override it.", ""]
+        out += _dataclass_table(cls, f"{name}."), ""
+    out += ["### `phases:`", "", " ".join((Phase.__doc__ or "").split()), ""]
+    out += _dataclass_table(Phase, ""), ""
+    for tag, cls in objectives.OBJECTIVES.items():
+        out += [f"#### objective `{tag}`", "", " ".join((cls.__doc__ or "").split()), ""]
+        if dataclasses.fields(cls):
+            out += _dataclass_table(cls, ""), ""
+    return "\n".join(line if isinstance(line, str) else "\n".join(line) for line in out)
+
+
+def render_study_keys(page: Path) -> str:
+    from megatron_ext.study import spec
+
+    from megatron_ext.launch import LAUNCHERS, Resources
+
+    out = []
+    classes = [v for v in vars(spec).values()
+               if isinstance(v, type) and dataclasses.is_dataclass(v) and v.__module__ == spec.__name__]
+    classes.append(Resources)
+    for cls in classes:
+        out += [f"### `{cls.__name__}`", "", " ".join((cls.__doc__ or "").split()), ""]
+        out += _dataclass_table(cls, ""), ""
+    out += [f"In a study file, `resources:` takes `nodes`, `gpus_per_node`, `time` and one list of extra flags "
+            f"per launcher, by its name: {', '.join(f'`{name}`' for name in LAUNCHERS)}.", ""]
+    return "\n".join(line if isinstance(line, str) else "\n".join(line) for line in out)
+
+
+# -- the import layers -------------------------------------------------------------------------
+
+
+def render_import_layers(page: Path) -> str:
+    """The layers of ``tests/test_layering.py`` (``LAYERS``, bottom up, with each layer's comment),
+    from the top down: the test is what holds the imports to them."""
+    import ast
+
+    source = (REPO / "tests" / "test_layering.py").read_text()
+    tree = ast.parse(source)
+    layers = next(node.value for node in tree.body if isinstance(node, ast.AnnAssign)
+                  and getattr(node.target, "id", None) == "LAYERS")
+    sets = [element for element in ast.walk(layers) if isinstance(element, ast.Set)]
+    lines = source.splitlines()
+    out = []
+    for number, layer in enumerate(reversed(sets), start=1):
+        units = [element.value for element in layer.elts]
+        names = [f"`{unit}/`" if (REPO / "megatron_ext" / unit).is_dir() else f"`{unit}.py`" for unit in units]
+        comment = lines[layer.end_lineno - 1].partition("#")[2].strip()
+        if units == ["cli"]:
+            names.append("`pretrain_encoder.py`, `tools/`")
+        out.append(f"{number}. {', '.join(names)}" + (f" ({comment})" if comment else ""))
+    return "\n".join(out) + "\n"
+
+
+# -- exit codes ----------------------------------------------------------------------------------
+
+EXIT_CODE_CONSTANTS = (
+    ("megatron_ext.cli.entry", "USER_ERROR_EXIT_CODE"),
+    ("megatron_ext.checkpoint.storage", "STORAGE_EXIT_CODE"),
+    ("megatron_ext.training.stop", "RESUMABLE_EXIT_CODE"),
+    ("megatron_ext.training.stop", "STOPPED_UNSAVED_EXIT_CODE"),
+)
+"""Where each exit status the trainer and the tools use is defined, with its docstring."""
+
+
+def _constant_doc(module_name: str, name: str) -> str:
+    import ast
+    import importlib
+    import inspect
+
+    module = importlib.import_module(module_name)
+    tree = ast.parse(inspect.getsource(module))
+    for node, nxt in zip(tree.body, tree.body[1:]):
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            return " ".join(str(nxt.value.value).split())
+    raise LookupError(f"{module_name}.{name} has no docstring")
+
+
+def render_exit_codes(page: Path) -> str:
+    import importlib
+
+    rows = [("0", "", "Finished: the run reached `training.train_iters` (a tool: it did what was asked).")]
+    for module_name, name in EXIT_CODE_CONSTANTS:
+        code = getattr(importlib.import_module(module_name), name)
+        doc = re.sub(r":data:`~?([\w.]+)`", r"`\1`", _constant_doc(module_name, name)).replace("``", "`")
+        rows.append((str(code), f"`{name}` (`{module_name}`)", doc.replace("|", "\\|")))
+    rows.append(("1", "", "A bug: the traceback is printed. Please report it with the command and the log."))
+    lines = ["| exit code | constant | meaning |", "|---|---|---|"]
+    lines += [f"| **{code}** | {name} | {doc} |" for code, name, doc in sorted(rows, key=lambda r: int(r[0]))]
+    return "\n".join(lines) + "\n"
+
+
+# -- each tool's --help --------------------------------------------------------------------------
+
+
+def _program(name: str) -> Program:
+    return Program(name=name, script=REPO / name)
+
+
+def render_cli_help(page: Path, name: str) -> str:
+    text = program_help(_program(name)).rstrip()
+    text = re.sub(r"usage: \S*?([\w.-]+\.py)", r"usage: \1", text)
+    return f"```text\n{text}\n```\n"
+
+
+GENERATORS: dict[str, Callable[..., str]] = {  # each takes the page (for relative links), then its arguments
+    "gpu-status": render_gpu_status,
+    "recipe-defaults": render_recipe_defaults,
+    "preprocess-throughput": render_preprocess_throughput,
+    "cpu-throughput": render_cpu_throughput,
+    "scaling-estimates": render_scaling_estimates,
+    "dry-run-plan": render_dry_run_plan,
+    "recipe-keys": render_recipe_keys,
+    "study-keys": render_study_keys,
+    "exit-codes": render_exit_codes,
+    "import-layers": render_import_layers,
+    "cli-help": render_cli_help,
+}
+
+
+def render_page(text: str, page: Path) -> str:
+    """``text`` (the page at ``page``) with every generated region rendered now."""
+
+    def fill(match: re.Match) -> str:
+        name, *args = match["name"].split()
+        if name not in GENERATORS:
+            raise KeyError(f"unknown generated region {name!r}; expected one of {sorted(GENERATORS)}")
+        return match["open"] + GENERATORS[name](page, *args) + match["close"]
+
+    return REGION.sub(fill, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="render_docs.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a page is out of date")
+    args = parser.parse_args(argv)
+    stale = []
+    for page in doc_pages():
+        text = page.read_text()
+        if "<!-- generated: " not in text:
+            continue
+        new = render_page(text, page)
+        if new != text:
+            stale.append(page.relative_to(REPO))
+            if not args.check:
+                page.write_text(new)
+    for page in stale:
+        print(f"{page}: {'out of date (run python tools/render_docs.py)' if args.check else 'rewritten'}")
+    return 1 if stale and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
