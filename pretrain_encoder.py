@@ -97,7 +97,7 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if args.dry_run:
-        from megatron_ext.training.plan import check_paths, check_tokenizer_serves, format_plan, make_plan
+        from megatron_ext.training.dry_run import check_paths, check_tokenizer_serves, format_dry_run, make_plan
 
         from megatron_ext.training.memory import memory_report
 
@@ -117,7 +117,7 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
                 tokenizer_note = f"tokenizer: NOT READY, a run would stop here: {err}"
             else:  # what the objectives need of it: refused now (before the plan), as the run would refuse it
                 check_tokenizer_serves(config, tokenizer)
-        print(format_plan(config, plan))
+        print(format_dry_run(config, plan))
         print(memory_report(config, world_size=world))
         speeds = speed_table(args)
         cost = segment_cost(config, run="the run", gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)

@@ -111,7 +111,7 @@ def test_every_registered_launcher_is_a_launcher_with_its_own_options():
 def test_an_evaluation_grid_is_one_array_job_with_its_workers_resources(tmp_path):
     from megatron_ext.launch.slurm import SlurmLauncher
     from megatron_ext.study.evaluation import EvaluationStage
-    from megatron_ext.study.execute import StudyDir
+    from megatron_ext.study.state import StudyDir
     from megatron_ext.study.plan import plan_study
 
     path = _study(tmp_path, resources={"gpus_per_node": 8, "time": "24:00:00", "slurm": ["--partition=gpu"]},

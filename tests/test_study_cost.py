@@ -12,11 +12,11 @@ import pytest
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.study import cost
-from megatron_ext.study.execute import Progress
+from megatron_ext.study.state import Progress
 from megatron_ext.study.plan import plan_study
 from megatron_ext.study.spec import read_study
 from megatron_ext.training.config import read_recipe, run_config_from_dict
-from megatron_ext.training.plan import training_flops
+from megatron_ext.training.dry_run import training_flops
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "examples" / "recipes"

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.launcher is None:
         parser.error("the following arguments are required: --launcher")
     from megatron_ext.launch import launcher_class
-    from megatron_ext.study.execute import StudyDir, select_runs, write_plan
+    from megatron_ext.study.state import StudyDir, select_runs, write_plan
     from megatron_ext.study.plan import plan_study
     from megatron_ext.study.spec import read_study
     from megatron_ext.study.tree import TreeScheduler

@@ -1,6 +1,6 @@
 """What a run or a study costs before it is launched: GPU-hours and wall time.
 
-A training segment's cost is its FLOPs (``training.plan.phase_flops``: the FLOPs ``--dry-run``
+A training segment's cost is its FLOPs (``training.dry_run.phase_flops``: the FLOPs ``--dry-run``
 prints, per objective, in the convention of ``metrics.MFU_CONVENTION``) divided by a speed, the
 training FLOP/s one device achieves for that shape (size, sequence length, precision, spec) on a
 GPU kind. Where a speed comes from, in this order, is printed with every figure:
@@ -53,7 +53,7 @@ from megatron_ext.config_loading import UserError
 from megatron_ext.model.config import layer_matmul_parameters, parameter_count
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.metrics import MFU_CONVENTION, PEAK_TFLOPS
-from megatron_ext.training.plan import phase_flops
+from megatron_ext.training.dry_run import phase_flops
 
 REPO_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 """The checkout's committed measurements (absent in an installed package)."""
@@ -520,7 +520,7 @@ def calibrate_training(runs: Iterable, *, warmup: int = 2, steps: int = 4,
 
     import yaml
 
-    from megatron_ext.study.execute import repository_file
+    from megatron_ext.study.state import repository_file
 
     speeds: dict[tuple, Speed] = {}
     checkpoints: dict[str, Path] = {}
@@ -951,7 +951,7 @@ def seconds_left(plan, segments: Iterable, *, gpus: int | None, say: Callable[[s
                  ) -> dict[str, float] | None:
     """The estimated seconds of each segment's steps still to train (from its newest checkpoint) on
     this machine's kind, ``gpus`` per run (None: the study's); None where no speed is known (said)."""
-    from megatron_ext.study.execute import first_step, saved_step
+    from megatron_ext.study.state import first_step, saved_step
 
     try:
         speeds = SpeedTable(kind=this_machine_kind(), results_dir=default_results_dir())

@@ -22,7 +22,7 @@ from pathlib import Path
 from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import write_atomic
 from megatron_ext.launch import Job, JobEvents, JobState, Launcher
-from megatron_ext.study.execute import StudyDir, log_tail, say
+from megatron_ext.study.state import StudyDir, log_tail, say
 from megatron_ext.study.plan import StudyPlan
 from megatron_ext.study.tree import stored_id
 from megatron_ext.study.spec import EvaluationSpec, ReferenceSpec

@@ -28,7 +28,7 @@ from pathlib import Path
 from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import write_atomic
 from megatron_ext.launch import Job, JobEvents, JobState, Launcher
-from megatron_ext.study.execute import (
+from megatron_ext.study.state import (
     Progress,
     SegmentState,
     StudyDir,

@@ -50,7 +50,7 @@ from megatron_ext.training.config import RunConfig
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, StepOutcome, megatron_transformer_overrides
 from megatron_ext.training.memory import check_fits, estimate_memory, stage_parameters
 from megatron_ext.checkpoint import storage
-from megatron_ext.training.plan import check_paths, check_tokenizer_serves, make_plan
+from megatron_ext.training.dry_run import check_paths, check_tokenizer_serves, make_plan
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
 from megatron_ext.training.stop import RESUMABLE_EXIT_CODE, StopPolicy, write_exit_status
 

@@ -138,7 +138,7 @@ def stage_parameters(config: EncoderModelConfig, *, tensor_parallel: int, pipeli
 def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:
     """Peak bytes per rank of ``config`` at ``world_size`` processes (module docstring)."""
     from megatron_ext.training.metrics import peak_lm_head_share
-    from megatron_ext.training.plan import make_plan
+    from megatron_ext.training.dry_run import make_plan
 
     plan = make_plan(config, world_size)
     m, d, t, p = config.model, config.data, config.training, config.parallel
@@ -239,7 +239,7 @@ def largest_micro_batch(config: RunConfig, *, world_size: int, usable_bytes: int
     ``None`` when even one sequence does not fit. Larger
     micro-batches mean fewer, bigger kernels per step and fewer host calls per token, which is what a
     host-bound step (Transformer Engine at small micro-batches) lacks."""
-    from megatron_ext.training.plan import make_plan
+    from megatron_ext.training.dry_run import make_plan
 
     per_rank = sequences_per_rank or config.data.global_batch_size // make_plan(config, world_size).data_parallel
     for micro in sorted((n for n in range(1, per_rank + 1) if per_rank % n == 0), reverse=True):

@@ -90,7 +90,7 @@ def training_flops(config: RunConfig, start: int = 0, end: int | None = None) ->
     return sum(flops for _, flops in phase_flops(config, start, end))
 
 
-def format_plan(config: RunConfig, plan: RunPlan) -> str:
+def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
     d, s, t, o, m = config.data, config.schedule, config.training, config.optimizer, config.model
     total = t.train_iters
     phases = config.resolved_phases

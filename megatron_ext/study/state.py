@@ -1,4 +1,4 @@
-"""Executing a study's plan: the study directory, what is left to train, and what is printed.
+"""A study's state on disk: the study directory, what is left to train, and the progress it prints.
 
 ``run_study`` plans a study (:func:`megatron_ext.study.plan.plan_study`), writes the plan and one
 recipe per run into the study directory (:func:`write_plan`) and hands the segments to the tree
