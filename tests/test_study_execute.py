@@ -79,7 +79,9 @@ def _attempts(log: Path) -> int:
 
 
 def _row(out: str, run: str) -> str:
-    """The status-table row of ``run`` in the last table printed."""
+    """The status-table row of ``run`` in the last table printed (a dry run's cost table, printed after
+    it, lists the runs too)."""
+    out = re.split(r"^cost ", out, flags=re.M)[0]
     rows = re.findall(rf"^  (?:[├└]── )?{re.escape(run)} .*$", out, re.M)
     assert rows, out
     return rows[-1]
