@@ -20,13 +20,13 @@ visits give, and every paper recipe sets what the table says.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 VISITS_DIR = REPO / "benchmarks" / "results" / "gpu_visits"
@@ -71,6 +71,7 @@ def _visit_key(path: Path) -> tuple[str, str]:
     return match.group(1), match.group(2)
 
 
+@functools.cache  # the same few (size, seq) for every side of a visit
 def _mlm40_flops_per_token(size: str, seq_length: int) -> float:
     """FLOPs per token of the throughput benchmark's step (MLM-40, LM head at the scored positions),
     for sides recorded before the suite wrote them (the MFU convention of training/metrics.py)."""
@@ -218,7 +219,11 @@ def render_markdown(table: dict) -> str:
 
 
 def recipe_setting(size: str, section: str, key: str):
-    recipe = yaml.safe_load((REPO / "examples" / "recipes" / "base" / SIZE_RECIPES[size]).read_text())
+    """The size recipe's setting as the trainer reads it (``read_recipe``: bases merged, old key names
+    and values under today's)."""
+    from megatron_ext.training.config import read_recipe
+
+    recipe = read_recipe(REPO / "examples" / "recipes" / "base" / SIZE_RECIPES[size])
     return (recipe.get(section) or {}).get(key)
 
 
