@@ -52,21 +52,22 @@ miniature: demo-data
 	$(PY) tools/run_study.py examples/studies/miniature.yaml --launcher local
 
 # Two pytest-xdist workers, whatever the core count: the suite waits on subprocesses and SLURM jobs
-# part of its time. On 2 cores, 27-31 min against ~32 min in one process (fresh clones, CI's command;
-# TEST_WORKERS=0: one process). How tests are grouped and ordered: tests/conftest.py.
+# part of its time (TEST_WORKERS=0: one process). tests/unit/ holds the tests of one part in this
+# process (seconds each); tests/integration/ the whole runs: trainers, torchrun, SLURM jobs, studies,
+# benchmark scripts, the docs' commands. How tests are grouped and ordered: tests/conftest.py.
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30 tests
 
-# The edit loop: everything but the tests marked slow (whole-suite builds, the miniature, SmolLM2 CPT).
+# The edit loop: the unit tests only (tests/unit/).
 test-quick: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests/unit
 
 bench: setup
 	$(PY) benchmarks/preprocess.py
 
 # The generated parts of README.md and docs/ rendered again (GPU and benchmark tables, recipe keys,
-# exit codes, each tool's --help), then every page checked against the code (tests/test_docs.py).
+# exit codes, each tool's --help), then every page checked against the code (tests/integration/test_docs.py).
 docs: setup
 	$(PY) tools/render_docs.py
 	$(PY) tools/check_docs.py --no-run

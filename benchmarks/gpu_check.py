@@ -2,11 +2,11 @@
 
     .venv/bin/python benchmarks/gpu_check.py                      # on a CUDA machine
     .venv/bin/python benchmarks/gpu_check.py --output-dir $OUT    # e.g. on a lent GPU machine
-    .venv/bin/python benchmarks/gpu_check.py --tests tests/test_gpu.py::test_kill_and_resume
+    .venv/bin/python benchmarks/gpu_check.py --tests tests/integration/test_gpu.py::test_kill_and_resume
     .venv/bin/python benchmarks/gpu_check.py -k "biphasic" --pytest-args "-n 4 --dist loadfile" --timeout-s 540
 
 Runs ``pytest -m gpu`` over the test files that hold ``gpu``-marked tests, and only those (found by
-reading the files for the marker, ``mark.gpu``, without importing them: tests/test_gpu.py and those
+reading the files for the marker, ``mark.gpu``, without importing them: tests/integration/test_gpu.py and those
 next to their CPU counterparts, e.g. test_checkpoint.py, test_hf_interop.py, test_processes.py). A
 module without GPU tests is not collected, so an import it lacks on a GPU image is not counted
 against the GPU path; a GPU test module that fails to import is reported as a collection error, apart
@@ -116,7 +116,7 @@ def _first_line(text: str | None) -> str | None:
 
 
 def _test_id(case: ET.Element) -> str:
-    """pytest's node id (``tests/test_gpu.py::test_x[None]``) from an xunit1 ``testcase``."""
+    """pytest's node id (``tests/integration/test_gpu.py::test_x[None]``) from an xunit1 ``testcase``."""
     name, classname, file = case.get("name", "?"), case.get("classname", ""), case.get("file")
     if not file:  # xunit2 has no file: the dotted module path is the best there is
         return f"{classname}::{name}" if classname else name
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where gpu_check_<device>.json and .log go (default: benchmarks/results)")
     parser.add_argument("--tests", nargs="+", metavar="FILE_OR_NODE_ID",
                         help="run these test files or node ids (their gpu-marked tests) instead of every file "
-                             "holding gpu tests, e.g. tests/test_gpu.py::test_kill_and_resume")
+                             "holding gpu tests, e.g. tests/integration/test_gpu.py::test_kill_and_resume")
     parser.add_argument("-k", dest="keyword", metavar="EXPRESSION",
                         help="only the gpu tests matching this pytest -k expression")
     parser.add_argument("--pytest-args", default="", metavar="ARGS",

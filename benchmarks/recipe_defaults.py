@@ -13,7 +13,7 @@ local spec is refused in one line naming both keys).
     python benchmarks/recipe_defaults.py --write    # rewrite benchmarks/results/recipe_defaults.{json,md}
     python benchmarks/recipe_defaults.py --check    # exit 1 if the committed table or a recipe disagrees
 
-``tests/test_recipe_defaults.py`` runs ``--check``'s logic: the committed table is what the committed
+``tests/unit/test_recipe_defaults.py`` runs ``--check``'s logic: the committed table is what the committed
 visits give, and every paper recipe sets what the table says.
 """
 
@@ -199,7 +199,7 @@ def decide(visits_dir: Path = VISITS_DIR) -> dict:
 def render_markdown(table: dict) -> str:
     lines = ["# Paper recipes: GPU defaults and the measurements behind them", "",
              "Written by `python benchmarks/recipe_defaults.py --write` from the committed GPU visits "
-             "(`benchmarks/results/gpu_visits/`); `tests/test_recipe_defaults.py` keeps it, and the recipes "
+             "(`benchmarks/results/gpu_visits/`); `tests/unit/test_recipe_defaults.py` keeps it, and the recipes "
              "under `examples/recipes/base/`, in step with them.", "", f"Rule: {table['rule']}", "",
              "| size | setting | default | source | measured (bf16, seq 2048, MLM-40, one GPU) | device | visit | commit |",
              "|---|---|---|---|---|---|---|---|"]

@@ -12,7 +12,7 @@ A generated region sits between two HTML comments in a page::
     <!-- end generated: NAME -->
 
 :data:`GENERATORS` maps each NAME to the function that renders it (``cli-help TOOL`` takes the
-tool as its argument). ``tests/test_docs.py`` fails when a committed region differs from what this
+tool as its argument). ``tests/integration/test_docs.py`` fails when a committed region differs from what this
 script renders now.
 """
 
@@ -287,7 +287,7 @@ def render_study_keys(page: Path) -> str:
 
 
 def render_import_layers(page: Path) -> str:
-    """The layers of ``tests/test_layering.py`` (``LAYERS``, bottom up, with each layer's comment),
+    """The layers of ``tests/unit/test_layering.py`` (``LAYERS``, bottom up, with each layer's comment),
     from the top down: the test is what holds the imports to them."""
     import ast
 

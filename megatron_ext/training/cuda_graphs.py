@@ -66,7 +66,7 @@ CPU (CUDA graphs are CUDA). The LM head and the loss stay outside the graphs, ea
 runs on ``max_scored_per_sequence`` rows, a fixed shape, but it never needed a graph.
 
 Measured on an H200 (2026-11-26, torch 2.11, megatron-core 0.19.2, *without* Transformer Engine:
-the local spec): tests/test_gpu.py's biphasic engine runs with graphs gave every training and
+the local spec): tests/integration/test_gpu.py's biphasic engine runs with graphs gave every training and
 validation loss bitwise equal to eager mode's (fp32 parameters under bf16 autocast; bf16
 parameters with the distributed optimizer and overlapped reduction), one replay per layer call;
 the 1b throughput shape (seq 2,048, 6 micro-batches of 3) went from 0.741 to 0.725 s per step

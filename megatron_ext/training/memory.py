@@ -16,7 +16,7 @@ micro-batches in flight, the last the LM head) and counts:
   after RoPE and its output, the gate/up projection, SwiGLU's product; ``3 ffn`` with Megatron's
   fused SwiGLU, ``training.bias_activation_fusion``). The coefficients were
   measured with ``torch.autograd.graph.saved_tensors_hooks`` on the local spec and are checked
-  within 10 % over several shapes by ``tests/test_memory.py``. Attention never stores the
+  within 10 % over several shapes by ``tests/unit/test_memory.py``. Attention never stores the
   ``s x s`` scores (SDPA's flash / memory-efficient kernels, cuDNN or TE); a document mask stores
   one boolean ``[b, 1, s, s]`` tensor per micro-batch;
 - the LM head's logits and cross-entropy at the positions it runs (all positions for CLM, the

@@ -1,0 +1,123 @@
+"""The paper in miniature (``examples/studies/miniature.yaml``, ``make miniature``) end to end at CI
+size through the local launcher: the same study file with smaller budgets and grid, trained as a
+tree of branches, evaluated by two workers sharing each grid, and reported. It runs as a user of
+the installed package would: the project installed NOT editable (``installed_package``), the
+study and its recipes copied out of the checkout, ``python -m megatron_ext.cli.run_study`` run
+from a folder outside it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_ext.checkpoint.reader import Checkpoint
+from megatron_ext.study import cost
+from megatron_ext.study.plan import plan_study
+from megatron_ext.study.spec import read_study
+
+ROOT = Path(__file__).resolve().parents[2]
+MINIATURE = ROOT / "examples" / "studies" / "miniature.yaml"
+REFERENCE = "all-MiniLM-L6-v2"
+
+
+def _ci_size(tmp_path: Path, corpus: dict[str, str]) -> Path:
+    """The miniature study with budgets of 8 and 16 steps on the tiny news corpus, one task, two LRs,
+    beside a copy of the recipes it links to (outside the checkout)."""
+    shutil.copytree(ROOT / "examples" / "recipes", tmp_path / "examples" / "recipes")
+    study = yaml.safe_load(MINIATURE.read_text())
+    assert study["sizes"][0]["base"] == "../recipes/base/tiny.yaml"  # the copy's, beside it
+    study["budgets"] = [8, 16]
+    study["cpt"]["source_budget"] = 16
+    study["cpt"]["continuations"] = [
+        {"steps": 4, "overrides": {"schedule": {"lr_warmup_iters": 1, "lr_wsd_decay_iters": 1}}}, {"steps": 8}]
+    study["overrides"].update({
+        "tokenizer": {"tokenizer_model": corpus["tokenizer"]},
+        "data": {"data_path": [corpus["data"]], "split": "80,20,0", "eval_iters": 1,
+                 "data_cache_path": str(tmp_path / "index_cache")},
+        "schedule": {"lr_warmup_iters": 2, "lr_wsd_decay_iters": 4},
+        "training": {"eval_interval": 8, "log_interval": 4},
+        "checkpoint": {"save_interval": 4, "keep_last": 1},
+    })
+    study["output"] = {"save": str(tmp_path / "pretrain" / "{run}" / "checkpoints"),
+                       "log_dir": str(tmp_path / "pretrain" / "{run}")}
+    study["evaluation"].update({"tasks": ["rt_sentiment"], "lrs": [1e-3, 3e-3], "seeds": [0], "max_steps": 2,
+                                "max_length": 64, "max_eval_examples": 16, "output_dir": str(tmp_path / "eval")})
+    path = tmp_path / "examples" / "studies" / "miniature_ci.yaml"
+    path.parent.mkdir(parents=True)
+    path.write_text(yaml.safe_dump(study, sort_keys=False))
+    return path
+
+
+@pytest.mark.slow  # twelve pretraining segments, 26 fine-tuning runs and the report
+@pytest.mark.timeout(1200)  # 296 s alone, 375 s beside the other test worker
+def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, installed_package):
+    path = _ci_size(tmp_path, tiny_corpus)
+    plan = plan_study(read_study(path), path)
+    assert len(plan.runs) == 12 and plan.steps_tree < plan.steps_separate
+    branches = [s for s in plan.segments if s.start_from == "branch"]
+    assert {s.run for s in branches} >= {"tiny_clm_8", "tiny_mlm_40_8", "tiny_biphasic_25_75_16"}
+
+    run = subprocess.run([sys.executable, "-m", "megatron_ext.cli.run_study", str(path), "--launcher", "local",
+                          "--study-dir", str(tmp_path / "study")], cwd=installed_package["work"],
+                         env={**installed_package["env"], cost.RESULTS_DIR_VARIABLE: str(cost.REPO_RESULTS)}, capture_output=True, text=True, timeout=1100)
+    printed = run.stdout
+    assert run.returncode == 0, printed + run.stderr
+    assert "training: every run complete" in printed and "evaluation: runs: 2 worker(s)" in printed
+    # Every job ran the installed package's programs (the log's first line names the command).
+    site = str(installed_package["site"])
+    assert (tmp_path / "study" / "logs" / "tiny_clm_16.log").read_text().split("\n", 1)[0].endswith(
+        f"{site}/pretrain_encoder.py --config {tmp_path / 'study' / 'recipes' / 'tiny_clm_16.yaml'}")
+    assert not (installed_package["work"] / "runs").exists()  # the study wrote where it was told
+
+    # The cost model: the training's measured time inside the band its estimate states (from the
+    # committed CPU throughput and the assumed start-up per trainer), and an ETA from it, corrected
+    # by the segments trained, in the progress lines (the installed package reads the committed
+    # measurements through MEGATRON_EXT_RESULTS_DIR).
+    took = float(re.search(r"^training: every run complete \((\d+) s\)$", printed, re.M).group(1))
+    speeds = cost.SpeedTable(kind=cost.CPU, results_dir=cost.REPO_RESULTS)
+    estimate = cost.study_cost(plan, speeds=speeds, gpus=None, gpus_per_node=8)
+    low, high = cost.band(source for segment in estimate.segments for source in segment.sources)
+    assert (low, high) == cost.BANDS["measured"], estimate.segments[0].speeds
+    assert low * estimate.sequential_s <= took <= high * estimate.sequential_s, (  # for a machine to itself
+        took, estimate.sequential_s, f"load average {os.getloadavg()} on {os.cpu_count()} cores")
+    assert re.search(r"^\[1/12\] \S+: complete in .* ETA \S+ \(estimate x[\d.]+, the measured pace", printed, re.M), printed
+
+    # Pretraining: every run at its budget; each branch continued its parent's checkpoint in place.
+    for run in plan.runs:
+        assert Checkpoint.open(run.recipe["checkpoint"]["save"]).step == run.train_iters, run.name
+    for segment in branches:
+        state = json.loads((Path(plan.run(segment.run).recipe["checkpoint"]["save"]) / "iter_{:07d}".format(
+            plan.run(segment.run).train_iters) / "checkpoint_complete.json").read_text())
+        assert state["step"] == plan.run(segment.run).train_iters
+        log = (Path(plan.run(segment.run).recipe["logging"]["log_dir"]) / "metrics.jsonl").read_text()
+        first = json.loads(log.splitlines()[0])
+        assert first["step"] > segment.branch_step, segment.run  # it trained from the branch step on
+    for parent in plan.segments:
+        kept = {Checkpoint(p).step for p in Path(plan.run(parent.run).recipe["checkpoint"]["save"]).glob("iter_*")}
+        assert set(parent.saves) <= kept, parent.run  # keep_last 1 pruned none of them
+
+    # Evaluation: each of the 12 runs x 2 LRs fine-tuned once by the two workers, and the reference.
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert sorted(row["model"] for row in summary["results"]) == sorted(r.name for r in plan.runs)
+    records = sorted((tmp_path / "eval" / "runs").glob("*/rt_sentiment/*.json"))
+    assert len(records) == 12 * 2 and {r.parent.parent.name for r in records} == {r.name for r in plan.runs}
+    assert len(list((tmp_path / "eval" / "references" / REFERENCE / "runs").glob("*/rt_sentiment/*.json"))) == 1
+
+    # Report: the four figures, the reference apart, nothing missing.
+    report = json.loads((tmp_path / "eval" / "report" / "report.json").read_text())
+    assert report["missing"] == []
+    assert [row["models"] for row in report["other_models"]] == [[REFERENCE]]
+    assert len(report["study_models"]) == 12
+    for name in ("clm_share", "tokens", "cpt", "lr_sensitivity"):
+        figure = report["figures"][name]
+        assert "skipped" not in figure, (name, figure)
+        assert (tmp_path / "eval" / "report" / figure["file"]).stat().st_size > 5_000
+    assert "tiny_biphasic_25_75_16" in (tmp_path / "eval" / "report" / "report.md").read_text()

@@ -1,0 +1,303 @@
+"""The launch scripts under a real SLURM: ``examples/launch/slurm.sbatch`` submitted unchanged to a
+private cluster on this host (``slurm_cluster`` fixture, tests/slurm_cluster.py: munged, slurmctld
+and two slurmd), with only what a user of a CPU partition passes: ``--nodes=1 --gpus-per-node=0``,
+``GPUS_PER_NODE``, ``PYTHON``, ``RECIPE`` (and ``--output``, ``--time``, ``--signal``).
+
+What they check: a 2-rank job through srun + torchrun ends COMPLETED soon after its last step; a bad
+recipe fails once, not requeued, its error in the log; real preemption by a job of a higher tier
+(with and without ``preempt_send_user_signal``) and ``scancel --signal=TERM --full`` mid-run each
+leave a checkpoint of the step in flight and the requeued job resumes from it with the losses of an
+uninterrupted run; so does a real time limit (cut short while the job trains, so that it falls
+after start-up however loaded the machine) with the script's warning signal (SIGUSR1 to the batch
+shell, which passes it on); 2 nodes x 1 rank train like 1 node x 2 ranks through the script's c10d
+rendezvous.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from helpers import tiny_recipe
+from megatron_ext.checkpoint.reader import latest_checkpoint
+from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
+
+
+REPO = Path(__file__).resolve().parents[2]
+SBATCH = REPO / "examples" / "launch" / "slurm.sbatch"
+# Launch-script settings of the test process's own environment that must not reach the jobs.
+LAUNCH_ENV = ("RECIPE", "NNODES", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "TORCHRUN", "REPO_DIR",
+              "DRY_RUN", "MAX_REQUEUES", "OMP_NUM_THREADS", "MEGATRON_EXT_EXIT_STATUS_FILE", "PYTHON")
+
+SHORT_STEPS = 100
+"""The short recipe: a few seconds of steps after ~10 s of start-up."""
+LONG = {"steps": 300, "data": {"micro_batch_size": 16, "global_batch_size": 128}}
+"""The long recipe: 8,192 tokens a step, ~0.15 s on 2 idle cores (the tiny one's steps are mostly
+overhead), so that its time-limit job is still training 50 s after it starts, when the warning comes
+at the latest, even alone on the machine. Its reference runs at the same time on the other node,
+which slows both: the pair takes about as long as the time-limit job alone."""
+
+
+@dataclass
+class Job:
+    id: int
+    run_dir: Path
+    info: dict[str, str]
+    """``scontrol show job`` at the end."""
+
+    @property
+    def log(self) -> str:
+        return Path(self.info["StdOut"]).read_text(errors="replace")
+
+    def losses(self) -> list[tuple[int, float]]:
+        """(step, loss) of every train record in ``metrics.jsonl``, in the order written."""
+        records = [json.loads(line) for line in (self.run_dir / "log" / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+
+    def starts(self) -> list[int]:
+        """The step each run of the job started from (the trainer's banner)."""
+        return [int(m) for m in re.findall(r"^training \d+ steps from step (\d+)", self.log, re.M)]
+
+
+def _recipe(tiny_corpus, run_dir: Path, steps: int, training: dict | None = None, data: dict | None = None) -> Path:
+    """The tiny recipe, saving only at its end (so a checkpoint mid-run is the one a stop wrote)."""
+    recipe = tiny_recipe(tiny_corpus, run_dir,
+                         training={"train_iters": steps, "eval_interval": 0, "log_interval": 1, **(training or {})},
+                         checkpoint={"save": str(run_dir / "ckpt"), "save_interval": steps}, data=data or {})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "recipe.yaml"
+    path.write_text(json.dumps(recipe))  # JSON is YAML
+    return path
+
+
+def _submit(cluster, recipe: Path, *flags: str, nodes: int = 1, procs: int = 2) -> int:
+    """sbatch the launch script from the repository root, as its header shows."""
+    env = {**{k: v for k, v in cluster.env.items() if k not in LAUNCH_ENV},
+           "GPUS_PER_NODE": str(procs), "PYTHON": sys.executable, "RECIPE": str(recipe)}
+    return cluster.sbatch([f"--nodes={nodes}", "--gpus-per-node=0", f"--output={recipe.parent}/%x-%j.out", *flags,
+                           str(SBATCH)], env=env, cwd=REPO, replace_env=True)
+
+
+def _finish(cluster, job_id: int, run_dir: Path, timeout: float = 600) -> Job:
+    info = cluster.wait(job_id, timeout=timeout)
+    return Job(job_id, run_dir, info)
+
+
+def _steps_logged(run_dir: Path) -> int:
+    path = run_dir / "log" / "metrics.jsonl"
+    return path.read_text().count('"kind": "train"') if path.exists() else 0
+
+
+def _end_time(info: dict[str, str]) -> float:
+    return datetime.strptime(info["EndTime"], "%Y-%m-%dT%H:%M:%S").timestamp()
+
+
+def _assert_resumed_exactly(job: Job, reference: Job, steps: int) -> None:
+    """Every step logged once, in order, with the reference's loss; each run after the first started
+    from the step the previous one stopped at (the checkpoint of its step in flight)."""
+    losses = job.losses()
+    assert [s for s, _ in losses] == list(range(1, steps + 1)), "a step was lost or run twice"
+    assert dict(losses) == dict(reference.losses())
+    stops = [int(m) for m in re.findall(r"^stopped after step (\d+)/", job.log, re.M)]
+    assert job.starts() == [0, *stops], job.log
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tiny_corpus, tmp_path_factory) -> dict[str, tuple[int, Path]]:
+    """The jobs that need no test's attention, submitted together so that they share the two nodes:
+    the long recipe uninterrupted (the reference) and under a time limit (driven by
+    :func:`_time_limit_once`, beside the other tests), the long recipe again (stopped three times by
+    the preemption test, which runs while the others do), then the short recipe uninterrupted. Job
+    id and run folder of each."""
+    submitted = {}
+    for name, steps, data, flags in [("long_reference", LONG["steps"], LONG["data"], ()),
+                                     ("time_limit", LONG["steps"], LONG["data"],
+                                      (f"--time={TIME_LIMIT_MINUTES}", f"--signal=B:USR1@{WARNING_S}")),
+                                     ("preempted", LONG["steps"], LONG["data"], ()),
+                                     ("short_reference", SHORT_STEPS, None, ())]:
+        run_dir = tmp_path_factory.mktemp(name)
+        submitted[name] = (_submit(slurm_cluster, _recipe(tiny_corpus, run_dir, steps, data=data), *flags), run_dir)
+    return submitted
+
+
+TIME_LIMIT_MINUTES = 30
+"""The time-limit job's limit, but for its first run: generous, so that a run started on a loaded
+machine (a trainer's start-up on 2 busy cores takes 60-90 s) finishes."""
+WARNING_S = 120
+"""Its ``--signal=B:USR1@``: SLURM sends the warning once the time left is below this."""
+
+
+def _seconds(clock: str) -> int:
+    """``scontrol``'s ``[days-]hours:minutes:seconds`` in seconds."""
+    days, _, clock = clock.rpartition("-")
+    hours, minutes, seconds = (int(part) for part in clock.split(":"))
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def _time_limit_once(cluster, job_id: int, run_dir: Path) -> None:
+    """Once the job trains, its time limit is cut to end 45 to 105 s later: below the warning's
+    lead, so SLURM warns at its next look (every 30 s) with time left for a step and a save, at a
+    point that does not depend on how long start-up took. Once the stopped job is requeued, the
+    generous limit is back for the runs after it."""
+    _wait_for_steps(cluster, job_id, run_dir, 2)
+    elapsed = _seconds(cluster.job(job_id)["RunTime"])
+    cluster.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={math.ceil((elapsed + 45) / 60)}"])
+    deadline = time.monotonic() + 600
+    while int((info := cluster.job(job_id))["Restarts"]) < 1:
+        assert time.monotonic() < deadline and info["JobState"] in {"RUNNING", "COMPLETING"}, info
+        time.sleep(0.25)
+    cluster.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={TIME_LIMIT_MINUTES}"])
+
+
+@pytest.fixture(scope="module")
+def time_limit_driver(slurm_cluster, jobs) -> concurrent.futures.Future:
+    """:func:`_time_limit_once` in a thread from the module's first test on, as the job trains
+    while the preemption test drives its own job; its result is the time-limit test's to check."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="time-limit")
+    future = pool.submit(_time_limit_once, slurm_cluster, *jobs["time_limit"])
+    yield future
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def long_reference(slurm_cluster, jobs) -> Job:
+    return _finish(slurm_cluster, *jobs["long_reference"])
+
+
+@pytest.fixture(scope="module")
+def short_reference(slurm_cluster, jobs) -> Job:
+    return _finish(slurm_cluster, *jobs["short_reference"])
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_bad_recipe_fails_once_and_is_not_requeued(slurm_cluster, tiny_corpus, tmp_path):
+    recipe = _recipe(tiny_corpus, tmp_path, 8, training={"no_such_key": 1})
+    job = _finish(slurm_cluster, _submit(slurm_cluster, recipe), tmp_path)
+    assert job.info["JobState"] == "FAILED" and job.info["Restarts"] == "0", job.info
+    # one line per rank (each names itself under torchrun), the key named
+    assert re.search(r"pretrain_encoder\.py: error \(rank \d\): .*no_such_key", job.log), job.log[-2000:]
+    assert "not requeued" in job.log and "(run 2)" not in job.log
+
+
+def _wait_for_steps(cluster, job_id: int, run_dir: Path, steps: int) -> int:
+    """Wait until the job has logged ``steps`` steps (it may wait for a node first); the steps logged.
+    Fails, not hangs, if the job ends first."""
+    deadline = time.monotonic() + 600
+    checked = time.monotonic()
+    while (seen := _steps_logged(run_dir)) < steps:
+        if time.monotonic() - checked > 2:
+            info = cluster.job(job_id)
+            assert time.monotonic() < deadline and info["JobState"] in {"PENDING", "RUNNING", "COMPLETING"}, info
+            checked = time.monotonic()
+        time.sleep(0.05)
+    return seen
+
+
+def _wait_until_not_running(cluster, job_id: int) -> None:
+    deadline = time.monotonic() + 300
+    while cluster.job(job_id)["JobState"] == "RUNNING":
+        assert time.monotonic() < deadline, f"job {job_id} still running 300 s after it was stopped"
+        time.sleep(0.25)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # 255 s alone, 402 s beside the other test worker; 600 s is the default
+def test_preemption_and_scancel_full_save_the_step_in_flight_and_the_requeued_job_resumes(
+        slurm_cluster, jobs, time_limit_driver, request):
+    """The long recipe on 2 ranks, stopped three times, each after 20 more steps: preempted by a job
+    of the higher tier on its node (SLURM sends SIGTERM to the job's steps), preempted again with
+    ``preempt_send_user_signal`` (the script's ``--signal=B:USR1`` to the batch shell, passed on),
+    then ``scancel --signal=TERM --full`` (SIGTERM to the batch shell's process group, which srun
+    is kept out of). Each stop saves the step in flight well within the grace time and requeues.
+    The job is one of ``jobs``: it shares the nodes with them while this test drives it."""
+    job_id, run_dir = jobs["preempted"]
+    stops = []  # (steps seen when stopped, how, the signal the trainer names first)
+    preemptors = []
+    try:
+        for how, signal_name in [("preempted", "SIGTERM"), ("preempted, user signal", "SIGUSR1"),
+                                 ("scancel --full", "SIGUSR1")]:
+            seen = _wait_for_steps(slurm_cluster, job_id, run_dir, (stops[-1][0] if stops else 0) + 20)
+            if how.startswith("preempted"):
+                slurm_cluster.send_user_signal(how.endswith("user signal"))
+                node = slurm_cluster.job(job_id)["NodeList"]
+                preemptors.append((slurm_cluster.preempt(job_id), node))
+            else:
+                slurm_cluster.run(["scancel", "--signal=TERM", "--full", str(job_id)])
+            _wait_until_not_running(slurm_cluster, job_id)
+            stops.append((seen, how, signal_name))
+    finally:
+        slurm_cluster.send_user_signal(False)  # the session's cluster, as other tests expect it
+    job = _finish(slurm_cluster, job_id, run_dir)
+    assert job.info["JobState"] == "COMPLETED" and job.info["Restarts"] == "3", (job.info, job.log)
+    stopped = re.findall(r"^stopped after step (\d+)/\d+ \(signal (\w+)\)", job.log, re.M)
+    assert [name for _, name in stopped] == [name for _, _, name in stops], job.log
+    for (seen, how, _), (step, _) in zip(stops, stopped):
+        assert seen <= int(step) < LONG["steps"], (how, seen, step)
+        assert f"resumable (stopped after step {step}" in job.log
+    # the batch shell got scancel's SIGTERM itself; srun did not (it would have killed its tasks), nor
+    # did the grace time run out
+    assert "SIGTERM received" in job.log and "forcing job termination" not in job.log, job.log
+    assert "DUE TO PREEMPTION" not in job.log, job.log
+    for preemptor, node in preemptors:
+        info = slurm_cluster.wait(preemptor, timeout=60)
+        assert (info["JobState"], info["Partition"], info["NodeList"]) == \
+            ("COMPLETED", slurm_cluster.preemptor_partition, node), info
+    # the reference only now: as a parameter, pytest would wait for it before the test starts
+    _assert_resumed_exactly(job, request.getfixturevalue("long_reference"), LONG["steps"])
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_two_rank_job_completes_within_a_minute_of_its_last_step(long_reference):
+    job = long_reference
+    assert job.info["JobState"] == "COMPLETED" and job.info["ExitCode"] == "0:0", (job.info, job.log)
+    assert job.info["Restarts"] == "0"
+    assert "1 nodes x 2 processes" in job.log and "training finished" in job.log
+    assert [s for s, _ in job.losses()] == list(range(1, LONG["steps"] + 1))
+    assert latest_checkpoint(job.run_dir / "ckpt").name == f"iter_{LONG['steps']:07d}"
+    last_step_at = (job.run_dir / "log" / "metrics.jsonl").stat().st_mtime
+    assert _end_time(job.info) - last_step_at < 60
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # its own wait allows 900 s (_finish)
+def test_time_limit_warning_saves_and_the_requeued_job_resumes(slurm_cluster, jobs, time_limit_driver,
+                                                              long_reference):
+    time_limit_driver.result(timeout=900)
+    job = _finish(slurm_cluster, *jobs["time_limit"], timeout=900)
+    assert job.info["JobState"] == "COMPLETED", (job.info, job.log)
+    assert int(job.info["Restarts"]) >= 1, f"the job finished before its warning: LONG is too short\n{job.log}"
+    assert "SIGUSR1 received" in job.log
+    assert re.search(r"^stopped after step \d+/\d+ \(signal SIGUSR1\)", job.log, re.M), job.log
+    _assert_resumed_exactly(job, long_reference, LONG["steps"])
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_two_nodes_one_rank_each_train_like_one_node_with_two(slurm_cluster, tiny_corpus, tmp_path, short_reference):
+    """Two slurmd on this host are two nodes; the script's c10d rendezvous joins one torchrun on each."""
+    if len(slurm_cluster.nodes) < 2:
+        pytest.skip("the private cluster has one node")
+    job = _finish(slurm_cluster, _submit(slurm_cluster, _recipe(tiny_corpus, tmp_path, SHORT_STEPS), nodes=2, procs=1),
+                  tmp_path)
+    assert job.info["JobState"] == "COMPLETED", (job.info, job.log)
+    assert job.info["NumNodes"] == "2" and "2 nodes x 1 processes" in job.log
+    assert job.losses() == short_reference.losses()
+
+
+def test_the_script_requeues_on_the_trainers_resumable_exit_code():
+    """The script hard-codes the trainer's code (it decides before any Python runs)."""
+    assert f"RESUMABLE_EXIT_CODE={RESUMABLE_EXIT_CODE}  # megatron_ext.training.stop.RESUMABLE_EXIT_CODE" in \
+        SBATCH.read_text()

@@ -1,0 +1,169 @@
+"""The cost model (``megatron_ext.study.cost``): FLOPs over a speed give hours; where the speed
+comes from (calibrated, a committed measurement, a GPU kind's peak at an assumed MFU) is said, and
+a missing measurement falls back and says so; calibration leaves the warm-up steps out; a budget
+refuses in one line naming the biggest items; the study's ETA is corrected by the segments trained."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.config_loading import UserError
+from megatron_ext.study import cost
+from megatron_ext.study.state import Progress
+from megatron_ext.study.plan import plan_study
+from megatron_ext.study.spec import read_study
+from megatron_ext.training.config import read_recipe, run_config_from_dict
+from megatron_ext.training.dry_run import training_flops
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "examples" / "recipes"
+
+
+def _config(recipe: str, **training):
+    """A recipe (a size base gets MLM-40 as its one phase) with ``training`` fields replaced."""
+    raw = read_recipe(RECIPES / recipe)
+    raw.setdefault("phases", [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}])
+    raw.setdefault("training", {}).update(training)
+    return run_config_from_dict(raw)
+
+
+def test_known_flops_at_an_assumed_speed_give_known_hours_and_say_the_fallback(tmp_path):
+    """The 1B biphasic recipe's 6.332e20 FLOPs (its --dry-run) on one H100 at 35 % of 989 TFLOP/s."""
+    config = _config("paper/1b_biphasic_25_75.yaml")
+    assert training_flops(config) == pytest.approx(6.332e20, rel=1e-3)
+    speeds = cost.SpeedTable(kind="H100", results_dir=None, mfu=0.35)
+    one = cost.segment_cost(config, run="r", gpus=1, gpus_per_node=8, speeds=speeds)
+    startup = cost.ASSUMED_STARTUP_S["gpu"]
+    assert one.seconds == pytest.approx(6.332e20 / (989e12 * 0.35) + startup, rel=1e-3)
+    assert one.gpu_hours == pytest.approx(508.1, abs=0.5) and one.sources == ("assumed",)
+    assert "dense peak 989 TFLOP/s (datasheet) x 35 % MFU, an assumption" in one.speeds[0]
+    assert any("no benchmarks/results directory" in line for line in speeds.notices)
+    # 8 GPUs of a node: an eighth of the compute plus the optimizer's traffic per step, half of it
+    # hidden by overlap_grad_reduce (docs/scaling.md: 2 x 4 x N x 7/8 bytes at 400 GB/s).
+    eight = cost.segment_cost(config, run="r", gpus=8, gpus_per_node=8, speeds=speeds)
+    n = 1_202_447_808
+    traffic = 2 * 4 * n * 7 / 8 / 400e9 * (1 - 0.5)
+    assert eight.seconds == pytest.approx((one.seconds - startup) / 8 + 42_000 * traffic + startup, rel=1e-6)
+    assert "over NVLink at 400 GB/s" in eight.scaling and "50 % overlapped" in eight.scaling
+    # A directory without measurements for the kind: the same assumption, and a notice naming it.
+    empty = cost.SpeedTable(kind="H100", results_dir=tmp_path, mfu=0.35)
+    assert cost.segment_cost(config, run="r", gpus=1, gpus_per_node=8, speeds=empty).seconds == one.seconds
+    assert any(line.startswith(f"no measurement for H100 at 1,202,447,808 parameters, seq 2048, bf16 in {tmp_path}")
+               for line in empty.notices)
+
+
+def test_a_committed_measurement_is_used_with_its_device_commit_and_date():
+    config = _config("base/610m.yaml", train_iters=5000)
+    speeds = cost.SpeedTable(kind="H100", results_dir=cost.REPO_RESULTS)
+    speed = speeds.speed(config, "mlm")
+    assert speed.source == "measured"
+    assert re.search(r"gpu_visits/h100-2026-11-2\d/throughput\S*\.json: NVIDIA H100 80GB HBM3, (added in )?commit "
+                     r"[0-9a-f]{7,}, 2026-11-2\d: 610m seq 2048 bf16", speed.detail), speed.detail
+    assert 1e14 < speed.flops_per_s < 989e12  # between 10 % and 100 % MFU
+    # No A100 measurement: the peak at the assumed MFU, said.
+    a100 = cost.SpeedTable(kind="A100", results_dir=cost.REPO_RESULTS)
+    assert a100.speed(config, "mlm").flops_per_s == pytest.approx(312e12 * cost.ASSUMED_MFU)
+    assert a100.notices and a100.notices[0].startswith("no measurement for A100")
+    # A CPU has no peak: without a measurement or calibration the cost is unknown, and says how to get it.
+    cpu = cost.segment_cost(config, run="r", gpus=1, gpus_per_node=8,
+                            speeds=cost.SpeedTable(kind=cost.CPU, results_dir=None))
+    assert cpu.seconds is None and "--calibrate" in cpu.speeds[0]
+
+
+def test_calibrated_speeds_come_first_and_the_warmup_is_left_out():
+    tokens = 2048
+    records = [{"kind": "train", "step": 1, "tokens_per_s": 20.48},   # 100 s: compilation, first batches
+               {"kind": "train", "step": 2, "tokens_per_s": 204.8},   # 10 s
+               {"kind": "valid", "step": 2},
+               *({"kind": "train", "step": s, "tokens_per_s": 1024.0} for s in (3, 4, 5))]  # 2 s each
+    assert cost.steady_step_seconds(records, warmup=2, tokens_per_step=tokens) == pytest.approx(2.0)
+    with pytest.raises(UserError, match="no step after the 5 warm-up step"):
+        cost.steady_step_seconds(records, warmup=5, tokens_per_step=tokens)
+
+    config = _config("base/610m.yaml", train_iters=5000)
+    here = cost.Speed(flops_per_s=1e12, source="calibrated", detail="timed here", startup_s=30.0)
+    speeds = cost.SpeedTable(kind="H100", results_dir=cost.REPO_RESULTS,
+                             calibrated={cost.calibration_key(config, "mlm"): here})
+    segment = cost.segment_cost(config, run="r", start=100, end=600, gpus=1, gpus_per_node=8, speeds=speeds)
+    assert segment.seconds == pytest.approx(training_flops(config, 100, 600) / 1e12 + 30.0)
+    assert segment.sources == ("calibrated",) and cost.band(segment.sources) == (0.75, 1.25)
+
+
+def test_budget_refuses_in_one_line_naming_the_biggest_items():
+    with pytest.raises(UserError) as refused:
+        cost.check_budget(100, 160.0, [("segment a", 10.0), ("segment b", 90.0), ("fine-tuning x", 60.0)], "study s")
+    assert str(refused.value) == ("--budget-gpu-hours 100: study s is estimated at 160.0 GPU-hours; the biggest: "
+                                  "segment b 90.0, fine-tuning x 60.0, segment a 10.0")
+    cost.check_budget(200, 160.0, [], "study s")  # within: nothing
+
+
+def test_pretrain_dry_run_prints_the_cost_and_refuses_a_budget(capsys):
+    import pretrain_encoder
+
+    argv = ["--config", str(RECIPES / "paper" / "610m_mlm_40.yaml"), "--dry-run", "--world-size", "64",
+            "--gpu", "h100"]
+    assert pretrain_encoder.main(argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^cost +[\d,.]+ GPU-hours, wall time [\d.]+ h on 64 H100 GPU\(s\) \([\d.e+]+ FLOPs\); expected "
+                     r"within x0.5 to x2 of the estimate \(measured speeds\)$", out, re.M), out
+    assert re.search(r"^  speed +measured: gpu_visits/h100-", out, re.M) and "over InfiniBand" in out
+    assert pretrain_encoder.main([*argv, "--budget-gpu-hours", "10"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.match(r"pretrain_encoder\.py: error: --budget-gpu-hours 10: the run is estimated at "
+                                      r"[\d,.]+ GPU-hours; the biggest: the run ", err[0]), err
+
+
+def test_study_resources_and_evaluation_grid(tmp_path):
+    study = tmp_path / "s.yaml"
+    study.write_text(f"""
+name: s
+sizes:
+  - {{name: a, base: {RECIPES / 'base' / '610m.yaml'}, sbatch: [--nodes=2]}}
+  - {{name: b, base: {RECIPES / 'base' / '210m.yaml'}, sbatch: [--gpus=3]}}
+budgets: [5000]
+objectives: [{{objective: clm}}]
+sbatch: [--gpus-per-node=4]
+evaluation: {{tasks: [rt_sentiment, wiki_mentions, lee_sts], lrs: [1.0e-4, 2.0e-4], seeds: [0, 1, 2], workers: 4,
+             max_steps: 100}}
+""")
+    plan = plan_study(read_study(study), study)
+    assert cost.study_gpus_per_run(plan, "a", gpus_per_node=8) == 8   # 2 nodes x the study's 4 GPUs per node
+    assert cost.study_gpus_per_run(plan, "b", gpus_per_node=8) == 3
+    speeds = cost.SpeedTable(kind="H100", results_dir=None)
+    result = cost.study_cost(plan, speeds=speeds, gpus=None, gpus_per_node=8)
+    assert [c.gpus for c in result.segments] == [8, 3]
+    # Per size: SC and TC at 2 LRs x 3 seeds, the zero-shot STS task once.
+    assert {(i.what, i.runs) for i in result.evaluation.items} == {
+        ("a sc", 6), ("a tc", 6), ("a sts", 1), ("b sc", 6), ("b tc", 6), ("b sts", 1)}
+    assert result.evaluation.wall_s == pytest.approx(result.evaluation.seconds / 4)
+    assert result.total_gpu_hours == pytest.approx(result.tree_gpu_hours + result.evaluation.seconds / 3600)
+    text = cost.format_study_cost(plan, result)
+    assert "whole study:" in text and "assumed: 6 x " in text
+
+
+def test_progress_eta_is_the_estimate_corrected_by_the_segments_trained():
+    progress = Progress({"a": 10, "b": 10, "c": 20}, estimates={"a": 100.0, "b": 100.0, "c": 200.0})
+    assert progress.summary().endswith("ETA 6m40s (estimate)")
+    progress.finish("a", 150.0)  # half again as long as estimated
+    assert progress.summary().endswith("ETA 7m30s (estimate x1.50, the measured pace of the segments trained)")
+    progress.drop("c")
+    assert progress.summary().endswith("ETA 2m30s (estimate x1.50, the measured pace of the segments trained)")
+
+
+def test_the_one_node_study_fits_its_node_and_a_smaller_budget_is_refused(capsys):
+    """examples/studies/one_node.yaml: within 8 H100s x 24 h by its own estimate; under 50 GPU-hours refused."""
+    from megatron_ext.cli import plan_study as cli
+
+    study = str(ROOT / "examples" / "studies" / "one_node.yaml")
+    assert cli.main([study, "--dry-run", "--gpu", "H100", "--budget-gpu-hours", "192"]) == 0
+    out = capsys.readouterr().out
+    whole = re.search(r"^  whole study: ([\d,.]+) GPU-hours; wall time ([\d.]+) h \(local launcher\)", out, re.M)
+    assert whole and float(whole.group(1).replace(",", "")) <= 192 and float(whole.group(2)) <= 24, out
+    assert re.search(r"^  210m_clm_12k +8 ", out, re.M)  # 8 GPUs per run: the size's resources
+    assert cli.main([study, "--dry-run", "--gpu", "H100", "--budget-gpu-hours", "50"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.match(r"plan_study\.py: error: --budget-gpu-hours 50: study one_node is estimated at "
+                                      r"[\d.]+ GPU-hours; the biggest: segment 210m_clm_12k [\d.]+, ", err[0]), err
