@@ -4,7 +4,16 @@ new GPU node or cluster image.
     .venv/bin/python benchmarks/gpu_suite.py --budget-s 480 --output-dir runs/gpu_suite
     .venv/bin/python benchmarks/gpu_suite.py --list                     # the stages, in order of value
     .venv/bin/python benchmarks/gpu_suite.py --stages environment throughput_1b_bf16 --budget-s 200
-    sbatch examples/launch/gpu_suite.sbatch                             # the same under SLURM
+    .venv/bin/python benchmarks/gpu_suite.py --launcher slurm --time 00:15:00 --sbatch-arg=--partition=gpu
+
+With ``--launcher NAME`` (a launcher of ``megatron_ext.launch``: local, slurm) the suite is not run
+here but submitted as a job of that launcher: one process on one node with one GPU, for ``--time``
+(default 00:15:00), its budget that time less ``--margin-s`` (default 60 s: the job's start-up and
+end), computed here, so that nothing in the job asks its scheduler. The command prints the job's id,
+its log and where the summaries will land (``--output-dir``, default
+``runs/gpu_suite/<date>-<time>``); ``--dry-run`` prints the submission instead. Each launcher's own
+options apply (``--sbatch-arg=--cpus-per-task=16``, ``--wait``; ``python benchmarks/gpu_suite.py
+--help``); the local launcher runs the job here at once and waits for it.
 
 Stages run one after the other in order of value (or side by side where they cannot disturb each
 other's figures: the `gpu` tests and the resume run share the GPU, never with a timing), each in
@@ -40,6 +49,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_ext.launch import Job
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -688,10 +701,21 @@ def probe_machine_in_child(python: str = sys.executable) -> Machine:
     return Machine(**json.loads(run.stdout.strip().splitlines()[-1]))
 
 
+DEFAULT_BUDGET_S = 480
+"""The suite's budget when it runs here (``--budget-s``)."""
+DEFAULT_JOB_TIME = "00:15:00"
+"""The time limit of the suite as a job (``--time``)."""
+DEFAULT_MARGIN_S = 60
+"""Seconds of a job's time limit kept for its start-up and its end (``--margin-s``)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_ext.launch import LAUNCHERS, launcher_class
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--budget-s", type=float, default=480, help="seconds for the whole suite (default 480)")
+    add("--budget-s", type=float, default=None,
+        help=f"seconds for the whole suite (default {DEFAULT_BUDGET_S}; with --launcher: --time less --margin-s)")
     add("--reserve-s", type=float, default=10, help="seconds kept at the end for the summaries (default 10)")
     add("--output-dir", type=Path, default=None, help="default: runs/gpu_suite/<device>")
     add("--data-dir", type=Path, default=None,
@@ -703,7 +727,96 @@ def build_parser() -> argparse.ArgumentParser:
     add("--list", action="store_true", help="print the stages and their time limits, then exit")
     add("--probe", choices=sorted(PROBES), default=None, help=argparse.SUPPRESS)
     add("--probe-output", type=Path, default=None, help=argparse.SUPPRESS)
+    job = parser.add_argument_group("as a job", "submit the suite through a launcher instead of running it here")
+    job.add_argument("--launcher", choices=list(LAUNCHERS), default=None,
+                     help="submit the suite as a job of this launcher: " + ", ".join(LAUNCHERS))
+    job.add_argument("--time", default=None, metavar="TIME",
+                     help=f"the job's time limit: minutes, HH:MM:SS or D-HH:MM:SS [{DEFAULT_JOB_TIME}]")
+    job.add_argument("--margin-s", type=float, default=None,
+                     help=f"seconds of --time kept for the job's start-up and end [{DEFAULT_MARGIN_S}]")
+    job.add_argument("--dry-run", action="store_true", help="print the submission; submit nothing")
+    for name in LAUNCHERS:
+        launcher_class(name).add_arguments(parser.add_argument_group(f"{name} launcher"))
     return parser
+
+
+def _misplaced_options(args: argparse.Namespace) -> list[str]:
+    """The options given that do not apply: the job's without ``--launcher``, a launcher's own
+    without that launcher (each would be ignored)."""
+    from megatron_ext.launch import LAUNCHERS, launcher_class
+
+    misplaced = []
+    if args.launcher is None:
+        misplaced += [f"{flag}: only with --launcher" for flag, value in
+                      (("--time", args.time), ("--margin-s", args.margin_s), ("--dry-run", args.dry_run or None))
+                      if value is not None]
+    for name in LAUNCHERS:
+        if name == args.launcher:
+            continue
+        own = argparse.ArgumentParser(add_help=False)
+        launcher_class(name).add_arguments(own.add_argument_group(name))
+        misplaced += [f"--{dest.replace('_', '-')}: an option of the {name} launcher (--launcher {name})"
+                      for dest, default in vars(own.parse_args([])).items() if getattr(args, dest) != default]
+    return misplaced
+
+
+def suite_job(args: argparse.Namespace) -> tuple[Job, float]:
+    """The suite as a job (``--launcher``), and its budget: one process on one node with one GPU
+    for ``--time``, given that time less ``--margin-s``; its log and summaries in ``--output-dir``.
+    ValueError: a bad ``--time``, or a budget that leaves nothing beyond ``--reserve-s``."""
+    from megatron_ext.launch import Job, Resources
+
+    try:
+        resources = Resources(nodes=1, gpus_per_node=1, time=args.time or DEFAULT_JOB_TIME)
+    except ValueError as err:
+        raise ValueError(f"--time: {str(err).removeprefix('time: ')}") from None
+    margin_s = DEFAULT_MARGIN_S if args.margin_s is None else args.margin_s
+    budget_s = resources.time_s - margin_s
+    if budget_s <= args.reserve_s:
+        raise ValueError(f"--time {resources.time} less --margin-s {margin_s:g} leaves {budget_s:g} s for the suite, "
+                         f"not more than --reserve-s {args.reserve_s:g}")
+    output_dir = (args.output_dir or REPO / "runs" / "gpu_suite" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    suite_args = ["--budget-s", f"{budget_s:g}", "--reserve-s", f"{args.reserve_s:g}", "--output-dir", str(output_dir)]
+    if args.data_dir is not None:
+        suite_args += ["--data-dir", str(args.data_dir.resolve())]
+    if args.stages:
+        suite_args += ["--stages", *args.stages]
+    return Job(name="gpu-suite", script=Path(__file__).resolve(), args=tuple(suite_args), workdir=REPO,
+               log=output_dir / "gpu_suite", resources=resources), budget_s
+
+
+def submit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--launcher``: submit the suite as a job and say where it is; follow it where the launcher
+    does (the local one runs it now). Exit 0: submitted (followed: the job succeeded)."""
+    from megatron_ext.config_loading import UserError
+    from megatron_ext.launch import JobEvents, launcher_class
+
+    if args.budget_s is not None:
+        parser.error("--budget-s: with --launcher the suite's budget is --time less --margin-s")
+    try:
+        job, budget_s = suite_job(args)
+    except ValueError as err:
+        parser.error(str(err))
+    try:
+        launcher = launcher_class(args.launcher).from_args(args)
+        if args.dry_run:
+            print(launcher.describe(job, []))
+            return 0
+        job_id = launcher.submit(job)
+    except UserError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    output_dir = job.log.parent
+    print(f"gpu_suite: job {job_id} ({args.launcher} launcher, time limit {job.resources.time}, suite budget {budget_s:g} s)\n"
+          f"  log      {launcher.log_file(job, job_id)}\n"
+          f"  summary  {output_dir / 'summary.md'} and summary.json (rewritten after every stage)", flush=True)
+    if not launcher.follows:
+        return 0
+    stopped = launcher.follow([job_id], JobEvents())
+    state = launcher.state(job_id)
+    print(f"gpu_suite: job {job_id} {'stopped by ' + stopped if stopped else state.detail or state.status}",
+          flush=True)
+    return 0 if state.succeeded else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -723,6 +836,9 @@ def main(argv: list[str] | None = None) -> int:
             only = "" if s.in_full_run else " (only with --stages)"
             print(f"{s.name:22} min {s.min_s:4.0f} s, max {s.max_s:4.0f} s{needs}{with_}{only}: {s.purpose}")
         return 0
+    misplaced = _misplaced_options(args)
+    if misplaced:
+        parser.error("; ".join(misplaced))
     by_name = {s.name: s for s in STAGES}
     if args.stages:
         unknown = [n for n in args.stages if n not in by_name]
@@ -731,6 +847,10 @@ def main(argv: list[str] | None = None) -> int:
         stages = [by_name[n] for n in args.stages]
     else:
         stages = [s for s in STAGES if s.in_full_run]
+    if args.launcher is not None:
+        return submit(parser, args)
+    if args.budget_s is None:
+        args.budget_s = DEFAULT_BUDGET_S
     if args.budget_s <= args.reserve_s:
         parser.error(f"--budget-s {args.budget_s:g} must exceed --reserve-s {args.reserve_s:g}")
     budget = Budget(args.budget_s, args.reserve_s)

@@ -1,4 +1,5 @@
-"""The launch layer: every job of a study (a training segment, an evaluation grid) goes through one
+"""The launch layer: every job of a study (a training segment, an evaluation grid), and the GPU
+suite of a checkout (``benchmarks/gpu_suite.py --launcher NAME``, a script job), goes through one
 :class:`Launcher` interface, implemented once per scheduler.
 
 - :mod:`megatron_ext.launch.job`: :class:`Job`, :class:`Resources`, :class:`JobState`, :class:`Launcher`.

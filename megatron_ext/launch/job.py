@@ -1,8 +1,8 @@
 """What a launcher runs (:class:`Job`, :class:`Resources`), what it says about it (:class:`JobState`)
 and the interface every launcher implements (:class:`Launcher`).
 
-A job is a program of the installed package (a module run as ``python -m``, or the trainer
-``pretrain_encoder``), its arguments, environment, working directory and log, the resources it
+A job is a program (a module of the installed package run as ``python -m``, the trainer
+``pretrain_encoder``, or a Python file such as a checkout's benchmark), its arguments, environment, working directory and log, the resources it
 asks for and the jobs it waits for. A launcher starts it where its scheduler says: the local one
 in this process's machine, the SLURM one as a batch job. Nothing here knows a scheduler's commands.
 """
@@ -76,6 +76,22 @@ class Resources:
         except ValueError as err:
             raise ConfigError(f"{where}: {err}") from None
 
+    @property
+    def time_s(self) -> int | None:
+        """The time limit in seconds (None: none asked for), read as SLURM reads it: ``M``, ``M:S``,
+        ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``."""
+        if self.time is None:
+            return None
+        days, _, clock = self.time.rpartition("-")
+        parts = [int(part) for part in clock.split(":")]
+        if days:
+            hours, minutes, seconds = (*parts, 0, 0)[:3]
+        elif len(parts) == 3:
+            hours, minutes, seconds = parts
+        else:
+            hours, (minutes, seconds) = 0, (*parts, 0)[:2]
+        return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+
     def over(self, base: Resources) -> Resources:
         """These resources over ``base``: the values set here win, extras come after ``base``'s."""
         extras = {name: (*base.extras.get(name, ()), *self.extras.get(name, ()))
@@ -90,8 +106,12 @@ class Job:
 
     name: str
     """Its name at the scheduler (``<study>.<run>``)."""
-    module: str
+    module: str | None = None
     """The program: a module of the installed package (``pretrain_encoder``, ``megatron_ext.cli.evaluate``)."""
+    script: Path | None = None
+    """Or the program as a Python file, run as ``python <script>``: a file of a checkout, not of the
+    package (``benchmarks/gpu_suite.py``); an absolute path (the job may run elsewhere). Exactly one
+    of ``module`` and ``script`` is set."""
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     """Added to the launcher's environment."""
@@ -113,6 +133,15 @@ class Job:
     def __post_init__(self) -> None:
         if self.array_size < 1:
             raise ValueError(f"job {self.name}: array_size must be >= 1, got {self.array_size}")
+        if (self.module is None) == (self.script is None):
+            raise ValueError(f"job {self.name}: give its program as module or as script, exactly one")
+        if self.script is not None and not self.script.is_absolute():
+            raise ValueError(f"job {self.name}: script must be an absolute path, got {self.script}")
+
+    @property
+    def program_name(self) -> str:
+        """The program, for messages: its module, or its script's path."""
+        return self.module if self.module is not None else str(self.script)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_ext.config_loading import UserError
+
+if TYPE_CHECKING:
+    from megatron_ext.launch.job import Job
 
 SCRIPTS_DIR = Path(__file__).resolve().parent / "scripts"
 """The launch scripts, shipped with the package."""
@@ -32,3 +36,11 @@ def program(module: str, python: str | None = None) -> list[str]:
     if spec is None or spec.origin is None:
         raise UserError(f"{module}: not importable from {python}; install the package (pip install .)")
     return [python, spec.origin]
+
+
+def program_args(job: Job) -> list[str]:
+    """What follows the Python interpreter in the command of ``job``'s program (its arguments not
+    included): its script's path, or its module as :func:`program` runs it."""
+    if job.script is not None:
+        return [str(job.script)]
+    return program(job.module)[1:]

@@ -4,7 +4,9 @@ A job is submitted as ``sbatch --parsable --job-name=<name> --output=<log>-%j.ou
 <extras> <--sbatch-arg> --kill-on-invalid-dep=yes [--dependency=afterok:<jobs>] <script> <args>``,
 the script being the program's: ``slurm.sbatch`` for the trainer (srun + torchrun on every node,
 requeued on a resumable stop), ``evaluate.sbatch`` for the evaluation workers (an array of
-``array_size`` tasks, ``--array=0-<n-1>``, output ``<log>-%A_%a.out``). Resources map to
+``array_size`` tasks, ``--array=0-<n-1>``, output ``<log>-%A_%a.out``), and for any other
+one-process program (a script job, such as ``benchmarks/gpu_suite.py``) ``program.sbatch``, which
+runs ``$PYTHON <program> <args>``. Resources map to
 ``--nodes``, ``--gpus-per-node`` (a one-process task: ``--gpus``) and ``--time``; then the study's ``slurm:`` extras, then the
 command line's ``--sbatch-arg`` (a later flag wins). ``--kill-on-invalid-dep=yes``: a job whose
 dependency failed is cancelled by SLURM, and so are the jobs waiting on it. The jobs get the
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from megatron_ext import processes
 from megatron_ext.config_loading import UserError
-from megatron_ext.launch.programs import script
+from megatron_ext.launch.programs import program_args, script
 from megatron_ext.launch.job import Job, JobEvents, JobState, Launcher
 
 RUNNING_STATES = {"RUNNING", "CONFIGURING", "COMPLETING", "SIGNALING", "STAGE_OUT", "RESIZING"}
@@ -48,6 +50,10 @@ NEVER_SATISFIED = "DependencyNeverSatisfied"
 
 BATCH_SCRIPTS = {"pretrain_encoder": "slurm.sbatch", "megatron_ext.cli.evaluate": "evaluate.sbatch"}
 """The packaged launch script that runs each program as a batch job."""
+
+PROGRAM_SCRIPT = "program.sbatch"
+"""The packaged launch script of a one-process program with none of its own in :data:`BATCH_SCRIPTS`
+(a script job): it runs ``"$PYTHON" "$@"``."""
 
 
 def check_sbatch_flags(flags: tuple[str, ...], where: str) -> None:
@@ -111,6 +117,18 @@ def resource_flags(job: Job) -> list[str]:
     return flags
 
 
+def batch_script(job: Job) -> list[str]:
+    """The packaged batch script that runs ``job``'s program, with what it needs before the job's
+    arguments: the program's own (:data:`BATCH_SCRIPTS`), else :data:`PROGRAM_SCRIPT` and the
+    program after the interpreter (one process per task)."""
+    if job.module in BATCH_SCRIPTS:
+        return [str(script(BATCH_SCRIPTS[job.module]))]
+    if job.per_gpu:
+        raise UserError(f"job {job.name}: the slurm launcher starts one process per GPU for "
+                        f"{', '.join(BATCH_SCRIPTS)} only, not {job.program_name}")
+    return [str(script(PROGRAM_SCRIPT)), *program_args(job)]
+
+
 class SlurmLauncher(Launcher):
     name = "slurm"
     persistent = True
@@ -145,9 +163,7 @@ class SlurmLauncher(Launcher):
 
     def command(self, job: Job, after: Sequence[str]) -> tuple[list[str], dict[str, str]]:
         """The sbatch command line of ``job``, and the environment it adds to the job's."""
-        if job.module not in BATCH_SCRIPTS:
-            raise UserError(f"job {job.name}: the slurm launcher has no batch script for {job.module} "
-                            f"(it runs {', '.join(BATCH_SCRIPTS)})")
+        batch = batch_script(job)
         array = [f"--array=0-{job.array_size - 1}"] if job.array_size > 1 else []
         pattern = "%A_%a" if job.array_size > 1 else "%j"
         argv = ["sbatch", "--parsable", *array, f"--job-name={job.name}",
@@ -155,7 +171,7 @@ class SlurmLauncher(Launcher):
                 *job.resources.extras.get(self.name, ()), *self.options.sbatch_args, "--kill-on-invalid-dep=yes"]
         if after:
             argv.append("--dependency=afterok:" + ":".join(map(str, after)))
-        argv += [str(script(BATCH_SCRIPTS[job.module])), *job.args]
+        argv += [*batch, *job.args]
         env = {"PYTHON": os.environ.get("PYTHON", sys.executable)}
         if job.per_gpu:
             env["RECIPE"] = ""  # the job's arguments name the recipe

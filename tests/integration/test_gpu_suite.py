@@ -1,10 +1,12 @@
 """``benchmarks/gpu_suite.py`` on CPU: the budget (caps, skipping), stages side by side, timeouts that
-kill a stage's whole process tree, the summaries written after every stage, and the real suite's
-CPU path (what a CPU can run, the rest marked not applicable)."""
+kill a stage's whole process tree, the summaries written after every stage, the real suite's
+CPU path (what a CPU can run, the rest marked not applicable), and the suite as a launcher's job."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -223,22 +225,61 @@ def test_the_suite_on_cpu_runs_what_a_cpu_can_and_says_why_not_the_rest(tmp_path
     assert "| tiny seq 128 fp32 |" in page and "needs a CUDA GPU" in page
 
 
+def test_as_a_job_the_suite_gets_the_time_limit_less_the_margin_as_its_budget(tmp_path, capsys):
+    """``--launcher``: the suite is one job of that launcher (one process, one node, one GPU, the
+    time limit) running this file with its budget computed here; nothing is submitted on a dry run."""
+    from megatron_ext.launch import script
+
+    out = tmp_path / "suite"
+    assert gpu_suite.main(["--launcher", "slurm", "--time", "1:00:00", "--margin-s", "120", "--dry-run",
+                           "--sbatch-arg=--partition=gpu", "--output-dir", str(out), "--data-dir", str(tmp_path),
+                           "--stages", "environment", "gpu_tests"]) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"sbatch --parsable --job-name=gpu-suite --output={out}/gpu_suite-%j.out --nodes=1 --gpus=1 --time=1:00:00 "
+        f"--partition=gpu --kill-on-invalid-dep=yes {script('program.sbatch')} {gpu_suite.REPO}/benchmarks/gpu_suite.py "
+        f"--budget-s 3480 --reserve-s 10 --output-dir {out} --data-dir {tmp_path} --stages environment gpu_tests")
+    assert not out.exists()
+    # the local launcher: the same program, one process here (the default time: 15 minutes less 60 s)
+    assert gpu_suite.main(["--launcher", "local", "--dry-run", "--output-dir", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == (f"{sys.executable} {gpu_suite.REPO}/benchmarks/gpu_suite.py "
+                                               f"--budget-s 840 --reserve-s 10 --output-dir {out}")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--time", "5"], "--time: only with --launcher"),
+    (["--sbatch-arg=--partition=gpu"], "--sbatch-arg: an option of the slurm launcher (--launcher slurm)"),
+    (["--launcher", "local", "--wait", "--dry-run"], "--wait: an option of the slurm launcher (--launcher slurm)"),
+    (["--launcher", "slurm", "--budget-s", "100", "--dry-run"],
+     "--budget-s: with --launcher the suite's budget is --time less --margin-s"),
+    (["--launcher", "slurm", "--time", "1", "--dry-run"],
+     "--time 1 less --margin-s 60 leaves 0 s for the suite, not more than --reserve-s 10"),
+    (["--launcher", "slurm", "--time", "soon", "--dry-run"],
+     "--time: expected minutes, HH:MM:SS or D-HH:MM:SS, got 'soon'"),
+])
+def test_job_options_that_do_not_apply_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_suite.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_the_sbatch_script_runs_the_suite_within_the_jobs_time_limit(slurm_cluster, tmp_path):
-    """``examples/launch/gpu_suite.sbatch`` submitted unchanged (a CPU node here: --gpus-per-node=0):
-    its budget is the job's time limit less the margin, and the summaries land in OUTPUT_DIR."""
+def test_submitted_through_the_slurm_launcher_the_suite_runs_within_the_jobs_time_limit(slurm_cluster, tmp_path):
+    """``gpu_suite.py --launcher slurm`` as a CPU user runs it (``--gpus=0``): the job runs the suite
+    with the time limit less the margin as its budget, and the summaries land in --output-dir."""
     out = tmp_path / "suite"
-    env = {**{k: v for k, v in slurm_cluster.env.items() if not k.startswith("SLURM_JOB")},
-           "PYTHON": sys.executable, "OUTPUT_DIR": str(out), "DATA_DIR": str(tmp_path)}
-    job_id = slurm_cluster.sbatch(["--gpus-per-node=0", "--cpus-per-task=1", "--time=4",
-                                   f"--output={tmp_path}/%x-%j.out", str(gpu_suite.REPO / "examples" / "launch" /
-                                                                        "gpu_suite.sbatch"),
-                                   "--stages", "environment", "gpu_tests"],
-                                  env=env, cwd=gpu_suite.REPO, replace_env=True)
-    info = slurm_cluster.wait(job_id, timeout=300)
+    env = {k: v for k, v in slurm_cluster.env.items() if not k.startswith("SLURM_JOB") and k != "PYTHON"}
+    submit = subprocess.run(
+        [sys.executable, str(gpu_suite.REPO / "benchmarks" / "gpu_suite.py"), "--launcher", "slurm", "--time", "4",
+         "--sbatch-arg=--gpus=0", "--sbatch-arg=--cpus-per-task=1", "--wait", "--poll-interval", "1",
+         "--output-dir", str(out), "--data-dir", str(tmp_path), "--stages", "environment", "gpu_tests"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    job_id = int(re.search(r"^gpu_suite: job (\d+) ", submit.stdout, re.M).group(1))
+    info = slurm_cluster.wait(job_id, timeout=60)
     log = Path(info["StdOut"]).read_text()
-    assert info["JobState"] == "COMPLETED", log
+    assert submit.returncode == 0, submit.stdout + submit.stderr + log
+    assert info["JobState"] == "COMPLETED" and info["TimeLimit"] == "00:04:00", log
+    assert Path(info["StdOut"]) == out / f"gpu_suite-{job_id}.out"
     assert "budget 180 s" in log  # 4 minutes less the 60 s margin
     record = json.loads((out / "summary.json").read_text())
     assert record["budget_s"] == 180

@@ -127,3 +127,40 @@ def test_an_evaluation_grid_is_one_array_job_with_its_workers_resources(tmp_path
                               "--time=2:00:00 --partition=gpu --cpus-per-task=4 --kill-on-invalid-dep=yes "
                               f"--dependency=afterok:7:8 {script('evaluate.sbatch')} --models "), command
     assert launcher.log_file(stage.job(grid), "9") == tmp_path / "sd" / "logs" / "evaluation" / "runs-9_0.out"
+
+
+def test_a_script_job_is_one_process_of_a_python_file_under_either_launcher(tmp_path):
+    """A job's program is a module of the package or, for a file of a checkout (the GPU suite), a
+    script: SLURM runs it through the packaged ``program.sbatch``, the local launcher as one process."""
+    from megatron_ext.config_loading import UserError
+    from megatron_ext.launch import Job, JobEvents, Resources
+    from megatron_ext.launch.local import LocalLauncher
+    from megatron_ext.launch.slurm import SlurmLauncher
+
+    program = tmp_path / "program.py"
+    program.write_text("import pathlib, sys\npathlib.Path(sys.argv[1]).write_text(' '.join(sys.argv[2:]))\n")
+    job = Job(name="one", script=program, args=(str(tmp_path / "said"), "a", "b"), log=tmp_path / "logs" / "one",
+              resources=Resources(nodes=1, gpus_per_node=1, time="0:30"))
+    assert SlurmLauncher().describe(job, ["5"]) == (
+        f"sbatch --parsable --job-name=one --output={tmp_path}/logs/one-%j.out --nodes=1 --gpus=1 --time=0:30 "
+        f"--kill-on-invalid-dep=yes --dependency=afterok:5 {script('program.sbatch')} {program} {tmp_path}/said a b")
+    with pytest.raises(UserError, match=f"job one: the slurm launcher starts one process per GPU for .* not {program}"):
+        SlurmLauncher().describe(Job(name="one", script=program, log=job.log, per_gpu=True), [])
+    with pytest.raises(ValueError, match="job one: give its program as module or as script, exactly one"):
+        Job(name="one", module="megatron_ext.cli.evaluate", script=program, log=job.log)
+    with pytest.raises(ValueError, match="job one: script must be an absolute path, got program.py"):
+        Job(name="one", script=Path("program.py"), log=job.log)
+
+    local = LocalLauncher()
+    job_id = local.submit(job)
+    assert local.follow([job_id], JobEvents()) is None
+    assert local.state(job_id).succeeded and (tmp_path / "said").read_text() == "a b"
+    assert local.log_file(job, job_id).read_text().startswith("=== ")
+
+
+@pytest.mark.parametrize("time, seconds", [("4", 240), ("1:30", 90), ("1:00:00", 3600), ("2-3", 51 * 3600),
+                                           ("1-0:10", 86400 + 600), ("1-00:00:05", 86405), (None, None)])
+def test_a_time_limit_in_seconds_reads_each_form_as_slurm_does(time, seconds):
+    from megatron_ext.launch import Resources
+
+    assert Resources(time=time).time_s == seconds
