@@ -28,6 +28,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 # First: importing megatron_ext.cli keeps third-party warnings to one per job, before Megatron is
 # imported (megatron_ext.cli.entry.THIRD_PARTY_WARNINGS).
@@ -37,14 +38,13 @@ import yaml
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.tokenizer import EncoderTokenizer, TokenizerConfig, build_tokenizer, is_hub_id
-from megatron_ext.training.config import (
-    RunConfig,
-    add_override_flags,
-    apply_overrides,
-    needs_tokenizer_vocab,
-    read_recipe,
-    run_config_from_dict,
-)
+
+if TYPE_CHECKING:
+    from megatron_ext.training.config import RunConfig
+
+# Nothing here imports torch at module level: a process that multiprocessing's spawn starts from
+# the trainer (the checkpoint writers' results queue) imports this file again, as ``__mp_main__``,
+# and would pay torch's and Megatron's import (seconds of CPU) for nothing.
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
@@ -55,6 +55,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                         help="--dry-run: plan for this many processes (default: $WORLD_SIZE or 1)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
     from megatron_ext.study.cost import add_cost_flags
+    from megatron_ext.training.config import add_override_flags
 
     add_cost_flags(parser, study=False)
     dests = add_override_flags(parser)
@@ -64,6 +65,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 def load_config(args: argparse.Namespace, dests: dict) -> tuple[RunConfig, EncoderTokenizer | None]:
     """The run config, and its tokenizer when reading the config needed it (``model.vocab_size:
     from_tokenizer``)."""
+    from megatron_ext.training.config import apply_overrides, needs_tokenizer_vocab, read_recipe, run_config_from_dict
+
     raw = apply_overrides(read_recipe(args.config), args, dests)
     tokenizer = None
     if needs_tokenizer_vocab(raw):

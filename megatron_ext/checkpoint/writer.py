@@ -119,7 +119,8 @@ class CheckpointSaver:
         """Asynchronous saves started, oldest first (what a failed finalisation was writing)."""
         # The writer's modules before the results queue, which goes into NVRx's writer too.
         queue_class = _async_calls_queue_class(async_strategy) if async_save else None
-        _results_queue.acquire()  # synchronous saves report through it too
+        self._async_save = async_save
+        _results_queue.acquire(across_processes=async_save)  # synchronous saves report through it too
         if not async_save:
             return
         try:
@@ -171,7 +172,7 @@ class CheckpointSaver:
                     _stop_nvrx_persistent_writer(queue, abort=abort)
                 elif queue.persistent:
                     _stop_persistent_writer(abort=abort)
-            _results_queue.release()
+            _results_queue.release(across_processes=self._async_save)
 
     def save(self, save_dir: str | os.PathLike, *, step: int, model: torch.nn.Module,
              optimizer: OptimizerCheckpointState | None, trainer_state: dict, run_config: dict,
@@ -259,16 +260,24 @@ class _ResultsQueue:
     with a spawn-context ``Manager()`` that nothing ever shuts down, for synchronous saves too: a
     ~700 MB process alive after the run and, after ``kill -9`` of the trainer, forever (NVRx's
     writer, a copy of that module, does the same). This one is installed in their place while any
-    saver is open, dies with the trainer (``processes.die_with_parent``), and is shut down when the
-    last saver closes."""
+    saver is open. Asynchronous saves report from their writer process, so while an asynchronous
+    saver is open it is a manager's queue that dies with the trainer
+    (``processes.die_with_parent``) and is shut down when the last such saver closes. A synchronous
+    save reports from this process (``execute_sync``): a plain queue serves it, without the
+    manager's process, which would import torch to unpickle the write results (~5 s of every
+    run's start and end on a CPU)."""
 
     def __init__(self) -> None:
         self._users = 0
+        self._across_processes = 0
         self._manager = None
         self._queue = None
 
-    def acquire(self) -> None:
-        if self._users == 0:
+    def acquire(self, *, across_processes: bool) -> None:
+        """A saver opens; ``across_processes``: its writes report from another process."""
+        self._users += 1
+        self._across_processes += across_processes
+        if across_processes and self._manager is None:
             import multiprocessing
             from multiprocessing.managers import SyncManager
 
@@ -276,17 +285,30 @@ class _ResultsQueue:
             with processes.helpers_ignore_stop_signals():  # alive for the save a stop signal asks for
                 self._manager.start(initializer=processes.die_with_parent, initargs=(os.getpid(),))
             self._queue = self._manager.Queue()
-        for module in _writer_modules():  # again for each saver: NVRx's is imported by its first saver
-            module._results_queue = self._queue
-        self._users += 1
+        elif self._queue is None:
+            import queue
 
-    def release(self) -> None:
+            self._queue = queue.Queue()
+        self._install(self._queue)  # again for each saver: NVRx's is imported by its first saver
+
+    def release(self, *, across_processes: bool) -> None:
         self._users -= 1
-        if self._users == 0:
-            for module in _writer_modules():
-                module._results_queue = None
+        self._across_processes -= across_processes
+        if self._manager is not None and self._across_processes == 0:
             self._manager.shutdown()
             self._manager = self._queue = None
+            if self._users:
+                import queue
+
+                self._queue = queue.Queue()
+        if self._users == 0:
+            self._queue = None
+        self._install(self._queue)
+
+    @staticmethod
+    def _install(results_queue) -> None:
+        for module in _writer_modules():
+            module._results_queue = results_queue
 
 
 def _writer_modules() -> list:

@@ -91,9 +91,11 @@ def test_a_trainer_killed_during_async_saves_leaves_no_process(tmp_path, tiny_co
 def test_the_results_queue_outlives_the_signals_a_scheduler_sends_to_every_process(single_rank):
     """SLURM signals every process of a job step; the trainer saves on SIGTERM/SIGUSR1, through a
     results-queue manager that must still be there: it ignores them (and Ctrl-C's SIGINT) and
-    ends when the saver closes."""
+    ends when the saver closes. (A synchronous saver reports through a plain queue: no process.)"""
     before = _live_children()
     with CheckpointSaver(async_save=False):
+        assert _live_children() == before
+    with CheckpointSaver(async_save=True):
         manager, = [psutil.Process(pid) for pid in _live_children() - before]
         for sig in processes.IGNORED_BY_HELPERS:
             manager.send_signal(sig)
