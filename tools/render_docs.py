@@ -291,7 +291,7 @@ def render_import_layers(page: Path) -> str:
     from the top down: the test is what holds the imports to them."""
     import ast
 
-    source = (REPO / "tests" / "test_layering.py").read_text()
+    source = (REPO / "tests" / "unit" / "test_layering.py").read_text()
     tree = ast.parse(source)
     layers = next(node.value for node in tree.body if isinstance(node, ast.AnnAssign)
                   and getattr(node.target, "id", None) == "LAYERS")

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from helpers import tiny_recipe
+from slurm_cluster import FINAL_STATES
 from megatron_ext.checkpoint.reader import latest_checkpoint
 from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
 
@@ -112,12 +113,12 @@ def _assert_resumed_exactly(job: Job, reference: Job, steps: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def jobs(slurm_cluster, tiny_corpus, tmp_path_factory) -> dict[str, tuple[int, Path]]:
+def jobs(slurm_cluster, tiny_corpus, tmp_path_factory, time_limit_driver) -> dict[str, tuple[int, Path]]:
     """The jobs that need no test's attention, submitted together so that they share the two nodes:
-    the long recipe uninterrupted (the reference) and under a time limit (driven by
-    :func:`_time_limit_once`, beside the other tests), the long recipe again (stopped three times by
-    the preemption test, which runs while the others do), then the short recipe uninterrupted. Job
-    id and run folder of each."""
+    the long recipe uninterrupted (the reference) and under a time limit (driven from its
+    submission on by ``time_limit_driver``, beside the other tests), the long recipe again (stopped
+    three times by the preemption test, which runs while the others do), then the short recipe
+    uninterrupted. Job id and run folder of each."""
     submitted = {}
     for name, steps, data, flags in [("long_reference", LONG["steps"], LONG["data"], ()),
                                      ("time_limit", LONG["steps"], LONG["data"],
@@ -126,6 +127,8 @@ def jobs(slurm_cluster, tiny_corpus, tmp_path_factory) -> dict[str, tuple[int, P
                                      ("short_reference", SHORT_STEPS, None, ())]:
         run_dir = tmp_path_factory.mktemp(name)
         submitted[name] = (_submit(slurm_cluster, _recipe(tiny_corpus, run_dir, steps, data=data), *flags), run_dir)
+        if name == "time_limit":
+            time_limit_driver.start(_time_limit_once, slurm_cluster, *submitted[name])
     return submitted
 
 
@@ -153,19 +156,32 @@ def _time_limit_once(cluster, job_id: int, run_dir: Path) -> None:
     cluster.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={math.ceil((elapsed + 45) / 60)}"])
     deadline = time.monotonic() + 600
     while int((info := cluster.job(job_id))["Restarts"]) < 1:
-        assert time.monotonic() < deadline and info["JobState"] in {"RUNNING", "COMPLETING"}, info
+        assert time.monotonic() < deadline and info["JobState"] not in FINAL_STATES, info
         time.sleep(0.25)
     cluster.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={TIME_LIMIT_MINUTES}"])
 
 
+class _Driver:
+    """One function run in a thread beside the tests; its outcome is a test's to check."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="driver")
+        self._future: concurrent.futures.Future | None = None
+
+    def start(self, function, *args) -> None:
+        self._future = self._pool.submit(function, *args)
+
+    def result(self, timeout: float) -> None:
+        assert self._future is not None, "never started"
+        self._future.result(timeout=timeout)
+
+
 @pytest.fixture(scope="module")
-def time_limit_driver(slurm_cluster, jobs) -> concurrent.futures.Future:
-    """:func:`_time_limit_once` in a thread from the module's first test on, as the job trains
-    while the preemption test drives its own job; its result is the time-limit test's to check."""
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="time-limit")
-    future = pool.submit(_time_limit_once, slurm_cluster, *jobs["time_limit"])
-    yield future
-    pool.shutdown(wait=True, cancel_futures=True)
+def time_limit_driver() -> _Driver:
+    """:func:`_time_limit_once`, started by ``jobs`` as soon as the job is submitted."""
+    driver = _Driver()
+    yield driver
+    driver._pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +230,7 @@ def _wait_until_not_running(cluster, job_id: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # 255 s alone, 402 s beside the other test worker; 600 s is the default
 def test_preemption_and_scancel_full_save_the_step_in_flight_and_the_requeued_job_resumes(
-        slurm_cluster, jobs, time_limit_driver, request):
+        slurm_cluster, jobs, request):
     """The long recipe on 2 ranks, stopped three times, each after 20 more steps: preempted by a job
     of the higher tier on its node (SLURM sends SIGTERM to the job's steps), preempted again with
     ``preempt_send_user_signal`` (the script's ``--signal=B:USR1`` to the batch shell, passed on),
