@@ -266,7 +266,7 @@ def test_slurm_dependencies_failure_and_rerun(slurm_cluster, tiny_corpus, tmp_pa
     info = {run: slurm_cluster.wait(ids[0], timeout=60) for run, ids in submitted.items()}
     assert info["tiny_clm_40_s1"]["JobState"] == info["tiny_clm_40_s1_cpt_mlm_40_8"]["JobState"] == "COMPLETED"
     assert info["tiny_clm_40_s1"]["JobName"] == "sl.tiny_clm_40_s1" and info["tiny_clm_40_s1"]["NumNodes"] == "1"
-    assert info["tiny_clm_40_s1"]["TimeLimit"] == "00:10:00"
+    assert info["tiny_clm_40_s1"]["TimeLimit"] == "00:15:00"
     # The CPT job waited for its parent's: it started once that one had ended.
     assert records()["tiny_clm_40_s1_cpt_mlm_40_8"][0]["after"] == submitted["tiny_clm_40_s1"][0]
     assert _times(info["tiny_clm_40_s1_cpt_mlm_40_8"])[0] >= _times(info["tiny_clm_40_s1"])[1]
