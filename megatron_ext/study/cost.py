@@ -514,13 +514,12 @@ def calibrate_training(runs: Iterable, *, warmup: int = 2, steps: int = 4,
     speeds by :func:`calibration_key` and, per size, a checkpoint of the last calibration run (what
     the fine-tuning calibration starts from)."""
     import os
-    import sys
     import tempfile
     import time
 
     import yaml
 
-    from megatron_ext.study.state import repository_file
+    from megatron_ext.launch.programs import program
 
     speeds: dict[tuple, Speed] = {}
     checkpoints: dict[str, Path] = {}
@@ -538,7 +537,7 @@ def calibrate_training(runs: Iterable, *, warmup: int = 2, steps: int = 4,
             root.mkdir(parents=True)
             path.write_text(yaml.safe_dump(recipe, sort_keys=False))
             started = time.perf_counter()
-            done = subprocess.run([sys.executable, str(repository_file("pretrain_encoder.py")), "--config", str(path)],
+            done = subprocess.run([*program("pretrain_encoder"), "--config", str(path)],
                                   capture_output=True, text=True, env=dict(os.environ))
             wall = time.perf_counter() - started
             if done.returncode != 0:

@@ -56,8 +56,8 @@ def _ci_size(tmp_path: Path, corpus: dict[str, str]) -> Path:
     return path
 
 
-@pytest.mark.slow  # twelve pretraining segments, 26 fine-tuning runs and the report
-@pytest.mark.timeout(1200)  # 296 s alone, 375 s beside the other test worker
+@pytest.mark.slow  # twelve pretraining segments, 26 fine-tuning runs, the report, a calibration
+@pytest.mark.timeout(1200)  # the study: 453 s in CI beside the other test worker; the calibration ~1 min
 def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, installed_package):
     path = _ci_size(tmp_path, tiny_corpus)
     plan = plan_study(read_study(path), path)
@@ -89,6 +89,16 @@ def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, installed_package
     assert low * estimate.sequential_s <= took <= high * estimate.sequential_s, (  # for a machine to itself
         took, estimate.sequential_s, f"load average {os.getloadavg()} on {os.cpu_count()} cores")
     assert re.search(r"^\[1/12\] \S+: complete in .* ETA \S+ \(estimate x[\d.]+, the measured pace", printed, re.M), printed
+    # --calibrate, from the installed package: each training shape and one fine-tuning run per family
+    # timed here, every estimate said to come from it.
+    calibrated = subprocess.run([sys.executable, "-m", "megatron_ext.cli.run_study", str(path), "--launcher", "local",
+                                 "--study-dir", str(tmp_path / "study"), "--dry-run", "--calibrate"],
+                                cwd=installed_package["work"], env=installed_package["env"], capture_output=True,
+                                text=True, timeout=900)
+    assert calibrated.returncode == 0, calibrated.stdout + calibrated.stderr
+    for fragment in ("calibrated tiny mlm:", "calibrated tiny clm:", "calibrated fine-tuning tiny sc (rt_sentiment):",
+                     "(calibrated speeds)", "[calibrated: one sc run of tiny timed here]"):
+        assert fragment in calibrated.stdout, (fragment, calibrated.stdout)
 
     # Pretraining: every run at its budget; each branch continued its parent's checkpoint in place.
     for run in plan.runs:
