@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import psutil
 import torch
@@ -82,12 +83,22 @@ class StopPolicy:
     def _on_signal(self, signum: int, frame) -> None:  # only records: the loop acts between steps
         self.received.append(signal.Signals(signum).name)
 
-    def signals_handled(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def signals_handled(self) -> Iterator[None]:
         """The stop-signal handlers installed for the block (main thread only, as Python requires);
-        the previous handlers come back after it."""
+        the previous handlers come back after it, unless a stop signal came: then the stop signals
+        are ignored from there on. The process is on its way to its resumable exit, and a repeated
+        signal (a scheduler's SIGTERM after its warning, a second scancel) in the last moments would
+        turn that exit into a kill, which a launcher takes for a failure."""
         if not self.handle_signals:
-            return contextlib.nullcontext()
-        return processes.signal_handlers(STOP_SIGNALS, self._on_signal)
+            yield
+            return
+        with processes.signal_handlers(STOP_SIGNALS, self._on_signal):
+            yield
+        if self.received:
+            with contextlib.suppress(ValueError):  # not the main thread: nothing was installed either
+                for sig in STOP_SIGNALS:
+                    signal.signal(sig, signal.SIG_IGN)
 
     def _local_reason(self, step: int) -> int:
         if self.received:
