@@ -30,6 +30,7 @@ import pytest
 from helpers import tiny_recipe
 from slurm_cluster import FINAL_STATES
 from megatron_ext.checkpoint.reader import latest_checkpoint
+from megatron_ext.launch import Resources
 from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
 
 
@@ -139,20 +140,13 @@ WARNING_S = 120
 """Its ``--signal=B:USR1@``: SLURM sends the warning once the time left is below this."""
 
 
-def _seconds(clock: str) -> int:
-    """``scontrol``'s ``[days-]hours:minutes:seconds`` in seconds."""
-    days, _, clock = clock.rpartition("-")
-    hours, minutes, seconds = (int(part) for part in clock.split(":"))
-    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
-
-
 def _time_limit_once(cluster, job_id: int, run_dir: Path) -> None:
     """Once the job trains, its time limit is cut to end 45 to 105 s later: below the warning's
     lead, so SLURM warns at its next look (every 30 s) with time left for a step and a save, at a
     point that does not depend on how long start-up took. Once the stopped job is requeued, the
     generous limit is back for the runs after it."""
     _wait_for_steps(cluster, job_id, run_dir, 2)
-    elapsed = _seconds(cluster.job(job_id)["RunTime"])
+    elapsed = Resources(time=cluster.job(job_id)["RunTime"]).time_s  # SLURM's clock, as it reads limits
     cluster.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={math.ceil((elapsed + 45) / 60)}"])
     deadline = time.monotonic() + 600
     while int((info := cluster.job(job_id))["Restarts"]) < 1:
