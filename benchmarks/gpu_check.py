@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/gpu_check.py                      # on a CUDA machine
     .venv/bin/python benchmarks/gpu_check.py --output-dir $OUT    # e.g. on a lent GPU machine
     .venv/bin/python benchmarks/gpu_check.py --tests tests/integration/test_gpu.py::test_kill_and_resume
-    .venv/bin/python benchmarks/gpu_check.py -k "biphasic" --pytest-args "-n 4 --dist loadfile" --timeout-s 540
+    .venv/bin/python benchmarks/gpu_check.py -k "biphasic" --pytest-args "-n 4 --dist load" --timeout-s 540
 
 Runs ``pytest -m gpu`` over the test files that hold ``gpu``-marked tests, and only those (found by
 reading the files for the marker, ``mark.gpu``, without importing them: tests/integration/test_gpu.py and those
@@ -12,7 +12,7 @@ module without GPU tests is not collected, so an import it lacks on a GPU image 
 against the GPU path; a GPU test module that fails to import is reported as a collection error, apart
 from the tests' outcomes, and the other modules still run (``--continue-on-collection-errors``).
 ``--tests`` runs the given files or node ids instead, ``-k`` selects by pytest's expression,
-``--pytest-args`` passes more pytest options (e.g. pytest-xdist's ``-n 4 --dist loadfile``), and
+``--pytest-args`` passes more pytest options (e.g. pytest-xdist's ``-n 4 --dist load``), and
 ``--timeout-s`` kills pytest after that many seconds and records what finished. Writes, into
 ``--output-dir`` (default ``benchmarks/results``):
 
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", dest="keyword", metavar="EXPRESSION",
                         help="only the gpu tests matching this pytest -k expression")
     parser.add_argument("--pytest-args", default="", metavar="ARGS",
-                        help='more pytest options, one shell-quoted string, e.g. "-n 4 --dist loadfile" (pytest-xdist)')
+                        help='more pytest options, one shell-quoted string, e.g. "-n 4 --dist load" (pytest-xdist)')
     parser.add_argument("--timeout-s", type=float, metavar="SECONDS",
                         help="kill pytest after this many seconds and record what finished (exit code 124)")
     args = parser.parse_args(argv)

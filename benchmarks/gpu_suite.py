@@ -55,9 +55,18 @@ if TYPE_CHECKING:
     from megatron_ext.launch import Job
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    # On a GPU machine the project is a copied tree, not an installed package (the image's Python
+    # with the carried wheels on PYTHONPATH): the suite and its stages import megatron_ext from here.
+    sys.path.insert(0, str(REPO))
+
+STOPPED_AT_ITS_OWN_LIMIT = 124
+"""The exit code of a stage that stops itself a little before its cap so as to report what finished
+(``gpu_check.py --timeout-s``; ``timeout``'s convention): timed out, not failed."""
 
 STATUSES = ("passed", "failed", "timed_out", "skipped", "not_applicable")
-"""passed: exit 0; failed: another exit code; timed_out: killed at its cap; skipped: the budget left
+"""passed: exit 0; failed: another exit code; timed_out: killed at its cap, or stopped itself before
+it (exit 124); skipped: the budget left
 was below its ``min_s``; not_applicable: this machine lacks what it needs (GPU, TE, FP8)."""
 
 
@@ -256,12 +265,14 @@ def read_throughput(stage_dir: Path) -> dict:
     variant's ratio and each side's wall time, from the JSON throughput.py writes at its end; when the
     stage was cut before, the sides it measured (``throughput.sides.jsonl``, one line per side)."""
     record = _read_json(stage_dir / "throughput.json")
+    try:
+        lines = (stage_dir / "throughput.sides.jsonl").read_text().splitlines()
+    except OSError:
+        lines = []
+    # Each side with the settings it ran (what benchmarks/recipe_defaults.py compares), complete or not.
+    sides = [json.loads(line) for line in lines if line.strip()]
     if record is None:
-        try:
-            lines = (stage_dir / "throughput.sides.jsonl").read_text().splitlines()
-        except OSError:
-            return {}
-        return {"rows": [], "complete": False, "sides": [json.loads(line) for line in lines if line.strip()]}
+        return {"rows": [], "complete": False, "sides": sides} if sides else {}
     rows = []
     for row in record.get("rows", []):
         rows.append({
@@ -273,12 +284,13 @@ def read_throughput(stage_dir: Path) -> dict:
             "speedup_vs_hf": row.get("speedup_vs_hf"), "errors": row.get("errors") or {},
             "variants": {name: {"tokens_per_s": v.get("tokens_per_s"), "default_speedup": v.get("default_speedup"),
                                 "peak_mem_gb": v.get("peak_mem_gb"), "estimated_mem_gb": v.get("estimated_mem_gb"),
-                                "same_as_default": v.get("same_as_default", False), "error": v.get("error")}
+                                "same_as_default": v.get("same_as_default", False), "same_as": v.get("same_as"),
+                                "error": v.get("error")}
                          for name, v in (row.get("variants") or {}).items()},
             "side_wall_s": {side: wall["total"] for side, wall in (row.get("wall_s") or {}).items()
                             if isinstance(wall, dict) and wall.get("total") is not None},
         })
-    return {"device": record.get("device"), "rows": rows, "complete": True}
+    return {"device": record.get("device"), "rows": rows, "complete": True, "sides": sides}
 
 
 def read_gpu_tests(stage_dir: Path) -> dict:
@@ -321,10 +333,11 @@ THROUGHPUT_TIMING = ["--warmup", "3", "--steps", "3", "--rounds", "2"]
 """Short timings (a GPU visit is minutes): 3 warm-up steps (CUDA graphs are captured during warm-up),
 2 rounds of 3 timed steps per side; +-3 % between visits."""
 
-WANTED_VARIANTS_1B = ("cuda_graphs", "te_spec", "te_spec_cuda_graphs", "local_spec")
+WANTED_VARIANTS_1B = ("cuda_graphs", "local_spec", "local_spec_cuda_graphs", "te_spec", "te_spec_cuda_graphs")
 """What the 1B bf16 row times against the recipe's configuration: what could flip its default
 (benchmarks/recipe_defaults.py): CUDA graphs, the other layer implementation with and without CUDA
-graphs (``local_spec`` is reported untimed while the recipe's default is the local spec). Names of ``throughput.VARIANTS`` (checked by a test, not here: importing
+graphs (a variant that is the recipe's configuration, or another variant, is reported untimed: with the
+TE spec the default, ``te_spec`` and ``te_spec_cuda_graphs`` are). Names of ``throughput.VARIANTS`` (checked by a test, not here: importing
 the benchmark loads torch, Megatron and TE, ~13 s of a GPU visit, into the suite's own process)."""
 
 def _throughput(preset: str, precision: str, *, variants: tuple[str, ...] = (), hf: bool = True,
@@ -349,8 +362,11 @@ def _gpu_tests(ctx: StageContext) -> list[str]:
     argv = [ctx.python, str(REPO / "benchmarks" / "gpu_check.py"), "--output-dir", str(ctx.stage_dir),
             "--timeout-s", str(int(max(30.0, ctx.cap_s - 20)))]
     if ctx.machine.xdist:
-        # The gpu tests are small models; files are independent (each its own runs and folders).
-        argv += ["--pytest-args", "-n 6 --dist loadfile"]
+        # The gpu tests are small models, each with its own runs and folders. Spread test by test, not
+        # file by file: 25 of them are in test_gpu.py, which `--dist loadfile` put on one worker (the
+        # 2026-11-27 H100 visit ran 17 of 29 in its 230 s). A module fixture (the CPU reference run)
+        # may then be built by more than one worker: CPU work beside the GPU's, cheaper than the wait.
+        argv += ["--pytest-args", "-n 6 --dist load"]
     return argv
 
 
@@ -479,7 +495,13 @@ def _start(stage: Stage, ctx: StageContext, log_path: Path, result: StageResult,
     log.flush()
     # A session of its own: a timeout kills the stage's whole process tree (torchrun, pytest workers).
     return subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _with_repo(os.environ.get("PYTHONPATH"))})
+
+
+def _with_repo(pythonpath: str | None) -> str:
+    """``PYTHONPATH`` with the project first: a stage's script (``benchmarks/throughput.py``, pytest)
+    imports megatron_ext from this tree whether or not it is installed."""
+    return os.pathsep.join([str(REPO), *(p for p in (pythonpath or "").split(os.pathsep) if p and p != str(REPO))])
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -500,6 +522,8 @@ def _finish(stage: Stage, proc: subprocess.Popen, result: StageResult, started: 
     try:
         code = proc.wait(timeout=max(0.0, started + cap - time.monotonic()))
         result.status, result.exit_code = ("passed" if code == 0 else "failed"), code
+        if code == STOPPED_AT_ITS_OWN_LIMIT:  # the stage stopped itself before the cap (gpu_check.py)
+            result.status, result.reason = "timed_out", f"stopped itself before its cap of {cap:.0f} s (exit 124)"
     except subprocess.TimeoutExpired:
         _kill_tree(proc)
         result.status, result.exit_code = "timed_out", proc.returncode
@@ -615,6 +639,9 @@ def _figure_lines(result: StageResult) -> list[str]:
             for name, v in row["variants"].items():
                 if v.get("same_as_default"):
                     lines.append(f"- {row['row']}, variant `{name}`: the same as the default on this machine (not timed)")
+                elif v.get("same_as"):
+                    lines.append(f"- {row['row']}, variant `{name}`: the same as variant `{v['same_as']}` on this "
+                                 "machine (timed once)")
                 elif v["error"]:
                     lines.append(f"- {row['row']}, variant `{name}`: {v['error']}")
                 else:

@@ -3,7 +3,8 @@
 The rule: for each model size, the newest GPU suite visit (``benchmarks/results/gpu_visits/<kind>-<date>/``
 with a ``summary.json`` from ``benchmarks/gpu_suite.py``) that timed more than one value of a setting
 at that size in bf16, on the same batches, decides that setting: the fastest value wins, provided the
-visit's ``gpu`` tests passed (a ``gpu_tests*`` stage with status ``passed``). A setting no visit compared
+visit's ``gpu`` tests passed (a ``gpu_tests*`` stage with status ``passed``, or one stopped by its
+time limit with no test failed and none uncollected: what ran passed, and the table says how many). A setting no visit compared
 stays as the recipe has it; a size no visit timed follows the nearest timed size, and the table says so.
 The settings decided this way are the layer implementation (``model.transformer_impl``) and CUDA graphs
 (``training.cuda_graphs``); FP8 needs the TE spec whatever wins in bf16 (a run asking for FP8 with the
@@ -38,7 +39,7 @@ SIZE_ORDER = ("210m", "610m", "1b")
 
 # The recipe keys the rule decides, as (section, key, what a side's settings call it, the trainer's default).
 DECIDED = (("model", "transformer_impl", "transformer_impl", "local"),
-           ("training", "cuda_graphs", "cuda_graphs", None))
+           ("training", "cuda_graphs", "cuda_graphs", "none"))
 
 # Sides timed before the suite recorded each side's settings: what their names mean. The default side
 # ("megatron_ext") ran the recipe at the visit's commit; its layer implementation is the other one of
@@ -115,18 +116,42 @@ def _side_settings(name: str, record: dict, row_sides: list[dict]) -> dict:
     return settings
 
 
-def suite_sides(visit: Path) -> tuple[list[Side], bool]:
-    """The bf16 sides at seq 2048 a suite visit timed (complete rows and partial ones), and whether its
-    ``gpu`` tests passed."""
+def gpu_tests_verdict(summary: dict) -> str | None:
+    """``"passed"``; ``"N passed, none failed (stopped at its time limit)"`` for a ``gpu_tests*`` stage that
+    ran out of time with no failed, erroring or uncollected test (the suite's status ``timed_out``, or
+    ``failed`` with exit 124 as suites before 2026-11-27 recorded it); ``None`` when no stage qualifies."""
+    verdicts = []
+    for stage in summary["stages"]:
+        if not stage["name"].startswith("gpu_tests"):
+            continue
+        if stage["status"] == "passed":
+            return "passed"
+        figures = stage.get("figures") or {}
+        counts = figures.get("counts") or {}
+        out_of_time = stage["status"] == "timed_out" or stage.get("exit_code") == 124
+        if (out_of_time and counts.get("passed") and not counts.get("failed") and not counts.get("error")
+                and not figures.get("collection_errors")):
+            verdicts.append(f"{counts['passed']} passed, none failed (stopped at its time limit)")
+    return verdicts[0] if verdicts else None
+
+
+def suite_sides(visit: Path) -> tuple[list[Side], str | None]:
+    """The bf16 sides at seq 2048 a suite visit timed (complete rows and partial ones), and the verdict
+    of its ``gpu`` tests (:func:`gpu_tests_verdict`; ``None``: the visit decides nothing)."""
     summary = json.loads((visit / "summary.json").read_text())
     device, commit = summary["device"], summary["commit"]
-    passed = any(s["name"].startswith("gpu_tests") and s["status"] == "passed" for s in summary["stages"])
+    passed = gpu_tests_verdict(summary)
     sides = []
     for stage in summary["stages"]:
         figures = stage.get("figures") or {}
         records = list(figures.get("sides") or [])
+        sides_file = visit / stage["name"] / "throughput.sides.jsonl"
+        if not records and sides_file.is_file():  # each side as throughput.py wrote it, with its settings
+            records = [json.loads(line) for line in sides_file.read_text().splitlines() if line.strip()]
         for row in figures.get("rows") or []:  # a complete row: its default side and timed variants
-            name = f"{row['model']} seq {row['seq_length']} {row['precision']}"
+            name = row.get("row") or f"{row['model']} seq {row['seq_length']} {row['precision']}"
+            if any(record["row"] == name for record in records):
+                continue  # its sides are read above, with the settings each ran
             records.append({"row": name, "side": "megatron_ext", "tokens_per_s": row.get("tokens_per_s"),
                             "settings": row.get("settings")})
             for variant, v in (row.get("variants") or {}).items():
@@ -173,7 +198,7 @@ def decide(visits_dir: Path = VISITS_DIR) -> dict:
                 winner = ranked[0]
                 measured.setdefault(size, {})[f"{section}.{key}"] = {
                     "value": winner.settings.get(setting), "source": "measured", "visit": winner.visit,
-                    "device": winner.device, "commit": winner.commit, "gpu_tests": "passed",
+                    "device": winner.device, "commit": winner.commit, "gpu_tests": passed,
                     "candidates": [{"value": s.settings.get(setting), "side": s.name,
                                     "tokens_per_s": round(s.tokens_per_s), "mfu": None if s.mfu is None else round(s.mfu, 4)}
                                    for s in ranked]}
@@ -201,18 +226,18 @@ def render_markdown(table: dict) -> str:
              "Written by `python benchmarks/recipe_defaults.py --write` from the committed GPU visits "
              "(`benchmarks/results/gpu_visits/`); `tests/unit/test_recipe_defaults.py` keeps it, and the recipes "
              "under `examples/recipes/base/`, in step with them.", "", f"Rule: {table['rule']}", "",
-             "| size | setting | default | source | measured (bf16, seq 2048, MLM-40, one GPU) | device | visit | commit |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| size | setting | default | source | measured (bf16, seq 2048, MLM-40, one GPU) | device | visit | commit | gpu tests |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for size, entries in table["sizes"].items():
         for name, entry in entries.items():
             if entry["value"] is None and entry["source"].startswith("not compared"):
-                lines.append(f"| {size} | `{name}` | (recipe's) | {entry['source']} | | | | |")
+                lines.append(f"| {size} | `{name}` | (recipe's) | {entry['source']} | | | | | |")
                 continue
             figures = "; ".join(
                 f"{c['value'] or 'off'}: {c['tokens_per_s']:,} tok/s"
                 + ("" if c["mfu"] is None else f", {100 * c['mfu']:.1f} % MFU") for c in entry["candidates"])
             lines.append(f"| {size} | `{name}` | `{entry['value'] or 'off'}` | {entry['source']} | {figures} | "
-                         f"{entry['device']} | `{entry['visit']}` | {entry['commit']} |")
+                         f"{entry['device']} | `{entry['visit']}` | {entry['commit']} | {entry['gpu_tests']} |")
     lines += ["", "FP8 (`training.fp8_recipe`) runs Transformer Engine layers only: with the local spec a run "
               "asking for FP8 is refused in one line; add `--transformer-impl te`.", ""]
     return "\n".join(lines)
@@ -236,6 +261,8 @@ def disagreements(table: dict) -> list[str]:
                 continue
             section, key = name.split(".")
             have = recipe_setting(size, section, key)
+            if have is None:  # the recipe leaves it to the trainer
+                have = next(default for s, k, _, default in DECIDED if (s, k) == (section, key))
             if have != entry["value"]:
                 problems.append(f"examples/recipes/base/{SIZE_RECIPES[size]}: {name} is {have!r}; the measurements "
                                 f"say {entry['value']!r} ({entry['source']}, {entry.get('visit')})")

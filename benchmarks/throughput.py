@@ -88,11 +88,13 @@ VARIANTS = {
     "no_rope_fusion": ({"training": {"rope_fusion": False}}, "RoPE unfused (Megatron's cat/mul chain)"),
     "no_grad_accum_fusion": ({"training": {"gradient_accumulation_fusion": False}},
                              "weight gradients added to main_grad outside the wgrad GEMM"),
+    # Each layer implementation alone and with CUDA graphs, whichever the recipe runs: what could flip
+    # its default (benchmarks/recipe_defaults.py reads these sides). A variant that is the default, or
+    # another variant, on this machine is not timed twice.
     "local_spec": ({"model": {"transformer_impl": "local"}},
                    "the local spec: PyTorch SDPA attention, torch RMSNorm, Megatron's linears"),
-    # The TE spec as the recipes ran it before the local spec measured faster (weight-gradient fusion
-    # in TE's GEMMs included), alone and with CUDA graphs (its steps are host-bound): what could take
-    # the default back (benchmarks/recipe_defaults.py reads these sides).
+    "local_spec_cuda_graphs": ({"model": {"transformer_impl": "local"}, "training": {"cuda_graphs": "megatron"}},
+                               "the local spec with CUDA graphs of its layers"),
     "te_spec": ({"model": {"transformer_impl": "te"}, "training": {"gradient_accumulation_fusion": True}},
                 "the Transformer Engine spec (with wgrad-accumulation fusion)"),
     "te_spec_cuda_graphs": ({"model": {"transformer_impl": "te"},
@@ -113,7 +115,20 @@ VARIANTS = {
     "micro_batch_6": ({"data": {"micro_batch_size": 6}}, "6 sequences per micro-batch (the 610m recipe's before)"),
     "micro_batch_9": ({"data": {"micro_batch_size": 9}}, "9 sequences per micro-batch (the 210m recipe's before)"),
 }
-GPU_ONLY_VARIANTS = ("selective_recompute", "full_recompute", "cuda_graphs", "te_spec_cuda_graphs")
+GPU_ONLY_VARIANTS = ("selective_recompute", "full_recompute", "cuda_graphs", "te_spec_cuda_graphs", "local_spec_cuda_graphs")
+
+
+def same_runs(default: dict, variants: dict[str, dict]) -> dict[str, str | None]:
+    """For each variant (in order), what it would run the same as on this machine: ``"default"``, an
+    earlier variant's name, or ``None`` (a run of its own). Settings as :func:`describe` gives them."""
+    twins: dict[str, str | None] = {}
+    for name, settings in variants.items():
+        if settings == default:
+            twins[name] = "default"
+        else:
+            twins[name] = next((other for other, twin in twins.items()
+                                if twin is None and variants[other] == settings), None)
+    return twins
 
 
 def hf_model(config):
@@ -468,12 +483,17 @@ def measure(args, model_preset: str, seq_length: int, precision: str,
     ours = measured("megatron_ext", measure_alone(args, "megatron_ext", model_preset, seq_length, precision))
     step_time, tokens_per_s = speed(ours)
     variants = {}
+    twins = same_runs(default_settings, {name: describe(run_config(args, model_preset, seq_length, precision, name))
+                                         for name in args.variants})
     for name in args.variants:
-        if describe(run_config(args, model_preset, seq_length, precision, name)) == default_settings:
+        if twins[name] == "default":
             # What it undoes is off here already (a fallback, or not in this size's recipe): no side to time.
             variants[name] = {"change": VARIANTS[name][1], "same_as_default": True, "tokens_per_s": None,
                               "peak_mem_gb": None, "default_speedup": None, "rounds_s": None, "error": None,
                               "wall_s": None}
+            continue
+        if twins[name] is not None:  # e.g. cuda_graphs and te_spec_cuda_graphs when the recipe runs the TE spec
+            variants[name] = {**variants[twins[name]], "change": VARIANTS[name][1], "same_as": twins[name], "wall_s": None}
             continue
         side = measured(name, measure_alone(args, name, model_preset, seq_length, precision))
         v_time, v_speed = speed(side)

@@ -64,8 +64,17 @@ def _throughput_figures(stage: dict) -> str:
     parts = []
     for row in rows:
         ours = row.get("tokens_per_s") or row.get("megatron_ext", {}).get("tokens_per_s")
-        if ours:
-            parts.append(f"{row.get('name', row.get('row', ''))}: {ours:,.0f} tok/s")
+        if not ours:
+            continue
+        mfu = f", {100 * row['mfu']:.1f} % MFU" if row.get("mfu") else ""
+        hf = f", x{row['speedup_vs_hf']:.2f} Hugging Face" if row.get("speedup_vs_hf") else ""
+        shape = f" ({row['shape']})" if row.get("shape") else ""
+        variants = [f"{name.replace('_', ' ')} {v['tokens_per_s']:,.0f}" for name, v in (row.get("variants") or {}).items()
+                    if v.get("tokens_per_s") and not v.get("same_as")]
+        parts.append(f"{row.get('name', row.get('row', ''))}{shape}: the recipe {ours:,.0f} tok/s{mfu}{hf}"
+                     + (f"; variants (tok/s): {', '.join(variants)}" if variants else ""))
+    if rows:
+        sides = []  # a complete row says it all; the sides are its parts
     for side in sides:
         label = ("the recipe at that commit" if side["side"] == "megatron_ext" else side["side"].replace("_", " "))
         parts.append(f"{label} {side['tokens_per_s']:,.0f} tok/s (peak {side['peak_mem_gb']:.1f} GB)")
@@ -104,12 +113,19 @@ def render_gpu_status(page: Path) -> str:
         "| stage | status | what it measured |",
         "|---|---|---|",
     ]
+    not_run = []
     for stage in summary["stages"]:
+        if stage["status"] in ("skipped", "not_applicable"):
+            not_run.append(f"`{stage['name']}` ({stage.get('reason') or stage['status']})")
+            continue
         figures = _throughput_figures(stage) or _test_figures(stage)
-        status = stage["status"].replace("_", " ")
-        if stage.get("reason"):
-            status += f" ({stage['reason']})"
+        if stage.get("exit_code") == 124:  # stopped itself at its time limit (suites before 2026-11-27 said failed)
+            status = "timed out (stopped itself at its limit)"
+        else:
+            status = stage["status"].replace("_", " ") + (f" ({stage['reason']})" if stage.get("reason") else "")
         lines.append(f"| `{stage['name']}` | {status} | {figures} |")
+    if not_run:
+        lines += ["", "Not run in that visit: " + ", ".join(not_run) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -126,7 +142,7 @@ def render_recipe_defaults(page: Path) -> str:
             measured = "; ".join(f"{c['value']}: {c['tokens_per_s']:,} tok/s, {100 * c['mfu']:.1f} % MFU"
                                  for c in entry.get("candidates", []))
             lines.append(f"| {size} | `{key}` | `{entry['value']}` | {entry['source']} | {measured} | "
-                         f"{entry['device']}, `{entry['visit']}`, {entry['commit']} |")
+                         f"{entry['device']}, `{entry['visit']}`, {entry['commit']}; gpu tests: {entry['gpu_tests']} |")
     unmeasured = sorted({key for settings in table["sizes"].values() for key, entry in settings.items()
                          if entry.get("value") is None})
     if unmeasured:

@@ -346,9 +346,9 @@ class RunConfig:
             raise ConfigError("training.rope_fusion needs data.reset_position_ids: false (Transformer Engine's fused "
                               "RoPE takes one position table for the whole batch, not positions per sequence)")
         if self.training.fp8_recipe is not None and not self.model.transformer_impl.uses_transformer_engine:
-            # Refused rather than switched: the bf16 default is the local spec because it measured
-            # faster (benchmarks/results/recipe_defaults.md); a silent switch would hide that FP8 runs
-            # the other layer implementation.
+            # Refused rather than switched: a run that asks for the local spec (a flag, a recipe, or the
+            # measured bf16 default of benchmarks/results/recipe_defaults.md when it is the local spec)
+            # would otherwise run FP8 on the other layer implementation without saying so.
             raise ConfigError(f"training.fp8_recipe={self.training.fp8_recipe!r} needs model.transformer_impl: te "
                               f"(FP8 matmuls are Transformer Engine layers), got "
                               f"{self.model.transformer_impl!r}: add --transformer-impl te")

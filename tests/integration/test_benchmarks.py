@@ -97,8 +97,8 @@ def test_the_default_side_is_the_size_recipe_and_variants_undo_one_setting():
     exactly its setting."""
     args = throughput.build_parser().parse_args([])
     assert throughput.recipe_settings("1b") == {
-        "model": {"transformer_impl": "local", "params_dtype": "bfloat16"},
-        "training": {"bias_activation_fusion": True, "rope_fusion": True, "gradient_accumulation_fusion": False},
+        "model": {"transformer_impl": "te", "params_dtype": "bfloat16"},
+        "training": {"bias_activation_fusion": True, "rope_fusion": True, "gradient_accumulation_fusion": True},
         "parallel": {"use_distributed_optimizer": True, "overlap_grad_reduce": True}}
     default = throughput.describe(throughput.run_config(args, "1b", 2048, "bf16"))
     assert default["params_dtype"] == "bfloat16" and default["bias_activation_fusion"] is True
@@ -109,11 +109,21 @@ def test_the_default_side_is_the_size_recipe_and_variants_undo_one_setting():
     for name, change in (("fp32_params", {"params_dtype": "float32"}), ("no_swiglu_fusion", {"bias_activation_fusion": False}),
                          ("full_lm_head", {"lm_head_scored_only": False})):
         assert throughput.describe(throughput.run_config(args, "1b", 2048, "bf16", name)) == {**default, **change}
-    if not throughput.hardware.on_gpu():  # the TE spec (as the recipes ran it before) falls back on CPU too
-        te = throughput.describe(throughput.run_config(args, "1b", 2048, "bf16", "te_spec"))
-        assert te == default
+    if not throughput.hardware.on_gpu():  # either layer implementation falls back to the same on CPU
+        for name in ("te_spec", "local_spec"):
+            assert throughput.describe(throughput.run_config(args, "1b", 2048, "bf16", name)) == default
     fp32 = throughput.describe(throughput.run_config(args, "1b", 2048, "fp32"))
     assert fp32["params_dtype"] == "float32" and fp32["bf16_autocast"] is False
+
+
+def test_a_variant_that_runs_the_default_or_another_variant_is_timed_once():
+    """With the TE spec the recipe's default, ``te_spec`` is the default and ``te_spec_cuda_graphs`` is
+    ``cuda_graphs``: one side each is timed (a GPU visit's minute)."""
+    te = {"transformer_impl": "te", "cuda_graphs": "none"}
+    variants = {"cuda_graphs": {**te, "cuda_graphs": "megatron"}, "local_spec": {**te, "transformer_impl": "local"},
+                "te_spec": dict(te), "te_spec_cuda_graphs": {**te, "cuda_graphs": "megatron"}}
+    assert throughput.same_runs(te, variants) == {"cuda_graphs": None, "local_spec": None, "te_spec": "default",
+                                                  "te_spec_cuda_graphs": "cuda_graphs"}
 
 
 def test_gpu_only_variants_are_refused_on_cpu(tmp_path, capsys):

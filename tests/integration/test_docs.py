@@ -35,6 +35,24 @@ def test_generated_parts_are_current():
     assert not stale, f"out of date, run `python tools/render_docs.py`: {stale}"
 
 
+def test_the_gpu_status_names_a_stage_that_stopped_itself_and_lists_what_did_not_run(tmp_path, monkeypatch):
+    import json
+
+    from tools import render_docs
+
+    visit = tmp_path / "h100-2030-01-01"
+    visit.mkdir()
+    (visit / "summary.json").write_text(json.dumps({"device": "GPU", "commit": "abc1234", "budget_s": 500,
+                                                    "elapsed_s": 499, "stages": [
+        {"name": "gpu_tests", "status": "failed", "exit_code": 124, "reason": "wrote x.json",
+         "figures": {"counts": {"passed": 3, "unfinished": 1}}},
+        {"name": "fp8_gemm", "status": "skipped", "reason": "needs >= 40 s, 1 s left"}]}))
+    monkeypatch.setattr(render_docs, "newest_gpu_suite_run", lambda: visit / "summary.json")
+    text = render_docs.render_gpu_status(tmp_path / "README.md")
+    assert "| `gpu_tests` | timed out (stopped itself at its limit) | 3 passed, 1 unfinished |" in text
+    assert text.rstrip().endswith("Not run in that visit: `fp8_gemm` (needs >= 40 s, 1 s left).")
+
+
 def test_every_page_is_on_the_readme_map():
     readme = (REPO / "README.md").read_text()
     unlinked = [str(page.relative_to(REPO)) for page in doc_pages()[1:]

@@ -18,13 +18,18 @@ from eval_fixtures import TINY, encoder, suite  # noqa: F401 (fixtures)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def test_benchmark_times_ours_and_the_trainer_and_keeps_other_labels(tmp_path, encoder, suite, capsys):
+def test_benchmark_times_ours_and_the_trainer_and_keeps_other_labels(tmp_path, encoder, suite, capsys, monkeypatch):
     pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (requirements-dev.txt)")
     from benchmarks import finetune_speed
 
+    def no_download(*args):
+        raise AssertionError(f"a sized encoder with its own tokenizer needs no asset (a GPU machine has no network): {args}")
+
+    # As the GPU suite's finetune_210m stage runs it: random weights of a size, the tokenizer given.
+    monkeypatch.setattr(finetune_speed.assets, "member_dir", no_download)
     out = tmp_path / "finetune_speed.json"
     out.write_text(json.dumps({"measurements": {"before": {"ours_over_trainer": 1.0}}}))
-    assert finetune_speed.main(["--model", encoder, "--steps", "2", "--rounds", "1", "--max-length", "32",
+    assert finetune_speed.main(["--model-size", "tiny", "--tokenizer", encoder, "--steps", "2", "--rounds", "1", "--max-length", "32",
                                 "--label", "after", "--output", str(out), "--workers", "2", "--grid-runs", "2"]) == 0
     assert "ours / Trainer x" in capsys.readouterr().out
     record = json.loads(out.read_text())

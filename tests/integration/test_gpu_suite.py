@@ -92,6 +92,21 @@ def test_statuses_summaries_and_a_killed_stage_keeps_what_it_wrote(tmp_path):
     assert "| greedy | skipped | - |" in page and "Commit abc1234" in page
 
 
+def test_a_stage_that_stops_itself_at_its_limit_is_timed_out_and_imports_this_tree(tmp_path):
+    """Exit 124 (gpu_check.py stopping pytest before the cap, to report what finished) is a time-out,
+    not a failure; every stage gets this tree first on PYTHONPATH (a GPU machine's copy of the project
+    is not installed)."""
+    def command(ctx):
+        return [sys.executable, "-c", "import os, sys; print(os.environ['PYTHONPATH']); sys.exit(124)"]
+
+    (result,) = gpu_suite.run_suite([Stage(name="tests", purpose="", command=command, max_s=30, min_s=1)],
+                                    machine=CPU, budget=Budget(60, 5), output_dir=tmp_path)
+    assert (result.status, result.exit_code) == ("timed_out", 124)
+    assert result.reason.startswith("stopped itself before its cap")
+    log = (tmp_path / "logs" / "tests.log").read_text().splitlines()
+    assert log[-1].split(":")[0] == str(gpu_suite.REPO)
+
+
 def test_a_stage_and_its_partner_run_side_by_side(tmp_path):
     stages = [
         Stage(name="tests", purpose="", command=_sleeper(3), max_s=30, min_s=1),
@@ -297,6 +312,10 @@ def test_a_throughput_stage_cut_short_reports_the_sides_it_measured(tmp_path):
                       "error": "crashed (exit 1): RuntimeError: capture failed"}) + "\n")
     figures = gpu_suite.read_throughput(tmp_path)
     assert figures["complete"] is False and [s["side"] for s in figures["sides"]] == ["megatron_ext", "cuda_graphs"]
+    (tmp_path / "throughput.json").write_text(json.dumps({"device": "gpu-test", "rows": []}))
+    complete = gpu_suite.read_throughput(tmp_path)  # the sides, with their settings, stay in a complete record
+    assert complete["complete"] is True and complete["sides"] == figures["sides"]
+    (tmp_path / "throughput.json").unlink()
     result = gpu_suite.StageResult(name="throughput_1b_bf16", purpose="", status="timed_out", figures=figures)
     page = gpu_suite.summary_markdown([result], machine=GPU, budget_s=100, elapsed_s=100, commit=None)
     assert "1b seq 2048 bf16 / megatron_ext: 61,234 tok/s, peak 30.1 GB" in page

@@ -116,7 +116,7 @@ def test_paper_recipe_plans(path: Path, capsys):
     assert f"world size        {world} = TP 1 x PP 1 x DP {world}" in plan
     layers, hidden, heads, kv = SHAPES[size]
     assert f"{layers} layers, hidden {hidden}," in plan and f"heads {heads}/{kv} KV, vocab 128,256" in plan
-    assert "(local layers)" in plan  # the measured default (benchmarks/results/recipe_defaults.md)
+    assert "(te layers)" in plan  # the measured default (benchmarks/results/recipe_defaults.md)
     micro = {"210m": 18, "610m": 9, "1b": 9}[size]
     assert f"global 1152 = micro {micro} x DP {world} x {1152 // (micro * world)} micro-batches/step" in plan
     assert total_tokens(plan) == (TOKENS_PER_STEP, TOKENS_PER_STEP * steps)
@@ -247,16 +247,16 @@ def test_unknown_recipe_key_lists_the_valid_ones(tmp_path: Path, capsys):
 
 def test_old_name_of_transformer_impl_still_reads(tmp_path: Path, capsys):
     """``model.attention_backend`` (key and flag) is the old name of ``model.transformer_impl``;
-    the 610M recipe sets ``transformer_impl: local``."""
+    the 610M recipe sets ``transformer_impl: te``."""
     def layers(plan: str) -> str:
         return re.search(r"parameters \((\w+) layers\)", plan).group(1)
 
-    assert layers(plan_of(RECIPES / "paper" / "610m_mlm_40.yaml", 8, capsys)) == "local"
-    old_key = _recipe(tmp_path, "model: {attention_backend: te}\n")
+    assert layers(plan_of(RECIPES / "paper" / "610m_mlm_40.yaml", 8, capsys)) == "te"
+    old_key = _recipe(tmp_path, "model: {attention_backend: local}\n")
     with pytest.warns(FutureWarning, match=r"recipe.yaml model: 'attention_backend' is now 'transformer_impl'"):
-        assert layers(plan_of(Path(old_key), 8, capsys)) == "te"
-    assert layers(plan_of(RECIPES / "paper" / "610m_mlm_40.yaml", 8, capsys, "--attention-backend", "te")) == "te"
-    assert layers(plan_of(RECIPES / "paper" / "610m_mlm_40.yaml", 8, capsys, "--transformer-impl", "te")) == "te"
+        assert layers(plan_of(Path(old_key), 8, capsys)) == "local"
+    assert layers(plan_of(RECIPES / "paper" / "610m_mlm_40.yaml", 8, capsys, "--attention-backend", "local")) == "local"
+    assert layers(plan_of(RECIPES / "paper" / "610m_mlm_40.yaml", 8, capsys, "--transformer-impl", "local")) == "local"
 
     code, _, err = run(["--config", _recipe(tmp_path, "model: {attention_backend: local, transformer_impl: te}\n"),
                         "--dry-run", "--world-size", "8"], capsys)

@@ -99,9 +99,9 @@ def test_the_run_announces_each_fallback_once(tmp_path, tiny_corpus, capsys):
 
 @cpu_only
 def test_the_gpu_size_recipes_enable_both_and_still_run_on_cpu(capsys):
-    """The size bases turn RoPE fusion on and leave weight-gradient fusion off (the measured default, the
-    local spec, fuses it only with apex: benchmarks/results/recipe_defaults.md); a CPU run of one gets
-    RoPE fusion off, announced."""
+    """The size bases turn RoPE and weight-gradient fusion on (with the measured default, the TE spec:
+    benchmarks/results/recipe_defaults.md); a CPU run of one gets the local spec and both fusions off,
+    each announced."""
     from pathlib import Path
 
     from megatron_ext.training.config import read_recipe
@@ -110,14 +110,15 @@ def test_the_gpu_size_recipes_enable_both_and_still_run_on_cpu(capsys):
     bases = Path(__file__).resolve().parents[2] / "examples" / "recipes" / "base"
     for size in ("210m", "610m", "1b"):
         training = read_recipe(bases / f"{size}.yaml")["training"]
-        assert training["rope_fusion"] is True and training["gradient_accumulation_fusion"] is False, size
+        assert training["rope_fusion"] is True and training["gradient_accumulation_fusion"] is True, size
     config = run_config_from_dict(read_recipe(bases.parent / "paper" / "210m_mlm_40.yaml"),
                                   tokenizer_vocab_size=128_256)
     runnable = runnable_here(config)
     assert runnable.model.transformer_impl == "local" and not runnable.training.rope_fusion
     assert not runnable.training.gradient_accumulation_fusion
     err = capsys.readouterr().err
-    assert "training.rope_fusion" in err
+    assert "training.rope_fusion" in err and "training.gradient_accumulation_fusion" in err
+    assert "model.transformer_impl: te" in err
 
 
 def test_training_passes_positions_only_when_they_restart_per_document(tmp_path, tiny_corpus):

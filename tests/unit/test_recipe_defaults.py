@@ -21,11 +21,15 @@ def test_committed_table_is_what_the_committed_visits_give():
     table = defaults["decide"]()
     assert json.loads(defaults["TABLE_JSON"].read_text()) == table
     assert defaults["TABLE_MD"].read_text() == defaults["render_markdown"](table)
-    # The 2026-11-26 H200 row: the local spec (58,609 tok/s) over the TE spec (48,308) at 1B.
+    # The 2026-11-27 H100 row (2 micro-batches of 9): the TE spec (67,364 tok/s) over the local spec's
+    # fastest side (60,890, with CUDA graphs); its gpu tests ran out of time with none failed.
     one_b = table["sizes"]["1b"]["model.transformer_impl"]
-    assert one_b["value"] == "local" and one_b["source"] == "measured"
-    assert [c["value"] for c in one_b["candidates"]] == ["local", "te"]
-    assert 0.36 < one_b["candidates"][0]["mfu"] < 0.37
+    assert (one_b["value"], one_b["source"], one_b["visit"]) == ("te", "measured", "h100-2026-11-27")
+    assert [c["value"] for c in one_b["candidates"]] == ["te", "local"]
+    assert 0.42 < one_b["candidates"][0]["mfu"] < 0.43
+    assert one_b["gpu_tests"] == "16 passed, none failed (stopped at its time limit)"
+    graphs = table["sizes"]["1b"]["training.cuda_graphs"]
+    assert graphs["value"] == "none" and [c["value"] for c in graphs["candidates"]] == ["none", "megatron"]
 
 
 def test_size_recipes_set_what_the_table_says():
@@ -34,17 +38,19 @@ def test_size_recipes_set_what_the_table_says():
 
 def test_a_recipe_that_drifts_from_the_table_is_named():
     table = copy.deepcopy(defaults["decide"]())
-    table["sizes"]["610m"]["model.transformer_impl"]["value"] = "te"
+    table["sizes"]["610m"]["model.transformer_impl"]["value"] = "local"
     (problem,) = defaults["disagreements"](table)
-    assert problem.startswith("examples/recipes/base/610m.yaml: model.transformer_impl is 'local'")
+    assert problem.startswith("examples/recipes/base/610m.yaml: model.transformer_impl is 'te'")
 
 
-def _visit(root: Path, name: str, *, tests_passed: bool, sides: dict[str, tuple[float, dict]]) -> None:
-    """A suite visit folder as benchmarks/gpu_suite.py writes it: a gpu test stage and one throughput
-    stage whose sides recorded their settings."""
+def _visit(root: Path, name: str, *, tests_passed: bool, sides: dict[str, tuple[float, dict]],
+           tests_stage: dict | None = None) -> None:
+    """A suite visit folder as benchmarks/gpu_suite.py writes it: a gpu test stage (``tests_stage``, or
+    one that passed or failed) and one throughput stage whose sides recorded their settings."""
     records = [{"row": "1b seq 2048 bf16", "side": side, "tokens_per_s": speed, "settings": settings,
                 "flops_per_token": 6.0e9} for side, (speed, settings) in sides.items()]
-    stages = [{"name": "gpu_tests", "status": "passed" if tests_passed else "failed", "figures": {}},
+    tests_stage = tests_stage or {"name": "gpu_tests", "status": "passed" if tests_passed else "failed", "figures": {}}
+    stages = [tests_stage,
               {"name": "throughput_1b_bf16", "status": "passed", "figures": {"rows": [], "sides": records}}]
     (root / name).mkdir()
     (root / name / "summary.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "commit": name[-7:],
@@ -78,13 +84,34 @@ def test_the_newest_visit_with_passing_gpu_tests_decides(tmp_path):
         70_000 * 6.0e9 / 989e12, abs=1e-4)
 
 
-def test_fp8_with_the_recipes_local_default_is_refused_in_one_line(capsys):
+def test_a_gpu_test_stage_that_ran_out_of_time_counts_only_without_a_failure(tmp_path):
+    """A visit whose gpu tests stopped at their time limit decides only if none of those that ran
+    failed (the 2026-11-27 H100 visit: 16 passed, the rest not reached)."""
+    local, te = {"transformer_impl": "local", "cuda_graphs": None}, {"transformer_impl": "te", "cuda_graphs": None}
+    out_of_time = {"name": "gpu_tests", "status": "timed_out", "exit_code": 124,
+                   "figures": {"counts": {"passed": 5, "unfinished": 1}, "collection_errors": []}}
+    _visit(tmp_path, "h100-2026-12-01", tests_passed=True, sides={"megatron_ext": (50_000.0, local), "te_spec": (40_000.0, te)})
+    _visit(tmp_path, "h100-2026-12-02", tests_passed=False, tests_stage=out_of_time,
+           sides={"megatron_ext": (50_000.0, local), "te_spec": (60_000.0, te)})
+    entry = defaults["decide"](tmp_path)["sizes"]["1b"]["model.transformer_impl"]
+    assert (entry["value"], entry["visit"]) == ("te", "h100-2026-12-02")
+    assert entry["gpu_tests"] == "5 passed, none failed (stopped at its time limit)"
+    out_of_time["figures"]["counts"]["failed"] = 1  # one that ran failed: the older visit decides
+    _visit(tmp_path, "h100-2026-12-03", tests_passed=False, tests_stage=out_of_time,
+           sides={"megatron_ext": (50_000.0, local), "te_spec": (60_000.0, te)})
+    (tmp_path / "h100-2026-12-02" / "summary.json").unlink()
+    entry = defaults["decide"](tmp_path)["sizes"]["1b"]["model.transformer_impl"]
+    assert (entry["value"], entry["visit"], entry["gpu_tests"]) == ("local", "h100-2026-12-01", "passed")
+
+
+def test_fp8_needs_the_te_spec_and_a_local_one_is_refused_in_one_line(capsys):
     recipe = REPO / "examples" / "recipes" / "paper" / "1b_mlm_40.yaml"
-    code = pretrain_encoder.main(["--config", str(recipe), "--dry-run", "--world-size", "8", "--fp8-recipe", "delayed"])
+    code = pretrain_encoder.main(["--config", str(recipe), "--dry-run", "--world-size", "8", "--fp8-recipe", "delayed",
+                                  "--transformer-impl", "local"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err[-1].endswith("training.fp8_recipe='delayed' needs model.transformer_impl: te (FP8 matmuls are "
                             "Transformer Engine layers), got 'local': add --transformer-impl te")
-    code = pretrain_encoder.main(["--config", str(recipe), "--dry-run", "--world-size", "8", "--fp8-recipe", "delayed",
-                          "--transformer-impl", "te"])
+    # The recipes' measured default is the TE spec: FP8 is one flag.
+    code = pretrain_encoder.main(["--config", str(recipe), "--dry-run", "--world-size", "8", "--fp8-recipe", "delayed"])
     assert code == 0 and "(te layers)" in capsys.readouterr().out
