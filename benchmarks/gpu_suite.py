@@ -327,7 +327,8 @@ def read_checkpoint_cost(stage_dir: Path) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# The stages, in order of value.
+# The stages, in order of value. The fine-tuning stage comes before the writers' cost: the study's
+# cost estimate waits for its figure (runs per GPU-hour), and two visits in a row ended before it.
 
 THROUGHPUT_TIMING = ["--warmup", "3", "--steps", "3", "--rounds", "2"]
 """Short timings (a GPU visit is minutes): 3 warm-up steps (CUDA graphs are captured during warm-up),
@@ -421,13 +422,13 @@ STAGES: tuple[Stage, ...] = (
                                      "resumed: the same losses as uninterrupted; speed after each save",
           command=_resume_e2e, max_s=260, min_s=150, needs=frozenset({"gpu", "data"}), read=read_resume_e2e,
           alongside="gpu_tests"),
-    Stage(name="checkpoint_cost", purpose="what a save costs training (210M): stall and slower steps while the "
-                                          "writer works, sync vs each asynchronous writer (mcore, forked, nvrx)",
-          command=_checkpoint_cost, max_s=240, min_s=120, needs=frozenset({"gpu"}), read=read_checkpoint_cost),
     Stage(name="finetune_210m", purpose="evaluation harness at EuroBERT-210M's size, one SC task, bf16: fine-tuning "
                                         "runs per GPU-hour, ours vs transformers.Trainer, and the grid with 1, 2 and 4 "
                                         "workers sharing the GPU",
           command=_finetune_speed, max_s=240, min_s=90, needs=frozenset({"gpu", "data"}), read=read_finetune_speed),
+    Stage(name="checkpoint_cost", purpose="what a save costs training (210M): stall and slower steps while the "
+                                          "writer works, sync vs each asynchronous writer (mcore, forked, nvrx)",
+          command=_checkpoint_cost, max_s=240, min_s=120, needs=frozenset({"gpu"}), read=read_checkpoint_cost),
     Stage(name="throughput_1b_fusions", purpose="1B bf16: the recipe's configuration vs each of its fusions undone",
           command=_throughput("1b", "bf16", variants=("no_rope_fusion", "no_grad_accum_fusion"), hf=False),
           max_s=150, min_s=80, needs=frozenset({"gpu"}), read=read_throughput),
