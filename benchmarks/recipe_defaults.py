@@ -140,7 +140,7 @@ def suite_sides(visit: Path) -> tuple[list[Side], str | None]:
     of its ``gpu`` tests (:func:`gpu_tests_verdict`; ``None``: the visit decides nothing)."""
     summary = json.loads((visit / "summary.json").read_text())
     device, commit = summary["device"], summary["commit"]
-    passed = gpu_tests_verdict(summary)
+    verdict = gpu_tests_verdict(summary)
     sides = []
     for stage in summary["stages"]:
         figures = stage.get("figures") or {}
@@ -170,7 +170,7 @@ def suite_sides(visit: Path) -> tuple[list[Side], str | None]:
                 sides.append(Side(visit=visit.name, device=device, commit=commit, size=size, name=record["side"],
                                   settings=_side_settings(record["side"], record, row_sides),
                                   tokens_per_s=record["tokens_per_s"], mfu=_mfu(record, size, int(seq), device)))
-    return sides, passed
+    return sides, verdict
 
 
 def decide(visits_dir: Path = VISITS_DIR) -> dict:
@@ -178,8 +178,8 @@ def decide(visits_dir: Path = VISITS_DIR) -> dict:
     visits = sorted((p for p in visits_dir.iterdir() if (p / "summary.json").is_file()), key=_visit_key, reverse=True)
     measured: dict[str, dict[str, dict]] = {}
     for visit in visits:
-        sides, passed = suite_sides(visit)
-        if not passed:
+        sides, verdict = suite_sides(visit)
+        if verdict is None:
             continue
         for size in {s.size for s in sides}:
             at_size = [s for s in sides if s.size == size]
@@ -198,7 +198,7 @@ def decide(visits_dir: Path = VISITS_DIR) -> dict:
                 winner = ranked[0]
                 measured.setdefault(size, {})[f"{section}.{key}"] = {
                     "value": winner.settings.get(setting), "source": "measured", "visit": winner.visit,
-                    "device": winner.device, "commit": winner.commit, "gpu_tests": passed,
+                    "device": winner.device, "commit": winner.commit, "gpu_tests": verdict,
                     "candidates": [{"value": s.settings.get(setting), "side": s.name,
                                     "tokens_per_s": round(s.tokens_per_s), "mfu": None if s.mfu is None else round(s.mfu, 4)}
                                    for s in ranked]}
