@@ -177,6 +177,16 @@ _STARTED_LINE = re.compile(r"^(?P<test>\S+\.py::\S+) *$")
 _COLLECTING = re.compile(r"^_+ ERROR collecting (?P<module>\S+) _+$")
 
 
+_COLLECTED = re.compile(r"^(?:\d+ workers \[(?P<xdist>\d+) items?\]|(?:collecting \.\.\. )?collected (?P<serial>\d+) items?)", re.M)
+
+
+def collected_count(text: str) -> int | None:
+    """How many tests pytest collected, from its output (``collected N items``, or pytest-xdist's
+    ``K workers [N items]``): what a run cut by its time limit did not finish is the rest."""
+    found = _COLLECTED.search(text)
+    return None if found is None else int(found["xdist"] or found["serial"])
+
+
 def parse_log(text: str) -> tuple[list[dict], list[dict]]:
     """The tests and the collection errors read from pytest's ``-v`` output, for a run killed
     before it wrote its JUnit XML: each test's outcome (``unfinished`` for one that started and
@@ -278,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         gaps = {recipe: loss_gap(Path(tmp), recipe) for recipe in ("delayed", "tensorwise")}
     record = {"device": name, "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())),
               **hardware.software_versions(), "pytest_exit_code": code, "timed_out": code == TIMED_OUT,
-              "files": targets, "report_from": report, "log": log_path.name, "tests": tests,
+              "files": targets, "report_from": report, "log": log_path.name,
+              "collected": collected_count(log_path.read_text(encoding="utf-8", errors="replace")), "tests": tests,
               "collection_errors": collection_errors, "fp8_vs_bf16_loss": gaps}
     json_path.write_text(json.dumps(record, indent=2) + "\n")
     if tests or collection_errors:

@@ -20,22 +20,25 @@ ARGS=(--config examples/recipes/paper/210m_biphasic_25_75.yaml --attention-backe
       --log-interval 10 --wandb-mode disabled)
 [[ ${DETERMINISTIC:-0} == 1 ]] && ARGS+=(--deterministic)
 run() { "$PY" pretrain_encoder.py "${ARGS[@]}" --save "$OUT/$1/ckpt" --log-dir "$OUT/$1"; }
+# The checkpoints' tensors (1.7 GB per save at 210M) are not what this script reports, and a visit
+# copies its folder back: dropped however the script ends. KEEP_CHECKPOINTS=1 keeps them.
+[[ ${KEEP_CHECKPOINTS:-0} == 1 ]] || trap 'find "$OUT" -name "*.distcp" -delete' EXIT
 run straight > "$OUT/straight.log" 2>&1; echo "straight rc=$?"
-# The trainer itself in the background, not `run` (a function: `$!` would be the subshell around it, and
-# SIGKILL to that left the trainer training on: the 2026-11-27 H100 visit's resumed run then found the
-# save directory locked by it).
-"$PY" pretrain_encoder.py "${ARGS[@]}" --save "$OUT/killed/ckpt" --log-dir "$OUT/killed" > "$OUT/killed.log" 2>&1 &
+# The trainer itself in the background, in a process group of its own, not `run` (a function: `$!`
+# would be the subshell around it, and SIGKILL to that left the trainer training on: the 2026-11-27
+# H100 visit's resumed run then found the save directory locked by it). The group: the trainer and
+# its checkpoint writer's processes die together, as on a node that fails.
+setsid "$PY" pretrain_encoder.py "${ARGS[@]}" --save "$OUT/killed/ckpt" --log-dir "$OUT/killed" > "$OUT/killed.log" 2>&1 &
 PID=$!
 for _ in $(seq 1 6000); do
-  ls -d "$OUT"/killed/ckpt/iter_0000200.tmp-* >/dev/null 2>&1 && break; sleep 0.05
+  ls -d "$OUT"/killed/ckpt/iter_0000200.tmp-* >/dev/null 2>&1 && break
+  kill -0 $PID 2>/dev/null || { echo "the run to kill ended first: $(tail -1 "$OUT/killed.log")" >&2; exit 1; }
+  sleep 0.05
 done
-kill -9 $PID; wait $PID 2>/dev/null
+kill -9 -- -$PID; wait $PID 2>/dev/null
 echo "killed during: $(ls "$OUT/killed/ckpt")"
 run killed > "$OUT/resumed.log" 2>&1; RC=$?; echo "resumed rc=$RC"
 if [[ $RC != 0 ]]; then echo "the resumed run failed (exit $RC): $(tail -1 "$OUT/resumed.log")" >&2; exit 1; fi
-# The checkpoints' tensors (1.7 GB per save at 210M) are not what this script reports: a visit copies
-# its folder back. KEEP_CHECKPOINTS=1 keeps them.
-[[ ${KEEP_CHECKPOINTS:-0} == 1 ]] || find "$OUT" -name '*.distcp' -delete
 "$PY" - "$OUT" <<'PYEOF'
 import json, sys
 from pathlib import Path

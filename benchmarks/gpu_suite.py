@@ -303,7 +303,8 @@ def read_gpu_tests(stage_dir: Path) -> dict:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
     problems = [f"{t['outcome'].upper()} {t['test']}: {t.get('error') or ''}".strip()
                 for t in record.get("tests", []) if t["outcome"] in ("failed", "error")]
-    return {"counts": counts, "problems": problems, "collection_errors": record.get("collection_errors", []),
+    return {"counts": counts, "collected": record.get("collected"), "problems": problems,
+            "collection_errors": record.get("collection_errors", []),
             "fp8_vs_bf16_loss": record.get("fp8_vs_bf16_loss"), "pytest_exit_code": record.get("pytest_exit_code")}
 
 
@@ -408,8 +409,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(name="te_smoke", purpose="Transformer Engine: FP8 LayerNormMLP, fused attention (no mask, causal)",
           command=_python_probe("te_smoke"), max_s=90, min_s=20, needs=frozenset({"gpu", "te"}), read=read_te_smoke),
     Stage(name="throughput_1b_bf16",
-          purpose="1B, seq 2048, bf16: the recipe's configuration vs CUDA graphs, the TE spec with and "
-                  "without CUDA graphs, Hugging Face; a profile",
+          purpose="1B, seq 2048, bf16: the recipe's configuration vs CUDA graphs, each layer implementation "
+                  "with and without CUDA graphs, Hugging Face; a profile",
           command=_throughput("1b", "bf16", variants=WANTED_VARIANTS_1B, profile=True),
           max_s=240, min_s=90, read=read_throughput),
     Stage(name="gpu_tests", purpose="every `gpu`-marked test (benchmarks/gpu_check.py)", command=_gpu_tests,

@@ -57,7 +57,7 @@ def newest_gpu_suite_run(root: Path = GPU_VISITS) -> Path:
     return summaries[-1]
 
 
-def _throughput_figures(stage: dict) -> str:
+def _throughput_figures(stage: dict, commit: str) -> str:
     figures = stage.get("figures") or {}
     sides = [s for s in figures.get("sides", []) if s.get("tokens_per_s")]
     rows = figures.get("rows") or []
@@ -71,7 +71,7 @@ def _throughput_figures(stage: dict) -> str:
         shape = f" ({row['shape']})" if row.get("shape") else ""
         variants = [f"{name.replace('_', ' ')} {v['tokens_per_s']:,.0f}" for name, v in (row.get("variants") or {}).items()
                     if v.get("tokens_per_s") and not v.get("same_as")]
-        parts.append(f"{row.get('name', row.get('row', ''))}{shape}: the recipe {ours:,.0f} tok/s{mfu}{hf}"
+        parts.append(f"{row.get('name', row.get('row', ''))}{shape}: the recipe at {commit} {ours:,.0f} tok/s{mfu}{hf}"
                      + (f"; variants (tok/s): {', '.join(variants)}" if variants else ""))
     if rows:
         sides = []  # a complete row says it all; the sides are its parts
@@ -118,7 +118,7 @@ def render_gpu_status(page: Path) -> str:
         if stage["status"] in ("skipped", "not_applicable"):
             not_run.append(f"`{stage['name']}` ({stage.get('reason') or stage['status']})")
             continue
-        figures = _throughput_figures(stage) or _test_figures(stage)
+        figures = _throughput_figures(stage, summary["commit"]) or _test_figures(stage)
         if stage.get("exit_code") == 124:  # stopped itself at its time limit (suites before 2026-11-27 said failed)
             status = "timed out (stopped itself at its limit)"
         else:

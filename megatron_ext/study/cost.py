@@ -44,7 +44,7 @@ import math
 import os
 import re
 import subprocess
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -62,8 +62,8 @@ CPU = "cpu"
 """The GPU kind of a CPU-only machine (no peak: measured or calibrated speeds only)."""
 
 ASSUMED_MFU = 0.35
-"""MFU assumed without a measurement: between this project's measured 27-37 % (1B, H100/H200,
-``benchmarks/results/gpu_visits``) and the 38-42 % of published Megatron/MPT runs at ~1B."""
+"""MFU assumed without a measurement: within this project's measured 27-42 % (610M and 1B, H100/H200,
+``benchmarks/results/gpu_visits``) and below the 38-42 % of published Megatron/MPT runs at ~1B."""
 
 ASSUMED_FINETUNE_MFU = 0.2
 """MFU assumed for a fine-tuning run on a GPU (small batches, evaluation passes): an assumption."""
@@ -157,6 +157,8 @@ class MeasuredRow:
     backend: str | None
     flops_per_s: float
     date: str
+    variant: str | None = None
+    """The throughput variant it was timed as (None: the row's default side)."""
 
 
 def _git_added(results_dir: Path) -> dict[str, tuple[str, str]]:
@@ -206,12 +208,36 @@ def read_measurements(results_dir: Path) -> tuple[MeasuredRow, ...]:
         for row in record["rows"]:
             if not row.get("tflops") or not row.get("parameters") or row.get("error"):
                 continue
-            rows.append(MeasuredRow(file=relative, device=record["device"], provenance=provenance,
-                                    model=str(row.get("model")), parameters=int(row["parameters"]),
-                                    seq_length=int(row["seq_length"]), precision=str(row["precision"]),
-                                    backend=row.get("attention_backend"), flops_per_s=float(row["tflops"]) * 1e12,
-                                    date=date))
+            measured = functools.partial(MeasuredRow, file=relative, device=record["device"], provenance=provenance,
+                               model=str(row.get("model")), parameters=int(row["parameters"]),
+                               seq_length=int(row["seq_length"]), precision=str(row["precision"]), date=date)
+            # The layer implementation under its name of the time (``attention_backend`` before the rename).
+            backend = row.get("transformer_impl") or row.get("attention_backend")
+            rows.append(measured(backend=backend, flops_per_s=float(row["tflops"]) * 1e12))
+            rows.extend(measured(backend=settings["transformer_impl"],
+                                 flops_per_s=float(row["tflops"]) * 1e12 * variant["tokens_per_s"] / row["tokens_per_s"],
+                                 variant=name)
+                        for name, variant, settings in _same_flops_variants(row))
     return tuple(rows)
+
+
+SAME_FLOPS_SETTINGS = frozenset({"transformer_impl", "cuda_graphs", "gradient_accumulation_fusion", "rope_fusion"})
+"""Settings that change how a step runs but not its FLOPs per token: a throughput variant that
+differs from its row only in these is a speed of the same step (the row's FLOP/s scaled by tokens/s)."""
+
+
+def _same_flops_variants(row: dict) -> Iterator[tuple[str, dict, dict]]:
+    """The timed variants of a throughput row (``benchmarks/throughput.py --variants``) that ran the
+    row's step with other :data:`SAME_FLOPS_SETTINGS`: (name, variant, its settings)."""
+    default = row.get("settings") or {}
+    for name, variant in (row.get("variants") or {}).items():
+        settings = variant.get("settings") or {}
+        if (not variant.get("tokens_per_s") or variant.get("error") or not settings or not default
+                or not row.get("tokens_per_s") or "transformer_impl" not in settings):
+            continue
+        changed = {key for key in default.keys() | settings.keys() if default.get(key) != settings.get(key)}
+        if changed and changed <= SAME_FLOPS_SETTINGS:
+            yield name, variant, settings
 
 
 RESULTS_DIR_VARIABLE = "MEGATRON_EXT_RESULTS_DIR"
@@ -287,7 +313,7 @@ class SpeedTable:
             return None
         backend = config.model.transformer_impl
         best = max(found, key=lambda r: (r.parameters == parameters, r.backend == backend, r.date, r.flops_per_s))
-        spec = f", {best.backend} spec" if best.backend else ""
+        spec = (f", {best.backend} spec" if best.backend else "") + (f" (variant {best.variant})" if best.variant else "")
         other = "" if best.parameters == parameters else \
             f" (its layers, another vocabulary: {best.parameters:,} parameters against {parameters:,})"
         startup = ASSUMED_STARTUP_S[CPU if self.kind == CPU else "gpu"]

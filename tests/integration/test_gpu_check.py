@@ -220,6 +220,8 @@ def test_the_time_limit_kills_pytest_and_the_log_says_what_finished(tmp_path):
                                                           ("test_slow.py::test_slow", "unfinished")]
     assert collection_errors == [] and all(t["seconds"] is None for t in tests)
     assert gpu_check.summary_lines(tests)[-1] == "1 passed, 1 unfinished"
+    assert gpu_check.collected_count(text) == 3  # one never reached: the rest of what was collected
+    assert gpu_check.collected_count("created: 6/6 workers\n6 workers [29 items]\n") == 29
 
 
 def test_the_log_parser_reads_serial_and_xdist_lines():

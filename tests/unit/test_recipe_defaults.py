@@ -27,7 +27,7 @@ def test_committed_table_is_what_the_committed_visits_give():
     assert (one_b["value"], one_b["source"], one_b["visit"]) == ("te", "measured", "h100-2026-11-27")
     assert [c["value"] for c in one_b["candidates"]] == ["te", "local"]
     assert 0.42 < one_b["candidates"][0]["mfu"] < 0.43
-    assert one_b["gpu_tests"] == "16 passed, none failed (stopped at its time limit)"
+    assert one_b["gpu_tests"] == "16 passed, none failed, the rest not finished (stopped at its time limit)"
     graphs = table["sizes"]["1b"]["training.cuda_graphs"]
     assert graphs["value"] == "none" and [c["value"] for c in graphs["candidates"]] == ["none", "megatron"]
 
@@ -89,19 +89,38 @@ def test_a_gpu_test_stage_that_ran_out_of_time_counts_only_without_a_failure(tmp
     failed (the 2026-11-27 H100 visit: 16 passed, the rest not reached)."""
     local, te = {"transformer_impl": "local", "cuda_graphs": None}, {"transformer_impl": "te", "cuda_graphs": None}
     out_of_time = {"name": "gpu_tests", "status": "timed_out", "exit_code": 124,
-                   "figures": {"counts": {"passed": 5, "unfinished": 1}, "collection_errors": []}}
+                   "figures": {"counts": {"passed": 5, "unfinished": 1}, "collected": 9, "collection_errors": []}}
     _visit(tmp_path, "h100-2026-12-01", tests_passed=True, sides={"megatron_ext": (50_000.0, local), "te_spec": (40_000.0, te)})
     _visit(tmp_path, "h100-2026-12-02", tests_passed=False, tests_stage=out_of_time,
            sides={"megatron_ext": (50_000.0, local), "te_spec": (60_000.0, te)})
     entry = defaults["decide"](tmp_path)["sizes"]["1b"]["model.transformer_impl"]
     assert (entry["value"], entry["visit"]) == ("te", "h100-2026-12-02")
-    assert entry["gpu_tests"] == "5 passed, none failed (stopped at its time limit)"
+    assert entry["gpu_tests"] == "5 of 9 passed, none failed, 4 not finished (stopped at its time limit)"
     out_of_time["figures"]["counts"]["failed"] = 1  # one that ran failed: the older visit decides
     _visit(tmp_path, "h100-2026-12-03", tests_passed=False, tests_stage=out_of_time,
            sides={"megatron_ext": (50_000.0, local), "te_spec": (60_000.0, te)})
     (tmp_path / "h100-2026-12-02" / "summary.json").unlink()
     entry = defaults["decide"](tmp_path)["sizes"]["1b"]["model.transformer_impl"]
     assert (entry["value"], entry["visit"], entry["gpu_tests"]) == ("local", "h100-2026-12-01", "passed")
+
+
+def test_a_failure_in_any_gpu_test_stage_or_a_tie_within_the_noise_keeps_the_default(tmp_path):
+    local, te = {"transformer_impl": "local", "cuda_graphs": None}, {"transformer_impl": "te", "cuda_graphs": None}
+    _visit(tmp_path, "h100-2026-12-01", tests_passed=True, sides={"megatron_ext": (50_000.0, local), "te_spec": (40_000.0, te)})
+    # Its full gpu_tests stage passed, but the fusion tests' stage saw a failure: the visit decides nothing.
+    visit = tmp_path / "h100-2026-12-02"
+    _visit(tmp_path, visit.name, tests_passed=True, sides={"megatron_ext": (50_000.0, local), "te_spec": (60_000.0, te)})
+    summary = json.loads((visit / "summary.json").read_text())
+    summary["stages"].append({"name": "gpu_tests_fusions", "status": "failed", "figures": {"counts": {"failed": 1}}})
+    (visit / "summary.json").write_text(json.dumps(summary))
+    assert defaults["decide"](tmp_path)["sizes"]["1b"]["model.transformer_impl"]["visit"] == "h100-2026-12-01"
+    # Faster by less than the timing noise: the trainer's default (local) stands, and the table says why.
+    _visit(tmp_path, "h100-2026-12-03", tests_passed=True,
+           sides={"megatron_ext": (50_000.0, local), "te_spec": (51_000.0, te)})
+    entry = defaults["decide"](tmp_path)["sizes"]["1b"]["model.transformer_impl"]
+    assert (entry["value"], entry["visit"]) == ("local", "h100-2026-12-03")
+    assert entry["source"].startswith("measured: within the timing noise (3 %)")
+    assert [c["value"] for c in entry["candidates"]] == ["te", "local"]
 
 
 def test_fp8_needs_the_te_spec_and_a_local_one_is_refused_in_one_line(capsys):

@@ -73,6 +73,34 @@ def test_a_committed_measurement_is_used_with_its_device_commit_and_date():
     assert cpu.seconds is None and "--calibrate" in cpu.speeds[0]
 
 
+def test_a_variant_that_ran_the_same_step_another_way_is_a_speed_of_that_spec(tmp_path):
+    """A throughput row's timed variants that change only how the step runs (the layer implementation,
+    CUDA graphs, fusions) are speeds of the same FLOPs: a TE config is costed at the TE variant's speed
+    though the row's default ran the local spec; a variant with other FLOPs per token is not a speed."""
+    import json
+
+    config = _config("base/1b.yaml", train_iters=5000)
+    local = {"transformer_impl": "local", "cuda_graphs": "none", "gradient_accumulation_fusion": False,
+             "lm_head_scored_only": True}
+    row = {"model": "1b", "seq_length": 2048, "precision": "bf16", "parameters": cost.parameter_count(config.model),
+           "transformer_impl": "local", "tflops": 300.0, "tokens_per_s": 50_000.0, "settings": local,
+           "variants": {"te_spec": {"tokens_per_s": 60_000.0, "settings": {**local, "transformer_impl": "te",
+                                                                           "gradient_accumulation_fusion": True}},
+                        "full_lm_head": {"tokens_per_s": 70_000.0, "settings": {**local, "lm_head_scored_only": False}}}}
+    visit = tmp_path / "gpu_visits" / "h100-2030-01-01"
+    visit.mkdir(parents=True)
+    (visit / "throughput.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "rows": [row]}))
+    speeds = cost.SpeedTable(kind="H100", results_dir=tmp_path)
+    assert config.model.transformer_impl == "te"
+    te = speeds.speed(config, "mlm")
+    assert te.flops_per_s == pytest.approx(360e12) and "te spec (variant te_spec)" in te.detail
+    raw = read_recipe(RECIPES / "base" / "1b.yaml") | {"phases": [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}]}
+    raw["model"]["transformer_impl"] = "local"
+    raw["training"]["train_iters"] = 5000
+    local_config = run_config_from_dict(raw)  # the row's own side, not full_lm_head's
+    assert speeds.speed(local_config, "mlm").flops_per_s == pytest.approx(300e12)
+
+
 def test_calibrated_speeds_come_first_and_the_warmup_is_left_out():
     tokens = 2048
     records = [{"kind": "train", "step": 1, "tokens_per_s": 20.48},   # 100 s: compilation, first batches
