@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -363,6 +364,111 @@ def render_exit_codes(page: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- the study cost estimates (docs/cost.md) ----------------------------------------------------
+
+STUDIES = REPO / "examples" / "studies"
+PAPER_MI250X_GPU_HOURS = 110_000
+"""The paper's reported compute (arXiv 2507.00994): about 110,000 GPU-hours on MI250X."""
+PAPER_GRID_GPUS = 64
+"""GPUs per run (8 nodes of 8) and evaluation workers of the estimate of the paper's grid."""
+
+
+@functools.cache
+def _study_cost(study_file: str, *, paper_evaluation: bool, kind: str = "H100"):
+    """The cost model's estimate of ``examples/studies/<study_file>`` on ``kind`` GPUs from the committed
+    measurements; ``paper_evaluation``: with the paper's 12 tasks (LR grid x 5 seeds) on 64 workers and
+    every run on 64 GPUs, as the page's comparison with the paper counts them."""
+    from megatron_ext.study.cost import REPO_RESULTS, SpeedTable, study_cost
+    from megatron_ext.study.plan import plan_study
+    from megatron_ext.study.spec import EvaluationSpec, read_study
+
+    path = STUDIES / study_file
+    study = read_study(path)
+    if paper_evaluation:
+        study = dataclasses.replace(study, evaluation=EvaluationSpec(tasks=("paper",), workers=PAPER_GRID_GPUS))
+    plan = plan_study(study, path)
+    speeds = SpeedTable(kind=kind, results_dir=REPO_RESULTS)
+    cost = study_cost(plan, speeds=speeds, gpus=PAPER_GRID_GPUS if paper_evaluation else None, gpus_per_node=8)
+    return plan, cost, speeds
+
+
+def _size_speeds(plan, speeds) -> str:
+    """Each size's training speed and where it comes from (MLM steps; measured rows name their file)."""
+    from megatron_ext.study.cost import costed_config
+    from megatron_ext.training.metrics import PEAK_TFLOPS
+
+    parts = []
+    for size in plan.study.sizes:
+        run = next(r for r in plan.runs if r.size == size.name)
+        speed = speeds.speed(costed_config(run), "mlm")
+        mfu = speed.flops_per_s / (PEAK_TFLOPS[speeds.kind][0] * 1e12)
+        where = ""
+        if speed.source == "measured":
+            file = speed.detail.split(":")[0]
+            spec = re.search(r", (\w+) spec", speed.detail)
+            where = f", {spec.group(1)} spec" if spec else ""
+            where += f"; `{file.removeprefix('gpu_visits/')}`"
+        parts.append(f"{size.name}: {speed.source}, {speed.flops_per_s / 1e12:,.0f} TFLOP/s ({100 * mfu:.1f} % MFU{where})")
+    return "; ".join(parts)
+
+
+def _evaluation_source(cost) -> str:
+    sources = {item.source.split(":")[0].removeprefix("as ").split("'s run")[0] for item in cost.evaluation.items}
+    kinds = {word for word in ("calibrated", "measured", "assumed") if any(word in s for s in sources)}
+    return ", ".join(sorted(kinds)) + " speed"
+
+
+def render_paper_grid_cost(page: Path) -> str:
+    """The paper's grid (``paper_610m.yaml``) and the three sizes (``paper_sizes.yaml``) on H100s,
+    from the cost model and the committed measurements, against the paper's 110,000 MI250X hours."""
+    from megatron_ext.training.metrics import PEAK_TFLOPS
+
+    columns = {name: _study_cost(name, paper_evaluation=True) for name in ("paper_610m.yaml", "paper_sizes.yaml")}
+    header = [f"{name} ({len(plan.runs)} runs)" for name, (plan, _, _) in columns.items()]
+    rows = {"training as the tree": [], "training, every run from scratch": [], "evaluation": [],
+            "whole study, tree / separate runs": [], "wall time (tree, a job per segment; evaluation on 64 workers)": [],
+            "speeds (MLM steps)": []}
+    for plan, cost, speeds in columns.values():
+        tree, separate, evaluation = cost.tree_gpu_hours, cost.separate_gpu_hours, cost.evaluation_gpu_hours
+        rows["training as the tree"].append(f"{tree:,.0f} GPU-hours")
+        rows["training, every run from scratch"].append(f"{separate:,.0f} GPU-hours")
+        rows["evaluation"].append(f"{cost.evaluation.runs:,} runs, {evaluation:,.0f} GPU-hours ({_evaluation_source(cost)})")
+        rows["whole study, tree / separate runs"].append(f"{tree + evaluation:,.0f} / {separate + evaluation:,.0f} GPU-hours")
+        rows["wall time (tree, a job per segment; evaluation on 64 workers)"].append(
+            f"{cost.parallel_s / 3600:,.1f} h training + {cost.evaluation.wall_s / 3600:,.1f} h evaluation")
+        rows["speeds (MLM steps)"].append(_size_speeds(plan, speeds))
+    lines = ["| | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
+    lines += [f"| {what} | " + " | ".join(cells) + " |" for what, cells in rows.items()]
+
+    plan, cost, _ = columns["paper_610m.yaml"]
+    module, h100 = PEAK_TFLOPS["MI250X"][0], PEAK_TFLOPS["H100"][0]
+    as_modules = PAPER_MI250X_GPU_HOURS * module / h100
+    as_gcds = as_modules / 2
+    ours = cost.separate_gpu_hours + cost.evaluation_gpu_hours
+    saved = cost.separate_gpu_hours - cost.tree_gpu_hours
+    lines += ["", f"Against the paper, with the peak FLOP/s of the two GPUs (bf16, dense): an MI250X module is "
+              f"{module:,.0f} TFLOP/s (two GCDs of {module / 2:,.1f}), an H100 {h100:,.0f}, {h100 / module:.2f}x one "
+              f"module or {2 * h100 / module:.2f}x one GCD. {PAPER_MI250X_GPU_HOURS:,} MI250X GPU-hours are therefore "
+              f"{as_modules:,.0f} H100-hours at equal MFU if the paper counts modules, or {as_gcds:,.0f} if it counts "
+              f"GCDs (on clusters such as Adastra each GCD is one GPU to SLURM). The estimate for the 610M grid's "
+              f"separate runs plus its evaluation, {ours:,.0f} H100 GPU-hours, is {as_gcds / ours:.1f}x (GCDs) to "
+              f"{as_modules / ours:.1f}x (modules) below that. Sharing trunks as a tree saves {saved:,.0f} GPU-hours "
+              f"({100 * saved / cost.separate_gpu_hours:.1f} %) of that grid's training."]
+    return "\n".join(lines) + "\n"
+
+
+def render_one_node_cost(page: Path) -> str:
+    """``examples/studies/one_node.yaml``'s estimate on its own resources (8 H100s)."""
+    plan, cost, speeds = _study_cost("one_node.yaml", paper_evaluation=False)
+    total = cost.total_gpu_hours
+    wall = cost.sequential_s + cost.evaluation.wall_s
+    return (f"On 8 H100s, from the committed measurements: {cost.tree_gpu_hours:,.1f} GPU-hours of training "
+            f"({cost.sequential_s / 3600:,.1f} h, one segment after another), {cost.evaluation.runs:,} fine-tuning runs "
+            f"({cost.evaluation_gpu_hours:,.1f} GPU-hours, {cost.evaluation.wall_s / 3600:,.1f} h on "
+            f"{cost.evaluation.workers} workers, {_evaluation_source(cost)}): {total:,.1f} GPU-hours and "
+            f"{wall / 3600:,.1f} h in all, of the node's 192 GPU-hours and 24 h. Speeds: {_size_speeds(plan, speeds)}.\n")
+
+
 # -- each tool's --help --------------------------------------------------------------------------
 
 
@@ -386,6 +492,8 @@ GENERATORS: dict[str, Callable[..., str]] = {  # each takes the page (for relati
     "recipe-keys": render_recipe_keys,
     "study-keys": render_study_keys,
     "exit-codes": render_exit_codes,
+    "paper-grid-cost": render_paper_grid_cost,
+    "one-node-cost": render_one_node_cost,
     "import-layers": render_import_layers,
     "cli-help": render_cli_help,
 }
