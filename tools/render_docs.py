@@ -413,9 +413,10 @@ def _size_speeds(plan, speeds) -> str:
 
 
 def _evaluation_source(cost) -> str:
-    sources = {item.source.split(":")[0].removeprefix("as ").split("'s run")[0] for item in cost.evaluation.items}
-    kinds = {word for word in ("calibrated", "measured", "assumed") if any(word in s for s in sources)}
-    return ", ".join(sorted(kinds)) + " speed"
+    """Where the fine-tuning runs' times come from: each item's source starts with its kind
+    (``assumed: ...``, ``measured, scaled ...``, ``calibrated: ...``; a reference's with ``as SIZE's run: ``)."""
+    kinds = {re.match(r"(?:as \S+'s run: )?(\w+)", item.source).group(1) for item in cost.evaluation.items}
+    return ", ".join(sorted({k if k in ("assumed", "calibrated", "measured") else "unknown" for k in kinds})) + " speed"
 
 
 def render_paper_grid_cost(page: Path) -> str:
