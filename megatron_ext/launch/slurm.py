@@ -219,6 +219,10 @@ class SlurmLauncher(Launcher):
                 if self._signal is not None:
                     break
                 events.poll()
+            if self._signal is None:
+                # A job that ended between the last look and the loop's check is reported too (the
+                # study's last transition line was once lost that way).
+                events.poll()
         return self._signal
 
     def _on_signal(self, signum: int, frame) -> None:

@@ -164,3 +164,21 @@ def test_a_time_limit_in_seconds_reads_each_form_as_slurm_does(time, seconds):
     from megatron_ext.launch import Resources
 
     assert Resources(time=time).time_s == seconds
+
+
+def test_following_slurm_jobs_reports_the_change_that_ended_the_last_one(monkeypatch):
+    """The last job ends between a look and the loop's check of the queue: one more look reports it."""
+    from megatron_ext.launch import JobState
+    from megatron_ext.launch.slurm import SlurmLauncher, SlurmOptions
+
+    launcher = SlurmLauncher(SlurmOptions(poll_interval=0.01))
+    queue = iter([JobState(status="running", detail="RUNNING"), JobState(status="ended", succeeded=True, detail="COMPLETED")])
+    monkeypatch.setattr(launcher, "states", lambda job_ids: {job_id: next(queue) for job_id in job_ids})
+    looks = []
+
+    class Events:
+        def poll(self):
+            looks.append(len(looks))
+
+    assert launcher.follow(["7"], Events()) is None
+    assert len(looks) == 2  # after the running look, and once the queue says it ended
