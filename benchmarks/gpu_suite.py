@@ -47,6 +47,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -102,7 +103,37 @@ class StageContext:
     data_dir: Path | None
     cap_s: float
     """The stage's time cap: a command that can stop by itself before it (and still write its report) is told."""
+    plan: VisitPlan | None = None
+    """What the committed visits already answer on this device kind (None: re-measure everything)."""
     python: str = sys.executable
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VisitPlan:
+    """What this visit need not measure again (``benchmarks/visit_plan.py``): the known sides to
+    re-measure on this device kind, with why, and the ``gpu`` tests already passed on it."""
+
+    kind: str
+    remeasure: dict[str, str]
+    """Known side -> why it is re-measured."""
+    known: dict[str, str]
+    """Known side -> why it is not (the visit that timed it)."""
+    passed_tests: frozenset[str] = frozenset()
+
+    @classmethod
+    def for_device(cls, device: str) -> "VisitPlan":
+        plan_module = _visit_plan_module()
+        kind = plan_module.device_kind(device)
+        decisions = plan_module.plan_known_sides(kind)
+        return cls(kind=kind, remeasure={n: d.reason for n, d in decisions.items() if d.remeasure},
+                   known={n: d.reason for n, d in decisions.items() if not d.remeasure},
+                   passed_tests=frozenset(plan_module.passed_gpu_tests(kind)))
+
+
+def _visit_plan_module():
+    import runpy  # a sibling script, not a package module: read by its path
+
+    return types.SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("visit_plan.py"))))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,6 +155,10 @@ class Stage:
     """The name of the stage that runs at the same time as this one (this one is started with it)."""
     in_full_run: bool = True
     """False: run only when named with ``--stages`` (a short visit's subset of a full stage)."""
+    skip_if: Callable[[StageContext, dict], str | None] | None = None
+    """Given the context and the results so far (name -> ``StageResult``): why this stage has nothing to
+    change this visit (it is then ``skipped`` with that reason), or None to run it. ``--stages`` runs it
+    anyway."""
 
 
 def _python_probe(probe: str) -> Callable[[StageContext], list[str]]:
@@ -331,27 +366,34 @@ def read_checkpoint_cost(stage_dir: Path) -> dict:
 # The stages, in order of value. The fine-tuning stage comes before the writers' cost: the study's
 # cost estimate waits for its figure (runs per GPU-hour), and two visits in a row ended before it.
 
-THROUGHPUT_TIMING = ["--warmup", "3", "--steps", "3", "--rounds", "2"]
-"""Short timings (a GPU visit is minutes): 3 warm-up steps (CUDA graphs are captured during warm-up),
-2 rounds of 3 timed steps per side; +-3 % between visits."""
+THROUGHPUT_TIMING = ["--warmup", "3", "--steps", "8", "--rounds", "2"]
+"""A GPU visit's timings: 3 warm-up steps (CUDA graphs are captured during warm-up), 2 rounds of 8
+timed steps per side (3 steps x 2 before 2026-11-28 were within the +-3 % noise of the effects they
+decided)."""
 
-WANTED_VARIANTS_1B = ("cuda_graphs", "local_spec", "local_spec_cuda_graphs", "te_spec", "te_spec_cuda_graphs")
-"""What the 1B bf16 row times against the recipe's configuration: what could flip its default
-(benchmarks/recipe_defaults.py): CUDA graphs, the other layer implementation with and without CUDA
-graphs (a variant that is the recipe's configuration, or another variant, is reported untimed: with the
-TE spec the default, ``te_spec`` and ``te_spec_cuda_graphs`` are). Names of ``throughput.VARIANTS`` (checked by a test, not here: importing
-the benchmark loads torch, Megatron and TE, ~13 s of a GPU visit, into the suite's own process)."""
+WANTED_VARIANTS_1B = ("cross_entropy_te", "micro_batch_18")
+"""What the 1B bf16 row times against the recipe's configuration first: the changes that could still
+move its default or the MFU target (Transformer Engine's fused cross entropy; one micro-batch of 18,
+which halves the layers' host calls per step). Names of ``throughput.VARIANTS`` (checked by a test, not
+here: importing the benchmark loads torch, Megatron and TE, ~13 s of a GPU visit, into the suite's own
+process). The sides whose answers a visit already holds are ``KNOWN_VARIANTS_1B``, re-measured by the
+plan only."""
 
-def _throughput(preset: str, precision: str, *, variants: tuple[str, ...] = (), hf: bool = True,
-                profile: bool = False) -> Callable[[StageContext], list[str]]:
+KNOWN_VARIANTS_1B = ("local_spec", "local_spec_cuda_graphs", "te_spec_cuda_graphs")
+"""The 1B sides earlier visits answered (``visit_plan.KNOWN_SIDES``, with the Hugging Face baseline):
+``throughput_1b_known`` times those the plan says changed."""
+
+
+def _throughput(preset: str, precision: str, *, variants: tuple[str, ...] | Callable[[StageContext], tuple[str, ...]] = (),
+                hf: bool | Callable[[StageContext], bool] = True, profile: bool = False) -> Callable[[StageContext], list[str]]:
     def command(ctx: StageContext) -> list[str]:
         argv = [ctx.python, str(REPO / "benchmarks" / "throughput.py"), "--output", str(ctx.stage_dir / "throughput.json")]
         if ctx.machine.gpu:
             argv += ["--presets", preset, "--seq-lengths", "2048", "--precisions", precision, *THROUGHPUT_TIMING]
-            argv += ["--variants", *variants]
+            argv += ["--variants", *(variants(ctx) if callable(variants) else variants)]
         else:  # the same code at the CPU's tiny size (what CI checks); the variants are GPU settings
             argv += ["--cpu-tiny", "--warmup", "1", "--steps", "1", "--rounds", "1", "--variants"]
-        if not hf:
+        if not (hf(ctx) if callable(hf) else hf):
             argv.append("--no-baseline")
         if profile:
             argv += ["--profile", str(ctx.stage_dir / "profiles")]
@@ -370,6 +412,45 @@ def _gpu_tests(ctx: StageContext) -> list[str]:
         # may then be built by more than one worker: CPU work beside the GPU's, cheaper than the wait.
         argv += ["--pytest-args", "-n 6 --dist load"]
     return argv
+
+
+def _new_gpu_tests(ctx: StageContext) -> list[str]:
+    """The ``gpu`` tests not yet passed on this device kind (the plan's ``passed_tests`` deselected)."""
+    passed = sorted(ctx.plan.passed_tests) if ctx.plan is not None else []
+    argv = _gpu_tests(ctx)
+    if passed:
+        deselect = " ".join(f"--deselect {shlex.quote(test)}" for test in passed)
+        if "--pytest-args" in argv:
+            at = argv.index("--pytest-args") + 1
+            argv[at] = f"{argv[at]} {deselect}"
+        else:
+            argv += ["--pytest-args", deselect]
+    return argv
+
+
+def _known_variants(ctx: StageContext) -> tuple[str, ...]:
+    if ctx.plan is None:
+        return KNOWN_VARIANTS_1B
+    return tuple(v for v in KNOWN_VARIANTS_1B if v in ctx.plan.remeasure)
+
+
+def _nothing_known_changed(ctx: StageContext, results: dict) -> str | None:
+    if ctx.plan is None or ctx.plan.remeasure:
+        return None
+    return "every known side is answered on this device kind: " + "; ".join(
+        f"{name}: {why}" for name, why in ctx.plan.known.items())
+
+
+def _fp8_gemms_do_not_pay(ctx: StageContext, results: dict) -> str | None:
+    """FP8 at 1B is timed end to end only when its GEMMs pay at 1B's layer shapes (``fp8_gemm``)."""
+    gemm = results.get("fp8_gemm")
+    if gemm is None or gemm.status != "passed":
+        return None  # no answer from the GEMMs: the whole step decides
+    at_1b = (gemm.figures.get("fp8_speedup_vs_bf16") or {}).get("1b") or {}
+    best = max((v for v in at_1b.values() if isinstance(v, (int, float))), default=None)
+    if best is not None and best <= 1.0:
+        return f"FP8's GEMMs at 1B's layer shapes are x{best:.2f} of bf16 (fp8_gemm): FP8 cannot pay end to end"
+    return None
 
 
 def _gpu_tests_of(expression: str) -> Callable[[StageContext], list[str]]:
@@ -409,44 +490,53 @@ STAGES: tuple[Stage, ...] = (
     Stage(name="te_smoke", purpose="Transformer Engine: FP8 LayerNormMLP, fused attention (no mask, causal)",
           command=_python_probe("te_smoke"), max_s=90, min_s=20, needs=frozenset({"gpu", "te"}), read=read_te_smoke),
     Stage(name="throughput_1b_bf16",
-          purpose="1B, seq 2048, bf16: the recipe's configuration vs CUDA graphs, each layer implementation "
-                  "with and without CUDA graphs, Hugging Face; a profile",
-          command=_throughput("1b", "bf16", variants=WANTED_VARIANTS_1B, profile=True),
+          purpose="1B, seq 2048, bf16: the recipe's configuration (with a profile) vs TE's fused cross entropy and "
+                  "one micro-batch of 18; the step as one GPU and as a 64-rank run pays it",
+          command=_throughput("1b", "bf16", variants=WANTED_VARIANTS_1B, hf=False, profile=True),
           max_s=240, min_s=90, read=read_throughput),
-    Stage(name="gpu_tests", purpose="every `gpu`-marked test (benchmarks/gpu_check.py)", command=_gpu_tests,
-          max_s=300, min_s=120, needs=frozenset({"gpu"}), read=read_gpu_tests),
-    Stage(name="gpu_tests_fusions", purpose="the fusion `gpu` tests only: loss and gradient buffers with each "
-                                            "fusion against without (a short visit's check of the recipes' default)",
-          command=_gpu_tests_of("fusion_gives_the_unfused"), max_s=90, min_s=30, needs=frozenset({"gpu", "te"}),
-          read=read_gpu_tests, in_full_run=False),
-    Stage(name="resume_e2e", purpose="210M biphasic with training.deterministic, killed during its step-200 save, "
-                                     "resumed: the same losses as uninterrupted; speed after each save",
-          command=_resume_e2e, max_s=260, min_s=150, needs=frozenset({"gpu", "data"}), read=read_resume_e2e,
-          alongside="gpu_tests"),
-    Stage(name="finetune_210m", purpose="evaluation harness at EuroBERT-210M's size, one SC task, bf16: fine-tuning "
-                                        "runs per GPU-hour, ours vs transformers.Trainer, and the grid with 1, 2 and 4 "
-                                        "workers sharing the GPU",
-          command=_finetune_speed, max_s=240, min_s=90, needs=frozenset({"gpu", "data"}), read=read_finetune_speed),
-    Stage(name="checkpoint_cost", purpose="what a save costs training (210M): stall and slower steps while the "
-                                          "writer works, sync vs each asynchronous writer (mcore, forked, nvrx)",
-          command=_checkpoint_cost, max_s=240, min_s=120, needs=frozenset({"gpu"}), read=read_checkpoint_cost),
-    Stage(name="throughput_1b_fusions", purpose="1B bf16: the recipe's configuration vs each of its fusions undone",
-          command=_throughput("1b", "bf16", variants=("no_rope_fusion", "no_grad_accum_fusion"), hf=False),
-          max_s=150, min_s=80, needs=frozenset({"gpu"}), read=read_throughput),
     Stage(name="fp8_gemm", purpose="one layer's GEMMs, bf16 vs FP8 (delayed, tensorwise), from 210M to Llama-3-70B "
                                    "sizes: from what size FP8 pays",
           command=lambda ctx: [ctx.python, str(REPO / "benchmarks" / "fp8_gemm.py"),
                                "--output", str(ctx.stage_dir / "fp8_gemm.json")],
           max_s=90, min_s=40, needs=frozenset({"fp8"}), read=read_fp8_gemm),
-    Stage(name="throughput_1b_fp8", purpose="1B, seq 2048, FP8 (delayed scaling), with and without CUDA graphs",
-          command=_throughput("1b", "fp8", variants=("cuda_graphs",), hf=False),
-          max_s=150, min_s=60, needs=frozenset({"fp8"}), read=read_throughput),
+    Stage(name="throughput_1b_fp8", purpose="1B, seq 2048, FP8 (delayed scaling): the recipe's configuration in FP8, "
+                                            "when FP8's GEMMs pay at 1B",
+          command=_throughput("1b", "fp8", hf=False), max_s=150, min_s=60, needs=frozenset({"fp8"}),
+          read=read_throughput, skip_if=_fp8_gemms_do_not_pay),
+    Stage(name="throughput_610m_bf16", purpose="610M, seq 2048, bf16: the recipe's configuration (its MFU target)",
+          command=_throughput("610m", "bf16", hf=False), max_s=150, min_s=60, needs=frozenset({"gpu"}),
+          read=read_throughput),
+    Stage(name="finetune_210m", purpose="evaluation harness at EuroBERT-210M's size, one SC task, bf16: fine-tuning "
+                                        "runs per GPU-hour, ours vs transformers.Trainer, and the grid with 1, 2 and 4 "
+                                        "workers sharing the GPU",
+          command=_finetune_speed, max_s=240, min_s=90, needs=frozenset({"gpu", "data"}), read=read_finetune_speed),
+    Stage(name="gpu_tests_new", purpose="the `gpu` tests not yet passed on this device kind (benchmarks/gpu_check.py)",
+          command=_new_gpu_tests, max_s=240, min_s=90, needs=frozenset({"gpu"}), read=read_gpu_tests),
+    Stage(name="throughput_1b_known", purpose="1B bf16: the known sides (Hugging Face, the local spec, CUDA graphs) "
+                                              "whose code or device kind changed since they were last timed",
+          command=_throughput("1b", "bf16", variants=_known_variants,
+                              hf=lambda ctx: ctx.plan is None or "hf" in ctx.plan.remeasure),
+          max_s=200, min_s=60, needs=frozenset({"gpu"}), read=read_throughput, skip_if=_nothing_known_changed),
+    Stage(name="resume_e2e", purpose="210M biphasic with training.deterministic, killed during its step-200 save, "
+                                     "resumed: the same losses as uninterrupted; speed after each save",
+          command=_resume_e2e, max_s=260, min_s=150, needs=frozenset({"gpu", "data"}), read=read_resume_e2e),
+    Stage(name="checkpoint_cost", purpose="what a save costs training (210M): stall and slower steps while the "
+                                          "writer works, sync vs each asynchronous writer (mcore, forked, nvrx)",
+          command=_checkpoint_cost, max_s=240, min_s=120, needs=frozenset({"gpu"}), read=read_checkpoint_cost),
+    # Only with --stages: all the gpu tests, a short visit's check of one change, and sides answered before.
+    Stage(name="gpu_tests", purpose="every `gpu`-marked test (benchmarks/gpu_check.py)", command=_gpu_tests,
+          max_s=300, min_s=120, needs=frozenset({"gpu"}), read=read_gpu_tests, in_full_run=False),
+    Stage(name="gpu_tests_fusions", purpose="the fusion `gpu` tests only: loss and gradient buffers with each "
+                                            "fusion against without (a short visit's check of the recipes' default)",
+          command=_gpu_tests_of("fusion_gives_the_unfused"), max_s=90, min_s=30, needs=frozenset({"gpu", "te"}),
+          read=read_gpu_tests, in_full_run=False),
+    Stage(name="throughput_1b_fusions", purpose="1B bf16: the recipe's configuration vs each of its fusions undone",
+          command=_throughput("1b", "bf16", variants=("no_rope_fusion", "no_grad_accum_fusion"), hf=False),
+          max_s=150, min_s=80, needs=frozenset({"gpu"}), read=read_throughput, in_full_run=False),
     Stage(name="throughput_1b_micro3", purpose="1B bf16: the recipe's 2 micro-batches of 9 against its earlier "
                                                "6 of 3 (the same sequences): speed and peak memory",
           command=_throughput("1b", "bf16", variants=("micro_batch_3",), hf=False), max_s=120, min_s=60,
-          needs=frozenset({"gpu"}), read=read_throughput),
-    Stage(name="throughput_610m_bf16", purpose="610M, seq 2048, bf16: the recipe's configuration vs Hugging Face",
-          command=_throughput("610m", "bf16"), max_s=150, min_s=60, needs=frozenset({"gpu"}), read=read_throughput),
+          needs=frozenset({"gpu"}), read=read_throughput, in_full_run=False),
 )
 
 
@@ -550,9 +640,12 @@ def _last_line(log: Path) -> str | None:
 
 def run_suite(stages: tuple[Stage, ...] | list[Stage], *, machine: Machine, budget: Budget, output_dir: Path,
               data_dir: Path | None = None, on_update: Callable[[list[StageResult]], None] | None = None,
-              python: str = sys.executable) -> list[StageResult]:
+              python: str = sys.executable, plan: VisitPlan | None = None,
+              chosen: bool = False) -> list[StageResult]:
     """Run ``stages`` in order inside ``budget`` (module docstring); ``on_update`` gets the results
-    after every change of state (the summaries are written from it)."""
+    after every change of state (the summaries are written from it). ``plan``: what this device kind's
+    visits already answer (``Stage.skip_if`` reads it); ``chosen``: the stages were named
+    (``--stages``), so each runs whatever the plan says."""
     results = {s.name: StageResult(name=s.name, purpose=s.purpose) for s in stages}
     ordered = [results[s.name] for s in stages]
     by_name = {s.name: s for s in stages}
@@ -569,7 +662,14 @@ def run_suite(stages: tuple[Stage, ...] | list[Stage], *, machine: Machine, budg
             reason = "needs --data-dir (demo_tokenizer/ and demo_dataset/)"
         if reason is not None:
             results[stage.name].status, results[stage.name].reason = "not_applicable", reason
-        return reason is None
+            return False
+        if stage.skip_if is not None and not chosen:
+            plan_context = StageContext(machine=machine, stage_dir=output_dir / stage.name, data_dir=data_dir,
+                                        cap_s=0.0, plan=plan, python=python)
+            if (reason := stage.skip_if(plan_context, results)) is not None:
+                results[stage.name].status, results[stage.name].reason = "skipped", reason
+                return False
+        return True
 
     for stage in stages:
         if stage.alongside in by_name:  # started with its partner
@@ -585,7 +685,7 @@ def run_suite(stages: tuple[Stage, ...] | list[Stage], *, machine: Machine, budg
                 r.status, r.reason = "skipped", f"needs >= {member.min_s:.0f} s, {max(0.0, budget.left()):.0f} s left"
                 continue
             ctx = StageContext(machine=machine, stage_dir=output_dir / member.name, data_dir=data_dir, cap_s=cap,
-                               python=python)
+                               plan=plan, python=python)
             ctx.stage_dir.mkdir(parents=True, exist_ok=True)
             results[member.name].status = "running"
             proc = _start(member, ctx, output_dir / "logs" / f"{member.name}.log", results[member.name], cap)
@@ -707,6 +807,17 @@ def write_summaries(output_dir: Path, results: list[StageResult], *, machine: Ma
         tmp = output_dir / f".{name}.tmp"
         tmp.write_text(text)
         os.replace(tmp, output_dir / name)
+
+
+def write_plan(output_dir: Path, plan: VisitPlan, *, commit: str | None) -> None:
+    """The visit's plan (``plan.json``) and the fingerprints of the known sides' code in this tree
+    (``fingerprints.json``: the next visit's plan compares against them)."""
+    plan_module = _visit_plan_module()
+    (output_dir / "plan.json").write_text(json.dumps(
+        {"kind": plan.kind, "remeasure": plan.remeasure, "known": plan.known,
+         "passed_tests": sorted(plan.passed_tests)}, indent=1) + "\n")
+    plan_module.write_fingerprints(output_dir, plan_module.tree_fingerprints(REPO), commit=commit,
+                                   how="recorded by gpu_suite.py from the tree it ran")
 
 
 def _commit() -> str | None:
@@ -891,9 +1002,18 @@ def main(argv: list[str] | None = None) -> int:
     commit = _commit()
     print(f"gpu_suite: {machine.device}, budget {args.budget_s:.0f} s, {len(stages)} stage(s) -> {output_dir}",
           flush=True)
+    plan = VisitPlan.for_device(machine.device)
+    write_plan(output_dir, plan, commit=commit)
+    for name, why in plan.remeasure.items():
+        print(f"plan: re-measure {name} ({why})", flush=True)
+    for name, why in plan.known.items():
+        print(f"plan: known {name} ({why})", flush=True)
+    print(f"plan: {len(plan.passed_tests)} gpu test(s) already passed on {plan.kind} (gpu_tests_new deselects them)",
+          flush=True)
     results = run_suite(stages, machine=machine, budget=budget, output_dir=output_dir, data_dir=data_dir,
                         on_update=lambda rs: write_summaries(output_dir, rs, machine=machine, budget=budget,
-                                                             commit=commit))
+                                                             commit=commit),
+                        plan=plan, chosen=bool(args.stages))
     print(f"wrote {output_dir / 'summary.md'} and summary.json ({budget.elapsed():.0f} s)")
     return 0 if all(r.status in ("passed", "not_applicable") for r in results) else 1
 

@@ -68,6 +68,8 @@ class Side:
     settings: dict
     tokens_per_s: float
     mfu: float | None
+    micro_batch_size: int | None = None
+    """The side's micro-batch as recorded (sides before 2026-11-27 recorded none)."""
 
 
 def _visit_key(path: Path) -> tuple[str, str]:
@@ -179,13 +181,13 @@ def suite_sides(visit: Path) -> tuple[list[Side], str | None]:
             for record in row_sides:
                 sides.append(Side(visit=visit.name, device=device, commit=commit, size=size, name=record["side"],
                                   settings=_side_settings(record["side"], record, row_sides),
-                                  tokens_per_s=record["tokens_per_s"], mfu=_mfu(record, size, int(seq), device)))
+                                  tokens_per_s=record["tokens_per_s"], mfu=_mfu(record, size, int(seq), device),
+                                  micro_batch_size=(record.get("settings") or {}).get("micro_batch_size")))
     return sides, verdict
 
 
-def decide(visits_dir: Path = VISITS_DIR) -> dict:
-    """The table: per size and decided setting, the value and the measurement behind it."""
-    visits = sorted((p for p in visits_dir.iterdir() if (p / "summary.json").is_file()), key=_visit_key, reverse=True)
+def _decide_by_size(visits: list[Path]) -> dict[str, dict[str, dict]]:
+    """Per size and decided setting, the newest of ``visits`` (newest first) that compared values."""
     measured: dict[str, dict[str, dict]] = {}
     for visit in visits:
         sides, verdict = suite_sides(visit)
@@ -216,9 +218,66 @@ def decide(visits_dir: Path = VISITS_DIR) -> dict:
                 measured.setdefault(size, {})[f"{section}.{key}"] = {
                     "value": winner.settings.get(setting), "source": source, "visit": winner.visit,
                     "device": winner.device, "commit": winner.commit, "gpu_tests": verdict,
+                    "micro_batch_size": winner.micro_batch_size,
                     "candidates": [{"value": s.settings.get(setting), "side": s.name,
                                     "tokens_per_s": round(s.tokens_per_s), "mfu": None if s.mfu is None else round(s.mfu, 4)}
                                    for s in ranked]}
+    return measured
+
+
+def device_kinds(visits: list[Path]) -> dict:
+    """Per device kind (``h100``, ``h200``: a visit folder's prefix), what its own newest deciding
+    visit says of each setting at each timed size, and whether one value serves every kind: the kinds
+    agree, or those that disagree measured another micro-batch than the size recipe runs now (not
+    comparable: the visit plan re-times that kind's known sides), or they disagree at the recipe's own
+    shape, and the recipes would need a default per device kind (``--check`` then fails)."""
+    kinds: dict[str, dict] = {}
+    for kind in sorted({v.name.split("-")[0] for v in visits}):
+        kinds[kind] = _decide_by_size([v for v in visits if v.name.split("-")[0] == kind])
+    verdicts = {}
+    for size in SIZE_ORDER:
+        recipe_micro = _recipe_micro_batch(size)
+        for section, key, _, _ in DECIDED:
+            name = f"{section}.{key}"
+            at_shape = {k: m[size][name] for k, m in kinds.items() if name in m.get(size, {})}
+            if not at_shape:
+                continue
+            comparable = {k: e for k, e in at_shape.items() if e.get("micro_batch_size") == recipe_micro}
+            stale = {k: e for k, e in at_shape.items() if k not in comparable}
+            values = {e["value"] for e in comparable.values()}
+            if len(values) > 1:
+                verdict = {"one_value_serves": False, "why": (
+                    "the device kinds disagree at the recipe's micro-batch of "
+                    f"{recipe_micro}: " + ", ".join(f"{k}: {e['value']} ({e['visit']})" for k, e in comparable.items())
+                    + "; the recipes need a default per device kind")}
+            else:
+                why = []
+                if comparable:
+                    why.append(f"{', '.join(comparable)} measured at the recipe's micro-batch of {recipe_micro}: "
+                               f"{values.pop()}")
+                for k, e in stale.items():
+                    recorded = ("no micro-batch recorded (the visits before 2026-11-27 ran 6 x 3)"
+                                if e.get("micro_batch_size") is None else f"micro-batch {e['micro_batch_size']}")
+                    why.append(f"{k}'s comparison ({e['value']}, {e['visit']}) ran {recorded}, not the recipe's "
+                               f"{recipe_micro}: not comparable; the next {k.upper()} visit re-times it (visit plan)")
+                verdict = {"one_value_serves": True, "why": "; ".join(why)}
+            verdicts.setdefault(size, {})[name] = {
+                "kinds": {k: {"value": e["value"], "visit": e["visit"], "micro_batch_size": e.get("micro_batch_size")}
+                          for k, e in at_shape.items()}, **verdict}
+    return verdicts
+
+
+def _recipe_micro_batch(size: str) -> int:
+    from megatron_ext.training.config import read_recipe
+
+    return read_recipe(REPO / "examples" / "recipes" / "base" / SIZE_RECIPES[size])["data"]["micro_batch_size"]
+
+
+def decide(visits_dir: Path = VISITS_DIR) -> dict:
+    """The table: per size and decided setting, the value and the measurement behind it, and per
+    device kind what its own visits say (:func:`device_kinds`)."""
+    visits = sorted((p for p in visits_dir.iterdir() if (p / "summary.json").is_file()), key=_visit_key, reverse=True)
+    measured = _decide_by_size(visits)
     table = {}
     for size in SIZE_ORDER:
         entries = {}
@@ -235,7 +294,7 @@ def decide(visits_dir: Path = VISITS_DIR) -> dict:
                 entries[name] = {"value": None, "source": "not compared on a GPU yet: the recipe's own setting"}
         table[size] = entries
     rule = __doc__.split("\n\n")[1].replace("\n", " ").removeprefix("The rule: ")
-    return {"rule": rule[0].upper() + rule[1:], "sizes": table}
+    return {"rule": rule[0].upper() + rule[1:], "sizes": table, "device_kinds": device_kinds(visits)}
 
 
 def render_markdown(table: dict) -> str:
@@ -255,6 +314,17 @@ def render_markdown(table: dict) -> str:
                 + ("" if c["mfu"] is None else f", {100 * c['mfu']:.1f} % MFU") for c in entry["candidates"])
             lines.append(f"| {size} | `{name}` | `{entry['value'] or 'off'}` | {entry['source']} | {figures} | "
                          f"{entry['device']} | `{entry['visit']}` | {entry['commit']} | {entry['gpu_tests']} |")
+    lines += ["", "## One default for every device kind?", "",
+              "Each device kind's own newest deciding visit, per size it timed; one value serves all kinds when they "
+              "agree at the recipe's micro-batch (a kind measured at another shape is not comparable, and the visit "
+              "plan re-times it there).", "",
+              "| size | setting | per kind | one value serves | why |", "|---|---|---|---|---|"]
+    for size, entries in table.get("device_kinds", {}).items():
+        for name, entry in entries.items():
+            kinds = "; ".join(f"{k}: `{e['value'] or 'off'}` ({e['visit']}, micro-batch {e['micro_batch_size'] or '?'})"
+                              for k, e in entry["kinds"].items())
+            lines.append(f"| {size} | `{name}` | {kinds} | {'yes' if entry['one_value_serves'] else '**no**'} | "
+                         f"{entry['why']} |")
     lines += ["", "FP8 (`training.fp8_recipe`) runs Transformer Engine layers only: with the local spec a run "
               "asking for FP8 is refused in one line; add `--transformer-impl te`.", ""]
     return "\n".join(lines)
@@ -270,8 +340,10 @@ def recipe_setting(size: str, section: str, key: str):
 
 
 def disagreements(table: dict) -> list[str]:
-    """Where the size recipes differ from the table (a setting the table leaves to the recipe is skipped)."""
-    problems = []
+    """Where the size recipes differ from the table (a setting the table leaves to the recipe is skipped),
+    and where device kinds disagree at the recipe's own shape (one default cannot serve them)."""
+    problems = [f"{size}: {name}: {entry['why']}" for size, entries in table.get("device_kinds", {}).items()
+                for name, entry in entries.items() if not entry["one_value_serves"]]
     for size, entries in table["sizes"].items():
         for name, entry in entries.items():
             if entry["value"] is None and entry["source"].startswith("not compared"):

@@ -24,7 +24,13 @@ runs, so each fits or runs out of memory on its own (a side that runs out of mem
 such, the others still are), and each side's peak memory is its own: ``torch.cuda.max_memory_allocated``
 on GPU, the process's peak RSS on CPU (``resource.getrusage``; it includes Python and the libraries),
 labelled ``peak_mem_measure``. The process that starts them allocates nothing on the device. Each side
-runs warm-up steps, then timed rounds (the median round counts). Reported per row: tokens/s, achieved
+runs warm-up steps, then timed rounds (the median round counts). Each of our sides times the
+optimizer's update apart, so a row reports its step twice, each named (``STEP_CHARGES``): as one GPU
+alone pays it (the whole unsharded Adam update charged to one rank's micro-batches: the figure of the
+visits before 2026-11-28) and as a rank of a ``--data-parallel-size``-rank run of the recipe pays it
+(the distributed optimizer's 1/ranks share of the update; its collectives not counted). On a GPU each
+side also records the SM clock and power draw while timed (``nvidia-smi``), the cuDNN version and the
+attention kernel (TE's choice, or PyTorch SDPA's). Reported per row: tokens/s, achieved
 TFLOP/s and MFU (FLOPs convention of ``megatron_ext.training.metrics``, printed; MFU against the dense
 bf16 peak, also for FP8 rows), peak memory and step time, and the baseline's tokens/s and peak memory
 on the same shape; for each of ``--variants`` (an optimisation step of the recipe undone, or a tuning
@@ -107,6 +113,8 @@ VARIANTS = {
     "full_recompute": ({"training": {"recompute_granularity": "full"}}, "recompute whole layers"),
     "cross_entropy_fusion": ({"training": {"cross_entropy_loss_fusion": True}},
                              "Megatron's native fused cross entropy (torch.compile)"),
+    "cross_entropy_te": ({"training": {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te"}},
+                         "Transformer Engine's fused cross entropy (Triton; TE >= 2.20)"),
     "unfused_adam": ({"optimizer": {"fused": False}}, "torch AdamW as Megatron builds it without TE/apex (not fused)"),
     "cuda_graphs": ({"training": {"cuda_graphs": "megatron"}},
                     "CUDA graphs of the transformer layers (Megatron's local CudaGraphManager; captured in warm-up)"),
@@ -114,6 +122,8 @@ VARIANTS = {
     "micro_batch_3": ({"data": {"micro_batch_size": 3}}, "3 sequences per micro-batch (the 1b recipe's before)"),
     "micro_batch_6": ({"data": {"micro_batch_size": 6}}, "6 sequences per micro-batch (the 610m recipe's before)"),
     "micro_batch_9": ({"data": {"micro_batch_size": 9}}, "9 sequences per micro-batch (the 210m recipe's before)"),
+    # Fewer, larger micro-batches amortise the host's cost per layer call (TE's modules: 200-400 us each).
+    "micro_batch_18": ({"data": {"micro_batch_size": 18}}, "one micro-batch of 18 sequences (a rank's whole step)"),
 }
 GPU_ONLY_VARIANTS = ("selective_recompute", "full_recompute", "cuda_graphs", "te_spec_cuda_graphs", "local_spec_cuda_graphs")
 
@@ -252,6 +262,80 @@ def _peak_memory_gb() -> float:
     return peak * (1 if sys.platform == "darwin" else 1024) / 2**30  # bytes on macOS, KiB on Linux
 
 
+class DeviceSampler:
+    """The GPU's SM clock (MHz) and power draw (W) sampled every half second by ``nvidia-smi`` while a
+    side's timed rounds run: a throttled or power-capped GPU explains a slower visit. Nothing on CPU
+    or where ``nvidia-smi`` is missing (``summary()`` says so)."""
+
+    QUERY = ("clocks.sm", "clocks.max.sm", "power.draw", "power.limit")
+
+    def __init__(self, interval_s: float = 0.5):
+        import shutil
+        import threading
+
+        self.interval_s = interval_s
+        self.samples: list[dict[str, float]] = []
+        self.why_none = (None if hardware.on_gpu() and shutil.which("nvidia-smi") else
+                         "no CUDA GPU" if not hardware.on_gpu() else "nvidia-smi not found")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._device = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+
+    def _sample(self) -> dict[str, float] | None:
+        try:
+            out = subprocess.run(["nvidia-smi", f"--id={self._device}", f"--query-gpu={','.join(self.QUERY)}",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5)
+            values = [float(v) for v in out.stdout.strip().splitlines()[0].split(",")]
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            return None
+        return dict(zip(("sm_clock_mhz", "max_sm_clock_mhz", "power_w", "power_limit_w"), values))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if (sample := self._sample()) is not None:
+                self.samples.append(sample)
+
+    def __enter__(self) -> "DeviceSampler":
+        if self.why_none is None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def summary(self) -> dict:
+        """Median and minimum SM clock, median and maximum power over the samples, and their count."""
+        if not self.samples:
+            return {"samples": 0, "why_none": self.why_none or "no sample read (the rounds were shorter than "
+                                                                 f"{self.interval_s} s, or nvidia-smi failed)"}
+        clocks = [x["sm_clock_mhz"] for x in self.samples]
+        power = [x["power_w"] for x in self.samples]
+        return {"samples": len(self.samples), "sm_clock_mhz_median": statistics.median(clocks),
+                "sm_clock_mhz_min": min(clocks), "max_sm_clock_mhz": self.samples[0]["max_sm_clock_mhz"],
+                "power_w_median": statistics.median(power), "power_w_max": max(power),
+                "power_limit_w": self.samples[0]["power_limit_w"]}
+
+
+def attention_backend(config) -> dict:
+    """The attention kernel a side ran: with the TE spec, what Transformer Engine chose at its last
+    call (its module-level ``_attention_backends``: flash, fused (cuDNN, with its backend number) or
+    unfused); with the local spec, PyTorch's SDPA and which of its kernels are enabled."""
+    if config.model.transformer_impl == "te":
+        try:
+            from transformer_engine.pytorch.attention.dot_product_attention import _attention_backends as chosen
+        except ImportError as error:
+            return {"spec": "te", "error": f"cannot read TE's choice: {error}"}
+        return {"spec": "te", **{key: str(chosen.get(key)) for key in (
+            "use_flash_attention", "flash_attention_backend", "use_fused_attention", "fused_attention_backend",
+            "use_unfused_attention")}}
+    cuda = torch.backends.cuda
+    return {"spec": config.model.transformer_impl, "kernel": "torch SDPA",
+            **({"flash_sdp": cuda.flash_sdp_enabled(), "cudnn_sdp": cuda.cudnn_sdp_enabled(),
+                "mem_efficient_sdp": cuda.mem_efficient_sdp_enabled()} if hardware.on_gpu() else {})}
+
+
 def _timed_rounds(step, batch, args, wall: dict) -> list[float]:
     """Seconds per step of each round, after warm-up steps; ``wall`` gets the seconds the warm-up
     and the timed rounds took (batch making included)."""
@@ -321,8 +405,30 @@ def _ours(config, batch, args, profile_stem: str | None, wall: dict) -> dict:
     def step(micro_batches):
         engine.train_step([MicroBatch(b, None) for b in micro_batches], lr=1e-4)
 
+    # The optimizer's update (gradient clipping and Adam over every parameter) timed apart, so that a
+    # row can charge it as a rank of a data-parallel run pays it (``run_shape``). The engine already
+    # waits for the device before it (its finite-gradient check reads a sum), so the sync added here
+    # costs the step nothing it did not pay.
+    optimizer_s: list[float] = []
+    update = engine.optimizer.step
+
+    def timed_update(*a, **kw):
+        _sync()
+        start = time.perf_counter()
+        out = update(*a, **kw)
+        _sync()
+        optimizer_s.append(time.perf_counter() - start)
+        return out
+
+    engine.optimizer.step = timed_update
     try:  # with cuda_graphs the first warm-up step captures the graphs (--warmup >= 1 keeps it untimed)
-        result = {"rounds_s": _timed_rounds(step, batch, args, wall)}
+        with DeviceSampler() as device_samples:
+            result = {"rounds_s": _timed_rounds(step, batch, args, wall)}
+        result["device_samples"] = device_samples.summary()
+        timed = optimizer_s[-args.steps * args.rounds:]
+        result["optimizer_rounds_s"] = [statistics.mean(timed[i * args.steps:(i + 1) * args.steps])
+                                        for i in range(args.rounds)] if len(timed) == args.steps * args.rounds else None
+        result["attention_backend"] = attention_backend(config)
         if profile_stem is not None:
             start = time.perf_counter()
             result["profile"] = profile_step(step, batch, Path(args.profile), profile_stem)
@@ -352,7 +458,9 @@ def _hf(config, batch, args, wall: dict) -> dict:
 
     _sync()
     wall["build"] = time.perf_counter() - start
-    return {"rounds_s": _timed_rounds(step, batch, args, wall)}
+    with DeviceSampler() as device_samples:
+        rounds = _timed_rounds(step, batch, args, wall)
+    return {"rounds_s": rounds, "device_samples": device_samples.summary()}
 
 
 def _batches(args, model_preset: str, seq_length: int, side: str):
@@ -409,6 +517,7 @@ def run_side(spec: dict) -> dict:
     share = mean_lm_head_share(phase, seq_length=seq_length, scored_only=config.training.lm_head_scored_only)
     # The trainer's dry-run estimate for this configuration, next to the measured peak (its target: within 10 %).
     estimated = estimate_memory(config, world_size=1).total / 2**30 if ours else None
+    result["cudnn"] = torch.backends.cudnn.version() if hardware.on_gpu() else None
     return {**result, "peak_mem_gb": _peak_memory_gb(), "estimated_mem_gb": estimated, "engine": "megatron",
             "wall_s": wall, "settings": describe(config) if ours else None,
             "transformer_impl": config.model.transformer_impl, "parameters": parameter_count(config.model),
@@ -455,6 +564,26 @@ def measure_alone(args, side: str, model_preset: str | None = None, seq_length: 
         return result
 
 
+STEP_CHARGES = {
+    "one_gpu": "one GPU alone: the whole Adam update (unsharded) charged to this rank's micro-batches",
+    "run": "one rank of a run of the recipe at --data-parallel-size ranks: with the distributed optimizer, its "
+           "1/ranks share of the update (timed apart here, divided); the reduce-scatter and all-gather that "
+           "replace DDP's all-reduce are not counted",
+}
+"""How a row's two step times charge the optimizer's update (both are reported, each named)."""
+
+
+def run_step_time(step_time: float | None, optimizer_time: float | None, *, ranks: int,
+                  distributed_optimizer: bool) -> float | None:
+    """The step as a rank of a ``ranks``-way data-parallel run of the recipe pays it
+    (``STEP_CHARGES["run"]``): the forward and backward as timed, plus the rank's share of the update.
+    Without the distributed optimizer every rank runs the whole update: the one-GPU time."""
+    if step_time is None or optimizer_time is None:
+        return None
+    share = optimizer_time / ranks if distributed_optimizer else optimizer_time
+    return step_time - optimizer_time + share
+
+
 def measure(args, model_preset: str, seq_length: int, precision: str,
             on_side: Callable[[dict], None] | None = None) -> dict:
     """One row: our engine, each variant, then the baseline, each alone in its own process, on
@@ -469,11 +598,27 @@ def measure(args, model_preset: str, seq_length: int, precision: str,
         step_time = statistics.median(side["rounds_s"])
         return step_time, tokens / step_time
 
+    ranks = 1 if model_preset == "tiny" else args.data_parallel_size  # as recipe_shape takes the world
+
+    def at_run_shape(side: dict) -> tuple[float | None, float | None, float | None]:
+        """(optimizer seconds per step, the run's step time, its tokens/s) of one of our sides."""
+        if "error" in side or not side.get("optimizer_rounds_s"):
+            return None, None, None
+        optimizer = statistics.median(side["optimizer_rounds_s"])
+        settings = side.get("settings") or {}
+        run_time = run_step_time(statistics.median(side["rounds_s"]), optimizer, ranks=ranks,
+                                 distributed_optimizer=bool(settings.get("use_distributed_optimizer")))
+        return optimizer, run_time, tokens / run_time
+
     def measured(name: str, side: dict) -> dict:
         if on_side is not None:
             step_time, side_speed = speed(side)
+            optimizer, run_time, run_speed = at_run_shape(side) if name != "hf" else (None, None, None)
             on_side({"row": f"{model_preset} seq {seq_length} {precision}", "side": name,
-                     "tokens_per_s": side_speed, "step_time_s": step_time, "peak_mem_gb": side.get("peak_mem_gb"),
+                     "tokens_per_s": side_speed, "step_time_s": step_time, "optimizer_time_s": optimizer,
+                     "run_step_time_s": run_time, "run_tokens_per_s": run_speed, "run_ranks": ranks,
+                     "device_samples": side.get("device_samples"), "attention_backend": side.get("attention_backend"),
+                     "cudnn": side.get("cudnn"), "peak_mem_gb": side.get("peak_mem_gb"),
                      "estimated_mem_gb": side.get("estimated_mem_gb"), "error": side.get("error"),
                      "wall_s": (side.get("wall_s") or {}).get("total"), "settings": side.get("settings"),
                      "flops_per_token": side.get("flops_per_token"), "device": args.device_name})
@@ -498,6 +643,8 @@ def measure(args, model_preset: str, seq_length: int, precision: str,
         side = measured(name, measure_alone(args, name, model_preset, seq_length, precision))
         v_time, v_speed = speed(side)
         variants[name] = {"change": VARIANTS[name][1], "same_as_default": False, "tokens_per_s": v_speed,
+                          "run_tokens_per_s": at_run_shape(side)[2], "device_samples": side.get("device_samples"),
+                          "attention_backend": side.get("attention_backend"),
                           "peak_mem_gb": side["peak_mem_gb"], "estimated_mem_gb": side.get("estimated_mem_gb"),
                           "default_speedup": v_time / step_time if v_time and step_time else None,
                           "rounds_s": side.get("rounds_s"), "error": side.get("error"), "wall_s": side["wall_s"],
@@ -508,6 +655,8 @@ def measure(args, model_preset: str, seq_length: int, precision: str,
     hf_shape = side_shape(args, model_preset, "hf")
     achieved = tokens_per_s * ours["flops_per_token"] if tokens_per_s else None
     peak = peak_flops_per_device(args.device_name) if hardware.on_gpu() else None
+    optimizer_time, run_time, run_tokens_per_s = at_run_shape(ours)
+    run_achieved = run_tokens_per_s * ours["flops_per_token"] if run_tokens_per_s else None
     return {
         "model": model_preset, "seq_length": seq_length, "precision": precision,
         "micro_batch_size": micro, "micro_batches_per_step": count, "tokens_per_step": tokens,
@@ -516,7 +665,12 @@ def measure(args, model_preset: str, seq_length: int, precision: str,
         "hf_micro_batch_time_s": hf_step_time / hf_shape[1] if hf_step_time else None,
         "parameters": ours["parameters"], "engine": ours["engine"], "transformer_impl": ours["transformer_impl"],
         "tokens_per_s": tokens_per_s, "tflops": achieved / 1e12 if achieved else None,
-        "mfu": achieved / peak if achieved and peak else None,
+        "mfu": achieved / peak if achieved and peak else None, "step_charge": STEP_CHARGES["one_gpu"],
+        "optimizer_time_s": optimizer_time, "run_ranks": ranks, "run_step_charge": STEP_CHARGES["run"],
+        "run_step_time_s": run_time, "run_tokens_per_s": run_tokens_per_s,
+        "run_mfu": run_achieved / peak if run_achieved and peak else None,
+        "device_samples": ours.get("device_samples"), "hf_device_samples": hf.get("device_samples"),
+        "attention_backend": ours.get("attention_backend"), "cudnn": ours.get("cudnn"),
         "peak_mem_gb": ours["peak_mem_gb"], "estimated_mem_gb": ours.get("estimated_mem_gb"), "step_time_s": step_time,
         "hf_tokens_per_s": hf_tokens_per_s, "hf_peak_mem_gb": hf["peak_mem_gb"], "hf_step_time_s": hf_step_time,
         "peak_mem_measure": PEAK_MEMORY_MEASURE["gpu" if hardware.on_gpu() else "cpu"],
@@ -553,6 +707,17 @@ def _format_row(row: dict) -> list[str]:
                  else f" ({row['hf_micro_batches_per_step']} x micro-batch {row['hf_micro_batch_size']})")
         hf = f"HF{shape} {speed(row['hf_tokens_per_s'])}, {mem_label} {row['hf_peak_mem_gb']:.2f} GB{ratio}"
     lines = [f"{head}{ours} | {mem_label} {row['peak_mem_gb']:.2f} GB | {hf}"]
+    if row.get("run_tokens_per_s"):
+        mfu = "" if row.get("run_mfu") is None else f", MFU {100 * row['run_mfu']:.1f}%"
+        lines.append(f"    as a rank of a {row['run_ranks']}-rank run pays it: {row['run_tokens_per_s']:,.0f} tok/s"
+                     f"{mfu} ({1e3 * row['run_step_time_s']:.0f} ms/step; the optimizer's update "
+                     f"{1e3 * row['optimizer_time_s']:.1f} ms on one GPU)")
+    samples = row.get("device_samples") or {}
+    if samples.get("samples"):
+        lines.append(f"    GPU while timed: SM clock {samples['sm_clock_mhz_median']:.0f} MHz median (min "
+                     f"{samples['sm_clock_mhz_min']:.0f}, max {samples['max_sm_clock_mhz']:.0f}), power "
+                     f"{samples['power_w_median']:.0f} W median of {samples['power_limit_w']:.0f} W; cuDNN {row.get('cudnn')}; "
+                     f"attention {row.get('attention_backend')}")
     if row.get("settings"):
         on = [k for k, v in row["settings"].items() if v is True]
         lines.append(f"    default ({row['settings']['transformer_impl']} spec, {row['settings']['params_dtype']} "

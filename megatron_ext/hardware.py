@@ -169,7 +169,8 @@ def fused_rope_available() -> bool:
 
 
 def fusion_fallbacks(*, rope_fusion: bool, gradient_accumulation_fusion: bool,
-                     transformer_impl: TransformerImpl | str) -> tuple[dict[str, bool], list[str]]:
+                     transformer_impl: TransformerImpl | str,
+                     cross_entropy_fusion_impl: str = "native") -> tuple[dict[str, bool | str], list[str]]:
     """The fusion settings this machine runs for the requested ones, and one warning line to print
     once per setting turned off (never turned off silently: the GPU recipes enable them and must
     still run on CPU, in CI and in the demo). ``transformer_impl``: the backend the run uses
@@ -180,9 +181,18 @@ def fusion_fallbacks(*, rope_fusion: bool, gradient_accumulation_fusion: bool,
       wgrad GEMM, a GPU kernel; TE's linears need no apex, Megatron's (the local spec's) need
       apex's ``fused_weight_gradient_mlp_cuda``. With the ``te`` spec and no apex only the LM head
       stays unfused (``megatron_ext.model.EncoderModel``), which needs no warning.
+    - ``training.cross_entropy_fusion_impl: te``: Transformer Engine's Triton cross entropy, on a
+      GPU (either spec); elsewhere Megatron's ``native`` fused one, which runs on any device.
     """
-    settings = {"rope_fusion": rope_fusion, "gradient_accumulation_fusion": gradient_accumulation_fusion}
+    settings: dict[str, bool | str] = {"rope_fusion": rope_fusion,
+                                       "gradient_accumulation_fusion": gradient_accumulation_fusion,
+                                       "cross_entropy_fusion_impl": cross_entropy_fusion_impl}
     warnings = []
+    if cross_entropy_fusion_impl == "te" and not (on_gpu() and transformer_engine_available()):
+        settings["cross_entropy_fusion_impl"] = "native"
+        why = "a CUDA GPU" if not on_gpu() else "Transformer Engine, which does not import here"
+        warnings.append(f"WARNING: training.cross_entropy_fusion_impl: te needs {why}; this run fuses the cross "
+                        "entropy with Megatron's native kernel (same result up to rounding).")
     if rope_fusion and not (on_gpu() and fused_rope_available()):
         settings["rope_fusion"] = False
         why = "a CUDA GPU" if not on_gpu() else "Transformer Engine, which does not import here"

@@ -51,7 +51,7 @@ NOT_COMPARED: dict[str, frozenset[str] | None] = {
         "train_iters",  # compared through the step functions it feeds
         "eval_interval", "eval_mask_ratio", "log_interval", "max_nonfinite_steps",
         "recompute_granularity", "recompute_num_layers", "bias_activation_fusion",
-        "cross_entropy_loss_fusion", "rope_fusion", "gradient_accumulation_fusion", "lm_head_scored_only",
+        "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "rope_fusion", "gradient_accumulation_fusion", "lm_head_scored_only",
         "exit_signal_handler", "exit_duration_in_mins", "exit_interval",
     }),
     "parallel": None,  # data order and masks are named independently of the layout

@@ -200,7 +200,16 @@ class TrainingConfig:
     cross_entropy_loss_fusion: bool = False
     """Megatron's native fused vocabulary-parallel cross entropy (``torch.compile``d): the
     softmax statistics and the gradient in fewer passes over the ``[tokens, vocab]`` logits.
-    Megatron-LM ``--cross-entropy-loss-fusion --cross-entropy-fusion-impl native``."""
+    Megatron-LM ``--cross-entropy-loss-fusion`` (which kernel: ``cross_entropy_fusion_impl``)."""
+    cross_entropy_fusion_impl: Literal["native", "te"] = "native"
+    """Which fused cross entropy ``cross_entropy_loss_fusion`` runs (Megatron-LM
+    ``--cross-entropy-fusion-impl``): ``native`` is Megatron's own (``torch.compile``d, any
+    device); ``te`` is Transformer Engine's Triton kernel (``parallel_cross_entropy``), which keeps
+    only per-row softmax statistics between forward and backward instead of an fp32 copy of the
+    ``[tokens, vocab]`` logits. Needs Transformer Engine >= 2.20 (its fixes of the gradient's
+    precision and of the memory that fix added; docs/performance.md) and a GPU; where
+    TE or the GPU is missing the run takes ``native``, announced once. Only with
+    ``cross_entropy_loss_fusion: true`` (refused otherwise)."""
     rope_fusion: bool = False
     """Apply RoPE to queries and keys with Transformer Engine's fused kernel
     (``TransformerConfig.apply_rope_fusion``, Megatron-LM ``--apply-rope-fusion``) instead of
@@ -270,6 +279,10 @@ class TrainingConfig:
                             "(FP8 matmuls run inside a bf16 mixed-precision step)")
         if self.recompute_num_layers < 1:
             raise UserError(f"training.recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
+        if self.cross_entropy_fusion_impl != "native" and not self.cross_entropy_loss_fusion:
+            raise UserError(f"training.cross_entropy_fusion_impl: {self.cross_entropy_fusion_impl} chooses the kernel of "
+                            "training.cross_entropy_loss_fusion, which is off: set cross_entropy_loss_fusion: true "
+                            "or remove cross_entropy_fusion_impl")
         if self.deterministic and self.cross_entropy_loss_fusion:
             # Megatron-LM refuses the pair too ("Cross Entropy Fusion is currently not deterministic").
             raise UserError("training.deterministic: true cannot run with training.cross_entropy_loss_fusion: true "

@@ -130,7 +130,7 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
                                       ("overlapped grad reduce", p.overlap_grad_reduce),
                                       ("overlapped param gather", p.overlap_param_gather)) if on]
     options += [name for name, on in (("fused SwiGLU", t.bias_activation_fusion),
-                                      ("fused cross entropy", t.cross_entropy_loss_fusion),
+                                      (f"fused cross entropy ({t.cross_entropy_fusion_impl})", t.cross_entropy_loss_fusion),
                                       ("fused RoPE", t.rope_fusion),
                                       ("fused weight-gradient accumulation", t.gradient_accumulation_fusion)) if on]
     if t.recompute_granularity:

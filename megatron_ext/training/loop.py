@@ -181,7 +181,7 @@ def runnable_here(config: RunConfig, *, announce: bool = True) -> RunConfig:
     t = config.training
     fusions, fusion_warnings = hardware.fusion_fallbacks(
         rope_fusion=t.rope_fusion, gradient_accumulation_fusion=t.gradient_accumulation_fusion,
-        transformer_impl=backend)
+        transformer_impl=backend, cross_entropy_fusion_impl=t.cross_entropy_fusion_impl)
     if announce:
         for line in warnings + fusion_warnings:
             print(line, file=sys.stderr, flush=True)

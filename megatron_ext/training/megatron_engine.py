@@ -93,7 +93,7 @@ def megatron_transformer_overrides(config: RunConfig) -> dict:
     if t.bias_activation_fusion:
         overrides["bias_activation_fusion"] = True
     if t.cross_entropy_loss_fusion:
-        overrides.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
+        overrides.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl=t.cross_entropy_fusion_impl)
     if t.rope_fusion:
         overrides["apply_rope_fusion"] = True
     if t.gradient_accumulation_fusion:

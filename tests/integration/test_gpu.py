@@ -454,11 +454,20 @@ def _one_backward(config, batches, weights: dict | None) -> tuple[dict, float, t
     return {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}, loss_sum, grads, model
 
 
+FUSED = {"rope_fusion": {"rope_fusion": True},
+         "gradient_accumulation_fusion": {"gradient_accumulation_fusion": True},
+         "cross_entropy_te": {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te"},
+         "cross_entropy_native": {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "native"}}
+"""The fusions the test below compares with the unfused run, as recipe settings."""
+
+
 @needs_te
 @pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("fusion", ["rope_fusion", "gradient_accumulation_fusion"])
+@pytest.mark.parametrize("fusion", sorted(FUSED))
 def test_fusion_gives_the_unfused_loss_and_gradients(model_parallel, tmp_path, tiny_corpus, fusion, params_dtype):
-    """The RoPE and weight-gradient accumulation fusions on the TE spec (fp32 weights under bf16 autocast, and bf16 weights with
+    """The RoPE, weight-gradient accumulation and cross-entropy fusions (Transformer Engine's Triton
+    kernel and Megatron's native one; the LM head at the scored positions, as the recipes run it) on
+    the TE spec (fp32 weights under bf16 autocast, and bf16 weights with
     fp32 main parameters: Float16Module), distributed optimizer with overlapped reduction: the same
     weights and two micro-batches give the unfused run's loss and gradient buffers, after one
     backward. The gradients are compared directly because a loss curve cannot see a wrong scale:
@@ -478,13 +487,17 @@ def test_fusion_gives_the_unfused_loss_and_gradients(model_parallel, tmp_path, t
     model = {**_te_model(), "params_dtype": params_dtype}
     runs = {}
     for name, on in (("unfused", False), ("fused", True)):
-        raw = _gpu_recipe(tiny_corpus, tmp_path / name, steps=10, model=model, **{fusion: on}) | DISTRIBUTED_OPTIMIZER
+        raw = _gpu_recipe(tiny_corpus, tmp_path / name, steps=10, model=model, **(FUSED[fusion] if on else {})) \
+            | DISTRIBUTED_OPTIMIZER
         weights = runs["unfused"][0] if "unfused" in runs else None
         runs[name] = _one_backward(run_config_from_dict(raw), batches, weights)
     _, plain_loss, plain_grads, _ = runs["unfused"]
     _, fused_loss, fused_grads, fused_model = runs["fused"]
     if fusion == "rope_fusion":
         assert fused_model.config.apply_rope_fusion is True
+    elif fusion.startswith("cross_entropy"):  # the kernel asked for runs (no fallback on a GPU with TE)
+        assert fused_model.config.cross_entropy_loss_fusion is True
+        assert fused_model.config.cross_entropy_fusion_impl == FUSED[fusion]["cross_entropy_fusion_impl"]
     else:  # TE's linears fuse; Megatron's LM head only with apex
         assert fused_model.decoder.layers[0].mlp.linear_fc1.fuse_wgrad_accumulation is True
         assert fused_model.decoder.layers[0].self_attention.linear_qkv.fuse_wgrad_accumulation is True

@@ -153,6 +153,8 @@ def test_the_stages_on_a_gpu_machine_build_their_commands(tmp_path):
     assert "--cpu-tiny" not in bf16
     assert commands["throughput_1b_fp8"][commands["throughput_1b_fp8"].index("--precisions") + 1] == "fp8"
     assert commands["resume_e2e"][-1] == str(tmp_path / "demo")
+    assert bf16[bf16.index("--steps") + 1] == "8" and bf16[bf16.index("--rounds") + 1] == "2"
+    assert "--no-baseline" in bf16  # the baseline is a known side: throughput_1b_known times it when it changed
     gpu_tests = commands["gpu_tests"]
     assert "--output-dir" in gpu_tests and gpu_tests[gpu_tests.index("--timeout-s") + 1] == "180"
     assert gpu_tests[gpu_tests.index("--pytest-args") + 1].startswith("-n ")
@@ -232,9 +234,17 @@ def test_the_suite_on_cpu_runs_what_a_cpu_can_and_says_why_not_the_rest(tmp_path
     assert status["environment"]["figures"]["torch"]
     assert status["throughput_1b_bf16"]["status"] == "passed"
     (row,) = status["throughput_1b_bf16"]["figures"]["rows"]
-    assert row["row"] == "tiny seq 128 fp32" and row["tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0
-    for name in ("te_smoke", "gpu_tests", "resume_e2e", "checkpoint_cost", "fp8_gemm", "throughput_1b_fp8",
-                 "throughput_610m_bf16"):
+    assert row["row"] == "tiny seq 128 fp32" and row["tokens_per_s"] > 0 and row["hf_tokens_per_s"] is None
+    throughput = json.loads((out / "throughput_1b_bf16" / "throughput.json").read_text())
+    (measured,) = throughput["rows"]  # the tiny recipe is one rank: the run's step is the one-GPU step
+    assert measured["optimizer_time_s"] > 0 and measured["run_ranks"] == 1
+    assert measured["run_tokens_per_s"] == pytest.approx(measured["tokens_per_s"])
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["kind"] and set(plan["remeasure"]) | set(plan["known"]) == {"hf", "local_spec", "local_spec_cuda_graphs",
+                                                                           "te_spec_cuda_graphs"}
+    assert json.loads((out / "fingerprints.json").read_text())["sides"].keys() == plan["remeasure"].keys() | plan["known"].keys()
+    for name in ("te_smoke", "gpu_tests_new", "resume_e2e", "checkpoint_cost", "fp8_gemm", "throughput_1b_fp8",
+                 "throughput_610m_bf16", "throughput_1b_known"):
         assert status[name]["status"] == "not_applicable" and status[name]["reason"].startswith("needs"), name
     page = (out / "summary.md").read_text()
     assert "| tiny seq 128 fp32 |" in page and "needs a CUDA GPU" in page

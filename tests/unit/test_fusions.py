@@ -1,4 +1,5 @@
-"""``training.rope_fusion`` and ``training.gradient_accumulation_fusion`` on CPU: the
+"""``training.rope_fusion``, ``training.gradient_accumulation_fusion`` and
+``training.cross_entropy_fusion_impl`` on CPU: the
 settings parse and reach Megatron's ``TransformerConfig``, turn off with one announced warning
 where they cannot run (here: no GPU, no Transformer Engine, no apex), refusals name the key, and
 the model builder keeps Megatron's own LM head off the fused weight-gradient path when apex is
@@ -49,6 +50,59 @@ def test_command_line_flags(tmp_path, tiny_corpus):
     assert config.training.rope_fusion is True and config.training.gradient_accumulation_fusion is False
 
 
+def test_the_cross_entropy_kernel_reaches_the_transformer_config(tmp_path, tiny_corpus):
+    """``training.cross_entropy_fusion_impl`` picks Megatron's kernel (``TransformerConfig.
+    cross_entropy_fusion_impl``) under ``cross_entropy_loss_fusion``; alone it is refused in one line,
+    and its flag has Megatron-LM's name."""
+    import argparse
+
+    from megatron_ext.training.config import add_override_flags, apply_overrides
+    from megatron_ext.training.megatron_engine import megatron_transformer_overrides
+
+    for impl in ("native", "te"):
+        overrides = megatron_transformer_overrides(
+            _config(tiny_corpus, tmp_path, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl=impl))
+        assert overrides["cross_entropy_loss_fusion"] is True and overrides["cross_entropy_fusion_impl"] == impl
+    assert "cross_entropy_loss_fusion" not in megatron_transformer_overrides(_config(tiny_corpus, tmp_path))
+    with pytest.raises(UserError, match=r"training\.cross_entropy_fusion_impl: te chooses the kernel of "
+                                        r"training\.cross_entropy_loss_fusion, which is off"):
+        _config(tiny_corpus, tmp_path, cross_entropy_fusion_impl="te")
+    parser = argparse.ArgumentParser()
+    dests = add_override_flags(parser)
+    args = parser.parse_args(["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"])
+    config = run_config_from_dict(apply_overrides(_recipe(tiny_corpus, tmp_path), args, dests))
+    assert config.training.cross_entropy_loss_fusion and config.training.cross_entropy_fusion_impl == "te"
+
+
+@cpu_only
+def test_te_cross_entropy_on_cpu_runs_the_native_kernel_with_the_unfused_loss(model_parallel_cpu, tmp_path, tiny_corpus,
+                                                                               capsys):
+    """Where TE's kernel cannot run the run takes Megatron's native fused kernel, announced once, and
+    the model built from what it runs gives the unfused per-token loss (fp32, CPU)."""
+    from megatron_ext.model import build_encoder_model
+    from megatron_ext.objectives import MaskingConfig, apply_mlm
+    from megatron_ext.training.loop import runnable_here
+    from megatron_ext.training.megatron_engine import MicroBatch, megatron_transformer_overrides, per_token_loss
+
+    asked = _config(tiny_corpus, tmp_path, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")
+    runs = runnable_here(asked)
+    assert runs.training.cross_entropy_fusion_impl == "native" and runs.training.cross_entropy_loss_fusion
+    assert capsys.readouterr().err.count("WARNING: training.cross_entropy_fusion_impl: te needs a CUDA GPU") == 1
+    gen = torch.Generator().manual_seed(0)
+    vocab = runs.model.vocab_size
+    batch = apply_mlm(torch.randint(4, vocab, (2, 32), generator=gen), config=MaskingConfig(mask_ratio=0.4),
+                      mask_id=3, vocab_size=vocab, special_ids=(0, 1, 2, 3), generator=gen)
+    losses = {}
+    for name, config in (("fused", runs), ("unfused", _config(tiny_corpus, tmp_path))):
+        torch.manual_seed(0)
+        model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
+        assert model.config.cross_entropy_loss_fusion is (name == "fused")
+        with torch.no_grad():
+            losses[name] = per_token_loss(model, MicroBatch(batch, None), bf16=False, lm_head_scored_only=True)
+    assert float(losses["unfused"].abs().sum()) > 0
+    torch.testing.assert_close(losses["fused"], losses["unfused"], rtol=1e-5, atol=1e-5)
+
+
 def test_rope_fusion_with_per_document_positions_is_refused(tmp_path, tiny_corpus):
     with pytest.raises(ConfigError, match=r"training\.rope_fusion needs data\.reset_position_ids: false"):
         _config(tiny_corpus, tmp_path, data={"reset_position_ids": True}, rope_fusion=True)
@@ -57,14 +111,15 @@ def test_rope_fusion_with_per_document_positions_is_refused(tmp_path, tiny_corpu
 @cpu_only
 def test_on_cpu_each_fusion_turns_off_with_one_warning_naming_it():
     settings, warnings = hardware.fusion_fallbacks(rope_fusion=True, gradient_accumulation_fusion=True,
-                                                   transformer_impl="local")
-    assert settings == {"rope_fusion": False, "gradient_accumulation_fusion": False}
-    assert len(warnings) == 2
-    assert warnings[0].startswith("WARNING: training.rope_fusion needs a CUDA GPU")
-    assert warnings[1].startswith("WARNING: training.gradient_accumulation_fusion needs a CUDA GPU")
+                                                   transformer_impl="local", cross_entropy_fusion_impl="te")
+    assert settings == {"rope_fusion": False, "gradient_accumulation_fusion": False, "cross_entropy_fusion_impl": "native"}
+    assert len(warnings) == 3
+    assert warnings[0].startswith("WARNING: training.cross_entropy_fusion_impl: te needs a CUDA GPU")
+    assert warnings[1].startswith("WARNING: training.rope_fusion needs a CUDA GPU")
+    assert warnings[2].startswith("WARNING: training.gradient_accumulation_fusion needs a CUDA GPU")
     assert hardware.fusion_fallbacks(rope_fusion=False, gradient_accumulation_fusion=False,
                                      transformer_impl="te") == (
-        {"rope_fusion": False, "gradient_accumulation_fusion": False}, [])
+        {"rope_fusion": False, "gradient_accumulation_fusion": False, "cross_entropy_fusion_impl": "native"}, [])
 
 
 def test_fallback_reasons_on_a_gpu_without_te_or_apex(monkeypatch):
@@ -73,14 +128,18 @@ def test_fallback_reasons_on_a_gpu_without_te_or_apex(monkeypatch):
     monkeypatch.setattr(hardware, "on_gpu", lambda: True)
     monkeypatch.setattr(hardware, "fused_rope_available", lambda: False)
     monkeypatch.setattr(hardware, "megatron_linear_wgrad_fusion_available", lambda: False)
+    monkeypatch.setattr(hardware, "transformer_engine_available", lambda: False)
     settings, warnings = hardware.fusion_fallbacks(rope_fusion=True, gradient_accumulation_fusion=True,
-                                                   transformer_impl="local")
-    assert settings == {"rope_fusion": False, "gradient_accumulation_fusion": False}
-    assert "training.rope_fusion needs Transformer Engine" in warnings[0]
-    assert "training.gradient_accumulation_fusion needs apex's fused_weight_gradient_mlp_cuda" in warnings[1]
+                                                   transformer_impl="local", cross_entropy_fusion_impl="te")
+    assert settings == {"rope_fusion": False, "gradient_accumulation_fusion": False, "cross_entropy_fusion_impl": "native"}
+    assert "training.cross_entropy_fusion_impl: te needs Transformer Engine" in warnings[0]
+    assert "training.rope_fusion needs Transformer Engine" in warnings[1]
+    assert "training.gradient_accumulation_fusion needs apex's fused_weight_gradient_mlp_cuda" in warnings[2]
+    monkeypatch.setattr(hardware, "transformer_engine_available", lambda: True)
     settings, warnings = hardware.fusion_fallbacks(rope_fusion=False, gradient_accumulation_fusion=True,
-                                                   transformer_impl="te")
-    assert settings == {"rope_fusion": False, "gradient_accumulation_fusion": True} and warnings == []
+                                                   transformer_impl="te", cross_entropy_fusion_impl="te")
+    assert settings == {"rope_fusion": False, "gradient_accumulation_fusion": True, "cross_entropy_fusion_impl": "te"}
+    assert warnings == []
 
 
 @cpu_only

@@ -134,3 +134,28 @@ def test_fp8_needs_the_te_spec_and_a_local_one_is_refused_in_one_line(capsys):
     # The recipes' measured default is the TE spec: FP8 is one flag.
     code = pretrain_encoder.main(["--config", str(recipe), "--dry-run", "--world-size", "8", "--fp8-recipe", "delayed"])
     assert code == 0 and "(te layers)" in capsys.readouterr().out
+
+
+def test_device_kinds_that_disagree_at_the_recipe_shape_need_a_default_each(tmp_path):
+    """One default serves every device kind when the kinds agree at the size recipe's micro-batch, or
+    when the one that disagrees measured another shape (not comparable: its next visit re-times it);
+    kinds that disagree at the recipe's own shape fail ``--check``, naming both."""
+    micro = defaults["_recipe_micro_batch"]("1b")
+    local, te = ({"transformer_impl": "local", "cuda_graphs": None, "micro_batch_size": micro},
+                 {"transformer_impl": "te", "cuda_graphs": None, "micro_batch_size": micro})
+    _visit(tmp_path, "h100-2026-12-01", tests_passed=True, sides={"megatron_ext": (60_000.0, te), "local_spec": (50_000.0, local)})
+    stale = {k: v for k, v in local.items() if k != "micro_batch_size"}
+    _visit(tmp_path, "h200-2026-12-02", tests_passed=True,
+           sides={"megatron_ext": (40_000.0, {**te, "micro_batch_size": None}), "local_spec": (55_000.0, stale)})
+    entry = defaults["decide"](tmp_path)["device_kinds"]["1b"]["model.transformer_impl"]
+    assert entry["one_value_serves"] and "h200's comparison (local, h200-2026-12-02)" in entry["why"]
+    assert "not comparable" in entry["why"]
+    _visit(tmp_path, "h200-2026-12-03", tests_passed=True,
+           sides={"megatron_ext": (40_000.0, te), "local_spec": (55_000.0, local)})
+    table = defaults["decide"](tmp_path)
+    entry = table["device_kinds"]["1b"]["model.transformer_impl"]
+    assert not entry["one_value_serves"]
+    assert entry["kinds"]["h100"]["value"] == "te" and entry["kinds"]["h200"]["value"] == "local"
+    problems = defaults["disagreements"](table)
+    assert any(p.startswith("1b: model.transformer_impl: the device kinds disagree at the recipe's micro-batch")
+               for p in problems)
