@@ -378,7 +378,7 @@ def _study_cost(study_file: str, *, paper_evaluation: bool, kind: str = "H100"):
     """The cost model's estimate of ``examples/studies/<study_file>`` on ``kind`` GPUs from the committed
     measurements; ``paper_evaluation``: with the paper's 12 tasks (LR grid x 5 seeds) on 64 workers and
     every run on 64 GPUs, as the page's comparison with the paper counts them."""
-    from megatron_ext.study.cost import REPO_RESULTS, SpeedTable, study_cost
+    from megatron_ext.study.cost import SpeedTable, study_cost
     from megatron_ext.study.plan import plan_study
     from megatron_ext.study.spec import EvaluationSpec, read_study
 
@@ -387,7 +387,7 @@ def _study_cost(study_file: str, *, paper_evaluation: bool, kind: str = "H100"):
     if paper_evaluation:
         study = dataclasses.replace(study, evaluation=EvaluationSpec(tasks=("paper",), workers=PAPER_GRID_GPUS))
     plan = plan_study(study, path)
-    speeds = SpeedTable(kind=kind, results_dir=REPO_RESULTS)
+    speeds = SpeedTable(kind=kind)
     cost = study_cost(plan, speeds=speeds, gpus=PAPER_GRID_GPUS if paper_evaluation else None, gpus_per_node=8)
     return plan, cost, speeds
 

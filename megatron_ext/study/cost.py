@@ -7,9 +7,10 @@ GPU kind. Where a speed comes from, in this order, is printed with every figure:
 
 1. **calibrated**: ``--calibrate`` timed a few steps of each distinct shape on this machine,
    the warm-up steps excluded (:func:`calibrate_training`), and the trainer's start-up;
-2. **measured**: a throughput measurement committed under ``benchmarks/results/`` (any
-   ``throughput*.json`` below it) for this GPU kind, model (by its parameter count), sequence
-   length and precision: the file, its device and the commit and date that added it;
+2. **measured**: a throughput measurement (``megatron_ext.measurements``: the committed ones shipped
+   with the package, and a results folder of the user's own) for this GPU kind, model (by its
+   parameter count), sequence length and precision: the file, its device and the commit and date
+   that added it;
 3. **assumed**: the GPU kind's dense peak (``metrics.PEAK_TFLOPS``, from the vendors' datasheets)
    at an assumed MFU (:data:`ASSUMED_MFU` unless ``--mfu``), marked as an assumption.
 
@@ -30,33 +31,30 @@ machine), measured (``benchmarks/finetune_speed.py``'s record for this device, s
 parameters), or assumed (6 x N x steps x batch x input length at :data:`ASSUMED_FINETUNE_MFU` of
 the peak, plus :data:`ASSUMED_FINETUNE_OVERHEAD_S` of loading and scoring), over the workers.
 
-Committed results live in the repository's ``benchmarks/results``, not in an installed package:
-the reader takes a results directory (``--results-dir``; default: the checkout's, when there is
-one) and says so when there is none.
+The committed measurements ship inside the package (``megatron_ext.measurements.packaged``), so a
+clone and an installed package price a run alike; ``--results-dir`` (or
+``$MEGATRON_EXT_RESULTS_DIR``) adds a folder of one's own.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
-import re
 import subprocess
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from megatron_ext import measurements
 from megatron_ext.config_loading import UserError
 from megatron_ext.model.config import layer_matmul_parameters, parameter_count
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.metrics import MFU_CONVENTION, PEAK_TFLOPS
 from megatron_ext.training.dry_run import phase_flops
 
-REPO_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-"""The checkout's committed measurements (absent in an installed package)."""
 
 CPU = "cpu"
 """The GPU kind of a CPU-only machine (no peak: measured or calibrated speeds only)."""
@@ -89,9 +87,6 @@ BANDS: dict[str, tuple[float, float]] = {"calibrated": (0.75, 1.25), "measured":
 """The range the real wall time is expected in, as factors of the estimate, by the least certain
 speed source used: calibrated on this machine (the start-up and pace of this very trainer),
 measured elsewhere (same kind of device, another moment, start-up assumed), assumed from a peak."""
-
-MEASURED_FINETUNE_PARAMETERS = {"all-MiniLM-L6-v2": 22_713_216}
-"""Parameters of the models ``benchmarks/finetune_speed.py`` recorded before it wrote them."""
 
 Source = Literal["calibrated", "measured", "assumed"]
 
@@ -142,137 +137,39 @@ class Speed:
         return f"{self.source}: {self.detail}"
 
 
-@dataclass(frozen=True, kw_only=True)
-class MeasuredRow:
-    """One throughput row of a committed results file."""
-
-    file: str
-    device: str
-    provenance: str
-    """``commit abc1234, 2026-11-24`` (the commit that added the file, and the measurement's date)."""
-    model: str
-    parameters: int
-    seq_length: int
-    precision: str
-    backend: str | None
-    flops_per_s: float
-    date: str
-    variant: str | None = None
-    """The throughput variant it was timed as (None: the row's default side)."""
-
-
-def _git_added(results_dir: Path) -> dict[str, tuple[str, str]]:
-    """``{path relative to results_dir: (commit, date)}`` of the commit that added each file."""
-    try:
-        top = subprocess.run(["git", "-C", str(results_dir), "rev-parse", "--show-toplevel"], capture_output=True,
-                             text=True, timeout=20, check=True).stdout.strip()
-        log = subprocess.run(["git", "-C", top, "log", "--diff-filter=A", "--name-only", "--format=@%h %cs", "--",
-                              str(results_dir.resolve())], capture_output=True, text=True, timeout=60,
-                             check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    found: dict[str, tuple[str, str]] = {}
-    commit = date = ""
-    for line in log.splitlines():
-        if line.startswith("@"):
-            commit, date = line[1:].split(" ", 1)
-        elif line.strip():
-            path = (Path(top) / line.strip()).resolve()
-            try:
-                found.setdefault(str(path.relative_to(results_dir.resolve())), (commit, date))
-            except ValueError:
-                continue
-    return found
-
-
-@functools.lru_cache(maxsize=8)
-def read_measurements(results_dir: Path) -> tuple[MeasuredRow, ...]:
-    """Every throughput row (with its FLOP/s) of the ``throughput*.json`` files below ``results_dir``
-    (read once per process: a test or a tool may plan many runs)."""
-    added = _git_added(results_dir)
-    rows = []
-    for path in sorted(results_dir.rglob("throughput*.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get("rows"), list) or "device" not in record:
-            continue
-        relative = str(path.relative_to(results_dir))
-        commit, added_on = added.get(relative, ("", ""))
-        dated = re.search(r"\d{4}-\d{2}-\d{2}", relative)
-        date = record.get("date") or (dated.group(0) if dated else added_on)
-        made = (f"commit {record['commit']}" if record.get("commit") else
-                f"added in commit {commit}" if commit else "commit unknown")
-        provenance = ", ".join(part for part in (made, date) if part)
-        for row in record["rows"]:
-            if not row.get("tflops") or not row.get("parameters") or row.get("error"):
-                continue
-            measured = functools.partial(MeasuredRow, file=relative, device=record["device"], provenance=provenance,
-                               model=str(row.get("model")), parameters=int(row["parameters"]),
-                               seq_length=int(row["seq_length"]), precision=str(row["precision"]), date=date)
-            # The layer implementation under its name of the time (``attention_backend`` before the rename).
-            backend = row.get("transformer_impl") or row.get("attention_backend")
-            rows.append(measured(backend=backend, flops_per_s=float(row["tflops"]) * 1e12))
-            rows.extend(measured(backend=settings["transformer_impl"],
-                                 flops_per_s=float(row["tflops"]) * 1e12 * variant["tokens_per_s"] / row["tokens_per_s"],
-                                 variant=name)
-                        for name, variant, settings in _same_flops_variants(row))
-    return tuple(rows)
-
-
-SAME_FLOPS_SETTINGS = frozenset({"transformer_impl", "cuda_graphs", "gradient_accumulation_fusion", "rope_fusion"})
-"""Settings that change how a step runs but not its FLOPs per token: a throughput variant that
-differs from its row only in these is a speed of the same step (the row's FLOP/s scaled by tokens/s)."""
-
-
-def _same_flops_variants(row: dict) -> Iterator[tuple[str, dict, dict]]:
-    """The timed variants of a throughput row (``benchmarks/throughput.py --variants``) that ran the
-    row's step with other :data:`SAME_FLOPS_SETTINGS`: (name, variant, its settings)."""
-    default = row.get("settings") or {}
-    for name, variant in (row.get("variants") or {}).items():
-        settings = variant.get("settings") or {}
-        if (not variant.get("tokens_per_s") or variant.get("error") or not settings or not default
-                or not row.get("tokens_per_s") or "transformer_impl" not in settings):
-            continue
-        changed = {key for key in default.keys() | settings.keys() if default.get(key) != settings.get(key)}
-        if changed and changed <= SAME_FLOPS_SETTINGS:
-            yield name, variant, settings
-
-
 RESULTS_DIR_VARIABLE = "MEGATRON_EXT_RESULTS_DIR"
-"""Where an installed package (which has no ``benchmarks/``) finds committed measurements."""
+"""A folder of one's own measurements (``--results-dir``'s default), read beside the packaged ones."""
 
 
 def default_results_dir() -> Path | None:
-    """``$MEGATRON_EXT_RESULTS_DIR``, else the checkout's ``benchmarks/results``, else None (an
-    installed package without the variable: speeds are then calibrated or assumed, and said so)."""
+    """``$MEGATRON_EXT_RESULTS_DIR`` when set (a folder of one's own measurements, added to the packaged
+    ones), else None."""
     if os.environ.get(RESULTS_DIR_VARIABLE):
         path = Path(os.environ[RESULTS_DIR_VARIABLE])
         if not path.is_dir():
             raise UserError(f"{RESULTS_DIR_VARIABLE}={path}: not a directory (expected a benchmarks/results folder)")
         return path
-    return REPO_RESULTS if REPO_RESULTS.is_dir() else None
+    return None
 
 
 class SpeedTable:
     """The training speed of any run config on one GPU kind: calibrated, measured, else assumed."""
 
-    def __init__(self, *, kind: str, results_dir: Path | None, mfu: float = ASSUMED_MFU,
-                 calibrated: dict[tuple, Speed] | None = None):
+    def __init__(self, *, kind: str, results_dir: Path | None = None, mfu: float = ASSUMED_MFU,
+                 calibrated: dict[tuple, Speed] | None = None, measured: measurements.Measurements | None = None):
+        """``measured``: the measurements to price from (default: those shipped with the package,
+        ``measurements.packaged``); ``results_dir``: measurements of one's own, read beside them."""
         self.kind = kind
         self.mfu = mfu
         self.calibrated = dict(calibrated or {})
         self.results_dir = results_dir
         self.notices: list[str] = []
-        if results_dir is None:
-            self.rows: tuple[MeasuredRow, ...] = ()
-            self.notices.append("no benchmarks/results directory (an installed package has none; --results-dir "
-                                "DIR names one): speeds are assumed from peak FLOP/s")
-        elif not results_dir.is_dir():
-            raise UserError(f"--results-dir {results_dir}: no such directory")
-        else:
-            self.rows = read_measurements(results_dir)
+        self.measurements = measurements.packaged() if measured is None else measured
+        if results_dir is not None:
+            if not results_dir.is_dir():
+                raise UserError(f"--results-dir {results_dir}: no such directory")
+            self.measurements = self.measurements + measurements.read_all(results_dir)
+        self.rows = self.measurements.throughput
 
     def speed(self, config: RunConfig, objective: str) -> Speed | None:
         """The speed of ``config``'s steps of ``objective`` (a phase's objective tag); None: unknown
@@ -288,10 +185,9 @@ class SpeedTable:
             return None
         fp8 = precision_of(config) == "fp8" and peak[1] is not None
         value = (peak[1] if fp8 else peak[0]) * 1e12
-        if self.results_dir is not None:
-            self.notice(f"no measurement for {self.kind} at {parameter_count(config.model):,} parameters, seq "
-                        f"{config.data.seq_length}, {precision_of(config)} in {self.results_dir}: assumed "
-                        f"{100 * self.mfu:.0f} % MFU")
+        where = "the measurements" + (f" or {self.results_dir}" if self.results_dir is not None else "")
+        self.notice(f"no measurement for {self.kind} at {parameter_count(config.model):,} parameters, seq "
+                    f"{config.data.seq_length}, {precision_of(config)} in {where}: assumed {100 * self.mfu:.0f} % MFU")
         startup = ASSUMED_STARTUP_S["gpu"]
         return Speed(flops_per_s=value * self.mfu, source="assumed", startup_s=startup,
                      detail=f"{self.kind} {'fp8' if fp8 else 'bf16'} dense peak {value / 1e12:,.0f} TFLOP/s "
@@ -464,7 +360,7 @@ def add_cost_flags(parser: argparse.ArgumentParser, *, study: bool) -> None:
     group.add_argument("--mfu", type=float, default=ASSUMED_MFU, metavar="X",
                        help=f"MFU assumed where nothing is measured [{ASSUMED_MFU}]")
     group.add_argument("--results-dir", default=None, metavar="DIR",
-                       help="committed measurements [the checkout's benchmarks/results]")
+                       help="a folder of one's own measurements, read beside those the package ships")
     group.add_argument("--budget-gpu-hours", type=float, default=None, metavar="N",
                        help="refuse (exit 2) when the estimate is above N GPU-hours")
 
@@ -707,27 +603,14 @@ class EvaluationCost:
         return self.seconds / self.workers
 
 
-def _finetune_measurement(results_dir: Path | None, kind: str) -> tuple[dict, str] | None:
-    """The newest ``finetune_speed`` measurement for ``kind`` under ``results_dir``: its config and
-    seconds of one run of ours, and its label."""
-    if results_dir is None:
-        return None
-    added = None
-    for path in sorted(results_dir.rglob("finetune_speed*.json")):
-        record = json.loads(path.read_text())
-        if device_kind(str(record.get("device", ""))) != kind or not record.get("measurements"):
-            continue
-        label, measurement = list(record["measurements"].items())[-1]
-        parameters = record.get("parameters") or MEASURED_FINETUNE_PARAMETERS.get(record.get("model"))
-        if parameters is None:
-            continue
-        if added is None:
-            added = _git_added(results_dir)
-        commit, date = added.get(str(path.relative_to(results_dir)), ("unknown", ""))
-        config = {**measurement["config"], "parameters": parameters, "seconds": measurement["median_seconds"]["ours"]}
-        return config, (f"{path.relative_to(results_dir)} ('{label}'): {record['device']}, added in commit {commit}"
-                        f"{', ' + date if date else ''}: {record.get('model')} {record.get('task')} "
-                        f"{config['steps']} steps in {config['seconds']:.0f} s")
+def _finetune_measurement(speeds: SpeedTable) -> tuple[dict, str] | None:
+    """The newest fine-tuning speed measured on ``speeds.kind`` (``measurements.FinetuneSpeed``): its
+    config and seconds of one run of ours, and its label."""
+    for speed in sorted(speeds.measurements.finetune, key=lambda s: s.file):
+        if device_kind(speed.device) == speeds.kind:
+            config = {"steps": speed.steps, "batch_size": speed.batch_size, "parameters": speed.parameters,
+                      "seconds": speed.seconds}
+            return config, speed.describe()
     return None
 
 
@@ -744,7 +627,7 @@ def evaluation_cost(plan, *, speeds: SpeedTable, calibrated: dict[tuple[str, str
     steps = spec.max_steps or 1000
     batch = spec.batch_size or 32
     length = spec.max_length or ASSUMED_FINETUNE_TOKENS
-    measured = _finetune_measurement(speeds.results_dir, speeds.kind)
+    measured = _finetune_measurement(speeds)
     seeds = len(spec.seeds or PAPER_SEEDS)
 
     def one_run(size: str, config: RunConfig, family: str) -> tuple[float, str]:

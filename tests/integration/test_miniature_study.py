@@ -67,7 +67,7 @@ def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, installed_package
 
     run = subprocess.run([sys.executable, "-m", "megatron_ext.cli.run_study", str(path), "--launcher", "local",
                           "--study-dir", str(tmp_path / "study")], cwd=installed_package["work"],
-                         env={**installed_package["env"], cost.RESULTS_DIR_VARIABLE: str(cost.REPO_RESULTS)}, capture_output=True, text=True, timeout=1100)
+                         env=installed_package["env"], capture_output=True, text=True, timeout=1100)
     printed = run.stdout
     assert run.returncode == 0, printed + run.stderr
     assert "training: every run complete" in printed and "evaluation: runs: 2 worker(s)" in printed
@@ -80,9 +80,9 @@ def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, installed_package
     # The cost model: the training's measured time inside the band its estimate states (from the
     # committed CPU throughput and the assumed start-up per trainer), and an ETA from it, corrected
     # by the segments trained, in the progress lines (the installed package reads the committed
-    # measurements through MEGATRON_EXT_RESULTS_DIR).
+    # measurements it ships: megatron_ext.measurements.packaged).
     took = float(re.search(r"^training: every run complete \((\d+) s\)$", printed, re.M).group(1))
-    speeds = cost.SpeedTable(kind=cost.CPU, results_dir=cost.REPO_RESULTS)
+    speeds = cost.SpeedTable(kind=cost.CPU)
     estimate = cost.study_cost(plan, speeds=speeds, gpus=None, gpus_per_node=8)
     low, high = cost.band(source for segment in estimate.segments for source in segment.sources)
     assert (low, high) == cost.BANDS["measured"], estimate.segments[0].speeds
@@ -131,3 +131,15 @@ def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, installed_package
         assert "skipped" not in figure, (name, figure)
         assert (tmp_path / "eval" / "report" / figure["file"]).stat().st_size > 5_000
     assert "tiny_biphasic_25_75_16" in (tmp_path / "eval" / "report" / "report.md").read_text()
+
+
+def test_an_installed_package_prices_the_1b_recipe_from_the_measured_speed(installed_package):
+    """``pip install`` (not editable, nothing of the checkout on the path): ``--dry-run --gpu H100``
+    prices the 1B recipe from the measurements the package ships and names the visit they come from."""
+    recipe = Path(__file__).resolve().parents[2] / "examples" / "recipes" / "paper" / "1b_mlm_40.yaml"
+    run = subprocess.run([sys.executable, "-m", "pretrain_encoder", "--config", str(recipe), "--dry-run",
+                          "--world-size", "64", "--gpu", "h100"], cwd=installed_package["work"],
+                         env=installed_package["env"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"^  speed +measured: gpu_visits/h100-2026-11-2\d/\S+: NVIDIA H100", run.stdout, re.M), run.stdout
+    assert "(measured speeds)" in run.stdout and "assumed" not in run.stdout.split("speed", 1)[1].split("\n", 1)[0]

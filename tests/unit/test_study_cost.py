@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext import measurements
 from megatron_ext.config_loading import UserError
 from megatron_ext.study import cost
 from megatron_ext.study.state import Progress
@@ -34,13 +35,13 @@ def test_known_flops_at_an_assumed_speed_give_known_hours_and_say_the_fallback(t
     """The 1B biphasic recipe's 6.332e20 FLOPs (its --dry-run) on one H100 at 35 % of 989 TFLOP/s."""
     config = _config("paper/1b_biphasic_25_75.yaml")
     assert training_flops(config) == pytest.approx(6.332e20, rel=1e-3)
-    speeds = cost.SpeedTable(kind="H100", results_dir=None, mfu=0.35)
+    speeds = cost.SpeedTable(kind="H100", measured=measurements.Measurements(), mfu=0.35)
     one = cost.segment_cost(config, run="r", gpus=1, gpus_per_node=8, speeds=speeds)
     startup = cost.ASSUMED_STARTUP_S["gpu"]
     assert one.seconds == pytest.approx(6.332e20 / (989e12 * 0.35) + startup, rel=1e-3)
     assert one.gpu_hours == pytest.approx(508.1, abs=0.5) and one.sources == ("assumed",)
     assert "dense peak 989 TFLOP/s (datasheet) x 35 % MFU, an assumption" in one.speeds[0]
-    assert any("no benchmarks/results directory" in line for line in speeds.notices)
+    assert any(line.startswith("no measurement for H100") for line in speeds.notices)
     # 8 GPUs of a node: an eighth of the compute plus the optimizer's traffic per step, half of it
     # hidden by overlap_grad_reduce (docs/scaling.md: 2 x 4 x N x 7/8 bytes at 400 GB/s).
     eight = cost.segment_cost(config, run="r", gpus=8, gpus_per_node=8, speeds=speeds)
@@ -49,27 +50,28 @@ def test_known_flops_at_an_assumed_speed_give_known_hours_and_say_the_fallback(t
     assert eight.seconds == pytest.approx((one.seconds - startup) / 8 + 42_000 * traffic + startup, rel=1e-6)
     assert "over NVLink at 400 GB/s" in eight.scaling and "50 % overlapped" in eight.scaling
     # A directory without measurements for the kind: the same assumption, and a notice naming it.
-    empty = cost.SpeedTable(kind="H100", results_dir=tmp_path, mfu=0.35)
+    empty = cost.SpeedTable(kind="H100", measured=measurements.Measurements(), results_dir=tmp_path, mfu=0.35)
     assert cost.segment_cost(config, run="r", gpus=1, gpus_per_node=8, speeds=empty).seconds == one.seconds
-    assert any(line.startswith(f"no measurement for H100 at 1,202,447,808 parameters, seq 2048, bf16 in {tmp_path}")
+    assert any(line.startswith("no measurement for H100 at 1,202,447,808 parameters, seq 2048, bf16 in the "
+                               f"measurements or {tmp_path}")
                for line in empty.notices)
 
 
 def test_a_committed_measurement_is_used_with_its_device_commit_and_date():
     config = _config("base/610m.yaml", train_iters=5000)
-    speeds = cost.SpeedTable(kind="H100", results_dir=cost.REPO_RESULTS)
+    speeds = cost.SpeedTable(kind="H100")
     speed = speeds.speed(config, "mlm")
     assert speed.source == "measured"
     assert re.search(r"gpu_visits/h100-2026-11-2\d/throughput\S*\.json: NVIDIA H100 80GB HBM3, (added in )?commit "
                      r"[0-9a-f]{7,}, 2026-11-2\d: 610m seq 2048 bf16", speed.detail), speed.detail
     assert 1e14 < speed.flops_per_s < 989e12  # between 10 % and 100 % MFU
     # No A100 measurement: the peak at the assumed MFU, said.
-    a100 = cost.SpeedTable(kind="A100", results_dir=cost.REPO_RESULTS)
+    a100 = cost.SpeedTable(kind="A100")
     assert a100.speed(config, "mlm").flops_per_s == pytest.approx(312e12 * cost.ASSUMED_MFU)
     assert a100.notices and a100.notices[0].startswith("no measurement for A100")
     # A CPU has no peak: without a measurement or calibration the cost is unknown, and says how to get it.
     cpu = cost.segment_cost(config, run="r", gpus=1, gpus_per_node=8,
-                            speeds=cost.SpeedTable(kind=cost.CPU, results_dir=None))
+                            speeds=cost.SpeedTable(kind=cost.CPU, measured=measurements.Measurements()))
     assert cpu.seconds is None and "--calibrate" in cpu.speeds[0]
 
 
@@ -113,7 +115,7 @@ def test_calibrated_speeds_come_first_and_the_warmup_is_left_out():
 
     config = _config("base/610m.yaml", train_iters=5000)
     here = cost.Speed(flops_per_s=1e12, source="calibrated", detail="timed here", startup_s=30.0)
-    speeds = cost.SpeedTable(kind="H100", results_dir=cost.REPO_RESULTS,
+    speeds = cost.SpeedTable(kind="H100",
                              calibrated={cost.calibration_key(config, "mlm"): here})
     segment = cost.segment_cost(config, run="r", start=100, end=600, gpus=1, gpus_per_node=8, speeds=speeds)
     assert segment.seconds == pytest.approx(training_flops(config, 100, 600) / 1e12 + 30.0)
@@ -160,7 +162,7 @@ evaluation: {{tasks: [rt_sentiment, wiki_mentions, lee_sts], lrs: [1.0e-4, 2.0e-
     plan = plan_study(read_study(study), study)
     assert cost.study_gpus_per_run(plan, "a", gpus_per_node=8) == 8   # 2 nodes x the study's 4 GPUs per node
     assert cost.study_gpus_per_run(plan, "b", gpus_per_node=8) == 3
-    speeds = cost.SpeedTable(kind="H100", results_dir=None)
+    speeds = cost.SpeedTable(kind="H100", measured=measurements.Measurements())
     result = cost.study_cost(plan, speeds=speeds, gpus=None, gpus_per_node=8)
     assert [c.gpus for c in result.segments] == [8, 3]
     # Per size: SC and TC at 2 LRs x 3 seeds, the zero-shot STS task once.
