@@ -378,7 +378,8 @@ def _study_cost(study_file: str, *, paper_evaluation: bool, kind: str = "H100"):
     """The cost model's estimate of ``examples/studies/<study_file>`` on ``kind`` GPUs from the committed
     measurements; ``paper_evaluation``: with the paper's 12 tasks (LR grid x 5 seeds) on 64 workers and
     every run on 64 GPUs, as the page's comparison with the paper counts them."""
-    from megatron_ext.study.cost import SpeedTable, study_cost
+    from megatron_ext.study.cost import SpeedTable
+    from megatron_ext.study.study_cost import study_cost
     from megatron_ext.study.plan import plan_study
     from megatron_ext.study.spec import EvaluationSpec, read_study
 
@@ -394,7 +395,7 @@ def _study_cost(study_file: str, *, paper_evaluation: bool, kind: str = "H100"):
 
 def _size_speeds(plan, speeds) -> str:
     """Each size's training speed and where it comes from (MLM steps; measured rows name their file)."""
-    from megatron_ext.study.cost import costed_config
+    from megatron_ext.study.study_cost import costed_config
     from megatron_ext.training.metrics import PEAK_TFLOPS
 
     parts = []

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = plan_study(read_study(args.study), args.study)
     if args.dry_run:
-        from megatron_ext.study.cost import report_study_cost
+        from megatron_ext.study.calibration import report_study_cost
 
         print(format_plan(plan))
         report_study_cost(plan, args)

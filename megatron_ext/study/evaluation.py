@@ -67,7 +67,7 @@ def reference_path(reference: ReferenceSpec) -> Path:
     return assets.member_dir(name, folder)
 
 
-def _settings(spec: EvaluationSpec, lrs: tuple[float, ...]) -> list[str]:
+def evaluation_settings(spec: EvaluationSpec, lrs: tuple[float, ...]) -> list[str]:
     argv: list[str] = []
     if spec.tasks:
         argv += ["--tasks", *spec.tasks]
@@ -92,14 +92,15 @@ def evaluation_grids(plan: StudyPlan, *, resolve_references: bool = True) -> lis
         every = "@all" if run.kind in spec.all_checkpoints else ""
         models.append(f"{run.name}={run.recipe['checkpoint']['save']}{every}")
     grids = [EvaluationGrid(name="runs", output_dir=root,
-                            argv=("--models", *models, "--output-dir", str(root), *_settings(spec, spec.lrs)))]
+                            argv=("--models", *models, "--output-dir", str(root),
+                                  *evaluation_settings(spec, spec.lrs)))]
     for reference in spec.references:
         where = root / "references" / reference.name
         path = reference_path(reference) if resolve_references or reference.path else f"asset:{reference.asset}"
         grids.append(EvaluationGrid(
             name=f"reference {reference.name}", output_dir=where,
             argv=("--models", f"{reference.name}={path}", "--output-dir", str(where),
-                  *_settings(spec, reference.lrs or spec.lrs))))
+                  *evaluation_settings(spec, reference.lrs or spec.lrs))))
     return grids
 
 

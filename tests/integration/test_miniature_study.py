@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from megatron_ext.checkpoint.reader import Checkpoint
-from megatron_ext.study import cost
+from megatron_ext.study import cost, study_cost
 from megatron_ext.study.plan import plan_study
 from megatron_ext.study.spec import read_study
 
@@ -83,7 +83,7 @@ def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, installed_package
     # measurements it ships: megatron_ext.measurements.packaged).
     took = float(re.search(r"^training: every run complete \((\d+) s\)$", printed, re.M).group(1))
     speeds = cost.SpeedTable(kind=cost.CPU)
-    estimate = cost.study_cost(plan, speeds=speeds, gpus=None, gpus_per_node=8)
+    estimate = study_cost.study_cost(plan, speeds=speeds, gpus=None, gpus_per_node=8)
     low, high = cost.band(source for segment in estimate.segments for source in segment.sources)
     assert (low, high) == cost.BANDS["measured"], estimate.segments[0].speeds
     assert low * estimate.sequential_s <= took <= high * estimate.sequential_s, (  # for a machine to itself

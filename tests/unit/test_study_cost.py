@@ -12,7 +12,7 @@ import pytest
 
 from megatron_ext import measurements
 from megatron_ext.config_loading import UserError
-from megatron_ext.study import cost
+from megatron_ext.study import calibration, cost, study_cost
 from megatron_ext.study.state import Progress
 from megatron_ext.study.plan import plan_study
 from megatron_ext.study.spec import read_study
@@ -109,9 +109,9 @@ def test_calibrated_speeds_come_first_and_the_warmup_is_left_out():
                {"kind": "train", "step": 2, "tokens_per_s": 204.8},   # 10 s
                {"kind": "valid", "step": 2},
                *({"kind": "train", "step": s, "tokens_per_s": 1024.0} for s in (3, 4, 5))]  # 2 s each
-    assert cost.steady_step_seconds(records, warmup=2, tokens_per_step=tokens) == pytest.approx(2.0)
+    assert calibration.steady_step_seconds(records, warmup=2, tokens_per_step=tokens) == pytest.approx(2.0)
     with pytest.raises(UserError, match="no step after the 5 warm-up step"):
-        cost.steady_step_seconds(records, warmup=5, tokens_per_step=tokens)
+        calibration.steady_step_seconds(records, warmup=5, tokens_per_step=tokens)
 
     config = _config("base/610m.yaml", train_iters=5000)
     here = cost.Speed(flops_per_s=1e12, source="calibrated", detail="timed here", startup_s=30.0)
@@ -160,17 +160,17 @@ evaluation: {{tasks: [rt_sentiment, wiki_mentions, lee_sts], lrs: [1.0e-4, 2.0e-
              max_steps: 100}}
 """)
     plan = plan_study(read_study(study), study)
-    assert cost.study_gpus_per_run(plan, "a", gpus_per_node=8) == 8   # 2 nodes x the study's 4 GPUs per node
-    assert cost.study_gpus_per_run(plan, "b", gpus_per_node=8) == 3
+    assert study_cost.study_gpus_per_run(plan, "a", gpus_per_node=8) == 8   # 2 nodes x the study's 4 GPUs per node
+    assert study_cost.study_gpus_per_run(plan, "b", gpus_per_node=8) == 3
     speeds = cost.SpeedTable(kind="H100", measured=measurements.Measurements())
-    result = cost.study_cost(plan, speeds=speeds, gpus=None, gpus_per_node=8)
+    result = study_cost.study_cost(plan, speeds=speeds, gpus=None, gpus_per_node=8)
     assert [c.gpus for c in result.segments] == [8, 3]
     # Per size: SC and TC at 2 LRs x 3 seeds, the zero-shot STS task once.
     assert {(i.what, i.runs) for i in result.evaluation.items} == {
         ("a sc", 6), ("a tc", 6), ("a sts", 1), ("b sc", 6), ("b tc", 6), ("b sts", 1)}
     assert result.evaluation.wall_s == pytest.approx(result.evaluation.seconds / 4)
     assert result.total_gpu_hours == pytest.approx(result.tree_gpu_hours + result.evaluation.seconds / 3600)
-    text = cost.format_study_cost(plan, result)
+    text = study_cost.format_study_cost(plan, result)
     assert "whole study:" in text and "assumed: 6 x " in text
 
 
