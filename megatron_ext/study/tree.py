@@ -116,6 +116,7 @@ class TreeScheduler(JobEvents):
         self.current: dict[str, SegmentState] = {}
         self.progress = Progress({})
         self._runs: dict[str, str] = {}  # job id -> run
+        self._submitted: dict[str, Job] = {}  # job id -> the Job this process submitted under it
         self._tags: dict[str, str] = {}
         self._started: dict[str, float] = {}
         self._this_start: dict[str, float] = {}
@@ -172,7 +173,7 @@ class TreeScheduler(JobEvents):
         if job.succeeded:
             train_iters = self.plan.run(run).train_iters
             detail += f", but its newest checkpoint is at step {saved_step(self.plan.run(run))}, not {train_iters}"
-        log = job.log or self.launcher.log_file(self.job(segment), self.job_ids[run])
+        log = job.log or self._log_file(self.job_ids[run])
         return SegmentState(status="failed", detail=f"{detail}; log {log}")
 
     def table(self, states: dict[str, SegmentState]) -> str:
@@ -211,8 +212,10 @@ class TreeScheduler(JobEvents):
                 self.out(f"  {self.launcher.describe(self.job(segment), after)}")
                 waiting_on[run] = f"<job of {run}>"
             else:
-                job_id = self.launcher.submit(self.job(segment), after)
+                new_job = self.job(segment)
+                job_id = self.launcher.submit(new_job, after)
                 self.job_ids[run], self.job_states[run], self._runs[job_id] = job_id, JobState(status="pending"), run
+                self._submitted[job_id] = new_job
                 submitted.append(job_id)
                 if self.jobs is not None:
                     self.jobs.add(run, JobRecord(job_id=stored_id(job_id), submitted=datetime.datetime.now().isoformat(
@@ -258,6 +261,12 @@ class TreeScheduler(JobEvents):
             return RESUMABLE_EXIT_CODE
         return 0 if all(states[r].status == "complete" for r in self.selected) else 1
 
+    def _log_file(self, job_id: str) -> Path:
+        """The log of ``job_id``: of the Job submitted under it, or (a job of an earlier process, read from
+        the jobs file) of the Job its run's segment makes, which names the same files."""
+        job = self._submitted.get(job_id) or self.job(self.plan.segment(self._run_of(job_id)))
+        return self.launcher.log_file(job, job_id)
+
     def _run_of(self, job_id: str) -> str:
         if job_id not in self._runs:
             self._runs.update({j: run for run, j in self.job_ids.items()})
@@ -271,7 +280,7 @@ class TreeScheduler(JobEvents):
         self._this_start[job_id] = time.monotonic()
         segment = self.plan.segment(run.name)
         self.out(f"{self._tags[job_id]}: training steps {first_step(segment, run, saved_step(run)):,} to "
-                 f"{run.train_iters:,} (log {self.launcher.log_file(self.job(segment), job_id)})")
+                 f"{run.train_iters:,} (log {self._log_file(job_id)})")
 
     def tick(self, job_id: str) -> None:
         run = self.plan.run(self._run_of(job_id))
@@ -300,7 +309,7 @@ class TreeScheduler(JobEvents):
             self.out(f"{tag}: complete in {took} | {self.progress.summary()}")
         elif new.status == "failed":
             self.progress.drop(run)
-            log = state.log or self.launcher.log_file(self.job(self.plan.segment(run)), job_id)
+            log = state.log or self._log_file(job_id)
             self.out(f"{tag}: FAILED ({new.detail}); the last lines of its log:\n" + log_tail(log))
         elif new.status == "blocked":
             self.progress.drop(run)
@@ -322,7 +331,7 @@ class TreeScheduler(JobEvents):
                 self.progress.drop(segment.run)
             self.out(line)
             if after.status == "failed" and segment.run in self.job_ids:
-                tail = log_tail(self.launcher.log_file(self.job(segment), self.job_ids[segment.run]))
+                tail = log_tail(self._log_file(self.job_ids[segment.run]))
                 if tail:
                     self.out(tail)
 
