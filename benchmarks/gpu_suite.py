@@ -225,7 +225,7 @@ def probe_te_smoke() -> dict:
         except Exception as error:  # a record of what failed, the suite goes on
             checks[name] = f"FAILED: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
-    # The TE smoke test of the 2026-11-26 visit (results/gpu_visits/h200-2026-11-26/visit.sh), kept here
+    # The TE smoke test of the 2026-11-26 visit (results/gpu_visits/h200-2026-11-26/visit.sh, in git history at 0f77063), kept here
     # as a check of every visit: the same lines on purpose.
     def fp8_mlp() -> str:
         mlp = te.LayerNormMLP(256, 1024, normalization="RMSNorm", activation="swiglu").cuda()
