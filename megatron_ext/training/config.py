@@ -372,9 +372,24 @@ class RunConfig:
         except ValueError as err:
             raise ConfigError(f"schedule: {err}") from err
         object.__setattr__(self, "_resolved_phases", tuple(resolved))  # frozen: set once, here
+        from megatron_ext.training.context import phase_contexts, varies
+
+        try:
+            contexts = phase_contexts(resolved, data=self.data, rotary_base=self.model.rotary_base)
+        except UserError as err:
+            raise ConfigError(str(err)) from err
+        object.__setattr__(self, "_phase_contexts", contexts)
+        for context in contexts:
+            if context.seq_length > self.model.seq_length:
+                raise ConfigError(f"phases[{context.phase.index}].seq_length={context.seq_length} exceeds "
+                                  f"model.seq_length={self.model.seq_length}")
+            if varies(contexts) and self.training.cuda_graphs != "none":
+                raise ConfigError(f"training.cuda_graphs={self.training.cuda_graphs!r} captures one shape; phases "
+                                  "with other seq_length or batch sizes need training.cuda_graphs: none")
         seq_length = self.data.seq_length
-        for index, phase in enumerate(self.phases):
-            if problem := phase.objective.selection_problem(seq_length, lambda field: f"phases[{index}].{field}"):
+        for index, (phase, context) in enumerate(zip(self.phases, contexts)):
+            if problem := phase.objective.selection_problem(context.seq_length,
+                                                            lambda field: f"phases[{index}].{field}"):
                 raise ConfigError(problem)
         if self.training.eval_interval:
             for objective in self.validation_objectives().values():
@@ -390,6 +405,12 @@ class RunConfig:
         """The phases with their step ranges at ``training.train_iters``: resolved once, when the
         config is built (every reader of a run's phases takes them from here)."""
         return self._resolved_phases
+
+    @property
+    def phase_contexts(self):
+        """Each phase's sequence length, RoPE base and batch sizes (``training.context``), resolved
+        once, when the config is built."""
+        return self._phase_contexts
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (YAML/JSON-able); :func:`run_config_from_dict` reads it back."""
@@ -560,8 +581,9 @@ def run_config_from_dict(raw: dict[str, Any], *, tokenizer_vocab_size: int | Non
     if not isinstance(raw["phases"], list) or not raw["phases"]:
         raise ConfigError("phases: expected a non-empty list of phases")
     phases = tuple(coerce(p, Phase, f"phases[{i}]") for i, p in enumerate(raw["phases"]))
+    longest = max([data.seq_length, *(p.seq_length for p in phases if p.seq_length is not None)])
     return RunConfig(
-        model=_model_config(sections["model"], data_seq_length=data.seq_length,
+        model=_model_config(sections["model"], data_seq_length=longest,
                             tokenizer_vocab_size=tokenizer_vocab_size, tp=parallel.tensor_model_parallel_size),
         tokenizer=build_dataclass(TokenizerConfig, sections["tokenizer"], "tokenizer"),
         data=data,

@@ -54,6 +54,12 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
             f"data.global_batch_size={d.global_batch_size} is not divisible by micro_batch_size="
             f"{d.micro_batch_size} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp}))"
         )
+    for c in config.phase_contexts:
+        if c.global_batch_size % (c.micro_batch_size * dp):
+            raise UserError(
+                f"phases[{c.phase.index}]: global batch {c.global_batch_size} is not divisible by micro batch "
+                f"{c.micro_batch_size} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp})); set "
+                f"phases[{c.phase.index}].micro_batch_size / global_batch_size")
     phases = config.resolved_phases
     names = tuple((p.name, p.start, p.end) for p in phases)
     tokens_per_step = d.global_batch_size * d.seq_length
@@ -61,7 +67,8 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
     return RunPlan(
         world_size=world_size, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
         micro_batches_per_step=d.global_batch_size // (d.micro_batch_size * dp),
-        tokens_per_step=tokens_per_step, total_tokens=tokens_per_step * config.training.train_iters,
+        tokens_per_step=tokens_per_step,
+        total_tokens=sum(c.tokens_per_step * c.phase.steps for c in config.phase_contexts),
         parameters=parameter_count(m), total_flops=total_flops, phases=names,
     )
 
@@ -70,18 +77,16 @@ def phase_flops(config: RunConfig, start: int = 0, end: int | None = None) -> li
     """``(objective tag, training FLOPs)`` of each phase's steps within ``[start, end)`` (default:
     the whole run), in the convention of ``metrics.MFU_CONVENTION``: what a segment of a study
     trains, per objective."""
-    d = config.data
     end = config.training.train_iters if end is None else end
-    tokens_per_step = d.global_batch_size * d.seq_length
     found = []
-    for p in config.resolved_phases:
+    for p, c in zip(config.resolved_phases, config.phase_contexts):  # each phase at its own length (attention)
         lo, hi = max(start, p.start), min(end, p.end)
         if hi <= lo:
             continue
-        share = mean_lm_head_share(p, seq_length=d.seq_length, scored_only=config.training.lm_head_scored_only,
+        share = mean_lm_head_share(p, seq_length=c.seq_length, scored_only=config.training.lm_head_scored_only,
                                    steps=None if (lo, hi) == (p.start, p.end) else range(lo, hi))
-        found.append((p.objective.tag,
-                      (hi - lo) * tokens_per_step * flops_per_token(config.model, d.seq_length, lm_head_share=share)))
+        found.append((p.objective.tag, (hi - lo) * c.tokens_per_step
+                      * flops_per_token(config.model, c.seq_length, lm_head_share=share)))
     return found
 
 
