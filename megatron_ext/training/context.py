@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.schedule import ResolvedPhase
 
-if TYPE_CHECKING:
-    from megatron_ext.training.config import DataConfig
+DataConfig = Any
+"""``training.config.DataConfig`` (not imported: the config module resolves contexts with this one)."""
 
 
 @dataclass(frozen=True, kw_only=True)
