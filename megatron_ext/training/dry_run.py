@@ -9,6 +9,7 @@ from megatron_ext.model.config import parameter_count, tensor_parallel_problem
 from megatron_ext.schedule import lr_at
 from megatron_ext.tokenizer import EncoderTokenizer
 from megatron_ext.training.config import RunConfig
+from megatron_ext.training.context import varies
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, mean_lm_head_share
 
 
@@ -118,14 +119,27 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
         + f", min {s.min_lr:g}",
         "phases:",
     ]
-    for (name, start, end), phase in zip(plan.phases, phases):
+    contexts = config.phase_contexts
+    first_tokens = contexts[0].tokens_per_step
+    flops = phase_flops(config)
+    for (name, start, end), phase, context, (_, phase_total) in zip(plan.phases, phases, contexts, flops):
         lr_start = lr_at(start, config=s, total_steps=total, phases=phases)
         lr_end = lr_at(end - 1, config=s, total_steps=total, phases=phases)
         lines.append(
             f"  {name:<9} steps [{start:>6}, {end:>6})  {end - start:>6} steps  "
-            f"{(end - start) * plan.tokens_per_step / 1e9:8.3f}B tokens  lr {lr_start:.2e} -> {lr_end:.2e}"
+            f"{(end - start) * context.tokens_per_step / 1e9:8.3f}B tokens  lr {lr_start:.2e} -> {lr_end:.2e}"
             + ("  (warmup restarts)" if phase.restart_warmup else "")
         )
+        if varies(contexts) or len({c.rotary_base for c in contexts}) > 1:
+            # Each phase's own length: attention's FLOPs per token grow with it.
+            kept = ("same tokens/step" if context.tokens_per_step == first_tokens
+                    else f"tokens/step {context.tokens_per_step:,} vs {first_tokens:,} in phases[0]")
+            lines.append(
+                f"            sequence {context.seq_length}, global {context.global_batch_size} = micro "
+                f"{context.micro_batch_size} x DP {plan.data_parallel} x "
+                f"{context.global_batch_size // (context.micro_batch_size * plan.data_parallel)}, RoPE base "
+                f"{context.rotary_base:g}; {kept}; {phase_total / ((end - start) * context.tokens_per_step):.3e} "
+                f"FLOPs/token, {phase_total:.3e} FLOPs")
     p = config.parallel
     params = {"bfloat16": "bf16 parameters (fp32 main parameters)", "float32": "fp32 parameters"}.get(
         config.model.params_dtype, f"{config.model.params_dtype} parameters")

@@ -50,7 +50,7 @@ from megatron_ext.training.branching import check_saved_parent
 from megatron_ext.training.config import RunConfig, run_config_from_dict
 from megatron_ext.schedule import Phase
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, StepOutcome, megatron_transformer_overrides
-from megatron_ext.training.memory import check_fits, estimate_memory, stage_parameters
+from megatron_ext.training.memory import check_run_fits, stage_parameters
 from megatron_ext.checkpoint import storage
 from megatron_ext.training.dry_run import check_paths, check_tokenizer_serves, make_plan
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
@@ -439,7 +439,8 @@ def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None,
     # Everything a launch can get wrong is refused here, before the model is allocated.
     if config.checkpoint.save:
         _check_save_space(config)
-    check_fits(estimate_memory(config, world_size=dist.get_world_size()), *hardware.usable_memory_bytes())
+    usable, where = hardware.usable_memory_bytes()
+    check_run_fits(config, world_size=dist.get_world_size(), usable_bytes=usable, where=where)
     device = hardware.device()
     tokenizer = build_tokenizer(config.tokenizer)
     check_tokenizer_serves(config, tokenizer)
