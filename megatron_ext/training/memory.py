@@ -301,7 +301,8 @@ def _phase_memory_report(config: RunConfig, *, world_size: int, usable: int, whe
         if estimate.total > usable:
             largest = largest_phase_micro_batch(config, i, world_size=world_size, usable_bytes=usable)
             line += (f"; NOT READY, this phase would not fit: set phases[{i}].micro_batch_size: {largest}"
-                     if largest else f"; NOT READY, this phase would not fit even at micro-batch 1: {REDUCE_MEMORY}")
+                     if largest else f"; NOT READY, this phase would not fit, and no micro-batch fits within "
+                     f"{100 * (1 - MICRO_BATCH_HEADROOM):.0f} % of that memory: {REDUCE_MEMORY}")
         lines.append(line)
     return "\n".join(lines)
 

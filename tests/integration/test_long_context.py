@@ -14,6 +14,7 @@ from helpers import tiny_recipe
 from megatron_ext import hardware
 from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.config_loading import UserError
+from megatron_ext.eval import finetuning
 from megatron_ext.hf import export_checkpoint, load_megatron_checkpoint, single_process_model_parallel
 from megatron_ext.training import context
 from megatron_ext.training.config import run_config_from_dict
@@ -93,6 +94,8 @@ def test_export_reads_the_long_phase(straight, tmp_path):
     out = export_checkpoint(checkpoint.path, tmp_path / "hf", log=lambda line: None)
     hf_config = json.loads((out / "config.json").read_text())
     assert hf_config["max_position_embeddings"] == 256
+    # The evaluation harness reads inputs as long as the export's positions allow (99 %, the paper's).
+    assert finetuning.input_length(finetuning.FinetuneConfig(seed=0, lr=1e-5), 256, where="test") == 253
     assert hf_config["rope_parameters"]["rope_theta"] == LONG_BASE if "rope_parameters" in hf_config \
         else hf_config["rope_theta"] == LONG_BASE
     ids = torch.randint(0, 1000, (1, 200), generator=torch.Generator().manual_seed(0))  # beyond the first phase's 64
@@ -108,3 +111,24 @@ def test_export_reads_the_long_phase(straight, tmp_path):
     torch.testing.assert_close(got, expected[..., :got.shape[-1]], atol=1e-5, rtol=1e-5)
     # The base matters at this length: the first phase's gives other logits, beyond the tolerance.
     assert not torch.allclose(first_base[..., :got.shape[-1]], got, atol=1e-5, rtol=1e-5)
+
+
+def test_the_long_context_recipe_plans_each_phase(capsys):
+    """examples/recipes/long_context/: the paper's 610M biphasic run with a final 8,192-token phase at
+    the released EuroBERT's RoPE theta, planned at the paper-scale layout (64 GPUs)."""
+    import re
+    from pathlib import Path
+
+    import pretrain_encoder
+
+    recipe = Path(__file__).resolve().parents[2] / "examples/recipes/long_context/610m_biphasic_long_8192.yaml"
+    assert pretrain_encoder.main(["--config", str(recipe), "--dry-run", "--world-size", "64"]) == 0
+    plan = capsys.readouterr().out
+    assert re.search(r"mlm-40 +steps \[ 37800,  42000\)", plan)
+    assert ("sequence 8192, global 256 = micro 2 x DP 64 x 2, RoPE base 250000; tokens/step 2,097,152 vs "
+            "2,359,296 in phases[0]") in plan
+    assert "sequence 2048, global 1152 = micro 9 x DP 64 x 2, RoPE base 10000; same tokens/step" in plan
+    per_token = [float(x) for x in re.findall(r"; (\S+) FLOPs/token, \S+ FLOPs$", plan, re.M)]
+    assert per_token[2] > per_token[1]  # the same MLM at 4x the length: attention's share grows
+    assert re.search(r"phases\[2\] mlm-40 +seq 8192 x micro 2: params", plan)
+    assert "phases[2] at 8192 tokens:" in plan
