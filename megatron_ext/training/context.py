@@ -179,8 +179,8 @@ def first_context_change(a: Sequence[PhaseContext], b: Sequence[PhaseContext], *
     def key(c: PhaseContext) -> tuple:
         return (c.seq_length, c.global_batch_size, c.rotary_base) + ((c.micro_batch_size,) if micro_batches else ())
 
-    boundaries = sorted({c.phase.start for c in (*a, *b)} | {min(a[-1].phase.end, b[-1].phase.end)})
-    for step in [s for s in boundaries if s < boundaries[-1]]:  # contexts are constant between phase starts
+    shared = min(a[-1].phase.end, b[-1].phase.end)  # the steps both runs train
+    for step in sorted({c.phase.start for c in (*a, *b) if c.phase.start < shared}):  # constant in between
         ca, cb = context_at(a, step), context_at(b, step)
         if key(ca) != key(cb):
             extra = (f", micro batch {ca.micro_batch_size} vs {cb.micro_batch_size}"

@@ -16,7 +16,11 @@ LONG = {"objective": "mlm", "mask_ratio": 0.4, "steps": 2, "seq_length": 256, "r
 
 
 def _config(phases=None, model=None, **data):
-    return run_config_from_dict({
+    return run_config_from_dict(_raw(phases, model, **data))
+
+
+def _raw(phases=None, model=None, **data):
+    return ({
         "model": {"preset": "tiny", "vocab_size": 1024, "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
                   "num_attention_heads": 4, "num_query_groups": 2, **(model or {})},
         "tokenizer": {"tokenizer_model": "unused"},
@@ -104,3 +108,10 @@ def test_branches_and_resumes_compare_the_contexts():
     assert first_divergence(base, other_base).step == 6
     assert first_divergence(base, _config()) is None
     assert context.first_context_change(base.phase_contexts, other_length.phase_contexts)[0] == 6
+
+
+def test_runs_of_other_lengths_compare_on_the_steps_both_train():
+    longer = run_config_from_dict({**_raw(), "phases": [{"objective": "clm", "steps": 6}, {**LONG, "steps": 6}],
+                                   "training": {"train_iters": 12}})
+    assert context.first_context_change(_config().phase_contexts, longer.phase_contexts) is None
+    assert context.first_context_change(longer.phase_contexts, _config().phase_contexts) is None
