@@ -188,3 +188,38 @@ def first_context_change(a: Sequence[PhaseContext], b: Sequence[PhaseContext], *
             return step, (f"step {step} reads {describe(ca)} (phases[{ca.phase.index}]) vs {describe(cb)} "
                           f"(phases[{cb.phase.index}]){extra}")
     return None
+
+
+# --- batch-size ramp-up (``data.rampup_batch_size``) ---------------------------------------------
+
+
+def rampup_schedule(data: DataConfig) -> tuple[tuple[int, int], ...] | None:
+    """``data.rampup_batch_size`` (Megatron-LM's ``start increment samples``) as the
+    ``(first consumed sample, global batch)`` thresholds of Megatron-Core's step batch-size
+    calculator (``StepBatchsizeNumMicroBatchesCalculator``, which replaced its ramp-up calculator):
+    the old calculator's batch ``start + increment x floor(consumed / (samples / increments))``
+    reaches increment ``i`` at the first whole sample >= ``i x samples / increments``."""
+    if data.rampup_batch_size is None:
+        return None
+    start, increment, samples = data.rampup_batch_size
+    increments = (data.global_batch_size - start) // increment
+    return tuple((-(-i * samples // increments), start + i * increment) for i in range(increments + 1))
+
+
+def rampup_schedule_text(schedule: Sequence[tuple[int, int]]) -> str:
+    """The schedule as Megatron-Core's ``step_batch_size_schedule`` string (thresholds in samples)."""
+    return " ".join(f"{threshold}:{batch}" for threshold, batch in schedule)
+
+
+def step_global_batches(data: DataConfig, total_steps: int) -> tuple[int, ...]:
+    """The global batch of each step under ``data.rampup_batch_size`` (the last threshold reached by
+    the samples consumed before the step; ``data.global_batch_size`` throughout without one)."""
+    schedule = rampup_schedule(data)
+    if schedule is None:
+        return (data.global_batch_size,) * total_steps
+    out, consumed = [], 0
+    for _ in range(total_steps):
+        batch = next(b for threshold, b in reversed(schedule) if consumed >= threshold)
+        out.append(batch)
+        consumed += batch
+    return tuple(out)

@@ -136,7 +136,7 @@ def _trainer_state(step: int, config: RunConfig, nonfinite: int, skipped: int, w
                    branched_from: dict | None) -> dict:
     state = {
         "step": step,
-        "consumed_samples": context_lib.consumed_samples(config.phase_contexts, step),  # Megatron's counter
+        "consumed_samples": config.consumed_samples(step),  # Megatron's counter
         "nonfinite_in_a_row": nonfinite,
         "skipped_steps": skipped,
         "wandb_run_id": wandb_run_id,
@@ -246,6 +246,8 @@ class _Batches:
     train: Iterator | None
     segment: context_lib.Segment | None
     valid: list[dict[str, torch.Tensor]]
+    rampup: object | None = None
+    """Megatron-Core's step batch-size calculator of ``data.rampup_batch_size`` (None: no ramp-up)."""
 
     def micro_batches(self, step: int, context: context_lib.PhaseContext) -> Iterator[dict]:
         """The data-parallel rank's micro-batches of ``step`` (whose phase is ``context``'s): from
@@ -254,7 +256,13 @@ class _Batches:
         if segment != self.segment:
             self.train, self.segment = _segment_iterator(self.config, self.tokenizer, segment, step), segment
         dp_size = parallel_state.get_data_parallel_world_size()
-        for _ in range(context.global_batch_size // (context.micro_batch_size * dp_size)):
+        count = self.config.global_batch_size_at(step) // (context.micro_batch_size * dp_size)
+        if self.rampup is not None:  # Megatron's calculator decides; the plan must agree with it
+            self.rampup.update(self.config.consumed_samples(step), consistency_check=True)
+            if self.rampup.get() != count:
+                raise RuntimeError(f"step {step}: Megatron's batch-size calculator gives {self.rampup.get()} "
+                                   f"micro-batches, the plan {count}")
+        for _ in range(count):
             yield next(self.train)
 
 
@@ -291,6 +299,21 @@ def _build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int
                     if any(s.seq_length == data_cfg.seq_length for s in segments) else 1)
             _, valid_ds = data_lib.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=base,
                                                   valid_samples=valid_samples, seed=config.training.seed)
+    elif data_cfg.rampup_batch_size is not None:  # one dataset, read in global batches that grow
+        from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
+
+        end = config.consumed_samples(config.training.train_iters)
+        train_ds, valid_ds = data_lib.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=end,
+                                                     valid_samples=valid_samples, seed=config.training.seed)
+        chunk = data_cfg.micro_batch_size * dp_size  # every batch of the ramp is whole chunks (make_plan)
+        train = data_lib.build_phase_iterator(
+            train_ds, reads=[(data_cfg.micro_batch_size, chunk, config.consumed_samples(start), end)],
+            config=data_cfg, dp_rank=dp_rank, dp_size=dp_size)
+        segment = context_lib.segments(contexts)[0]
+        rampup = StepBatchsizeNumMicroBatchesCalculator(
+            micro_batch_size=data_cfg.micro_batch_size, data_parallel_size=dp_size,
+            decrease_batch_size_if_needed=False, rank=dist.get_rank(),
+            schedule=context_lib.rampup_schedule_text(context_lib.rampup_schedule(data_cfg)))
     else:  # one dataset and sampler for the whole run
         train_ds, valid_ds = data_lib.build_datasets(
             data_cfg, tokenizer=tokenizer, train_samples=config.training.train_iters * data_cfg.global_batch_size,
@@ -303,7 +326,8 @@ def _build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int
         segment = context_lib.segments(contexts)[0]
     valid = [_to_device(b, device) for b in data_lib.build_valid_iterator(
         valid_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size)] if evaluating else []
-    return _Batches(config=config, tokenizer=tokenizer, train=train, segment=segment, valid=valid)
+    return _Batches(config=config, tokenizer=tokenizer, train=train, segment=segment, valid=valid,
+                    rampup=rampup if data_cfg.rampup_batch_size is not None else None)
 
 
 class _NonFiniteGuard:

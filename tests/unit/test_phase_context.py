@@ -15,11 +15,11 @@ from megatron_ext.training.memory import GiB, check_run_fits, largest_phase_micr
 LONG = {"objective": "mlm", "mask_ratio": 0.4, "steps": 2, "seq_length": 256, "rope_base": 160000}
 
 
-def _config(phases=None, model=None, **data):
-    return run_config_from_dict(_raw(phases, model, **data))
+def _config(phases=None, model=None, train_iters=8, **data):
+    return run_config_from_dict(_raw(phases, model, train_iters, **data))
 
 
-def _raw(phases=None, model=None, **data):
+def _raw(phases=None, model=None, train_iters=8, **data):
     return ({
         "model": {"preset": "tiny", "vocab_size": 1024, "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
                   "num_attention_heads": 4, "num_query_groups": 2, **(model or {})},
@@ -27,7 +27,7 @@ def _raw(phases=None, model=None, **data):
         "data": {"data_path": ["unused"], "seq_length": 64, "micro_batch_size": 4, "global_batch_size": 8, **data},
         "schedule": {"lr": 1e-3, "lr_decay_style": "cosine", "lr_warmup_iters": 1},
         "phases": phases or [{"objective": "clm", "steps": 6}, LONG],
-        "training": {"train_iters": 8},
+        "training": {"train_iters": train_iters},
     })
 
 
@@ -115,3 +115,41 @@ def test_runs_of_other_lengths_compare_on_the_steps_both_train():
                                    "training": {"train_iters": 12}})
     assert context.first_context_change(_config().phase_contexts, longer.phase_contexts) is None
     assert context.first_context_change(longer.phase_contexts, _config().phase_contexts) is None
+
+
+@pytest.mark.parametrize("ramp, batch", [((16, 16, 1000), 64), ((32, 32, 1_000_000), 1152), ((2, 2, 7), 8)])
+def test_rampup_is_megatrons(ramp, batch):
+    """The schedule equals Megatron-LM's ramp-up (``start + increment x floor(consumed / (samples /
+    increments))``, its RampupBatchsizeNumMicroBatchesCalculator) at every consumed sample, and
+    Megatron-Core's step calculator fed with it gives the same batches."""
+    from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
+
+    start, increment, samples = ramp
+    config = _config(phases=[{"objective": "clm", "steps": 200}], global_batch_size=batch, micro_batch_size=2,
+                     rampup_batch_size=list(ramp), train_iters=200)
+    schedule = context.rampup_schedule(config.data)
+    calculator = StepBatchsizeNumMicroBatchesCalculator(
+        micro_batch_size=2, data_parallel_size=1, decrease_batch_size_if_needed=False, rank=0,
+        schedule=context.rampup_schedule_text(schedule))
+    per_increment = samples / ((batch - start) // increment)
+    for consumed in [*range(0, min(samples + 50, 3000)), samples - 1, samples, samples + 1]:
+        expected = min(batch, start + increment * int(consumed / per_increment))
+        calculator.update(consumed, consistency_check=False)
+        assert calculator.get_current_global_batch_size() == expected == \
+            next(b for threshold, b in reversed(schedule) if consumed >= threshold), consumed
+    steps = [config.global_batch_size_at(step) for step in range(200)]
+    assert steps[0] == start and steps == sorted(steps)
+    assert config.consumed_samples(200) == sum(steps)
+
+
+def test_rampup_plan_and_refusals():
+    config = _config(phases=[{"objective": "clm", "steps": 8}], rampup_batch_size=[4, 4, 24])
+    plan = format_dry_run(config, make_plan(config, 1))
+    assert "batch ramp-up     4 + 4 per 24 samples to 8 over the first 24 samples" in plan
+    assert "4 from step 0, 8 from step 6" in plan
+    assert "tokens            512/step, 2,560 in total" in plan  # (6 x 4 + 2 x 8) x 64
+    with pytest.raises(UserError, match=r"the ramp's global batch 4 is not divisible by micro_batch_size=4 x "
+                                         r"data-parallel size 2"):
+        make_plan(config, 2)
+    with pytest.raises(ConfigError, match=r"rampup_batch_size needs phases of one sequence length"):
+        _config(rampup_batch_size=[4, 4, 24])
