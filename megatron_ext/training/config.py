@@ -403,9 +403,9 @@ class RunConfig:
             if context.seq_length > self.model.seq_length:
                 raise ConfigError(f"phases[{context.phase.index}].seq_length={context.seq_length} exceeds "
                                   f"model.seq_length={self.model.seq_length}")
-            if varies(contexts) and self.training.cuda_graphs != "none":
-                raise ConfigError(f"training.cuda_graphs={self.training.cuda_graphs!r} captures one shape; phases "
-                                  "with other seq_length or batch sizes need training.cuda_graphs: none")
+        if (varies(contexts) or self.data.rampup_batch_size is not None) and self.training.cuda_graphs != "none":
+            raise ConfigError(f"training.cuda_graphs={self.training.cuda_graphs!r} captures one shape; phases with "
+                              "other seq_length or batch sizes, and a batch-size ramp-up, need training.cuda_graphs: none")
         seq_length = self.data.seq_length
         for index, (phase, context) in enumerate(zip(self.phases, contexts)):
             if problem := phase.objective.selection_problem(context.seq_length,

@@ -482,6 +482,13 @@ def _check_resume_keeps_context(checkpoint: Checkpoint, config: RunConfig) -> No
     meaning would no longer be its own). Other contexts continue a run only explicitly: a branch
     (``checkpoint.branch_from``) or continued pretraining (``checkpoint.finetune``)."""
     saved_raw = checkpoint.run_config()
+    saved_ramp = (saved_raw.get("data") or {}).get("rampup_batch_size")
+    ramp = config.data.rampup_batch_size
+    if (list(saved_ramp) if saved_ramp else None) != (list(ramp) if ramp else None):
+        raise UserError(f"resuming {checkpoint} with another data.rampup_batch_size: {saved_ramp} in the saved run, "
+                        f"{list(ramp) if ramp else None} in this recipe; the steps' batches and data positions would "
+                        "change: keep it, or branch (checkpoint.branch_from) or continue from the weights "
+                        "(checkpoint.finetune)")
     raw_phases = saved_raw.get("phases") or []
     sets_context = any(isinstance(p, dict) and set(p) & set(Phase.CONTEXT_KEYS) for p in raw_phases)
     if not sets_context and not context_lib.varies(config.phase_contexts) and \

@@ -44,3 +44,13 @@ def test_rampup_trains_logs_and_resumes_exactly(tmp_path, tiny_corpus, capsys):
 def test_bad_rampups_are_refused(tmp_path, tiny_corpus, ramp, message):
     with pytest.raises(ValueError, match=message):
         run_config_from_dict(tiny_recipe(tiny_corpus, tmp_path, data={"rampup_batch_size": ramp}))
+
+
+def test_a_resume_with_another_rampup_is_refused(tmp_path, tiny_corpus):
+    recipe = tiny_recipe(tiny_corpus, tmp_path, data=RAMP, training={"train_iters": 8, "eval_interval": 0})
+    pretrain(run_config_from_dict(recipe), exit_after_step=2)
+    changed = tiny_recipe(tiny_corpus, tmp_path, data={"rampup_batch_size": [4, 4, 8]},
+                          training={"train_iters": 8, "eval_interval": 0})
+    with pytest.raises(ValueError, match=r"^resuming .* with another data.rampup_batch_size: \[4, 4, 24\] in the "
+                                         r"saved run, \[4, 4, 8\] in this recipe"):
+        pretrain(run_config_from_dict(changed))
