@@ -132,3 +132,40 @@ def test_the_long_context_recipe_plans_each_phase(capsys):
     assert per_token[2] > per_token[1]  # the same MLM at 4x the length: attention's share grows
     assert re.search(r"phases\[2\] mlm-40 +seq 8192 x micro 2: params", plan)
     assert "phases[2] at 8192 tokens:" in plan
+
+
+def _two_rank_worker(rank: int, rendezvous: str, recipe: dict, out: str) -> None:
+    from pathlib import Path
+
+    from megatron_ext import process_group
+
+    torch.set_num_threads(1)
+    config = run_config_from_dict(recipe)
+    process_group.init_process_group_and_model_parallel(
+        tensor_parallel_size=1, pipeline_parallel_size=config.parallel.pipeline_model_parallel_size,
+        seed=config.training.seed, init_method=rendezvous, rank=rank, world_size=2)
+    result = pretrain(config)
+    process_group.destroy_process_group_and_model_parallel()
+    if rank == 0:
+        Path(out).write_text(json.dumps(result.losses))
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+def test_two_ranks_match_one_rank_across_the_switch(straight, tiny_corpus, tmp_path, layout):
+    """Data parallelism splits each phase's global batch (8 x 64, then 2 x 256 tokens) as one rank
+    reads it; pipeline stages exchange each phase's own shape (PP=2 and its one-stage reference both
+    start from the straight run's weights: a seed initialises each stage from the start of its stream)."""
+    from distributed import run_ranks
+
+    run_dir, _, single = straight
+    parallel, checkpoint = {}, {"save": None}
+    if layout == "pp2":
+        parallel = {"pipeline_model_parallel_size": 2}
+        checkpoint = {"save": None, "load": str(run_dir / "ckpt"), "finetune": True}
+        single = pretrain(run_config_from_dict(_recipe(tiny_corpus, tmp_path / "pp1", checkpoint=checkpoint)))
+    recipe = _recipe(tiny_corpus, tmp_path, parallel=parallel, checkpoint=checkpoint)
+    out = tmp_path / "losses.json"
+    run_ranks(_two_rank_worker, recipe, str(out), world=2, tmp_path=tmp_path)
+    losses = {int(k): v for k, v in json.loads(out.read_text()).items()}
+    for step, loss in single.losses.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), f"step {step}"
