@@ -150,6 +150,7 @@ def _two_rank_worker(rank: int, rendezvous: str, recipe: dict, out: str) -> None
         Path(out).write_text(json.dumps(result.losses))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["dp2", "pp2"])
 def test_two_ranks_match_one_rank_across_the_switch(straight, tiny_corpus, tmp_path, layout):
     """Data parallelism splits each phase's global batch (8 x 64, then 2 x 256 tokens) as one rank
