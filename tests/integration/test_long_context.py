@@ -170,3 +170,17 @@ def test_two_ranks_match_one_rank_across_the_switch(straight, tiny_corpus, tmp_p
     losses = {int(k): v for k, v in json.loads(out.read_text()).items()}
     for step, loss in single.losses.items():
         assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), f"step {step}"
+
+
+def test_a_branch_adds_the_long_phase_to_a_run_that_had_none(straight, tiny_corpus, tmp_path):
+    """The documented continuation: a run trained at 64 tokens throughout, branched at step 4 with the
+    long phase from there, trains steps 5-8 exactly as the run that had the long phase from the start."""
+    _, _, long_from_the_start = straight
+    plain = tiny_recipe(tiny_corpus, tmp_path / "plain")
+    pretrain(run_config_from_dict(plain), exit_after_step=4)
+    branch = _recipe(tiny_corpus, tmp_path / "branch",
+                     checkpoint={"branch_from": str(tmp_path / "plain/ckpt"), "branch_step": 4})
+    result = pretrain(run_config_from_dict(branch))
+    assert result.start_step == 4
+    for step in range(5, 9):
+        assert result.losses[step] == long_from_the_start.losses[step], f"step {step}"
