@@ -125,6 +125,12 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
         speeds = speed_table(args)
         cost = segment_cost(config, run="the run", gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
         print(format_run_cost(cost, speeds.kind, speeds.notices))
+        if len({(c.seq_length, c.global_batch_size) for c in config.phase_contexts}) > 1:  # training.context
+            for context in config.phase_contexts:
+                part = segment_cost(config, run=f"phases[{context.phase.index}]", start=context.phase.start,
+                                    end=context.phase.end, gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
+                hours = "unknown" if part.gpu_hours is None else f"{part.gpu_hours:,.3g} GPU-hours"
+                print(f"  phases[{context.phase.index}] at {context.seq_length} tokens: {part.flops:.3e} FLOPs, {hours}")
         check_budget(args.budget_gpu_hours, cost.gpu_hours, [("the run", cost.gpu_hours or 0.0)], "the run")
         try:  # a plan made on a login node may name paths mounted only on the compute nodes
             print("checked: " + ", ".join(check_paths(config)))

@@ -45,6 +45,22 @@ class Phase:
     restart_warmup: bool = False
     """Restart the learning-rate warmup at this phase's first step."""
 
+    seq_length: int | None = None
+    """Tokens per sample in this phase (None: ``data.seq_length``). A longer final phase is how a
+    run extends its context (EuroBERT's annealing at 8,192): from the phase's first step the data
+    is Megatron's dataset of the same prefixes at this length (``training.context``)."""
+
+    rope_base: float | None = None
+    """RoPE theta in this phase (None: ``model.rotary_base``): long phases raise it."""
+
+    micro_batch_size: int | None = None
+    """Samples per micro-batch in this phase (None: the run's, scaled by ``data.seq_length /
+    seq_length`` so a micro-batch holds no more tokens than the run's)."""
+
+    global_batch_size: int | None = None
+    """Samples per step in this phase (None: the run's, scaled by ``data.seq_length / seq_length``,
+    which keeps the tokens per step; given, the tokens per step may change, which the dry run says)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.objective, Objective):
             raise UserError(f"objective must be one of megatron_ext.objectives.OBJECTIVES' settings, "
@@ -58,6 +74,15 @@ class Phase:
             raise UserError(f"steps must be a positive integer, got {self.steps!r}")
         if self.share is not None and not 0.0 < self.share <= 1.0:
             raise UserError(f"share must be in (0, 1], got {self.share}")
+        for name in ("seq_length", "micro_batch_size", "global_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise UserError(f"{name} must be a positive integer, got {value!r}")
+        if self.rope_base is not None and not self.rope_base > 0:
+            raise UserError(f"rope_base must be > 0, got {self.rope_base!r}")
+
+    CONTEXT_KEYS = ("seq_length", "rope_base", "micro_batch_size", "global_batch_size")
+    """The keys that change what a phase's steps read (``training.context``); saved only when set."""
 
     @classmethod
     def from_config(cls, raw: Any, where: str) -> Phase:
@@ -76,7 +101,8 @@ class Phase:
     def to_config(self) -> dict[str, Any]:
         """The tagged YAML form :meth:`from_config` reads back."""
         return {"objective": self.objective.to_config(), "steps": self.steps, "share": self.share,
-                "restart_warmup": self.restart_warmup}
+                "restart_warmup": self.restart_warmup,
+                **{key: getattr(self, key) for key in self.CONTEXT_KEYS if getattr(self, key) is not None}}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +123,18 @@ class ResolvedPhase:
 
     restart_warmup: bool
     """See :class:`Phase`."""
+
+    seq_length: int | None = None
+    """See :class:`Phase` (None: the run's)."""
+
+    rope_base: float | None = None
+    """See :class:`Phase` (None: the model's)."""
+
+    micro_batch_size: int | None = None
+    """See :class:`Phase` (None: the run's, scaled)."""
+
+    global_batch_size: int | None = None
+    """See :class:`Phase` (None: the run's, scaled)."""
 
     @property
     def name(self) -> str:
@@ -155,7 +193,8 @@ def resolve_phases(phases: Sequence[Phase], total_steps: int) -> list[ResolvedPh
     resolved, start = [], 0
     for i, (phase, length) in enumerate(zip(phases, _phase_lengths(phases, total_steps))):
         resolved.append(ResolvedPhase(index=i, objective=phase.objective, start=start, end=start + length,
-                                      restart_warmup=phase.restart_warmup))
+                                      restart_warmup=phase.restart_warmup,
+                                      **{key: getattr(phase, key) for key in Phase.CONTEXT_KEYS}))
         start += length
     return resolved
 
@@ -300,3 +339,14 @@ def lr_at(
     target = config.lr if step <= warmup else _megatron_lr(step, config, total_steps)
     init = config.lr_warmup_init
     return init + (target - init) * float(step - warmup_start) / float(warmup)
+
+
+def rope_base_after(raw_phases: Any, total_steps: Any, steps_done: int) -> float | None:
+    """The ``rope_base`` a saved run trained its last step with after ``steps_done`` steps: of the
+    phase of step ``steps_done - 1`` in ``raw_phases`` (the run config's phases as
+    :meth:`Phase.to_config` writes them) over ``total_steps``; None when that phase has none (the
+    model's ``rotary_base``) or the saved config has no phases (an import)."""
+    if not isinstance(raw_phases, list) or not raw_phases or not isinstance(total_steps, int):
+        return None
+    phases = [Phase.from_config(raw, f"phases[{i}]") for i, raw in enumerate(raw_phases)]
+    return phase_at(resolve_phases(phases, total_steps), min(max(steps_done - 1, 0), total_steps - 1)).rope_base

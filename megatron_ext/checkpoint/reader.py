@@ -39,6 +39,7 @@ import logging
 import os
 import pickle
 import re
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -56,6 +57,7 @@ from megatron_ext import cuda_on_cpu
 from megatron_ext.checkpoint.storage import one_line
 from megatron_ext.config_loading import UserError, build_dataclass
 from megatron_ext.model.config import EncoderModelConfig, with_current_model_keys
+from megatron_ext.schedule import rope_base_after
 from megatron_ext.tokenizer import TokenizerConfig
 
 logger = logging.getLogger(__name__)
@@ -249,12 +251,18 @@ class Checkpoint:
         return run_config
 
     def model_config(self) -> EncoderModelConfig:
-        """The architecture of the saved weights (the run config's ``model`` section)."""
+        """The architecture of the saved weights (the run config's ``model`` section), with the RoPE
+        base the weights were last trained with: a phase's ``rope_base`` (a long-context phase)
+        replaces ``model.rotary_base`` in checkpoints saved during or after it, so exports,
+        evaluation and inference read positions as training did."""
         where = f"{self.path / RUN_CONFIG} model"
         run_config = self.run_config()
         if "model" not in run_config:
             raise UserError(f"{where}: missing; expected the saved model section")
-        return build_dataclass(EncoderModelConfig, run_config["model"], where)
+        config = build_dataclass(EncoderModelConfig, run_config["model"], where)
+        rope_base = rope_base_after(run_config.get("phases"), (run_config.get("training") or {}).get("train_iters"),
+                                    self.step)
+        return config if rope_base is None else dataclasses.replace(config, rotary_base=float(rope_base))
 
     def tokenizer_config(self) -> TokenizerConfig:
         """The tokenizer the weights expect (``tokenizer_reference.json``: the ``TokenizerConfig``

@@ -45,9 +45,11 @@ from megatron_ext.checkpoint.reader import Checkpoint, OptimizerCheckpointState,
 from megatron_ext.config_loading import UserError
 from megatron_ext.tokenizer import EncoderTokenizer
 
-RESUME_MAY_CHANGE_MODEL = ("transformer_impl", "depth_scaled_init")
+RESUME_MAY_CHANGE_MODEL = ("transformer_impl", "depth_scaled_init", "seq_length")
 """Model fields that may differ on resume: the attention kernels (te and local load the same
-weights) and how weights are initialised (loaded weights replace them)."""
+weights), how weights are initialised (loaded weights replace them) and the longest input accepted
+(a guard: RoPE has no learned table). The lengths a resumed run's steps read are compared with the
+saved run's by the trainer (``training.loop``: a resume keeps each phase's context)."""
 
 BRANCHED_FROM = "branched_from"
 """Trainer-state key of a branch's parent, ``{"save": its save directory (absolute), "step": the

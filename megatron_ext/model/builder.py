@@ -80,6 +80,9 @@ class EncoderModel(GPTModel):
             position_embedding_type="none",
         )
         self.encoder_config = config
+        self.rotary_base = config.rotary_base
+        """RoPE theta of the next forward passes: ``config.rotary_base`` until a phase with its own
+        ``rope_base`` sets it (a float used per call: no buffer, nothing saved with the weights)."""
 
     def rotary_embedding(
         self, seq_len: int, position_ids: Tensor | None, device: torch.device
@@ -90,7 +93,7 @@ class EncoderModel(GPTModel):
         """
         d = self.encoder_config.head_dim
         exponents = torch.arange(0, d, 2, dtype=torch.float32, device=device) / d
-        inv_freq = self.encoder_config.rotary_base**-exponents
+        inv_freq = self.rotary_base**-exponents
         if position_ids is None:
             positions = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None]
         else:

@@ -39,12 +39,14 @@ from typing import Any
 from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.schedule import ResolvedPhase, lr_at
 from megatron_ext.training.config import RunConfig, run_config_from_dict
+from megatron_ext.training.context import dataset_samples, first_context_change, segments, varies
 from megatron_ext.training.data import sample_order
 
 NOT_COMPARED: dict[str, frozenset[str] | None] = {
     # how a step is run, not what it computes (a resume may change these too); bitwise equality of a
     # branched run with the same kernels is what the exactness tests measure
-    "model": frozenset({"transformer_impl"}),
+    "model": frozenset({"transformer_impl",
+                        "seq_length"}),  # a guard on inputs; the lengths steps read are compared per phase
     "data": frozenset({"num_workers", "data_cache_path", "eval_iters", "max_tokens_to_scan"}),
     "optimizer": frozenset({"fused"}),
     "training": frozenset({
@@ -123,6 +125,9 @@ def first_divergence(a: RunConfig, b: RunConfig, *,
     ta, tb = a.training.train_iters, b.training.train_iters
     if data_order is not None and ta != tb and (order_a := data_order(a)) != (order_b := data_order(b)):
         return Divergence(step=0, reason=f"sample order at train_iters {ta} ({order_a!r}) vs {tb} ({order_b!r})")
+    if (change := first_context_change(a.phase_contexts, b.phase_contexts, micro_batches=True)) is not None:
+        step, reason = change
+        return Divergence(step=step, reason=reason)
     pa, pb = a.resolved_phases, b.resolved_phases
     ia = ib = 0
     for step in range(min(ta, tb)):
@@ -169,7 +174,15 @@ def data_order(config: RunConfig) -> tuple:
     """The sample-order key of ``first_divergence``: per dataset of the blend, ``(prefix, epochs,
     final epoch shuffled apart)`` for ``train_iters x global_batch_size`` samples
     (``training.data.sample_order``; equal keys: the same samples in the same order)."""
-    return sample_order(config.data, train_samples=config.training.train_iters * config.data.global_batch_size)
+    contexts = config.phase_contexts
+    if not varies(contexts):
+        return sample_order(config.data, train_samples=config.training.train_iters * config.data.global_batch_size)
+    # One dataset per sequence length (training.context), each sized for what its phases read.
+    all_segments = segments(contexts)
+    lengths = sorted({segment.seq_length for segment in all_segments})
+    first_at = {length: next(s for s in all_segments if s.seq_length == length).contexts[0] for length in lengths}
+    return tuple((length, sample_order(first_at[length].data_config(config.data),
+                                       train_samples=dataset_samples(all_segments, length))) for length in lengths)
 
 
 def check_saved_parent(parent_run_config: dict, child: RunConfig, step: int, *, where: str) -> None:

@@ -58,6 +58,12 @@ class DataConfig:
     """``--micro-batch-size``: samples per forward/backward pass on one data-parallel rank."""
     global_batch_size: int
     """``--global-batch-size``: samples per optimizer step, over all data-parallel ranks."""
+    rampup_batch_size: tuple[int, ...] | None = None
+    """``--rampup-batch-size``: ``[start, increment, samples]``, Megatron-LM's batch-size ramp-up:
+    the global batch starts at ``start`` and grows by ``increment`` in equal steps over the first
+    ``samples`` samples to ``global_batch_size``, then stays there. Run through Megatron-Core's
+    step batch-size calculator (``training.context.rampup_schedule``); every size must divide by
+    ``micro_batch_size`` x the data-parallel size. None: no ramp-up."""
     num_workers: int = 0
     """``--num-workers``: DataLoader worker processes (0: load in the training process)."""
     data_cache_path: str | None = None
@@ -92,6 +98,13 @@ class DataConfig:
         for name in ("seq_length", "micro_batch_size", "global_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if self.rampup_batch_size is not None:
+            ramp = self.rampup_batch_size
+            if len(ramp) != 3 or ramp[0] < 1 or ramp[1] < 1 or ramp[2] < 0:
+                raise UserError(f"rampup_batch_size: expected [start >= 1, increment >= 1, samples >= 0], got {list(ramp)}")
+            if ramp[0] >= self.global_batch_size or (self.global_batch_size - ramp[0]) % ramp[1]:
+                raise UserError(f"rampup_batch_size {list(ramp)}: global_batch_size {self.global_batch_size} must be "
+                                f"start + a whole number (>= 1) of increments, as in Megatron")
         for name in ("num_workers", "eval_iters", "max_tokens_to_scan"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name}: expected >= 0, got {getattr(self, name)}")
@@ -385,9 +398,31 @@ class RunConfig:
         except ValueError as err:
             raise ConfigError(f"schedule: {err}") from err
         object.__setattr__(self, "_resolved_phases", tuple(resolved))  # frozen: set once, here
+        from megatron_ext.training.context import phase_contexts, varies
+
+        try:
+            contexts = phase_contexts(resolved, data=self.data, rotary_base=self.model.rotary_base)
+        except UserError as err:
+            raise ConfigError(str(err)) from err
+        object.__setattr__(self, "_phase_contexts", contexts)
+        if self.data.rampup_batch_size is not None and varies(contexts):
+            raise ConfigError("data.rampup_batch_size needs phases of one sequence length and batch (no phase "
+                              "seq_length, micro_batch_size or global_batch_size)")
+        from megatron_ext.training.context import step_global_batches
+
+        object.__setattr__(self, "_step_batches", step_global_batches(self.data, self.training.train_iters)
+                           if self.data.rampup_batch_size is not None else None)
+        for context in contexts:
+            if context.seq_length > self.model.seq_length:
+                raise ConfigError(f"phases[{context.phase.index}].seq_length={context.seq_length} exceeds "
+                                  f"model.seq_length={self.model.seq_length}")
+        if (varies(contexts) or self.data.rampup_batch_size is not None) and self.training.cuda_graphs != "none":
+            raise ConfigError(f"training.cuda_graphs={self.training.cuda_graphs!r} captures one shape; phases with "
+                              "other seq_length or batch sizes, and a batch-size ramp-up, need training.cuda_graphs: none")
         seq_length = self.data.seq_length
-        for index, phase in enumerate(self.phases):
-            if problem := phase.objective.selection_problem(seq_length, lambda field: f"phases[{index}].{field}"):
+        for index, (phase, context) in enumerate(zip(self.phases, contexts)):
+            if problem := phase.objective.selection_problem(context.seq_length,
+                                                            lambda field: f"phases[{index}].{field}"):
                 raise ConfigError(problem)
         if self.training.eval_interval:
             for objective in self.validation_objectives().values():
@@ -403,6 +438,28 @@ class RunConfig:
         """The phases with their step ranges at ``training.train_iters``: resolved once, when the
         config is built (every reader of a run's phases takes them from here)."""
         return self._resolved_phases
+
+    @property
+    def phase_contexts(self):
+        """Each phase's sequence length, RoPE base and batch sizes (``training.context``), resolved
+        once, when the config is built."""
+        return self._phase_contexts
+
+    def global_batch_size_at(self, step: int) -> int:
+        """The global batch of step ``step``: its phase's, or ``data.rampup_batch_size``'s ramp."""
+        if self._step_batches is not None:
+            return self._step_batches[step]
+        from megatron_ext.training.context import context_at
+
+        return context_at(self._phase_contexts, step).global_batch_size
+
+    def consumed_samples(self, step: int) -> int:
+        """Megatron's ``consumed_samples`` after ``step`` steps: the sum of their global batches."""
+        if self._step_batches is not None:
+            return sum(self._step_batches[:step])
+        from megatron_ext.training.context import consumed_samples
+
+        return consumed_samples(self._phase_contexts, step)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (YAML/JSON-able); :func:`run_config_from_dict` reads it back."""
@@ -573,8 +630,9 @@ def run_config_from_dict(raw: dict[str, Any], *, tokenizer_vocab_size: int | Non
     if not isinstance(raw["phases"], list) or not raw["phases"]:
         raise ConfigError("phases: expected a non-empty list of phases")
     phases = tuple(coerce(p, Phase, f"phases[{i}]") for i, p in enumerate(raw["phases"]))
+    longest = max([data.seq_length, *(p.seq_length for p in phases if p.seq_length is not None)])
     return RunConfig(
-        model=_model_config(sections["model"], data_seq_length=data.seq_length,
+        model=_model_config(sections["model"], data_seq_length=longest,
                             tokenizer_vocab_size=tokenizer_vocab_size, tp=parallel.tensor_model_parallel_size),
         tokenizer=build_dataclass(TokenizerConfig, sections["tokenizer"], "tokenizer"),
         data=data,

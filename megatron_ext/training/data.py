@@ -465,3 +465,21 @@ def build_valid_iterator(
         start=0, stop=stop, micro_batch_size=config.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size
     )
     return _micro_batches(dataset, sampler, config)
+
+
+def build_phase_iterator(dataset: Dataset, *, reads: list[tuple[int, int, int, int]], config: DataConfig,
+                         dp_rank: int, dp_size: int) -> Iterator[dict]:
+    """Micro-batches of data-parallel rank ``dp_rank`` over consecutive sample ranges of ``dataset``,
+    each ``(micro_batch_size, global_batch_size, start, stop)``: the phases of one sequence length
+    (``training.context``), which may differ in batch sizes. Global batch ``k`` of a range is its
+    samples ``[start + k x global_batch_size, ...)``, cut as ``build_train_iterator`` cuts them."""
+    _check_dp(config, dp_rank, dp_size)
+    for micro_batch_size, global_batch_size, start, stop in reads:
+        if (stop - start) % global_batch_size or start < 0:
+            raise ValueError(f"samples [{start}, {stop}) are not whole global batches of {global_batch_size}")
+        if stop > len(dataset):
+            raise UserError(f"the train dataset has {len(dataset)} samples, samples up to {stop} are needed; "
+                            "build it with more train_samples")
+        sampler = _MicroBatchSampler(start=start, stop=stop, micro_batch_size=micro_batch_size,
+                                     dp_rank=dp_rank, dp_size=dp_size)
+        yield from _micro_batches(dataset, sampler, config)

@@ -9,6 +9,7 @@ from megatron_ext.model.config import parameter_count, tensor_parallel_problem
 from megatron_ext.schedule import lr_at
 from megatron_ext.tokenizer import EncoderTokenizer
 from megatron_ext.training.config import RunConfig
+from megatron_ext.training.context import rampup_schedule, varies
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, mean_lm_head_share
 
 
@@ -54,6 +55,16 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
             f"data.global_batch_size={d.global_batch_size} is not divisible by micro_batch_size="
             f"{d.micro_batch_size} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp}))"
         )
+    for batch in sorted({b for _, b in rampup_schedule(d) or ()}):
+        if batch % (d.micro_batch_size * dp):
+            raise UserError(f"data.rampup_batch_size {list(d.rampup_batch_size)}: the ramp's global batch {batch} is not "
+                            f"divisible by micro_batch_size={d.micro_batch_size} x data-parallel size {dp}")
+    for c in config.phase_contexts:
+        if c.global_batch_size % (c.micro_batch_size * dp):
+            raise UserError(
+                f"phases[{c.phase.index}]: global batch {c.global_batch_size} is not divisible by micro batch "
+                f"{c.micro_batch_size} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp})); set "
+                f"phases[{c.phase.index}].micro_batch_size / global_batch_size")
     phases = config.resolved_phases
     names = tuple((p.name, p.start, p.end) for p in phases)
     tokens_per_step = d.global_batch_size * d.seq_length
@@ -61,7 +72,9 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
     return RunPlan(
         world_size=world_size, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
         micro_batches_per_step=d.global_batch_size // (d.micro_batch_size * dp),
-        tokens_per_step=tokens_per_step, total_tokens=tokens_per_step * config.training.train_iters,
+        tokens_per_step=tokens_per_step,
+        total_tokens=sum(c.seq_length * sum(config.global_batch_size_at(step) for step in range(c.phase.start, c.phase.end))
+                         for c in config.phase_contexts),
         parameters=parameter_count(m), total_flops=total_flops, phases=names,
     )
 
@@ -70,18 +83,17 @@ def phase_flops(config: RunConfig, start: int = 0, end: int | None = None) -> li
     """``(objective tag, training FLOPs)`` of each phase's steps within ``[start, end)`` (default:
     the whole run), in the convention of ``metrics.MFU_CONVENTION``: what a segment of a study
     trains, per objective."""
-    d = config.data
     end = config.training.train_iters if end is None else end
-    tokens_per_step = d.global_batch_size * d.seq_length
     found = []
-    for p in config.resolved_phases:
+    for p, c in zip(config.resolved_phases, config.phase_contexts):  # each phase at its own length (attention)
         lo, hi = max(start, p.start), min(end, p.end)
         if hi <= lo:
             continue
-        share = mean_lm_head_share(p, seq_length=d.seq_length, scored_only=config.training.lm_head_scored_only,
+        share = mean_lm_head_share(p, seq_length=c.seq_length, scored_only=config.training.lm_head_scored_only,
                                    steps=None if (lo, hi) == (p.start, p.end) else range(lo, hi))
-        found.append((p.objective.tag,
-                      (hi - lo) * tokens_per_step * flops_per_token(config.model, d.seq_length, lm_head_share=share)))
+        tokens = c.tokens_per_step * (hi - lo) if config.data.rampup_batch_size is None else \
+            c.seq_length * sum(config.global_batch_size_at(step) for step in range(lo, hi))
+        found.append((p.objective.tag, tokens * flops_per_token(config.model, c.seq_length, lm_head_share=share)))
     return found
 
 
@@ -101,6 +113,7 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
         f"vocab {config.model.vocab_size:,}, {plan.parameters:,} parameters ({config.model.transformer_impl} layers)",
         f"batch             global {d.global_batch_size} = micro {d.micro_batch_size} x DP {plan.data_parallel} x "
         f"{plan.micro_batches_per_step} micro-batches/step, sequence {d.seq_length}",
+        *_rampup_lines(config, plan),
         f"tokens            {plan.tokens_per_step:,}/step, {plan.total_tokens:,} in total ({plan.total_tokens / 1e9:.2f}B)",
         f"compute           {plan.total_flops / plan.total_tokens:.3e} FLOPs/token on average, "
         f"{plan.total_flops:.3e} FLOPs in total [{MFU_CONVENTION}]",
@@ -113,14 +126,27 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
         + f", min {s.min_lr:g}",
         "phases:",
     ]
-    for (name, start, end), phase in zip(plan.phases, phases):
+    contexts = config.phase_contexts
+    first_tokens = contexts[0].tokens_per_step
+    flops = phase_flops(config)
+    for (name, start, end), phase, context, (_, phase_total) in zip(plan.phases, phases, contexts, flops):
         lr_start = lr_at(start, config=s, total_steps=total, phases=phases)
         lr_end = lr_at(end - 1, config=s, total_steps=total, phases=phases)
         lines.append(
             f"  {name:<9} steps [{start:>6}, {end:>6})  {end - start:>6} steps  "
-            f"{(end - start) * plan.tokens_per_step / 1e9:8.3f}B tokens  lr {lr_start:.2e} -> {lr_end:.2e}"
+            f"{(end - start) * context.tokens_per_step / 1e9:8.3f}B tokens  lr {lr_start:.2e} -> {lr_end:.2e}"
             + ("  (warmup restarts)" if phase.restart_warmup else "")
         )
+        if varies(contexts) or len({c.rotary_base for c in contexts}) > 1:
+            # Each phase's own length: attention's FLOPs per token grow with it.
+            kept = ("same tokens/step" if context.tokens_per_step == first_tokens
+                    else f"tokens/step {context.tokens_per_step:,} vs {first_tokens:,} in phases[0]")
+            lines.append(
+                f"            sequence {context.seq_length}, global {context.global_batch_size} = micro "
+                f"{context.micro_batch_size} x DP {plan.data_parallel} x "
+                f"{context.global_batch_size // (context.micro_batch_size * plan.data_parallel)}, RoPE base "
+                f"{context.rotary_base:g}; {kept}; {phase_total / ((end - start) * context.tokens_per_step):.3e} "
+                f"FLOPs/token, {phase_total:.3e} FLOPs")
     p = config.parallel
     params = {"bfloat16": "bf16 parameters (fp32 main parameters)", "float32": "fp32 parameters"}.get(
         config.model.params_dtype, f"{config.model.params_dtype} parameters")
@@ -146,6 +172,22 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
     )
     lines.append(f"data              {' '.join(map(str, d.data_path))} (split {d.split})")
     return "\n".join(lines)
+
+
+def _rampup_lines(config: RunConfig, plan: RunPlan) -> list[str]:
+    """The batch-size ramp-up (``data.rampup_batch_size``): its sizes and the steps at each."""
+    schedule = rampup_schedule(config.data)
+    if schedule is None:
+        return []
+    start, increment, samples = config.data.rampup_batch_size
+    total = config.training.train_iters
+    first_step = {}
+    for step in range(total):
+        first_step.setdefault(config.global_batch_size_at(step), step)
+    reached = ", ".join(f"{batch} from step {first_step[batch]}" for _, batch in schedule if batch in first_step)
+    return [f"batch ramp-up     {start} + {increment} per {samples / (len(schedule) - 1):,.0f} samples to "
+            f"{config.data.global_batch_size} over the first {samples:,} samples (Megatron-LM --rampup-batch-size): "
+            f"{reached}"]
 
 
 def check_tokenizer_serves(config: RunConfig, tokenizer: EncoderTokenizer) -> None:

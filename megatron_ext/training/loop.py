@@ -45,10 +45,12 @@ from megatron_ext.checkpoint.resume import BRANCHED_FROM, load_starting_point
 from megatron_ext.checkpoint.writer import CheckpointSaver
 from megatron_ext.training import data as data_lib
 from megatron_ext.training import cuda_graphs
+from megatron_ext.training import context as context_lib
 from megatron_ext.training.branching import check_saved_parent
-from megatron_ext.training.config import RunConfig
+from megatron_ext.training.config import RunConfig, run_config_from_dict
+from megatron_ext.schedule import Phase
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, StepOutcome, megatron_transformer_overrides
-from megatron_ext.training.memory import check_fits, estimate_memory, stage_parameters
+from megatron_ext.training.memory import check_run_fits, stage_parameters
 from megatron_ext.checkpoint import storage
 from megatron_ext.training.dry_run import check_paths, check_tokenizer_serves, make_plan
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
@@ -134,7 +136,7 @@ def _trainer_state(step: int, config: RunConfig, nonfinite: int, skipped: int, w
                    branched_from: dict | None) -> dict:
     state = {
         "step": step,
-        "consumed_samples": step * config.data.global_batch_size,
+        "consumed_samples": config.consumed_samples(step),  # Megatron's counter
         "nonfinite_in_a_row": nonfinite,
         "skipped_steps": skipped,
         "wandb_run_id": wandb_run_id,
@@ -235,12 +237,49 @@ def _build_model_and_engine(config: RunConfig, device: torch.device) -> Megatron
 
 @dataclass(kw_only=True)
 class _Batches:
-    """What the steps read: the training iterator positioned at the first step to run, and the
-    validation batches (the same fixed ones at every evaluation, kept on the device)."""
+    """What the steps read: the training iterator of the current data segment (``training.context``),
+    positioned at the next step, and the validation batches (the same fixed ones at every
+    evaluation, kept on the device)."""
 
-    train: Iterator
-    micro_per_step: int
+    config: RunConfig
+    tokenizer: EncoderTokenizer
+    train: Iterator | None
+    segment: context_lib.Segment | None
     valid: list[dict[str, torch.Tensor]]
+    rampup: object | None = None
+    """Megatron-Core's step batch-size calculator of ``data.rampup_batch_size`` (None: no ramp-up)."""
+
+    def micro_batches(self, step: int, context: context_lib.PhaseContext) -> Iterator[dict]:
+        """The data-parallel rank's micro-batches of ``step`` (whose phase is ``context``'s): from
+        the iterator of its segment, built at the segment's first step or where a resume starts."""
+        segment = context_lib.segment_at(context_lib.segments(self.config.phase_contexts), step)
+        if segment != self.segment:
+            self.train, self.segment = _segment_iterator(self.config, self.tokenizer, segment, step), segment
+        dp_size = parallel_state.get_data_parallel_world_size()
+        count = self.config.global_batch_size_at(step) // (context.micro_batch_size * dp_size)
+        if self.rampup is not None:  # Megatron's calculator decides; the plan must agree with it
+            self.rampup.update(self.config.consumed_samples(step), consistency_check=True)
+            if self.rampup.get() != count:
+                raise RuntimeError(f"step {step}: Megatron's batch-size calculator gives {self.rampup.get()} "
+                                   f"micro-batches, the plan {count}")
+        for _ in range(count):
+            yield next(self.train)
+
+
+def _segment_iterator(config: RunConfig, tokenizer: EncoderTokenizer, segment: context_lib.Segment,
+                      step: int) -> Iterator:
+    """Micro-batches of ``segment`` from ``step`` on: Megatron's dataset of the run's prefixes at the
+    segment's length, sized for every sample that length's segments read (``training.context``)."""
+    data_cfg = segment.contexts[0].data_config(config.data)
+    train_ds, _ = data_lib.build_datasets(
+        data_cfg, tokenizer=tokenizer,
+        train_samples=context_lib.dataset_samples(context_lib.segments(config.phase_contexts), segment.seq_length),
+        valid_samples=0, seed=config.training.seed)
+    reads = [(c.micro_batch_size, c.global_batch_size, segment.sample_at(max(step, c.phase.start)),
+              segment.sample_at(c.phase.end)) for c in segment.contexts if c.phase.end > step]
+    return data_lib.build_phase_iterator(train_ds, reads=reads, config=data_cfg,
+                                         dp_rank=parallel_state.get_data_parallel_rank(),
+                                         dp_size=parallel_state.get_data_parallel_world_size())
 
 
 def _build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int, device: torch.device) -> _Batches:
@@ -248,18 +287,47 @@ def _build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     evaluating = bool(config.training.eval_interval and data_cfg.eval_iters)
-    train_ds, valid_ds = data_lib.build_datasets(
-        data_cfg, tokenizer=tokenizer, train_samples=config.training.train_iters * data_cfg.global_batch_size,
-        valid_samples=data_cfg.eval_iters * data_cfg.global_batch_size if evaluating else 0,
-        seed=config.training.seed,
-    )
-    train = data_lib.build_train_iterator(
-        train_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size, consumed_samples=start * data_cfg.global_batch_size,
-    )  # checks that micro-batch x data-parallel size divides the global batch
+    valid_samples = data_cfg.eval_iters * data_cfg.global_batch_size if evaluating else 0
+    contexts = config.phase_contexts
+    if context_lib.varies(contexts):
+        # Training data per segment, built as the steps reach it; validation at the run's
+        # data.seq_length in every phase, so that its losses compare over the whole run.
+        train, segment = None, None
+        if evaluating:
+            segments = context_lib.segments(contexts)
+            base = (context_lib.dataset_samples(segments, data_cfg.seq_length)
+                    if any(s.seq_length == data_cfg.seq_length for s in segments) else 1)
+            _, valid_ds = data_lib.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=base,
+                                                  valid_samples=valid_samples, seed=config.training.seed)
+    elif data_cfg.rampup_batch_size is not None:  # one dataset, read in global batches that grow
+        from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
+
+        end = config.consumed_samples(config.training.train_iters)
+        train_ds, valid_ds = data_lib.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=end,
+                                                     valid_samples=valid_samples, seed=config.training.seed)
+        chunk = data_cfg.micro_batch_size * dp_size  # every batch of the ramp is whole chunks (make_plan)
+        train = data_lib.build_phase_iterator(
+            train_ds, reads=[(data_cfg.micro_batch_size, chunk, config.consumed_samples(start), end)],
+            config=data_cfg, dp_rank=dp_rank, dp_size=dp_size)
+        segment = context_lib.segments(contexts)[0]
+        rampup = StepBatchsizeNumMicroBatchesCalculator(
+            micro_batch_size=data_cfg.micro_batch_size, data_parallel_size=dp_size,
+            decrease_batch_size_if_needed=False, rank=dist.get_rank(),
+            schedule=context_lib.rampup_schedule_text(context_lib.rampup_schedule(data_cfg)))
+    else:  # one dataset and sampler for the whole run
+        train_ds, valid_ds = data_lib.build_datasets(
+            data_cfg, tokenizer=tokenizer, train_samples=config.training.train_iters * data_cfg.global_batch_size,
+            valid_samples=valid_samples, seed=config.training.seed,
+        )
+        train = data_lib.build_train_iterator(
+            train_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size,
+            consumed_samples=start * data_cfg.global_batch_size,
+        )
+        segment = context_lib.segments(contexts)[0]
     valid = [_to_device(b, device) for b in data_lib.build_valid_iterator(
         valid_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size)] if evaluating else []
-    return _Batches(train=train, micro_per_step=data_cfg.global_batch_size // (data_cfg.micro_batch_size * dp_size),
-                    valid=valid)
+    return _Batches(config=config, tokenizer=tokenizer, train=train, segment=segment, valid=valid,
+                    rampup=rampup if data_cfg.rampup_batch_size is not None else None)
 
 
 class _NonFiniteGuard:
@@ -395,7 +463,8 @@ def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None,
     # Everything a launch can get wrong is refused here, before the model is allocated.
     if config.checkpoint.save:
         _check_save_space(config)
-    check_fits(estimate_memory(config, world_size=dist.get_world_size()), *hardware.usable_memory_bytes())
+    usable, where = hardware.usable_memory_bytes()
+    check_run_fits(config, world_size=dist.get_world_size(), usable_bytes=usable, where=where)
     device = hardware.device()
     tokenizer = build_tokenizer(config.tokenizer)
     check_tokenizer_serves(config, tokenizer)
@@ -405,6 +474,36 @@ def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None,
                              lock=lock)
     finally:
         engine.close()  # its CUDA graphs, whatever ends the run
+
+
+def _check_resume_keeps_context(checkpoint: Checkpoint, config: RunConfig) -> None:
+    """Refuse, in one line, to resume ``checkpoint`` with phases that read other sequence lengths,
+    RoPE bases or global batches than the run that saved it (its data positions and positions'
+    meaning would no longer be its own). Other contexts continue a run only explicitly: a branch
+    (``checkpoint.branch_from``) or continued pretraining (``checkpoint.finetune``)."""
+    saved_raw = checkpoint.run_config()
+    saved_ramp = (saved_raw.get("data") or {}).get("rampup_batch_size")
+    ramp = config.data.rampup_batch_size
+    if (list(saved_ramp) if saved_ramp else None) != (list(ramp) if ramp else None):
+        raise UserError(f"resuming {checkpoint} with another data.rampup_batch_size: {saved_ramp} in the saved run, "
+                        f"{list(ramp) if ramp else None} in this recipe; the steps' batches and data positions would "
+                        "change: keep it, or branch (checkpoint.branch_from) or continue from the weights "
+                        "(checkpoint.finetune)")
+    raw_phases = saved_raw.get("phases") or []
+    sets_context = any(isinstance(p, dict) and set(p) & set(Phase.CONTEXT_KEYS) for p in raw_phases)
+    if not sets_context and not context_lib.varies(config.phase_contexts) and \
+            (saved_raw.get("data") or {}).get("seq_length") == config.data.seq_length:
+        return  # one length, the same, in both: nothing to compare (and older configs need not read)
+    try:
+        saved = run_config_from_dict(saved_raw)
+    except UserError as error:
+        raise UserError(f"resuming {checkpoint}: its saved run config does not read as a recipe: {error}") from None
+    if (change := context_lib.first_context_change(saved.phase_contexts, config.phase_contexts)) is not None:
+        raise UserError(
+            f"resuming {checkpoint} with other phase contexts: {change[1]} (saved run vs this recipe); a resume keeps "
+            "each phase's seq_length, rope_base and global batch: continue with others as a branch "
+            "(checkpoint.branch_from + branch_step) or continued pretraining (checkpoint.load + finetune), "
+            "docs/pretraining.md")
 
 
 def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: EncoderTokenizer, device: torch.device,
@@ -418,6 +517,8 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
         model_fields=json.loads(json.dumps(config.to_dict()["model"])),  # as saved: lists, not tuples
         branch_check=lambda parent, step: check_saved_parent(parent, config, step, where=where))
     state = starting_point.trainer_state
+    if state and not starting_point.from_parent:
+        _check_resume_keeps_context(starting_point.checkpoint, config)
     if starting_point.from_parent:
         state = {key: value for key, value in state.items() if key not in PARENT_ONLY}
     hardware.set_rng_state(state)
@@ -483,9 +584,12 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
     for step in range(start, total):
         done = step + 1
         phase = phase_at(phases, step)
+        context = context_lib.context_at(config.phase_contexts, step)
+        engine.checkpoint_model.rotary_base = context.rotary_base  # the phase's RoPE theta, from its first step
         lr = lr_at(step, config=config.schedule, total_steps=total, phases=phases)
-        micro_batches = [_micro_batch(next(batches.train), step, phase, micro * dp_size + dp_rank, config=config,
-                                      vocabulary=vocabulary, device=device) for micro in range(batches.micro_per_step)]
+        micro_batches = [_micro_batch(batch, step, phase, micro * dp_size + dp_rank, config=config,
+                                      vocabulary=vocabulary, device=device)
+                         for micro, batch in enumerate(batches.micro_batches(step, context))]
         outcome = engine.train_step(micro_batches, lr)
         checkpoints.poll()
         guard.update(done, outcome, phase)

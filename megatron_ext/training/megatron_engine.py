@@ -183,10 +183,14 @@ class MegatronEngine(TrainingState):
         return output, loss_func
 
     def _run(self, micro_batches: Sequence[MicroBatch], *, forward_only: bool) -> tuple[float, float]:
+        # The shape the pipeline's stages exchange: the batches' own (a phase may change the
+        # sequence length and the micro-batch size, ``training.context``).
         d = self.config.data
+        micro_batch_size, seq_length = (tuple(micro_batches[0].objective.input_ids.shape) if micro_batches
+                                        else (d.micro_batch_size, d.seq_length))
         reported = self.forward_backward(
             forward_step_func=self._forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
-            num_microbatches=len(micro_batches), seq_length=d.seq_length, micro_batch_size=d.micro_batch_size,
+            num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
             forward_only=forward_only,
         )
         totals = torch.zeros(2, dtype=torch.float64, device=hardware.device())

@@ -136,12 +136,30 @@ def stage_parameters(config: EncoderModelConfig, *, tensor_parallel: int, pipeli
 
 
 def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:
-    """Peak bytes per rank of ``config`` at ``world_size`` processes (module docstring)."""
+    """Peak bytes per rank of ``config`` at ``world_size`` processes (module docstring): of its
+    most demanding phase when phases read other lengths or batches (``training.context``)."""
+    return max(phase_memory(config, world_size=world_size), key=lambda estimate: estimate.total)
+
+
+def phase_memory(config: RunConfig, *, world_size: int) -> list[MemoryEstimate]:
+    """Peak bytes per rank of each phase at its own sequence length and micro-batch
+    (``training.context``); one estimate for all when no phase changes them."""
+    from megatron_ext.training.context import varies
+
+    contexts = config.phase_contexts
+    if not varies(contexts):
+        return [_estimate(config, world_size=world_size, data=config.data, phases=config.resolved_phases)] * len(contexts)
+    return [_estimate(config, world_size=world_size, data=c.data_config(config.data), phases=(c.phase,))
+            for c in contexts]
+
+
+def _estimate(config: RunConfig, *, world_size: int, data, phases) -> MemoryEstimate:
+    """Peak bytes per rank of ``phases`` of ``config`` read as ``data`` (a ``DataConfig``)."""
     from megatron_ext.training.metrics import peak_lm_head_share
     from megatron_ext.training.dry_run import make_plan
 
     plan = make_plan(config, world_size)
-    m, d, t, p = config.model, config.data, config.training, config.parallel
+    m, d, t, p = config.model, data, config.training, config.parallel
     tp, pp = plan.tensor_parallel, plan.pipeline_parallel
     params = stage_parameters(m, tensor_parallel=tp, pipeline_parallel=pp)
     param_bytes = m.torch_dtype.itemsize
@@ -157,12 +175,12 @@ def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:
     tokens = d.micro_batch_size * d.seq_length
     layers = m.num_layers // pp
     head_share = max(peak_lm_head_share(phase, seq_length=d.seq_length, scored_only=t.lm_head_scored_only)
-                     for phase in config.resolved_phases)
+                     for phase in phases)
     head = tokens * head_share * lm_head_bytes_per_scored_token(m, compute_bytes=compute_bytes, tensor_parallel=tp)
     outside_layers = tokens * 2 * m.hidden_size * residual_bytes  # embedding output, final norm input
     if m.document_mask:
         outside_layers += d.micro_batch_size * d.seq_length**2  # one boolean [b, 1, s, s] mask
-    in_flight = min(pp, plan.micro_batches_per_step)
+    in_flight = min(pp, d.global_batch_size // (d.micro_batch_size * plan.data_parallel))
 
     def activations(kept_layers: float, full_layers: int) -> int:
         held = tokens * (kept_layers * m.hidden_size * residual_bytes + full_layers * per_layer)
@@ -180,7 +198,7 @@ def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:
         current = no_recompute
     graph_pool = 0
     if t.cuda_graphs != "none":
-        patterns = len({phase.objective.causal for phase in config.resolved_phases})
+        patterns = len({phase.objective.causal for phase in phases})
         graph_pool = cuda_graph_pool_bytes(m, tokens=tokens, layers=layers, patterns=patterns,
                                            per_layer_activation=per_layer, residual_bytes=residual_bytes)
     return MemoryEstimate(
@@ -216,6 +234,10 @@ def memory_report(config: RunConfig, *, world_size: int) -> str:
     else:
         verdict = (f"NOT READY, a run here would stop: {usable / GiB:.1f} GiB usable in {where}; "
                    f"{REDUCE_MEMORY}")
+    from megatron_ext.training.context import varies
+
+    if varies(config.phase_contexts):
+        return _phase_memory_report(config, world_size=world_size, usable=usable, where=where)
     largest = largest_micro_batch(config, world_size=world_size, usable_bytes=usable)
     choice = (f"{largest} (data.micro_batch_size; {config.data.micro_batch_size} in this config)" if largest
               else "none, even 1 exceeds it")
@@ -245,5 +267,57 @@ def largest_micro_batch(config: RunConfig, *, world_size: int, usable_bytes: int
     for micro in sorted((n for n in range(1, per_rank + 1) if per_rank % n == 0), reverse=True):
         candidate = replace(config, data=replace(config.data, micro_batch_size=micro))
         if estimate_memory(candidate, world_size=world_size).total <= (1 - headroom) * usable_bytes:
+            return micro
+    return None
+
+
+def check_run_fits(config: RunConfig, *, world_size: int, usable_bytes: int, where: str) -> None:
+    """:func:`check_fits` of every phase; a phase at another length or batch that does not fit is
+    named, with the largest micro-batch that does (``phases[i].micro_batch_size``)."""
+    from megatron_ext.config_loading import UserError
+    from megatron_ext.training.context import varies
+
+    contexts = config.phase_contexts
+    if not varies(contexts):
+        return check_fits(estimate_memory(config, world_size=world_size), usable_bytes, where)
+    for context, estimate in zip(contexts, phase_memory(config, world_size=world_size)):
+        if estimate.total > usable_bytes:
+            i = context.phase.index
+            largest = largest_phase_micro_batch(config, i, world_size=world_size, usable_bytes=usable_bytes)
+            fix = f"set phases[{i}].micro_batch_size: {largest}" if largest else REDUCE_MEMORY
+            raise UserError(f"phases[{i}] ({context.seq_length} tokens x micro-batch {context.micro_batch_size}) needs "
+                            f"about {estimate.total / GiB:.1f} GiB per rank but {where} has {usable_bytes / GiB:.1f} "
+                            f"GiB usable ({estimate.describe()}); {fix}")
+
+
+def _phase_memory_report(config: RunConfig, *, world_size: int, usable: int, where: str) -> str:
+    """``--dry-run``'s memory lines of a run whose phases read other lengths or batches: each
+    phase's estimate, and for one that does not fit, the largest micro-batch that does."""
+    lines = [f"memory/rank       per phase, on this machine ({where}: {usable / GiB:.1f} GiB usable):"]
+    for context, estimate in zip(config.phase_contexts, phase_memory(config, world_size=world_size)):
+        i = context.phase.index
+        line = (f"  phases[{i}] {context.phase.name:<8} seq {context.seq_length} x micro {context.micro_batch_size}: "
+                f"{estimate.describe()}")
+        if estimate.total > usable:
+            largest = largest_phase_micro_batch(config, i, world_size=world_size, usable_bytes=usable)
+            line += (f"; NOT READY, this phase would not fit: set phases[{i}].micro_batch_size: {largest}"
+                     if largest else f"; NOT READY, this phase would not fit, and no micro-batch fits within "
+                     f"{100 * (1 - MICRO_BATCH_HEADROOM):.0f} % of that memory: {REDUCE_MEMORY}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def largest_phase_micro_batch(config: RunConfig, index: int, *, world_size: int, usable_bytes: int,
+                              headroom: float = MICRO_BATCH_HEADROOM) -> int | None:
+    """:func:`largest_micro_batch` for phase ``index`` (its ``micro_batch_size``, same global batch)."""
+    from megatron_ext.training.dry_run import make_plan
+
+    context = config.phase_contexts[index]
+    per_rank = context.global_batch_size // make_plan(config, world_size).data_parallel
+    for micro in sorted((n for n in range(1, per_rank + 1) if per_rank % n == 0), reverse=True):
+        phases = tuple(replace(phase, micro_batch_size=micro) if i == index else phase
+                       for i, phase in enumerate(config.phases))
+        candidate = replace(config, phases=phases)
+        if phase_memory(candidate, world_size=world_size)[index].total <= (1 - headroom) * usable_bytes:
             return micro
     return None

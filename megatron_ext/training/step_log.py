@@ -29,7 +29,7 @@ def duration(seconds: float) -> str:
 
 def format_step_line(*, step: int, total_steps: int, phase: ResolvedPhase, loss: float, lr: float, grad_norm: float,
                      tokens_per_s: float, mfu: float | None, elapsed_s: float, eta_s: float, skipped: bool,
-                     name_width: int = 7) -> str:
+                     name_width: int = 7, global_batch: int | None = None) -> str:
     """The step log line, e.g. ``step  40/100 | mlm-30  | loss 5.2692 | lr 1.00e-03 | gnorm 0.912 |
     12,345 tok/s | MFU 41.2% | elapsed 1m02s | ETA 1m33s``; the phase name is padded to
     ``name_width`` (the run's longest), so a run's columns line up."""
@@ -38,6 +38,8 @@ def format_step_line(*, step: int, total_steps: int, phase: ResolvedPhase, loss:
     if mfu is not None:
         line += f" | MFU {100 * mfu:.1f}%"
     line += f" | elapsed {duration(elapsed_s)} | ETA {duration(eta_s)}"
+    if global_batch is not None:  # a batch-size ramp-up (data.rampup_batch_size): the step's global batch
+        line += f" | batch {global_batch}"
     if skipped:
         line += " | SKIPPED (non-finite)"
     return line
@@ -95,36 +97,44 @@ class StepLogger:
         self.sinks = sinks
         self.total_steps = total_steps
         self.start_step = start_step
-        self.tokens_per_step = config.data.global_batch_size * config.data.seq_length
         name = hardware.device_name()
         self.peak = peak_flops_per_device(name) if name else None
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.run_start = self.window_start = time.perf_counter()
         self.window_steps = 0
         self.window_flops = 0.0
+        self.window_tokens = 0
         self.name_width = max([7, *(len(phase.name) for phase in config.resolved_phases)])
 
     def banner(self, phases: list[ResolvedPhase]) -> None:
         """What the run will do and where: its phases, the MFU convention, the engine and device."""
         if is_writer():
+            contexts = self.config.phase_contexts
+            shown = len({(c.seq_length, c.rotary_base, c.global_batch_size) for c in contexts}) > 1
             print(f"training {self.total_steps} steps from step {self.start_step}: " + ", ".join(
-                f"{p.name} [{p.start}, {p.end})" for p in phases) + f"; MFU convention: {MFU_CONVENTION}",
-                flush=True)
+                f"{p.name} [{p.start}, {p.end})" + (f" at {c.seq_length} tokens x {c.global_batch_size}, RoPE base "
+                                                    f"{c.rotary_base:g}" if shown else "")
+                for p, c in zip(phases, contexts)) + f"; MFU convention: {MFU_CONVENTION}", flush=True)
             print("engine: megatron; " + hardware.accelerator_summary(), flush=True)
 
     def step(self, step: int, phase: ResolvedPhase, loss: float, lr: float, grad_norm: float, skipped: bool) -> None:
         self.window_steps += 1
         # ``step`` counts completed steps: this is the update of step ``step - 1``.
-        share = lm_head_share(phase, step - 1, seq_length=self.config.data.seq_length,
+        context = self.config.phase_contexts[phase.index]  # the phase's length and batch (training.context)
+        share = lm_head_share(phase, step - 1, seq_length=context.seq_length,
                               scored_only=self.config.training.lm_head_scored_only)
-        self.window_flops += self.tokens_per_step * flops_per_token(
-            self.config.model, self.config.data.seq_length, lm_head_share=share)
-        values = {"objective": phase.objective.tag, "phase": phase.name, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped}
+        global_batch = self.config.global_batch_size_at(step - 1)  # a ramp-up's (data.rampup_batch_size)
+        tokens = global_batch * context.seq_length
+        self.window_tokens += tokens
+        self.window_flops += tokens * flops_per_token(
+            self.config.model, context.seq_length, lm_head_share=share)
+        values = {"objective": phase.objective.tag, "phase": phase.name, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "skipped": skipped, "seq_length": context.seq_length, "global_batch_size": global_batch}
         interval = self.config.training.log_interval
         if interval and (step % interval == 0 or step == self.total_steps):
             now = time.perf_counter()
             window_s = max(now - self.window_start, 1e-9)
-            values["tokens_per_s"] = self.window_steps * self.tokens_per_step / window_s
+            values["tokens_per_s"] = self.window_tokens / window_s
             mfu = self.window_flops / window_s / (self.peak * self.world) if self.peak else None
             if mfu is not None:
                 values["mfu"] = mfu
@@ -133,8 +143,9 @@ class StepLogger:
                 print(format_step_line(
                     step=step, total_steps=self.total_steps, phase=phase, loss=loss, lr=lr, grad_norm=grad_norm,
                     tokens_per_s=values["tokens_per_s"], mfu=mfu, elapsed_s=elapsed, skipped=skipped,
-                    name_width=self.name_width, eta_s=elapsed / max(step - self.start_step, 1) * (self.total_steps - step)), flush=True)
-            self.window_start, self.window_steps, self.window_flops = now, 0, 0.0
+                    name_width=self.name_width,
+                    global_batch=global_batch if self.config.data.rampup_batch_size is not None else None, eta_s=elapsed / max(step - self.start_step, 1) * (self.total_steps - step)), flush=True)
+            self.window_start, self.window_steps, self.window_flops, self.window_tokens = now, 0, 0.0, 0
         self.sinks.record("train", step, values)
 
     def validation(self, step: int, losses: dict[str, float]) -> None:
