@@ -66,10 +66,15 @@ class DataConfig:
     eval_iters: int = 100
     """``--eval-iters``: global batches per evaluation (0: no validation)."""
     reset_position_ids: bool = False
-    """``--reset-position-ids``: restart position ids after each EOD token."""
+    """``--reset-position-ids``: restart the RoPE positions after each EOD token, so each document
+    of a packed row starts at position 0 (GPTDataset's ``position_ids``)."""
     reset_attention_mask: bool = False
-    """``--reset-attention-mask``: keep attention within documents; batches then carry Megatron's
-    ``attention_mask`` ``[b, 1, s, s]`` (bool, True = masked out; causal, as GPTDataset builds it)."""
+    """``--reset-attention-mask``: documents of a packed row attend only within themselves (each
+    ends at and includes the tokenizer's EOD; a row's edge also ends one), in every objective and
+    in validation: Transformer Engine's packed-sequence (THD) kernels on ``cu_seqlens``, a
+    per-document attention on the local spec, never an ``[s, s]`` mask. The objectives then never
+    predict across a document end (CLM scores no EOD input; MNTP selects no document's first
+    token). Off (the paper's setting): attention spans the documents of a row."""
     eod_mask_loss: bool = False
     """``--eod-mask-loss``: give no loss to positions whose input token is EOD."""
     max_tokens_to_scan: int = 100_000_000
@@ -236,7 +241,7 @@ class TrainingConfig:
     graph per layer and pattern, sharing one memory pool), and replayed by pattern after that;
     validation runs eagerly. ``transformer_engine`` (TE's ``make_graphed_callables``) is refused:
     it captures each layer with Megatron's sample arguments (a dense causal mask) and cannot keep
-    the per-call attention pattern. Needs a fixed shape (no ``model.document_mask``), no
+    the per-call attention pattern. Needs a fixed shape (no ``data.reset_attention_mask``), no
     activation recomputation and no pipeline parallelism (``megatron_ext.training.cuda_graphs``)."""
 
     exit_signal_handler: bool = True

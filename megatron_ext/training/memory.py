@@ -160,8 +160,6 @@ def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:
                      for phase in config.resolved_phases)
     head = tokens * head_share * lm_head_bytes_per_scored_token(m, compute_bytes=compute_bytes, tensor_parallel=tp)
     outside_layers = tokens * 2 * m.hidden_size * residual_bytes  # embedding output, final norm input
-    if m.document_mask:
-        outside_layers += d.micro_batch_size * d.seq_length**2  # one boolean [b, 1, s, s] mask
     in_flight = min(pp, plan.micro_batches_per_step)
 
     def activations(kept_layers: float, full_layers: int) -> int:
