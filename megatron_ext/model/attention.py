@@ -113,14 +113,15 @@ def decode_attention_mask(attention_mask: Tensor | None) -> AttentionPattern:
     return AttentionPattern(attention_mask, False, None)
 
 
-def _length_buckets(lengths: list[int]) -> dict[int, list[int]]:
-    """Documents by the power of two their length rounds up to: within a bucket padding at most
-    doubles a document, so attention costs at most 4x the documents' own sum of L^2 (often far
-    less than a row's s^2), in at most log2(s) + 1 calls."""
-    buckets: dict[int, list[int]] = {}
-    for index, length in enumerate(lengths):
-        buckets.setdefault(1 << (length - 1).bit_length(), []).append(index)
-    return buckets
+def _equal_length_runs(lengths: list[int]) -> list[tuple[int, int]]:
+    """``(count, length)`` of each run of consecutive documents of one length, in order."""
+    runs: list[tuple[int, int]] = []
+    for length in lengths:
+        if runs and runs[-1][1] == length:
+            runs[-1] = (runs[-1][0] + 1, length)
+        else:
+            runs.append((1, length))
+    return runs
 
 
 def per_document_attention(
@@ -130,34 +131,25 @@ def per_document_attention(
     """SDPA within each document of ``cu_seqlens`` (:func:`document_cu_seqlens`), without an
     ``s x s`` mask: ``query`` ``[s, b, n, d]``, ``key``/``value`` ``[s, b, g, d]`` -> ``[s, b, n * d]``.
 
-    The documents are gathered from the ``[b * s]`` token stream into one padded batch per length
-    bucket (:func:`_length_buckets`) and attended there: causally with the padding after each
-    document, which no real query reaches; bidirectionally with the padded keys masked out. The
-    per-document outputs are then put back in stream order."""
+    The ``[b * s]`` token stream is split into its documents, consecutive documents of one length
+    (e.g. whole rows without an end of document) viewed as one batch: one SDPA call per run, no
+    padding, no mask, no gather, and ``torch.cat`` puts the outputs back in stream order (the
+    backward of a split is one concatenation). Attention then costs each document its own L^2
+    instead of the row's s^2; the calls cost a few tens of microseconds each. (Measured on CPU,
+    ``benchmarks/document_attention.py``: gathering documents into padded buckets cost more in
+    copies and zero-filled gradients than the attention it saved.)"""
     s, b = query.shape[:2]
-    stream = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (query, key, value)]  # [b * s, heads, d]
     bounds = cu_seqlens.tolist()  # the local spec's host sync; TE's THD kernels need none
-    starts, lengths = bounds[:-1], [end - start for start, end in zip(bounds, bounds[1:])]
-    device = query.device
-    outputs, places = [], []
-    for width, members in _length_buckets(lengths).items():
-        width = min(width, s)
-        first = torch.tensor([starts[i] for i in members], device=device)
-        length = torch.tensor([lengths[i] for i in members], device=device)
-        offset = torch.arange(width, device=device)
-        valid = offset < length[:, None]  # [m, width]
-        # Padding reads the document's own first token: any real index does, its keys are masked.
-        index = torch.where(valid, first[:, None] + offset, first[:, None])
-        q, k, v = (t[index].permute(0, 2, 1, 3) for t in stream)  # [m, heads, width, d]
-        padded = bool((length < width).any())
-        mask = None if causal or not padded else valid[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                             is_causal=causal, scale=scale, enable_gqa=enable_gqa)
-        outputs.append(out.permute(0, 2, 1, 3)[valid])  # [tokens of the bucket, n, d]
-        places.append(index[valid])
-    order = torch.cat(places).argsort()
-    out = torch.cat(outputs)[order]  # [b * s, n, d], stream order
-    return out.reshape(b, s, -1).transpose(0, 1).contiguous()
+    runs = _equal_length_runs([end - start for start, end in zip(bounds, bounds[1:])])
+    sizes = [count * length for count, length in runs]
+    pieces = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]).split(sizes) for t in (query, key, value)]
+    outputs = []
+    for (count, length), q, k, v in zip(runs, *pieces):
+        q, k, v = (t.view(count, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # [count, heads, L, d]
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,
+                                             enable_gqa=enable_gqa)
+        outputs.append(out.transpose(1, 2).reshape(count * length, -1))
+    return torch.cat(outputs).view(b, s, -1).transpose(0, 1).contiguous()
 
 
 def packed_seq_params_for(cu_seqlens: Tensor, seq_length: int) -> PackedSeqParams:
