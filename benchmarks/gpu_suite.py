@@ -445,6 +445,10 @@ STAGES: tuple[Stage, ...] = (
                                                "6 of 3 (the same sequences): speed and peak memory",
           command=_throughput("1b", "bf16", variants=("micro_batch_3",), hf=False), max_s=120, min_s=60,
           needs=frozenset({"gpu"}), read=read_throughput),
+    Stage(name="throughput_1b_isolated", purpose="1B bf16, TE spec: documents isolated (THD) against attending "
+                                                 "across them, the same sequences (target: >= 0.95x the tokens/s)",
+          command=_throughput("1b", "bf16", variants=("isolated_documents",), hf=False), max_s=120, min_s=60,
+          needs=frozenset({"gpu", "te"}), read=read_throughput),
     Stage(name="throughput_610m_bf16", purpose="610M, seq 2048, bf16: the recipe's configuration vs Hugging Face",
           command=_throughput("610m", "bf16"), max_s=150, min_s=60, needs=frozenset({"gpu"}), read=read_throughput),
 )
