@@ -269,3 +269,30 @@ def test_flags_with_megatrons_names_set_both_settings(tmp_path, tiny_corpus):
                           parser.parse_args(["--reset-attention-mask", "--reset-position-ids"]), dests)
     data = run_config_from_dict(raw).data
     assert data.reset_attention_mask and data.reset_position_ids
+
+
+def test_the_study_planner_takes_isolation_as_an_axis(tmp_path):
+    """``reset_attention_mask: [false, true]`` plans every run both ways; the isolated ones branch
+    only from isolated runs (the setting is part of what a step computes)."""
+    from pathlib import Path
+
+    import yaml
+
+    from megatron_ext.config_loading import ConfigError
+    from megatron_ext.study.plan import plan_study
+    from megatron_ext.study.spec import read_study
+
+    base = Path(__file__).resolve().parents[2] / "examples/recipes/base/610m.yaml"
+    study = {"name": "t", "sizes": [{"name": "610m", "base": str(base)}], "budgets": [12000, 42000],
+             "objectives": [{"objective": "clm"}], "reset_attention_mask": [False, True]}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study))
+    plan = plan_study(read_study(path), path)
+    runs = {run.name: run for run in plan.runs}
+    assert set(runs) == {"610m_clm_12k", "610m_clm_42k", "610m_clm_12k_iso", "610m_clm_42k_iso"}
+    assert [runs[n].config.data.reset_attention_mask for n in sorted(runs)] == [False, True, False, True]
+    parents = {segment.run: segment.parent for segment in plan.segments}
+    assert parents["610m_clm_12k_iso"] == "610m_clm_42k_iso" and parents["610m_clm_12k"] == "610m_clm_42k"
+    path.write_text(yaml.safe_dump({**study, "overrides": {"data": {"reset_attention_mask": True}}}))
+    with pytest.raises(ConfigError, match="reset_attention_mask"):
+        plan_study(read_study(path), path)
