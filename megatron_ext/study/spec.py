@@ -365,10 +365,6 @@ class EvaluationSpec:
         _unique(list(self.tasks), "tasks")
         check_lrs(self.lrs)
         _unique(list(self.seeds), "seeds")
-        _unique(list(self.reset_attention_mask), "reset_attention_mask")
-        if self.reset_attention_mask and "reset_attention_mask" in ((self.overrides or {}).get("data") or {}):
-            raise ValueError("overrides.data.reset_attention_mask: the study's reset_attention_mask axis sets it "
-                             "for every run; remove one")
         _unique(list(self.all_checkpoints), "all_checkpoints")
         _unique([r.name for r in self.references], "references[*].name")
         for name in ("max_steps", "batch_size", "max_length", "max_eval_examples"):
