@@ -234,6 +234,7 @@ def describe(config) -> dict:
             **{name: getattr(t, name) for name in RECIPE_SETTINGS["training"]},
             "recompute_granularity": t.recompute_granularity, "cuda_graphs": t.cuda_graphs,
             "deterministic": t.deterministic, "fused_adam": config.optimizer.fused,
+            "reset_attention_mask": config.data.reset_attention_mask,
             **{name: getattr(p, name) for name in RECIPE_SETTINGS["parallel"]}}
 
 
