@@ -36,7 +36,9 @@ import yaml
 from megatron_ext.config_loading import UserError
 from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce
 from megatron_ext.objectives import Objective, validation_objectives
-from megatron_ext.model.config import PRESETS, EncoderModelConfig, padded_vocab_size, with_current_model_keys
+from megatron_ext.model.config import (
+    PRESETS, REMOVED_MODEL_KEYS, EncoderModelConfig, padded_vocab_size, with_current_model_keys,
+)
 from megatron_ext.schedule import LRScheduleConfig, Phase, ResolvedPhase, lr_at, resolve_phases
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.checkpoint.config import CheckpointConfig
@@ -478,6 +480,10 @@ def add_override_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, 
     parser.add_argument("--attention-backend", dest="model__attention_backend", default=None,
                         help="old name of --transformer-impl")
     dests["model__attention_backend"] = ("model", "transformer_impl")
+    for old in REMOVED_MODEL_KEYS:  # removed flags: read, then refused with a pointer (with_current_model_keys)
+        parser.add_argument("--" + old.replace("_", "-"), dest=f"model__{old}", nargs="?", const=True, default=None,
+                            help=argparse.SUPPRESS)
+        dests[f"model__{old}"] = ("model", old)
     parser.add_argument("--model-preset", dest="model__preset", default=None, help=f"one of {sorted(PRESETS)}")
     dests["model__preset"] = ("model", "preset")
     parser.add_argument("--phases", dest="phases", default=None,

@@ -296,3 +296,16 @@ def test_the_study_planner_takes_isolation_as_an_axis(tmp_path):
     path.write_text(yaml.safe_dump({**study, "overrides": {"data": {"reset_attention_mask": True}}}))
     with pytest.raises(ConfigError, match="reset_attention_mask"):
         plan_study(read_study(path), path)
+
+
+@pytest.mark.parametrize("flag", [["--document-mask"], ["--eod-token-id", "2"]])
+def test_the_old_flags_are_refused_pointing_at_the_data_setting(tmp_path, tiny_corpus, flag):
+    import argparse
+
+    from megatron_ext.training.config import add_override_flags, apply_overrides
+
+    parser = argparse.ArgumentParser()
+    dests = add_override_flags(parser)
+    raw = apply_overrides(tiny_recipe(tiny_corpus, tmp_path), parser.parse_args(flag), dests)
+    with pytest.raises(UserError, match=r"was removed: .*data\.reset_attention_mask"):
+        run_config_from_dict(raw)
