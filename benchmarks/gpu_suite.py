@@ -371,10 +371,11 @@ THROUGHPUT_TIMING = ["--warmup", "3", "--steps", "8", "--rounds", "2"]
 timed steps per side (3 steps x 2 before 2026-11-28 were within the +-3 % noise of the effects they
 decided)."""
 
-WANTED_VARIANTS_1B = ("cross_entropy_te", "micro_batch_18")
+WANTED_VARIANTS_1B = ("cross_entropy_te", "micro_batch_18", "isolated_documents")
 """What the 1B bf16 row times against the recipe's configuration first: the changes that could still
-move its default or the MFU target (Transformer Engine's fused cross entropy; one micro-batch of 18,
-which halves the layers' host calls per step). Names of ``throughput.VARIANTS`` (checked by a test, not
+move its default or a target (Transformer Engine's fused cross entropy; one micro-batch of 18, which
+halves the layers' host calls per step; documents isolated through THD, whose target is >= 0.95x the
+cross-document tokens/s). Names of ``throughput.VARIANTS`` (checked by a test, not
 here: importing the benchmark loads torch, Megatron and TE, ~13 s of a GPU visit, into the suite's own
 process). The sides whose answers a visit already holds are ``KNOWN_VARIANTS_1B``, re-measured by the
 plan only."""
@@ -490,8 +491,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(name="te_smoke", purpose="Transformer Engine: FP8 LayerNormMLP, fused attention (no mask, causal)",
           command=_python_probe("te_smoke"), max_s=90, min_s=20, needs=frozenset({"gpu", "te"}), read=read_te_smoke),
     Stage(name="throughput_1b_bf16",
-          purpose="1B, seq 2048, bf16: the recipe's configuration (with a profile) vs TE's fused cross entropy and "
-                  "one micro-batch of 18; the step as one GPU and as a 64-rank run pays it",
+          purpose="1B, seq 2048, bf16: the recipe's configuration (with a profile) vs TE's fused cross entropy, "
+                  "one micro-batch of 18 and documents isolated (THD); the step as one GPU and as a 64-rank run pays it",
           command=_throughput("1b", "bf16", variants=WANTED_VARIANTS_1B, hf=False, profile=True),
           max_s=240, min_s=90, read=read_throughput),
     Stage(name="fp8_gemm", purpose="one layer's GEMMs, bf16 vs FP8 (delayed, tensorwise), from 210M to Llama-3-70B "

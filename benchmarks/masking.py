@@ -53,6 +53,7 @@ class _Llama3SizedTokenizer:
         self.vocab_size = LLAMA3_IDS
         self.special_ids = frozenset(range(LLAMA3_IDS - LLAMA3_SPECIAL, LLAMA3_IDS))
         self.mask = LLAMA3_IDS - 1
+        self.eod = LLAMA3_IDS - 2  # a special id, as Llama-3's <|end_of_text|> is
         starts, ends = demo.word_boundaries()
         padding = [True] * (LLAMA3_IDS - demo.vocab_size)
         self._boundaries = (starts + padding, ends + padding)

@@ -75,6 +75,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 SPECIAL_IDS = (0, 1, 2, 3)  # bos, pad, eos, mask of the synthetic vocabulary
 MASK_ID = 3
+EOD_ID = 2
+MEAN_DOCUMENT_TOKENS = 1000
+"""The synthetic sequences end a document at each token with probability 1/1000 (geometric lengths,
+mean ~1,000 tokens: an assumed web-text mean, ~2 documents per 2,048-token row); only the
+``isolated_documents`` side attends within them, every side reads the same tokens."""
 
 # The default side runs the size's recipe (examples/recipes/base/<size>.yaml): its spec, parameter
 # dtype, fusions, LM head and optimizer layout, as RECIPE_SETTINGS lists them. Each variant asked for
@@ -119,6 +124,8 @@ VARIANTS = {
     "cuda_graphs": ({"training": {"cuda_graphs": "megatron"}},
                     "CUDA graphs of the transformer layers (Megatron's local CudaGraphManager; captured in warm-up)"),
     # The micro-batches the size recipes had before they grew to fit the GPU (same tokens per step, more micro-batches).
+    "isolated_documents": ({"data": {"reset_attention_mask": True}},
+                           "documents attend only within themselves (data.reset_attention_mask: THD on the TE spec)"),
     "micro_batch_3": ({"data": {"micro_batch_size": 3}}, "3 sequences per micro-batch (the 1b recipe's before)"),
     "micro_batch_6": ({"data": {"micro_batch_size": 6}}, "6 sequences per micro-batch (the 610m recipe's before)"),
     "micro_batch_9": ({"data": {"micro_batch_size": 9}}, "9 sequences per micro-batch (the 210m recipe's before)"),
@@ -222,8 +229,9 @@ def run_config(args, model_preset: str, seq_length: int, precision: str, variant
     if precision == "fp8":  # FP8 matmuls are TE layers, whatever the recipe's bf16 default (as a user must ask)
         raw["model"]["transformer_impl"] = "te"
     for section, values in (VARIANTS[variant][0] if variant else {}).items():
-        if section != "data":  # a micro-batch variant's shape is side_shape's, above
-            raw[section] = {**raw.get(section, {}), **values}
+        if section == "data":  # a micro-batch variant's shape is side_shape's, above
+            values = {key: value for key, value in values.items() if key != "micro_batch_size"}
+        raw[section] = {**raw.get(section, {}), **values}
     return runnable_here(run_config_from_dict(raw), announce=False)
 
 
@@ -236,6 +244,7 @@ def describe(config) -> dict:
             **{name: getattr(t, name) for name in RECIPE_SETTINGS["training"]},
             "recompute_granularity": t.recompute_granularity, "cuda_graphs": t.cuda_graphs,
             "deterministic": t.deterministic, "fused_adam": config.optimizer.fused,
+            "reset_attention_mask": config.data.reset_attention_mask,
             **{name: getattr(p, name) for name in RECIPE_SETTINGS["parallel"]}}
 
 
@@ -471,11 +480,14 @@ def _batches(args, model_preset: str, seq_length: int, side: str):
     micro, count = side_shape(args, model_preset, side)
     masking = MaskingConfig(mask_ratio=0.4)
     gen = torch.Generator(device=device).manual_seed(0)
+    isolated = VARIANTS.get(side, ({},))[0].get("data", {}).get("reset_attention_mask", False)
 
     def step_batches():  # one optimizer step: `count` micro-batches
-        step = apply_mlm(torch.randint(4, args.vocab_size, (micro * count, seq_length), generator=gen, device=device),
-                         config=masking, mask_id=MASK_ID, vocab_size=args.vocab_size, special_ids=SPECIAL_IDS,
-                         generator=gen)
+        tokens = torch.randint(4, args.vocab_size, (micro * count, seq_length), generator=gen, device=device)
+        ends = torch.rand(tokens.shape, generator=gen, device=device) < 1 / MEAN_DOCUMENT_TOKENS
+        step = apply_mlm(tokens.masked_fill(ends, EOD_ID), config=masking, mask_id=MASK_ID,
+                         vocab_size=args.vocab_size, special_ids=SPECIAL_IDS, generator=gen,
+                         document_end_id=EOD_ID if isolated else None)
         return [dataclasses.replace(step, input_ids=ids, labels=labels, loss_mask=mask) for ids, labels, mask
                 in zip(*(t.split(micro) for t in (step.input_ids, step.labels, step.loss_mask)))]
     return step_batches

@@ -33,7 +33,7 @@ class UnsupportedArchitectureError(UserError):
 
 
 def encoder_config_from_hf(
-    hf_config: Any, *, vocab_size: int, seq_length: int, eod_token_id: int | None
+    hf_config: Any, *, vocab_size: int, seq_length: int
 ) -> EncoderModelConfig:
     """The encoder config of an HF causal LM or EuroBERT config (a ``transformers``
     ``PreTrainedConfig``).
@@ -42,7 +42,6 @@ def encoder_config_from_hf(
         hf_config: The model's config.
         vocab_size: Padded Megatron vocabulary (>= the HF embedding rows and the tokenizer).
         seq_length: Longest sequence the encoder will see (``EncoderModelConfig.seq_length``).
-        eod_token_id: End-of-document id (the tokenizer's eos).
 
     Raises:
         UnsupportedArchitectureError: naming every unsupported field.
@@ -102,7 +101,6 @@ def encoder_config_from_hf(
         add_qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
         qk_layernorm=model_type == "qwen3",
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
-        eod_token_id=eod_token_id,
     )
 
 

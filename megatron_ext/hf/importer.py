@@ -53,7 +53,7 @@ from megatron_ext.fileio import is_empty_dir_or_absent, publish_dir, staged_dir
 from megatron_ext.hf.runtime import build_local_model, single_process_model_parallel
 from megatron_ext.model import EncoderModelConfig
 from megatron_ext.model.config import padded_vocab_size, tensor_parallel_problem
-from megatron_ext.tokenizer import HUGGINGFACE, MissingSpecialTokenError, TokenizerConfig, build_tokenizer
+from megatron_ext.tokenizer import HUGGINGFACE, TokenizerConfig, build_tokenizer
 from megatron_ext.checkpoint.writer import save_checkpoint
 
 LLAMA3_MASK_TOKEN = "<|reserved_special_token_0|>"
@@ -61,8 +61,7 @@ NEW_MASK_TOKEN = "<|mask|>"
 TOKENIZER_DIR = "tokenizer"
 RECIPE_SNIPPET = "recipe_model.yaml"
 # EncoderModelConfig fields the snippet leaves to the user's recipe (how to train, not what).
-_RUNTIME_FIELDS = ("transformer_impl", "attention_dropout", "hidden_dropout", "params_dtype",
-                   "document_mask")
+_RUNTIME_FIELDS = ("transformer_impl", "attention_dropout", "hidden_dropout", "params_dtype")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,7 +130,7 @@ def check_architecture(hf_config: Any, seq_length: int | None = None) -> int:
     seq_length = seq_length or getattr(hf_config, "max_position_embeddings", None)
     if not seq_length:
         raise UserError("the model config has no max_position_embeddings: pass --seq-length")
-    encoder_config_from_hf(hf_config, vocab_size=1, seq_length=seq_length, eod_token_id=None)
+    encoder_config_from_hf(hf_config, vocab_size=1, seq_length=seq_length)
     return seq_length
 
 
@@ -214,15 +213,10 @@ def import_hf_model(
         encoder_tokenizer = build_tokenizer(TokenizerConfig(tokenizer_model=str(tmp / TOKENIZER_DIR)))
         mask_id = encoder_tokenizer.mask
         log(f"mask token {token!r} (id {mask_id}, {origin})")
-        try:
-            eod = encoder_tokenizer.eod
-        except MissingSpecialTokenError:
-            eod = None
         hf_rows = model.get_input_embeddings().weight.shape[0]
         vocab_size = padded_vocab_size(max(hf_rows, encoder_tokenizer.vocab_size),
                                        tensor_parallel_size)
-        config = encoder_config_from_hf(hf_config, vocab_size=vocab_size, seq_length=seq_length,
-                                        eod_token_id=eod)
+        config = encoder_config_from_hf(hf_config, vocab_size=vocab_size, seq_length=seq_length)
         _check_tensor_parallel(config, tensor_parallel_size)
         log(f"{hf_config.model_type}: {config.num_layers} layers, hidden {config.hidden_size}, "
             f"heads {config.num_attention_heads}/{config.num_query_groups}, vocab {hf_rows} -> "

@@ -124,14 +124,15 @@ class EncoderModel(GPTModel):
         labels: Tensor | None = None,
         loss_mask: Tensor | None = None,
         max_scored_per_sequence: int | None = None,
+        document_end_id: int | None = None,
     ) -> Tensor:
         """Run the encoder with a causal (CLM) or bidirectional (MLM, evaluation) pattern.
 
         Args:
-            input_ids: ``[b, s]`` token ids (also on later pipeline stages: the document mask
-                is computed from them).
+            input_ids: ``[b, s]`` token ids (also on later pipeline stages: the documents are
+                read from them).
             causal: Position ``i`` attends to positions ``<= i`` only; else to all positions.
-                With ``config.document_mask`` attention also stays inside each document.
+                With ``document_end_id`` attention also stays inside each document.
             position_ids: ``[b, s]`` RoPE positions; default ``0..s-1`` in every row.
             labels: ``[b, s]`` target ids. A position holding an id outside the vocabulary
                 (e.g. ``IGNORE_INDEX`` = -100) gets a finite, meaningless loss: multiply the
@@ -145,6 +146,11 @@ class EncoderModel(GPTModel):
                 positions per sequence, chosen on the device, with no host sync; a value below the
                 truth drops scored positions. None reads the largest count from the mask (one host
                 sync).
+            document_end_id: Isolate the documents of each row (``data.reset_attention_mask``):
+                a document ends at and includes each token of this id (the tokenizer's EOD), and
+                attends only within itself (``model.attention``: THD on Transformer Engine,
+                per-document SDPA on the local spec). None: every position of a row attends
+                across documents.
 
         Returns:
             Without ``labels``: logits ``[b, s, vocab_size / tp]``, this tensor-parallel rank's
@@ -160,8 +166,7 @@ class EncoderModel(GPTModel):
                 f"{self.encoder_config.seq_length}"
             )
         self._check_rope_positions(position_ids)
-        eod = self.encoder_config.eod_token_id if self.encoder_config.document_mask else None
-        mask = attention_mask_for(input_ids, causal=causal, eod_token_id=eod)
+        mask = attention_mask_for(input_ids, causal=causal, eod_token_id=document_end_id)
         processor = None
         if labels is not None and loss_mask is not None:
             if max_scored_per_sequence is None:

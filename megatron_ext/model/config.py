@@ -19,8 +19,6 @@ from megatron_ext.config_loading import UserError
 from megatron_ext.transformer_impl import TransformerImpl
 
 LLAMA3_VOCAB_SIZE = 128_256
-LLAMA3_EOD_TOKEN_ID = 128_001
-"""``<|end_of_text|>``, appended after every document by the Llama-3 preprocessing."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,12 +81,6 @@ class EncoderModelConfig:
     precision (``--bf16``): bf16 weights and activations, fp32 main parameters and gradient
     reduction in Megatron's optimizer (the Megatron engine only); ``float32`` keeps fp32 weights
     (with ``training.bf16``: bf16 autocast of the forward)."""
-    document_mask: bool = False
-    """Stop attention across documents of a packed sequence. Documents end with
-    ``eod_token_id`` (the EOD belongs to the document it ends); the block-diagonal mask is
-    combined with the causal mask in causal mode."""
-    eod_token_id: int | None = None
-    """End-of-document token; required when ``document_mask`` is set."""
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -118,8 +110,6 @@ class EncoderModelConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"EncoderModelConfig.{name} must be in [0, 1), "
                                  f"got {getattr(self, name)}")
-        if self.document_mask and self.eod_token_id is None:
-            raise UserError("EncoderModelConfig.document_mask=True needs eod_token_id")
 
     @property
     def head_dim(self) -> int:
@@ -137,11 +127,29 @@ RENAMED_MODEL_KEYS = {"attention_backend": "transformer_impl"}
 saved before the rename still read (``attention_backend`` chose the whole layer, not only attention)."""
 
 
+REMOVED_MODEL_KEYS = {
+    "document_mask": "documents attend only within themselves with data.reset_attention_mask: true "
+                     "(--reset-attention-mask), Megatron's name; add data.reset_position_ids: true to restart "
+                     "RoPE positions per document",
+    "eod_token_id": "documents end at the tokenizer's end-of-document token, which data.reset_attention_mask reads",
+}
+"""Old ``model`` keys of document isolation, now a data setting (one concept, one name), and where
+it went. A recipe that sets one is refused; a checkpoint's saved config drops them, unless it
+trained with ``document_mask: true`` (then resuming or exporting says where the setting went)."""
+
+
 def with_current_model_keys(section: dict, where: str, *, warn: bool) -> dict:
     """``section`` (a ``model`` mapping) with :data:`RENAMED_MODEL_KEYS` written under their current
     names; both spellings at once is an error naming ``where``. ``warn``: say so once (a recipe the
-    user can edit; not a saved checkpoint's config)."""
+    user can edit; not a saved checkpoint's config). :data:`REMOVED_MODEL_KEYS` are refused in a
+    recipe and dropped from a saved config (see there)."""
     out = dict(section)
+    for old, pointer in REMOVED_MODEL_KEYS.items():
+        if old not in out:
+            continue
+        if warn or (old == "document_mask" and out[old]):
+            raise UserError(f"{where}: {old!r} was removed: {pointer}")
+        del out[old]
     for old, new in RENAMED_MODEL_KEYS.items():
         if old not in out:
             continue
@@ -157,7 +165,7 @@ def with_current_model_keys(section: dict, where: str, *, warn: bool) -> dict:
 
 def _llama3(**shape: int) -> EncoderModelConfig:
     return EncoderModelConfig(
-        vocab_size=LLAMA3_VOCAB_SIZE, eod_token_id=LLAMA3_EOD_TOKEN_ID, **shape
+        vocab_size=LLAMA3_VOCAB_SIZE, **shape
     )
 
 

@@ -57,6 +57,11 @@ class ObjectiveBatch:
     without reading ``loss_mask`` (the LM head at the scored positions selects this many rows per
     sequence, so the GPU never waits for the host). MLM: ``floor(mask_ratio * s + 0.5)``; CLM: ``s``."""
 
+    document_end_id: int | None = None
+    """Isolated documents (``data.reset_attention_mask``): each ends at and includes a token of this
+    id (the tokenizer's EOD) and attends only within itself (``EncoderModel.forward``). None:
+    attention spans the documents of a row."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class PhaseProgress:
@@ -80,13 +85,38 @@ class PhaseProgress:
 
 
 class Vocabulary:
-    """The token ids an objective corrupts with, read from the tokenizer when first asked (a
-    CLM-only run needs no mask token)."""
+    """The token ids an objective corrupts with, and where documents end, read from the tokenizer
+    when first asked (a CLM-only run needs no mask token)."""
 
-    def __init__(self, tokenizer: EncoderTokenizer, *, size: int) -> None:
+    def __init__(self, tokenizer: EncoderTokenizer, *, size: int, isolate_documents: bool = False) -> None:
         self.tokenizer = tokenizer
         self.size = size
         """Rows of the model's embedding (``model.vocab_size``, >= the tokenizer's ids)."""
+        self.isolate_documents = isolate_documents
+        """``data.reset_attention_mask``: documents attend only within themselves, and no objective
+        predicts across a document end."""
+
+    @property
+    def eod_id(self) -> int | None:
+        """The tokenizer's end-of-document id, None without one. Masking never selects it, nor
+        draws it as a random replacement (which would forge a document end); whole words and
+        spans end at it."""
+        try:
+            return self.tokenizer.eod
+        except MissingSpecialTokenError:
+            return None
+
+    @property
+    def document_end_id(self) -> int | None:
+        """What isolates documents (``ObjectiveBatch.document_end_id``): the EOD id when
+        ``isolate_documents`` (a tokenizer without one raises, naming the fix), else None."""
+        return self.tokenizer.eod if self.isolate_documents else None
+
+    @property
+    def never_selected_ids(self) -> frozenset[int]:
+        """Ids masking neither selects nor draws: the special ids and the EOD."""
+        eod = self.eod_id
+        return self.special_ids if eod is None else self.special_ids | {eod}
 
     @property
     def mask_id(self) -> int:

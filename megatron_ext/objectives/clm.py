@@ -25,7 +25,8 @@ class CLM(Objective):
 
     def make_batch(self, batch: Mapping[str, torch.Tensor], *, progress: PhaseProgress, vocabulary: Vocabulary,
                    generator: torch.Generator) -> ObjectiveBatch:
-        return apply_clm(batch["tokens"], batch["labels"], loss_mask=batch["loss_mask"])
+        return apply_clm(batch["tokens"], batch["labels"], loss_mask=batch["loss_mask"],
+                         document_end_id=vocabulary.document_end_id)
 
     def lm_head_share(self, progress: PhaseProgress, *, seq_length: int) -> float:
         return 1.0
@@ -35,19 +36,26 @@ class CLM(Objective):
 
 
 def apply_clm(
-    tokens: torch.Tensor, labels: torch.Tensor, *, loss_mask: torch.Tensor
+    tokens: torch.Tensor, labels: torch.Tensor, *, loss_mask: torch.Tensor, document_end_id: int | None = None
 ) -> ObjectiveBatch:
-    """Next-token prediction on ``GPTDataset`` output: ``labels`` is ``tokens`` shifted by one."""
+    """Next-token prediction on ``GPTDataset`` output: ``labels`` is ``tokens`` shifted by one.
+
+    ``document_end_id`` (isolated documents): a position whose input ends a document sees only
+    that document, and its label is the next one's first token: it is not scored."""
     if tokens.dim() != 2 or tokens.shape != labels.shape or tokens.shape != loss_mask.shape:
         raise ValueError(
             "tokens, labels and loss_mask must share one [b, s] shape, got "
             f"{tuple(tokens.shape)}, {tuple(labels.shape)}, {tuple(loss_mask.shape)}"
         )
     scored = loss_mask > 0
+    if document_end_id is not None:
+        scored = scored & (tokens != document_end_id)
+        loss_mask = loss_mask * scored
     return ObjectiveBatch(
         input_ids=tokens,
         labels=labels.masked_fill(~scored, IGNORE_INDEX),
         loss_mask=loss_mask.float(),
         causal=True,
         max_scored_per_sequence=tokens.shape[1],
+        document_end_id=document_end_id,
     )

@@ -133,6 +133,7 @@ def apply_mlm(
     generator: torch.Generator,
     maskable: torch.Tensor | None = None,
     select: Selection = select_uniform,
+    document_end_id: int | None = None,
 ) -> ObjectiveBatch:
     """Corrupt ``tokens`` ``[b, s]`` (ids in ``[0, vocab_size)``) for masked language modeling.
 
@@ -141,7 +142,8 @@ def apply_mlm(
     :func:`select_uniform`). Each selected position (or group of positions, where the selection
     says which are ``replaced_together``) is then independently replaced by ``mask_id``, by uniformly
     drawn ids of ``[0, vocab_size)`` outside ``special_ids``/``mask_id``, or kept, with the config's
-    probabilities.
+    probabilities. ``document_end_id`` (isolated documents) is passed on to the model with the
+    batch; it must be among ``special_ids`` (an end of document is never selected nor drawn).
 
     The output is a function of the inputs and ``generator``'s state, which must live on
     ``tokens.device``.
@@ -152,6 +154,8 @@ def apply_mlm(
         )
     if not 0 <= mask_id < vocab_size:
         raise ValueError(f"mask_id must be in [0, vocab_size={vocab_size}), got {mask_id}")
+    if document_end_id is not None and document_end_id not in special_ids:
+        raise ValueError(f"document_end_id {document_end_id} must be among special_ids (never selected nor drawn)")
     excluded_ids = sorted({*special_ids, mask_id})
     if excluded_ids[0] < 0 or excluded_ids[-1] >= vocab_size:
         raise ValueError(
@@ -188,6 +192,7 @@ def apply_mlm(
         loss_mask=selected.float(),
         causal=False,
         max_scored_per_sequence=picked.bound,
+        document_end_id=document_end_id,
     )
 
 
@@ -315,9 +320,11 @@ class MLM(Objective):
         return apply_mlm(
             tokens, config=self.masking(self.mask_ratio_at(progress)), mask_id=vocabulary.mask_id,
             # The tokenizer's ids: random replacements never draw the model's padding rows.
-            vocab_size=vocabulary.tokenizer.vocab_size, special_ids=vocabulary.special_ids, generator=generator,
+            vocab_size=vocabulary.tokenizer.vocab_size, special_ids=vocabulary.never_selected_ids,
+            generator=generator,
             maskable=batch["loss_mask"].sum(-1, keepdim=True) > 0,  # batch-padding samples
             select=self.select(vocabulary, tokens.device),
+            document_end_id=vocabulary.document_end_id,
         )
 
     def lm_head_share(self, progress: PhaseProgress, *, seq_length: int) -> float:

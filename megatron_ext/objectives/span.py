@@ -12,7 +12,8 @@ random offset; units are then taken whole in a random order by BERT's rule
 reaches it unless every span it leaves is longer than what is left (then short by less than its
 shortest one). The share of words a sequence can hold in spans is ``mean / (mean + 1)`` (0.79 at
 the defaults); a higher ratio is refused. Non-eligible positions (special tokens, padding) are
-words of their own and stay unselected inside a span.
+words of their own and stay unselected inside a span; a unit that holds an end of document is cut
+there, so no span covers two documents.
 
 Replacement is decided per span, as SpanBERT does (its paper, section 3.1, and ``span_masking`` in
 its code, one draw per span): a span becomes mask tokens, random tokens or stays as it was as a
@@ -59,14 +60,32 @@ def span_units(word: torch.Tensor, *, generator: torch.Generator, span_p: float,
     return torch.where(separator_of_word.gather(1, word), s, unit_of_word.gather(1, word))
 
 
+def split_at_document_ends(unit: torch.Tensor, is_end: torch.Tensor) -> torch.Tensor:
+    """``unit`` (:func:`span_units`) with every unit that holds a document end (``is_end``, bool
+    ``[b, s]``: the EOD belongs to the document it ends) cut there, so that no span covers two
+    documents. Rows without a document boundary keep their numbers (and so their draws)."""
+    s = unit.shape[1]
+    ends = is_end.long()
+    document = ends.cumsum(dim=1) - ends
+    starts = torch.ones_like(unit, dtype=torch.bool)
+    starts[:, 1:] = (unit[:, 1:] != unit[:, :-1]) | (document[:, 1:] != document[:, :-1])
+    renumbered = torch.where(unit == s, s, starts.long().cumsum(dim=1) - 1)
+    crosses = (document[:, -1] != document[:, 0]).unsqueeze(1)
+    return torch.where(crosses, renumbered, unit)
+
+
 def select_spans(tokens: torch.Tensor, eligible: torch.Tensor, *, mask_ratio: float, generator: torch.Generator,
-                 span_p: float, max_span_length: int, word_boundaries: torch.Tensor | None) -> Selected:
+                 span_p: float, max_span_length: int, word_boundaries: torch.Tensor | None,
+                 document_end_id: int | None = None) -> Selected:
     """:data:`~megatron_ext.objectives.mlm.Selection` of spans (module docstring); spans count the
-    words of ``word_boundaries`` (``words.word_numbers``'s table), or tokens when None."""
+    words of ``word_boundaries`` (``words.word_numbers``'s table), or tokens when None; with
+    ``document_end_id`` they end at each document end (:func:`split_at_document_ends`)."""
     b, s = tokens.shape
     word = (word_numbers(tokens, eligible, word_boundaries) if word_boundaries is not None
             else torch.arange(s, device=tokens.device).expand(b, s))
     unit = span_units(word, generator=generator, span_p=span_p, max_span_length=max_span_length)
+    if document_end_id is not None:
+        unit = split_at_document_ends(unit, tokens == document_end_id)
     return Selected(positions=select_units(unit, eligible, mask_ratio=mask_ratio, generator=generator),
                     bound=max_selected(s, mask_ratio), replaced_together=unit)
 
@@ -105,7 +124,7 @@ class SpanMLM(MLM):
     def select(self, vocabulary: Vocabulary, device: torch.device) -> Selection:
         return functools.partial(select_spans, span_p=self.span_p, max_span_length=self.max_span_length,
                                  word_boundaries=vocabulary.word_boundaries(device) if self.span_unit == "word"
-                                 else None)
+                                 else None, document_end_id=vocabulary.eod_id)
 
     def check_tokenizer(self, tokenizer) -> None:
         super().check_tokenizer(tokenizer)

@@ -211,9 +211,11 @@ def expand_runs(study: Study, path: str | Path) -> list[PlannedRun]:
     names: set[str] = set()
 
     def add(*, size: str, seed: int, base_seed: int, kind: str, steps: int, base: dict, phases: list,
-            source: PlannedRun | None = None, overrides: dict | None = None) -> PlannedRun:
+            source: PlannedRun | None = None, overrides: dict | None = None, isolated: bool | None = None
+            ) -> PlannedRun:
         if source is None:
-            name = f"{size}_{kind}_{steps_label(steps)}" + (f"_s{seed}" if seed != base_seed else "")
+            name = (f"{size}_{kind}_{steps_label(steps)}" + (f"_s{seed}" if seed != base_seed else "")
+                    + ("_iso" if isolated else ""))
         else:
             name = f"{source.name}_{kind}_{steps_label(steps)}"
         if name in names:
@@ -238,9 +240,11 @@ def expand_runs(study: Study, path: str | Path) -> list[PlannedRun]:
     for index, size in enumerate(study.sizes):
         base = _base_recipe(study, path, index)
         base_seed = (base.get("training") or {}).get("seed", TrainingConfig.__dataclass_fields__["seed"].default)
-        for seed in study.seeds or (base_seed,):
+        for seed, isolated in [(seed, isolated) for seed in study.seeds or (base_seed,)
+                               for isolated in study.reset_attention_mask or (None,)]:
             scratch: dict[tuple[str, int], PlannedRun] = {}
-            common = dict(size=size.name, seed=seed, base_seed=base_seed, base=base)
+            axis_base = base if isolated is None else deep_merge(base, {"data": {"reset_attention_mask": isolated}})
+            common = dict(size=size.name, seed=seed, base_seed=base_seed, base=axis_base, isolated=isolated)
             for objective in study.objectives:
                 for budget in study.budgets:
                     scratch[objective.kind, budget] = add(**common, kind=objective.kind, steps=budget,

@@ -20,6 +20,7 @@ A YAML mapping (``examples/studies/``)::
         - {steps: 2000, overrides: {schedule: {lr_warmup_iters: 200, lr_wsd_decay_iters: 200}}}
         - {steps: 12000}
     seeds: [1234]                         # default: each base recipe's training.seed
+    reset_attention_mask: [false, true]   # an axis: each run across documents and isolated (_iso)
     overrides: {data: {data_path: [/data/fineweb_edu_text_document]}}   # over every run
     output: {save: /checkpoints/{study}/{run}, log_dir: runs/{study}/{run}}
     evaluation:                           # tools/evaluate.py over every run (optional)
@@ -396,6 +397,11 @@ class Study:
     seeds: tuple[int, ...] = ()
     """``training.seed`` of every run; empty: each base recipe's seed. Runs at a seed other than
     the base's get ``_s<seed>`` in their name."""
+    reset_attention_mask: tuple[bool, ...] = ()
+    """``data.reset_attention_mask`` as an axis: every run is planned once per value, the isolated
+    ones (documents attend only within themselves) with ``_iso`` in their name, so that a study
+    asks whether isolation matters (``[false, true]``); empty: each base recipe's setting. Runs of
+    the two settings never share steps (``training.branching`` compares the setting)."""
     overrides: Any = None
     """A partial recipe over every run's base (e.g. ``data.data_path``, ``tokenizer``)."""
     output: OutputSpec = field(default_factory=OutputSpec)
@@ -419,6 +425,10 @@ class Study:
                 raise ValueError(f"budgets: each must be >= 1, got {budget}")
         _unique(list(self.budgets), "budgets")
         _unique(list(self.seeds), "seeds")
+        _unique(list(self.reset_attention_mask), "reset_attention_mask")
+        if self.reset_attention_mask and "reset_attention_mask" in ((self.overrides or {}).get("data") or {}):
+            raise ValueError("overrides.data.reset_attention_mask: the study's reset_attention_mask axis sets it "
+                             "for every run; remove one")
         _unique([o.kind for o in self.objectives], "objectives")
         if not self.objectives and self.biphasic is None:
             raise ValueError("no runs: give objectives and/or biphasic")

@@ -36,7 +36,9 @@ import yaml
 from megatron_ext.config_loading import UserError
 from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce
 from megatron_ext.objectives import Objective, validation_objectives
-from megatron_ext.model.config import PRESETS, EncoderModelConfig, padded_vocab_size, with_current_model_keys
+from megatron_ext.model.config import (
+    PRESETS, REMOVED_MODEL_KEYS, EncoderModelConfig, padded_vocab_size, with_current_model_keys,
+)
 from megatron_ext.schedule import LRScheduleConfig, Phase, ResolvedPhase, lr_at, resolve_phases
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.checkpoint.config import CheckpointConfig
@@ -72,10 +74,15 @@ class DataConfig:
     eval_iters: int = 100
     """``--eval-iters``: global batches per evaluation (0: no validation)."""
     reset_position_ids: bool = False
-    """``--reset-position-ids``: restart position ids after each EOD token."""
+    """``--reset-position-ids``: restart the RoPE positions after each EOD token, so each document
+    of a packed row starts at position 0 (GPTDataset's ``position_ids``)."""
     reset_attention_mask: bool = False
-    """``--reset-attention-mask``: keep attention within documents; batches then carry Megatron's
-    ``attention_mask`` ``[b, 1, s, s]`` (bool, True = masked out; causal, as GPTDataset builds it)."""
+    """``--reset-attention-mask``: documents of a packed row attend only within themselves (each
+    ends at and includes the tokenizer's EOD; a row's edge also ends one), in every objective and
+    in validation: Transformer Engine's packed-sequence (THD) kernels on ``cu_seqlens``, a
+    per-document attention on the local spec, never an ``[s, s]`` mask. The objectives then never
+    predict across a document end (CLM scores no EOD input; MNTP selects no document's first
+    token). Off (the paper's setting): attention spans the documents of a row."""
     eod_mask_loss: bool = False
     """``--eod-mask-loss``: give no loss to positions whose input token is EOD."""
     max_tokens_to_scan: int = 100_000_000
@@ -258,7 +265,7 @@ class TrainingConfig:
     graph per layer and pattern, sharing one memory pool), and replayed by pattern after that;
     validation runs eagerly. ``transformer_engine`` (TE's ``make_graphed_callables``) is refused:
     it captures each layer with Megatron's sample arguments (a dense causal mask) and cannot keep
-    the per-call attention pattern. Needs a fixed shape (no ``model.document_mask``), no
+    the per-call attention pattern. Needs a fixed shape (no ``data.reset_attention_mask``), no
     activation recomputation and no pipeline parallelism (``megatron_ext.training.cuda_graphs``)."""
 
     exit_signal_handler: bool = True
@@ -543,6 +550,10 @@ def add_override_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, 
     parser.add_argument("--attention-backend", dest="model__attention_backend", default=None,
                         help="old name of --transformer-impl")
     dests["model__attention_backend"] = ("model", "transformer_impl")
+    for old in REMOVED_MODEL_KEYS:  # removed flags: read, then refused with a pointer (with_current_model_keys)
+        parser.add_argument("--" + old.replace("_", "-"), dest=f"model__{old}", nargs="?", const=True, default=None,
+                            help=argparse.SUPPRESS)
+        dests[f"model__{old}"] = ("model", old)
     parser.add_argument("--model-preset", dest="model__preset", default=None, help=f"one of {sorted(PRESETS)}")
     dests["model__preset"] = ("model", "preset")
     parser.add_argument("--phases", dest="phases", default=None,

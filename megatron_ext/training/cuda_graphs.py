@@ -57,9 +57,9 @@ What is refused, before anything is built (``training_problem``, ``run_problem``
 ``make_graphed_callables`` captures each layer once per micro-batch with Megatron's sample
 arguments, a dense causal ``[b, 1, s, s]`` mask, and replays None as a dense zero mask:
 ``transformer_layer.py::get_layer_static_inputs``, ``_get_te_cuda_graph_replay_args``; the
-per-call pattern would not reach the attention); ``model.document_mask`` (a data-dependent
-``[b, 1, s, s]`` mask: graph-safe in principle, as a copied input, but Transformer Engine's
-arbitrary-mask path under capture is unverified); activation recomputation (Megatron refuses full
+per-call pattern would not reach the attention); ``data.reset_attention_mask`` (each micro-batch's
+documents are a data-dependent packed-sequence layout, ``cu_seqlens`` of varying length, that a
+captured graph cannot replay: NVIDIA/Megatron-LM#5619, until upstream supports it); activation recomputation (Megatron refuses full
 recomputation with per-layer graphs; selective recomputation inside a graph is unverified here);
 pipeline parallelism (Megatron then keeps one runner per micro-batch in flight, untested here);
 CPU (CUDA graphs are CUDA). The LM head and the loss stay outside the graphs, eager: the MLM head
@@ -122,10 +122,10 @@ def run_problem(config: Any) -> str | None:
     impl = config.training.cuda_graphs
     if impl == "none":
         return None
-    if config.model.document_mask:
-        return (f"training.cuda_graphs={impl!r} with model.document_mask: true: the document mask is a "
-                "data-dependent [b, 1, s, s] tensor whose graph capture (Transformer Engine's arbitrary-mask "
-                "attention) is unverified; train without one of them")
+    if config.data.reset_attention_mask:
+        return (f"training.cuda_graphs={impl!r} with data.reset_attention_mask: true: each micro-batch's documents "
+                "are a data-dependent packed-sequence layout that Megatron's graphs cannot capture "
+                "(NVIDIA/Megatron-LM#5619); train without one of them")
     if config.parallel.pipeline_model_parallel_size > 1:
         return (f"training.cuda_graphs={impl!r} with parallel.pipeline_model_parallel_size="
                 f"{config.parallel.pipeline_model_parallel_size}: Megatron then keeps a graph per micro-batch in "

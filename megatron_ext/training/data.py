@@ -31,7 +31,7 @@ import numpy as np
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.training.config import DataConfig, split_proportions
-from megatron_ext.tokenizer import EncoderTokenizer
+from megatron_ext.tokenizer import EncoderTokenizer, MissingSpecialTokenError
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset  # a Megatron GPTDataset or BlendedDataset
@@ -222,6 +222,18 @@ def _check_splits(config: DataConfig, indexes: list[_Index], *, weighted: bool) 
 # --- building -----------------------------------------------------------------------------------
 
 
+def document_end_id(config: DataConfig, tokenizer: EncoderTokenizer) -> int:
+    """The tokenizer's end-of-document id, which every sample ends documents with and
+    ``reset_attention_mask`` isolates documents at; a tokenizer without one is refused in one line
+    naming the setting that needs it."""
+    try:
+        return tokenizer.eod
+    except MissingSpecialTokenError as err:
+        need = ("data.reset_attention_mask (documents end at it)" if config.reset_attention_mask
+                else "GPTDataset (it ends every document)")
+        raise MissingSpecialTokenError(f"{need} needs an end-of-document token: {err}") from None
+
+
 def _files_fingerprint(prefixes: list[str]) -> str:
     """Short hash of the data files' sizes and modification times.
 
@@ -256,7 +268,7 @@ def build_datasets(
         raise UserError(f"train_samples: expected >= 1, got {train_samples}")
     if valid_samples < 0:
         raise UserError(f"valid_samples: expected >= 0, got {valid_samples}")
-    tokenizer.eod  # GPTDataset needs it for every sample; raises with the fix when missing
+    document_end_id(config, tokenizer)  # GPTDataset needs the EOD for every sample; raises with the fix
     prefixes, weights = config.blend
     indexes = [_read_index(prefix) for prefix in prefixes]
     for index in indexes:
@@ -278,8 +290,9 @@ def build_datasets(
         reset_position_ids=config.reset_position_ids,
         reset_attention_mask=config.reset_attention_mask,
         eod_mask_loss=config.eod_mask_loss,
-        # The plain causal [s, s] mask per sample carries nothing the model does not know already.
-        create_attention_mask=config.reset_attention_mask,
+        # No [s, s] mask per sample: the model reads the documents from the tokens' EODs
+        # (model.attention.document_cu_seqlens), with data.reset_attention_mask.
+        create_attention_mask=False,
     )
     if gpt_config.split_matrix[1] is None and valid_samples > 0:
         raise UserError(
@@ -418,8 +431,7 @@ def build_train_iterator(
     """Micro-batches of data-parallel rank ``dp_rank`` from sample ``consumed_samples`` on.
 
     Each is GPTDataset's samples collated: ``tokens``, ``labels``, ``loss_mask``, ``position_ids``
-    (``[micro_batch_size, seq_length]``), plus ``attention_mask`` with ``reset_attention_mask`` and
-    ``dataset_id`` for blends. Every step takes ``global_batch_size / (micro_batch_size * dp_size)``
+    (``[micro_batch_size, seq_length]``), plus ``dataset_id`` for blends. Every step takes ``global_batch_size / (micro_batch_size * dp_size)``
     micro-batches; resuming with ``consumed_samples = steps * global_batch_size`` continues exactly
     where an uninterrupted run would be. Ends after the last whole global batch of ``dataset``.
     """

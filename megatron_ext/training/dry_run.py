@@ -200,6 +200,10 @@ def check_tokenizer_serves(config: RunConfig, tokenizer: EncoderTokenizer) -> No
             f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size is "
             f"{config.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size} (or from_tokenizer)"
         )
+    if config.data.reset_attention_mask:
+        from megatron_ext.training.data import document_end_id
+
+        document_end_id(config.data, tokenizer)
     for phase in config.phases:
         phase.objective.check_tokenizer(tokenizer)
     if config.training.eval_interval:

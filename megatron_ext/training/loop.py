@@ -558,7 +558,8 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
         stack.push(lambda error_type, error, traceback: checkpoints.close(abort=error_type is not None))
         engine.checkpoint_model.train()
         _train_steps(config, start=start, total=total, phases=phases, batches=batches, engine=engine,
-                     vocabulary=Vocabulary(tokenizer, size=config.model.vocab_size), device=device, log=log,
+                     vocabulary=Vocabulary(tokenizer, size=config.model.vocab_size,
+                                           isolate_documents=config.data.reset_attention_mask), device=device, log=log,
                      guard=guard, checkpoints=checkpoints,
                      stop=stop, sinks=sinks, result=result, exit_after_step=exit_after_step,
                      branched_from=starting_point.branched_from)

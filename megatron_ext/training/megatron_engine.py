@@ -76,7 +76,8 @@ def per_token_loss(model: torch.nn.Module, micro: MicroBatch, *, bf16: bool, lm_
     with torch.autocast(hardware.device().type, dtype=torch.bfloat16, enabled=bf16):
         return model(batch.input_ids, causal=batch.causal, position_ids=micro.position_ids, labels=labels,
                      loss_mask=batch.loss_mask if lm_head_scored_only else None,
-                     max_scored_per_sequence=batch.max_scored_per_sequence)
+                     max_scored_per_sequence=batch.max_scored_per_sequence,
+                     document_end_id=batch.document_end_id)
 
 
 def masked_loss_sum(per_token: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:

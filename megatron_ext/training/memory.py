@@ -178,8 +178,6 @@ def _estimate(config: RunConfig, *, world_size: int, data, phases) -> MemoryEsti
                      for phase in phases)
     head = tokens * head_share * lm_head_bytes_per_scored_token(m, compute_bytes=compute_bytes, tensor_parallel=tp)
     outside_layers = tokens * 2 * m.hidden_size * residual_bytes  # embedding output, final norm input
-    if m.document_mask:
-        outside_layers += d.micro_batch_size * d.seq_length**2  # one boolean [b, 1, s, s] mask
     in_flight = min(pp, d.global_batch_size // (d.micro_batch_size * plan.data_parallel))
 
     def activations(kept_layers: float, full_layers: int) -> int:

@@ -380,7 +380,7 @@ HF_CONFIG_ERRORS = {  # id: (config, expected message)
 def test_unsupported_architectures_are_named(case):
     make_config, message = HF_CONFIG_ERRORS[case]
     with pytest.raises(UnsupportedArchitectureError, match=message):
-        encoder_config_from_hf(make_config(), vocab_size=384, seq_length=64, eod_token_id=1)
+        encoder_config_from_hf(make_config(), vocab_size=384, seq_length=64)
 
 
 def test_import_cli_errors(tmp_path, capsys, monkeypatch, base_tokenizer_json):

@@ -14,7 +14,7 @@ from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits
 WORLD = 2
 EOD = 2
 # GQA with one KV group per rank; the document mask exercises the explicit-mask path.
-CONFIG = preset("tiny", vocab_size=1000, document_mask=True, eod_token_id=EOD)
+CONFIG = preset("tiny", vocab_size=1000)
 
 
 def shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
@@ -42,11 +42,11 @@ def run(ids: torch.Tensor, model, labels: torch.Tensor, loss_mask: torch.Tensor)
     model.zero_grad()
     with torch.no_grad():
         logits = {
-            causal: gather_vocab_parallel_logits(model(ids, causal=causal))
+            causal: gather_vocab_parallel_logits(model(ids, causal=causal, document_end_id=EOD))
             for causal in (True, False)
         }
-    loss = model(ids, causal=True, labels=labels)
-    scored = model(ids, causal=False, labels=labels, loss_mask=loss_mask)
+    loss = model(ids, causal=True, labels=labels, document_end_id=EOD)
+    scored = model(ids, causal=False, labels=labels, loss_mask=loss_mask, document_end_id=EOD)
     (loss.mean() + (scored * loss_mask).sum() / loss_mask.sum()).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return logits, torch.cat([loss.detach(), scored.detach()]), grads

@@ -95,7 +95,7 @@ def test_cpt_encoder_recipes_plan_on_an_import(tmp_path, capsys):
     imported = tmp_path / "runs" / "cpt_encoder" / "eurobert_210m"
     imported.mkdir(parents=True)
     eurobert_210m = transformers.EuroBertConfig(rope_parameters={"rope_type": "default", "rope_theta": 250_000.0})
-    config = encoder_config_from_hf(eurobert_210m, vocab_size=128_256, seq_length=2048, eod_token_id=128_001)
+    config = encoder_config_from_hf(eurobert_210m, vocab_size=128_256, seq_length=2048)
     (imported / RECIPE_SNIPPET).write_text(_recipe_snippet(config, imported / "tokenizer", imported, "EuroBERT-210m"))
     plans = {p.stem: plan_of(tmp_path / "examples" / "recipes" / "cpt_encoder" / p.name, 8, capsys)
              for p in CPT_ENCODER}

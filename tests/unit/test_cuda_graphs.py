@@ -46,8 +46,8 @@ def test_the_setting_parses_from_recipes_and_flags(tmp_path):
      ["training.cuda_graphs='megatron'", "training.recompute_granularity='full'"]),
     ({"training": {"train_iters": 8, "cuda_graphs": "megatron", "recompute_granularity": "selective"}},
      ["training.recompute_granularity='selective'"]),
-    ({"training": {"train_iters": 8, "cuda_graphs": "megatron"}, "model": {"document_mask": True, "eod_token_id": 2}},
-     ["training.cuda_graphs='megatron'", "model.document_mask"]),
+    ({"training": {"train_iters": 8, "cuda_graphs": "megatron"}, "data": {"reset_attention_mask": True}},
+     ["training.cuda_graphs='megatron'", "data.reset_attention_mask", "Megatron-LM#5619"]),
     ({"training": {"train_iters": 8, "cuda_graphs": "megatron"}, "parallel": {"pipeline_model_parallel_size": 2}},
      ["training.cuda_graphs='megatron'", "parallel.pipeline_model_parallel_size=2"]),
 ])

@@ -15,10 +15,10 @@ from megatron_ext.model import (
     parameter_count,
     preset,
 )
-from megatron_ext.model.attention import attention_mask_for, decode_attention_mask
+from megatron_ext.model.attention import attention_mask_for, decode_attention_mask, explicit_document_mask
 
 EOD = 2
-TINY = preset("tiny", vocab_size=1000, eod_token_id=EOD)
+TINY = preset("tiny", vocab_size=1000)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,11 +47,12 @@ def perturbed(ids: torch.Tensor, j: int) -> torch.Tensor:
     return out
 
 
-def changed_positions(model, ids: torch.Tensor, j: int, *, causal: bool) -> torch.Tensor:
+def changed_positions(model, ids: torch.Tensor, j: int, *, causal: bool, document_end_id: int | None = None
+                      ) -> torch.Tensor:
     """Per position: did perturbing token j change its logits?"""
     with torch.no_grad():
-        a = model(ids, causal=causal)[0]
-        b = model(perturbed(ids, j), causal=causal)[0]
+        a = model(ids, causal=causal, document_end_id=document_end_id)[0]
+        b = model(perturbed(ids, j), causal=causal, document_end_id=document_end_id)[0]
     return (a - b).abs().amax(dim=-1) > 1e-5
 
 
@@ -134,7 +135,7 @@ def test_attention_pattern_encoding():
     ids = torch.tensor([[5, 6, EOD, 7, EOD, EOD, 8, 9], [EOD, 5, 6, 7, 8, 9, 5, EOD]])
     document = [[0, 0, 0, 1, 1, 2, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1]]  # EOD ends its document
     for causal in (False, True):
-        mask = attention_mask_for(ids, causal=causal, eod_token_id=EOD)
+        mask = explicit_document_mask(ids, causal=causal, eod_token_id=EOD)
         expected = torch.tensor([
             [[(document[b][q] != document[b][k]) or (causal and k > q) for k in range(8)]
              for q in range(8)]
@@ -144,32 +145,42 @@ def test_attention_pattern_encoding():
     # Without documents no s x s mask is built: None, or an empty tensor meaning causal.
     assert attention_mask_for(ids, causal=False, eod_token_id=None) is None
     assert decode_attention_mask(attention_mask_for(ids, causal=True, eod_token_id=None)) == (
-        None, True
+        None, True, None
     )
+    # Isolated documents: their starts in the [b * s] stream, causal as a [1, n + 1] row.
+    starts = [0, 3, 5, 6, 8, 9]
+    for causal in (False, True):
+        pattern = decode_attention_mask(attention_mask_for(ids, causal=causal, eod_token_id=EOD))
+        assert pattern.mask is None and pattern.is_causal == causal
+        assert pattern.cu_seqlens.dtype == torch.int32 and pattern.cu_seqlens.tolist() == [*starts, 16]
 
 
-def test_document_mask_isolates_documents():
-    model = build(dataclasses.replace(TINY, document_mask=True))
+def changed_in_documents(model, ids, j, *, causal):
+    return changed_positions(model, ids, j, causal=causal, document_end_id=EOD)
+
+
+def test_isolated_documents_attend_only_within_themselves():
+    model = build()
     ids = random_ids(24, seed=3)
     ids[0, 7] = ids[0, 15] = EOD  # documents: [0, 7], [8, 15], [16, 23]
     docs = [slice(0, 8), slice(8, 16), slice(16, 24)]
     for causal in (False, True):
         for doc, j in ((0, 3), (1, 10), (2, 20)):
-            changed = changed_positions(model, ids, j, causal=causal)
+            changed = changed_in_documents(model, ids, j, causal=causal)
             inside = torch.zeros(24, dtype=torch.bool)
             inside[docs[doc]] = True
             assert not changed[~inside].any(), (causal, doc)
             assert changed[docs[doc]][(j - docs[doc].start) if causal else 0 :].all(), (causal, doc)
 
 
-def test_document_mask_equals_running_documents_alone():
-    """RoPE is relative, so a masked document's logits do not depend on where it is packed."""
-    model = build(dataclasses.replace(TINY, document_mask=True))
+def test_isolated_documents_equal_running_documents_alone():
+    """RoPE is relative, so an isolated document's logits do not depend on where it is packed."""
+    model = build()
     ids = random_ids(24, seed=4)
     ids[0, 9] = EOD  # documents: [0, 9], [10, 23]
     with torch.no_grad():
         for causal in (False, True):
-            packed = model(ids, causal=causal)
+            packed = model(ids, causal=causal, document_end_id=EOD)
             torch.testing.assert_close(packed[:, :10], model(ids[:, :10], causal=causal))
             torch.testing.assert_close(packed[:, 10:], model(ids[:, 10:], causal=causal))
 
@@ -274,8 +285,6 @@ def test_matches_hugging_face_eurobert_and_llama():
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="eod_token_id"):
-        preset("tiny", document_mask=True)
     with pytest.raises(ValueError, match="num_query_groups"):
         preset("tiny", num_query_groups=3)
     with pytest.raises(ValueError, match="transformer_impl"):

@@ -85,7 +85,7 @@ def test_samples_have_seq_length_and_a_seeded_order(tmp_path, corpora, tokenizer
     sample = train[0]
     assert sample["tokens"].shape == sample["labels"].shape == sample["loss_mask"].shape == (SEQ,)
     assert sample["tokens"][1:].tolist() == sample["labels"][:-1].tolist()
-    assert "attention_mask" not in sample  # only with reset_attention_mask
+    assert "attention_mask" not in sample  # never: documents are read from the tokens
     assert any(Path(config.data_cache_path).glob("*GPTDataset-train-shuffle_index.npy"))
 
     # Same seed, fresh cache: the same shuffled order. Another seed: another order.
@@ -100,20 +100,25 @@ def test_samples_have_seq_length_and_a_seeded_order(tmp_path, corpora, tokenizer
     assert first != [reseeded[i]["tokens"].tolist() for i in range(10)]
 
 
-def test_document_mask_flags_reach_gpt_dataset(tmp_path, corpora, tokenizer):
+def test_document_flags_reach_gpt_dataset(tmp_path, corpora, tokenizer):
+    """Positions restart and EOD inputs score nothing as Megatron does; no [b, 1, s, s] mask is
+    built (the model reads the documents from the tokens' EODs, the same boundaries)."""
+    from megatron_ext.model.attention import document_cu_seqlens
+
     flags = {"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True}
     config = _config(tmp_path, corpora["a"], **flags)
     train, _ = build_datasets(config, tokenizer=tokenizer, train_samples=40, valid_samples=16, seed=1234)
     iterator = build_train_iterator(train, config=config, dp_rank=0, dp_size=1, consumed_samples=0)
     # The first micro-batch with a document boundary that is not the last token of its row.
     batch = next(b for b in iterator if (b["tokens"][:, :-1] == tokenizer.eod).any())
-    assert batch["attention_mask"].shape == (MBS, 1, SEQ, SEQ) and batch["attention_mask"].dtype == torch.bool
+    assert "attention_mask" not in batch
     eod = batch["tokens"] == tokenizer.eod
     assert (batch["loss_mask"][eod] == 0).all() and (batch["loss_mask"][~eod] == 1).all()
     row, col = (int(i) for i in (eod[:, :-1]).nonzero()[0])
     assert batch["position_ids"][row, col + 1] == 0
-    assert batch["attention_mask"][row, 0, col + 1, col]  # the next document cannot see this one
-    assert not batch["attention_mask"][row, 0, col, col]
+    starts = document_cu_seqlens(batch["tokens"], tokenizer.eod).tolist()
+    assert row * SEQ + col + 1 in starts and row * SEQ + col not in starts  # the next document starts after it
+    assert batch["position_ids"][row, col] > 0 or row * SEQ + col in starts
 
 
 def test_blend_weights_parse_and_the_blend_follows_them(tmp_path, corpora, tokenizer):
