@@ -184,3 +184,30 @@ def test_a_branch_adds_the_long_phase_to_a_run_that_had_none(straight, tiny_corp
     assert result.start_step == 4
     for step in range(5, 9):
         assert result.losses[step] == long_from_the_start.losses[step], f"step {step}"
+
+
+def test_isolated_documents_and_a_long_phase_pack_more_documents_per_row(tiny_corpus, tmp_path, monkeypatch):
+    """With documents isolated in packed rows (``data.reset_attention_mask`` and ``reset_position_ids``)
+    the long phase's rows hold more documents than the short phase's, each still attending only to
+    itself (the model's document starts, read where the model builds them); the run resumes exactly
+    across the switch."""
+    from megatron_ext.model import attention
+
+    isolated = {"reset_attention_mask": True, "reset_position_ids": True}
+    seen: dict[int, list[float]] = {}
+    real = attention.document_cu_seqlens
+
+    def recording(input_ids, eod_token_id):
+        cu_seqlens = real(input_ids, eod_token_id)
+        seen.setdefault(input_ids.shape[1], []).append((len(cu_seqlens) - 1) / input_ids.shape[0])
+        return cu_seqlens
+
+    monkeypatch.setattr(attention, "document_cu_seqlens", recording)
+    straight = pretrain(run_config_from_dict(_recipe(tiny_corpus, tmp_path / "straight", data=isolated)))
+    assert straight.final_step == 8 and set(seen) >= {64, 256}
+    per_row = {length: sum(counts) / len(counts) for length, counts in seen.items()}
+    assert per_row[256] > 1.3 * per_row[64] and per_row[64] > 1, per_row  # measured: 1.75 and 1.17 documents per row
+    config = run_config_from_dict(_recipe(tiny_corpus, tmp_path / "resumed", data=isolated))
+    pretrain(config, exit_after_step=3)
+    resumed = pretrain(config)
+    assert [resumed.losses[step] for step in range(4, 9)] == [straight.losses[step] for step in range(4, 9)]
