@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -114,6 +115,25 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported field type {annotation}")
 
 
+MOVED_KEYS: dict[str, str] = {
+    "study.sbatch": "resources: {slurm: [...]}",
+    "study.sizes[*].sbatch": "resources: {slurm: [...]} of the size",
+    "study.evaluation.sbatch": "resources: {slurm: [...]} of the evaluation",
+    "model.document_mask": "data.reset_attention_mask (and data.reset_position_ids to restart RoPE per document)",
+    "model.eod_token_id": "data.reset_attention_mask, which reads the tokenizer's end-of-document token",
+    "model.attention_backend": "model.transformer_impl",
+    "training.engine": "nothing: every run trains with the Megatron engine; delete the key",
+}
+"""Keys an earlier version read, by dotted path (``[*]``: any item of a list), and where each went:
+the one table an unknown key's error consults (there are no aliases: an old key is refused)."""
+
+
+def _moved(where: str, unknown: list[str]) -> str:
+    path = re.sub(r"\[\d+\]", "[*]", where)
+    moved = [f"{key} is now {MOVED_KEYS[f'{path}.{key}']}" for key in unknown if f"{path}.{key}" in MOVED_KEYS]
+    return f" ({'; '.join(moved)})" if moved else ""
+
+
 def build_dataclass(cls: type, values: Any, where: str) -> Any:
     """Instantiate ``cls`` from a mapping; unknown keys and bad values raise :class:`ConfigError`."""
     if not isinstance(values, Mapping):
@@ -122,7 +142,7 @@ def build_dataclass(cls: type, values: Any, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(fields)}")
+        raise ConfigError(f"{where}: unknown key(s) {unknown}{_moved(where, unknown)}; valid keys: {sorted(fields)}")
     missing = sorted(
         name for name, f in fields.items()
         if name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

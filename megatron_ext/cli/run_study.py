@@ -60,9 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study", help="study file (YAML, see examples/studies/)")
-    parser.add_argument("--launcher", choices=list(LAUNCHERS), default=None,
+    parser.add_argument("--launcher", choices=list(LAUNCHERS), required=True,
                         help="where the jobs run: " + ", ".join(LAUNCHERS))
-    parser.add_argument("--executor", choices=list(LAUNCHERS), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--study-dir", default=None, metavar="DIR",
                         help="plan, recipes, logs and jobs of the study [runs/studies/<study name>]")
     parser.add_argument("--only", nargs="+", default=None, metavar="RUN",
@@ -84,14 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.executor is not None:
-        if args.launcher is not None and args.launcher != args.executor:
-            parser.error(f"--executor {args.executor} and --launcher {args.launcher}: give --launcher only")
-        print(f"notice: --executor is the older name of --launcher; read as --launcher {args.executor}",
-              file=sys.stderr, flush=True)
-        args.launcher = args.executor
-    if args.launcher is None:
-        parser.error("the following arguments are required: --launcher")
     from megatron_ext.launch import launcher_class
     from megatron_ext.study.state import StudyDir, select_runs, write_plan
     from megatron_ext.study.plan import plan_study

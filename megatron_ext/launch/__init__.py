@@ -15,7 +15,7 @@ study's ``resources:`` (its extra flags).
 
 from megatron_ext.launch.job import Job, JobEvents, JobState, Launcher, Resources
 from megatron_ext.launch.programs import SCRIPTS_DIR, program, script
-from megatron_ext.launch.registry import LAUNCHERS, launcher_class, read_legacy_keys
+from megatron_ext.launch.registry import LAUNCHERS, launcher_class
 
 __all__ = ["LAUNCHERS", "SCRIPTS_DIR", "Job", "JobEvents", "JobState", "Launcher", "Resources", "launcher_class",
-           "program", "read_legacy_keys", "script"]
+           "program", "script"]

@@ -195,9 +195,6 @@ class Launcher(ABC):
     persistent: ClassVar[bool]
     """Whether its jobs outlive this process (then their ids are kept, and a later process asks
     after them) or end with it."""
-    legacy_key: ClassVar[str | None] = None
-    """The key older study files used for this launcher's extra flags (read as ``resources.<name>``,
-    with a notice)."""
     one_job_at_a_time: ClassVar[bool] = False
     """Whether it runs a study's training jobs in turn (their times add up, so the study's ETA is
     their sum) rather than side by side as a batch scheduler may."""

@@ -132,7 +132,6 @@ def batch_script(job: Job) -> list[str]:
 class SlurmLauncher(Launcher):
     name = "slurm"
     persistent = True
-    legacy_key = "sbatch"
 
     def __init__(self, options: SlurmOptions | None = None):
         self.options = options or SlurmOptions()

@@ -56,7 +56,7 @@ from typing import Any
 import yaml
 
 from megatron_ext.config_loading import ConfigError, build_dataclass
-from megatron_ext.launch import Resources, read_legacy_keys
+from megatron_ext.launch import Resources
 from megatron_ext.objectives import CLM, MLM, OBJECTIVES, Objective, read_objective
 from megatron_ext.training.config import SECTIONS
 
@@ -475,7 +475,6 @@ def read_study(path: str | Path) -> Study:
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: invalid YAML: {err}") from err
     try:
-        raw = read_legacy_keys(raw, path, sections=("", "sizes[*]", "evaluation"))
         return build_dataclass(Study, raw if raw is not None else {}, "study")
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None

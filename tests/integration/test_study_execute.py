@@ -100,7 +100,7 @@ def test_local_failure_blocks_descendants_only_and_reruns_finish(tmp_path, tiny_
     logs = {run: study_dir / "logs" / f"{run}.log" for run in save}
 
     # 1. The late size fails at start-up; its CPT is blocked; the other size's runs train.
-    code = cli.main([str(study), "--executor", "local", "--study-dir", str(study_dir)])
+    code = cli.main([str(study), "--launcher", "local", "--study-dir", str(study_dir)])
     out = capsys.readouterr().out
     assert code == 1, out
     assert re.search(r"^\[1/4\] late_clm_40: FAILED \(exit 2: error: data\.data_path: .*late/news_text_document\.bin "
@@ -127,7 +127,7 @@ def test_local_failure_blocks_descendants_only_and_reruns_finish(tmp_path, tiny_
     for suffix in (".bin", ".idx"):
         (late / f"news_text_document{suffix}").symlink_to(tiny_corpus["data"] + suffix)
     metrics = tmp_path / "out" / "late_clm_40" / "log" / "metrics.jsonl"
-    executor = subprocess.Popen([sys.executable, str(TOOL), str(study), "--executor", "local", "--study-dir",
+    executor = subprocess.Popen([sys.executable, str(TOOL), str(study), "--launcher", "local", "--study-dir",
                                  str(study_dir), "--nproc-per-node", "2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline = time.monotonic() + 240
@@ -148,7 +148,7 @@ def test_local_failure_blocks_descendants_only_and_reruns_finish(tmp_path, tiny_
     assert _attempts(logs["late_clm_40_cpt_mlm_40_8"]) == 0
 
     # 3. A dry run says what is left and writes nothing; --only takes a run with the runs it starts from.
-    code = cli.main([str(study), "--executor", "local", "--study-dir", str(study_dir), "--dry-run",
+    code = cli.main([str(study), "--launcher", "local", "--study-dir", str(study_dir), "--dry-run",
                      "--only", "late_clm_40_cpt_mlm_40_8"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -156,16 +156,16 @@ def test_local_failure_blocks_descendants_only_and_reruns_finish(tmp_path, tiny_
     assert _row(out, "tiny_clm_40").endswith("(not selected)")
     assert re.findall(r"^  \S+ \S+pretrain_encoder\.py --config (\S+)$", out, re.M) == [
         str(study_dir / "recipes" / "late_clm_40.yaml"), str(study_dir / "recipes" / "late_clm_40_cpt_mlm_40_8.yaml")]
-    assert cli.main([str(study), "--executor", "local", "--study-dir", str(study_dir), "--only", "nope"]) == 2
+    assert cli.main([str(study), "--launcher", "local", "--study-dir", str(study_dir), "--only", "nope"]) == 2
     assert "--only: no run named nope in study grid; its runs: late_clm_40, " in capsys.readouterr().err
     with StudyDir(root=study_dir).lock():  # another executor on this study: refused, nothing started
-        assert cli.main([str(study), "--executor", "local", "--study-dir", str(study_dir)]) == 2
+        assert cli.main([str(study), "--launcher", "local", "--study-dir", str(study_dir)]) == 2
     assert f"run_study.py: error: {study_dir}: another run_study.py (pid {os.getpid()}) is executing this study" \
         in capsys.readouterr().err
 
     # 4. The rerun skips what is complete, resumes the stopped run and trains its CPT, saying where
     # the running one is every second.
-    code = cli.main([str(study), "--executor", "local", "--study-dir", str(study_dir), "--progress-interval", "1"])
+    code = cli.main([str(study), "--launcher", "local", "--study-dir", str(study_dir), "--progress-interval", "1"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert f"[1/2] late_clm_40: training steps {stopped} to {TRUNK_STEPS}" in out
@@ -187,7 +187,7 @@ def test_local_branch_segment_starts_from_its_parents_checkpoint(tmp_path, tiny_
     branch from its checkpoint at step 8, which the parent keeps."""
     study = _study(tmp_path, "branches", {"tiny": _base(tiny_corpus, tmp_path)}, budgets=[20, 10], cpt=None)
     study_dir = tmp_path / "study_dir"
-    code = cli.main([str(study), "--executor", "local", "--study-dir", str(study_dir)])
+    code = cli.main([str(study), "--launcher", "local", "--study-dir", str(study_dir)])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "[2/2] tiny_clm_10: training steps 8 to 10" in out

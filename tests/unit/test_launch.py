@@ -59,25 +59,24 @@ def test_neutral_resources_become_each_launchers_form(tmp_path, capsys):
     assert run_study.main([str(study), "--launcher", "local", "--study-dir", str(study_dir), "--dry-run"]) == 0
     first, _ = _submissions(capsys.readouterr().out)
     assert re.fullmatch(rf"GPUS_PER_NODE=4 PYTHON=\S+ RECIPE= bash {script('single_node.sh')} --config \S+", first)
-    assert run_study.main([str(study), "--executor", "local", "--study-dir", str(study_dir), "--dry-run",
+    assert run_study.main([str(study), "--launcher", "local", "--study-dir", str(study_dir), "--dry-run",
                            "--nproc-per-node", "1"]) == 0
     out = capsys.readouterr()
     first, _ = _submissions(out.out)
     assert re.fullmatch(r"\S+python\S* \S+/pretrain_encoder\.py --config \S+/tiny_clm_600\.yaml", first), first
-    assert "notice: --executor is the older name of --launcher; read as --launcher local" in out.err
 
 
-def test_older_sbatch_keys_read_as_slurm_extras_with_one_notice(tmp_path, capsys):
-    study = _study(tmp_path, sbatch=["--partition=gpu"], size={"sbatch": ["--nodes=8"]},
-                   evaluation={"tasks": ["rt_sentiment"], "sbatch": ["--gpus=1"]})
-    read = read_study(study)
-    assert read.resources.extras == {"slurm": ("--partition=gpu",)}
-    assert read.sizes[0].resources.extras == {"slurm": ("--nodes=8",)}
-    assert read.evaluation.resources.extras == {"slurm": ("--gpus=1",)}
-    read_study(study)
-    notices = capsys.readouterr().err.splitlines()
-    assert notices == [f"notice: {study}: study.sbatch, study.sizes[0].sbatch, study.evaluation.sbatch: the older "
-                       "form of resources.<launcher> (e.g. resources: {slurm: [--partition=gpu]}); read as such"]
+@pytest.mark.parametrize("fields, where", [
+    ({"sbatch": ["--partition=gpu"]}, "study: unknown key(s) ['sbatch'] (sbatch is now resources: {slurm: [...]})"),
+    ({"size": {"sbatch": ["--nodes=8"]}},
+     "study.sizes[0]: unknown key(s) ['sbatch'] (sbatch is now resources: {slurm: [...]} of the size)"),
+    ({"evaluation": {"tasks": ["rt_sentiment"], "sbatch": ["--gpus=1"]}},
+     "study.evaluation: unknown key(s) ['sbatch'] (sbatch is now resources: {slurm: [...]} of the evaluation)"),
+])
+def test_an_older_sbatch_key_is_refused_in_one_line_naming_where_it_went(tmp_path, fields, where):
+    with pytest.raises(ConfigError) as err:
+        read_study(_study(tmp_path, **fields))
+    assert where in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -88,7 +87,6 @@ def test_older_sbatch_keys_read_as_slurm_extras_with_one_notice(tmp_path, capsys
     ({"resources": {"slurm": ["gpu"]}}, "study.resources.slurm: 'gpu' is not an sbatch option"),
     ({"resources": {"local": ["--x"]}}, "study.resources.local: the local launcher takes no extra flags"),
     ({"size": {"resources": {"nodes": "two"}}}, "study.sizes[0].resources.nodes: expected an integer, got 'two'"),
-    ({"sbatch": ["--a=1"], "resources": {"slurm": ["--b=2"]}}, "study.sbatch: give the slurm launcher's flags once"),
 ])
 def test_bad_resources_name_the_key(tmp_path, fields, message):
     with pytest.raises(ConfigError) as err:

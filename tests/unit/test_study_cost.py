@@ -151,11 +151,11 @@ def test_study_resources_and_evaluation_grid(tmp_path):
     study.write_text(f"""
 name: s
 sizes:
-  - {{name: a, base: {RECIPES / 'base' / '610m.yaml'}, sbatch: [--nodes=2]}}
-  - {{name: b, base: {RECIPES / 'base' / '210m.yaml'}, sbatch: [--gpus=3]}}
+  - {{name: a, base: {RECIPES / 'base' / '610m.yaml'}, resources: {{slurm: [--nodes=2]}}}}
+  - {{name: b, base: {RECIPES / 'base' / '210m.yaml'}, resources: {{slurm: [--gpus=3]}}}}
 budgets: [5000]
 objectives: [{{objective: clm}}]
-sbatch: [--gpus-per-node=4]
+resources: {{slurm: [--gpus-per-node=4]}}
 evaluation: {{tasks: [rt_sentiment, wiki_mentions, lee_sts], lrs: [1.0e-4, 2.0e-4], seeds: [0, 1, 2], workers: 4,
              max_steps: 100}}
 """)
