@@ -34,6 +34,9 @@ USER_ERROR_EXIT_CODE = 2
 ``UserError`` subclass may carry another as its ``exit_code`` (``checkpoint.storage``'s 74: the
 save directory is full)."""
 
+INTERRUPTED_EXIT_CODE = 130
+"""Exit status of a tool stopped by Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
 DEBUG_ENV = "MEGATRON_EXT_DEBUG"
 """Set (to anything but empty or 0), a user error's line is followed by its traceback on stderr."""
 
@@ -60,7 +63,8 @@ def report_user_error(tool: str, error: UserError) -> int:
 
 def entry_point(tool: str) -> Callable[[Callable[[list[str] | None], int]], Callable[[list[str] | None], int]]:
     """Decorate a tool's ``main(argv)``: a :class:`UserError` becomes :func:`report_user_error`'s
-    line and exit code; anything else propagates (a traceback). ``tool``: the name the line starts
+    line and exit code; Ctrl-C one line and :data:`INTERRUPTED_EXIT_CODE`; anything else propagates (a
+    traceback). ``tool``: the name the line starts
     with, the script's under ``tools/`` (e.g. ``train_tokenizer.py``)."""
 
     def decorate(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
@@ -70,6 +74,10 @@ def entry_point(tool: str) -> Callable[[Callable[[list[str] | None], int]], Call
                 return main(argv)
             except UserError as error:
                 return report_user_error(tool, error)
+            except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; outputs are written whole
+                print(f"{tool}: interrupted (Ctrl-C); outputs finished before it are kept, none is half-written",
+                      file=sys.stderr, flush=True)
+                return INTERRUPTED_EXIT_CODE
 
         return run
 
