@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ext.config_loading import UserError
+from megatron_ext.data import provenance
 from megatron_ext.data.readers import InputError, Record, decode_record, detect_format, expand_inputs, iter_records
 from megatron_ext.data.sentences import SentenceSplitter, build_splitter
 from megatron_ext.tokenizer import EncoderTokenizer, TokenizerConfig, build_tokenizer
@@ -269,11 +270,11 @@ def _check_outputs(config: PreprocessConfig) -> None:
         raise InputError(f"--output-prefix {config.output_prefix!r}: directory {parent} is not writable")
 
 
-_TEMPORARY = re.compile(r"\.(bin|idx)\.tmp(\d+)$")
+_TEMPORARY = re.compile(r"\.(bin|idx|tokenizer\.json)\.tmp(\d+)$")
 
 
 def _remove_stale_temporaries(config: PreprocessConfig) -> None:
-    """Remove ``<prefix>.bin.tmp<pid>`` / ``.idx.tmp<pid>`` files of this run's outputs that a killed
+    """Remove ``<prefix>.bin.tmp<pid>`` / ``.idx.tmp<pid>`` / ``.tokenizer.json.tmp<pid>`` files of this run's outputs that a killed
     run left behind (their process is gone), saying so."""
     for key in config.json_keys:
         prefix = Path(config.output_prefix_for(key))
@@ -351,12 +352,15 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
                                 else "") + "); nothing written")
         for key, builder in builders.items():
             builder.finalize(tmp[key][1])
-        # Publish: drop any old index first, then bin, then idx. Readers need both files, so at
-        # every instant the pair is either the old complete one, incomplete, or the new one.
+            tmp[key] += (provenance.write_record(config.output_prefix_for(key), tokenizer, suffix=f".tmp{pid}"),)
+        # Publish: drop any old index first, then the tokenizer record, bin, idx. Readers need both
+        # files, so at every instant the pair is either the old complete one, incomplete, or the new
+        # one, and a complete new pair has its record.
         for key in config.json_keys:
             prefix = config.output_prefix_for(key)
             if os.path.exists(prefix + ".idx"):
                 os.unlink(prefix + ".idx")
+            os.replace(tmp[key][2], str(provenance.record_path(prefix)))
             os.replace(tmp[key][0], prefix + ".bin")
             os.replace(tmp[key][1], prefix + ".idx")
             summary.outputs[key] = prefix

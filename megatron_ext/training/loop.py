@@ -43,6 +43,7 @@ from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, Checkpoint, in
 from megatron_ext.checkpoint.lock import SaveDirectoryLock
 from megatron_ext.checkpoint.resume import BRANCHED_FROM, load_starting_point
 from megatron_ext.checkpoint.writer import CheckpointSaver
+from megatron_ext.data.provenance import check_data_tokenizer
 from megatron_ext.training import data as data_lib
 from megatron_ext.training import cuda_graphs
 from megatron_ext.training.branching import check_saved_parent
@@ -399,6 +400,9 @@ def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None,
     device = hardware.device()
     tokenizer = build_tokenizer(config.tokenizer)
     check_tokenizer_serves(config, tokenizer)
+    unrecorded = check_data_tokenizer(config.data.blend[0], tokenizer)  # the data's own tokenizer is this one
+    if unrecorded and is_writer():
+        print(unrecorded, file=sys.stderr, flush=True)
     engine = _build_model_and_engine(config, device)
     try:
         return _train_engine(config, engine, tokenizer=tokenizer, device=device, exit_after_step=exit_after_step,
