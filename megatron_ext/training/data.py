@@ -398,6 +398,29 @@ def _micro_batches(dataset: Dataset, sampler: _MicroBatchSampler, config: DataCo
         yield batch
 
 
+def blend_shares(config: DataConfig, train: Dataset, *, train_samples: int) -> list[dict]:
+    """Per dataset of the blend, in ``data_path`` order: ``{"prefix", "weight", "share"}``, the
+    weight normalised (None for an unweighted blend) and the share of the run's ``train_samples``
+    training samples it gives (Megatron's blending index, read as the run will read it)."""
+    prefixes, weights = config.blend
+    total = sum(weights) if weights else None
+    if hasattr(train, "dataset_index"):  # BlendedDataset
+        read = np.asarray(train.dataset_index[:train_samples])  # its datasets in data_path's order
+        shares = (np.bincount(read, minlength=len(prefixes)) / len(read)).tolist()
+    else:
+        shares = [1.0]
+    return [{"prefix": prefix, "weight": None if total is None else weights[i] / total, "share": shares[i]}
+            for i, prefix in enumerate(prefixes)]
+
+
+def format_blend(shares: list[dict], *, train_samples: int) -> str:
+    """One line: each dataset's weight and realised share of the training samples."""
+    return f"blend of {len(shares)} datasets over {train_samples:,} training samples: " + ", ".join(
+        f"{os.path.basename(entry['prefix'])} "
+        + ("" if entry["weight"] is None else f"weight {100 * entry['weight']:.1f}% -> ")
+        + f"{100 * entry['share']:.1f}%" for entry in shares)
+
+
 def _source(dataset: Dataset, index: int) -> str:
     """The dataset path behind sample ``index`` of a GPTDataset or BlendedDataset."""
     if hasattr(dataset, "dataset_index"):  # BlendedDataset

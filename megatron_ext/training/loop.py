@@ -242,6 +242,8 @@ class _Batches:
     train: Iterator
     micro_per_step: int
     valid: list[dict[str, torch.Tensor]]
+    blend: list[dict]
+    """``training.data.blend_shares``: each dataset's weight and share of the run's samples."""
 
 
 def _build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int, device: torch.device) -> _Batches:
@@ -249,8 +251,9 @@ def _build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     evaluating = bool(config.training.eval_interval and data_cfg.eval_iters)
+    train_samples = config.training.train_iters * data_cfg.global_batch_size
     train_ds, valid_ds = data_lib.build_datasets(
-        data_cfg, tokenizer=tokenizer, train_samples=config.training.train_iters * data_cfg.global_batch_size,
+        data_cfg, tokenizer=tokenizer, train_samples=train_samples,
         valid_samples=data_cfg.eval_iters * data_cfg.global_batch_size if evaluating else 0,
         seed=config.training.seed,
     )
@@ -260,7 +263,7 @@ def _build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int
     valid = [_to_device(b, device) for b in data_lib.build_valid_iterator(
         valid_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size)] if evaluating else []
     return _Batches(train=train, micro_per_step=data_cfg.global_batch_size // (data_cfg.micro_batch_size * dp_size),
-                    valid=valid)
+                    valid=valid, blend=data_lib.blend_shares(data_cfg, train_ds, train_samples=train_samples))
 
 
 class _NonFiniteGuard:
@@ -447,10 +450,14 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
         # Installed first, removed last: a stop signal during set-up ends the run after its first
         # step, and a second one during the closing saves is only recorded.
         stack.enter_context(stop.signals_handled())
-        sinks = MetricSinks(config.logging, run_config=config.to_dict(), wandb_run_id=state.get("wandb_run_id"))
+        sinks = MetricSinks(config.logging, run_config=config.to_dict(), wandb_run_id=state.get("wandb_run_id"),
+                            start_step=start)
         stack.callback(sinks.close)
+        sinks.header({"blend": batches.blend}, start)
         log = StepLogger(config, sinks, total_steps=total, start_step=start)
         log.banner(phases)
+        if len(batches.blend) > 1 and is_writer():
+            print(data_lib.format_blend(batches.blend, train_samples=total * config.data.global_batch_size), flush=True)
         if is_writer() and starting_point.branched_from:
             origin = starting_point.branched_from
             print(f"branched from {origin['save']} at step {origin['step']}"

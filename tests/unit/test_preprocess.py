@@ -187,7 +187,8 @@ def test_existing_output_needs_overwrite_and_survives_failed_rewrite(tmp_path, c
     with pytest.raises(InputError):
         _run(tmp_path, [corpus], sp_model, overwrite=True)
     assert (Path(prefix + ".bin").read_bytes(), Path(prefix + ".idx").read_bytes()) == before
-    assert sorted(p.name for p in tmp_path.glob("out*")) == ["out_text_document.bin", "out_text_document.idx"]
+    assert sorted(p.name for p in tmp_path.glob("out*")) == ["out_text_document.bin", "out_text_document.idx",
+                                                             "out_text_document.tokenizer.json"]
 
 
 def test_empty_documents_are_skipped_and_counted(tmp_path, sp_model):
@@ -276,7 +277,7 @@ def test_ctrl_c_prints_one_line_and_keeps_the_previous_output(tmp_path, corpus, 
 
     _run(tmp_path, [corpus], sp_model)
     previous = {p.name: p.read_bytes() for p in tmp_path.glob("out_text_document.*")}
-    assert len(previous) == 2
+    assert len(previous) == 3  # .bin, .idx and the tokenizer record
     fifo = tmp_path / "stream.jsonl"
     os.mkfifo(fifo)
     repo = Path(__file__).resolve().parents[2]
