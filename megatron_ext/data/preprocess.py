@@ -81,7 +81,7 @@ class PreprocessConfig:
     overwrite: bool = False
     """Replace existing outputs; without it an existing output is an error."""
     progress: bool = True
-    """Show a progress bar."""
+    """Show a progress bar (when stderr is a terminal)."""
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -403,5 +403,5 @@ def _progress(enabled: bool, total_bytes: int):
 
     return tqdm(
         total=total_bytes or None, unit="B", unit_scale=True, desc="preprocess",
-        disable=not enabled, mininterval=1.0,
+        disable=None if enabled else True, mininterval=1.0,  # None: on a terminal only, not into a log file
     )

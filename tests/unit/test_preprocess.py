@@ -321,3 +321,11 @@ def test_append_eod_with_a_bert_tokenizer_ends_documents_with_one_sep(tmp_path, 
     for i in range(len(dataset)):
         ids = dataset[i].tolist()
         assert ids[0] == tokenizer.bos and ids[-1] == tokenizer.eod and ids[-2] != tokenizer.eod
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path, corpus, sp_model, capsys):
+    """Without --no-progress, output to a log file (not a terminal) gets no redrawn bar."""
+    assert preprocess_data.main(["--input", str(corpus), "--output-prefix", str(tmp_path / "out"),
+                                 "--tokenizer-model", sp_model]) == 0
+    err = capsys.readouterr().err
+    assert "preprocess:" not in err and "\r" not in err, err
