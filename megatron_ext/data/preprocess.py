@@ -34,7 +34,7 @@ import numpy as np
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.data import provenance
-from megatron_ext.data.readers import InputError, Record, decode_record, detect_format, expand_inputs, iter_records
+from megatron_ext.data.readers import TEXT_MODES, InputError, Record, decode_record, detect_format, expand_inputs, iter_records
 from megatron_ext.data.sentences import SentenceSplitter, build_splitter
 from megatron_ext.tokenizer import EncoderTokenizer, TokenizerConfig, build_tokenizer
 
@@ -59,7 +59,8 @@ class PreprocessConfig:
     input_format: str = "auto"
     """``auto`` (from the file name), ``jsonl``, ``text``, ``parquet`` or ``hf``."""
     text_mode: str = "line"
-    """Plain text: ``line`` = one document per line, ``file`` = one document per file."""
+    """Plain text: ``line`` = one document per line, ``paragraph`` = one per run of lines between
+    blank lines, ``file`` = one document per file."""
     hf_split: str = "train"
     """Split to read from Hugging Face datasets."""
     workers: int = 1
@@ -88,8 +89,8 @@ class PreprocessConfig:
             raise UserError("inputs: at least one --input is required")
         if self.workers < 1:
             raise UserError(f"workers: expected >= 1, got {self.workers}")
-        if self.text_mode not in ("line", "file"):
-            raise UserError(f"text_mode: expected 'line' or 'file', got {self.text_mode!r}")
+        if self.text_mode not in TEXT_MODES:
+            raise UserError(f"text_mode: expected one of {list(TEXT_MODES)}, got {self.text_mode!r}")
         if not self.json_keys:
             raise UserError("json_keys: at least one key is required")
         if self.keep_newlines and not self.split_sentences:

@@ -329,3 +329,22 @@ def test_progress_bar_only_on_a_terminal(tmp_path, corpus, sp_model, capsys):
                                  "--tokenizer-model", sp_model]) == 0
     err = capsys.readouterr().err
     assert "preprocess:" not in err and "\r" not in err, err
+
+
+def test_paragraph_text_mode_makes_one_document_per_paragraph_and_line_mode_says_so(tmp_path, sp_model, news_texts,
+                                                                                    caplog):
+    """Paragraphs (lines between blank lines): --text-mode paragraph makes each one document; line
+    mode still makes one per line, with one notice naming the file and the mode that fits."""
+    paragraphs = ["\n".join(text.split(". ")[:3]) for text in news_texts[:12]]
+    path = tmp_path / "book.txt"
+    path.write_text("\n\n\n".join(paragraphs) + "\n")
+    tokenizer = build_tokenizer(TokenizerConfig(tokenizer_model=sp_model))
+    config, summary = _run(tmp_path, [path], sp_model, name="para", text_mode="paragraph", add_special_tokens=False)
+    dataset = _read(config.output_prefix_for("text"))
+    assert summary.documents == len(dataset) == 12
+    assert dataset[3].tolist() == tokenizer.tokenize(paragraphs[3])
+    assert not [r for r in caplog.records if "separates paragraphs" in r.getMessage()]
+    _, summary = _run(tmp_path, [path], sp_model, name="lines", text_mode="line", add_special_tokens=False)
+    assert summary.documents == sum(p.count("\n") + 1 for p in paragraphs)
+    notices = [r.getMessage() for r in caplog.records if "separates paragraphs" in r.getMessage()]
+    assert len(notices) == 1 and str(path) in notices[0] and "--text-mode paragraph" in notices[0]
