@@ -131,8 +131,8 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
 
                 tokenizer_note = check_data_tokenizer(config.data.blend[0], tokenizer)  # refuses another's data
         print(format_dry_run(config, plan))
-        print(memory_report(config, world_size=world))
         speeds = speed_table(args)
+        print(memory_report(config, world_size=world, gpu_kind=speeds.kind if args.gpu else None))
         cost = segment_cost(config, run="the run", gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
         print(format_run_cost(cost, speeds.kind, speeds.notices))
         check_budget(args.budget_gpu_hours, cost.gpu_hours, [("the run", cost.gpu_hours or 0.0)], "the run")

@@ -93,6 +93,13 @@ class ArgumentParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose errors are :class:`UsageError` (so one line, exit code 2,
     like every other bad input) instead of the usage text and ``SystemExit``; ``--help`` is unchanged."""
 
+    NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+    """argparse's own pattern misses exponents (``--lr -1e-3`` read as an unknown flag ``-1e-3``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = self.NEGATIVE_NUMBER  # argparse's hook: what a value, not a flag, is
+
     def error(self, message: str):  # noqa: D102 (argparse's hook)
         raise UsageError(f"{message} (see --help)")
 

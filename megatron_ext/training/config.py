@@ -34,7 +34,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce
+from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce, did_you_mean
 from megatron_ext.objectives import Objective, validation_objectives
 from megatron_ext.model.config import PRESETS, EncoderModelConfig, padded_vocab_size, with_current_model_keys
 from megatron_ext.schedule import LRScheduleConfig, Phase, ResolvedPhase, lr_at, resolve_phases
@@ -440,7 +440,8 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
     unknown = sorted(set(raw) - set(TOP_LEVEL_KEYS))
     if unknown:
-        raise ConfigError(f"{path}: unknown section(s) {unknown}; valid sections: {sorted(TOP_LEVEL_KEYS)}")
+        raise ConfigError(f"{path}: unknown section(s) {unknown}{did_you_mean(unknown, TOP_LEVEL_KEYS)}; valid "
+                          f"sections: {sorted(TOP_LEVEL_KEYS)}")
     if isinstance(raw.get("model"), dict):  # before merging: a base and its child may spell a key differently
         raw["model"] = with_current_model_keys(raw["model"], f"{path} model", warn=True)
     raw = with_current_values(raw, str(path))

@@ -49,7 +49,7 @@ from megatron_ext.training import cuda_graphs
 from megatron_ext.training.branching import check_saved_parent
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, StepOutcome, megatron_transformer_overrides
-from megatron_ext.training.memory import check_fits, estimate_memory, stage_parameters
+from megatron_ext.training.memory import check_fits, estimate_memory, reduce_memory_advice, stage_parameters
 from megatron_ext.checkpoint import storage
 from megatron_ext.training.dry_run import check_paths, check_tokenizer_serves, make_plan
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
@@ -399,7 +399,8 @@ def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None,
     # Everything a launch can get wrong is refused here, before the model is allocated.
     if config.checkpoint.save:
         _check_save_space(config)
-    check_fits(estimate_memory(config, world_size=dist.get_world_size()), *hardware.usable_memory_bytes())
+    check_fits(estimate_memory(config, world_size=dist.get_world_size()), *hardware.usable_memory_bytes(),
+               advice=reduce_memory_advice(config, on_gpu=hardware.on_gpu()))
     device = hardware.device()
     tokenizer = build_tokenizer(config.tokenizer)
     check_tokenizer_serves(config, tokenizer)
