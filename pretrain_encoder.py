@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:  # a bad recipe, flag, data, checkpoint or path, on any rank
         code, reason = report_user_error("pretrain_encoder.py", error), f"error: {error}"
     except KeyboardInterrupt:  # Ctrl-C before the training loop's handler (start-up): nothing to save yet
-        from megatron_ext.training.stop import INTERRUPTED_EXIT_CODE
+        from megatron_ext.processes import INTERRUPTED_EXIT_CODE
 
         code, reason = INTERRUPTED_EXIT_CODE, "interrupted (Ctrl-C) during start-up, before the first step"
         if int(os.environ.get("RANK", "0")) == 0:

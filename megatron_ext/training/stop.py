@@ -3,18 +3,23 @@
 Clusters end jobs with signals: SLURM sends SIGTERM at a time limit, on preemption and on
 ``scancel`` (then SIGKILL after its ``KillWait``), and ``sbatch --signal=USR1@N`` sends SIGUSR1
 ``N`` seconds before the limit; a person at a terminal presses Ctrl-C (SIGINT). With
-``training.exit_signal_handler`` (on by default) SIGTERM, SIGUSR1 and SIGINT only raise a flag: the step in flight finishes, every rank agrees to stop after the same
-step (a MAX all-reduce of the flag each step, so no rank waits for one that went on), the loop
-saves that step, waits until the checkpoint is published, and the process exits with
-:data:`RESUMABLE_EXIT_CODE`. A second signal while that save runs is recorded and otherwise
-ignored; publication is atomic anyway (``checkpoint.writer``), so even SIGKILL loses only the save in
-flight. Ctrl-C says so on the terminal: the first press one line (finishing the step, then saving),
-a second that the save is under way, a third ends the process at once (exit 130), saying that the
-save in flight is lost and the previous checkpoint is where the same command resumes. SIGINTs
-less than :data:`SAME_PRESS_SECONDS` apart count as one press: a terminal signals its whole
-foreground group, so a worker under torchrun gets each Ctrl-C twice (once more from the agent). The same path serves Megatron-LM's ``--exit-duration-in-mins`` (a wall-clock budget from
-the process's start, checked after every step) and ``--exit-interval`` (stop after every step that
-is a multiple of it).
+``training.exit_signal_handler`` (on by default) SIGTERM, SIGUSR1 and SIGINT only raise a flag:
+the step in flight finishes, every rank agrees to stop after the same step (a MAX all-reduce of
+the flag each step, so no rank waits for one that went on), the loop saves that step, waits until
+the checkpoint is published, and the process exits with :data:`RESUMABLE_EXIT_CODE`. A second
+signal while that save runs is recorded and otherwise ignored; publication is atomic anyway
+(``checkpoint.writer``), so even SIGKILL loses only the save in flight.
+
+Ctrl-C says so on the terminal: the first press one line (finishing the step, then saving), a
+second that the save is under way, a third ends the process at once (exit 130,
+``processes.INTERRUPTED_EXIT_CODE``), saying that the save in flight is lost and the previous
+checkpoint is where the same command resumes. SIGINTs less than :data:`SAME_PRESS_SECONDS` apart
+count as one press: a terminal signals its whole foreground group, so a worker under torchrun gets
+each Ctrl-C twice (once more from the agent).
+
+The same path serves Megatron-LM's ``--exit-duration-in-mins`` (a wall-clock budget from the
+process's start, checked after every step) and ``--exit-interval`` (stop after every step that is
+a multiple of it).
 """
 
 from __future__ import annotations
@@ -46,9 +51,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 SAME_PRESS_SECONDS = 1.0
 """SIGINTs closer together than this are one Ctrl-C (the terminal's and torchrun's forwarded copy)."""
-
-INTERRUPTED_EXIT_CODE = 130
-"""Exit status after the third Ctrl-C (128 + SIGINT, a shell's own for an interrupted command)."""
 
 EXIT_STATUS_ENV = "MEGATRON_EXT_EXIT_STATUS_FILE"
 """When set, global rank 0 writes its exit status there (one line: the code, then a reason).
@@ -113,7 +115,7 @@ class StopPolicy:
         if press >= 3:
             _say("Ctrl-C a third time: stopped at once; the checkpoint being written (if any) is lost, the last "
                  "complete one is where the same command resumes")
-            os._exit(INTERRUPTED_EXIT_CODE)  # publication is atomic: a partial save is never read
+            os._exit(processes.INTERRUPTED_EXIT_CODE)  # publication is atomic: a partial save is never read
         _say("Ctrl-C: finishing the step in flight, then saving a checkpoint to resume from (Ctrl-C again: "
              "nothing changes, a third time: stop at once and lose that save)" if press == 1 else
              "Ctrl-C again: still finishing the step and its checkpoint; a third Ctrl-C stops at once and loses it")
