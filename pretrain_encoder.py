@@ -66,9 +66,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 def load_config(args: argparse.Namespace, dests: dict) -> tuple[RunConfig, EncoderTokenizer | None]:
     """The run config, and its tokenizer when reading the config needed it (``model.vocab_size:
     from_tokenizer``)."""
-    from megatron_ext.training.config import apply_overrides, needs_tokenizer_vocab, read_recipe, run_config_from_dict
+    from megatron_ext.training.config import apply_overrides, read_recipe
 
-    raw = apply_overrides(read_recipe(args.config), args, dests)
+    return config_from_recipe(apply_overrides(read_recipe(args.config), args, dests))
+
+
+def config_from_recipe(raw: dict) -> tuple[RunConfig, EncoderTokenizer | None]:
+    """The run config of a recipe (as a dict), and its tokenizer when reading it needed it
+    (``model.vocab_size: from_tokenizer``, or a preset whose vocabulary is a placeholder)."""
+    from megatron_ext.training.config import needs_tokenizer_vocab, run_config_from_dict
+
     tokenizer = None
     if needs_tokenizer_vocab(raw):
         from megatron_ext.config_loading import build_dataclass

@@ -36,7 +36,8 @@ import yaml
 from megatron_ext.config_loading import UserError
 from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce, did_you_mean
 from megatron_ext.objectives import Objective, validation_objectives
-from megatron_ext.model.config import PRESETS, EncoderModelConfig, padded_vocab_size, with_current_model_keys
+from megatron_ext.model.config import (PRESETS, VOCAB_FROM_TOKENIZER_PRESETS, EncoderModelConfig, padded_vocab_size,
+                                       with_current_model_keys)
 from megatron_ext.schedule import LRScheduleConfig, Phase, ResolvedPhase, lr_at, resolve_phases
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.checkpoint.config import CheckpointConfig
@@ -511,6 +512,8 @@ def _model_config(section: dict[str, Any], *, data_seq_length: int, tokenizer_vo
         base = {f.name: getattr(PRESETS[preset_name], f.name) for f in dataclasses.fields(EncoderModelConfig)}
         if "seq_length" not in section:
             base.pop("seq_length")
+        if preset_name in VOCAB_FROM_TOKENIZER_PRESETS:  # its vocab_size is a placeholder
+            base.pop("vocab_size")
         section = {**base, **section}
     section.setdefault("seq_length", data_seq_length)
     section.setdefault("vocab_size", VOCAB_FROM_TOKENIZER)
@@ -581,4 +584,5 @@ def needs_tokenizer_vocab(raw: dict[str, Any]) -> bool:
     model = raw.get("model") or {}
     if "vocab_size" in model:
         return model["vocab_size"] == VOCAB_FROM_TOKENIZER
-    return model.get("preset") is None  # presets carry their vocab size
+    # Presets carry their vocab size, but for those where it is a placeholder.
+    return model.get("preset") is None or model.get("preset") in VOCAB_FROM_TOKENIZER_PRESETS

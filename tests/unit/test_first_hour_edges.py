@@ -78,3 +78,15 @@ def test_dry_run_memory_is_judged_for_the_gpu_kind_asked_with_advice_not_already
         assert taken not in advice, advice
     assert "micro_batch_size" in advice
     assert "recompute_granularity" in reduce_memory_advice(run_config_from_dict(tiny_recipe(FAKE, tmp_path)))
+
+
+def test_the_tiny_preset_takes_the_tokenizers_vocabulary(tmp_path, tiny_corpus):
+    """``model: {preset: tiny}`` (the docs' minimal recipe) gets the tokenizer's vocabulary, not
+    the preset's 32,000-row placeholder; a vocab_size the recipe gives is kept."""
+    raw = tiny_recipe(tiny_corpus, tmp_path)
+    raw["model"] = {"preset": "tiny"}
+    config, tokenizer = pretrain_encoder.config_from_recipe(raw)
+    assert tokenizer is not None and config.model.vocab_size == 1024 >= tokenizer.vocab_size
+    raw["model"] = {"preset": "tiny", "vocab_size": 4096}
+    config, tokenizer = pretrain_encoder.config_from_recipe(raw)
+    assert tokenizer is None and config.model.vocab_size == 4096
