@@ -146,7 +146,8 @@ THIRD_PARTY_WARNINGS = (
     ThirdPartyWarning("MCore's async save is deprecated", False,
                       "the writer is a setting, checkpoint.async_strategy (mcore by default); docs/gpu.md, "
                       "\"Asynchronous saves\", says why mcore stays the default (megatron-core 0.19.2 takes "
-                      "nvidia-resiliency-ext >= 0.6.0 only; PyPI offers it only to glibc >= 2.39 hosts, 0.4.1 to older ones)",
+                      "nvidia-resiliency-ext >= 0.6.0 only; PyPI offers it only to glibc >= 2.39 hosts, 0.4.1 "
+                      "to older ones)",
                       logger="megatron.core.dist_checkpointing.strategies.torch"),
     ThirdPartyWarning("The TemporalAsyncCaller will be deprecated soon", False,
                       "NVRx's note at every save with a writer forked per save, which the CPU needs "
