@@ -58,3 +58,17 @@ def test_three_ctrl_c_presses_stop_then_reassure_then_abort():
 def test_ctrl_c_after_the_closing_save_does_not_turn_the_exit_into_a_kill():
     run = subprocess.run([sys.executable, "-c", AFTER], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "exited normally" in run.stdout, run.stderr
+
+
+def test_a_tool_interrupted_by_ctrl_c_says_so_in_one_line(capsys):
+    """Every tool's entry point: Ctrl-C is one line and exit 130, not a traceback."""
+    from megatron_ext.cli.entry import entry_point
+
+    @entry_point("some_tool.py")
+    def main(argv=None) -> int:
+        raise KeyboardInterrupt
+
+    assert main([]) == INTERRUPTED_EXIT_CODE
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["some_tool.py: interrupted (Ctrl-C); outputs finished before it are kept, none is "
+                                "half-written"]
