@@ -49,9 +49,10 @@ from megatron_ext.eval.suite import TASKS
 from megatron_ext.cli.entry import ArgumentParser, entry_point
 from megatron_ext.processes import signal_handlers
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-"""A scheduler's stop (SLURM: SIGTERM at the time limit or on scancel; SIGUSR1, the usual warning):
-the worker gives back its claim on the run in flight, so another takes it over at once."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+"""A scheduler's stop (SLURM: SIGTERM at the time limit or on scancel; SIGUSR1, the usual warning)
+or Ctrl-C: the worker gives back its claim on the run in flight, so another takes it over at once
+(one line, exit 128 + the signal; finished runs are kept, each written whole)."""
 
 
 def default_tasks() -> list[str]:
