@@ -16,10 +16,11 @@ the defaults. Resumes automatically from the newest complete checkpoint in --sav
 Exit status: 0 done; 2 bad input (one line naming it; also --save in use by another trainer, or
 a damaged checkpoint: the line names the file and the --load-step that resumes past it); 74 the
 save directory is full, over quota or read-only (the previous checkpoint stays the newest): free
-space, then run the same command; 75 stopped on request after saving (SIGTERM/SIGUSR1,
---exit-duration-in-mins, --exit-interval): run the same command to resume; 76 stopped on request
-with nothing saved (no checkpoint.save); 1 a bug (with its traceback). MEGATRON_EXT_DEBUG=1 adds
-the traceback to a bad input's line.
+space, then run the same command; 75 stopped on request after saving (Ctrl-C, SIGTERM/SIGUSR1,
+--exit-duration-in-mins, --exit-interval): run the same command to resume; 130 Ctrl-C during
+start-up, or a third Ctrl-C (the save in flight is lost, the previous checkpoint is kept);
+76 stopped on request with nothing saved (no checkpoint.save); 1 a bug (with its traceback).
+MEGATRON_EXT_DEBUG=1 adds the traceback to a bad input's line.
 """
 
 from __future__ import annotations
@@ -65,9 +66,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 def load_config(args: argparse.Namespace, dests: dict) -> tuple[RunConfig, EncoderTokenizer | None]:
     """The run config, and its tokenizer when reading the config needed it (``model.vocab_size:
     from_tokenizer``)."""
-    from megatron_ext.training.config import apply_overrides, needs_tokenizer_vocab, read_recipe, run_config_from_dict
+    from megatron_ext.training.config import apply_overrides, read_recipe
 
-    raw = apply_overrides(read_recipe(args.config), args, dests)
+    return config_from_recipe(apply_overrides(read_recipe(args.config), args, dests))
+
+
+def config_from_recipe(raw: dict) -> tuple[RunConfig, EncoderTokenizer | None]:
+    """The run config of a recipe (as a dict), and its tokenizer when reading it needed it
+    (``model.vocab_size: from_tokenizer``, or a preset whose vocabulary is a placeholder)."""
+    from megatron_ext.training.config import needs_tokenizer_vocab, run_config_from_dict
+
     tokenizer = None
     if needs_tokenizer_vocab(raw):
         from megatron_ext.config_loading import build_dataclass
@@ -83,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         code, reason = _main(argv)
     except UserError as error:  # a bad recipe, flag, data, checkpoint or path, on any rank
         code, reason = report_user_error("pretrain_encoder.py", error), f"error: {error}"
+    except KeyboardInterrupt:  # Ctrl-C before the training loop's handler (start-up): nothing to save yet
+        from megatron_ext.processes import INTERRUPTED_EXIT_CODE
+
+        code, reason = INTERRUPTED_EXIT_CODE, "interrupted (Ctrl-C) during start-up, before the first step"
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"pretrain_encoder.py: {reason}; nothing new saved", file=sys.stderr, flush=True)
     except BaseException as error:  # a bug, or SystemExit (--help): recorded, then as it was
         code = error.code if isinstance(error, SystemExit) and isinstance(error.code, int) else 1
         write_exit_status(code, f"{type(error).__name__}: {error}")
@@ -120,9 +134,12 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
                 tokenizer_note = f"tokenizer: NOT READY, a run would stop here: {err}"
             else:  # what the objectives need of it: refused now (before the plan), as the run would refuse it
                 check_tokenizer_serves(config, tokenizer)
+                from megatron_ext.data.provenance import check_data_tokenizer
+
+                tokenizer_note = check_data_tokenizer(config.data.blend[0], tokenizer)  # refuses another's data
         print(format_dry_run(config, plan))
-        print(memory_report(config, world_size=world))
         speeds = speed_table(args)
+        print(memory_report(config, world_size=world, gpu_kind=speeds.kind if args.gpu else None))
         cost = segment_cost(config, run="the run", gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
         print(format_run_cost(cost, speeds.kind, speeds.notices))
         if len({(c.seq_length, c.global_batch_size) for c in config.phase_contexts}) > 1:  # training.context

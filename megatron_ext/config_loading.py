@@ -115,6 +115,17 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported field type {annotation}")
 
 
+def did_you_mean(unknown: list[str], valid) -> str:
+    """``" (did you mean 'x'?)"`` for the unknown names that are near misses of a valid one (a typo,
+    a Megatron-LM spelling); empty when none is."""
+    import difflib
+
+    guesses = [f"{name!r} -> {close[0]!r}" if len(unknown) > 1 else repr(close[0])
+               for name in unknown if (close := difflib.get_close_matches(str(name), [str(v) for v in valid], n=1,
+                                                                         cutoff=0.75))]
+    return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+
+
 MOVED_KEYS: dict[str, str] = {
     "study.sbatch": "resources: {slurm: [...]}",
     "study.sizes[*].sbatch": "resources: {slurm: [...]} of the size",
@@ -142,7 +153,8 @@ def build_dataclass(cls: type, values: Any, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}{_moved(where, unknown)}; valid keys: {sorted(fields)}")
+        raise ConfigError(f"{where}: unknown key(s) {unknown}{_moved(where, unknown) or did_you_mean(unknown, fields)}; "
+                          f"valid keys: {sorted(fields)}")
     missing = sorted(
         name for name, f in fields.items()
         if name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

@@ -206,6 +206,12 @@ class EncoderTokenizer(abc.ABC):
             starts[special] = ends[special] = True
         return starts, ends
 
+    def special_tokens(self) -> dict[str, str | None]:
+        """Each special role's token (None: the tokenizer has none), as a dataset's tokenizer record
+        shows it (``data.provenance``)."""
+        pieces = self._pieces()
+        return {role: None if token_id is None else pieces[token_id] for role, token_id in self._roles.items()}
+
     def fingerprint(self) -> str:
         """A hash of what the ids mean (every id's token and the special roles), not of where the
         files are: two tokenizers with the same fingerprint give weights the same meaning."""

@@ -678,14 +678,26 @@ def message_problems(cell: str) -> list[str]:
 
 def recipe_problems(text: str) -> list[str]:
     """A whole recipe (a YAML block marked ``recipe``) must validate as ``pretrain_encoder.py``
-    would read it (the tokenizer is not loaded: give the model a preset or a vocab_size)."""
+    would read it, from the repository's root; the tokenizer is loaded (and must serve the run)
+    when the vocabulary comes from it."""
     from megatron_ext.config_loading import UserError
-    from megatron_ext.training.config import run_config_from_dict
+    from megatron_ext.training.dry_run import check_tokenizer_serves
 
+    sys.path.insert(0, str(REPO))
     try:
-        run_config_from_dict(yaml.safe_load(text))
+        from pretrain_encoder import config_from_recipe
+    finally:
+        sys.path.remove(str(REPO))
+    saved_cwd = os.getcwd()
+    try:
+        os.chdir(REPO)
+        config, tokenizer = config_from_recipe(yaml.safe_load(text))
+        if tokenizer is not None:
+            check_tokenizer_serves(config, tokenizer)
     except UserError as error:
         return [f"this recipe does not validate: {error}"]
+    finally:
+        os.chdir(saved_cwd)
     return []
 
 

@@ -332,6 +332,7 @@ EXIT_CODE_CONSTANTS = (
     ("megatron_ext.checkpoint.storage", "STORAGE_EXIT_CODE"),
     ("megatron_ext.training.stop", "RESUMABLE_EXIT_CODE"),
     ("megatron_ext.training.stop", "STOPPED_UNSAVED_EXIT_CODE"),
+    ("megatron_ext.processes", "INTERRUPTED_EXIT_CODE"),
 )
 """Where each exit status the trainer and the tools use is defined, with its docstring."""
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_ext.config_loading import UserError
+from megatron_ext.processes import INTERRUPTED_EXIT_CODE
 
 USER_ERROR_EXIT_CODE = 2
 """Exit status of a run stopped by bad input (argparse's own code for a bad command line). A
@@ -60,7 +61,8 @@ def report_user_error(tool: str, error: UserError) -> int:
 
 def entry_point(tool: str) -> Callable[[Callable[[list[str] | None], int]], Callable[[list[str] | None], int]]:
     """Decorate a tool's ``main(argv)``: a :class:`UserError` becomes :func:`report_user_error`'s
-    line and exit code; anything else propagates (a traceback). ``tool``: the name the line starts
+    line and exit code; Ctrl-C one line and :data:`INTERRUPTED_EXIT_CODE`; anything else propagates (a
+    traceback). ``tool``: the name the line starts
     with, the script's under ``tools/`` (e.g. ``train_tokenizer.py``)."""
 
     def decorate(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
@@ -70,6 +72,10 @@ def entry_point(tool: str) -> Callable[[Callable[[list[str] | None], int]], Call
                 return main(argv)
             except UserError as error:
                 return report_user_error(tool, error)
+            except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; outputs are written whole
+                print(f"{tool}: interrupted (Ctrl-C); outputs finished before it are kept, none is half-written",
+                      file=sys.stderr, flush=True)
+                return INTERRUPTED_EXIT_CODE
 
         return run
 
@@ -84,6 +90,13 @@ class UsageError(UserError):
 class ArgumentParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose errors are :class:`UsageError` (so one line, exit code 2,
     like every other bad input) instead of the usage text and ``SystemExit``; ``--help`` is unchanged."""
+
+    NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+    """argparse's own pattern misses exponents (``--lr -1e-3`` read as an unknown flag ``-1e-3``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = self.NEGATIVE_NUMBER  # argparse's hook: what a value, not a flag, is
 
     def error(self, message: str):  # noqa: D102 (argparse's hook)
         raise UsageError(f"{message} (see --help)")
@@ -133,7 +146,8 @@ THIRD_PARTY_WARNINGS = (
     ThirdPartyWarning("MCore's async save is deprecated", False,
                       "the writer is a setting, checkpoint.async_strategy (mcore by default); docs/gpu.md, "
                       "\"Asynchronous saves\", says why mcore stays the default (megatron-core 0.19.2 takes "
-                      "nvidia-resiliency-ext >= 0.6.0 only; PyPI offered 0.4.1 in 2026-11)",
+                      "nvidia-resiliency-ext >= 0.6.0 only; PyPI offers it only to glibc >= 2.39 hosts, 0.4.1 "
+                      "to older ones)",
                       logger="megatron.core.dist_checkpointing.strategies.torch"),
     ThirdPartyWarning("The TemporalAsyncCaller will be deprecated soon", False,
                       "NVRx's note at every save with a writer forked per save, which the CPU needs "

@@ -15,8 +15,9 @@ PATH@STEP,STEP,... those steps, each as the model NAME@STEP (summary rows carry 
 checkpoint_step and pretrain_tokens; summary.md adds score vs pretraining tokens). Tasks are names of the offline suite (built into --suite-dir when absent),
 the paper's benchmarks from the Hugging Face hub (sst2 qqp mnli conll2003 ontonotes uner squad
 squad_v2 record qed msmarco nq mldr; "paper" = all but qed), converted into --suite-dir when
-absent, from --benchmarks-dir (tools/fetch_benchmarks.py) or the hub, or task directories with a
-task.json (docs/eval_suite.md). Without --tasks: the paper's benchmarks when the hub is reachable
+absent, from --benchmarks-dir (tools/fetch_benchmarks.py) or the hub, task directories with a
+task.json (docs/eval_suite.md), or a classification task of your own: a folder of train/validation/test
+.csv or .jsonl files with text (and text_pair) and label columns (docs/evaluation.md). Without --tasks: the paper's benchmarks when the hub is reachable
 or --benchmarks-dir is given, else the offline suite. Each (model, task, LR, seed) is one
 run saved as OUTPUT_DIR/runs/<model>/<task>/lr<LR>_seed<SEED>.json; rerunning skips finished
 runs. Zero-shot STS tasks (lee_sts, or an STS-B file converted with python -m
@@ -48,9 +49,10 @@ from megatron_ext.eval.suite import TASKS
 from megatron_ext.cli.entry import ArgumentParser, entry_point
 from megatron_ext.processes import signal_handlers
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-"""A scheduler's stop (SLURM: SIGTERM at the time limit or on scancel; SIGUSR1, the usual warning):
-the worker gives back its claim on the run in flight, so another takes it over at once."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+"""A scheduler's stop (SLURM: SIGTERM at the time limit or on scancel; SIGUSR1, the usual warning)
+or Ctrl-C: the worker gives back its claim on the run in flight, so another takes it over at once
+(one line, exit 128 + the signal; finished runs are kept, each written whole)."""
 
 
 def default_tasks() -> list[str]:
@@ -77,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
              "SAVE_DIR@all: each complete checkpoint, SAVE_DIR@STEP,STEP: those steps (models NAME@STEP)")
     add("--tasks", nargs="+", default=None, metavar="TASK",
         help=f"suite tasks ({' '.join(default_tasks())}), benchmarks ({' '.join(BENCHMARKS)}), 'paper' or "
-             "task directories (default: 'paper' when the hub or --benchmarks-dir has the data, else the suite)")
+             "task directories, or folders of train/validation/test .csv/.jsonl with text and label (default: 'paper' when the hub or --benchmarks-dir has the data, else the suite)")
     add("--output-dir", type=Path, required=True, help="receives runs/, exported/, summaries and plots")
     add("--lrs", nargs="+", type=float, default=list(PAPER_LR_GRID), metavar="LR", help="fine-tuning LR grid")
     add("--seeds", nargs="+", type=int, default=list(PAPER_SEEDS), metavar="SEED", help="seeds per LR")

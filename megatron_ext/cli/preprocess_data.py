@@ -16,7 +16,7 @@ import sys
 
 
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
-from megatron_ext.data.readers import INPUT_FORMATS
+from megatron_ext.data.readers import INPUT_FORMATS, TEXT_MODES
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.cli.entry import ArgumentParser, configure_logging, entry_point
 
@@ -29,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
                        help="default: inferred from the file name")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize")
-    group.add_argument("--text-mode", choices=["line", "file"], default="line",
-                       help="plain text: one document per line or per file")
+    group.add_argument("--text-mode", choices=TEXT_MODES, default="line",
+                       help="plain text: one document per line, per paragraph (lines between blank lines) or per file")
     group.add_argument("--hf-split", default="train", help="split of a Hugging Face dataset")
     group.add_argument("--split-sentences", action="store_true", help="split documents into sentences (nltk Punkt)")
     group.add_argument("--keep-newlines", action="store_true", help="keep newlines between sentences when splitting")

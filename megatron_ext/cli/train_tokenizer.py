@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     n_docs = [0]
     texts = iter_documents(args.input, input_format=args.input_format, json_keys=args.json_keys,
                            counter=n_docs)
-    with tqdm(texts, desc="reading documents", unit="doc", disable=args.no_progress) as bar:
+    with tqdm(texts, desc="reading documents", unit="doc", disable=True if args.no_progress else None) as bar:  # None: on a terminal only
         tokenizer = train(bar, vocab_size=args.vocab_size, min_frequency=args.min_frequency)
     if n_docs[0] == 0:
         raise UserError(f"--input {args.input}: no non-empty text under --json-keys {args.json_keys}")

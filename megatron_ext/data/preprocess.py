@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.data.readers import InputError, Record, decode_record, detect_format, expand_inputs, iter_records
+from megatron_ext.data import provenance
+from megatron_ext.data.readers import TEXT_MODES, InputError, Record, decode_record, detect_format, expand_inputs, iter_records
 from megatron_ext.data.sentences import SentenceSplitter, build_splitter
 from megatron_ext.tokenizer import EncoderTokenizer, TokenizerConfig, build_tokenizer
 
@@ -58,7 +59,8 @@ class PreprocessConfig:
     input_format: str = "auto"
     """``auto`` (from the file name), ``jsonl``, ``text``, ``parquet`` or ``hf``."""
     text_mode: str = "line"
-    """Plain text: ``line`` = one document per line, ``file`` = one document per file."""
+    """Plain text: ``line`` = one document per line, ``paragraph`` = one per run of lines between
+    blank lines, ``file`` = one document per file."""
     hf_split: str = "train"
     """Split to read from Hugging Face datasets."""
     workers: int = 1
@@ -80,15 +82,15 @@ class PreprocessConfig:
     overwrite: bool = False
     """Replace existing outputs; without it an existing output is an error."""
     progress: bool = True
-    """Show a progress bar."""
+    """Show a progress bar (when stderr is a terminal)."""
 
     def __post_init__(self) -> None:
         if not self.inputs:
             raise UserError("inputs: at least one --input is required")
         if self.workers < 1:
             raise UserError(f"workers: expected >= 1, got {self.workers}")
-        if self.text_mode not in ("line", "file"):
-            raise UserError(f"text_mode: expected 'line' or 'file', got {self.text_mode!r}")
+        if self.text_mode not in TEXT_MODES:
+            raise UserError(f"text_mode: expected one of {list(TEXT_MODES)}, got {self.text_mode!r}")
         if not self.json_keys:
             raise UserError("json_keys: at least one key is required")
         if self.keep_newlines and not self.split_sentences:
@@ -269,11 +271,11 @@ def _check_outputs(config: PreprocessConfig) -> None:
         raise InputError(f"--output-prefix {config.output_prefix!r}: directory {parent} is not writable")
 
 
-_TEMPORARY = re.compile(r"\.(bin|idx)\.tmp(\d+)$")
+_TEMPORARY = re.compile(r"\.(bin|idx|tokenizer\.json)\.tmp(\d+)$")
 
 
 def _remove_stale_temporaries(config: PreprocessConfig) -> None:
-    """Remove ``<prefix>.bin.tmp<pid>`` / ``.idx.tmp<pid>`` files of this run's outputs that a killed
+    """Remove ``<prefix>.bin.tmp<pid>`` / ``.idx.tmp<pid>`` / ``.tokenizer.json.tmp<pid>`` files of this run's outputs that a killed
     run left behind (their process is gone), saying so."""
     for key in config.json_keys:
         prefix = Path(config.output_prefix_for(key))
@@ -351,12 +353,15 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
                                 else "") + "); nothing written")
         for key, builder in builders.items():
             builder.finalize(tmp[key][1])
-        # Publish: drop any old index first, then bin, then idx. Readers need both files, so at
-        # every instant the pair is either the old complete one, incomplete, or the new one.
+            tmp[key] += (provenance.write_record(config.output_prefix_for(key), tokenizer, suffix=f".tmp{pid}"),)
+        # Publish: drop any old index first, then the tokenizer record, bin, idx. Readers need both
+        # files, so at every instant the pair is either the old complete one, incomplete, or the new
+        # one, and a complete new pair has its record.
         for key in config.json_keys:
             prefix = config.output_prefix_for(key)
             if os.path.exists(prefix + ".idx"):
                 os.unlink(prefix + ".idx")
+            os.replace(tmp[key][2], str(provenance.record_path(prefix)))
             os.replace(tmp[key][0], prefix + ".bin")
             os.replace(tmp[key][1], prefix + ".idx")
             summary.outputs[key] = prefix
@@ -399,5 +404,5 @@ def _progress(enabled: bool, total_bytes: int):
 
     return tqdm(
         total=total_bytes or None, unit="B", unit_scale=True, desc="preprocess",
-        disable=not enabled, mininterval=1.0,
+        disable=None if enabled else True, mininterval=1.0,  # None: on a terminal only, not into a log file
     )

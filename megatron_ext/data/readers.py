@@ -12,6 +12,7 @@ import glob
 import gzip
 import io
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -20,9 +21,12 @@ from typing import Literal
 
 from megatron_ext.config_loading import UserError
 
+logger = logging.getLogger(__name__)
+
 InputFormat = Literal["auto", "jsonl", "text", "parquet", "hf"]
 INPUT_FORMATS: tuple[str, ...] = ("auto", "jsonl", "text", "parquet", "hf")
-TextMode = Literal["line", "file"]
+TextMode = Literal["line", "paragraph", "file"]
+TEXT_MODES: tuple[str, ...] = ("line", "paragraph", "file")
 
 _JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
 _TEXT_SUFFIXES = (".txt", ".txt.gz", ".text", ".cor")
@@ -139,11 +143,49 @@ def _read_text(path: str, key: str, text_mode: str) -> Iterator[Record]:
                 continue
             yield Record(location=file, fields={key: text})
             continue
+        if text_mode == "paragraph":
+            yield from _paragraphs(file, key)
+            continue
+        run = 0  # non-blank lines in a row
+        several_lines = blank_after_text = told = False
         for lineno, line, error in _decoded_lines(file):
             if error is not None:
                 yield Record(location=f"{file}:{lineno}", error=error)
+                continue
+            text = line.rstrip("\r\n")
+            if text.strip():
+                run += 1
+                several_lines = several_lines or run > 1
+                # Runs of lines between blank lines: paragraphs, which line mode cuts into lines.
+                if several_lines and blank_after_text and not told:
+                    logger.warning("notice: %s separates paragraphs with blank lines; --text-mode line makes each "
+                                   "line a document, --text-mode paragraph one document per paragraph", file)
+                    told = True
             else:
-                yield Record(location=f"{file}:{lineno}", fields={key: line.rstrip("\r\n")})
+                blank_after_text = blank_after_text or run > 0
+                run = 0
+            yield Record(location=f"{file}:{lineno}", fields={key: text})
+
+
+def _paragraphs(file: str, key: str) -> Iterator[Record]:
+    """One record per paragraph of ``file``: lines up to a blank line (or the end), joined with
+    their newlines; runs of blank lines separate, they make no document."""
+    lines: list[str] = []
+    first = 0
+    for lineno, line, error in _decoded_lines(file):
+        if error is not None:
+            yield Record(location=f"{file}:{lineno}", error=error)
+            continue
+        text = line.rstrip("\r\n")
+        if text.strip():
+            if not lines:
+                first = lineno
+            lines.append(text)
+        elif lines:
+            yield Record(location=f"{file}:{first}", fields={key: "\n".join(lines)})
+            lines = []
+    if lines:
+        yield Record(location=f"{file}:{first}", fields={key: "\n".join(lines)})
 
 
 def _read_parquet(path: str, keys: Sequence[str]) -> Iterator[Record]:

@@ -204,7 +204,8 @@ def finetune(model: torch.nn.Module, batches: Iterator[dict], *, config: Finetun
     optimizer, scheduler = finetune_optimizer(model, config, total_steps)
     model.train()
     losses: list[torch.Tensor] = []
-    for step in tqdm(range(total_steps), desc=desc, leave=False, mininterval=2.0):
+    # disable=None: a bar on a terminal only; a log file gets no redrawn bars.
+    for step in tqdm(range(total_steps), desc=desc, leave=False, mininterval=2.0, disable=None):
         batch = next(batches)
         with autocast(config):
             loss = loss_fn(model, batch)

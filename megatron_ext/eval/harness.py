@@ -60,6 +60,7 @@ from megatron_ext.eval.grid import (
 from megatron_ext.eval.finetuning import PAPER_LR_GRID, PAPER_SEEDS
 from megatron_ext.eval.render import write_summary
 from megatron_ext.eval.suite import TASKS, build_task
+from megatron_ext.eval.own_task import build_own_task
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task
 from megatron_ext.fileio import write_atomic
 
@@ -250,10 +251,13 @@ def resolve_tasks(tasks: Sequence[str], suite_dir: str | Path | None = None,
             task_dir = benchmark_dirs[task]
         elif (Path(task) / TASK_FILE).is_file():
             task_dir = Path(task)
+        elif Path(task).is_dir() and (own := build_own_task(Path(task), suite_dir)) is not None:
+            task_dir = own  # a folder of train/validation/test CSV or JSONL: a classification task
         else:
             raise UserError(f"unknown task {task!r}: expected one of {sorted(TASKS)}, a benchmark "
-                            f"{sorted(BENCHMARKS)}, a group {sorted(TASK_GROUPS)} or a directory with a "
-                            f"{TASK_FILE} (docs/eval_suite.md)")
+                            f"{sorted(BENCHMARKS)}, a group {sorted(TASK_GROUPS)}, a directory with a "
+                            f"{TASK_FILE} (docs/eval_suite.md) or a folder of train/validation/test .csv or "
+                            ".jsonl files with text and label columns (docs/evaluation.md)")
         meta = json.loads((task_dir / TASK_FILE).read_text(encoding="utf-8"))
         family = family_of(meta.get("family"), task=task)
         name = task_dir.resolve().name

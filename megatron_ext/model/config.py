@@ -42,7 +42,9 @@ class EncoderModelConfig:
     """Channels per attention head (Megatron ``--kv-channels``). None: hidden_size /
     num_attention_heads. Set for models whose head dim differs from that (Qwen3)."""
     vocab_size: int
-    """Embedding and LM-head rows; must be divisible by the tensor-parallel size."""
+    """Embedding and LM-head rows; must be divisible by the tensor-parallel size. In a recipe, or
+    ``from_tokenizer``: the tokenizer's, padded to a multiple of 128 x TP; that is what a recipe
+    without it gets, unless its preset (but ``tiny``) carries one."""
     seq_length: int = 2048
     """Longest input sequence accepted (RoPE has no learned table; this is a guard)."""
     rotary_base: float = 10_000.0
@@ -180,11 +182,17 @@ PRESETS: dict[str, EncoderModelConfig] = {
     # 1.2b model size", optimus/trainer/model/encoder/eurobert.py: 981M without the LM head.
     "1b": _llama3(num_layers=26, hidden_size=1728, ffn_hidden_size=4096,
                   num_attention_heads=18, num_query_groups=6),
-    # CPU development shape. vocab_size is a placeholder: override it with the tokenizer's.
+    # CPU development shape. vocab_size is a placeholder: a recipe that does not set it takes the
+    # tokenizer's (VOCAB_FROM_TOKENIZER_PRESETS).
     "tiny": EncoderModelConfig(num_layers=4, hidden_size=128, ffn_hidden_size=384,
                                num_attention_heads=4, num_query_groups=2, vocab_size=32_000,
                                seq_length=512),
 }
+
+
+VOCAB_FROM_TOKENIZER_PRESETS = frozenset({"tiny"})
+"""Presets whose ``vocab_size`` is a placeholder: a recipe naming one without ``model.vocab_size``
+gets the tokenizer's (``vocab_size: from_tokenizer``), never the placeholder's 32,000 rows."""
 
 
 def preset(name: str, **overrides: object) -> EncoderModelConfig:

@@ -308,8 +308,9 @@ def format_run_cost(cost: SegmentCost, kind: str, notices: Iterable[str] = ()) -
     lines = [f"notice            {line}" for line in notices]
     if cost.seconds is None:
         return "\n".join(lines + [f"cost              unknown: {cost.speeds[0]}"])
-    lines.append(f"cost              {cost.gpu_hours:,.1f} GPU-hours, wall time {hours(cost.seconds)} on {cost.gpus} "
-                 f"{kind} GPU(s) ({cost.flops:.3e} FLOPs); {format_band(cost.sources)}")
+    devices = f"{cost.gpus} CPU process{'es' if cost.gpus != 1 else ''}" if kind == CPU else f"{cost.gpus} {kind} GPU(s)"
+    lines.append(f"cost              {cost.gpu_hours:,.1f} GPU-hours, wall time {hours(cost.seconds)} on {devices} "
+                 f"({cost.flops:.3e} FLOPs); {format_band(cost.sources)}")
     lines += [f"  speed           {label}" for label in cost.speeds]
     if cost.scaling:
         lines.append(f"  scaling         {cost.scaling}")

@@ -34,10 +34,11 @@ from typing import Any, Literal
 import yaml
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce
+from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce, did_you_mean
 from megatron_ext.objectives import Objective, validation_objectives
 from megatron_ext.model.config import (
-    PRESETS, REMOVED_MODEL_KEYS, EncoderModelConfig, padded_vocab_size, with_current_model_keys,
+    PRESETS, REMOVED_MODEL_KEYS, VOCAB_FROM_TOKENIZER_PRESETS, EncoderModelConfig, padded_vocab_size,
+    with_current_model_keys,
 )
 from megatron_ext.schedule import LRScheduleConfig, Phase, ResolvedPhase, lr_at, resolve_phases
 from megatron_ext.tokenizer import TokenizerConfig
@@ -517,7 +518,8 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
     unknown = sorted(set(raw) - set(TOP_LEVEL_KEYS))
     if unknown:
-        raise ConfigError(f"{path}: unknown section(s) {unknown}; valid sections: {sorted(TOP_LEVEL_KEYS)}")
+        raise ConfigError(f"{path}: unknown section(s) {unknown}{did_you_mean(unknown, TOP_LEVEL_KEYS)}; valid "
+                          f"sections: {sorted(TOP_LEVEL_KEYS)}")
     if isinstance(raw.get("model"), dict):  # before merging: a base and its child may spell a key differently
         raw["model"] = with_current_model_keys(raw["model"], f"{path} model", warn=True)
     raw = with_current_values(raw, str(path))
@@ -591,6 +593,8 @@ def _model_config(section: dict[str, Any], *, data_seq_length: int, tokenizer_vo
         base = {f.name: getattr(PRESETS[preset_name], f.name) for f in dataclasses.fields(EncoderModelConfig)}
         if "seq_length" not in section:
             base.pop("seq_length")
+        if preset_name in VOCAB_FROM_TOKENIZER_PRESETS:  # its vocab_size is a placeholder
+            base.pop("vocab_size")
         section = {**base, **section}
     section.setdefault("seq_length", data_seq_length)
     section.setdefault("vocab_size", VOCAB_FROM_TOKENIZER)
@@ -662,4 +666,5 @@ def needs_tokenizer_vocab(raw: dict[str, Any]) -> bool:
     model = raw.get("model") or {}
     if "vocab_size" in model:
         return model["vocab_size"] == VOCAB_FROM_TOKENIZER
-    return model.get("preset") is None  # presets carry their vocab size
+    # Presets carry their vocab size, but for those where it is a placeholder.
+    return model.get("preset") is None or model.get("preset") in VOCAB_FROM_TOKENIZER_PRESETS

@@ -55,15 +55,32 @@ class _Index:
     """Index of each document's first sequence, and the sequence count at the end."""
 
 
+def missing_prefix_problem(prefix: str) -> str | None:
+    """What is missing of dataset ``prefix`` (its ``.bin``/``.idx``), naming the prefixes its folder
+    does hold (``tools/preprocess_data.py`` names them ``{prefix}_{key}_document``, so a prefix
+    given without that ending, or with another key, is a near miss); None when both files exist."""
+    for path in (prefix + ".idx", prefix + ".bin"):
+        if os.path.isfile(path):
+            continue
+        if prefix.endswith((".bin", ".idx")):
+            return f"{path} does not exist (give the prefix, without .bin/.idx)"
+        folder = os.path.dirname(os.path.abspath(prefix))
+        present = sorted(os.path.join(os.path.dirname(prefix), name[:-4]) for name in
+                         (os.listdir(folder) if os.path.isdir(folder) else []) if name.endswith(".idx"))
+        if not present:
+            return f"{path} does not exist, and {folder} holds no dataset (.idx)"
+        shown = ", ".join(present[:5]) + (f" and {len(present) - 5} more" if len(present) > 5 else "")
+        return f"{path} does not exist; the prefixes in {folder}: {shown}"
+    return None
+
+
 def _read_index(prefix: str) -> _Index:
     """Check ``prefix``'s ``.idx`` header and sizes and its ``.bin`` size, as Megatron will read them."""
     from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
 
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
-    for path in (idx_path, bin_path):
-        if not os.path.isfile(path):
-            hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
-            raise UserError(f"data_path {prefix!r}: {path} does not exist{hint}")
+    if (problem := missing_prefix_problem(prefix)) is not None:
+        raise UserError(f"data_path {prefix!r}: {problem}")
     idx_size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as f:
         preamble = f.read(_INDEX_PREAMBLE.size)
@@ -409,6 +426,33 @@ def _micro_batches(dataset: Dataset, sampler: _MicroBatchSampler, config: DataCo
                     "another tokenizer?"
                 )
         yield batch
+
+
+def blend_shares(config: DataConfig, train: Dataset | None, *, train_samples: int) -> list[dict]:
+    """Per dataset of the blend, in ``data_path`` order: ``{"prefix", "weight", "share"}``, the
+    weight normalised (None for an unweighted blend) and the share of the run's ``train_samples``
+    training samples it gives (Megatron's blending index, read as the run will read it; None without
+    ``train``: a run whose phases read other lengths builds a dataset per length as it reaches it)."""
+    prefixes, weights = config.blend
+    total = sum(weights) if weights else None
+    if train is None:
+        shares = [None] * len(prefixes)
+    elif hasattr(train, "dataset_index"):  # BlendedDataset
+        read = np.asarray(train.dataset_index[:train_samples])  # its datasets in data_path's order
+        shares = (np.bincount(read, minlength=len(prefixes)) / len(read)).tolist()
+    else:
+        shares = [1.0]
+    return [{"prefix": prefix, "weight": None if total is None else weights[i] / total, "share": shares[i]}
+            for i, prefix in enumerate(prefixes)]
+
+
+def format_blend(shares: list[dict], *, train_samples: int) -> str:
+    """One line: each dataset's weight and realised share of the training samples."""
+    return f"blend of {len(shares)} datasets over {train_samples:,} training samples: " + ", ".join(
+        f"{os.path.basename(entry['prefix'])} "
+        + ("" if entry["weight"] is None else f"weight {100 * entry['weight']:.1f}% -> ")
+        + ("(share read per phase length)" if entry["share"] is None else f"{100 * entry['share']:.1f}%")
+        for entry in shares)
 
 
 def _source(dataset: Dataset, index: int) -> str:

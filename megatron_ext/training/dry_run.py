@@ -102,6 +102,15 @@ def training_flops(config: RunConfig, start: int = 0, end: int | None = None) ->
     return sum(flops for _, flops in phase_flops(config, start, end))
 
 
+def token_count(tokens: int) -> str:
+    """``tokens`` with the unit that fits: ``512``, ``20.5K``, ``1.31M``, ``2.10B``, ``1.50T``."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if tokens >= size:
+            value = tokens / size
+            return f"{value:.3g}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return f"{tokens}"
+
+
 def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
     d, s, t, o, m = config.data, config.schedule, config.training, config.optimizer, config.model
     total = t.train_iters
@@ -114,7 +123,7 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
         f"batch             global {d.global_batch_size} = micro {d.micro_batch_size} x DP {plan.data_parallel} x "
         f"{plan.micro_batches_per_step} micro-batches/step, sequence {d.seq_length}",
         *_rampup_lines(config, plan),
-        f"tokens            {plan.tokens_per_step:,}/step, {plan.total_tokens:,} in total ({plan.total_tokens / 1e9:.2f}B)",
+        f"tokens            {plan.tokens_per_step:,}/step, {plan.total_tokens:,} in total ({token_count(plan.total_tokens)})",
         f"compute           {plan.total_flops / plan.total_tokens:.3e} FLOPs/token on average, "
         f"{plan.total_flops:.3e} FLOPs in total [{MFU_CONVENTION}]",
         f"optimizer         AdamW ({o.adam_beta1:g}, {o.adam_beta2:g}), eps {o.adam_eps:g}, weight decay "
@@ -134,7 +143,7 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
         lr_end = lr_at(end - 1, config=s, total_steps=total, phases=phases)
         lines.append(
             f"  {name:<9} steps [{start:>6}, {end:>6})  {end - start:>6} steps  "
-            f"{(end - start) * context.tokens_per_step / 1e9:8.3f}B tokens  lr {lr_start:.2e} -> {lr_end:.2e}"
+            f"{token_count((end - start) * context.tokens_per_step):>8} tokens  lr {lr_start:.2e} -> {lr_end:.2e}"
             + ("  (warmup restarts)" if phase.restart_warmup else "")
         )
         if varies(contexts) or len({c.rotary_base for c in contexts}) > 1:
@@ -221,9 +230,10 @@ def check_paths(config: RunConfig) -> list[str]:
     ``.bin``/``.idx`` files of ``data.data_path``, a ``checkpoint.load`` that does not exist, or
     ``checkpoint.finetune`` without ``checkpoint.load``. Writes nothing that stays (a probe file is
     created and removed in the nearest existing directory). Returns what was checked."""
-    import os
     import tempfile
     from pathlib import Path
+
+    from megatron_ext.training.data import missing_prefix_problem
 
     checked = []
     cc = config.checkpoint
@@ -248,8 +258,7 @@ def check_paths(config: RunConfig) -> list[str]:
         checked.append(f"{field} writable")
     prefixes, _ = config.data.blend
     for prefix in prefixes:
-        for suffix in (".bin", ".idx"):
-            if not os.path.isfile(prefix + suffix):
-                raise UserError(f"data.data_path: {prefix}{suffix} does not exist")
+        if (problem := missing_prefix_problem(prefix)) is not None:
+            raise UserError(f"data.data_path: {problem}")
     checked.append(f"{len(prefixes)} data prefix(es) present")
     return checked

@@ -43,6 +43,7 @@ from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, Checkpoint, in
 from megatron_ext.checkpoint.lock import SaveDirectoryLock
 from megatron_ext.checkpoint.resume import BRANCHED_FROM, load_starting_point
 from megatron_ext.checkpoint.writer import CheckpointSaver
+from megatron_ext.data.provenance import check_data_tokenizer
 from megatron_ext.training import data as data_lib
 from megatron_ext.training import cuda_graphs
 from megatron_ext.training import context as context_lib
@@ -246,6 +247,8 @@ class _Batches:
     train: Iterator | None
     segment: context_lib.Segment | None
     valid: list[dict[str, torch.Tensor]]
+    blend: list[dict] = field(default_factory=list)
+    """``training.data.blend_shares``: each dataset's weight and share of the run's samples."""
     rampup: object | None = None
     """Megatron-Core's step batch-size calculator of ``data.rampup_batch_size`` (None: no ramp-up)."""
 
@@ -293,6 +296,7 @@ def _build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int
         # Training data per segment, built as the steps reach it; validation at the run's
         # data.seq_length in every phase, so that its losses compare over the whole run.
         train, segment = None, None
+        blend = data_lib.blend_shares(data_cfg, None, train_samples=0)  # shares known per segment only
         if evaluating:
             segments = context_lib.segments(contexts)
             base = (context_lib.dataset_samples(segments, data_cfg.seq_length)
@@ -310,15 +314,18 @@ def _build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int
             train_ds, reads=[(data_cfg.micro_batch_size, chunk, config.consumed_samples(start), end)],
             config=data_cfg, dp_rank=dp_rank, dp_size=dp_size)
         segment = context_lib.segments(contexts)[0]
+        blend = data_lib.blend_shares(data_cfg, train_ds, train_samples=end)
         rampup = StepBatchsizeNumMicroBatchesCalculator(
             micro_batch_size=data_cfg.micro_batch_size, data_parallel_size=dp_size,
             decrease_batch_size_if_needed=False, rank=dist.get_rank(),
             schedule=context_lib.rampup_schedule_text(context_lib.rampup_schedule(data_cfg)))
     else:  # one dataset and sampler for the whole run
+        train_samples = config.training.train_iters * data_cfg.global_batch_size
         train_ds, valid_ds = data_lib.build_datasets(
-            data_cfg, tokenizer=tokenizer, train_samples=config.training.train_iters * data_cfg.global_batch_size,
-            valid_samples=valid_samples, seed=config.training.seed,
+            data_cfg, tokenizer=tokenizer, train_samples=train_samples, valid_samples=valid_samples,
+            seed=config.training.seed,
         )
+        blend = data_lib.blend_shares(data_cfg, train_ds, train_samples=train_samples)
         train = data_lib.build_train_iterator(
             train_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size,
             consumed_samples=start * data_cfg.global_batch_size,
@@ -326,7 +333,7 @@ def _build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int
         segment = context_lib.segments(contexts)[0]
     valid = [_to_device(b, device) for b in data_lib.build_valid_iterator(
         valid_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size)] if evaluating else []
-    return _Batches(config=config, tokenizer=tokenizer, train=train, segment=segment, valid=valid,
+    return _Batches(config=config, tokenizer=tokenizer, train=train, segment=segment, valid=valid, blend=blend,
                     rampup=rampup if data_cfg.rampup_batch_size is not None else None)
 
 
@@ -468,6 +475,9 @@ def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None,
     device = hardware.device()
     tokenizer = build_tokenizer(config.tokenizer)
     check_tokenizer_serves(config, tokenizer)
+    unrecorded = check_data_tokenizer(config.data.blend[0], tokenizer)  # the data's own tokenizer is this one
+    if unrecorded and is_writer():
+        print(unrecorded, file=sys.stderr, flush=True)
     engine = _build_model_and_engine(config, device)
     try:
         return _train_engine(config, engine, tokenizer=tokenizer, device=device, exit_after_step=exit_after_step,
@@ -544,10 +554,14 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
         # Installed first, removed last: a stop signal during set-up ends the run after its first
         # step, and a second one during the closing saves is only recorded.
         stack.enter_context(stop.signals_handled())
-        sinks = MetricSinks(config.logging, run_config=config.to_dict(), wandb_run_id=state.get("wandb_run_id"))
+        sinks = MetricSinks(config.logging, run_config=config.to_dict(), wandb_run_id=state.get("wandb_run_id"),
+                            start_step=start)
         stack.callback(sinks.close)
+        sinks.header({"blend": batches.blend}, start)
         log = StepLogger(config, sinks, total_steps=total, start_step=start)
         log.banner(phases)
+        if len(batches.blend) > 1 and is_writer():
+            print(data_lib.format_blend(batches.blend, train_samples=total * config.data.global_batch_size), flush=True)
         if is_writer() and starting_point.branched_from:
             origin = starting_point.branched_from
             print(f"branched from {origin['save']} at step {origin['step']}"

@@ -207,39 +207,63 @@ def _estimate(config: RunConfig, *, world_size: int, data, phases) -> MemoryEsti
     )
 
 
-REDUCE_MEMORY = ("reduce data.micro_batch_size or data.seq_length, set training.recompute_granularity "
-                 "(GPU) or training.lm_head_scored_only, use parallel.use_distributed_optimizer, or raise "
-                 "tensor/pipeline_model_parallel_size, or set training.cuda_graphs: none")
+def reduce_memory_advice(config: RunConfig, *, on_gpu: bool = True) -> str:
+    """What reduces the memory of ``config``: only the settings it does not have already (recomputation
+    and CUDA graphs only where they apply: on a GPU)."""
+    t, p = config.training, config.parallel
+    advice = ["reduce data.micro_batch_size or data.seq_length"]
+    if t.recompute_granularity != "full" and on_gpu:
+        advice.append("set training.recompute_granularity: full")
+    if not t.lm_head_scored_only:
+        advice.append("set training.lm_head_scored_only: true")
+    if not p.use_distributed_optimizer:
+        advice.append("use parallel.use_distributed_optimizer")
+    advice.append("raise tensor/pipeline_model_parallel_size")
+    if t.cuda_graphs != "none":
+        advice.append("set training.cuda_graphs: none")
+    return ", ".join(advice[:-1]) + ", or " + advice[-1]
 
 
-def check_fits(estimate: MemoryEstimate, usable_bytes: int, where: str) -> None:
+GPU_MEMORY_GIB = {
+    # Memory per device (GiB as the vendors' datasheets state GB of HBM), by PEAK_TFLOPS's kinds.
+    "H100": 80, "H200": 141, "B200": 180, "A100": 80, "L40S": 48, "MI300X": 192, "MI250X": 128,
+}
+"""What ``--dry-run --gpu KIND`` checks the estimate against (A100: the 80 GB model)."""
+
+
+def check_fits(estimate: MemoryEstimate, usable_bytes: int, where: str, *, advice: str) -> None:
     """Raise ``UserError`` when ``estimate`` exceeds ``usable_bytes``, naming what reduces it."""
     from megatron_ext.config_loading import UserError
 
     if estimate.total > usable_bytes:
         raise UserError(f"this run needs about {estimate.total / GiB:.1f} GiB per rank but {where} has "
-                        f"{usable_bytes / GiB:.1f} GiB usable ({estimate.describe()}); {REDUCE_MEMORY}")
+                        f"{usable_bytes / GiB:.1f} GiB usable ({estimate.describe()}); {advice}")
 
 
-def memory_report(config: RunConfig, *, world_size: int) -> str:
-    """``--dry-run``'s memory lines: the estimate and whether it fits this machine's device."""
+def memory_report(config: RunConfig, *, world_size: int, gpu_kind: str | None = None) -> str:
+    """``--dry-run``'s memory lines: the estimate and whether it fits this machine's device, or a GPU
+    of ``gpu_kind`` (``--gpu``: a plan made on a login node is for the compute nodes' GPUs)."""
     from megatron_ext import hardware
 
     estimate = estimate_memory(config, world_size=world_size)
-    usable, where = hardware.usable_memory_bytes()
+    if gpu_kind in GPU_MEMORY_GIB:
+        usable, where, on = GPU_MEMORY_GIB[gpu_kind] * GiB, f"a {gpu_kind} ({GPU_MEMORY_GIB[gpu_kind]} GiB)", f"on a {gpu_kind}"
+        gpu = True
+    else:
+        (usable, where), on, gpu = hardware.usable_memory_bytes(), "on this machine", hardware.on_gpu()
     if estimate.total <= usable:
         verdict = f"fits {where}: {usable / GiB:.1f} GiB usable"
     else:
         verdict = (f"NOT READY, a run here would stop: {usable / GiB:.1f} GiB usable in {where}; "
-                   f"{REDUCE_MEMORY}")
+                   f"{reduce_memory_advice(config, on_gpu=gpu)}")
     from megatron_ext.training.context import varies
 
     if varies(config.phase_contexts):
-        return _phase_memory_report(config, world_size=world_size, usable=usable, where=where)
+        return _phase_memory_report(config, world_size=world_size, usable=usable, where=where, on_gpu=gpu)
     largest = largest_micro_batch(config, world_size=world_size, usable_bytes=usable)
     choice = (f"{largest} (data.micro_batch_size; {config.data.micro_batch_size} in this config)" if largest
               else "none, even 1 exceeds it")
-    return (f"memory/rank       {estimate.describe()}\n                  on this machine: {verdict}\n"
+    return (f"memory/rank       {estimate.describe()}\n                  {on}: {verdict}\n"
             f"                  largest micro-batch within {100 * (1 - MICRO_BATCH_HEADROOM):.0f} % of that memory, same "
             f"global batch: {choice}")
 
@@ -272,23 +296,25 @@ def largest_micro_batch(config: RunConfig, *, world_size: int, usable_bytes: int
 def check_run_fits(config: RunConfig, *, world_size: int, usable_bytes: int, where: str) -> None:
     """:func:`check_fits` of every phase; a phase at another length or batch that does not fit is
     named, with the largest micro-batch that does (``phases[i].micro_batch_size``)."""
+    from megatron_ext import hardware
     from megatron_ext.config_loading import UserError
     from megatron_ext.training.context import varies
 
+    advice = reduce_memory_advice(config, on_gpu=hardware.on_gpu())
     contexts = config.phase_contexts
     if not varies(contexts):
-        return check_fits(estimate_memory(config, world_size=world_size), usable_bytes, where)
+        return check_fits(estimate_memory(config, world_size=world_size), usable_bytes, where, advice=advice)
     for context, estimate in zip(contexts, phase_memory(config, world_size=world_size)):
         if estimate.total > usable_bytes:
             i = context.phase.index
             largest = largest_phase_micro_batch(config, i, world_size=world_size, usable_bytes=usable_bytes)
-            fix = f"set phases[{i}].micro_batch_size: {largest}" if largest else REDUCE_MEMORY
+            fix = f"set phases[{i}].micro_batch_size: {largest}" if largest else advice
             raise UserError(f"phases[{i}] ({context.seq_length} tokens x micro-batch {context.micro_batch_size}) needs "
                             f"about {estimate.total / GiB:.1f} GiB per rank but {where} has {usable_bytes / GiB:.1f} "
                             f"GiB usable ({estimate.describe()}); {fix}")
 
 
-def _phase_memory_report(config: RunConfig, *, world_size: int, usable: int, where: str) -> str:
+def _phase_memory_report(config: RunConfig, *, world_size: int, usable: int, where: str, on_gpu: bool) -> str:
     """``--dry-run``'s memory lines of a run whose phases read other lengths or batches: each
     phase's estimate, and for one that does not fit, the largest micro-batch that does."""
     lines = [f"memory/rank       per phase, on this machine ({where}: {usable / GiB:.1f} GiB usable):"]
@@ -300,7 +326,7 @@ def _phase_memory_report(config: RunConfig, *, world_size: int, usable: int, whe
             largest = largest_phase_micro_batch(config, i, world_size=world_size, usable_bytes=usable)
             line += (f"; NOT READY, this phase would not fit: set phases[{i}].micro_batch_size: {largest}"
                      if largest else f"; NOT READY, this phase would not fit, and no micro-batch fits within "
-                     f"{100 * (1 - MICRO_BATCH_HEADROOM):.0f} % of that memory: {REDUCE_MEMORY}")
+                     f"{100 * (1 - MICRO_BATCH_HEADROOM):.0f} % of that memory: {reduce_memory_advice(config, on_gpu=on_gpu)}")
         lines.append(line)
     return "\n".join(lines)
 

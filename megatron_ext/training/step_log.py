@@ -8,6 +8,7 @@ validation) to ``metrics.jsonl`` and, when enabled, to Weights & Biases. Only ra
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -52,9 +53,17 @@ def is_writer() -> bool:
 
 class MetricSinks:
     """``<log_dir>/metrics.jsonl`` (appended, so a resumed run continues it) and W&B (resumed by
-    run id). Does nothing on ranks other than 0."""
+    run id). Does nothing on ranks other than 0.
 
-    def __init__(self, config: LoggingConfig, *, run_config: dict, wandb_run_id: str | None):
+    The file holds each step once: a run resumed from step ``start_step`` first drops the rows of
+    steps after it (a previous attempt went on past its last checkpoint; those steps are redone,
+    and a torn last line of a killed writer goes with them), so every reader can take the rows as
+    they are. Each start adds a ``{"kind": "run", "step": start_step, ...}`` header row (``header``).
+
+    W&B is quiet (``WANDB_SILENT``, unless the environment sets it): the run's folder is named once,
+    in one line; ``WANDB_SILENT=false`` shows wandb's own output."""
+
+    def __init__(self, config: LoggingConfig, *, run_config: dict, wandb_run_id: str | None, start_step: int = 0):
         self.wandb = None
         self.wandb_run_id = wandb_run_id
         self.metrics = None
@@ -62,8 +71,10 @@ class MetricSinks:
             return
         log_dir = Path(config.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
+        drop_superseded_rows(log_dir / "metrics.jsonl", start_step)
         self.metrics = open(log_dir / "metrics.jsonl", "a", encoding="utf-8")
         if config.wandb_mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
             self.wandb = wandb.init(
@@ -71,6 +82,15 @@ class MetricSinks:
                 mode=config.wandb_mode, config=run_config, id=wandb_run_id, resume="allow",
             )
             self.wandb_run_id = self.wandb.id
+            sync = f"; `wandb sync {self.wandb.settings.sync_dir}` uploads it" if config.wandb_mode == "offline" else ""
+            print(f"wandb: {config.wandb_mode} run {self.wandb.id} in {self.wandb.settings.sync_dir}{sync}", flush=True)
+
+    def header(self, values: dict, step: int) -> None:
+        """The header row of this start of the run (what it reads: the blend's weights and shares)."""
+        if self.metrics is None:
+            return
+        self.metrics.write(json.dumps({"kind": "run", "step": step, **values}) + "\n")
+        self.metrics.flush()
 
     def record(self, kind: str, step: int, values: dict) -> None:
         """One record: a JSON line ``{"kind", "step", **values}``; numbers also to W&B as ``kind/key``."""
@@ -86,6 +106,31 @@ class MetricSinks:
             self.metrics.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def drop_superseded_rows(path: Path, start_step: int) -> int:
+    """Rewrite ``path`` (atomically) without the rows of steps after ``start_step``, the header rows
+    of starts at or after it, and lines that do not parse (a killed writer's torn last line);
+    returns how many went. Nothing happens when there is nothing to drop."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+            step = int(row["step"])
+        except (ValueError, KeyError, TypeError):
+            dropped += 1
+            continue
+        if step > start_step or (row.get("kind") == "run" and step >= start_step):
+            dropped += 1
+        else:
+            kept.append(line + "\n")
+    if dropped:
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped
 
 
 class StepLogger:

@@ -2,15 +2,24 @@
 
 Clusters end jobs with signals: SLURM sends SIGTERM at a time limit, on preemption and on
 ``scancel`` (then SIGKILL after its ``KillWait``), and ``sbatch --signal=USR1@N`` sends SIGUSR1
-``N`` seconds before the limit. With ``training.exit_signal_handler`` (on by default) SIGTERM and
-SIGUSR1 only raise a flag: the step in flight finishes, every rank agrees to stop after the same
-step (a MAX all-reduce of the flag each step, so no rank waits for one that went on), the loop
-saves that step, waits until the checkpoint is published, and the process exits with
-:data:`RESUMABLE_EXIT_CODE`. A second signal while that save runs is recorded and otherwise
-ignored; publication is atomic anyway (``checkpoint.writer``), so even SIGKILL loses only the save in
-flight. The same path serves Megatron-LM's ``--exit-duration-in-mins`` (a wall-clock budget from
-the process's start, checked after every step) and ``--exit-interval`` (stop after every step that
-is a multiple of it).
+``N`` seconds before the limit; a person at a terminal presses Ctrl-C (SIGINT). With
+``training.exit_signal_handler`` (on by default) SIGTERM, SIGUSR1 and SIGINT only raise a flag:
+the step in flight finishes, every rank agrees to stop after the same step (a MAX all-reduce of
+the flag each step, so no rank waits for one that went on), the loop saves that step, waits until
+the checkpoint is published, and the process exits with :data:`RESUMABLE_EXIT_CODE`. A second
+signal while that save runs is recorded and otherwise ignored; publication is atomic anyway
+(``checkpoint.writer``), so even SIGKILL loses only the save in flight.
+
+Ctrl-C says so on the terminal: the first press one line (finishing the step, then saving), a
+second that the save is under way, a third ends the process at once (exit 130,
+``processes.INTERRUPTED_EXIT_CODE``), saying that the save in flight is lost and the previous
+checkpoint is where the same command resumes. SIGINTs less than :data:`SAME_PRESS_SECONDS` apart
+count as one press: a terminal signals its whole foreground group, so a worker under torchrun gets
+each Ctrl-C twice (once more from the agent).
+
+The same path serves Megatron-LM's ``--exit-duration-in-mins`` (a wall-clock budget from the
+process's start, checked after every step) and ``--exit-interval`` (stop after every step that is
+a multiple of it).
 """
 
 from __future__ import annotations
@@ -38,7 +47,10 @@ STOPPED_UNSAVED_EXIT_CODE = 76
 """Exit status of a run that stopped on request with nothing to resume from (``checkpoint.save``
 unset): a rerun would start over, so a launcher must not requeue it."""
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+SAME_PRESS_SECONDS = 1.0
+"""SIGINTs closer together than this are one Ctrl-C (the terminal's and torchrun's forwarded copy)."""
 
 EXIT_STATUS_ENV = "MEGATRON_EXT_EXIT_STATUS_FILE"
 """When set, global rank 0 writes its exit status there (one line: the code, then a reason).
@@ -56,6 +68,12 @@ def write_exit_status(code: int, reason: str) -> None:
     with open(tmp, "w") as out:
         out.write(f"{code} {reason}\n")
     os.replace(tmp, path)
+
+def _say(line: str) -> None:
+    """``line`` on stderr from a signal handler (rank 0 only): ``os.write``, which a handler may call
+    while the interrupted code is inside ``print`` (``print`` would raise a reentrant-call error)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        os.write(2, f"{line}\n".encode())
 
 # Reasons, by priority in the all-reduce (MAX): a signal outranks the budget, the budget the interval.
 _NONE, _INTERVAL, _DURATION, _SIGNAL = 0, 1, 2, 3
@@ -79,17 +97,38 @@ class StopPolicy:
         self.started = psutil.Process().create_time()
         self.received: list[str] = []
         """Names of the stop signals received, in order."""
+        self.presses: list[float] = []
+        """When each Ctrl-C (SIGINT, copies within ``SAME_PRESS_SECONDS`` merged) came."""
 
-    def _on_signal(self, signum: int, frame) -> None:  # only records: the loop acts between steps
+    def _on_signal(self, signum: int, frame) -> None:  # records: the loop acts between steps
         self.received.append(signal.Signals(signum).name)
+        if signum == signal.SIGINT:
+            self._on_ctrl_c()
+
+    def _on_ctrl_c(self) -> None:
+        """What a person at the terminal reads after each Ctrl-C (rank 0 only: one line per press)."""
+        now = time.monotonic()
+        if self.presses and now - self.presses[-1] < SAME_PRESS_SECONDS:
+            return
+        self.presses.append(now)
+        press = len(self.presses)
+        if press >= 3:
+            _say("Ctrl-C a third time: stopped at once; the checkpoint being written (if any) is lost, the last "
+                 "complete one is where the same command resumes")
+            os._exit(processes.INTERRUPTED_EXIT_CODE)  # publication is atomic: a partial save is never read
+        _say("Ctrl-C: finishing the step in flight, then saving a checkpoint to resume from (Ctrl-C again: "
+             "nothing changes, a third time: stop at once and lose that save)" if press == 1 else
+             "Ctrl-C again: still finishing the step and its checkpoint; a third Ctrl-C stops at once and loses it")
 
     @contextlib.contextmanager
     def signals_handled(self) -> Iterator[None]:
         """The stop-signal handlers installed for the block (main thread only, as Python requires);
         the previous handlers come back after it, unless a stop signal came: then the stop signals
         are ignored from there on. The process is on its way to its resumable exit, and a repeated
-        signal (a scheduler's SIGTERM after its warning, a second scancel) in the last moments would
-        turn that exit into a kill, which a launcher takes for a failure."""
+        signal (a scheduler's SIGTERM after its warning, a second scancel, a Ctrl-C: the interpreter's
+        shutdown puts back the default handlers of Python's own) in the last moments would turn that
+        exit into a kill, which a launcher takes for a failure. The loop's closing save is inside the
+        block, so past it nothing is left to lose."""
         if not self.handle_signals:
             yield
             return

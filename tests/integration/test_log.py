@@ -71,3 +71,43 @@ logging.getLogger("megatron.core.models.gpt.gpt_model").warning("something else"
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines() == ["WARNING megatron.core.models.gpt.gpt_model: something else"], done.stderr
+
+
+def test_a_blended_run_logs_its_shares_quiet_wandb_and_each_step_once_after_a_resume(tmp_path, tiny_corpus):
+    """wandb (offline, the default) says one line naming its run folder and nothing else; the blend's
+    weights and realised shares are in the log and in metrics.jsonl's header row; a run resumed
+    from an earlier checkpoint than its last logged step (killed before saving) leaves each step in
+    metrics.jsonl once."""
+    import shutil
+
+    other = tmp_path / "copy_text_document"
+    for suffix in (".bin", ".idx", ".tokenizer.json"):
+        shutil.copy(tiny_corpus["data"] + suffix, str(other) + suffix)
+    recipe = tiny_recipe(tiny_corpus, tmp_path, data={"data_path": ["0.7", tiny_corpus["data"], "0.3", str(other)]},
+                         logging={"log_dir": str(tmp_path / "log"), "wandb_mode": "offline"})
+    (tmp_path / "recipe.json").write_text(json.dumps(recipe))
+    env = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_")}
+
+    def train() -> str:
+        run = subprocess.run([sys.executable, str(REPO / "pretrain_encoder.py"), "--config", str(tmp_path / "recipe.json")],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-3000:]
+        return run.stdout
+
+    output = train()
+    wandb_lines = [line for line in output.splitlines() if "wandb" in line.lower()]
+    assert len(wandb_lines) == 1 and str(tmp_path / "log" / "wandb") in wandb_lines[0], output
+    blend = [line for line in output.splitlines() if line.startswith("blend of 2 datasets")]
+    assert len(blend) == 1 and "news_text_document weight 70.0% -> " in blend[0], output
+    rows = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["kind"] == "run" and rows[0]["step"] == 0
+    shares = rows[0]["blend"]
+    assert [entry["weight"] for entry in shares] == [0.7, 0.3]
+    assert sum(entry["share"] for entry in shares) == 1.0 and abs(shares[0]["share"] - 0.7) < 0.1, shares
+
+    shutil.rmtree(tmp_path / "ckpt" / "iter_0000008")  # as if killed after logging step 8, before saving it
+    train()
+    rows = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if row["kind"] == "train"] == list(range(1, 9))
+    assert [row["step"] for row in rows if row["kind"] == "valid"] == [4, 8]
+    assert [row["step"] for row in rows if row["kind"] == "run"] == [0, 4]

@@ -69,7 +69,8 @@ def straight(tiny_corpus, tmp_path_factory) -> dict[int, float]:
     return result.losses
 
 
-@pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGUSR1, signal.SIGTERM]], ids=["TERM", "USR1+TERM"])
+@pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGUSR1, signal.SIGTERM], [signal.SIGINT, signal.SIGINT]],
+                         ids=["TERM", "USR1+TERM", "INT+INT"])
 def test_a_signal_saves_the_step_in_flight_and_the_rerun_resumes_exactly(tmp_path, tiny_corpus, straight, signals):
     """The step in flight when the signal lands is saved (no step lost), the exit code says
     "resumable", the status file says why; a second signal during the save changes nothing."""
@@ -88,6 +89,9 @@ def test_a_signal_saves_the_step_in_flight_and_the_rerun_resumes_exactly(tmp_pat
     assert stopped[2] == signal.Signals(signals[0]).name
     assert latest_checkpoint(tmp_path / "ckpt").name == f"iter_{step:07d}"
     assert status.read_text().startswith(f"{RESUMABLE_EXIT_CODE} stopped after step {step}")
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+    if signals[0] == signal.SIGINT:  # Ctrl-C (twice within a second: one press) says what happens, once
+        assert output.count("Ctrl-C: finishing the step in flight, then saving") == 1, output
 
     resumed = pretrain(run_config_from_dict(_stop_recipe(tiny_corpus, tmp_path)))
     assert resumed.start_step == step and resumed.final_step == STEPS and resumed.stopped is None

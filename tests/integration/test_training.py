@@ -134,7 +134,12 @@ def test_resume_refuses_another_tokenizer_or_head_layout_of_the_same_shapes(tmp_
     at the same widths, must not resume silently; settings that may change (LR) still resume."""
     from megatron_ext.cli import train_tokenizer
 
-    recipe = _recipe(tiny_corpus, tmp_path, model={"num_query_groups": 4},
+    # The data without its tokenizer record (a dataset older than the record): what is refused here
+    # is the resume itself, not the data (tests/unit/test_data_provenance.py refuses the data).
+    unrecorded = tmp_path / "unrecorded_text_document"
+    for suffix in (".bin", ".idx"):
+        Path(f"{unrecorded}{suffix}").symlink_to(tiny_corpus["data"] + suffix)
+    recipe = _recipe(tiny_corpus, tmp_path, model={"num_query_groups": 4}, data={"data_path": [str(unrecorded)]},
                      training={"train_iters": 4, "eval_interval": 0})
     pretrain(run_config_from_dict(recipe), exit_after_step=2)
     other = tmp_path / "other_tok"

@@ -187,7 +187,8 @@ def test_existing_output_needs_overwrite_and_survives_failed_rewrite(tmp_path, c
     with pytest.raises(InputError):
         _run(tmp_path, [corpus], sp_model, overwrite=True)
     assert (Path(prefix + ".bin").read_bytes(), Path(prefix + ".idx").read_bytes()) == before
-    assert sorted(p.name for p in tmp_path.glob("out*")) == ["out_text_document.bin", "out_text_document.idx"]
+    assert sorted(p.name for p in tmp_path.glob("out*")) == ["out_text_document.bin", "out_text_document.idx",
+                                                             "out_text_document.tokenizer.json"]
 
 
 def test_empty_documents_are_skipped_and_counted(tmp_path, sp_model):
@@ -276,7 +277,7 @@ def test_ctrl_c_prints_one_line_and_keeps_the_previous_output(tmp_path, corpus, 
 
     _run(tmp_path, [corpus], sp_model)
     previous = {p.name: p.read_bytes() for p in tmp_path.glob("out_text_document.*")}
-    assert len(previous) == 2
+    assert len(previous) == 3  # .bin, .idx and the tokenizer record
     fifo = tmp_path / "stream.jsonl"
     os.mkfifo(fifo)
     repo = Path(__file__).resolve().parents[2]
@@ -320,3 +321,30 @@ def test_append_eod_with_a_bert_tokenizer_ends_documents_with_one_sep(tmp_path, 
     for i in range(len(dataset)):
         ids = dataset[i].tolist()
         assert ids[0] == tokenizer.bos and ids[-1] == tokenizer.eod and ids[-2] != tokenizer.eod
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path, corpus, sp_model, capsys):
+    """Without --no-progress, output to a log file (not a terminal) gets no redrawn bar."""
+    assert preprocess_data.main(["--input", str(corpus), "--output-prefix", str(tmp_path / "out"),
+                                 "--tokenizer-model", sp_model]) == 0
+    err = capsys.readouterr().err
+    assert "preprocess:" not in err and "\r" not in err, err
+
+
+def test_paragraph_text_mode_makes_one_document_per_paragraph_and_line_mode_says_so(tmp_path, sp_model, news_texts,
+                                                                                    caplog):
+    """Paragraphs (lines between blank lines): --text-mode paragraph makes each one document; line
+    mode still makes one per line, with one notice naming the file and the mode that fits."""
+    paragraphs = ["\n".join(text.split(". ")[:3]) for text in news_texts[:12]]
+    path = tmp_path / "book.txt"
+    path.write_text("\n\n\n".join(paragraphs) + "\n")
+    tokenizer = build_tokenizer(TokenizerConfig(tokenizer_model=sp_model))
+    config, summary = _run(tmp_path, [path], sp_model, name="para", text_mode="paragraph", add_special_tokens=False)
+    dataset = _read(config.output_prefix_for("text"))
+    assert summary.documents == len(dataset) == 12
+    assert dataset[3].tolist() == tokenizer.tokenize(paragraphs[3])
+    assert not [r for r in caplog.records if "separates paragraphs" in r.getMessage()]
+    _, summary = _run(tmp_path, [path], sp_model, name="lines", text_mode="line", add_special_tokens=False)
+    assert summary.documents == sum(p.count("\n") + 1 for p in paragraphs)
+    notices = [r.getMessage() for r in caplog.records if "separates paragraphs" in r.getMessage()]
+    assert len(notices) == 1 and str(path) in notices[0] and "--text-mode paragraph" in notices[0]

@@ -186,9 +186,9 @@ def _minimal() -> dict:
 
 @pytest.mark.parametrize("change, message", [
     (lambda s: s.update(budget=s.pop("budgets")),
-     r"study\.yaml: study: unknown key\(s\) \['budget'\]; valid keys: \['biphasic', 'budgets', 'cpt', "),
+     r"study\.yaml: study: unknown key\(s\) \['budget'\] \(did you mean 'budgets'\?\); valid keys: \['biphasic', 'budgets', 'cpt', "),
     (lambda s: s.update(cpt={"sources": ["clm"], "continuations": [{"step": 2000}]}),
-     r"study\.cpt\.continuations\[0\]: unknown key\(s\) \['step'\]; valid keys: \['overrides', 'steps'\]"),
+     r"study\.cpt\.continuations\[0\]: unknown key\(s\) \['step'\] \(did you mean 'steps'\?\); valid keys: \['overrides', 'steps'\]"),
     (lambda s: s.update(cpt={"sources": ["mlm_40"], "continuations": [{"steps": 2000}]}),
      r"cpt\.sources: unknown run kind\(s\) \['mlm_40'\]; the study's: \['clm'\]"),
     (lambda s: s.update(overrides={"training": {"train_iters": 5}}),
