@@ -9,7 +9,9 @@ scored examples: ``harness.evaluate_models`` (``tools/evaluate.py``) wrote them 
 CPU cores. Only their validation per-example scores (which nothing aggregates) and local paths were
 dropped. ``data/mixed_grid/summary.*`` are the summary files the
 harness wrote for that grid before it was split into grid, aggregation and renderer: the
-aggregation and the renderer must give them again, byte for byte.
+aggregation and the renderer must give them again, byte for byte (their Monte Carlo p-values rewritten
+once, when the paired test became scipy's ``permutation_test``: the same clusters, p-values within
+their Monte Carlo error, tests/unit/test_eval_ranking.py).
 """
 
 from __future__ import annotations
