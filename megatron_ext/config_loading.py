@@ -127,9 +127,6 @@ def did_you_mean(unknown: list[str], valid) -> str:
 
 
 MOVED_KEYS: dict[str, str] = {
-    "study.sbatch": "resources: {slurm: [...]}",
-    "study.sizes[*].sbatch": "resources: {slurm: [...]} of the size",
-    "study.evaluation.sbatch": "resources: {slurm: [...]} of the evaluation",
     "model.document_mask": "data.reset_attention_mask (and data.reset_position_ids to restart RoPE per document)",
     "model.eod_token_id": "data.reset_attention_mask, which reads the tokenizer's end-of-document token",
     "model.attention_backend": "model.transformer_impl",

@@ -70,7 +70,7 @@ def test_every_checkpoint_of_the_kinds_asked_for(tmp_path):
     ({"tasks": ["rt_sentiment"], "wrkers": 2}, "unknown key(s) ['wrkers']"),
     ({"workers": 2}, "study.evaluation: missing required key(s) ['tasks']"),
     ({"tasks": []}, "tasks: name the tasks to fine-tune on"),
-    ({"tasks": ["rt_sentiment"], "sbatch": ["gpu"]}, "sbatch: 'gpu' is not an sbatch option"),
+    ({"tasks": ["rt_sentiment"], "resources": {"slurm": ["gpu"]}}, "slurm: 'gpu' is not an sbatch option"),
 ])
 def test_bad_evaluation_sections_name_the_key(tmp_path, evaluation, message):
     with pytest.raises(ConfigError) as err:
