@@ -95,7 +95,7 @@ def _exit_code(worker_code: int) -> int:
     return 128 - worker_code if worker_code < 0 else worker_code
 
 
-def _describe(failure) -> str:
+def _describe(rank: int, failure) -> str:
     code = failure.exitcode
     if code < 0:
         with_signal = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
@@ -104,7 +104,7 @@ def _describe(failure) -> str:
         message = failure.message if isinstance(failure.message, str) else ""
         message = " ".join(message.split())[:300] if message and "To enable traceback" not in message else ""
         what = f"exited with code {code}" + (f" ({message})" if message else "")
-    return f"rank {failure.rank} (local rank {failure.local_rank}) {what}"
+    return f"rank {rank} (local rank {failure.local_rank}) {what}"
 
 
 def agent(argv: list[str]) -> int:
@@ -127,17 +127,17 @@ def agent(argv: list[str]) -> int:
         torchrun(argv)
         return 0
     except ChildFailedError as error:
-        failures = list(error.failures.values())
-        codes = {failure.exitcode for failure in failures}
+        failures = error.failures  # global rank: ProcessFailure
+        codes = {failure.exitcode for failure in failures.values()}
         # Workers torchrun ends once the first has exited (they ignore its SIGTERM: SIGKILL after the
         # shutdown timeout) are still saving or closing the same stop: they do not make it a failure.
         if RESUMABLE_EXIT_CODE in codes and codes <= {RESUMABLE_EXIT_CODE, -signal.SIGTERM, -signal.SIGKILL}:
             print(f"node {node}: its workers stopped resumably (exit code {RESUMABLE_EXIT_CODE})", flush=True)
             return 0
-        first = min(failures, key=lambda failure: failure.timestamp)
-        code = _exit_code(first.exitcode)
-        _record_node_failure(code, f"node {node}: {_describe(first)}", time.time())
-        print(f"node {node}: {_describe(first)}", file=sys.stderr, flush=True)
+        rank = min(failures, key=lambda rank: failures[rank].timestamp)
+        code = _exit_code(failures[rank].exitcode)
+        _record_node_failure(code, f"node {node}: {_describe(rank, failures[rank])}", time.time())
+        print(f"node {node}: {_describe(rank, failures[rank])}", file=sys.stderr, flush=True)
         return code
     except Exception as error:  # the agent itself: e.g. the rendezvous store gone with its node
         status, _ = _job_status()
