@@ -172,16 +172,16 @@ class JobRecord:
 
 
 STOP_TABLE = (
-    # (what happened, what the trainer gets, how the script knows, the job)
-    ("time-limit warning (`--signal=B:USR1@600`)", "SIGUSR1, passed on by the batch shell",
-     "a SIGUSR1 came", "requeued"),
-    ("`scancel --signal=USR1 JOB` (also `--batch`, `--full`)", "SIGUSR1", "a SIGUSR1 came", "requeued"),
+    # (what happened, what the trainer gets, how the script knows, the job), in the order of the rules
     ("preemption (`GraceTime`)", "SIGTERM (or the job's `--signal` with `send_user_signal`)",
      "PreemptTime set during this run", "requeued"),
     ("time limit reached (no warning, or after it)", "SIGTERM, SIGKILL `KillWait` s later",
      "Reason=TimeLimit", "requeued"),
     ("plain `scancel JOB`", "SIGTERM, SIGKILL `KillWait` s later", "JobState COMPLETING, no time limit",
      "CANCELLED"),
+    ("time-limit warning (`--signal=B:USR1@600`)", "SIGUSR1, passed on by the batch shell",
+     "a SIGUSR1 came", "requeued"),
+    ("`scancel --signal=USR1 JOB` (also `--batch`, `--full`)", "SIGUSR1", "a SIGUSR1 came", "requeued"),
     ("`scancel --signal=TERM JOB` (also `--batch`, `--full`)", "SIGTERM", "SIGTERM without a SIGUSR1",
      "CANCELLED (the script cancels it)"),
     ("`training.exit_duration_in_mins`, `training.exit_interval`", "(no signal)", "the trainer's reason",
