@@ -93,3 +93,11 @@ def test_the_address_of_an_interface_and_a_missing_one_refused_by_name():
     with pytest.raises(SystemExit, match=r"NETWORK_INTERFACE=no-such-if0: no such network interface on .* \(it has .*lo"):
         slurm_batch.node_address("no-such-if0")
     assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+", slurm_batch.node_address(None))
+
+
+def test_the_codes_and_variable_are_the_trainers():
+    """Repeated here (the batch script's Python must not import torch before it decides)."""
+    from megatron_ext.training import stop
+
+    assert (slurm_batch.RESUMABLE_EXIT_CODE, slurm_batch.EXIT_STATUS_ENV) == \
+        (stop.RESUMABLE_EXIT_CODE, stop.EXIT_STATUS_ENV)
