@@ -191,17 +191,20 @@ STOP_TABLE = (
 (checked by tests/unit/test_slurm_batch.py), decided by :func:`stop_outcome`."""
 
 
-def stop_outcome(job: JobRecord, *, warned: bool, trainer_reason: str) -> tuple[str, str]:
+def stop_outcome(job: JobRecord, *, batch_signals: set[str], trainer_reason: str) -> tuple[str, str]:
     """``("requeue" | "cancel", why)`` for a resumable stop (exit code 75), by :data:`STOP_TABLE`.
-    ``warned``: a SIGUSR1 reached the batch shell or any rank; ``trainer_reason``: the trainer's
-    one-line reason (``stopped after step N/M (signal SIGTERM)``)."""
+    ``batch_signals``: what the batch shell received (``{"USR1", "TERM"}``); ``trainer_reason``: the
+    trainer's one-line reason (``stopped after step N/M (signal SIGTERM)``), which names SIGUSR1 when
+    any rank got one. The batch shell passes a SIGTERM on as SIGUSR1 (srun would kill its tasks on
+    SIGTERM), so a trainer's SIGUSR1 is a warning only when the batch shell got no SIGTERM."""
+    warned = "USR1" in batch_signals or ("TERM" not in batch_signals and "SIGUSR1" in trainer_reason)
     if job.preempted:
         return "requeue", "preempted"
     if job.reason == "TimeLimit" or job.state == "TIMEOUT":
         return "requeue", "time limit"
     if job.state in ("COMPLETING", "CANCELLED"):
         return "cancel", "cancelled (scancel)"
-    if warned or "SIGUSR1" in trainer_reason:
+    if warned:
         return "requeue", "SIGUSR1 (a warning, or scancel --signal=USR1)"
     if "signal" in trainer_reason:
         return "cancel", "SIGTERM without a warning (scancel --signal=TERM): cancelled"
@@ -231,7 +234,7 @@ def outcome(*, srun_code: int, batch_signals: str, status_file: str, job_id: str
     if status == RESUMABLE_EXIT_CODE:
         record = subprocess.run(["scontrol", "--oneliner", "show", "job", job_id], capture_output=True,
                                 text=True).stdout
-        action, why = stop_outcome(JobRecord.parse(record), warned="USR1" in batch_signals.split(),
+        action, why = stop_outcome(JobRecord.parse(record), batch_signals=set(batch_signals.split()),
                                    trainer_reason=reason)
         return action, status, f"{reason}; {why}"
     if failures:

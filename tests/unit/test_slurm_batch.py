@@ -24,15 +24,15 @@ PREEMPTED = "JobId=3 JobState=RUNNING Reason=None StartTime=2026-11-28T14:32:10 
 # requeued after that preemption: PreemptTime stays, but it is older than this run's start
 RESTARTED = "JobId=3 JobState=RUNNING Reason=None StartTime=2026-11-28T14:35:00 PreemptTime=2026-11-28T14:32:33"
 
-# one example per row of STOP_TABLE, in its order: (job record, a SIGUSR1 reached the batch shell, trainer's reason)
+# one example per row of STOP_TABLE, in its order: (job record, what the batch shell got, trainer's reason)
 EXAMPLES = [
-    (PREEMPTED, False, "stopped after step 9/300 (signal SIGTERM)"),
-    (TIMED_OUT, False, "stopped after step 9/300 (signal SIGTERM)"),
-    (SCANCELLED, False, "stopped after step 9/300 (signal SIGTERM)"),
-    (RUNNING, True, "stopped after step 9/300 (signal SIGUSR1)"),
-    (RUNNING, False, "stopped after step 9/300 (signal SIGUSR1 on another rank)"),
-    (RESTARTED, False, "stopped after step 9/300 (signal SIGTERM)"),
-    (RUNNING, False, "stopped after step 9/300 (training.exit_duration_in_mins=5 reached)"),
+    (PREEMPTED, set(), "stopped after step 9/300 (signal SIGTERM)"),
+    (TIMED_OUT, {"TERM"}, "stopped after step 9/300 (signal SIGTERM)"),
+    (SCANCELLED, {"TERM"}, "stopped after step 9/300 (signal SIGTERM)"),
+    (RUNNING, {"USR1"}, "stopped after step 9/300 (signal SIGUSR1)"),
+    (RUNNING, set(), "stopped after step 9/300 (signal SIGUSR1 on another rank)"),
+    (RESTARTED, set(), "stopped after step 9/300 (signal SIGTERM)"),
+    (RUNNING, set(), "stopped after step 9/300 (training.exit_duration_in_mins=5 reached)"),
 ]
 
 
@@ -53,9 +53,16 @@ def test_the_docs_table_is_the_table_the_script_decides_by():
 
 @pytest.mark.parametrize("row, example", list(zip(STOP_TABLE, EXAMPLES)), ids=[row[0] for row in STOP_TABLE])
 def test_each_row_of_the_table_decides_as_it_says(row, example):
-    record, warned, reason = example
-    action, _ = stop_outcome(JobRecord.parse(record), warned=warned, trainer_reason=reason)
+    record, batch_signals, reason = example
+    action, _ = stop_outcome(JobRecord.parse(record), batch_signals=batch_signals, trainer_reason=reason)
     assert action == ("cancel" if row[3].startswith("CANCELLED") else "requeue"), (row, action)
+
+
+def test_scancel_signal_term_batch_cancels_though_the_trainer_got_the_shells_sigusr1():
+    """The batch shell passes its SIGTERM on as SIGUSR1: that is no warning."""
+    action, _ = stop_outcome(JobRecord.parse(RUNNING), batch_signals={"TERM"},
+                             trainer_reason="stopped after step 9/300 (signal SIGUSR1)")
+    assert action == "cancel"
 
 
 def test_a_preemption_of_an_earlier_run_does_not_make_a_later_sigterm_a_preemption():
