@@ -344,11 +344,12 @@ def _stop_step(job: Job) -> int:
 @pytest.mark.timeout(1200)
 def test_two_nodes_usr1_to_one_node_then_sigterm_at_the_time_limit_requeue_and_resume(
         slurm_cluster, tiny_corpus, tmp_path, long_reference):
-    """2 nodes x 1 rank, the long recipe, no warning before the limit (``--signal=B:URG@1`` in
-    place of the script's ``B:USR1``: a signal the batch shell ignores; SLURM sends a warning up to
-    a minute early, so a short ``B:USR1`` would still warn): SIGUSR1 to one node's trainer only (both nodes stop after the same step, the
-    job requeues), then in the second run the time limit cut to fall while it trains: SLURM's
-    SIGTERM at the limit saves within KillWait and the job requeues (Reason=TimeLimit), once more."""
+    """2 nodes x 1 rank, the long recipe, no warning before the limit (``--signal=B:URG@1`` in place
+    of the script's ``B:USR1``: a signal the batch shell ignores; SLURM sends a warning up to a
+    minute early, so a short ``B:USR1`` would still warn). SIGUSR1 to one node's trainer only: both
+    nodes stop after the same step and the job requeues. In the second run the time limit is cut
+    to fall while it trains: SLURM's SIGTERM at the limit saves within KillWait and the job requeues
+    (Reason=TimeLimit), once more."""
     job_id = _submit(slurm_cluster, _recipe(tiny_corpus, tmp_path, LONG["steps"], data=LONG["data"]),
                      f"--time={TIME_LIMIT_MINUTES}", "--signal=B:URG@1", nodes=2, procs=1)
     _wait_for_steps(slurm_cluster, job_id, tmp_path, 3)
