@@ -372,9 +372,11 @@ def test_two_nodes_usr1_to_one_node_then_sigterm_at_the_time_limit_requeue_and_r
     job = _finish(slurm_cluster, job_id, tmp_path, timeout=900)
     assert job.info["JobState"] == "COMPLETED" and job.info["Restarts"] == "2", (job.info, job.log)
     stopped = re.findall(LINE + r"stopped after step \d+/\d+ \((signal \w+(?: on another rank)?)\)", job.log, re.M)
-    assert stopped == ["signal SIGUSR1 on another rank", "signal SIGTERM"], job.log
+    # at the limit SLURM's SIGTERM reaches the trainers and the batch shell, which passes it on as
+    # SIGUSR1: the trainer names whichever came first; the script knows it was no warning
+    assert stopped[0] == "signal SIGUSR1 on another rank" and len(stopped) == 2, job.log
     assert "DUE TO TIME LIMIT" in job.log and "; time limit); requeueing" in job.log, job.log
-    assert "SIGUSR1 received" not in job.log  # no warning reached the batch shell
+    assert "SIGTERM received" in job.log and "SIGUSR1 received" not in job.log  # no warning came
     _assert_resumed_exactly(job, long_reference, LONG["steps"])
 
 
