@@ -348,8 +348,8 @@ def test_two_nodes_usr1_to_one_node_then_sigterm_at_the_time_limit_requeue_and_r
     of the script's ``B:USR1``: a signal the batch shell ignores; SLURM sends a warning up to a
     minute early, so a short ``B:USR1`` would still warn). SIGUSR1 to one node's trainer only: both
     nodes stop after the same step and the job requeues. In the second run the time limit is cut
-    to fall while it trains: SLURM's SIGTERM at the limit saves within KillWait and the job requeues
-    (Reason=TimeLimit), once more."""
+    to fall while it trains (its trainers paused until then): SLURM's SIGCONT and SIGTERM at the
+    limit, the step saved within KillWait, and the job requeues (Reason=TimeLimit), once more."""
     job_id = _submit(slurm_cluster, _recipe(tiny_corpus, tmp_path, LONG["steps"], data=LONG["data"]),
                      f"--time={TIME_LIMIT_MINUTES}", "--signal=B:URG@1", nodes=2, procs=1)
     _wait_for_steps(slurm_cluster, job_id, tmp_path, 3)
@@ -364,6 +364,10 @@ def test_two_nodes_usr1_to_one_node_then_sigterm_at_the_time_limit_requeue_and_r
     _wait_for_steps(slurm_cluster, job_id, tmp_path, first_stop + 1)
     elapsed = Resources(time=slurm_cluster.job(job_id)["RunTime"]).time_s
     slurm_cluster.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={math.ceil((elapsed + 5) / 60)}"])
+    # Both trainers paused (SIGSTOP) until SLURM reaches the limit, however fast they train: at a time
+    # limit SLURM sends SIGCONT, then SIGTERM, to every process of the job (slurmstepd).
+    for rank in (0, 1):
+        _trainer(slurm_cluster, job_id, rank=rank)[0].suspend()
     while int((info := slurm_cluster.job(job_id))["Restarts"]) < 2:
         assert time.monotonic() < deadline and info["JobState"] not in FINAL_STATES, \
             f"the job ended before its time limit (LONG too short?): {info}\n{Job(job_id, tmp_path, info).log}"
