@@ -330,9 +330,14 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     """All-gather updated parameters during the next forward pass (needs
     ``use_distributed_optimizer``)."""
+    distributed_timeout_minutes: int = 10
+    """Minutes a collective may wait for a peer before the process group fails (Megatron's
+    ``--distributed-timeout-minutes``, same default): a hung or vanished rank ends the run after
+    this long instead of holding every node. Longer than the longest blocking step: a synchronous
+    checkpoint save or a validation on the slowest rank."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "distributed_timeout_minutes"):
             if getattr(self, name) < 1:
                 raise UserError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:

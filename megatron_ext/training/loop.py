@@ -218,6 +218,7 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
                 tensor_parallel_size=config.parallel.tensor_model_parallel_size,
                 pipeline_parallel_size=config.parallel.pipeline_model_parallel_size,
                 seed=config.training.seed,
+                timeout_minutes=config.parallel.distributed_timeout_minutes,
             )
         with processes.trainer_session():
             return _pretrain(config, exit_after_step=exit_after_step)

@@ -151,11 +151,16 @@ class StopPolicy:
     def reason_to_stop(self, step: int, device: torch.device) -> str | None:
         """After ``step``: why every rank stops now (the same answer on every rank: a collective),
         or None to go on."""
-        code = torch.tensor([self._local_reason(step)], dtype=torch.int32, device=device)
+        # The reason, and whether any rank got SIGUSR1: a launcher tells a warning (requeue) from a
+        # plain SIGTERM (scancel: cancel) by it, whichever node it reached (slurm_batch.stop_outcome).
+        code = torch.tensor([self._local_reason(step), int("SIGUSR1" in self.received)], dtype=torch.int32,
+                            device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        code = int(code.item())
+        code, warned = (int(value) for value in code.tolist())
         if code == _SIGNAL:
+            if warned:
+                return "signal SIGUSR1" + ("" if "SIGUSR1" in self.received else " on another rank")
             return f"signal {self.received[0]}" if self.received else "a signal on another rank"
         if code == _DURATION:
             return f"training.exit_duration_in_mins={self.duration_minutes:g} reached"

@@ -323,17 +323,44 @@ def test_launch_scripts_dry_run(tmp_path: Path):
         ("multi_node.sh", {"NNODES": "3", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "6000", "NODE_RANK": "0"},
          "--nnodes 3 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.7:6000 "
          "--rdzv-id encoder-10.0.0.7-6000 --rdzv-conf is_host=true --module pretrain_encoder"),
-        ("multi_node.sh", {"NODE_RANK": "2"}, "--rdzv-conf is_host=false"),
+        ("multi_node.sh", {"NODE_RANK": "2", "MASTER_ADDR": "node001"}, "--rdzv-conf is_host=false"),
+        # inside a SLURM allocation: the first host of its node list, its job id
+        ("multi_node.sh", {"SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "4242"},
+         "--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint gpu07:29500 --rdzv-id 4242"),
+        ("multi_node.sh", {"MASTER_ADDR": "node001", "NETWORK_INTERFACE": "lo"}, "--local-addr 127.0.0.1 --module"),
     ],
 )
 def test_launch_command_lines(script: str, env: dict[str, str], expected: str, tmp_path: Path):
     """The torchrun command each script would run (TORCHRUN=echo prints it instead)."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("NNODES", "GPUS_PER_NODE", "MASTER_", "NODE_RANK"))}
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("NNODES", "GPUS_PER_NODE", "MASTER_", "NODE_RANK", "SLURM_", "NETWORK_INTERFACE"))}
+    # scontrol reads a configuration before it expands a node list: a minimal one
+    (tmp_path / "slurm.conf").write_text("ClusterName=test\nSlurmctldHost=head\nNodeName=gpu[07-08]\n")
     result = subprocess.run(
-        ["bash", str(LAUNCH / script), "--lr", "1e-4"], env={**clean, **env, "TORCHRUN": "echo", "PYTHON": sys.executable},
+        ["bash", str(LAUNCH / script), "--lr", "1e-4"],
+        env={**clean, **env, "TORCHRUN": "echo", "PYTHON": sys.executable, "SLURM_CONF": str(tmp_path / "slurm.conf")},
         cwd=tmp_path, capture_output=True, text=True, timeout=30,
     )
     assert result.returncode == 0, result.stderr
     assert expected in result.stdout
     # The default recipe, relative to the working directory (the scripts are package data, not the checkout's).
     assert result.stdout.rstrip().endswith("--config examples/recipes/paper/610m_biphasic_25_75.yaml --lr 1e-4")
+
+
+def test_multi_node_refuses_localhost_for_several_nodes_and_sets_the_interface(tmp_path: Path):
+    """NNODES > 1 with the default MASTER_ADDR (localhost) is refused in one line; NETWORK_INTERFACE
+    sets NCCL's and gloo's socket interface (a stand-in torchrun prints them)."""
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("NNODES", "GPUS_PER_NODE", "MASTER_", "NODE_RANK", "SLURM_", "NETWORK_INTERFACE",
+                                  "NCCL_", "GLOO_"))}
+    base = {**clean, "PYTHON": sys.executable, "TORCHRUN": "echo"}
+    refused = subprocess.run(["bash", str(LAUNCH / "multi_node.sh")], env={**base, "NNODES": "2"}, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 2 and "error: MASTER_ADDR=localhost with NNODES=2" in refused.stderr, refused
+    show = tmp_path / "show_interfaces"
+    show.write_text('#!/bin/sh\necho "nccl=$NCCL_SOCKET_IFNAME gloo=$GLOO_SOCKET_IFNAME"\n')
+    show.chmod(0o755)
+    shown = subprocess.run(["bash", str(LAUNCH / "multi_node.sh")], cwd=tmp_path, capture_output=True, text=True,
+                           env={**base, "MASTER_ADDR": "node001", "NETWORK_INTERFACE": "lo", "TORCHRUN": str(show)},
+                           timeout=30)
+    assert shown.stdout.strip() == "nccl=lo gloo=lo", shown

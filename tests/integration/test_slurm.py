@@ -5,7 +5,7 @@ and two slurmd), with only what a user of a CPU partition passes: ``--nodes=1 --
 
 What they check: a 2-rank job through srun + torchrun ends COMPLETED soon after its last step; a bad
 recipe fails once, not requeued, its error in the log; real preemption by a job of a higher tier
-(with and without ``preempt_send_user_signal``) and ``scancel --signal=TERM --full`` mid-run each
+(with and without ``preempt_send_user_signal``) and ``scancel --signal=USR1 --full`` mid-run each
 leave a checkpoint of the step in flight and the requeued job resumes from it with the losses of an
 uninterrupted run; so does a real time limit (cut short while the job trains, so that it falls
 after start-up however loaded the machine) with the script's warning signal (SIGUSR1 to the batch
@@ -16,9 +16,11 @@ rendezvous.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import math
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +42,8 @@ SBATCH = REPO / "examples" / "launch" / "slurm.sbatch"
 LAUNCH_ENV = ("RECIPE", "NNODES", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "TORCHRUN", "REPO_DIR",
               "DRY_RUN", "MAX_REQUEUES", "OMP_NUM_THREADS", "MEGATRON_EXT_EXIT_STATUS_FILE", "PYTHON")
 
+LINE = r"^(?:\d+: )?"
+"""The start of a trainer's line in a job's log: srun --label puts its task's number first."""
 SHORT_STEPS = 100
 """The short recipe: a few seconds of steps after ~10 s of start-up."""
 LONG = {"steps": 300, "data": {"micro_batch_size": 16, "global_batch_size": 128}}
@@ -67,7 +71,7 @@ class Job:
 
     def starts(self) -> list[int]:
         """The step each run of the job started from (the trainer's banner)."""
-        return [int(m) for m in re.findall(r"^training \d+ steps from step (\d+)", self.log, re.M)]
+        return [int(m) for m in re.findall(LINE + r"training \d+ steps from step (\d+)", self.log, re.M)]
 
 
 def _recipe(tiny_corpus, run_dir: Path, steps: int, training: dict | None = None, data: dict | None = None) -> Path:
@@ -109,7 +113,7 @@ def _assert_resumed_exactly(job: Job, reference: Job, steps: int) -> None:
     losses = job.losses()
     assert [s for s, _ in losses] == list(range(1, steps + 1)), "a step was lost or run twice"
     assert dict(losses) == dict(reference.losses())
-    stops = [int(m) for m in re.findall(r"^stopped after step (\d+)/", job.log, re.M)]
+    stops = [int(m) for m in re.findall(LINE + r"stopped after step (\d+)/", job.log, re.M)]
     assert job.starts() == [0, *stops], job.log
 
 
@@ -228,7 +232,7 @@ def test_preemption_and_scancel_full_save_the_step_in_flight_and_the_requeued_jo
     """The long recipe on 2 ranks, stopped three times, each after 20 more steps: preempted by a job
     of the higher tier on its node (SLURM sends SIGTERM to the job's steps), preempted again with
     ``preempt_send_user_signal`` (the script's ``--signal=B:USR1`` to the batch shell, passed on),
-    then ``scancel --signal=TERM --full`` (SIGTERM to the batch shell's process group, which srun
+    then ``scancel --signal=USR1 --full`` (SIGUSR1 to the batch shell's process group, which srun
     is kept out of). Each stop saves the step in flight well within the grace time and requeues.
     The job is one of ``jobs``: it shares the nodes with them while this test drives it."""
     job_id, run_dir = jobs["preempted"]
@@ -236,28 +240,27 @@ def test_preemption_and_scancel_full_save_the_step_in_flight_and_the_requeued_jo
     preemptors = []
     try:
         for how, signal_name in [("preempted", "SIGTERM"), ("preempted, user signal", "SIGUSR1"),
-                                 ("scancel --full", "SIGUSR1")]:
+                                 ("scancel --signal=USR1 --full", "SIGUSR1")]:
             seen = _wait_for_steps(slurm_cluster, job_id, run_dir, (stops[-1][0] if stops else 0) + 20)
             if how.startswith("preempted"):
                 slurm_cluster.send_user_signal(how.endswith("user signal"))
                 node = slurm_cluster.job(job_id)["NodeList"]
                 preemptors.append((slurm_cluster.preempt(job_id), node))
             else:
-                slurm_cluster.run(["scancel", "--signal=TERM", "--full", str(job_id)])
+                slurm_cluster.run(["scancel", "--signal=USR1", "--full", str(job_id)])
             _wait_until_not_running(slurm_cluster, job_id)
             stops.append((seen, how, signal_name))
     finally:
         slurm_cluster.send_user_signal(False)  # the session's cluster, as other tests expect it
     job = _finish(slurm_cluster, job_id, run_dir)
     assert job.info["JobState"] == "COMPLETED" and job.info["Restarts"] == "3", (job.info, job.log)
-    stopped = re.findall(r"^stopped after step (\d+)/\d+ \(signal (\w+)\)", job.log, re.M)
+    stopped = re.findall(LINE + r"stopped after step (\d+)/\d+ \(signal (\w+)\)", job.log, re.M)
     assert [name for _, name in stopped] == [name for _, _, name in stops], job.log
     for (seen, how, _), (step, _) in zip(stops, stopped):
         assert seen <= int(step) < LONG["steps"], (how, seen, step)
         assert f"resumable (stopped after step {step}" in job.log
-    # the batch shell got scancel's SIGTERM itself; srun did not (it would have killed its tasks), nor
-    # did the grace time run out
-    assert "SIGTERM received" in job.log and "forcing job termination" not in job.log, job.log
+    # the batch shell got scancel's SIGUSR1 itself and passed it on; the grace time did not run out
+    assert "SIGUSR1 received" in job.log and "forcing job termination" not in job.log, job.log
     assert "DUE TO PREEMPTION" not in job.log, job.log
     for preemptor, node in preemptors:
         info = slurm_cluster.wait(preemptor, timeout=60)
@@ -290,7 +293,7 @@ def test_time_limit_warning_saves_and_the_requeued_job_resumes(slurm_cluster, jo
     assert job.info["JobState"] == "COMPLETED", (job.info, job.log)
     assert int(job.info["Restarts"]) >= 1, f"the job finished before its warning: LONG is too short\n{job.log}"
     assert "SIGUSR1 received" in job.log
-    assert re.search(r"^stopped after step \d+/\d+ \(signal SIGUSR1\)", job.log, re.M), job.log
+    assert re.search(LINE + r"stopped after step \d+/\d+ \(signal SIGUSR1\)", job.log, re.M), job.log
     _assert_resumed_exactly(job, long_reference, LONG["steps"])
 
 
@@ -311,3 +314,124 @@ def test_the_script_requeues_on_the_trainers_resumable_exit_code():
     """The script hard-codes the trainer's code (it decides before any Python runs)."""
     assert f"RESUMABLE_EXIT_CODE={RESUMABLE_EXIT_CODE}  # megatron_ext.training.stop.RESUMABLE_EXIT_CODE" in \
         SBATCH.read_text()
+
+
+# -- two nodes: stops, cancels and a crash (issue 55) -------------------------------------------------
+
+def _trainer(cluster, job_id: int, rank: int, timeout: float = 300):
+    """The trainer process of global ``rank`` in the job: a child of its node's torchrun agent (the
+    data-loader and checkpoint-writer processes it starts share its environment, not its parent)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for process in psutil.process_iter(["environ", "ppid"]):
+            environ = process.info["environ"] or {}
+            if environ.get("SLURM_JOB_ID") == str(job_id) and environ.get("RANK") == str(rank):
+                with contextlib.suppress(psutil.Error):
+                    if "slurm_batch" in " ".join(psutil.Process(process.info["ppid"]).cmdline()):
+                        return process, environ["SLURMD_NODENAME"]
+        time.sleep(0.5)
+    raise AssertionError(f"no trainer of rank {rank} in job {job_id}: {cluster.job(job_id)}")
+
+
+def _stop_step(job: Job) -> int:
+    return int(re.findall(LINE + r"stopped after step (\d+)/", job.log, re.M)[-1])
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_two_nodes_usr1_to_one_node_then_sigterm_at_the_time_limit_requeue_and_resume(
+        slurm_cluster, tiny_corpus, tmp_path, long_reference):
+    """2 nodes x 1 rank, the long recipe, no warning before the limit (``--signal=B:URG@1`` in place
+    of the script's ``B:USR1``: a signal the batch shell ignores; SLURM sends a warning up to a
+    minute early, so a short ``B:USR1`` would still warn). SIGUSR1 to one node's trainer only: both
+    nodes stop after the same step and the job requeues. In the second run the time limit is cut
+    to fall while it trains (its trainers paused until then): SLURM's SIGCONT and SIGTERM at the
+    limit, the step saved within KillWait, and the job requeues (Reason=TimeLimit), once more."""
+    job_id = _submit(slurm_cluster, _recipe(tiny_corpus, tmp_path, LONG["steps"], data=LONG["data"]),
+                     f"--time={TIME_LIMIT_MINUTES}", "--signal=B:URG@1", nodes=2, procs=1)
+    _wait_for_steps(slurm_cluster, job_id, tmp_path, 3)
+    trainer, _ = _trainer(slurm_cluster, job_id, rank=1)
+    trainer.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 600
+    while int((info := slurm_cluster.job(job_id))["Restarts"]) < 1:
+        assert time.monotonic() < deadline and info["JobState"] not in FINAL_STATES, info
+        time.sleep(0.25)
+    # the second run, once it trains: its limit 5 to 65 s ahead, SLURM looks every 30 s
+    first_stop = _stop_step(Job(job_id, tmp_path, info))
+    _wait_for_steps(slurm_cluster, job_id, tmp_path, first_stop + 1)
+    elapsed = Resources(time=slurm_cluster.job(job_id)["RunTime"]).time_s
+    slurm_cluster.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={math.ceil((elapsed + 5) / 60)}"])
+    # Both trainers paused (SIGSTOP) until SLURM reaches the limit, however fast they train: at a time
+    # limit SLURM sends SIGCONT, then SIGTERM, to every process of the job (slurmstepd).
+    for rank in (0, 1):
+        _trainer(slurm_cluster, job_id, rank=rank)[0].suspend()
+    while int((info := slurm_cluster.job(job_id))["Restarts"]) < 2:
+        assert time.monotonic() < deadline and info["JobState"] not in FINAL_STATES, \
+            f"the job ended before its time limit (LONG too short?): {info}\n{Job(job_id, tmp_path, info).log}"
+        time.sleep(0.25)
+    slurm_cluster.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={TIME_LIMIT_MINUTES}"])
+    job = _finish(slurm_cluster, job_id, tmp_path, timeout=900)
+    assert job.info["JobState"] == "COMPLETED" and job.info["Restarts"] == "2", (job.info, job.log)
+    stopped = re.findall(LINE + r"stopped after step \d+/\d+ \((signal \w+(?: on another rank)?)\)", job.log, re.M)
+    # at the limit SLURM's SIGTERM reaches the trainers and the batch shell, which passes it on as
+    # SIGUSR1: the trainer names whichever came first; the script knows it was no warning
+    assert stopped[0] == "signal SIGUSR1 on another rank" and len(stopped) == 2, job.log
+    assert "DUE TO TIME LIMIT" in job.log and "; time limit); requeueing" in job.log, job.log
+    assert "SIGTERM received" in job.log and "SIGUSR1 received" not in job.log  # no warning came
+    _assert_resumed_exactly(job, long_reference, LONG["steps"])
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_two_nodes_plain_scancel_saves_and_ends_cancelled(slurm_cluster, tiny_corpus, tmp_path):
+    """A plain ``scancel`` of a running 2-node job: every process gets SIGTERM, the step in flight is
+    saved within KillWait, and the job ends CANCELLED, not requeued."""
+    job_id = _submit(slurm_cluster, _recipe(tiny_corpus, tmp_path, LONG["steps"], data=LONG["data"]),
+                     nodes=2, procs=1)
+    _wait_for_steps(slurm_cluster, job_id, tmp_path, 3)
+    slurm_cluster.run(["scancel", str(job_id)])
+    job = _finish(slurm_cluster, job_id, tmp_path)
+    time.sleep(5)  # a requeue would have shown by now
+    job.info = slurm_cluster.job(job_id)
+    assert job.info["JobState"] == "CANCELLED" and job.info["Restarts"] == "0", (job.info, job.log)
+    step = _stop_step(job)
+    assert 3 <= step < LONG["steps"] and latest_checkpoint(tmp_path / "ckpt").name == f"iter_{step:07d}"
+    assert "cancelled (scancel)); not requeued" in job.log and "requeueing" not in job.log, job.log
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_scancel_signal_term_without_a_warning_saves_and_cancels(slurm_cluster, tiny_corpus, tmp_path):
+    """``scancel --signal=TERM``: the trainers get SIGTERM and no warning came, so the script cancels
+    the job once the step in flight is saved."""
+    job_id = _submit(slurm_cluster, _recipe(tiny_corpus, tmp_path, LONG["steps"], data=LONG["data"]))
+    _wait_for_steps(slurm_cluster, job_id, tmp_path, 3)
+    slurm_cluster.run(["scancel", "--signal=TERM", str(job_id)])
+    job = _finish(slurm_cluster, job_id, tmp_path)
+    assert job.info["JobState"] == "CANCELLED" and job.info["Restarts"] == "0", (job.info, job.log)
+    step = _stop_step(job)
+    assert latest_checkpoint(tmp_path / "ckpt").name == f"iter_{step:07d}"
+    assert "scancel --signal=TERM): cancelled); not requeued" in job.log, job.log
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_two_nodes_one_trainer_killed_the_job_names_its_node_and_why(slurm_cluster, tiny_corpus, tmp_path):
+    """SIGKILL to one node's trainer mid-run: the job fails once, not requeued, and its last line and
+    status file name that node, the rank and the signal (not the peer that srun ended)."""
+    job_id = _submit(slurm_cluster, _recipe(tiny_corpus, tmp_path, LONG["steps"], data=LONG["data"]),
+                     nodes=2, procs=1)
+    _wait_for_steps(slurm_cluster, job_id, tmp_path, 3)
+    trainer, node = _trainer(slurm_cluster, job_id, rank=1)
+    trainer.send_signal(signal.SIGKILL)
+    job = _finish(slurm_cluster, job_id, tmp_path)
+    assert job.info["JobState"] == "FAILED" and job.info["Restarts"] == "0", (job.info, job.log)
+    assert job.info["ExitCode"] == f"{128 + signal.SIGKILL}:0", (job.info, job.log[-3000:])
+    cause = f"node {node}: rank 1 (local rank 0) killed by SIGKILL"
+    last = job.log.rstrip().splitlines()[-1]  # the peer's consequence may follow ("; then node ...")
+    assert re.search(rf"training failed \({re.escape(cause)}[;)].*not requeued$", last), job.log[-3000:]
+    status = Path(job.info["StdOut"]).parent / f".exit-status-{job_id}"
+    assert status.read_text().startswith(f"{128 + signal.SIGKILL} {cause}"), status.read_text()
