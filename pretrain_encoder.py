@@ -56,7 +56,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                         help="--dry-run: plan for this many processes (default: $WORLD_SIZE or 1)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
     from megatron_ext.study.cost import add_cost_flags
-    from megatron_ext.training.config import add_override_flags
+    from megatron_ext.training.recipe import add_override_flags
 
     add_cost_flags(parser, study=False)
     dests = add_override_flags(parser)
@@ -66,7 +66,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 def load_config(args: argparse.Namespace, dests: dict) -> tuple[RunConfig, EncoderTokenizer | None]:
     """The run config, and its tokenizer when reading the config needed it (``model.vocab_size:
     from_tokenizer``)."""
-    from megatron_ext.training.config import apply_overrides, read_recipe
+    from megatron_ext.training.recipe import apply_overrides, read_recipe
 
     return config_from_recipe(apply_overrides(read_recipe(args.config), args, dests))
 
@@ -74,7 +74,7 @@ def load_config(args: argparse.Namespace, dests: dict) -> tuple[RunConfig, Encod
 def config_from_recipe(raw: dict) -> tuple[RunConfig, EncoderTokenizer | None]:
     """The run config of a recipe (as a dict), and its tokenizer when reading it needed it
     (``model.vocab_size: from_tokenizer``, or a preset whose vocabulary is a placeholder)."""
-    from megatron_ext.training.config import needs_tokenizer_vocab, run_config_from_dict
+    from megatron_ext.training.recipe import needs_tokenizer_vocab, run_config_from_dict
 
     tokenizer = None
     if needs_tokenizer_vocab(raw):

@@ -55,7 +55,7 @@ from megatron_ext.checkpoint.writer import ASYNC_STRATEGIES, CheckpointSaver
 from megatron_ext.checkpoint.config import check_nvrx_async_writer, nvrx_problem
 from megatron_ext.model import build_encoder_model, parameter_count
 from megatron_ext.objectives import MaskingConfig, apply_mlm
-from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
 
 # results_file.py is a sibling file, not an installed module: read by its path, whether this runs

@@ -54,6 +54,8 @@ _NAMED_SIDES = {"local_spec": {"transformer_impl": "local"}, "te_spec": {"transf
                 "te_spec_cuda_graphs": {"transformer_impl": "te", "cuda_graphs": "megatron"},
                 "cuda_graphs": {"cuda_graphs": "megatron"}}
 _OTHER_IMPL = {"local": "te", "te": "local"}
+_RECORDED_SPELLINGS = {("training", "cuda_graphs"): {"local": "megatron"}}
+"""Values the visits recorded before a setting's value was renamed (the visit files stay as measured)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,10 +107,8 @@ def _mfu(record: dict, size: str, seq_length: int, device: str) -> float | None:
 
 def _side_settings(name: str, record: dict, row_sides: list[dict]) -> dict:
     if record.get("settings"):
-        from megatron_ext.training.config import RENAMED_VALUES
-
-        # A value recorded before its rename (cuda_graphs: local) under today's spelling.
-        return {key: RENAMED_VALUES.get((section, name), {}).get(value, value)
+        # A value recorded before its rename (cuda_graphs: local, Megatron's name) under today's spelling.
+        return {key: _RECORDED_SPELLINGS.get((section, name), {}).get(value, value)
                 for section, name, key, _ in DECIDED for value in [record["settings"].get(key)]}
     settings = {key: default for _, _, key, default in DECIDED}
     if name in _NAMED_SIDES:
@@ -268,7 +268,7 @@ def device_kinds(visits: list[Path]) -> dict:
 
 
 def _recipe_micro_batch(size: str) -> int:
-    from megatron_ext.training.config import read_recipe
+    from megatron_ext.training.recipe import read_recipe
 
     return read_recipe(REPO / "examples" / "recipes" / "base" / SIZE_RECIPES[size])["data"]["micro_batch_size"]
 
@@ -333,7 +333,7 @@ def render_markdown(table: dict) -> str:
 def recipe_setting(size: str, section: str, key: str):
     """The size recipe's setting as the trainer reads it (``read_recipe``: bases merged, old key names
     and values under today's)."""
-    from megatron_ext.training.config import read_recipe
+    from megatron_ext.training.recipe import read_recipe
 
     recipe = read_recipe(REPO / "examples" / "recipes" / "base" / SIZE_RECIPES[size])
     return (recipe.get(section) or {}).get(key)

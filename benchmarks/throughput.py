@@ -65,7 +65,7 @@ from megatron_ext import hardware, process_group
 from megatron_ext.model import build_encoder_model, parameter_count
 from megatron_ext.objectives import MaskingConfig, apply_mlm
 from megatron_ext.training import cuda_graphs
-from megatron_ext.training.config import read_recipe, run_config_from_dict
+from megatron_ext.training.recipe import read_recipe, run_config_from_dict
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
 from megatron_ext.training.loop import runnable_here
 from megatron_ext.training.memory import estimate_memory

@@ -137,7 +137,7 @@ the one table an unknown key's error consults (there are no aliases: an old key 
 
 
 def _moved(where: str, unknown: list[str]) -> str:
-    path = re.sub(r"\[\d+\]", "[*]", where)
+    path = re.sub(r"\[\d+\]", "[*]", where.split()[-1])  # "<file> model": the section is the last word
     moved = [f"{key} is now {MOVED_KEYS[f'{path}.{key}']}" for key in unknown if f"{path}.{key}" in MOVED_KEYS]
     return f" ({'; '.join(moved)})" if moved else ""
 

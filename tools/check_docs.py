@@ -222,7 +222,8 @@ def config_keys() -> ConfigKeys:
     from megatron_ext import objectives
     from megatron_ext.schedule import Phase
     from megatron_ext.study import spec
-    from megatron_ext.training.config import SECTIONS, TOP_LEVEL_KEYS
+    from megatron_ext.training.config import SECTIONS
+    from megatron_ext.training.recipe import TOP_LEVEL_KEYS
 
     sections = {name: set(_dataclass_fields(cls)) for name, cls in SECTIONS.items()}
     sections["model"].add("preset")  # read by the recipe loader, not a field of the model's config

@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> dict:
     from megatron_ext.hf.mlm_loss import checkpoint_mlm_loss, mlm_loss
     from megatron_ext.hf.gguf import load_gguf
     from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
-    from megatron_ext.training.config import read_recipe, run_config_from_dict
+    from megatron_ext.training.recipe import read_recipe, run_config_from_dict
     from megatron_ext.training.loop import pretrain
 
     seconds: dict[str, float] = {}

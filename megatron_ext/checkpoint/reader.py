@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_ext import cuda_on_cpu
 from megatron_ext.checkpoint.storage import one_line
 from megatron_ext.config_loading import UserError, build_dataclass
-from megatron_ext.model.config import EncoderModelConfig, with_current_model_keys
+from megatron_ext.model.config import EncoderModelConfig
 from megatron_ext.schedule import rope_base_after
 from megatron_ext.tokenizer import TokenizerConfig
 
@@ -242,13 +242,8 @@ class Checkpoint:
     # --- what was saved beside the weights ---
 
     def run_config(self) -> dict:
-        """The resolved run config the training run saved (``run_config.json``), with keys renamed
-        since under their current names."""
-        run_config = self._json(RUN_CONFIG)
-        if isinstance(run_config.get("model"), dict):
-            run_config["model"] = with_current_model_keys(
-                run_config["model"], f"{self.path / RUN_CONFIG} model", warn=False)
-        return run_config
+        """The resolved run config the training run saved (``run_config.json``)."""
+        return self._json(RUN_CONFIG)
 
     def model_config(self) -> EncoderModelConfig:
         """The architecture of the saved weights (the run config's ``model`` section), with the RoPE

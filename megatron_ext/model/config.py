@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,8 +62,7 @@ class EncoderModelConfig:
     (:class:`~megatron_ext.transformer_impl.TransformerImpl`). ``local``: Megatron-Core's own modules
     with PyTorch scaled_dot_product_attention, CPU and GPU. ``te``: Transformer Engine's modules
     (fused norm + linear, fused attention, FP8), GPU only; needs ``transformer_engine``. Both hold
-    the same weights. Older recipes and checkpoints spell it ``attention_backend``
-    (:data:`RENAMED_MODEL_KEYS`)."""
+    the same weights."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
     hidden_dropout: float = 0.0
@@ -122,47 +120,6 @@ class EncoderModelConfig:
     def torch_dtype(self) -> torch.dtype:
         """``params_dtype`` as a torch dtype."""
         return _DTYPES[self.params_dtype]
-
-
-RENAMED_MODEL_KEYS = {"attention_backend": "transformer_impl"}
-"""Old ``model`` keys and their current names: recipes and the ``run_config.json`` of checkpoints
-saved before the rename still read (``attention_backend`` chose the whole layer, not only attention)."""
-
-
-REMOVED_MODEL_KEYS = {
-    "document_mask": "documents attend only within themselves with data.reset_attention_mask: true "
-                     "(--reset-attention-mask), Megatron's name; add data.reset_position_ids: true to restart "
-                     "RoPE positions per document",
-    "eod_token_id": "documents end at the tokenizer's end-of-document token, which data.reset_attention_mask reads",
-}
-"""Old ``model`` keys of document isolation, now a data setting (one concept, one name), and where
-it went. A recipe that sets one is refused; a checkpoint's saved config drops them, unless it
-trained with ``document_mask: true`` (then resuming or exporting says where the setting went)."""
-
-
-def with_current_model_keys(section: dict, where: str, *, warn: bool) -> dict:
-    """``section`` (a ``model`` mapping) with :data:`RENAMED_MODEL_KEYS` written under their current
-    names; both spellings at once is an error naming ``where``. ``warn``: say so once (a recipe the
-    user can edit; not a saved checkpoint's config). :data:`REMOVED_MODEL_KEYS` are refused in a
-    recipe and dropped from a saved config (see there)."""
-    out = dict(section)
-    for old, pointer in REMOVED_MODEL_KEYS.items():
-        if old not in out:
-            continue
-        if warn or (old == "document_mask" and out[old]):
-            raise UserError(f"{where}: {old!r} was removed: {pointer}")
-        del out[old]
-    for old, new in RENAMED_MODEL_KEYS.items():
-        if old not in out:
-            continue
-        if new in out:
-            raise UserError(f"{where}: both {old!r} and {new!r} are set; {old!r} is the old name of "
-                            f"{new!r}: keep only {new!r}")
-        if warn:
-            warnings.warn(f"{where}: {old!r} is now {new!r} (read as such); rename it", FutureWarning,
-                          stacklevel=2)
-        out[new] = out.pop(old)
-    return out
 
 
 def _llama3(**shape: int) -> EncoderModelConfig:

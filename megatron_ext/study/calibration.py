@@ -43,7 +43,7 @@ def steady_step_seconds(records: list[dict], *, warmup: int, tokens_per_step: in
 
 def calibration_recipe(recipe: dict, objective_phase: dict, *, steps: int, root: Path) -> dict:
     """``recipe`` cut to ``steps`` steps of one objective, writing under ``root``: nothing loaded or kept."""
-    from megatron_ext.training.config import deep_merge
+    from megatron_ext.training.recipe import deep_merge
 
     trimmed = deep_merge(recipe, {
         "phases": [{"objective": objective_phase["objective"], "share": 1.0}],

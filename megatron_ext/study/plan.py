@@ -41,14 +41,8 @@ from typing import Any, Literal
 from megatron_ext.config_loading import ConfigError
 from megatron_ext.study.spec import Study, steps_label
 from megatron_ext.training.branching import shared_steps
-from megatron_ext.training.config import (
-    RunConfig,
-    TrainingConfig,
-    deep_merge,
-    needs_tokenizer_vocab,
-    read_recipe,
-    run_config_from_dict,
-)
+from megatron_ext.training.config import RunConfig, TrainingConfig
+from megatron_ext.training.recipe import deep_merge, needs_tokenizer_vocab, read_recipe, run_config_from_dict
 
 VOCAB_NOT_READ = 128
 """The vocabulary a ``model.vocab_size: from_tokenizer`` run is validated with: a plan reads no

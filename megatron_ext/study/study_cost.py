@@ -60,7 +60,7 @@ def costed_config(run, notice: Callable[[str], None] = lambda line: None) -> Run
     from megatron_ext.config_loading import build_dataclass
     from megatron_ext.study.plan import VOCAB_NOT_READ
     from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
-    from megatron_ext.training.config import needs_tokenizer_vocab, run_config_from_dict
+    from megatron_ext.training.recipe import needs_tokenizer_vocab, run_config_from_dict
 
     if not needs_tokenizer_vocab(run.recipe):
         return run.config

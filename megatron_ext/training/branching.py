@@ -38,7 +38,8 @@ from typing import Any
 
 from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.schedule import ResolvedPhase, lr_at
-from megatron_ext.training.config import RunConfig, run_config_from_dict
+from megatron_ext.training.config import RunConfig
+from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.context import dataset_samples, first_context_change, segments, varies
 from megatron_ext.training.data import sample_order
 

@@ -48,7 +48,8 @@ from megatron_ext.training import data as data_lib
 from megatron_ext.training import cuda_graphs
 from megatron_ext.training import context as context_lib
 from megatron_ext.training.branching import check_saved_parent
-from megatron_ext.training.config import RunConfig, run_config_from_dict
+from megatron_ext.training.config import RunConfig
+from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.schedule import Phase
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, StepOutcome, megatron_transformer_overrides
 from megatron_ext.training.memory import check_run_fits, stage_parameters

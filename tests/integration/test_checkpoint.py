@@ -22,7 +22,7 @@ from megatron_ext.checkpoint.config import NVRX_MIN_VERSION, CheckpointConfig, c
 from megatron_ext.checkpoint.reader import COMPLETE, Checkpoint, latest_checkpoint
 from megatron_ext.checkpoint.writer import TRACKER, CheckpointSaver, save_checkpoint
 from megatron_ext.tokenizer import TokenizerConfig
-from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
 
 TINY = preset("tiny", vocab_size=256)
@@ -423,11 +423,13 @@ def test_a_resolved_checkpoint_resolves_once_and_reads_what_was_saved(single_ran
         Checkpoint.open(newest)
     assert Checkpoint.open(tmp_path).step == 1  # the newest COMPLETE one
     run_config = json.loads((tmp_path / "iter_0000001" / "run_config.json").read_text())
-    # Saved before model.attention_backend became model.transformer_impl: read under the new name.
+    assert Checkpoint.open(tmp_path).model_config() == TINY and Checkpoint.open(tmp_path).run_config() == RUN_CONFIG
+    # A key an earlier version wrote is refused, naming where it went (config_loading.MOVED_KEYS).
     old_model = {("attention_backend" if k == "transformer_impl" else k): v for k, v in run_config["model"].items()}
     (tmp_path / "iter_0000001" / "run_config.json").write_text(json.dumps({**run_config, "model": old_model}))
-    assert "attention_backend" in old_model and Checkpoint.open(tmp_path).model_config() == TINY
-    assert Checkpoint.open(tmp_path).run_config() == RUN_CONFIG
+    with pytest.raises(ValueError, match=r"run_config.json model: unknown key\(s\) \['attention_backend'\] "
+                                         r"\(attention_backend is now model.transformer_impl\)"):
+        Checkpoint.open(tmp_path).model_config()
     (tmp_path / "iter_0000001" / "run_config.json").write_text(json.dumps({**run_config, "model": {"hidden": 1}}))
     with pytest.raises(ValueError, match=r"iter_0000001/run_config.json model.*hidden"):
         Checkpoint.open(tmp_path).model_config()
@@ -509,7 +511,7 @@ def test_checkpoints_cross_between_local_and_te_specs(tmp_path, tiny_corpus):
     weights, data and masks, so only kernel rounding separates them (bf16: well under 2 % in 6
     steps); optimizer state loaded into the wrong parameters would not stay within it."""
     from helpers import tiny_recipe
-    from megatron_ext.training.config import run_config_from_dict
+    from megatron_ext.training.recipe import run_config_from_dict
     from megatron_ext.training.loop import pretrain
 
     def recipe(run: str, backend: str) -> dict:

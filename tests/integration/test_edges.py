@@ -100,7 +100,7 @@ def test_second_trainer_is_refused_in_one_line_before_building_its_model(tmp_pat
 
 
 def test_damaged_newest_checkpoint_metadata_or_shard_names_the_file_and_resumes_from_load_step(tmp_path, tiny_corpus):
-    from megatron_ext.training.config import run_config_from_dict
+    from megatron_ext.training.recipe import run_config_from_dict
     from megatron_ext.training.loop import pretrain
 
     recipe = _recipe(tiny_corpus, tmp_path, training={"train_iters": 4, "eval_interval": 0},
@@ -162,7 +162,7 @@ def test_space_check_refuses_a_save_directory_that_cannot_hold_one_checkpoint(sm
 def test_disk_full_during_a_save_stops_with_exit_74_keeping_the_previous_checkpoint(tmp_path, tiny_corpus,
                                                                                     small_filesystem, async_save):
     """Synchronous, or asynchronous where the writer process fails after training went on."""
-    from megatron_ext.training.config import run_config_from_dict
+    from megatron_ext.training.recipe import run_config_from_dict
     from megatron_ext.training.loop import checkpoint_bytes_estimate, pretrain
 
     # A 2 MiB disk: the model shrunk so that one checkpoint fits and the second (beside it) does not.

@@ -38,7 +38,7 @@ def tiny_save(tmp_path_factory, tiny_corpus) -> Path:
     """A Megatron save directory with complete checkpoints at steps 1 and 2 of a tiny MLM encoder
     (global batch 8 x 64 tokens: 512 tokens a step)."""
     from helpers import tiny_recipe
-    from megatron_ext.training.config import run_config_from_dict
+    from megatron_ext.training.recipe import run_config_from_dict
     from megatron_ext.training.loop import pretrain
 
     root = tmp_path_factory.mktemp("tiny_save")

@@ -26,7 +26,7 @@ import torch
 from megatron_ext import hardware, process_group
 from megatron_ext.checkpoint.reader import Checkpoint, latest_checkpoint
 from megatron_ext.checkpoint.writer import save_checkpoint
-from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from helpers import tiny_recipe as _recipe
 

@@ -312,7 +312,7 @@ def test_continued_pretraining_from_an_import(imports, tmp_path, news_texts):
     """pretrain_encoder's loop loads the import (finetune) through recipe_model.yaml; a recipe of
     another shape is refused: against the run's own checkpoint as another model, against the
     import with the mismatching tensors listed."""
-    from megatron_ext.training.config import read_recipe, run_config_from_dict
+    from megatron_ext.training.recipe import read_recipe, run_config_from_dict
     from megatron_ext.training.loop import pretrain
 
     imp = imports("smollm")
@@ -339,7 +339,7 @@ def test_continued_pretraining_from_an_import_with_transformer_engine(imports, t
     """The import (a local-spec checkpoint, no TE ``_extra_state``) continues under the ``te``
     spec: its weights load, and the first step's loss is the local spec's within bf16 rounding
     (the same weights, batch and masks; only the kernels differ)."""
-    from megatron_ext.training.config import read_recipe, run_config_from_dict
+    from megatron_ext.training.recipe import read_recipe, run_config_from_dict
     from megatron_ext.training.loop import pretrain
 
     imp = imports("llama")
@@ -576,7 +576,7 @@ def test_cpt_encoder_study_at_ci_size(imports, tmp_path, news_texts):
     result exports back as EuroBERT."""
     from megatron_ext.study.plan import plan_study
     from megatron_ext.study.spec import read_study
-    from megatron_ext.training.config import run_config_from_dict
+    from megatron_ext.training.recipe import run_config_from_dict
     from megatron_ext.training.loop import pretrain
 
     imp = imports("eurobert")

@@ -10,7 +10,7 @@ import torch
 
 from helpers import tiny_recipe
 from megatron_ext.checkpoint.reader import latest_checkpoint
-from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 
 ISOLATED = {"reset_attention_mask": True, "reset_position_ids": True}

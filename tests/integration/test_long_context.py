@@ -17,7 +17,7 @@ from megatron_ext.config_loading import UserError
 from megatron_ext.eval import finetuning
 from megatron_ext.hf import export_checkpoint, load_megatron_checkpoint, single_process_model_parallel
 from megatron_ext.training import context
-from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 
 LONG_BASE = 160_000.0

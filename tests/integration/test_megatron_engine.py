@@ -25,7 +25,7 @@ from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, latest_checkpo
 from megatron_ext.checkpoint.writer import save_checkpoint
 from megatron_ext.checkpoint.config import nvrx_problem
 from megatron_ext.checkpoint.reader import Checkpoint
-from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from helpers import tiny_recipe as _recipe
 
@@ -374,8 +374,8 @@ def test_a_recipe_naming_the_removed_engine_key_is_refused_with_the_fix(tmp_path
     for engine in ("portable", "auto", "megatron"):
         recipe = _engine_recipe(tiny_corpus, tmp_path, steps=2)
         recipe["training"]["engine"] = engine
-        with pytest.raises(ConfigError, match=r"^training.engine: removed: every run trains with the Megatron engine"
-                                              r".*delete the key$"):
+        with pytest.raises(ConfigError, match=r"^training: unknown key\(s\) \['engine'\] \(engine is now nothing: every "
+                                              r"run trains with the Megatron engine; delete the key\)"):
             run_config_from_dict(recipe)
 
 

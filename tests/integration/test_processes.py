@@ -21,7 +21,7 @@ from megatron_ext import processes
 from megatron_ext.checkpoint.reader import latest_checkpoint
 from megatron_ext.checkpoint.writer import CheckpointSaver
 from megatron_ext.checkpoint.config import nvrx_problem
-from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.loop import NonFiniteLossError, pretrain
 from helpers import tiny_recipe as _recipe
 

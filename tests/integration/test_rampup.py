@@ -9,7 +9,7 @@ import json
 import pytest
 
 from helpers import tiny_recipe
-from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 
 RAMP = {"rampup_batch_size": [4, 4, 24]}  # 4 until 24 samples are consumed, then 8

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 import pretrain_encoder
-from megatron_ext.training.config import read_recipe
+from megatron_ext.training.recipe import read_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "examples" / "recipes"
@@ -246,25 +246,20 @@ def test_unknown_recipe_key_lists_the_valid_ones(tmp_path: Path, capsys):
     assert "data: unknown key(s) ['micro_batch']" in err and "'micro_batch_size'" in err
 
 
-def test_old_name_of_transformer_impl_still_reads(tmp_path: Path, capsys):
-    """``model.attention_backend`` (key and flag) is the old name of ``model.transformer_impl``;
-    the 610M recipe sets ``transformer_impl: te``."""
+def test_the_old_name_of_transformer_impl_is_refused_naming_the_new_one(tmp_path: Path, capsys):
+    """``model.attention_backend`` was renamed ``model.transformer_impl``: the old key is refused in one
+    line naming the new one, the old flag is unknown; the 610M recipe sets ``transformer_impl: te``."""
     def layers(plan: str) -> str:
         return re.search(r"parameters \((\w+) layers\)", plan).group(1)
 
     assert layers(plan_of(RECIPES / "paper" / "610m_mlm_40.yaml", 8, capsys)) == "te"
-    old_key = _recipe(tmp_path, "model: {attention_backend: local}\n")
-    with pytest.warns(FutureWarning, match=r"recipe.yaml model: 'attention_backend' is now 'transformer_impl'"):
-        assert layers(plan_of(Path(old_key), 8, capsys)) == "local"
-    assert layers(plan_of(RECIPES / "paper" / "610m_mlm_40.yaml", 8, capsys, "--attention-backend", "local")) == "local"
     assert layers(plan_of(RECIPES / "paper" / "610m_mlm_40.yaml", 8, capsys, "--transformer-impl", "local")) == "local"
-
-    code, _, err = run(["--config", _recipe(tmp_path, "model: {attention_backend: local, transformer_impl: te}\n"),
-                        "--dry-run", "--world-size", "8"], capsys)
-    assert code == 2 and "both 'attention_backend' and 'transformer_impl' are set" in err
+    code, _, err = run(["--config", _recipe(tmp_path, "model: {attention_backend: local}\n"), "--dry-run",
+                        "--world-size", "8"], capsys)
+    assert code == 2 and "unknown key(s) ['attention_backend'] (attention_backend is now model.transformer_impl)" in err
     code, _, err = run(["--config", str(RECIPES / "paper" / "610m_mlm_40.yaml"), "--dry-run", "--world-size", "8",
-                        "--attention-backend", "local", "--transformer-impl", "te"], capsys)
-    assert code == 2 and "--attention-backend and --transformer-impl both set model.transformer_impl" in err
+                        "--attention-backend", "local"], capsys)
+    assert code == 2 and "--attention-backend" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(

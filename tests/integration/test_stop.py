@@ -18,7 +18,7 @@ import pytest
 
 from megatron_ext.checkpoint.reader import latest_checkpoint
 from megatron_ext.checkpoint.reader import Checkpoint
-from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from megatron_ext.training.stop import EXIT_STATUS_ENV, RESUMABLE_EXIT_CODE
 from helpers import tiny_recipe as _recipe

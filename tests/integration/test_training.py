@@ -14,7 +14,7 @@ import pretrain_encoder
 from distributed import run_ranks
 from helpers import tiny_recipe as _recipe
 from megatron_ext import process_group
-from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.loop import NonFiniteLossError, pretrain
 from megatron_ext.cli import plot_loss
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megatron_ext import hardware
-from megatron_ext.config_loading import UserError
+from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.training import cuda_graphs
-from megatron_ext.training.config import add_override_flags, apply_overrides, run_config_from_dict
+from megatron_ext.training.recipe import add_override_flags, apply_overrides, run_config_from_dict
 from megatron_ext.training.megatron_engine import megatron_transformer_overrides
 from megatron_ext.training.memory import cuda_graph_pool_bytes, estimate_memory, layer_activation_bytes
 from helpers import tiny_recipe
@@ -29,8 +29,8 @@ def _config(tmp_path, **sections):
 def test_the_setting_parses_from_recipes_and_flags(tmp_path):
     assert _config(tmp_path).training.cuda_graphs == "none"  # off unless asked for
     assert _config(tmp_path, training={"train_iters": 8, "cuda_graphs": "megatron"}).training.cuda_graphs == "megatron"
-    with pytest.warns(FutureWarning, match=r"training.cuda_graphs: 'local' is now 'megatron'"):  # the old spelling
-        assert _config(tmp_path, training={"train_iters": 8, "cuda_graphs": "local"}).training.cuda_graphs == "megatron"
+    with pytest.raises(ConfigError, match=r"training.cuda_graphs"):  # Megatron's own value name is not ours
+        _config(tmp_path, training={"train_iters": 8, "cuda_graphs": "local"})
     parser = argparse.ArgumentParser()
     dests = add_override_flags(parser)
     raw = apply_overrides(tiny_recipe(FAKE_CORPUS, tmp_path), parser.parse_args(["--cuda-graphs", "megatron"]), dests)

@@ -61,7 +61,7 @@ def test_another_tokenizer_of_the_same_size_is_refused_at_dry_run_and_start_up(t
     assert made.fingerprint() in lines[0] and other.fingerprint() in lines[0]
     assert repr(tiny_corpus["tokenizer"]) in lines[0] and repr(other_tokenizer) in lines[0]
 
-    from megatron_ext.training.config import run_config_from_dict
+    from megatron_ext.training.recipe import run_config_from_dict
     from megatron_ext.training.loop import pretrain
 
     config = run_config_from_dict(tiny_recipe(tiny_corpus, tmp_path / "run", tokenizer={"tokenizer_model": other_tokenizer}))

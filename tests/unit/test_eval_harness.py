@@ -41,7 +41,7 @@ def tiny_checkpoint(tmp_path_factory, news_texts) -> dict[str, Path]:
     """A Megatron save directory after 2 MLM steps of a tiny encoder, and its byte-level BPE tokenizer."""
     from megatron_ext.data.preprocess import PreprocessConfig, preprocess
     from megatron_ext.tokenizer import TokenizerConfig
-    from megatron_ext.training.config import run_config_from_dict
+    from megatron_ext.training.recipe import run_config_from_dict
     from megatron_ext.training.loop import pretrain
     from megatron_ext.cli import train_tokenizer
 

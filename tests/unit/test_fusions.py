@@ -15,7 +15,7 @@ import torch
 from helpers import tiny_recipe as _recipe
 from megatron_ext import hardware, process_group
 from megatron_ext.config_loading import ConfigError, UserError
-from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.recipe import run_config_from_dict
 
 FUSIONS = {"rope_fusion": True, "gradient_accumulation_fusion": True}
 cpu_only = pytest.mark.skipif(hardware.on_gpu(), reason="the CPU fallbacks (a GPU keeps the settings)")
@@ -40,7 +40,7 @@ def test_settings_parse_and_reach_the_transformer_config(tmp_path, tiny_corpus):
 def test_command_line_flags(tmp_path, tiny_corpus):
     import argparse
 
-    from megatron_ext.training.config import add_override_flags, apply_overrides
+    from megatron_ext.training.recipe import add_override_flags, apply_overrides
 
     parser = argparse.ArgumentParser()
     dests = add_override_flags(parser)
@@ -56,7 +56,7 @@ def test_the_cross_entropy_kernel_reaches_the_transformer_config(tmp_path, tiny_
     and its flag has Megatron-LM's name."""
     import argparse
 
-    from megatron_ext.training.config import add_override_flags, apply_overrides
+    from megatron_ext.training.recipe import add_override_flags, apply_overrides
     from megatron_ext.training.megatron_engine import megatron_transformer_overrides
 
     for impl in ("native", "te"):
@@ -163,7 +163,7 @@ def test_the_gpu_size_recipes_enable_both_and_still_run_on_cpu(capsys):
     each announced."""
     from pathlib import Path
 
-    from megatron_ext.training.config import read_recipe
+    from megatron_ext.training.recipe import read_recipe
     from megatron_ext.training.loop import runnable_here
 
     bases = Path(__file__).resolve().parents[2] / "examples" / "recipes" / "base"

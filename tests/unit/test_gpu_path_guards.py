@@ -10,7 +10,7 @@ import torch
 
 from megatron_ext.config_loading import ConfigError
 from megatron_ext.checkpoint.reader import Checkpoint
-from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.megatron_engine import megatron_transformer_overrides
 from megatron_ext.training.loop import pretrain
 from helpers import tiny_recipe as _recipe

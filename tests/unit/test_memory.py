@@ -14,7 +14,7 @@ import yaml
 import pretrain_encoder
 from megatron_ext.config_loading import UserError
 from megatron_ext.model import build_encoder_model, parameter_count, preset
-from megatron_ext.training.config import read_recipe, run_config_from_dict
+from megatron_ext.training.recipe import read_recipe, run_config_from_dict
 from megatron_ext.training.loop import pretrain
 from megatron_ext.training.memory import (
     estimate_memory,

@@ -92,7 +92,7 @@ def test_a_stretched_schedule_is_another_run_from_its_second_step(tmp_path):
     """Branching compares the ratio at each step: the same schedule over 8 or 16 steps agrees at
     step 0 only."""
     from megatron_ext.training.branching import first_divergence
-    from megatron_ext.training.config import run_config_from_dict
+    from megatron_ext.training.recipe import run_config_from_dict
 
     phases = [{"objective": {"name": "mlm", "mask_ratio": 0.4, "mask_ratio_schedule": "linear",
                              "final_mask_ratio": 0.2}, "share": 1.0}]
@@ -492,7 +492,7 @@ def test_study_planner_accepts_every_objective(tmp_path):
 def test_new_objectives_log_their_names_and_resume_exactly(tmp_path, tiny_corpus, capsys):
     """One run through all four (the schedule over two steps, the others one each), stopped inside
     the schedule's phase (after step 1) and resumed: the same losses."""
-    from megatron_ext.training.config import run_config_from_dict
+    from megatron_ext.training.recipe import run_config_from_dict
     from megatron_ext.training.loop import pretrain
 
     phases = [{"objective": {"name": "mlm", "mask_ratio": 0.4, "mask_ratio_schedule": "linear",

@@ -8,7 +8,7 @@ import pytest
 from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.training import context
 from megatron_ext.training.branching import first_divergence
-from megatron_ext.training.config import run_config_from_dict
+from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.dry_run import format_dry_run, make_plan, training_flops
 from megatron_ext.training.memory import GiB, check_run_fits, largest_phase_micro_batch, phase_memory
 

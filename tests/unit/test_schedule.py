@@ -261,7 +261,7 @@ def test_the_learning_rate_is_megatrons_scheduler_stepped_as_megatron_lm_steps_i
     import torch
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_ext.training.config import read_recipe, run_config_from_dict
+    from megatron_ext.training.recipe import read_recipe, run_config_from_dict
 
     recipes = Path(__file__).resolve().parents[2] / "examples" / "recipes"
     for name in ("paper/1b_biphasic_25_75.yaml", "paper/210m_mlm_40.yaml", "demo_tiny_biphasic.yaml"):

@@ -16,7 +16,7 @@ from megatron_ext.study import calibration, cost, study_cost
 from megatron_ext.study.state import Progress
 from megatron_ext.study.plan import plan_study
 from megatron_ext.study.spec import read_study
-from megatron_ext.training.config import read_recipe, run_config_from_dict
+from megatron_ext.training.recipe import read_recipe, run_config_from_dict
 from megatron_ext.training.dry_run import training_flops
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from megatron_ext.config_loading import ConfigError
 from megatron_ext.study.plan import plan_study, plan_to_dict
 from megatron_ext.study.spec import read_study
 from megatron_ext.training.branching import check_branch, first_divergence, shared_steps
-from megatron_ext.training.config import read_recipe, run_config_from_dict
+from megatron_ext.training.recipe import read_recipe, run_config_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDIES = ROOT / "examples" / "studies"
