@@ -1,0 +1,122 @@
+"""What the training steps read: the data-parallel rank's micro-batches of each step, from Megatron's
+dataset of the step's phase length (``training.context``: one dataset per length, read from where
+the steps before left off), and the validation batches, kept on the device."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_ext.tokenizer import EncoderTokenizer
+from megatron_ext.training import context as context_lib
+from megatron_ext.training import data as data_lib
+from megatron_ext.training.config import RunConfig
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@dataclass(kw_only=True)
+class Batches:
+    """What the steps read: the training iterator of the current data segment (``training.context``),
+    positioned at the next step, and the validation batches (the same fixed ones at every
+    evaluation, kept on the device)."""
+
+    config: RunConfig
+    tokenizer: EncoderTokenizer
+    train: Iterator | None
+    segment: context_lib.Segment | None
+    valid: list[dict[str, torch.Tensor]]
+    blend: list[dict] = field(default_factory=list)
+    """``training.data.blend_shares``: each dataset's weight and share of the run's samples."""
+    rampup: object | None = None
+    """Megatron-Core's step batch-size calculator of ``data.rampup_batch_size`` (None: no ramp-up)."""
+
+    def micro_batches(self, step: int, context: context_lib.PhaseContext) -> Iterator[dict]:
+        """The data-parallel rank's micro-batches of ``step`` (whose phase is ``context``'s): from
+        the iterator of its segment, built at the segment's first step or where a resume starts."""
+        segment = context_lib.segment_at(context_lib.segments(self.config.phase_contexts), step)
+        if segment != self.segment:
+            self.train, self.segment = segment_iterator(self.config, self.tokenizer, segment, step), segment
+        dp_size = parallel_state.get_data_parallel_world_size()
+        count = self.config.global_batch_size_at(step) // (context.micro_batch_size * dp_size)
+        if self.rampup is not None:  # Megatron's calculator decides; the plan must agree with it
+            self.rampup.update(self.config.consumed_samples(step), consistency_check=True)
+            if self.rampup.get() != count:
+                raise RuntimeError(f"step {step}: Megatron's batch-size calculator gives {self.rampup.get()} "
+                                   f"micro-batches, the plan {count}")
+        for _ in range(count):
+            yield next(self.train)
+
+
+def segment_iterator(config: RunConfig, tokenizer: EncoderTokenizer, segment: context_lib.Segment,
+                      step: int) -> Iterator:
+    """Micro-batches of ``segment`` from ``step`` on: Megatron's dataset of the run's prefixes at the
+    segment's length, sized for every sample that length's segments read (``training.context``)."""
+    data_cfg = segment.contexts[0].data_config(config.data)
+    train_ds, _ = data_lib.build_datasets(
+        data_cfg, tokenizer=tokenizer,
+        train_samples=context_lib.dataset_samples(context_lib.segments(config.phase_contexts), segment.seq_length),
+        valid_samples=0, seed=config.training.seed)
+    reads = [(c.micro_batch_size, c.global_batch_size, segment.sample_at(max(step, c.phase.start)),
+              segment.sample_at(c.phase.end)) for c in segment.contexts if c.phase.end > step]
+    return data_lib.build_phase_iterator(train_ds, reads=reads, config=data_cfg,
+                                         dp_rank=parallel_state.get_data_parallel_rank(),
+                                         dp_size=parallel_state.get_data_parallel_world_size())
+
+
+def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int, device: torch.device) -> Batches:
+    data_cfg = config.data
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    evaluating = bool(config.training.eval_interval and data_cfg.eval_iters)
+    valid_samples = data_cfg.eval_iters * data_cfg.global_batch_size if evaluating else 0
+    contexts = config.phase_contexts
+    if context_lib.varies(contexts):
+        # Training data per segment, built as the steps reach it; validation at the run's
+        # data.seq_length in every phase, so that its losses compare over the whole run.
+        train, segment = None, None
+        blend = data_lib.blend_shares(data_cfg, None, train_samples=0)  # shares known per segment only
+        if evaluating:
+            segments = context_lib.segments(contexts)
+            base = (context_lib.dataset_samples(segments, data_cfg.seq_length)
+                    if any(s.seq_length == data_cfg.seq_length for s in segments) else 1)
+            _, valid_ds = data_lib.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=base,
+                                                  valid_samples=valid_samples, seed=config.training.seed)
+    elif data_cfg.rampup_batch_size is not None:  # one dataset, read in global batches that grow
+        from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
+
+        end = config.consumed_samples(config.training.train_iters)
+        train_ds, valid_ds = data_lib.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=end,
+                                                     valid_samples=valid_samples, seed=config.training.seed)
+        chunk = data_cfg.micro_batch_size * dp_size  # every batch of the ramp is whole chunks (make_plan)
+        train = data_lib.build_phase_iterator(
+            train_ds, reads=[(data_cfg.micro_batch_size, chunk, config.consumed_samples(start), end)],
+            config=data_cfg, dp_rank=dp_rank, dp_size=dp_size)
+        segment = context_lib.segments(contexts)[0]
+        blend = data_lib.blend_shares(data_cfg, train_ds, train_samples=end)
+        rampup = StepBatchsizeNumMicroBatchesCalculator(
+            micro_batch_size=data_cfg.micro_batch_size, data_parallel_size=dp_size,
+            decrease_batch_size_if_needed=False, rank=dist.get_rank(),
+            schedule=context_lib.rampup_schedule_text(context_lib.rampup_schedule(data_cfg)))
+    else:  # one dataset and sampler for the whole run
+        train_samples = config.training.train_iters * data_cfg.global_batch_size
+        train_ds, valid_ds = data_lib.build_datasets(
+            data_cfg, tokenizer=tokenizer, train_samples=train_samples, valid_samples=valid_samples,
+            seed=config.training.seed,
+        )
+        blend = data_lib.blend_shares(data_cfg, train_ds, train_samples=train_samples)
+        train = data_lib.build_train_iterator(
+            train_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size,
+            consumed_samples=start * data_cfg.global_batch_size,
+        )
+        segment = context_lib.segments(contexts)[0]
+    valid = [to_device(b, device) for b in data_lib.build_valid_iterator(
+        valid_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size)] if evaluating else []
+    return Batches(config=config, tokenizer=tokenizer, train=train, segment=segment, valid=valid, blend=blend,
+                    rampup=rampup if data_cfg.rampup_batch_size is not None else None)
