@@ -76,7 +76,7 @@ def missing_prefix_problem(prefix: str) -> str | None:
 
 def _read_index(prefix: str) -> _Index:
     """Check ``prefix``'s ``.idx`` header and sizes and its ``.bin`` size, as Megatron will read them."""
-    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType, _IndexReader
 
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     if (problem := missing_prefix_problem(prefix)) is not None:
@@ -104,11 +104,10 @@ def _read_index(prefix: str) -> _Index:
             f"{idx_path}: {idx_size} bytes, expected {expected} for {n_sequences} sequences and "
             f"{n_documents} document boundaries (truncated?)"
         )
-    index = np.memmap(idx_path, mode="r", dtype=np.uint8)
-    offset = _INDEX_PREAMBLE.size
-    lengths = np.frombuffer(index, dtype=np.int32, count=n_sequences, offset=offset)
-    pointers = np.frombuffer(index, dtype=np.int64, count=n_sequences, offset=offset + 4 * n_sequences)
-    documents = np.frombuffer(index, dtype=np.int64, count=n_documents, offset=offset + 12 * n_sequences)
+    # The arrays as Megatron-Core reads them (its IndexedDataset's reader; the dataset itself asserts
+    # on a corrupt document index instead of naming the file, so the checks below come first).
+    index = _IndexReader(idx_path, multimodal=False)
+    lengths, pointers, documents = index.sequence_lengths, index.sequence_pointers, index.document_indices
     if n_sequences and int(lengths.min()) < 0:
         bad = int(np.flatnonzero(lengths < 0)[0])
         raise UserError(f"{idx_path}: corrupt index: sequence {bad} has length {int(lengths[bad])}")
