@@ -107,7 +107,8 @@ def _read_index(prefix: str) -> _Index:
     # The arrays as Megatron-Core reads them (its IndexedDataset's reader; the dataset itself asserts
     # on a corrupt document index instead of naming the file, so the checks below come first).
     index = _IndexReader(idx_path, multimodal=False)
-    lengths, pointers, documents = index.sequence_lengths, index.sequence_pointers, index.document_indices
+    lengths, pointers = index.sequence_lengths, index.sequence_pointers
+    documents = np.array(index.document_indices)  # kept: the reader's buffer closes when it is collected
     if n_sequences and int(lengths.min()) < 0:
         bad = int(np.flatnonzero(lengths < 0)[0])
         raise UserError(f"{idx_path}: corrupt index: sequence {bad} has length {int(lengths[bad])}")
