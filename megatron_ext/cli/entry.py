@@ -153,6 +153,9 @@ THIRD_PARTY_WARNINGS = (
                       "NVRx's note at every save with a writer forked per save, which the CPU needs "
                       "(hardware.persistent_checkpoint_writer)",
                       logger="nvidia_resiliency_ext.checkpointing.async_ckpt.core"),
+    ThirdPartyWarning("Could not determine rank from torch.distributed, RANK, or SLURM_PROCID", False,
+                      "Megatron's note when asked for the rank before the process group exists (a one-process "
+                      "run); the run's own lines say which rank speaks"),
     ThirdPartyWarning("No CUDA runtime is found", False,
                       "torch's note for building CUDA extensions, which nothing here does, on a machine "
                       "without CUDA", logger="torch.utils.cpp_extension"),
