@@ -272,13 +272,14 @@ def _peak_memory_gb() -> float:
 
 
 class DeviceSampler:
-    """The GPU's SM clock (MHz) and power draw (W) sampled every half second by ``nvidia-smi`` while a
-    side's timed rounds run: a throttled or power-capped GPU explains a slower visit. Nothing on CPU
-    or where ``nvidia-smi`` is missing (``summary()`` says so)."""
+    """The GPU's SM clock (MHz) and power draw (W) sampled every ``interval_s`` by ``nvidia-smi`` while a
+    side's timed rounds run: a throttled or power-capped GPU explains a slower visit. Every 2 s: a
+    sample starts a process, and a host-bound step must not pay for many (8 x 2 timed 1B steps are
+    ~9 s: four or five samples). Nothing on CPU or where ``nvidia-smi`` is missing (``summary()`` says so)."""
 
     QUERY = ("clocks.sm", "clocks.max.sm", "power.draw", "power.limit")
 
-    def __init__(self, interval_s: float = 0.5):
+    def __init__(self, interval_s: float = 2.0):
         import shutil
         import threading
 
