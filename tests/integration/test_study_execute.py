@@ -212,15 +212,16 @@ def _times(info: dict[str, str]) -> tuple[float, float]:
 @pytest.mark.timeout(1200)  # 163 s alone, 247 s beside the other test worker
 def test_slurm_dependencies_failure_and_rerun(slurm_cluster, tiny_corpus, tmp_path, installed_package):
     """Two seeds, each a run and its CPT (4 jobs, 2 nodes). The CPU user's flags come from the study
-    (``--nodes=1``), the size (``--gpus-per-node=0``) and the command line (``--time``), in the older
-    form of the study file (``sbatch:`` keys). Once every run is trained, the evaluation is a job
+    (``--nodes=1``), the size (``--gpus-per-node=0``) and the command line (``--time``), as each level's
+    ``resources: {slurm: [...]}``. Once every run is trained, the evaluation is a job
     array of two workers, then the report. Everything runs from the installed package
     (``installed_package``), in a folder outside the checkout."""
     evaluation = {"tasks": ["rt_sentiment"], "lrs": [1e-3], "seeds": [0], "max_steps": 2, "max_length": 64,
                   "max_eval_examples": 16, "output_dir": str(tmp_path / "eval"), "workers": 2,
-                  "sbatch": ["--gpus=0", "--cpus-per-task=1"]}
-    study = _study(tmp_path, "sl", {"tiny": _base(tiny_corpus, tmp_path)}, {"sbatch": ["--gpus-per-node=0"]},
-                   seeds=[1, 2], sbatch=["--nodes=1"], evaluation=evaluation)
+                  "resources": {"slurm": ["--gpus=0", "--cpus-per-task=1"]}}
+    study = _study(tmp_path, "sl", {"tiny": _base(tiny_corpus, tmp_path)},
+                   {"resources": {"slurm": ["--gpus-per-node=0"]}}, seeds=[1, 2],
+                   resources={"slurm": ["--nodes=1"]}, evaluation=evaluation)
     study_dir = tmp_path / "study_dir"
     env = {**{k: v for k, v in slurm_cluster.env.items() if k not in LAUNCH_ENV}, "GPUS_PER_NODE": "1",
            "PYTHONPATH": installed_package["env"]["PYTHONPATH"],
@@ -246,9 +247,7 @@ def test_slurm_dependencies_failure_and_rerun(slurm_cluster, tiny_corpus, tmp_pa
             "--dependency=afterok:<job of tiny_clm_40_s1> ") in dry.stdout, dry.stdout
     # the installed package's launch script, not the checkout's
     assert f" {installed_package['site']}/megatron_ext/launch/scripts/slurm.sbatch --config " in dry.stdout
-    notices = [line for line in dry.stderr.splitlines() if line.startswith("notice:")]
-    assert len(notices) == 1 and notices[0].startswith(
-        f"notice: {study}: study.sbatch, study.sizes[0].sbatch, study.evaluation.sbatch: the older form"), dry.stderr
+    assert not [line for line in dry.stderr.splitlines() if line.startswith("notice:")], dry.stderr
     assert not (study_dir / "jobs.json").exists()
 
     # 1. Submit and follow; cancel seed 2's run as soon as its job is submitted (before it can finish).
