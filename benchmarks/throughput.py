@@ -245,6 +245,7 @@ def describe(config) -> dict:
             "recompute_granularity": t.recompute_granularity, "cuda_graphs": t.cuda_graphs,
             "deterministic": t.deterministic, "fused_adam": config.optimizer.fused,
             "reset_attention_mask": config.data.reset_attention_mask,
+            "cross_entropy_fusion_impl": t.cross_entropy_fusion_impl,
             **{name: getattr(p, name) for name in RECIPE_SETTINGS["parallel"]}}
 
 

@@ -17,9 +17,7 @@ No Megatron; objectives (``megatron_ext.objectives``) are typed settings.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -271,26 +269,32 @@ class LRScheduleConfig:
             )
 
 
-@functools.lru_cache(maxsize=64)
-def _megatron_scheduler(config: LRScheduleConfig, total_steps: int):
-    """Megatron-Core's ``OptimizerParamScheduler`` for ``config`` over ``total_steps`` steps, without an
-    optimizer: only its ``get_lr`` is asked (the engine sets each parameter group's rate itself,
-    ``MegatronEngine._set_lr``, with the group's multiplier)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    style = {"wsd": "WSD"}.get(config.lr_decay_style, config.lr_decay_style)
-    return OptimizerParamScheduler(
-        types.SimpleNamespace(param_groups=[]), init_lr=config.lr_warmup_init, max_lr=config.lr,
-        min_lr=config.min_lr, lr_warmup_steps=config.lr_warmup_iters, lr_decay_steps=total_steps,
-        lr_decay_style=style, start_wd=0.0, end_wd=0.0, wd_incr_steps=total_steps, wd_incr_style="constant",
-        wsd_decay_steps=config.lr_wsd_decay_iters, lr_wsd_decay_style=config.lr_wsd_decay_style)
-
-
-def _megatron_lr(step: int, config: LRScheduleConfig, total_steps: int) -> float:
-    """Megatron's ``get_lr`` at ``num_steps=step``."""
-    scheduler = _megatron_scheduler(config, total_steps)
-    scheduler.num_steps = step
-    return scheduler.get_lr({})
+def _after_warmup(step: int, config: LRScheduleConfig, total_steps: int) -> float:
+    """Megatron's ``get_lr`` past the warmup branch; ``lr`` up to the end of the first warmup."""
+    warmup = config.lr_warmup_iters
+    if config.lr_decay_style == "constant" or step <= warmup:
+        return config.lr
+    if config.lr_decay_style == "wsd":
+        anneal_start = total_steps - config.lr_wsd_decay_iters
+        # As in Megatron, the first lowered rate is at anneal_start + 1 and min_lr is reached
+        # at total_steps, the step after the last update: the last update runs just above min_lr.
+        if step <= anneal_start:
+            coeff = 1.0
+        else:
+            ratio = float(step - anneal_start) / float(config.lr_wsd_decay_iters)
+            coeff = {
+                "linear": lambda r: 1.0 - r,
+                "cosine": lambda r: 0.5 * (math.cos(math.pi * r) + 1.0),
+                "exponential": lambda r: 2.0 * math.pow(0.5, r) - 1.0,
+                "minus_sqrt": lambda r: 1.0 - math.sqrt(r),
+            }[config.lr_wsd_decay_style](ratio)
+    else:
+        ratio = float(step - warmup) / float(total_steps - warmup)
+        if config.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return config.min_lr + coeff * (config.lr - config.min_lr)
 
 
 def lr_at(
@@ -302,8 +306,10 @@ def lr_at(
 ) -> float:
     """Learning rate of the update performed after ``step`` completed steps, in [0, total_steps].
 
-    Megatron-Core's ``OptimizerParamScheduler.get_lr`` at ``num_steps=step`` with
-    ``lr_decay_steps=total_steps`` (it computes it). Megatron quirks kept on purpose: warmup is inclusive
+    Equals Megatron-Core's ``OptimizerParamScheduler.get_lr`` at ``num_steps=step`` with
+    ``lr_decay_steps=total_steps``, bit for bit (tests/unit/test_schedule.py steps a real one), but
+    imports no Megatron: the dry run and the study planner ask it at every step, and importing
+    ``megatron.core`` costs them ~5 s. Megatron quirks kept on purpose: warmup is inclusive
     (``step <= lr_warmup_iters``), so step 0 runs at ``lr_warmup_init`` (0 by default: the first
     update is a no-op) and ``lr`` is first reached at ``step == lr_warmup_iters``.
 
@@ -332,13 +338,12 @@ def lr_at(
     if phases and phases[-1].end != total_steps:
         raise UserError(f"phases end at step {phases[-1].end}, expected total_steps={total_steps}")
 
-    if warmup_start == 0 or step - warmup_start > warmup:
-        return _megatron_lr(step, config, total_steps)
-    # A restarted warmup (not Megatron's): from lr_warmup_init up to what the schedule gives there
-    # without the restart (its plateau while still inside the first warmup), in Megatron's expression order.
-    target = config.lr if step <= warmup else _megatron_lr(step, config, total_steps)
-    init = config.lr_warmup_init
-    return init + (target - init) * float(step - warmup_start) / float(warmup)
+    target = _after_warmup(step, config, total_steps)
+    if warmup > 0 and step - warmup_start <= warmup:
+        # Same expression order as Megatron so the first warmup matches it bit for bit.
+        init = config.lr_warmup_init
+        return init + (target - init) * float(step - warmup_start) / float(warmup)
+    return target
 
 
 def rope_base_after(raw_phases: Any, total_steps: Any, steps_done: int) -> float | None:

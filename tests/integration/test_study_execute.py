@@ -103,8 +103,8 @@ def test_local_failure_blocks_descendants_only_and_reruns_finish(tmp_path, tiny_
     code = cli.main([str(study), "--launcher", "local", "--study-dir", str(study_dir)])
     out = capsys.readouterr().out
     assert code == 1, out
-    assert re.search(r"^\[1/4\] late_clm_40: FAILED \(exit 2: error: data\.data_path: .*late/news_text_document\.bin "
-                     r"does not exist", out, re.M), out
+    assert re.search(r"^\[1/4\] late_clm_40: FAILED \(exit 2: error: data\.data_path: .*late/news_text_document\.idx "
+                     r"does not exist, and .*late holds no dataset", out, re.M), out
     assert "pretrain_encoder.py: error: data.data_path" in out  # the log's tail
     assert "[2/4] late_clm_40_cpt_mlm_40_8: blocked (late_clm_40 failed)" in out
     assert re.search(r"^\[4/4\] tiny_clm_40_cpt_mlm_40_8: complete in .* \| study: 2/2 segments, 48/48 steps", out,

@@ -214,7 +214,7 @@ def test_user_errors_after_start_up_are_one_line_and_exit_2(tmp_path, tiny_corpu
     import yaml
 
     prefix = tmp_path / "copy_text_document"
-    for suffix in (".bin", ".idx"):
+    for suffix in (".bin", ".idx", ".tokenizer.json"):  # the data and its tokenizer record: no notice
         shutil.copy(tiny_corpus["data"] + suffix, str(prefix) + suffix)
     with open(str(prefix) + ".idx", "r+b") as f:  # zero the pointer area
         n_sequences = int(np.frombuffer(f.read(34)[18:26], dtype=np.int64)[0])

@@ -251,11 +251,10 @@ def test_lr_at_errors():
 
 
 def test_the_learning_rate_is_megatrons_scheduler_stepped_as_megatron_lm_steps_it():
-    """``lr_at`` is Megatron-Core's ``OptimizerParamScheduler`` (its ``get_lr``): at every step of the
-    paper's recipes and the demo's, the rate equals what a real scheduler over a real optimizer sets
-    on the optimizer's parameter group after ``step(1)`` per update, as Megatron-LM's loop drives it.
-    (Checked once against the hand-written schedule it replaced: 29 recipes, 950,029 steps, no
-    difference.)"""
+    """``lr_at`` gives Megatron-Core's ``OptimizerParamScheduler`` rate: at every step of the paper's
+    recipes and the demo's, what a real scheduler over a real optimizer sets on the optimizer's
+    parameter group after ``step(1)`` per update, as Megatron-LM's loop drives it. (``lr_at`` does not
+    call it: importing ``megatron.core`` would cost the dry run ~5 s; docs/design.md.)"""
     from pathlib import Path
 
     import torch
