@@ -55,8 +55,9 @@ miniature: demo-data
 # part of its time (TEST_WORKERS=0: one process). tests/unit/ holds the tests of one part in this
 # process (seconds each); tests/integration/ the whole runs: trainers, torchrun, SLURM jobs, studies,
 # benchmark scripts, the docs' commands. How tests are grouped and ordered: tests/conftest.py.
+# The docs' recipes and the benchmarks name the demo tokenizer (data/demo_tokenizer): built first.
 TEST_WORKERS ?= 2
-test: setup
+test: setup demo-data
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30 tests
 
 # The edit loop: the unit tests only (tests/unit/).

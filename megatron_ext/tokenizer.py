@@ -455,6 +455,9 @@ def _load_transformers_tokenizer(model: str):
             return PreTrainedTokenizerFast(tokenizer_file=str(path))
         return AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as err:
+        if not path.exists():  # a mistyped or not yet built local path reads as a hub id: say both
+            raise UserError(f"tokenizer_model {model!r}: no such file or directory ({path.resolve()}), and as a "
+                            f"Hugging Face hub id transformers could not load it: {err}") from err
         raise UserError(f"tokenizer_model {model!r}: transformers could not load it: {err}") from err
 
 

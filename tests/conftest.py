@@ -98,6 +98,18 @@ def minilm_dir():
 
 
 @pytest.fixture(scope="session")
+def demo_tokenizer() -> Path:
+    """The demo's tokenizer (``make demo-data``, which ``make test`` runs first): the one the docs'
+    recipes and the benchmarks name."""
+    from megatron_ext import assets
+
+    path = assets.data_dir() / "demo_tokenizer"
+    if not (path / "tokenizer.json").is_file():
+        pytest.fail(f"{path}: the demo tokenizer is missing; `make demo-data` builds it (`make test` does first)")
+    return path
+
+
+@pytest.fixture(scope="session")
 def news_texts() -> list[str]:
     """300 real news articles (gensim's Lee corpus), one per line."""
     from megatron_ext import assets

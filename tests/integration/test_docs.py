@@ -17,7 +17,7 @@ from tools.render_docs import GENERATORS, REGION, render_page
 
 
 @pytest.fixture(scope="module")
-def checker() -> DocsChecker:
+def checker(demo_tokenizer) -> DocsChecker:  # the pages' recipes name data/demo_tokenizer
     return DocsChecker(run=True)
 
 

@@ -46,13 +46,13 @@ def test_isolated_biphasic_run_trains_resumes_exactly_and_exports(tmp_path, tiny
     torch.testing.assert_close(theirs, ours[..., : theirs.shape[-1]], atol=1e-5, rtol=1e-5)
 
 
-def test_document_attention_benchmark_checks_and_times_the_three_routes(tmp_path):
+def test_document_attention_benchmark_checks_and_times_the_three_routes(tmp_path, demo_tokenizer):
     """benchmarks/document_attention.py at a small shape: the isolated routes agree, each is timed."""
     from benchmarks import document_attention
 
     out = tmp_path / "document_attention.json"
     record = document_attention.main(["--micro-batch-size", "2", "--seq-length", "256", "--repeats", "1",
-                                      "--output", str(out)])
+                                      "--tokenizer", str(demo_tokenizer), "--output", str(out)])
     assert record["documents"] > 2 and set(record["patterns"]) == {"bidirectional", "causal"}
     for rows in record["patterns"].values():
         assert set(rows) == {"cross_document", "per_document", "explicit_mask"}

@@ -189,20 +189,6 @@ def test_step_budget_overrides(capsys):
     assert "warmup 200, decay 200" in plan
 
 
-@pytest.fixture(scope="session")
-def demo_tokenizer(tmp_path_factory) -> Path:
-    """The demo's tokenizer, trained as `make demo` does on the demo corpus."""
-    from megatron_ext.cli import fetch_sample_data, train_tokenizer
-
-    root = tmp_path_factory.mktemp("demo")
-    assert fetch_sample_data.main(["--output-dir", str(root / "corpus")]) == 0
-    assert train_tokenizer.main([
-        "--input", str(root / "corpus" / "train.jsonl"), "--output-dir", str(root / "tokenizer"),
-        "--vocab-size", "8192", "--no-progress",
-    ]) == 0
-    return root / "tokenizer"
-
-
 def test_demo_recipe_plan(demo_tokenizer: Path, tmp_path: Path, capsys):
     prefix = str(tmp_path / "train_text_document")
     plan = plan_of(DEMO, 1, capsys, "--tokenizer-model", str(demo_tokenizer), "--data-path", prefix)

@@ -266,6 +266,13 @@ def test_config_errors(tmp_path, mistral_model, gpt2_files):
         build_tokenizer(TokenizerConfig(tokenizer_type="Llama2Tokenizer", tokenizer_model=str(tmp_path)))
 
 
+def test_a_missing_local_directory_is_named_as_missing_not_only_as_a_hub_miss(monkeypatch):
+    """'data/demo_tokenizer' before `make demo-data` has a hub id's shape: the error says it is not here."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no retries against an unreachable hub
+    with pytest.raises(ValueError, match=r"'data/no_such_tokenizer': no such file or directory \(/"):
+        build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="data/no_such_tokenizer"))
+
+
 def test_reference_rebuilds_the_tokenizer(configs, lee_texts, monkeypatch, tmp_path):
     for config in configs.values():
         tok = build_tokenizer(config)
