@@ -73,6 +73,26 @@ from megatron_ext.transformer_impl import TransformerImpl
 # (``--dry-run``, the memory estimate) imports none of it.
 
 
+def placement(rank_nodes: list[str]) -> str:
+    """Where the run's ranks are (``rank_nodes[r]``: rank r's node), for the log: ``16 ranks on 2 nodes
+    (gpu-a01: ranks 0-7, gpu-a02: ranks 8-15); this log is rank 0's``. A multi-node job's merged log
+    then says which node each rank, and each line, comes from."""
+    spans: dict[str, list[list[int]]] = {}
+    for rank, node in enumerate(rank_nodes):
+        runs = spans.setdefault(node, [])
+        if runs and runs[-1][1] == rank - 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    world = len(rank_nodes)
+    ranks = f"{world} rank{'s' if world > 1 else ''}"
+    if len(spans) == 1:
+        return f"{ranks} on {rank_nodes[0]}"
+    where = ", ".join(f"{node}: rank{'s' if rank_nodes.count(node) > 1 else ''} "
+                      + ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs) for node, runs in spans.items())
+    return f"{ranks} on {len(spans)} nodes ({where}); this log is rank 0's"
+
+
 def accelerator_summary() -> str:
     """One line on the optional GPU accelerators and what runs without them."""
     import importlib.util

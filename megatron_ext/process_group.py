@@ -96,3 +96,15 @@ def destroy_process_group_and_model_parallel() -> None:
             _rendezvous_dir = None
     finally:
         cuda_on_cpu.stop_redirecting_cuda_calls()
+
+
+def rank_nodes() -> list[str]:
+    """Every rank's node name, by global rank (``processes.node_name``): a collective, called by every
+    rank once as a run starts, so that rank 0's log can say where each rank runs."""
+    from megatron_ext.processes import node_name
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [node_name()]
+    names: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, node_name())
+    return [str(name) for name in names]

@@ -27,6 +27,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -173,3 +174,9 @@ def end_orphans() -> list[int]:
         ended.append(process)
     psutil.wait_procs(ended, timeout=5)
     return [process.pid for process in ended]
+
+
+def node_name() -> str:
+    """The machine this process runs on, as the scheduler names it (SLURM's node name), else its
+    short host name: what a multi-node job's log and status files say."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]

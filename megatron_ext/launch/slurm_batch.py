@@ -30,6 +30,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from megatron_ext.processes import node_name
+
 RESUMABLE_EXIT_CODE = 75  # training.stop.RESUMABLE_EXIT_CODE (not imported: that imports torch)
 EXIT_STATUS_ENV = "MEGATRON_EXT_EXIT_STATUS_FILE"  # training.stop.EXIT_STATUS_ENV
 INTERFACE_ENV = "NETWORK_INTERFACE"
@@ -40,10 +42,6 @@ INTERFACE_ENV = "NETWORK_INTERFACE"
 
 
 # -- addresses ---------------------------------------------------------------------------------------
-
-def node_name() -> str:
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-
 
 def node_address(interface: str | None = None) -> str:
     """This node's IPv4 address on ``interface`` (refused in one line if it has none), or that of its

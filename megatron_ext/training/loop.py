@@ -442,8 +442,9 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
     _warn_of_kept_steps_missed(config, start)
     batches = build_batches(config, tokenizer, start=start, device=device)
     t = config.training
+    rank_nodes = process_group.rank_nodes()  # a collective, once: the log names each rank's node
     stop = StopPolicy(handle_signals=t.exit_signal_handler, duration_minutes=t.exit_duration_in_mins,
-                      interval=t.exit_interval)
+                      interval=t.exit_interval, rank_nodes=tuple(rank_nodes))
     result = TrainResult(start_step=start, final_step=start, checkpoint=first_checkpoint)
     guard = _NonFiniteGuard(t.max_nonfinite_steps, in_a_row=int(state.get("nonfinite_in_a_row", 0)),
                             total=int(state.get("skipped_steps", 0)))
@@ -456,7 +457,7 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
         stack.callback(sinks.close)
         sinks.header({"blend": batches.blend}, start)
         log = StepLogger(config, sinks, total_steps=total, start_step=start)
-        log.banner(phases)
+        log.banner(phases, rank_nodes)
         if len(batches.blend) > 1 and is_writer():
             print(data_lib.format_blend(batches.blend, train_samples=total * config.data.global_batch_size), flush=True)
         if is_writer() and starting_point.branched_from:

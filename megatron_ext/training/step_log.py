@@ -151,7 +151,7 @@ class StepLogger:
         self.window_tokens = 0
         self.name_width = max([7, *(len(phase.name) for phase in config.resolved_phases)])
 
-    def banner(self, phases: list[ResolvedPhase]) -> None:
+    def banner(self, phases: list[ResolvedPhase], rank_nodes: list[str]) -> None:
         """What the run will do and where: its phases, the MFU convention, the engine and device."""
         if is_writer():
             contexts = self.config.phase_contexts
@@ -160,7 +160,7 @@ class StepLogger:
                 f"{p.name} [{p.start}, {p.end})" + (f" at {c.seq_length} tokens x {c.global_batch_size}, RoPE base "
                                                     f"{c.rotary_base:g}" if shown else "")
                 for p, c in zip(phases, contexts)) + f"; MFU convention: {MFU_CONVENTION}", flush=True)
-            print("engine: megatron; " + hardware.accelerator_summary(), flush=True)
+            print(f"engine: megatron; {hardware.placement(rank_nodes)}; {hardware.accelerator_summary()}", flush=True)
 
     def step(self, step: int, phase: ResolvedPhase, loss: float, lr: float, grad_norm: float, skipped: bool) -> None:
         self.window_steps += 1

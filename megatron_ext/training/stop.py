@@ -88,10 +88,14 @@ class StopPolicy:
         duration_minutes: Stop once this much wall-clock time has passed since the process started
             (``training.exit_duration_in_mins``); None: no budget.
         interval: Stop after a step that is a multiple of it (``training.exit_interval``); None: never.
+        rank_nodes: Each rank's node (``process_group.rank_nodes``): a stop that a signal to another
+            rank caused names that rank and its node. Empty: the rank alone.
     """
 
-    def __init__(self, *, handle_signals: bool, duration_minutes: float | None, interval: int | None):
+    def __init__(self, *, handle_signals: bool, duration_minutes: float | None, interval: int | None,
+                 rank_nodes: tuple[str, ...] = ()):
         self.handle_signals = handle_signals
+        self.rank_nodes = rank_nodes
         self.duration_minutes = duration_minutes
         self.interval = interval
         self.started = psutil.Process().create_time()
@@ -153,15 +157,23 @@ class StopPolicy:
         or None to go on."""
         # The reason, and whether any rank got SIGUSR1: a launcher tells a warning (requeue) from a
         # plain SIGTERM (scancel: cancel) by it, whichever node it reached (slurm_batch.stop_outcome).
-        code = torch.tensor([self._local_reason(step), int("SIGUSR1" in self.received)], dtype=torch.int32,
-                            device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        # The third value names the lowest rank a SIGUSR1 (else any stop signal) reached, as
+        # ``world - rank`` so that the maximum picks it: a multi-node log says where the signal came.
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        usr1 = "SIGUSR1" in self.received
+        code = torch.tensor([self._local_reason(step), int(usr1), 2 * world - rank if usr1 else
+                             world - rank if self.received else 0], dtype=torch.int32, device=device)
+        if world > 1:
             dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        code, warned = (int(value) for value in code.tolist())
+        code, warned, where = (int(value) for value in code.tolist())
         if code == _SIGNAL:
+            here = usr1 if warned else bool(self.received)
+            other = world - (where - world if warned else where)
+            node = f" ({self.rank_nodes[other]})" if other < len(self.rank_nodes) else ""
+            elsewhere = "" if here else f" on rank {other}{node}"
             if warned:
-                return "signal SIGUSR1" + ("" if "SIGUSR1" in self.received else " on another rank")
-            return f"signal {self.received[0]}" if self.received else "a signal on another rank"
+                return "signal SIGUSR1" + elsewhere
+            return (f"signal {self.received[0]}" if self.received else "a signal") + elsewhere
         if code == _DURATION:
             return f"training.exit_duration_in_mins={self.duration_minutes:g} reached"
         if code == _INTERVAL:

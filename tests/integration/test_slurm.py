@@ -307,6 +307,10 @@ def test_two_nodes_one_rank_each_train_like_one_node_with_two(slurm_cluster, tin
                   tmp_path)
     assert job.info["JobState"] == "COMPLETED", (job.info, job.log)
     assert job.info["NumNodes"] == "2" and "2 nodes x 1 processes" in job.log
+    # the trainer's banner names each rank's node: the two nodes the script's "tasks:" line lists
+    nodes = re.search(r"tasks: 0=(\S+) 1=(\S+)", job.log).groups()
+    banner = re.search(r"2 ranks on 2 nodes \(([\w.-]+): rank 0, ([\w.-]+): rank 1\); this log is rank 0's", job.log)
+    assert banner and set(banner.groups()) == set(nodes), job.log
     assert job.losses() == short_reference.losses()
 
 
@@ -375,10 +379,11 @@ def test_two_nodes_usr1_to_one_node_then_sigterm_at_the_time_limit_requeue_and_r
     slurm_cluster.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={TIME_LIMIT_MINUTES}"])
     job = _finish(slurm_cluster, job_id, tmp_path, timeout=900)
     assert job.info["JobState"] == "COMPLETED" and job.info["Restarts"] == "2", (job.info, job.log)
-    stopped = re.findall(LINE + r"stopped after step \d+/\d+ \((signal \w+(?: on another rank)?)\)", job.log, re.M)
+    stopped = re.findall(LINE + r"stopped after step \d+/\d+ \((signal \w+(?: on rank \d+ \([\w.-]+\))?)\)", job.log, re.M)
     # at the limit SLURM's SIGTERM reaches the trainers and the batch shell, which passes it on as
     # SIGUSR1: the trainer names whichever came first; the script knows it was no warning
-    assert stopped[0] == "signal SIGUSR1 on another rank" and len(stopped) == 2, job.log
+    rank_1 = re.search(r"2 ranks on 2 nodes \((?:[\w.-]+): rank 0, ([\w.-]+): rank 1\)", job.log).group(1)
+    assert stopped[0] == f"signal SIGUSR1 on rank 1 ({rank_1})" and len(stopped) == 2, job.log
     assert "DUE TO TIME LIMIT" in job.log and "; time limit); requeueing" in job.log, job.log
     assert "SIGTERM received" in job.log and "SIGUSR1 received" not in job.log  # no warning came
     _assert_resumed_exactly(job, long_reference, LONG["steps"])

@@ -30,7 +30,7 @@ EXAMPLES = [
     (TIMED_OUT, {"TERM"}, "stopped after step 9/300 (signal SIGTERM)"),
     (SCANCELLED, {"TERM"}, "stopped after step 9/300 (signal SIGTERM)"),
     (RUNNING, {"USR1"}, "stopped after step 9/300 (signal SIGUSR1)"),
-    (RUNNING, set(), "stopped after step 9/300 (signal SIGUSR1 on another rank)"),
+    (RUNNING, set(), "stopped after step 9/300 (signal SIGUSR1 on rank 8 (gpu-b02))"),
     (RESTARTED, set(), "stopped after step 9/300 (signal SIGTERM)"),
     (RUNNING, set(), "stopped after step 9/300 (training.exit_duration_in_mins=5 reached)"),
 ]
