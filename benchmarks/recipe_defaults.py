@@ -15,8 +15,9 @@ local spec is refused in one line naming both keys).
     python benchmarks/recipe_defaults.py --write    # rewrite benchmarks/results/recipe_defaults.{json,md}
     python benchmarks/recipe_defaults.py --check    # exit 1 if the committed table or a recipe disagrees
 
-``tests/unit/test_recipe_defaults.py`` runs ``--check``'s logic: the committed table is what the committed
-visits give, and every paper recipe sets what the table says.
+The visits are read by ``megatron_ext.measurements.read_visits`` (newest first: by date, then a
+same-day suffix). ``tests/unit/test_recipe_defaults.py`` runs ``--check``'s logic: the committed table
+is what the committed visits give, and every paper recipe sets what the table says.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ when its code or the device kind changed since it was last timed.
 
 GPU time is rare (minutes per visit, often none), so ``benchmarks/gpu_suite.py``'s default plan does
 not re-time an answer the committed visits already hold. This module decides, from the committed
-visit folders (``benchmarks/results/gpu_visits/<kind>-<date>/``) and the tree the suite runs from,
-with no git (a GPU machine gets a copy of the tree without its history) and no torch (the suite's
-own process stays light):
+visit folders (``benchmarks/results/gpu_visits/<kind>-<date>/``, read by ``megatron_ext.measurements.
+read_visits``) and the tree the suite runs from, with no git (a GPU machine gets a copy of the tree
+without its history) and no torch (the suite's own process stays light):
 
 - **Known sides** (``KNOWN_SIDES``: the Hugging Face baseline, the local spec, CUDA graphs, whose
   answers were stable over visits): re-measured when no visit on this device kind timed the side at
