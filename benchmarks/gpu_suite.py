@@ -61,6 +61,8 @@ if str(REPO) not in sys.path:
     # with the carried wheels on PYTHONPATH): the suite and its stages import megatron_ext from here.
     sys.path.insert(0, str(REPO))
 
+from megatron_ext import measurements  # noqa: E402  (standard library only: the suite's process stays light)
+
 STOPPED_AT_ITS_OWN_LIMIT = 124
 """The exit code of a stage that stops itself a little before its cap so as to report what finished
 (``gpu_check.py --timeout-s``; ``timeout``'s convention): timed out, not failed."""
@@ -123,7 +125,7 @@ class VisitPlan:
     @classmethod
     def for_device(cls, device: str) -> "VisitPlan":
         plan_module = _visit_plan_module()
-        kind = plan_module.device_kind(device)
+        kind = measurements.device_kind(device)
         decisions = plan_module.plan_known_sides(kind)
         return cls(kind=kind, remeasure={n: d.reason for n, d in decisions.items() if d.remeasure},
                    known={n: d.reason for n, d in decisions.items() if not d.remeasure},
@@ -300,12 +302,8 @@ def read_throughput(stage_dir: Path) -> dict:
     variant's ratio and each side's wall time, from the JSON throughput.py writes at its end; when the
     stage was cut before, the sides it measured (``throughput.sides.jsonl``, one line per side)."""
     record = _read_json(stage_dir / "throughput.json")
-    try:
-        lines = (stage_dir / "throughput.sides.jsonl").read_text().splitlines()
-    except OSError:
-        lines = []
-    # Each side with the settings it ran (what benchmarks/recipe_defaults.py compares), complete or not.
-    sides = [json.loads(line) for line in lines if line.strip()]
+    # Each side as written, with the settings it ran (benchmarks/recipe_defaults.py compares them).
+    sides = measurements.read_side_records(stage_dir)
     if record is None:
         return {"rows": [], "complete": False, "sides": sides} if sides else {}
     rows = []
@@ -329,18 +327,18 @@ def read_throughput(stage_dir: Path) -> dict:
 
 
 def read_gpu_tests(stage_dir: Path) -> dict:
-    reports = sorted(stage_dir.glob("gpu_check_*.json"))
-    record = _read_json(reports[0]) if reports else None
-    if record is None:
+    reports = measurements.read_gpu_test_reports(stage_dir)
+    if not reports:
         return {}
+    report = reports[0]
     counts: dict[str, int] = {}
-    for t in record.get("tests", []):
-        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
-    problems = [f"{t['outcome'].upper()} {t['test']}: {t.get('error') or ''}".strip()
-                for t in record.get("tests", []) if t["outcome"] in ("failed", "error")]
-    return {"counts": counts, "collected": record.get("collected"), "problems": problems,
-            "collection_errors": record.get("collection_errors", []),
-            "fp8_vs_bf16_loss": record.get("fp8_vs_bf16_loss"), "pytest_exit_code": record.get("pytest_exit_code")}
+    for t in report.tests:
+        counts[t.outcome] = counts.get(t.outcome, 0) + 1
+    problems = [f"{t.outcome.upper()} {t.test}: {t.error or ''}".strip()
+                for t in report.tests if t.outcome in ("failed", "error")]
+    return {"counts": counts, "collected": report.collected, "problems": problems,
+            "collection_errors": list(report.collection_errors), "fp8_vs_bf16_loss": report.fp8_vs_bf16_loss,
+            "pytest_exit_code": report.pytest_exit_code}
 
 
 def read_resume_e2e(stage_dir: Path) -> dict:

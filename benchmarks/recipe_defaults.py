@@ -15,8 +15,9 @@ local spec is refused in one line naming both keys).
     python benchmarks/recipe_defaults.py --write    # rewrite benchmarks/results/recipe_defaults.{json,md}
     python benchmarks/recipe_defaults.py --check    # exit 1 if the committed table or a recipe disagrees
 
-``tests/unit/test_recipe_defaults.py`` runs ``--check``'s logic: the committed table is what the committed
-visits give, and every paper recipe sets what the table says.
+The visits are read by ``megatron_ext.measurements.read_visits`` (newest first: by date, then a
+same-day suffix). ``tests/unit/test_recipe_defaults.py`` runs ``--check``'s logic: the committed table
+is what the committed visits give, and every paper recipe sets what the table says.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_ext.config_loading import UserError
+from megatron_ext.measurements import GpuVisit, ThroughputSide, read_visits
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,8 +57,6 @@ _NAMED_SIDES = {"local_spec": {"transformer_impl": "local"}, "te_spec": {"transf
                 "te_spec_cuda_graphs": {"transformer_impl": "te", "cuda_graphs": "megatron"},
                 "cuda_graphs": {"cuda_graphs": "megatron"}}
 _OTHER_IMPL = {"local": "te", "te": "local"}
-_RECORDED_SPELLINGS = {("training", "cuda_graphs"): {"local": "megatron"}}
-"""Values the visits recorded before a setting's value was renamed (the visit files stay as measured)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +65,7 @@ class Side:
 
     visit: str
     device: str
-    commit: str
+    commit: str | None
     size: str
     name: str
     settings: dict
@@ -72,14 +73,6 @@ class Side:
     mfu: float | None
     micro_batch_size: int | None = None
     """The side's micro-batch as recorded (sides before 2026-11-27 recorded none)."""
-
-
-def _visit_key(path: Path) -> tuple[str, str]:
-    """Visits sort by date, then by the letter after it (``h200-2026-11-26b`` after ``...-26``)."""
-    match = re.search(r"(\d{4}-\d{2}-\d{2})(\w*)$", path.name)
-    if not match:
-        raise SystemExit(f"recipe_defaults.py: error: {path}: a visit folder is named <kind>-<YYYY-MM-DD>[suffix]")
-    return match.group(1), match.group(2)
 
 
 @functools.cache  # the same few (size, seq) for every side of a visit
@@ -95,28 +88,27 @@ def _mlm40_flops_per_token(size: str, seq_length: int) -> float:
     return flops_per_token(preset(size, vocab_size=128256), seq_length, lm_head_share=share)
 
 
-def _mfu(record: dict, size: str, seq_length: int, device: str) -> float | None:
+def _mfu(side: ThroughputSide, size: str, seq_length: int, device: str) -> float | None:
     from megatron_ext.training.metrics import peak_flops_per_device
 
     peak = peak_flops_per_device(device)
-    if peak is None or not record.get("tokens_per_s"):
+    if peak is None or not side.tokens_per_s:
         return None
-    flops = record.get("flops_per_token") or _mlm40_flops_per_token(size, seq_length)
-    return record["tokens_per_s"] * flops / peak
+    flops = side.flops_per_token or _mlm40_flops_per_token(size, seq_length)
+    return side.tokens_per_s * flops / peak
 
 
-def _side_settings(name: str, record: dict, row_sides: list[dict]) -> dict:
-    if record.get("settings"):
-        # A value recorded before its rename (cuda_graphs: local, Megatron's name) under today's spelling.
-        return {key: _RECORDED_SPELLINGS.get((section, name), {}).get(value, value)
-                for section, name, key, _ in DECIDED for value in [record["settings"].get(key)]}
+def _side_settings(side: ThroughputSide, row_sides: list[ThroughputSide]) -> dict:
+    if side.settings:  # in today's spelling (measurements.RENAMED_SETTING_VALUES)
+        return {key: side.settings.get(key) for _, _, key, _ in DECIDED}
+    name = side.side
     settings = {key: default for _, _, key, default in DECIDED}
     if name in _NAMED_SIDES:
         return {**settings, **_NAMED_SIDES[name]}
     if name != "megatron_ext":
         raise ValueError(f"side {name!r} recorded no settings and has no known meaning")
-    impls = {_NAMED_SIDES[s["side"]]["transformer_impl"] for s in row_sides
-             if s["side"] in _NAMED_SIDES and "transformer_impl" in _NAMED_SIDES[s["side"]]}
+    impls = {_NAMED_SIDES[s.side]["transformer_impl"] for s in row_sides
+             if s.side in _NAMED_SIDES and "transformer_impl" in _NAMED_SIDES[s.side]}
     if len(impls) == 1:
         settings["transformer_impl"] = _OTHER_IMPL[impls.pop()]
     else:
@@ -124,69 +116,63 @@ def _side_settings(name: str, record: dict, row_sides: list[dict]) -> dict:
     return settings
 
 
-def gpu_tests_verdict(summary: dict) -> str | None:
+def gpu_tests_verdict(visit: GpuVisit) -> str | None:
     """``"passed"``, or for a ``gpu_tests*`` stage that ran out of time (the suite's status ``timed_out``,
     or ``failed`` with exit 124 as suites before 2026-11-27 recorded it) with none failed, erroring or
     uncollected: how many passed of how many, and that the rest did not finish. ``None`` when no stage
     qualifies or any ``gpu_tests*`` stage of the visit saw a failure."""
     verdicts = []
-    for stage in (s for s in summary["stages"] if s["name"].startswith("gpu_tests")):
-        figures = stage.get("figures") or {}
+    for stage in (s for s in visit.stages if s.runs_gpu_tests):
+        figures = stage.figures
         counts = figures.get("counts") or {}
         if counts.get("failed") or counts.get("error") or figures.get("collection_errors"):
             return None  # a failure anywhere in the visit's gpu tests: it decides nothing
-        if stage["status"] == "passed":
+        if stage.status == "passed":
             verdicts.insert(0, "passed")
-        elif (stage["status"] == "timed_out" or stage.get("exit_code") == 124) and counts.get("passed"):
+        elif stage.ran_out_of_time and counts.get("passed"):
             finished = sum(counts.get(outcome, 0) for outcome in ("passed", "skipped"))
             of = f" of {figures['collected']}" if figures.get("collected") else ""
             rest = f"{figures['collected'] - finished} not finished" if figures.get("collected") else "the rest not finished"
             verdicts.append(f"{counts['passed']}{of} passed, none failed, {rest} (stopped at its time limit)")
-        elif stage["status"] == "failed":
+        elif stage.status == "failed":
             return None
     return verdicts[0] if verdicts else None
 
 
-def suite_sides(visit: Path) -> tuple[list[Side], str | None]:
+def suite_sides(visit: GpuVisit) -> tuple[list[Side], str | None]:
     """The bf16 sides at seq 2048 a suite visit timed (complete rows and partial ones), and the verdict
     of its ``gpu`` tests (:func:`gpu_tests_verdict`; ``None``: the visit decides nothing)."""
-    summary = json.loads((visit / "summary.json").read_text())
-    device, commit = summary["device"], summary["commit"]
-    verdict = gpu_tests_verdict(summary)
+    verdict = gpu_tests_verdict(visit)
     sides = []
-    for stage in summary["stages"]:
-        figures = stage.get("figures") or {}
-        records = list(figures.get("sides") or [])
-        sides_file = visit / stage["name"] / "throughput.sides.jsonl"
-        if not records and sides_file.is_file():  # each side as throughput.py wrote it, with its settings
-            records = [json.loads(line) for line in sides_file.read_text().splitlines() if line.strip()]
-        for row in figures.get("rows") or []:  # a complete row: its default side and timed variants
+    for stage in visit.stages:
+        records = list(stage.sides())  # each side as throughput.py wrote it, with its settings
+        where = f"{visit.folder / 'summary.json'}: stage {stage.name}: rows"
+        for row in stage.figures.get("rows") or []:  # a complete row: its default side and timed variants
             name = row.get("row") or f"{row['model']} seq {row['seq_length']} {row['precision']}"
-            if any(record["row"] == name for record in records):
+            if any(record.row == name for record in records):
                 continue  # its sides are read above, with the settings each ran
-            records.append({"row": name, "side": "megatron_ext", "tokens_per_s": row.get("tokens_per_s"),
-                            "settings": row.get("settings")})
-            for variant, v in (row.get("variants") or {}).items():
-                if not v.get("same_as_default"):
-                    records.append({"row": name, "side": variant, "tokens_per_s": v.get("tokens_per_s"),
-                                    "settings": v.get("settings")})
-        by_row: dict[str, list[dict]] = {}
+            timed = [("megatron_ext", row)] + [(variant, v) for variant, v in (row.get("variants") or {}).items()
+                                               if not v.get("same_as_default")]
+            for side, figures in timed:
+                records.append(ThroughputSide.from_record({"row": name, "side": side, "settings": figures.get("settings"),
+                                                           "tokens_per_s": figures.get("tokens_per_s")}, where))
+        by_row: dict[str, list[ThroughputSide]] = {}
         for record in records:
-            if record["side"] != "hf" and record.get("tokens_per_s"):
-                by_row.setdefault(record["row"], []).append(record)
+            if record.side != "hf" and record.tokens_per_s:
+                by_row.setdefault(record.row, []).append(record)
         for row, row_sides in by_row.items():
             size, _, seq, precision = row.split()
             if precision != "bf16" or seq != "2048":
                 continue
             for record in row_sides:
-                sides.append(Side(visit=visit.name, device=device, commit=commit, size=size, name=record["side"],
-                                  settings=_side_settings(record["side"], record, row_sides),
-                                  tokens_per_s=record["tokens_per_s"], mfu=_mfu(record, size, int(seq), device),
-                                  micro_batch_size=(record.get("settings") or {}).get("micro_batch_size")))
+                sides.append(Side(visit=visit.name, device=visit.device, commit=visit.commit, size=size,
+                                  name=record.side, settings=_side_settings(record, row_sides),
+                                  tokens_per_s=record.tokens_per_s, mfu=_mfu(record, size, int(seq), visit.device),
+                                  micro_batch_size=record.micro_batch_size))
     return sides, verdict
 
 
-def _decide_by_size(visits: list[Path]) -> dict[str, dict[str, dict]]:
+def _decide_by_size(visits: list[GpuVisit]) -> dict[str, dict[str, dict]]:
     """Per size and decided setting, the newest of ``visits`` (newest first) that compared values."""
     measured: dict[str, dict[str, dict]] = {}
     for visit in visits:
@@ -225,15 +211,15 @@ def _decide_by_size(visits: list[Path]) -> dict[str, dict[str, dict]]:
     return measured
 
 
-def device_kinds(visits: list[Path]) -> dict:
+def device_kinds(visits: list[GpuVisit]) -> dict:
     """Per device kind (``h100``, ``h200``: a visit folder's prefix), what its own newest deciding
     visit says of each setting at each timed size, and whether one value serves every kind: the kinds
     agree, or those that disagree measured another micro-batch than the size recipe runs now (not
     comparable: the visit plan re-times that kind's known sides), or they disagree at the recipe's own
     shape, and the recipes would need a default per device kind (``--check`` then fails)."""
     kinds: dict[str, dict] = {}
-    for kind in sorted({v.name.split("-")[0] for v in visits}):
-        kinds[kind] = _decide_by_size([v for v in visits if v.name.split("-")[0] == kind])
+    for kind in sorted({v.kind for v in visits}):
+        kinds[kind] = _decide_by_size([v for v in visits if v.kind == kind])
     verdicts = {}
     for size in SIZE_ORDER:
         recipe_micro = _recipe_micro_batch(size)
@@ -276,7 +262,7 @@ def _recipe_micro_batch(size: str) -> int:
 def decide(visits_dir: Path = VISITS_DIR) -> dict:
     """The table: per size and decided setting, the value and the measurement behind it, and per
     device kind what its own visits say (:func:`device_kinds`)."""
-    visits = sorted((p for p in visits_dir.iterdir() if (p / "summary.json").is_file()), key=_visit_key, reverse=True)
+    visits = list(read_visits(visits_dir))  # newest first
     measured = _decide_by_size(visits)
     table = {}
     for size in SIZE_ORDER:
@@ -366,7 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true",
                       help="exit 1 when the committed table or a size recipe disagrees with the committed visits")
     args = parser.parse_args(argv)
-    table = decide()
+    try:
+        table = decide()
+    except UserError as error:  # a visit folder's files, named
+        parser.exit(2, f"recipe_defaults.py: error: {error}\n")
     text = render_markdown(table)
     if args.write:
         TABLE_JSON.write_text(json.dumps(table, indent=1) + "\n")

@@ -3,9 +3,9 @@ when its code or the device kind changed since it was last timed.
 
 GPU time is rare (minutes per visit, often none), so ``benchmarks/gpu_suite.py``'s default plan does
 not re-time an answer the committed visits already hold. This module decides, from the committed
-visit folders (``benchmarks/results/gpu_visits/<kind>-<date>/``) and the tree the suite runs from,
-with no git (a GPU machine gets a copy of the tree without its history) and no torch (the suite's
-own process stays light):
+visit folders (``benchmarks/results/gpu_visits/<kind>-<date>/``, read by ``megatron_ext.measurements.
+read_visits``) and the tree the suite runs from, with no git (a GPU machine gets a copy of the tree
+without its history) and no torch (the suite's own process stays light):
 
 - **Known sides** (``KNOWN_SIDES``: the Hugging Face baseline, the local spec, CUDA graphs, whose
   answers were stable over visits): re-measured when no visit on this device kind timed the side at
@@ -25,19 +25,19 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import dataclasses
 import hashlib
 import json
-import re
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from megatron_ext.config_loading import UserError
+from megatron_ext.measurements import FINGERPRINTS_FILE, GpuVisit, ThroughputSide, read_visit, read_visits
+
 REPO = Path(__file__).resolve().parent.parent
 VISITS_DIR = REPO / "benchmarks" / "results" / "gpu_visits"
-FINGERPRINTS_FILE = "fingerprints.json"
 KNOWN_ROW = "1b seq 2048 bf16"
 """The row whose known sides the plan tracks (the one every visit times first)."""
 
@@ -67,17 +67,6 @@ KNOWN_SIDES = {side.name: side for side in (
     KnownSide(name="te_spec_cuda_graphs", settings={"transformer_impl": "te", "cuda_graphs": "megatron"},
               sources=("megatron_ext/training/cuda_graphs.py",)),
 )}
-_GRAPHS_SPELLED = {"local": "megatron"}  # cuda_graphs: local, before its rename
-
-
-def device_kind(device: str) -> str:
-    """``h100``, ``h200``, ``b200``, ... from a device name (``NVIDIA H100 80GB HBM3``), else its slug."""
-    match = re.search(r"\b([A-Z]{1,2}\d{2,3}[A-Z]?)\b", device)
-    return match.group(1).lower() if match else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
-
-
-def _visit_kind(visit: Path) -> str:
-    return visit.name.split("-")[0]
 
 
 def _definition_text(source: str, name: str) -> str | None:
@@ -138,46 +127,27 @@ def tree_fingerprints(root: Path = REPO) -> dict[str, str]:
     return {name: fingerprint(side, _read_tree(root)) for name, side in KNOWN_SIDES.items()}
 
 
-def _known_name(record: dict) -> str | None:
-    if record.get("side") == "hf":
+def _known_name(record: ThroughputSide) -> str | None:
+    if record.side == "hf":
         return "hf"
-    settings = record.get("settings")
-    if not settings:  # recorded before sides carried their settings: the variant's name says it
-        return record.get("side") if record.get("side") in KNOWN_SIDES else None
-    impl = settings.get("transformer_impl")
-    graphs = _GRAPHS_SPELLED.get(settings.get("cuda_graphs"), settings.get("cuda_graphs"))
-    return next((name for name, side in KNOWN_SIDES.items() if side.settings
-                 and side.settings == {"transformer_impl": impl, "cuda_graphs": graphs}), None)
+    if not record.settings:  # recorded before sides carried their settings: the variant's name says it
+        return record.side if record.side in KNOWN_SIDES else None
+    ran = {key: record.settings.get(key) for key in ("transformer_impl", "cuda_graphs")}
+    return next((name for name, side in KNOWN_SIDES.items() if side.settings and side.settings == ran), None)
 
 
-def timed_sides(visit: Path) -> set[str]:
+def timed_sides(visit: GpuVisit) -> set[str]:
     """The known sides a visit timed with a result (not an error) on ``KNOWN_ROW``, recognised by
     their recorded settings (``KnownSide.settings``)."""
-    try:
-        summary = json.loads((visit / "summary.json").read_text())
-    except (OSError, ValueError):
-        return set()
     timed = set()
-    for stage in summary.get("stages", []):
-        figures = stage.get("figures") or {}
-        records = list(figures.get("sides") or [])
-        with contextlib.suppress(OSError, ValueError):  # each side as throughput.py wrote it
-            records += [json.loads(line) for line in
-                        (visit / stage["name"] / "throughput.sides.jsonl").read_text().splitlines() if line.strip()]
-        for record in records:
-            if record.get("row") == KNOWN_ROW and record.get("tokens_per_s") and (name := _known_name(record)):
+    for stage in visit.stages:
+        for record in stage.sides():
+            if record.row == KNOWN_ROW and record.tokens_per_s and (name := _known_name(record)):
                 timed.add(name)
-        for row in figures.get("rows") or []:
+        for row in stage.figures.get("rows") or []:
             if row.get("row") == KNOWN_ROW and row.get("hf_tokens_per_s"):
                 timed.add("hf")
     return timed
-
-
-def _visits_newest_first(visits_dir: Path) -> list[Path]:
-    def key(path: Path) -> tuple[str, str]:
-        match = re.search(r"(\d{4}-\d{2}-\d{2})(\w*)$", path.name)
-        return (match.group(1), match.group(2)) if match else ("", path.name)
-    return sorted((p for p in visits_dir.iterdir() if (p / "summary.json").is_file()), key=key, reverse=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -191,16 +161,13 @@ def plan_known_sides(kind: str, *, visits_dir: Path = VISITS_DIR,
     """Per known side: re-measure it on a ``kind`` GPU, and why (module docstring)."""
     current = current if current is not None else tree_fingerprints()
     decisions = {}
-    visits = [v for v in _visits_newest_first(visits_dir) if _visit_kind(v) == kind]
+    visits = [v for v in read_visits(visits_dir) if v.kind == kind]  # newest first
     for name in KNOWN_SIDES:
         last = next((v for v in visits if name in timed_sides(v)), None)
         if last is None:
             decisions[name] = Decision(remeasure=True, reason=f"never timed on an {kind.upper()} at {KNOWN_ROW}")
             continue
-        try:
-            recorded = json.loads((last / FINGERPRINTS_FILE).read_text())["sides"].get(name)
-        except (OSError, ValueError, KeyError):
-            recorded = None
+        recorded = (last.fingerprints() or {}).get(name)
         if recorded is None:
             decisions[name] = Decision(remeasure=True, reason=f"{last.name} recorded no fingerprint of its code")
         elif recorded != current[name]:
@@ -212,15 +179,9 @@ def plan_known_sides(kind: str, *, visits_dir: Path = VISITS_DIR,
 
 def passed_gpu_tests(kind: str, *, visits_dir: Path = VISITS_DIR) -> set[str]:
     """Node ids of the ``gpu`` tests that passed on a ``kind`` GPU in any committed visit."""
-    passed = set()
-    for visit in (v for v in visits_dir.iterdir() if v.is_dir() and _visit_kind(v) == kind):
-        for report in visit.glob("gpu_tests*/gpu_check_*.json"):
-            try:
-                tests = json.loads(report.read_text()).get("tests", [])
-            except (OSError, ValueError):
-                continue
-            passed |= {t["test"] for t in tests if t.get("outcome") == "passed"}
-    return passed
+    return {test for visit in read_visits(visits_dir) if visit.kind == kind
+            for stage in visit.stages if stage.runs_gpu_tests for report in stage.gpu_test_reports()
+            for test in report.passed()}
 
 
 def write_fingerprints(visit: Path, fingerprints: dict[str, str], *, commit: str | None, how: str) -> Path:
@@ -237,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
                              "made before the suite recorded them)")
     args = parser.parse_args(argv)
     if args.backfill is not None:
-        commit = json.loads((args.backfill / "summary.json").read_text())["commit"]
+        try:
+            commit = read_visit(args.backfill).commit
+        except UserError as error:
+            parser.error(str(error))
         if not commit:
             parser.error(f"{args.backfill}/summary.json names no commit")
         prints = {name: fingerprint(side, _read_commit(commit)) for name, side in KNOWN_SIDES.items()}
@@ -246,9 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.kind is None:
         parser.error("give --kind or --backfill")
-    for name, decision in plan_known_sides(args.kind).items():
+    try:
+        decisions, passed = plan_known_sides(args.kind), passed_gpu_tests(args.kind)
+    except UserError as error:  # a visit folder's files, named
+        parser.exit(2, f"visit_plan.py: error: {error}\n")
+    for name, decision in decisions.items():
         print(f"{name:24} {'re-measure' if decision.remeasure else 'skip':10} {decision.reason}")
-    print(f"gpu tests already passed on {args.kind}: {len(passed_gpu_tests(args.kind))}")
+    print(f"gpu tests already passed on {args.kind}: {len(passed)}")
     return 0
 
 

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: ``tools`` is importable from the repository root
     sys.path.insert(0, str(REPO))
 
+from megatron_ext.measurements import GpuVisit, VisitStage, read_visits  # noqa: E402
 from tools.check_docs import Program, doc_pages, program_help  # noqa: E402
 
 GPU_VISITS = REPO / "benchmarks" / "results" / "gpu_visits"
@@ -43,24 +44,19 @@ REGION = re.compile(r"(?P<open><!-- generated: (?P<name>[^>]*?) -->\n)(?P<body>.
 # -- the GPU status table ------------------------------------------------------------------------
 
 
-def newest_gpu_suite_run(root: Path = GPU_VISITS) -> Path:
-    """The newest committed ``summary.json`` of ``benchmarks/gpu_suite.py`` under
-    ``gpu_visits/<device>-<date>[suffix]/``: by date, then by suffix (``h200-2026-11-26b`` after
+def newest_gpu_suite_run(root: Path = GPU_VISITS) -> GpuVisit:
+    """The newest committed visit of ``benchmarks/gpu_suite.py`` under ``gpu_visits/<kind>-<date>[suffix]/``
+    (``megatron_ext.measurements.read_visits``: by date, then by suffix, ``h200-2026-11-26b`` after
     ``h200-2026-11-26``)."""
-
-    def key(path: Path) -> tuple[str, str]:
-        match = re.search(r"(\d{4}-\d{2}-\d{2})(.*)$", path.parent.name)
-        return (match[1], match[2]) if match else ("", path.parent.name)
-
-    summaries = sorted(root.glob("*/summary.json"), key=key)
-    if not summaries:
+    visits = read_visits(root)
+    if not visits:
         raise FileNotFoundError(f"no gpu_suite summary.json under {root}")
-    return summaries[-1]
+    return visits[0]
 
 
-def _throughput_figures(stage: dict, commit: str) -> str:
-    figures = stage.get("figures") or {}
-    sides = [s for s in figures.get("sides", []) if s.get("tokens_per_s")]
+def _throughput_figures(stage: VisitStage, commit: str | None) -> str:
+    figures = stage.figures
+    sides = [s for s in stage.sides() if s.tokens_per_s]
     rows = figures.get("rows") or []
     parts = []
     for row in rows:
@@ -77,13 +73,13 @@ def _throughput_figures(stage: dict, commit: str) -> str:
     if rows:
         sides = []  # a complete row says it all; the sides are its parts
     for side in sides:
-        label = ("the recipe at that commit" if side["side"] == "megatron_ext" else side["side"].replace("_", " "))
-        parts.append(f"{label} {side['tokens_per_s']:,.0f} tok/s (peak {side['peak_mem_gb']:.1f} GB)")
+        label = ("the recipe at that commit" if side.side == "megatron_ext" else side.side.replace("_", " "))
+        parts.append(f"{label} {side.tokens_per_s:,.0f} tok/s (peak {side.peak_mem_gb:.1f} GB)")
     return "; ".join(parts)
 
 
-def _test_figures(stage: dict) -> str:
-    figures = stage.get("figures") or {}
+def _test_figures(stage: VisitStage) -> str:
+    figures = stage.figures
     counts = figures.get("counts") or {}
     text = ", ".join(f"{n} {what}" for what, n in counts.items())
     problems = figures.get("problems") or []
@@ -103,28 +99,27 @@ def _visit_notes(folder: Path, link: Path) -> str:
 
 
 def render_gpu_status(page: Path) -> str:
-    summary_path = newest_gpu_suite_run()
-    summary = json.loads(summary_path.read_text())
-    visit = Path(os.path.relpath(summary_path.parent, page.parent))
+    visit = newest_gpu_suite_run()
+    link = Path(os.path.relpath(visit.folder, page.parent))
     lines = [
-        f"Newest GPU visit: **{summary['device']}**, recorded commit `{summary['commit']}`, folder "
-        f"[`{visit.name}/`]({visit}/) (`benchmarks/gpu_suite.py`, budget {summary['budget_s']:.0f} s, "
-        f"used {summary['elapsed_s']:.0f} s)." + _visit_notes(summary_path.parent, visit),
+        f"Newest GPU visit: **{visit.device}**, recorded commit `{visit.commit}`, folder "
+        f"[`{link.name}/`]({link}/) (`benchmarks/gpu_suite.py`, budget {visit.budget_s:.0f} s, "
+        f"used {visit.elapsed_s:.0f} s)." + _visit_notes(visit.folder, link),
         "",
         "| stage | status | what it measured |",
         "|---|---|---|",
     ]
     not_run = []
-    for stage in summary["stages"]:
-        if stage["status"] in ("skipped", "not_applicable"):
-            not_run.append(f"`{stage['name']}` ({stage.get('reason') or stage['status']})")
+    for stage in visit.stages:
+        if stage.status in ("skipped", "not_applicable"):
+            not_run.append(f"`{stage.name}` ({stage.reason or stage.status})")
             continue
-        figures = _throughput_figures(stage, summary["commit"]) or _test_figures(stage)
-        if stage.get("exit_code") == 124:  # stopped itself at its time limit (suites before 2026-11-27 said failed)
+        figures = _throughput_figures(stage, visit.commit) or _test_figures(stage)
+        if stage.exit_code == 124:  # stopped itself at its time limit (suites before 2026-11-27 said failed)
             status = "timed out (stopped itself at its limit)"
         else:
-            status = stage["status"].replace("_", " ") + (f" ({stage['reason']})" if stage.get("reason") else "")
-        lines.append(f"| `{stage['name']}` | {status} | {figures} |")
+            status = stage.status.replace("_", " ") + (f" ({stage.reason})" if stage.reason else "")
+        lines.append(f"| `{stage.name}` | {status} | {figures} |")
     if not_run:
         lines += ["", "Not run in that visit: " + ", ".join(not_run) + "."]
     return "\n".join(lines) + "\n"

@@ -95,10 +95,11 @@ def gpu_kind(name: str) -> str:
 
 
 def device_kind(device: str) -> str | None:
-    """The kind of a recorded device name (``NVIDIA H100 80GB HBM3`` -> ``H100``, ``cpu2`` -> ``cpu``)."""
-    if device.lower().startswith(CPU):
-        return CPU
-    return next((kind for kind in PEAK_TFLOPS if kind.lower() in device.lower()), None)
+    """The kind of a recorded device name as :data:`PEAK_TFLOPS` spells it (``NVIDIA H100 80GB HBM3``
+    -> ``H100``, ``cpu2`` -> ``cpu``; ``measurements.device_kind``, the rule visit folders are named by),
+    or None for a kind with no known peak."""
+    kind = measurements.device_kind(device)
+    return CPU if kind == CPU else next((known for known in PEAK_TFLOPS if known.lower() == kind), None)
 
 
 def hours(seconds: float) -> str:

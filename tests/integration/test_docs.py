@@ -46,8 +46,11 @@ def test_the_gpu_status_names_a_stage_that_stopped_itself_and_lists_what_did_not
                                                     "elapsed_s": 499, "stages": [
         {"name": "gpu_tests", "status": "failed", "exit_code": 124, "reason": "wrote x.json",
          "figures": {"counts": {"passed": 3, "unfinished": 1}}},
-        {"name": "fp8_gemm", "status": "skipped", "reason": "needs >= 40 s, 1 s left"}]}))
-    monkeypatch.setattr(render_docs, "newest_gpu_suite_run", lambda: visit / "summary.json")
+        {"name": "fp8_gemm", "status": "skipped", "exit_code": None, "reason": "needs >= 40 s, 1 s left",
+         "figures": {}}]}))
+    newest = render_docs.newest_gpu_suite_run(tmp_path)
+    assert newest.folder == visit
+    monkeypatch.setattr(render_docs, "newest_gpu_suite_run", lambda: newest)
     text = render_docs.render_gpu_status(tmp_path / "README.md")
     assert "| `gpu_tests` | timed out (stopped itself at its limit) | 3 passed, 1 unfinished |" in text
     assert text.rstrip().endswith("Not run in that visit: `fp8_gemm` (needs >= 40 s, 1 s left).")

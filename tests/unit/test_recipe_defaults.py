@@ -49,12 +49,13 @@ def _visit(root: Path, name: str, *, tests_passed: bool, sides: dict[str, tuple[
     one that passed or failed) and one throughput stage whose sides recorded their settings."""
     records = [{"row": "1b seq 2048 bf16", "side": side, "tokens_per_s": speed, "settings": settings,
                 "flops_per_token": 6.0e9} for side, (speed, settings) in sides.items()]
-    tests_stage = tests_stage or {"name": "gpu_tests", "status": "passed" if tests_passed else "failed", "figures": {}}
-    stages = [tests_stage,
-              {"name": "throughput_1b_bf16", "status": "passed", "figures": {"rows": [], "sides": records}}]
+    tests_stage = tests_stage or {"name": "gpu_tests", "status": "passed" if tests_passed else "failed",
+                                  "exit_code": 0 if tests_passed else 1, "reason": None, "figures": {}}
+    stages = [tests_stage, {"name": "throughput_1b_bf16", "status": "passed", "exit_code": 0, "reason": None,
+                            "figures": {"rows": [], "sides": records}}]
     (root / name).mkdir()
     (root / name / "summary.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "commit": name[-7:],
-                                                          "stages": stages}))
+                                                          "budget_s": 600, "elapsed_s": 590, "stages": stages}))
 
 
 def test_the_newest_visit_with_passing_gpu_tests_decides(tmp_path):
@@ -88,7 +89,7 @@ def test_a_gpu_test_stage_that_ran_out_of_time_counts_only_without_a_failure(tmp
     """A visit whose gpu tests stopped at their time limit decides only if none of those that ran
     failed (the 2026-11-27 H100 visit: 16 passed, the rest not reached)."""
     local, te = {"transformer_impl": "local", "cuda_graphs": None}, {"transformer_impl": "te", "cuda_graphs": None}
-    out_of_time = {"name": "gpu_tests", "status": "timed_out", "exit_code": 124,
+    out_of_time = {"name": "gpu_tests", "status": "timed_out", "exit_code": 124, "reason": "stopped itself",
                    "figures": {"counts": {"passed": 5, "unfinished": 1}, "collected": 9, "collection_errors": []}}
     _visit(tmp_path, "h100-2026-12-01", tests_passed=True, sides={"megatron_ext": (50_000.0, local), "te_spec": (40_000.0, te)})
     _visit(tmp_path, "h100-2026-12-02", tests_passed=False, tests_stage=out_of_time,
@@ -111,7 +112,8 @@ def test_a_failure_in_any_gpu_test_stage_or_a_tie_within_the_noise_keeps_the_def
     visit = tmp_path / "h100-2026-12-02"
     _visit(tmp_path, visit.name, tests_passed=True, sides={"megatron_ext": (50_000.0, local), "te_spec": (60_000.0, te)})
     summary = json.loads((visit / "summary.json").read_text())
-    summary["stages"].append({"name": "gpu_tests_fusions", "status": "failed", "figures": {"counts": {"failed": 1}}})
+    summary["stages"].append({"name": "gpu_tests_fusions", "status": "failed", "exit_code": 1, "reason": None,
+                              "figures": {"counts": {"failed": 1}}})
     (visit / "summary.json").write_text(json.dumps(summary))
     assert defaults["decide"](tmp_path)["sizes"]["1b"]["model.transformer_impl"]["visit"] == "h100-2026-12-01"
     # Faster by less than the timing noise: the trainer's default (local) stands, and the table says why.

@@ -197,3 +197,10 @@ def test_the_one_node_study_fits_its_node_and_a_smaller_budget_is_refused(capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.match(r"plan_study\.py: error: --budget-gpu-hours 50: study one_node is estimated at "
                                       r"[\d.]+ GPU-hours; the biggest: segment 210m_clm_12k [\d.]+, ", err[0]), err
+
+
+def test_a_recorded_device_is_priced_as_the_kind_its_visit_folder_is_named():
+    """``cost.device_kind`` is ``measurements.device_kind`` in the peak table's spelling."""
+    assert [cost.device_kind(d) for d in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "cpu2", "NVIDIA GeForce RTX 4090")] == [
+        "H100", "H200", cost.CPU, None]
+    assert cost.device_kind("NVIDIA H100 80GB HBM3").lower() == measurements.device_kind("NVIDIA H100 80GB HBM3")

@@ -36,18 +36,15 @@ def test_a_fingerprint_sees_code_not_docstrings_or_comments(tmp_path):
     assert visit_plan.fingerprint(SIDE, visit_plan._read_tree(other)) == base
 
 
-def test_device_kinds():
-    assert visit_plan.device_kind("NVIDIA H100 80GB HBM3") == "h100"
-    assert visit_plan.device_kind("NVIDIA H200") == "h200"
-    assert visit_plan.device_kind("NVIDIA B200") == "b200"
-
-
 def _visit(visits: Path, name: str, sides: list[dict], fingerprints: dict | None, tests: list[dict] = ()) -> Path:
     visit = visits / name
     (visit / "throughput_1b_bf16").mkdir(parents=True)
-    (visit / "summary.json").write_text(json.dumps({"device": "x", "commit": "abc", "stages": [
-        {"name": "throughput_1b_bf16", "status": "passed", "figures": {"rows": [
-            {"row": visit_plan.KNOWN_ROW, "hf_tokens_per_s": 1.0 if any(s["side"] == "hf" for s in sides) else None}]}}]}))
+    stages = [{"name": "throughput_1b_bf16", "status": "passed", "exit_code": 0, "reason": None, "figures": {"rows": [
+        {"row": visit_plan.KNOWN_ROW, "hf_tokens_per_s": 1.0 if any(s["side"] == "hf" for s in sides) else None}]}}]
+    if tests:
+        stages.append({"name": "gpu_tests", "status": "passed", "exit_code": 0, "reason": None, "figures": {}})
+    (visit / "summary.json").write_text(json.dumps({"device": "x", "commit": "abc", "budget_s": 600, "elapsed_s": 590,
+                                                    "stages": stages}))
     (visit / "throughput_1b_bf16" / "throughput.sides.jsonl").write_text(
         "".join(json.dumps({"row": visit_plan.KNOWN_ROW, "tokens_per_s": 10.0, **s}) + "\n" for s in sides))
     if fingerprints is not None:
