@@ -38,7 +38,8 @@ def test_a_line_at_each_tenth_and_a_final_line_with_total_rate_and_time():
             if bar.n == 90:
                 assert _lines(stream) == []  # 9%: nothing yet
     lines = _lines(stream)
-    assert [int(re.match(r"preprocess: (\d+)% ", line)[1]) for line in lines[:-1]] == [10, 20, 30, 40, 50, 60, 70, 80, 90]
+    percents = [int(re.match(r"preprocess: (\d+)% ", line)[1]) for line in lines[:-1]]
+    assert percents == [10, 20, 30, 40, 50, 60, 70, 80, 90]
     assert lines[0] == "preprocess: 10% (100 of 1000 doc), 00:04 elapsed, 00:36 left, 25.00doc/s"
     assert lines[-1] == "preprocess: 1000 doc in 00:40, 25.00doc/s"  # the total is close's line, once
 
@@ -58,7 +59,8 @@ def test_a_big_update_past_several_marks_is_one_line():
 
 def test_a_line_after_the_interval_without_one_whichever_comes_first():
     clock, stream = Clock(), io.StringIO()
-    bar = progress(total=10_000, desc="slow", unit="B", unit_scale=True, file=stream, clock=clock, every_seconds=60)
+    bar = progress(total=10_000, desc="slow", unit="B", unit_scale=True, file=stream, clock=clock,
+                   every_seconds=60)
     for _ in range(5):
         clock.now += 30.0
         bar.update(100)  # 1% per 30 s: the interval comes first
@@ -85,7 +87,8 @@ def test_unknown_total_lines_by_time_only_and_iteration_closes():
             clock.now += 0.5
             yield i
 
-    seen = list(progress(documents(), desc="reading documents", unit="doc", file=stream, clock=clock, every_seconds=120))
+    seen = list(progress(documents(), desc="reading documents", unit="doc", file=stream, clock=clock,
+                         every_seconds=120))
     assert seen == list(range(1000))
     lines = _lines(stream)
     assert lines[:2] == ["reading documents: 240 doc, 02:00 elapsed, 2.00doc/s",
