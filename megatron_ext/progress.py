@@ -91,7 +91,8 @@ class ProgressLines:
         self.n += n
         now = self.clock()
         due = now - self.last_line >= self.every_seconds
-        if self.total is not None and self.next_mark is not None and self.n * 100 >= self.next_mark * self.total:
+        marks = self.total is not None and self.next_mark is not None
+        if marks and self.n * 100 >= self.next_mark * self.total:
             # Past several marks at once (a big update) is one line; the next mark is the one after n.
             self.next_mark = (self.n * 100 // (self.every_percent * self.total) + 1) * self.every_percent
             due = due or self.n < self.total  # the mark of the total is close's line
@@ -115,7 +116,8 @@ class ProgressLines:
             layout = "{desc}: {n_fmt}" + space + "{unit}, {elapsed} elapsed, {rate_fmt}"
         else:
             layout = ("{desc}: {percentage:.0f}% ({n_fmt}" + ("{unit}" if self.unit_scale else "")
-                      + " of {total_fmt}" + space + "{unit}), {elapsed} elapsed, {remaining} left, {rate_fmt}")
+                      + " of {total_fmt}" + space + "{unit}), {elapsed} elapsed, {remaining} left, "
+                      "{rate_fmt}")
         text = tqdm.format_meter(self.n, self.total, now - self.start, prefix=self.desc, unit=self.unit,
                                  unit_scale=self.unit_scale, bar_format=layout)
         # tqdm pads rates to a width (" 3.02s/step" for a slow one); a log line needs no padding.
