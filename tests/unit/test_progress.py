@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import select
 
 import pytest
 from tqdm import tqdm
@@ -121,7 +122,9 @@ def test_a_terminal_gets_a_tqdm_bar_and_disabled_gets_nothing():
             assert isinstance(bar, tqdm) and not bar.disable
             bar.update(10)
             bar.close()
-            drawn = os.read(leader, 4096).decode()
+            drawn = ""
+            while select.select([leader], [], [], 0.2)[0]:  # every write of the bar, however split
+                drawn += os.read(leader, 4096).decode()
     finally:
         os.close(leader)
         os.close(follower)
