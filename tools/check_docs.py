@@ -15,6 +15,14 @@ What is checked, page by page:
     variables must be read by the script);
   - ``skip: <why>``: not a command of this project (an output sample, a cluster's own shell).
   In every mode, the repository files a command names must exist.
+- **File blocks** (any language), marked ``<!-- check: file NAME -->``: the block is the whole file
+  ``NAME`` (a relative path, ``my_topics/train.csv``) that the page's reader writes. Before the
+  page's ``run`` blocks run, the checker writes each into a scratch directory (a new one whenever
+  their text changes), and an argument naming such a file or its top folder (``my_topics``) names
+  the one written there. Outputs go there too: an argument under ``runs/`` is put under the same
+  scratch directory, so checking the docs writes nothing into the repository. A path that stands
+  for something of the reader's (``runs/demo/checkpoints``: a model) is replaced only by what the
+  checker is given for it (``stand_ins``; ``--stand-in`` on the command line).
 - **YAML blocks**: every mapping key must be a config key; a block marked ``<!-- check: recipe -->``
   must validate as a whole recipe.
   Python programs run in this process (``runpy``), so a block costs an import, not a new
@@ -40,6 +48,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import hashlib
 import importlib
 import importlib.util
 import io
@@ -50,6 +59,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+import tempfile
 import tomllib
 import warnings
 from collections.abc import Iterable, Iterator
@@ -63,6 +73,11 @@ REPO = Path(__file__).resolve().parent.parent
 SHELL_LANGS = ("bash", "sh", "shell", "console")
 MODES = ("run", "dry-run", "help", "skip")
 """How a shell block is checked; a table after ``<!-- check: messages -->`` quotes error lines."""
+FILE_MODE = "file"
+"""A block marked ``<!-- check: file NAME -->`` is the whole file NAME of the reader's, written
+before the page's commands run."""
+OUTPUTS = "runs/"
+"""Where the pages' commands write (ignored by git): the checker writes there in its scratch directory."""
 MARKER = re.compile(r"^<!--\s*check:\s*(?P<mode>[a-z-]+)(?P<rest>[^>]*?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)")
 INLINE_CODE = re.compile(r"(?<!`)(`+)(?!`)(?P<code>.+?)(?<!`)\1(?!`)")
@@ -416,6 +431,11 @@ class DocsChecker:
     """Flags of every program named on the pages checked (filled while checking)."""
     runs: dict[tuple, tuple[int, str]] = dataclasses.field(default_factory=dict)
     """Exit status and output of each command run, by program, arguments and environment."""
+    scratch: Path = dataclasses.field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="check_docs-")))
+    """Where a page's file blocks are written and its commands' outputs (``runs/...``) go."""
+    stand_ins: dict[str, str] = dataclasses.field(default_factory=dict)
+    """A path a page's command names that stands for something of the reader's (a model) -> the
+    path the check uses instead; without one, the command runs as written."""
 
     def check_pages(self, pages: Iterable[Path]) -> list[Problem]:
         pages = list(pages)
@@ -462,8 +482,13 @@ class DocsChecker:
     def check_blocks(self, text: str, page: Path) -> list[Problem]:
         rel = _rel(page)
         problems = []
-        for block in code_blocks(text):
+        blocks = list(code_blocks(text))
+        files_root, file_problems = self.write_file_blocks([b for b in blocks if b.mode == FILE_MODE])
+        problems += [Problem(path=rel, line=line, message=message) for line, message in file_problems]
+        for block in blocks:
             where = lambda line, message: Problem(path=rel, line=line, message=message)  # noqa: E731
+            if block.mode == FILE_MODE:
+                continue
             if block.lang in ("yaml", "yml"):
                 problems += [where(block.line, m) for m in self.yaml_problems(block.text)]
                 if block.mode == "recipe" and not problems:
@@ -483,10 +508,48 @@ class DocsChecker:
                     problems.append(where(block.line, "a skipped block says why: <!-- check: skip: <why> -->"))
                 continue
             for command in commands(block):
-                problems += [where(command.line, m) for m in self.command_problems(command, block.mode, page)]
+                problems += [where(command.line, m)
+                             for m in self.command_problems(command, block.mode, page, files_root=files_root)]
         return problems
 
-    def command_problems(self, command: Command, mode: str, page: Path) -> list[str]:
+    def write_file_blocks(self, blocks: list[CodeBlock]) -> tuple[Path, list[tuple[int, str]]]:
+        """Write a page's file blocks (when commands run) under a scratch directory named after
+        their text, so a page whose files changed runs its commands anew; returns that directory
+        and the (line, problem) of each block whose name is not a relative path."""
+        problems, files = [], {}
+        for block in blocks:
+            name = Path(block.note)
+            if not block.note or name.is_absolute() or ".." in name.parts:
+                problems.append((block.line, "a file block names a relative path: "
+                                             "<!-- check: file my_dir/train.csv -->"))
+            elif block.note in files:
+                problems.append((block.line, f"a second file block for {block.note}"))
+            else:
+                files[block.note] = block.text + "\n"
+        digest = hashlib.sha256(repr(sorted(files.items())).encode()).hexdigest()[:12]
+        root = self.scratch / (f"files-{digest}" if files else "outputs")
+        if self.run:
+            for name, content in files.items():
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                (root / name).write_text(content, encoding="utf-8")
+        return root, problems
+
+    def _argument(self, arg: str, files_root: Path) -> str:
+        """``arg`` as the check runs it: a stand-in's path, a file block's path in the scratch
+        directory, an output (``runs/...``) under it; else as written (also after ``NAME=`` or
+        ``--flag=``)."""
+        match = re.fullmatch(r"(?P<head>(?:--[\w-]+|[\w.+-]+)=)?(?P<path>.+)", arg)
+        head, path = match["head"] or "", match["path"]
+        if path in self.stand_ins:
+            return head + self.stand_ins[path]
+        top = Path(path).parts[0] if path and not path.startswith("-") else ""
+        written = top and (files_root / top).exists() and top not in _tracked_top_level()
+        if written or path.startswith(OUTPUTS):
+            return head + str(files_root / path)
+        return arg
+
+    def command_problems(self, command: Command, mode: str, page: Path, *,
+                         files_root: Path | None = None) -> list[str]:
         if not command.tokens:
             return [command.text]
         problems = [problem for token in command.tokens for value in [token.partition("=")[2] or token]
@@ -520,7 +583,8 @@ class DocsChecker:
                 problems.append(f"{program.name} has no flag {flag}" + (f" (did you mean {near[0]}?)" if near else ""))
         if problems or mode not in ("run", "dry-run") or not self.run:
             return problems
-        args = [a for a in args if a not in ("[", "]")]
+        files_root = files_root or self.scratch / "outputs"
+        args = [self._argument(a, files_root) for a in args if a not in ("[", "]")]
         key = (program.name, tuple(args), tuple(sorted(command.env.items())))
         if key not in self.runs:  # a command on several pages (or checked twice) runs once
             self.runs[key] = program.run(args, env=command.env)
@@ -753,9 +817,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="check_docs.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("pages", nargs="*", type=Path, help="pages to check (default: README.md and docs/)")
     parser.add_argument("--no-run", action="store_true", help="check the commands without running any")
+    parser.add_argument("--stand-in", action="append", default=[], metavar="PATH=REAL",
+                        help="run the pages' commands with REAL where they name PATH (a model of the reader's, "
+                             "e.g. runs/demo/checkpoints=DIR); repeatable")
     args = parser.parse_args(argv)
+    if malformed := [item for item in args.stand_in if "=" not in item]:
+        parser.error(f"--stand-in: expected PATH=REAL, got {malformed[0]!r}")
+    stand_ins = dict(item.split("=", 1) for item in args.stand_in)
     pages = [p.resolve() for p in args.pages] or doc_pages()
-    problems = DocsChecker(run=not args.no_run).check_pages(pages)
+    with tempfile.TemporaryDirectory(prefix="check_docs-") as scratch:
+        checker = DocsChecker(run=not args.no_run, scratch=Path(scratch), stand_ins=stand_ins)
+        problems = checker.check_pages(pages)
     for problem in problems:
         print(problem)
     print(f"{len(pages)} pages, {len(problems)} problems", file=sys.stderr)

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--output-prefix", required=True, help="output path without suffix")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes (output identical for any value)")
     group.add_argument("--overwrite", action="store_true", help="replace existing outputs")
-    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    group.add_argument("--no-progress", action="store_true",
+                       help="no progress report (a bar on a terminal, else a line every 10%% or 5 minutes)")
     return parser
 
 

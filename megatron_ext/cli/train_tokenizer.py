@@ -18,13 +18,11 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-
-from tqdm import tqdm
-
 from megatron_ext.config_loading import UserError
 from megatron_ext.data.readers import INPUT_FORMATS, decode_record, detect_format, expand_inputs, iter_records
 from megatron_ext.cli.entry import ArgumentParser, entry_point
 from megatron_ext.fileio import publish_dir, staged_dir
+from megatron_ext.progress import progress
 
 BOS, PAD, EOS, MASK = "<s>", "<pad>", "</s>", "<mask>"
 SPECIAL_TOKENS = (BOS, PAD, EOS, MASK)  # this order fixes their ids: 0, 1, 2, 3
@@ -42,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--vocab-size", type=int, default=8192, help="final vocabulary size, special tokens included")
     add("--min-frequency", type=int, default=2, help="minimum count of a pair to be merged")
     add("--overwrite", action="store_true", help="replace a non-empty --output-dir")
-    add("--no-progress", action="store_true", help="no progress bar")
+    add("--no-progress", action="store_true", help="no progress report (a bar on a terminal, lines otherwise)")
     return parser
 
 
@@ -72,8 +70,8 @@ def train(texts: Iterator[str], *, vocab_size: int, min_frequency: int):
         min_frequency=min_frequency,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        # Its progress bars vanish when stderr is not a terminal (batch-job logs); main shows a
-        # tqdm bar over the documents instead, which logs too.
+        # Its progress bars vanish when stderr is not a terminal (batch-job logs); main reports
+        # progress over the documents instead: a bar on a terminal, lines in a log file.
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
@@ -111,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     n_docs = [0]
     texts = iter_documents(args.input, input_format=args.input_format, json_keys=args.json_keys,
                            counter=n_docs)
-    with tqdm(texts, desc="reading documents", unit="doc", disable=True if args.no_progress else None) as bar:  # None: on a terminal only
+    # The number of documents is unknown before reading them: without a terminal, a line every
+    # 5 minutes, and the count, time and rate once all are read (the merges come after).
+    with progress(texts, desc="reading documents", unit="doc", enabled=not args.no_progress) as bar:
         tokenizer = train(bar, vocab_size=args.vocab_size, min_frequency=args.min_frequency)
     if n_docs[0] == 0:
         raise UserError(f"--input {args.input}: no non-empty text under --json-keys {args.json_keys}")

@@ -36,6 +36,7 @@ from megatron_ext.config_loading import UserError
 from megatron_ext.data import provenance
 from megatron_ext.data.readers import TEXT_MODES, InputError, Record, decode_record, detect_format, expand_inputs, iter_records
 from megatron_ext.data.sentences import SentenceSplitter, build_splitter
+from megatron_ext.progress import progress
 from megatron_ext.tokenizer import EncoderTokenizer, TokenizerConfig, build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class PreprocessConfig:
     overwrite: bool = False
     """Replace existing outputs; without it an existing output is an error."""
     progress: bool = True
-    """Show a progress bar (when stderr is a terminal)."""
+    """Report progress on stderr: a bar on a terminal, else a line every 10% or 5 minutes."""
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -303,8 +304,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
     """Tokenize ``config.inputs`` into one Megatron indexed dataset per json key."""
     start = time.perf_counter()
     paths = expand_inputs(config.inputs)
-    for path in paths:
-        detect_format(path, config.input_format)  # fail fast on unreadable / unknown inputs
+    formats = [detect_format(path, config.input_format) for path in paths]  # fail fast on unusable inputs
     _check_outputs(config)
 
     tokenizer = build_tokenizer(config.tokenizer)
@@ -329,9 +329,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
     pid = os.getpid()
     tmp = {k: (f"{config.output_prefix_for(k)}.bin.tmp{pid}", f"{config.output_prefix_for(k)}.idx.tmp{pid}") for k in config.json_keys}
     builders = {k: IndexedDatasetBuilder(tmp[k][0], dtype=dtype) for k in config.json_keys}
-    # Characters ~ bytes for mostly-ASCII corpora; this only drives the progress bar.
-    total_bytes = sum(os.path.getsize(p) for p in paths if os.path.isfile(p) and not p.endswith(".gz"))
-    progress = _progress(config.progress, total_bytes)
+    bar = _progress(config.progress, _input_bytes(paths, formats))
     try:
         chunks = _chunks(_all_records(config, paths), CHUNK_DOCUMENTS)
         if pool is None:
@@ -346,7 +344,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
             summary.invalid_skipped += sum(invalid)
             for key, chunk in encoded.items():
                 _write_chunk(builders[key], chunk, tokenizer.vocab_size, summary, count_docs=key == config.json_keys[0])
-            progress.update(chars)
+            bar.update(chars)
         if summary.documents == 0:
             raise InputError(f"no documents in {', '.join(paths)} (every input was empty"
                              + (f", or {summary.invalid_skipped:,} invalid line(s) skipped" if summary.invalid_skipped
@@ -366,7 +364,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
             os.replace(tmp[key][1], prefix + ".idx")
             summary.outputs[key] = prefix
     finally:
-        progress.close()
+        bar.close()
         if pool is not None:
             pool.terminate()
             pool.join()
@@ -399,10 +397,17 @@ def _write_chunk(builder, chunk: EncodedChunk, vocab_size: int, summary: Preproc
         summary.documents += count_docs
 
 
-def _progress(enabled: bool, total_bytes: int):
-    from tqdm import tqdm
+def _input_bytes(paths: Sequence[str], formats: Sequence[str]) -> int | None:
+    """The total the progress counts characters against: the inputs' bytes when every input is an
+    uncompressed JSONL or text file (characters ~ bytes for mostly-ASCII text); None otherwise
+    (gzip, Parquet, Hugging Face datasets, directories: their bytes are not the text's size)."""
+    plain = all(fmt in ("jsonl", "text") and os.path.isfile(path) and not path.endswith(".gz")
+                for path, fmt in zip(paths, formats, strict=True))
+    return sum(os.path.getsize(path) for path in paths) if plain else None
 
-    return tqdm(
-        total=total_bytes or None, unit="B", unit_scale=True, desc="preprocess",
-        disable=None if enabled else True, mininterval=1.0,  # None: on a terminal only, not into a log file
-    )
+
+def _progress(enabled: bool, total_bytes: int | None):
+    """A bar on a terminal; into a log file, a line every 10% of the input or 5 minutes (a job of
+    hours under a batch system says where it is), and the amount, time and rate at the end."""
+    return progress(total=total_bytes or None, unit="B", unit_scale=True, desc="preprocess", enabled=enabled,
+                    mininterval=1.0)

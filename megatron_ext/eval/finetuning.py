@@ -23,6 +23,7 @@ import torch
 
 from megatron_ext import hardware
 from megatron_ext.config_loading import UserError
+from megatron_ext.progress import progress
 
 T = TypeVar("T")
 
@@ -199,13 +200,15 @@ def finetune(model: torch.nn.Module, batches: Iterator[dict], *, config: Finetun
     its step (the harness records it as a diverged run: LR too high, which is what stability
     measures).
     """
-    from tqdm import tqdm
-
     optimizer, scheduler = finetune_optimizer(model, config, total_steps)
     model.train()
     losses: list[torch.Tensor] = []
-    # disable=None: a bar on a terminal only; a log file gets no redrawn bars.
-    for step in tqdm(range(total_steps), desc=desc, leave=False, mininterval=2.0, disable=None):
+    # A bar on a terminal. In a log file, an evaluation grid is hundreds of fine-tunes of seconds
+    # to minutes, and the grid already logs one line per finished run (its result and the grid's
+    # ETA): so no line at 10% marks and no closing line, only the time-based line (every
+    # LINE_SECONDS) of a fine-tune that runs longer than that: a long one still shows it is alive.
+    for step in progress(range(total_steps), desc=desc, unit="step", leave=False, mininterval=2.0,
+                         every_percent=None, final_line=False):
         batch = next(batches)
         with autocast(config):
             loss = loss_fn(model, batch)

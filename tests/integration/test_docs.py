@@ -4,7 +4,8 @@ exists (``tools/check_docs.py``), and the generated parts are what ``tools/rende
 now. The checker's own test shows that a changed flag, key, path, link or message fails it.
 
 The commands run inside this process (no interpreter start per command), so the module costs the
-imports of the tools and two dry runs."""
+imports of the tools, two dry runs and docs/evaluation.md's own-task example: one fine-tune of 10
+steps, with a one-layer MiniLM encoder standing in for the model the page names."""
 
 from __future__ import annotations
 
@@ -14,11 +15,17 @@ import pytest
 
 from tools.check_docs import REPO, DocsChecker, doc_pages
 from tools.render_docs import GENERATORS, REGION, render_page
+from eval_fixtures import encoder  # noqa: F401 (fixture)
+
+STAND_IN_MODEL = "runs/demo/checkpoints"
+"""The model docs/evaluation.md's own-task example names (the one `make demo` trains)."""
 
 
 @pytest.fixture(scope="module")
-def checker(demo_tokenizer) -> DocsChecker:  # the pages' recipes name data/demo_tokenizer
-    return DocsChecker(run=True)
+def checker(demo_tokenizer, encoder, tmp_path_factory) -> DocsChecker:  # noqa: F811
+    # demo_tokenizer: the pages' recipes name data/demo_tokenizer; encoder: the stand-in model
+    return DocsChecker(run=True, scratch=tmp_path_factory.mktemp("docs_scratch"),
+                       stand_ins={STAND_IN_MODEL: encoder})
 
 
 def test_every_page_matches_the_code(checker):
@@ -159,3 +166,32 @@ def test_the_checker_runs_a_recipe_block(checker):
     assert checker.check_text(recipe, page) == []
     problems = checker.check_text(recipe.replace("share: 1.0", "share: 0.5"), page)
     assert len(problems) == 1 and "does not validate" in problems[0].message, [str(p) for p in problems]
+
+
+def test_the_own_task_example_runs_on_the_files_the_page_shows(checker):
+    """docs/evaluation.md's folder of CSV/JSONL files is written as shown and evaluated: a change to
+    a column the code reads (or to the files' layout) fails the page."""
+    page = REPO / "docs" / "evaluation.md"
+    text = page.read_text()
+    assert checker.check_text(text, page) == []  # run once by the first test too: cached
+    [written] = [path for path in checker.scratch.glob("files-*/my_topics/test.jsonl")]
+    assert written.read_text().count('"label"') == 3
+    runs = sorted(checker.scratch.glob("files-*/runs/eval_try/runs/demo/my_topics/*.json"))
+    assert [path.name for path in runs] == ["lr0.0001_seed0.json"]  # the outputs went to the scratch dir
+    assert not (REPO / "runs" / "eval_try").exists() and not (REPO / "my_topics").exists()
+    for old, new in (("text,label\n\"Oil", "sentence,label\n\"Oil"),  # a column renamed
+                     ("file my_topics/test.jsonl", "file my_topics/tests.jsonl")):  # a split misnamed
+        assert old in text
+        problems = checker.check_text(text.replace(old, new, 1), page)
+        assert len(problems) == 1 and "exited 2" in problems[0].message, [str(p) for p in problems]
+
+
+def test_a_file_block_names_a_relative_path_once(checker):
+    page = REPO / "docs" / "checker_test.md"
+    block = "<!-- check: file {} -->\n```csv\ntext,label\n```\n"
+    assert checker.check_text(block.format("my_dir/train.csv"), page) == []
+    for name in ("../train.csv", "/tmp/train.csv"):
+        problems = checker.check_text(block.format(name), page)
+        assert len(problems) == 1 and "names a relative path" in problems[0].message, [str(p) for p in problems]
+    problems = checker.check_text(block.format("a/x.csv") * 2, page)
+    assert len(problems) == 1 and "a second file block for a/x.csv" in problems[0].message

@@ -6,6 +6,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -220,8 +221,9 @@ def test_main_cli(tmp_path, corpus, sp_model, capsys):
         "--input", str(corpus), "--output-prefix", str(prefix), "--tokenizer-model", sp_model,
         "--append-eod", "--workers", "2", "--no-progress",
     ])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert rc == 0 and "documents written   120" in out and "tokens/s" in out
+    assert "preprocess:" not in err  # --no-progress: no bar, no lines
     assert (tmp_path / "cli_text_document.idx").exists()
     assert preprocess_data.main([
         "--input", str(corpus), "--output-prefix", str(prefix), "--tokenizer-model", sp_model,
@@ -323,12 +325,22 @@ def test_append_eod_with_a_bert_tokenizer_ends_documents_with_one_sep(tmp_path, 
         assert ids[0] == tokenizer.bos and ids[-1] == tokenizer.eod and ids[-2] != tokenizer.eod
 
 
-def test_progress_bar_only_on_a_terminal(tmp_path, corpus, sp_model, capsys):
-    """Without --no-progress, output to a log file (not a terminal) gets no redrawn bar."""
+def test_progress_into_a_log_file_is_lines_at_tenths_and_a_final_line(tmp_path, sp_model, news_texts, capsys):
+    """Without --no-progress and stderr not a terminal (a batch job's log): a line at each 10% of
+    the input passed, one at the end with the amount, time and rate; nothing redrawn; the summary
+    still on stdout."""
+    corpus = tmp_path / "news.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in news_texts * 4))  # 5 chunks of work
     assert preprocess_data.main(["--input", str(corpus), "--output-prefix", str(tmp_path / "out"),
                                  "--tokenizer-model", sp_model]) == 0
-    err = capsys.readouterr().err
-    assert "preprocess:" not in err and "\r" not in err, err
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err, captured.err
+    lines = [line for line in captured.err.splitlines() if line.startswith("preprocess: ")]
+    percents = [int(re.match(r"preprocess: (\d+)% \(", line)[1]) for line in lines[:-1]]
+    # 5 updates of ~21% each (the last short of 100%: characters counted against the bytes of the file)
+    assert len(percents) == 5 and percents == sorted(set(percents)) and 15 < percents[0] < 25, lines
+    assert re.fullmatch(r"preprocess: [\d.]+MB in \d\d:\d\d, [\d.]+[kM]?B/s", lines[-1]), lines
+    assert "documents written   1,200" in captured.out
 
 
 def test_paragraph_text_mode_makes_one_document_per_paragraph_and_line_mode_says_so(tmp_path, sp_model, news_texts,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -313,10 +314,13 @@ def test_jsonl_gz_input_keys_and_summary(tmp_path, lee_texts, capsys):
             f.write(json.dumps({"id": i, "body": text}) + "\n")
     out = tmp_path / "tok"
     argv = ["--input", str(corpus), "--json-keys", "body", "--output-dir", str(out), "--vocab-size", "1000",
-            "--min-frequency", "3", "--no-progress"]
+            "--min-frequency", "3"]
     assert train_tokenizer.main(argv) == 0
-    summary = capsys.readouterr().out
+    summary, err = capsys.readouterr()
     assert "vocab size 1000" in summary and "300 documents read" in summary
+    # stderr is not a terminal: no bar; the number of documents is unknown ahead, so (on a run
+    # shorter than the interval) one line once all are read.
+    assert "\r" not in err and re.search(r"^reading documents: 300 doc in \d\d:\d\d, [\d.]+doc/s$", err, re.M), err
     assert "'<mask>': 3" in summary
     assert train_tokenizer.main(["--input", str(corpus), "--output-dir", str(tmp_path / "other")]) == 2
     assert "train_tokenizer.py: error: " in (err := capsys.readouterr().err) and "key(s) ['text'] missing" in err
