@@ -24,7 +24,9 @@ What is checked, page by page:
   for something of the reader's (``runs/demo/checkpoints``: a model) is replaced only by what the
   checker is given for it (``stand_ins``; ``--stand-in`` on the command line).
 - **YAML blocks**: every mapping key must be a config key; a block marked ``<!-- check: recipe -->``
-  must validate as a whole recipe.
+  must validate as a whole recipe. ``<!-- check: recipe NAME -->`` is also the file ``NAME`` the
+  reader saves it as (a file block), so the page's ``run`` command trains it as written; its
+  outputs (values under ``runs/``) go to the scratch directory, as a command's do.
   Python programs run in this process (``runpy``), so a block costs an import, not a new
   interpreter; a launch script or ``make`` runs in a subprocess.
 - **Inline code**: ``--flag`` must be a flag of one of the programs the docs name (or of the
@@ -483,7 +485,8 @@ class DocsChecker:
         rel = _rel(page)
         problems = []
         blocks = list(code_blocks(text))
-        files_root, file_problems = self.write_file_blocks([b for b in blocks if b.mode == FILE_MODE])
+        files_root, file_problems = self.write_file_blocks(
+            [b for b in blocks if b.mode == FILE_MODE or (b.mode == "recipe" and b.note)])
         problems += [Problem(path=rel, line=line, message=message) for line, message in file_problems]
         for block in blocks:
             where = lambda line, message: Problem(path=rel, line=line, message=message)  # noqa: E731
@@ -525,12 +528,15 @@ class DocsChecker:
             elif block.note in files:
                 problems.append((block.line, f"a second file block for {block.note}"))
             else:
-                files[block.note] = block.text + "\n"
-        digest = hashlib.sha256(repr(sorted(files.items())).encode()).hexdigest()[:12]
+                files[block.note] = block
+        digest = hashlib.sha256(repr(sorted((name, b.text) for name, b in files.items())).encode()).hexdigest()[:12]
         root = self.scratch / (f"files-{digest}" if files else "outputs")
         if self.run:
-            for name, content in files.items():
+            for name, block in files.items():
                 (root / name).parent.mkdir(parents=True, exist_ok=True)
+                content = block.text + "\n"
+                if block.mode == "recipe":  # the recipe's outputs (runs/...) go where commands' outputs go
+                    content = yaml.safe_dump(_outputs_under(yaml.safe_load(block.text), root), sort_keys=False)
                 (root / name).write_text(content, encoding="utf-8")
         return root, problems
 
@@ -739,6 +745,17 @@ def message_problems(cell: str) -> list[str]:
     if not INLINE_CODE.search(cell):
         problems.append("a row of an error-message table quotes no message in its first cell")
     return problems
+
+
+def _outputs_under(value, root: Path):
+    """``value`` (a loaded recipe) with every string under ``runs/`` put under ``root``."""
+    if isinstance(value, dict):
+        return {key: _outputs_under(item, root) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_outputs_under(item, root) for item in value]
+    if isinstance(value, str) and value.startswith(OUTPUTS):
+        return str(root / value)
+    return value
 
 
 def recipe_problems(text: str) -> list[str]:
