@@ -462,14 +462,33 @@ def _load_transformers_tokenizer(model: str):
 
 
 def is_hub_id(model: str) -> bool:
-    """Whether ``model`` names a Hugging Face hub repository rather than a local path."""
-    return not Path(model).exists() and _HUB_ID.match(model) is not None
+    """Whether ``model`` names a Hugging Face hub repository rather than a local path: not a path
+    that exists, nor one whose folder exists here (``data/demo_tokenizer`` before ``make demo-data``
+    has a hub id's shape, but ``data/`` is a local folder)."""
+    path = Path(model)
+    return not path.exists() and _HUB_ID.match(model) is not None and not _missing_in_local_folder(path)
+
+
+def _missing_in_local_folder(path: Path) -> bool:
+    return len(path.parts) > 1 and path.parent.is_dir() and not path.exists()
+
+
+def _check_local_path(model: str) -> None:
+    """A missing path in a folder that exists is refused here, naming what the folder holds: asked
+    as a hub id, an offline cluster would retry the hub for minutes before failing."""
+    path = Path(model)
+    if _missing_in_local_folder(path):
+        held = sorted(entry.name for entry in path.parent.iterdir())
+        shown = ", ".join(held[:8]) + (f" and {len(held) - 8} more" if len(held) > 8 else "") or "nothing"
+        raise UserError(f"tokenizer_model {model!r} does not exist ({path.resolve()}); {path.parent}/ holds: {shown}")
 
 
 def _resolve(config: TokenizerConfig) -> TokenizerConfig:
     """Fill in the canonical tokenizer_type, make local paths absolute, check the fields."""
     model, vocab, merges = config.tokenizer_model, config.vocab_file, config.merge_file
     kind = _ALIASES.get(config.tokenizer_type) if config.tokenizer_type else None
+    if model is not None:
+        _check_local_path(model)
     if kind is None:
         if model is not None:
             if ".model" in Path(model).suffixes:  # also versioned names like tokenizer.model.v1

@@ -24,6 +24,7 @@ from megatron_ext.tokenizer import (
     MissingSpecialTokenError,
     TokenizerConfig,
     build_tokenizer,
+    is_hub_id,
 )
 from megatron_ext.cli import train_tokenizer
 
@@ -267,11 +268,18 @@ def test_config_errors(tmp_path, mistral_model, gpt2_files):
         build_tokenizer(TokenizerConfig(tokenizer_type="Llama2Tokenizer", tokenizer_model=str(tmp_path)))
 
 
-def test_a_missing_local_directory_is_named_as_missing_not_only_as_a_hub_miss(monkeypatch):
-    """'data/demo_tokenizer' before `make demo-data` has a hub id's shape: the error says it is not here."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no retries against an unreachable hub
-    with pytest.raises(ValueError, match=r"'data/no_such_tokenizer': no such file or directory \(/"):
-        build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="data/no_such_tokenizer"))
+def test_a_missing_path_in_a_local_folder_is_refused_at_once_not_asked_of_the_hub(tmp_path, monkeypatch):
+    """'data/demo_tokenizer' before `make demo-data` has a hub id's shape; data/ is here, so it is a
+    local path: refused naming what data/ holds, without the minutes of hub retries offline."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "demo_corpus").mkdir(parents=True)
+    for model in ("data/demo_tokenizer", str(tmp_path / "data" / "demo_tokenizer")):
+        assert not is_hub_id(model)
+        with pytest.raises(ValueError, match=r"'.*data/demo_tokenizer' does not exist \(/.*\); .*data/ holds: demo_corpus$"):
+            build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=model))
+        with pytest.raises(ValueError, match="does not exist"):  # whether or not the type is given
+            build_tokenizer(TokenizerConfig(tokenizer_model=model))
+    assert is_hub_id("meta-llama/Meta-Llama-3-8B") and is_hub_id("gpt2")  # no such local folder here
 
 
 def test_reference_rebuilds_the_tokenizer(configs, lee_texts, monkeypatch, tmp_path):
