@@ -155,22 +155,23 @@ class StopPolicy:
     def reason_to_stop(self, step: int, device: torch.device) -> str | None:
         """After ``step``: why every rank stops now (the same answer on every rank: a collective),
         or None to go on."""
-        # The reason, and whether any rank got SIGUSR1: a launcher tells a warning (requeue) from a
-        # plain SIGTERM (scancel: cancel) by it, whichever node it reached (slurm_batch.stop_outcome).
-        # The third value names the lowest rank a SIGUSR1 (else any stop signal) reached, as
-        # ``world - rank`` so that the maximum picks it: a multi-node log says where the signal came.
+        # The reason, and which rank a stop signal reached, as one number: 2 * world - rank for a
+        # SIGUSR1, world - rank for another signal, 0 for none. The maximum is then the lowest rank a
+        # SIGUSR1 reached, else the lowest any signal reached: a launcher tells a warning (requeue)
+        # from a plain SIGTERM (scancel: cancel) by it, whichever node it reached
+        # (slurm_batch.stop_outcome), and a multi-node log says where the signal came.
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         usr1 = "SIGUSR1" in self.received
-        code = torch.tensor([self._local_reason(step), int(usr1), 2 * world - rank if usr1 else
-                             world - rank if self.received else 0], dtype=torch.int32, device=device)
+        reached = 2 * world - rank if usr1 else world - rank if self.received else 0
+        code = torch.tensor([self._local_reason(step), reached], dtype=torch.int32, device=device)
         if world > 1:
             dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        code, warned, where = (int(value) for value in code.tolist())
+        code, reached = (int(value) for value in code.tolist())
         if code == _SIGNAL:
-            here = usr1 if warned else bool(self.received)
-            other = world - (where - world if warned else where)
+            warned = reached > world
+            other = (2 * world if warned else world) - reached
             node = f" ({self.rank_nodes[other]})" if other < len(self.rank_nodes) else ""
-            elsewhere = "" if here else f" on rank {other}{node}"
+            elsewhere = "" if (usr1 if warned else self.received) else f" on rank {other}{node}"
             if warned:
                 return "signal SIGUSR1" + elsewhere
             return (f"signal {self.received[0]}" if self.received else "a signal") + elsewhere
