@@ -20,9 +20,10 @@ What is checked, page by page:
   page's ``run`` blocks run, the checker writes each into a scratch directory (a new one whenever
   their text changes), and an argument naming such a file or its top folder (``my_topics``) names
   the one written there. Outputs go there too: an argument under ``runs/`` is put under the same
-  scratch directory, so checking the docs writes nothing into the repository. A path that stands
-  for something of the reader's (``runs/demo/checkpoints``: a model) is replaced only by what the
-  checker is given for it (``stand_ins``; ``--stand-in`` on the command line).
+  scratch directory (unless it exists: a model ``make demo`` trained), so checking the docs writes
+  nothing into the repository. A path that stands for something of the reader's
+  (``runs/demo/checkpoints``: a model) is replaced by what the checker is given for it
+  (``stand_ins``; ``--stand-in`` on the command line), else read where it is.
 - **YAML blocks**: every mapping key must be a config key; a block marked ``<!-- check: recipe -->``
   must validate as a whole recipe. ``<!-- check: recipe NAME -->`` is also the file ``NAME`` the
   reader saves it as (a file block), so the page's ``run`` command trains it as written; its
@@ -550,7 +551,9 @@ class DocsChecker:
             return head + self.stand_ins[path]
         top = Path(path).parts[0] if path and not path.startswith("-") else ""
         written = top and (files_root / top).exists() and top not in _tracked_top_level()
-        if written or path.startswith(OUTPUTS):
+        # Under runs/: an output, unless it is already there (``runs/demo/checkpoints`` after
+        # ``make demo``: the model the page's command reads).
+        if written or (path.startswith(OUTPUTS) and not (REPO / path).exists()):
             return head + str(files_root / path)
         return arg
 
