@@ -173,14 +173,14 @@ def test_the_minimal_recipe_trains_as_the_page_shows_it(checker):
     """docs/pretraining.md's minimal recipe is the file its run command trains (as written: every
     step, the checkpoints), with its outputs in the scratch directory, not the repository."""
     page = REPO / "docs" / "pretraining.md"
-    assert checker.check_text(page.read_text(), page) == []  # run once by the first test too: cached
+    assert checker.check_blocks(page.read_text(), page) == []  # run once by the first test too: cached
     [recipe] = checker.scratch.glob("files-*/my_recipe.yaml")
     saved = recipe.parent / "runs" / "mine" / "checkpoints"
     assert yaml.safe_load(recipe.read_text())["checkpoint"]["save"] == str(saved)
     assert (saved / "iter_0000100").is_dir() and not (REPO / "runs" / "mine").exists()
     # a recipe block with a name is still checked as a recipe: an invalid one fails before it runs
     text = page.read_text().replace("share: 0.75}", "share: 0.5}", 1)
-    problems = checker.check_text(text, page)
+    problems = checker.check_blocks(text, page)
     assert any("does not validate" in problem.message for problem in problems), [str(p) for p in problems]
 
 
