@@ -30,6 +30,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from megatron_ext.fileio import write_atomic
 from megatron_ext.processes import node_name
 
 RESUMABLE_EXIT_CODE = 75  # training.stop.RESUMABLE_EXIT_CODE (not imported: that imports torch)
@@ -82,10 +83,7 @@ def _record_node_failure(code: int, message: str, when: float) -> None:
     path = _status_file()
     if not path:
         return
-    target = f"{path}.node-{node_name()}"
-    with open(f"{target}.tmp", "w") as out:
-        out.write(f"{code} {when:.3f} {message}\n")
-    os.replace(f"{target}.tmp", target)
+    write_atomic(f"{path}.node-{node_name()}", f"{code} {when:.3f} {message}\n")
 
 
 def _exit_code(worker_code: int) -> int:
@@ -216,7 +214,7 @@ def _node_failures(status_file: str) -> list[tuple[int, float, str]]:
     folder, prefix = os.path.split(status_file)
     records = []
     for name in sorted(os.listdir(folder or ".")):
-        if name.startswith(f"{prefix}.node-") and not name.endswith(".tmp"):
+        if name.startswith(f"{prefix}.node-"):  # write_atomic's temporary files start with "."
             with open(os.path.join(folder, name)) as f:
                 code, when, message = f.readline().strip().split(" ", 2)
             records.append((int(code), float(when), message))

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_ext import hardware
+from megatron_ext.fileio import write_atomic
 from megatron_ext.schedule import ResolvedPhase
 from megatron_ext.training.config import LoggingConfig, RunConfig
 from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device
@@ -127,9 +128,7 @@ def drop_superseded_rows(path: Path, start_step: int) -> int:
         else:
             kept.append(line + "\n")
     if dropped:
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(path, "".join(kept))
     return dropped
 
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import processes
+from megatron_ext.fileio import write_atomic
 
 RESUMABLE_EXIT_CODE = 75
 """Exit status of a run that stopped on request after saving (sysexits' EX_TEMPFAIL: try again).
@@ -64,10 +65,7 @@ def write_exit_status(code: int, reason: str) -> None:
     path = os.environ.get(EXIT_STATUS_ENV)
     if not path or int(os.environ.get("RANK", "0")) != 0:
         return
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as out:
-        out.write(f"{code} {reason}\n")
-    os.replace(tmp, path)
+    write_atomic(path, f"{code} {reason}\n")
 
 def _say(line: str) -> None:
     """``line`` on stderr from a signal handler (rank 0 only): ``os.write``, which a handler may call
