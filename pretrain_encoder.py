@@ -49,7 +49,10 @@ if TYPE_CHECKING:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_ext.cli.megatron_flags import annotate_help, unsupported_flag_message
+
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            explain_unknown=unsupported_flag_message)
     parser.add_argument("--config", required=True, help="YAML recipe (see examples/recipes)")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the plan; no training")
     parser.add_argument("--world-size", type=int, default=None,
@@ -60,6 +63,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
     add_cost_flags(parser, study=False)
     dests = add_override_flags(parser)
+    from megatron_ext.training.recipe import field_defaults
+
+    annotate_help(parser, field_defaults(dests))
     return parser, dests
 
 
@@ -116,12 +122,17 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
     if args.dry_run:
         from megatron_ext.training.dry_run import check_paths, check_tokenizer_serves, format_dry_run, make_plan
 
-        from megatron_ext.training.memory import memory_report
+        from megatron_ext.training.memory import memory_report, runs_elsewhere
 
         from megatron_ext.study.cost import check_budget, format_run_cost, segment_cost, speed_table
 
         world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
         plan = make_plan(config, world)
+        # What this machine lacks stops a run here only; a plan it does not run (64 GPUs planned on a
+        # login node) starts where the compute nodes' mounts are: said, not judged NOT READY.
+        elsewhere = runs_elsewhere(world)
+        missing = ("NOT READY, a run would stop here" if elsewhere is None
+                   else f"fails on this machine, which does not run this plan ({elsewhere}); check where it starts")
         tokenizer_note = None
         model = config.tokenizer.tokenizer_model
         if tokenizer is None and model is not None and not os.path.exists(model) and is_hub_id(model):
@@ -131,13 +142,17 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
             try:  # like the paths below, the tokenizer may be on a mount of the compute nodes only
                 tokenizer = tokenizer or build_tokenizer(config.tokenizer)
             except UserError as err:
-                tokenizer_note = f"tokenizer: NOT READY, a run would stop here: {err}"
+                tokenizer_note = f"tokenizer: {missing}: {err}"
             else:  # what the objectives need of it: refused now (before the plan), as the run would refuse it
                 check_tokenizer_serves(config, tokenizer)
                 from megatron_ext.data.provenance import check_data_tokenizer
 
                 tokenizer_note = check_data_tokenizer(config.data.blend[0], tokenizer)  # refuses another's data
         print(format_dry_run(config, plan))
+        from megatron_ext.cli.megatron_flags import megatron_differences
+
+        if differences := megatron_differences(config):  # on purpose, said before a ported script launches
+            print("\n".join(["unlike Megatron-LM, on purpose:", *(f"  {difference}" for difference in differences)]))
         speeds = speed_table(args)
         print(memory_report(config, world_size=world, gpu_kind=speeds.kind if args.gpu else None))
         cost = segment_cost(config, run="the run", gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
@@ -148,11 +163,12 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
                                     end=context.phase.end, gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
                 hours = "unknown" if part.gpu_hours is None else f"{part.gpu_hours:,.3g} GPU-hours"
                 print(f"  phases[{context.phase.index}] at {context.seq_length} tokens: {part.flops:.3e} FLOPs, {hours}")
-        check_budget(args.budget_gpu_hours, cost.gpu_hours, [("the run", cost.gpu_hours or 0.0)], "the run")
+        check_budget(args.budget_gpu_hours, cost.gpu_hours, [("the run", cost.gpu_hours or 0.0)], "the run",
+                     unknown_hint=speeds.unknown_hint)
         try:  # a plan made on a login node may name paths mounted only on the compute nodes
             print("checked: " + ", ".join(check_paths(config)))
         except UserError as err:
-            print(f"paths: NOT READY, a run would stop here: {err}")
+            print(f"paths: {missing}: {err}")
         if tokenizer_note:
             print(tokenizer_note)
         return 0, "dry run"

@@ -311,7 +311,7 @@ def render_markdown(table: dict) -> str:
                               for k, e in entry["kinds"].items())
             lines.append(f"| {size} | `{name}` | {kinds} | {'yes' if entry['one_value_serves'] else '**no**'} | "
                          f"{entry['why']} |")
-    lines += ["", "FP8 (`training.fp8_recipe`) runs Transformer Engine layers only: with the local spec a run "
+    lines += ["", "FP8 (`training.fp8_format`) runs Transformer Engine layers only: with the local spec a run "
               "asking for FP8 is refused in one line; add `--transformer-impl te`.", ""]
     return "\n".join(lines)
 

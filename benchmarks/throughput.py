@@ -221,6 +221,7 @@ def run_config(args, model_preset: str, seq_length: int, precision: str, variant
         "schedule": {"lr": 1e-4, "lr_decay_style": "constant", "lr_warmup_iters": 0},
         "phases": [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}],
         "training": {**recipe["training"], "train_iters": 1, "bf16": precision != "fp32",
+                     "fp8_format": "hybrid" if precision == "fp8" else None,  # Megatron's switch of FP8
                      "fp8_recipe": args.fp8_recipe if precision == "fp8" else None},
         "parallel": recipe["parallel"],
     }

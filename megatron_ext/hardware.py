@@ -132,16 +132,16 @@ def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | 
         if not on_gpu():
             raise UserError(f"training.fp8_recipe={fp8_recipe!r}: FP8 needs a CUDA GPU with compute capability "
                             f">= {FP8_MIN_COMPUTE_CAPABILITY[0]}.{FP8_MIN_COMPUTE_CAPABILITY[1]} "
-                            "(Ada, Hopper or newer); this machine has none. Remove training.fp8_recipe")
+                            "(Ada, Hopper or newer); this machine has none. Remove training.fp8_format")
         capability = torch.cuda.get_device_capability()
         if capability < FP8_MIN_COMPUTE_CAPABILITY:
             raise UserError(f"training.fp8_recipe={fp8_recipe!r}: {torch.cuda.get_device_name()} has compute "
                             f"capability {capability[0]}.{capability[1]}; FP8 needs >= "
                             f"{FP8_MIN_COMPUTE_CAPABILITY[0]}.{FP8_MIN_COMPUTE_CAPABILITY[1]}. Train in bf16 "
-                            "(remove training.fp8_recipe)")
+                            "(remove training.fp8_format)")
         if not transformer_engine_available():
             raise UserError(f"training.fp8_recipe={fp8_recipe!r} needs Transformer Engine, which does not import "
-                            "here; install it (docs/gpu.md) or remove training.fp8_recipe")
+                            "here; install it (docs/gpu.md) or remove training.fp8_format")
     if recompute_granularity is not None and not on_gpu():
         raise UserError(f"training.recompute_granularity={recompute_granularity!r} runs on CUDA only (Megatron's "
                         "recomputation saves the CUDA RNG state); remove it on CPU")

@@ -218,10 +218,10 @@ class LRScheduleConfig:
     min_lr: float = 0.0
     """Learning rate at the end of the decay, in [0, lr]."""
 
-    lr_decay_style: Literal["wsd", "cosine", "linear", "constant"] = "wsd"
+    lr_decay_style: Literal["wsd", "WSD", "cosine", "linear", "constant"] = "wsd"
     """Shape after warmup: ``wsd`` (stable at ``lr``, then decay over the last
     ``lr_wsd_decay_iters`` steps), ``cosine``/``linear`` (decay from the end of warmup to the end
-    of the run), ``constant`` (stay at ``lr``). Megatron spells ``wsd`` as ``WSD``."""
+    of the run), ``constant`` (stay at ``lr``). Megatron-LM's spelling ``WSD`` is read as ``wsd``."""
 
     lr_warmup_iters: int = 0
     """Linear warmup length in steps, from ``lr_warmup_init`` to ``lr`` (the paper: 2,000)."""
@@ -230,12 +230,16 @@ class LRScheduleConfig:
     """Learning rate at the first warmup step."""
 
     lr_wsd_decay_iters: int | None = None
-    """``wsd`` only, required there: length of the final decay in steps (the paper: 2,000)."""
+    """``wsd`` only, required there: length of the final decay in steps (the paper: 2,000).
+    Ignored by the other styles, as in Megatron-LM (so ``--lr-decay-style cosine`` works on a
+    recipe that sets it; the dry run says it is unused)."""
 
     lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
     """``wsd`` only: decay curve (the paper: linear; Megatron's CLI default is exponential)."""
 
     def __post_init__(self) -> None:
+        if self.lr_decay_style == "WSD":  # Megatron-LM's spelling
+            object.__setattr__(self, "lr_decay_style", "wsd")
         if self.lr_decay_style not in ("wsd", "cosine", "linear", "constant"):
             raise UserError(
                 "lr_decay_style must be one of wsd, cosine, linear, constant, "
@@ -262,11 +266,6 @@ class LRScheduleConfig:
                     "lr_wsd_decay_iters must be >= 1 with lr_decay_style='wsd', "
                     f"got {self.lr_wsd_decay_iters}"
                 )
-        elif self.lr_wsd_decay_iters is not None:
-            raise UserError(
-                f"lr_wsd_decay_iters is only used with lr_decay_style='wsd', got "
-                f"{self.lr_wsd_decay_iters} with {self.lr_decay_style!r}"
-            )
 
 
 def _after_warmup(step: int, config: LRScheduleConfig, total_steps: int) -> float:

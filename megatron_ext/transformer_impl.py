@@ -26,7 +26,10 @@ class TransformerImpl(StrEnum):
 
     @classmethod
     def parse(cls, value: object, where: str = "model.transformer_impl") -> TransformerImpl:
-        """``value`` as a ``TransformerImpl``; ``ConfigError`` naming ``where`` and the choices otherwise."""
+        """``value`` as a ``TransformerImpl``; ``ConfigError`` naming ``where`` and the choices otherwise.
+        Megatron-LM's spelling ``transformer_engine`` (its ``--transformer-impl`` default) is ``te``."""
+        if value == "transformer_engine":
+            return cls.TE
         try:
             return cls(value)
         except ValueError:

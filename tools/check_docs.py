@@ -71,6 +71,8 @@ from pathlib import Path
 
 import yaml
 
+from megatron_ext.cli.megatron_flags import megatron_lm_flags
+
 REPO = Path(__file__).resolve().parent.parent
 
 SHELL_LANGS = ("bash", "sh", "shell", "console")
@@ -111,10 +113,8 @@ EXTERNAL_FLAGS: dict[str, tuple[str, ...]] = {
     "pytest": ("--durations", "--dist", "--no-loadscope-reorder", "--timeout"),
     "docker": ("--gpus", "--ipc", "--ulimit", "--rm", "--shm-size"),
     "wandb": ("--sync-all",),
-    "megatron-lm": ("--calculate-per-token-loss", "--use-distributed-optimizer", "--overlap-grad-reduce",
-                    "--overlap-param-gather", "--bf16", "--fp8-format", "--fp8-recipe", "--transformer-impl",
-                    "--lr-decay-iters", "--apply-rope-fusion", "--make-vocab-size-divisible-by"),
 }
+EXTERNAL_FLAGS["megatron-lm"] = tuple(megatron_lm_flags())  # Megatron-LM 0.19's own list (megatron_flags.py)
 EXTERNAL_COMMANDS = ("python -m venv", "python -m pip", "pip", "ldd", "nvcc", "git", "docker", "apptainer", "sbatch",
                      "scancel", "srun", "squeue", "scontrol", "sacct", "torchrun", "apt-get", "make", "pytest", "wandb",
                      "nvidia-smi", "enroot", "singularity", "NVCC_APPEND_FLAGS")

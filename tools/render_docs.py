@@ -480,7 +480,16 @@ def render_cli_help(page: Path, name: str) -> str:
     return f"```text\n{text}\n```\n"
 
 
+def render_megatron_flags(page: Path) -> str:
+    """Each Megatron-LM flag the trainer takes, beside Megatron-LM's default, and the refused ones
+    (``megatron_ext.cli.megatron_flags``, the table its test keeps complete)."""
+    from megatron_ext.cli.megatron_flags import flags_table
+
+    return flags_table()
+
+
 GENERATORS: dict[str, Callable[..., str]] = {  # each takes the page (for relative links), then its arguments
+    "megatron-flags": render_megatron_flags,
     "gpu-status": render_gpu_status,
     "recipe-defaults": render_recipe_defaults,
     "preprocess-throughput": render_preprocess_throughput,

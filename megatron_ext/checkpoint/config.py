@@ -26,9 +26,12 @@ class CheckpointConfig:
     names this flag (``--load-step``). Checkpoints newer than it are replaced as the run saves those
     steps again; drop the flag once it has saved past them, or a restart goes back to this step."""
     save_interval: int = 1000
-    """Steps between checkpoints (``--save-interval``); a final one is always written at the end."""
+    """Steps between checkpoints (``--save-interval``); a final one is always written at the end.
+    Unlike Megatron-LM, which keeps every checkpoint, only the ``keep_last`` newest stay (and
+    those of ``keep_steps``): ``keep_last: 0`` keeps them all."""
     keep_last: int = 2
-    """Keep only the ``keep_last`` newest complete checkpoints (and every one of ``keep_steps``)."""
+    """Keep only the ``keep_last`` newest complete checkpoints (and every one of ``keep_steps``);
+    0 keeps every checkpoint, as Megatron-LM does."""
     keep_steps: tuple[int, ...] = ()
     """Steps this run saves even off ``save_interval`` and never prunes: the checkpoints other runs
     branch from (``branch_from``/``branch_step``) or start from. A study's planner sets them."""
@@ -66,8 +69,8 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.save_interval < 1:
             raise UserError(f"CheckpointConfig.save_interval must be >= 1, got {self.save_interval}")
-        if self.keep_last < 1:
-            raise UserError(f"CheckpointConfig.keep_last must be >= 1, got {self.keep_last}")
+        if self.keep_last < 0:
+            raise UserError(f"checkpoint.keep_last must be >= 1, or 0 to keep every checkpoint; got {self.keep_last}")
         if self.load_step is not None:
             if isinstance(self.load_step, bool) or not isinstance(self.load_step, int) or self.load_step < 1:
                 raise UserError(f"checkpoint.load_step must be a saved step >= 1, got {self.load_step!r}")

@@ -24,7 +24,9 @@ In this order, the first that applies:
 
 A full resume first checks, before anything is loaded, that the run is the same model (its
 ``model`` fields and tokenizer content; only ``RESUME_MAY_CHANGE_MODEL`` may differ) and that
-this run's optimizer can take the saved optimizer-state format. Everything else (learning rate,
+this run's optimizer can take the saved optimizer-state format. What a step reads and attends to
+is the trainer's to keep (``training.loop``: each phase's context, the batch ramp-up, and
+``RESUME_KEEPS_DATA``, e.g. ``data.reset_attention_mask``). Everything else (learning rate,
 schedule, intervals, data blend, the parallel layout where the optimizer format allows) may
 change on a resume; a branch's schedule is checked against its parent's by ``branch_check``.
 """

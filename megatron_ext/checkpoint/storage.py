@@ -80,7 +80,7 @@ class SpaceCheck:
     measured: bool
     """True when ``checkpoint_bytes`` is a saved checkpoint's size, False for an estimate."""
     kept: int
-    """``checkpoint.keep_last``: a save needs room for one more while those stay."""
+    """``checkpoint.keep_last``: a save needs room for one more while those stay (0: every one stays)."""
     existing_bytes: int
     """Bytes of the complete checkpoints already there (pruned as new ones come)."""
 
@@ -99,7 +99,7 @@ class SpaceCheck:
             return (f"{where} and one checkpoint needs {size}: the first save would fail (No space left on "
                     "device); free space there or choose another --save", True)
         steady = (self.kept + 1) * self.checkpoint_bytes - self.existing_bytes
-        if free < steady:
+        if self.kept and free < steady:  # kept 0 keeps every checkpoint: no steady state to check
             return (f"{where}, short of the {_size(steady)} more that keeping checkpoint.keep_last={self.kept} "
                     f"checkpoints of {size} (plus the one being written) needs: a later save may fail", False)
         return None

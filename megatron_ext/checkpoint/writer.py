@@ -79,7 +79,7 @@ def save_checkpoint(
             tensors, numpy arrays: checked here). ``step`` is added (or must equal ``step``).
         run_config: The resolved run configuration, JSON-serialisable.
         tokenizer_reference: Which tokenizer the weights expect, JSON-serialisable.
-        keep_last: Keep this many newest complete checkpoints (the new one included).
+        keep_last: Keep this many newest complete checkpoints (the new one included); 0: all.
         keep_steps: Steps never pruned, besides those (the checkpoints other runs branch from).
     """
     with CheckpointSaver(async_save=False) as saver:
@@ -186,8 +186,8 @@ class CheckpointSaver:
                                "(megatron_ext.process_group.init_process_group_and_model_parallel)")
         if step < 0:
             raise UserError(f"checkpoint step must be >= 0, got {step}")
-        if keep_last < 1:
-            raise UserError(f"keep_last must be >= 1, got {keep_last}")
+        if keep_last < 0:
+            raise UserError(f"keep_last must be >= 1, or 0 to keep every checkpoint; got {keep_last}")
         trainer_state = _checked_trainer_state(trainer_state, step)
         files = {RUN_CONFIG: _to_json("run_config", run_config),
                  TOKENIZER_REFERENCE: _to_json("tokenizer_reference", tokenizer_reference)}
@@ -536,7 +536,9 @@ def _write_tracker(save_dir: Path, step: int) -> None:
 
 def _prune(save_dir: Path, keep_last: int, *, keep: Path, keep_steps: tuple[int, ...]) -> None:
     """Delete the complete checkpoints older than the ``keep_last`` newest, except ``keep`` and
-    those of ``keep_steps``."""
+    those of ``keep_steps``; ``keep_last`` 0 deletes none (Megatron-LM's way)."""
+    if keep_last == 0:
+        return
     kept = {f"iter_{step:07d}" for step in keep_steps}
     for path in complete_checkpoints(save_dir)[:-keep_last]:
         if path != keep and path.name not in kept:

@@ -89,14 +89,31 @@ class UsageError(UserError):
 
 class ArgumentParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose errors are :class:`UsageError` (so one line, exit code 2,
-    like every other bad input) instead of the usage text and ``SystemExit``; ``--help`` is unchanged."""
+    like every other bad input) instead of the usage text and ``SystemExit``; ``--help`` is unchanged.
+
+    A flag is never guessed from a prefix (``allow_abbrev=False``, as Megatron-LM's parser): with
+    guessing, Megatron's ``--optimizer sgd`` was read as ``--optimizer-format sgd``.
+    ``explain_unknown(flag)`` may give the one-line refusal of a flag this parser does not take
+    (the trainer's: ``megatron_flags.unsupported_flag_message``); None leaves argparse's."""
 
     NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
     """argparse's own pattern misses exponents (``--lr -1e-3`` read as an unknown flag ``-1e-3``)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, explain_unknown: Callable[[str], str | None] | None = None, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = self.NEGATIVE_NUMBER  # argparse's hook: what a value, not a flag, is
+        self._explain_unknown = explain_unknown
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 (argparse's)
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras and self._explain_unknown is not None:
+            for token in extras:
+                if token.startswith("--") and (message := self._explain_unknown(token.split("=", 1)[0])):
+                    raise UsageError(message)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace
 
     def error(self, message: str):  # noqa: D102 (argparse's hook)
         raise UsageError(f"{message} (see --help)")

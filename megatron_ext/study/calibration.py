@@ -49,6 +49,7 @@ def calibration_recipe(recipe: dict, objective_phase: dict, *, steps: int, root:
         "phases": [{"objective": objective_phase["objective"], "share": 1.0}],
         "training": {"train_iters": steps, "eval_interval": 0, "log_interval": 1, "exit_duration_in_mins": None,
                      "exit_interval": None},
+        "data": {"eval_iters": 0},  # no validation at all, the final one included (Megatron-LM's eval_interval 0 keeps it)
         "schedule": {"lr_warmup_iters": 1, "lr_wsd_decay_iters": 1},
         "checkpoint": {"save": str(root / "checkpoints"), "save_interval": steps, "keep_last": 1},
         "logging": {"log_dir": str(root / "log"), "wandb_mode": "disabled"},

@@ -1,5 +1,6 @@
 """What a run costs before it is launched: GPU-hours and wall time (the speed model, no I/O but
-reading the measurements).
+reading the measurements, and with isolated documents the first entries of the data's index:
+``training.dry_run.document_attention``).
 
 A training segment's cost is its FLOPs (``training.dry_run.phase_flops``: the FLOPs ``--dry-run``
 prints, per objective, in the convention of ``metrics.MFU_CONVENTION``) divided by a speed, the
@@ -63,6 +64,14 @@ NVLINK_BYTES_PER_S = 400e9
 
 INTERNODE_BYTES_PER_S = 45e9
 """Per GPU across nodes: 8 x 400 Gb/s InfiniBand per node of 8 GPUs (docs/scaling.md)."""
+
+STUDY_SPEED_HINT = "--calibrate here, or --gpu KIND"
+"""What gives a speed where none is known, in the study tools (``tools/plan_study.py``,
+``tools/run_study.py``: their ``--calibrate`` times this machine)."""
+
+TRAINER_SPEED_HINT = ("give --gpu KIND to price it on that GPU, or --results-dir DIR with a throughput measurement "
+                      "of this machine (benchmarks/throughput.py)")
+"""The same in ``pretrain_encoder.py --dry-run``, which has no ``--calibrate`` (timing needs a study's runs)."""
 
 ASSUMED_STARTUP_S = {CPU: 20.0, "gpu": 120.0}
 """Seconds a trainer takes besides its steps (imports, model build, data index, checkpoint load, the
@@ -143,10 +152,13 @@ class SpeedTable:
     """The training speed of any run config on one GPU kind: calibrated, measured, else assumed."""
 
     def __init__(self, *, kind: str, results_dir: Path | None = None, mfu: float = ASSUMED_MFU,
-                 calibrated: dict[tuple, Speed] | None = None, measured: measurements.Measurements | None = None):
+                 calibrated: dict[tuple, Speed] | None = None, measured: measurements.Measurements | None = None,
+                 unknown_hint: str = STUDY_SPEED_HINT):
         """``measured``: the measurements to price from (default: those shipped with the package,
-        ``measurements.packaged``); ``results_dir``: measurements of one's own, read beside them."""
+        ``measurements.packaged``); ``results_dir``: measurements of one's own, read beside them;
+        ``unknown_hint``: what the tool offers where no speed is known (its own flags)."""
         self.kind = kind
+        self.unknown_hint = unknown_hint
         self.mfu = mfu
         self.calibrated = dict(calibrated or {})
         self.results_dir = results_dir
@@ -281,7 +293,7 @@ def segment_cost(config: RunConfig, *, run: str, start: int = 0, end: int | None
         speed = speeds.speed(config, objective)
         if speed is None:
             return SegmentCost(run=run, start=start, end=end, flops=flops, gpus=gpus, seconds=None,
-                               speeds=(f"no speed known for {speeds.kind}: --calibrate here, or --gpu KIND",))
+                               speeds=(f"no speed known for {speeds.kind}: {speeds.unknown_hint}",))
         seconds += phase / (speed.flops_per_s * gpus)
         startup = max(startup, speed.startup_s)
         if speed.label() not in labels:
@@ -318,13 +330,15 @@ def format_run_cost(cost: SegmentCost, kind: str, notices: Iterable[str] = ()) -
     return "\n".join(lines)
 
 
-def check_budget(budget: float | None, total: float | None, items: list[tuple[str, float]], what: str) -> None:
-    """Refuse (one line naming the biggest items) an estimate above ``budget`` GPU-hours."""
+def check_budget(budget: float | None, total: float | None, items: list[tuple[str, float]], what: str, *,
+                 unknown_hint: str = STUDY_SPEED_HINT) -> None:
+    """Refuse (one line naming the biggest items) an estimate above ``budget`` GPU-hours; an unknown
+    cost too, naming ``unknown_hint`` (``SpeedTable.unknown_hint``: the tool's own flags)."""
     if budget is None:
         return
     if total is None:
         raise UserError(f"--budget-gpu-hours {budget:g}: the cost of {what} is unknown (no speed for this machine): "
-                        "give --gpu KIND or --calibrate")
+                        f"{unknown_hint}")
     if total > budget:
         biggest = sorted(items, key=lambda item: -item[1])[:3]
         named = ", ".join(f"{name} {value:,.1f}" for name, value in biggest)
@@ -354,14 +368,16 @@ def add_cost_flags(parser: argparse.ArgumentParser, *, study: bool) -> None:
 
 
 def speed_table(args: argparse.Namespace, calibrated: dict[tuple, Speed] | None = None) -> SpeedTable:
-    """The speeds the cost flags ask for."""
+    """The speeds the cost flags ask for; where none is known they name the tool's own flags
+    (``--calibrate`` exists only where :func:`add_cost_flags` added it: the study tools)."""
     if not 0 < args.mfu <= 1:
         raise UserError(f"--mfu: expected a share in (0, 1], got {args.mfu}")
     if args.gpus_per_node < 1:
         raise UserError(f"--gpus-per-node: expected at least 1, got {args.gpus_per_node}")
     kind = gpu_kind(args.gpu) if args.gpu else this_machine_kind()
     results = Path(args.results_dir) if args.results_dir else default_results_dir()
-    return SpeedTable(kind=kind, results_dir=results, mfu=args.mfu, calibrated=calibrated)
+    hint = STUDY_SPEED_HINT if hasattr(args, "calibrate") else TRAINER_SPEED_HINT
+    return SpeedTable(kind=kind, results_dir=results, mfu=args.mfu, calibrated=calibrated, unknown_hint=hint)
 
 
 def this_machine_kind() -> str:

@@ -200,7 +200,7 @@ def evaluation_cost(plan, *, speeds: SpeedTable, calibrated: dict[tuple[str, str
                                              f"(x{scale:.3g}; every family as SC): {label}")
         peak = PEAK_TFLOPS.get(speeds.kind)
         if peak is None:
-            return math.nan, f"no fine-tuning speed for {speeds.kind}: --calibrate here, or --gpu KIND"
+            return math.nan, f"no fine-tuning speed for {speeds.kind}: {speeds.unknown_hint}"
         body = config.model.num_layers * layer_matmul_parameters(config.model)
         flops = 6 * body * steps * batch * length
         return (flops / (peak[0] * 1e12 * ASSUMED_FINETUNE_MFU) + ASSUMED_FINETUNE_OVERHEAD_S,

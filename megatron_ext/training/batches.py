@@ -1,11 +1,13 @@
 """What the training steps read: the data-parallel rank's micro-batches of each step, from Megatron's
 dataset of the step's phase length (``training.context``: one dataset per length, read from where
-the steps before left off), and the validation batches, kept on the device."""
+the steps before left off), the validation batches, kept on the device, and the test split, read
+once at the end of training (Megatron's "end of training for test data")."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,6 +18,9 @@ from megatron_ext.training import context as context_lib
 from megatron_ext.training import data as data_lib
 from megatron_ext.training.config import RunConfig
 
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset  # a Megatron GPTDataset or BlendedDataset
+
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -24,14 +29,17 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 @dataclass(kw_only=True)
 class Batches:
     """What the steps read: the training iterator of the current data segment (``training.context``),
-    positioned at the next step, and the validation batches (the same fixed ones at every
-    evaluation, kept on the device)."""
+    positioned at the next step, the validation batches (the same fixed ones at every
+    evaluation, kept on the device) and the test split (``test_batches``)."""
 
     config: RunConfig
     tokenizer: EncoderTokenizer
     train: Iterator | None
     segment: context_lib.Segment | None
     valid: list[dict[str, torch.Tensor]]
+    test: Dataset | None = None
+    """The test split of ``data.split`` (Megatron's GPTDataset or BlendedDataset); None when the
+    split gives it no share or ``data.eval_iters`` is 0."""
     blend: list[dict] = field(default_factory=list)
     """``training.data.blend_shares``: each dataset's weight and share of the run's samples."""
     rampup: object | None = None
@@ -53,13 +61,22 @@ class Batches:
         for _ in range(count):
             yield next(self.train)
 
+    def test_batches(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
+        """The test evaluation's batches (the first ``data.eval_iters`` global batches of the test
+        split, as validation reads its split), on ``device``; empty without a test split. Read when
+        asked rather than kept on the device like the validation batches: they are read once, after
+        the last step."""
+        if self.test is None:
+            return []
+        return _evaluation_batches(self.test, self.config, device, split="test")
+
 
 def segment_iterator(config: RunConfig, tokenizer: EncoderTokenizer, segment: context_lib.Segment,
                       step: int) -> Iterator:
     """Micro-batches of ``segment`` from ``step`` on: Megatron's dataset of the run's prefixes at the
     segment's length, sized for every sample that length's segments read (``training.context``)."""
     data_cfg = segment.contexts[0].data_config(config.data)
-    train_ds, _ = data_lib.build_datasets(
+    train_ds, _, _ = data_lib.build_datasets(
         data_cfg, tokenizer=tokenizer,
         train_samples=context_lib.dataset_samples(context_lib.segments(config.phase_contexts), segment.seq_length),
         valid_samples=0, seed=config.training.seed)
@@ -70,30 +87,43 @@ def segment_iterator(config: RunConfig, tokenizer: EncoderTokenizer, segment: co
                                          dp_size=parallel_state.get_data_parallel_world_size())
 
 
+def _evaluation_batches(dataset: Dataset | None, config: RunConfig, device: torch.device, *,
+                        split: str) -> list[dict[str, torch.Tensor]]:
+    """This data-parallel rank's micro-batches of one evaluation of ``dataset`` (``split``), on ``device``."""
+    return [to_device(b, device) for b in data_lib.build_valid_iterator(
+        dataset, config=config.data, dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(), split=split)]
+
+
 def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int, device: torch.device) -> Batches:
+    """The run's data from step ``start`` on. Evaluation (validation, and the test split at the end
+    when ``data.split`` gives it a share) reads ``data.eval_iters`` global batches of each split,
+    whatever ``training.eval_interval`` (which sets only how often validation runs), as in
+    Megatron-LM: ``data.eval_iters: 0`` evaluates nothing."""
     data_cfg = config.data
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    evaluating = bool(config.training.eval_interval and data_cfg.eval_iters)
-    valid_samples = data_cfg.eval_iters * data_cfg.global_batch_size if evaluating else 0
+    eval_samples = data_cfg.eval_iters * data_cfg.global_batch_size  # per split evaluated; 0: no evaluation
+    evaluated = dict(valid_samples=eval_samples, test_samples=eval_samples, seed=config.training.seed)
+    valid_ds = test_ds = None
     contexts = config.phase_contexts
     if context_lib.varies(contexts):
         # Training data per segment, built as the steps reach it; validation at the run's
         # data.seq_length in every phase, so that its losses compare over the whole run.
         train, segment = None, None
         blend = data_lib.blend_shares(data_cfg, None, train_samples=0)  # shares known per segment only
-        if evaluating:
+        if eval_samples:
             segments = context_lib.segments(contexts)
             base = (context_lib.dataset_samples(segments, data_cfg.seq_length)
                     if any(s.seq_length == data_cfg.seq_length for s in segments) else 1)
-            _, valid_ds = data_lib.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=base,
-                                                  valid_samples=valid_samples, seed=config.training.seed)
+            _, valid_ds, test_ds = data_lib.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=base,
+                                                           **evaluated)
     elif data_cfg.rampup_batch_size is not None:  # one dataset, read in global batches that grow
         from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
 
         end = config.consumed_samples(config.training.train_iters)
-        train_ds, valid_ds = data_lib.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=end,
-                                                     valid_samples=valid_samples, seed=config.training.seed)
+        train_ds, valid_ds, test_ds = data_lib.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=end,
+                                                              **evaluated)
         chunk = data_cfg.micro_batch_size * dp_size  # every batch of the ramp is whole chunks (make_plan)
         train = data_lib.build_phase_iterator(
             train_ds, reads=[(data_cfg.micro_batch_size, chunk, config.consumed_samples(start), end)],
@@ -106,17 +136,15 @@ def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int,
             schedule=context_lib.rampup_schedule_text(context_lib.rampup_schedule(data_cfg)))
     else:  # one dataset and sampler for the whole run
         train_samples = config.training.train_iters * data_cfg.global_batch_size
-        train_ds, valid_ds = data_lib.build_datasets(
-            data_cfg, tokenizer=tokenizer, train_samples=train_samples, valid_samples=valid_samples,
-            seed=config.training.seed,
-        )
+        train_ds, valid_ds, test_ds = data_lib.build_datasets(
+            data_cfg, tokenizer=tokenizer, train_samples=train_samples, **evaluated)
         blend = data_lib.blend_shares(data_cfg, train_ds, train_samples=train_samples)
         train = data_lib.build_train_iterator(
             train_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size,
             consumed_samples=start * data_cfg.global_batch_size,
         )
         segment = context_lib.segments(contexts)[0]
-    valid = [to_device(b, device) for b in data_lib.build_valid_iterator(
-        valid_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size)] if evaluating else []
-    return Batches(config=config, tokenizer=tokenizer, train=train, segment=segment, valid=valid, blend=blend,
-                    rampup=rampup if data_cfg.rampup_batch_size is not None else None)
+    valid = _evaluation_batches(valid_ds, config, device, split="valid") if eval_samples else []
+    return Batches(config=config, tokenizer=tokenizer, train=train, segment=segment, valid=valid,
+                   test=test_ds if eval_samples else None, blend=blend,
+                   rampup=rampup if data_cfg.rampup_batch_size is not None else None)

@@ -63,7 +63,9 @@ class DataConfig:
     """``--data-cache-path``: where Megatron caches its index arrays. None: ``cache/<fingerprint>``
     in the directory of the first prefix, the fingerprint changing whenever the data files do."""
     eval_iters: int = 100
-    """``--eval-iters``: global batches per evaluation (0: no validation)."""
+    """``--eval-iters``: global batches per evaluation: each validation, and the test split's once
+    after the last step when ``split`` gives it a share (Megatron-LM's end-of-training test). 0: no
+    validation and no test, the one switch that turns evaluation off, as in Megatron-LM."""
     reset_position_ids: bool = False
     """``--reset-position-ids``: restart the RoPE positions after each EOD token, so each document
     of a packed row starts at position 0 (GPTDataset's ``position_ids``)."""
@@ -92,7 +94,12 @@ class DataConfig:
             )
         if weights is not None and not all(w > 0 for w in weights):
             raise UserError(f"data_path: blend weights must be > 0, got {weights}")
-        split_proportions(self.split)
+        proportions = split_proportions(self.split)
+        if self.eval_iters and (len(proportions) < 2 or proportions[1] == 0):
+            # Megatron-LM skips validation without a word here; eval_iters would then do nothing.
+            raise UserError(f"split {self.split!r} gives the valid split no share, but data.eval_iters="
+                            f"{self.eval_iters} asks for validation; give it a share (e.g. 98,2,0) or set "
+                            "data.eval_iters: 0 (no validation)")
         for name in ("seq_length", "micro_batch_size", "global_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}: expected >= 1, got {getattr(self, name)}")
@@ -183,22 +190,29 @@ class TrainingConfig:
     seed: int = 1234
     """Seed of parameter initialisation, data order and MLM masking."""
     bf16: bool = False
-    """Train in bfloat16 autocast (GPU; on CPU only with ``model.params_dtype: bfloat16``: Megatron's
-    linear backward is autocast-aware on CUDA only)."""
+    """Train in bfloat16 autocast over the parameters of ``model.params_dtype`` (GPU; on CPU only with
+    ``model.params_dtype: bfloat16``: Megatron's linear backward is autocast-aware on CUDA only).
+    Megatron-LM's ``--bf16`` also stores the parameters in bf16 with fp32 main parameters in the
+    optimizer: that is ``--bf16 --params-dtype bfloat16`` here (the dry run says which)."""
     eval_interval: int = 1000
-    """Steps between validation passes (both objectives); 0 disables validation."""
+    """Steps between validation passes (both objectives); 0: none during training, only the one
+    after the last step, which runs whatever this is (Megatron-LM's ``--eval-interval`` sets the
+    cadence only; ``data.eval_iters: 0`` turns validation off)."""
     eval_mask_ratio: float = 0.4
     """Masking ratio of the MLM validation loss, fixed so that runs are comparable."""
     log_interval: int = 10
     """Steps between step log lines."""
     max_nonfinite_steps: int = 5
     """A step whose loss is NaN/inf is skipped and counted; stop after this many in a row."""
-    fp8_recipe: Literal["delayed", "tensorwise"] | None = None
+    fp8_format: Literal["hybrid", "e4m3"] | None = None
     """FP8 matmuls through Transformer Engine (Hopper or newer, ``transformer_impl: te``,
-    ``bf16: true``): ``delayed`` scaling (amax history) or ``tensorwise`` current scaling
-    (Megatron ``--fp8-recipe``); None trains without FP8."""
-    fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
-    """FP8 formats when ``fp8_recipe`` is set: ``hybrid`` = E4M3 forward, E5M2 gradients."""
+    ``bf16: true``), in these formats: ``hybrid`` = E4M3 forward, E5M2 gradients; ``e4m3`` both.
+    As Megatron-LM's ``--fp8-format``, setting it is what turns FP8 on; None trains without FP8."""
+    fp8_recipe: Literal["delayed", "tensorwise"] | None = None
+    """How FP8 scales (Megatron-LM ``--fp8-recipe``): ``delayed`` scaling (amax history) or
+    ``tensorwise`` current scaling. Only with ``fp8_format`` (refused alone: in Megatron-LM it
+    does nothing without ``--fp8-format``); unset with ``fp8_format`` set, ``delayed``, Megatron-LM's
+    default, so that a run config's ``fp8_recipe`` says whether FP8 is on."""
     recompute_granularity: Literal["full", "selective"] | None = None
     """Activation recomputation (Megatron ``--recompute-granularity``): ``selective``
     recomputes the core attention, ``full`` whole layers (see ``recompute_num_layers``)."""
@@ -207,7 +221,8 @@ class TrainingConfig:
     bias_activation_fusion: bool = False
     """Megatron's fused SwiGLU (``bias_swiglu_impl``, compiled by ``torch.compile``): one kernel
     for the gate's SiLU and product forward and backward, and half the saved activations of the
-    gate/up projection. Megatron-LM ``--bias-swiglu-fusion``."""
+    gate/up projection. Megatron-LM fuses it by default (``--no-bias-swiglu-fusion`` turns it
+    off there); here it is off unless asked: ``torch.compile`` costs start-up time on CPU."""
     cross_entropy_loss_fusion: bool = False
     """Megatron's native fused vocabulary-parallel cross entropy (``torch.compile``d): the
     softmax statistics and the gradient in fewer passes over the ``[tokens, vocab]`` logits.
@@ -223,14 +238,16 @@ class TrainingConfig:
     ``cross_entropy_loss_fusion: true`` (refused otherwise)."""
     rope_fusion: bool = False
     """Apply RoPE to queries and keys with Transformer Engine's fused kernel
-    (``TransformerConfig.apply_rope_fusion``, Megatron-LM ``--apply-rope-fusion``) instead of
+    (``TransformerConfig.apply_rope_fusion``; on by default in Megatron-LM, whose ``--no-rope-fusion``
+    is this flag's ``--no-rope-fusion`` too) instead of
     Megatron's unfused ``cat``/``mul`` chain. Needs a GPU and Transformer Engine (either spec); off,
     announced once, where they are missing. TE's kernel takes one position table for the whole
     batch, so it needs ``data.reset_position_ids: false``."""
     gradient_accumulation_fusion: bool = False
     """Transformer Engine's linear layers write their weight gradients straight into Megatron
     DDP's fp32 ``main_grad`` buffers inside the wgrad GEMM (``TransformerConfig.
-    gradient_accumulation_fusion``, Megatron-LM ``--gradient-accumulation-fusion``) instead of
+    gradient_accumulation_fusion``; on by default in Megatron-LM, whose ``--no-gradient-accumulation-fusion``
+    is this flag's too) instead of
     adding a separate gradient to them. Megatron's own linear layers (the LM head, the local spec)
     fuse only with apex's ``fused_weight_gradient_mlp_cuda``: without apex the LM head keeps the
     unfused path and the local spec turns the setting off, announced once (also on CPU)."""
@@ -285,8 +302,13 @@ class TrainingConfig:
             validation_objectives(self.eval_mask_ratio)
         except UserError as err:
             raise UserError(f"training.eval_mask_ratio: {err}") from None
+        if self.fp8_recipe is not None and self.fp8_format is None:
+            raise UserError(f"training.fp8_recipe={self.fp8_recipe!r} chooses how FP8 scales, but FP8 is off: "
+                            "training.fp8_format (Megatron-LM's --fp8-format) turns it on; add fp8_format: hybrid")
+        if self.fp8_format is not None and self.fp8_recipe is None:
+            object.__setattr__(self, "fp8_recipe", "delayed")  # Megatron-LM's default recipe
         if self.fp8_recipe is not None and not self.bf16:
-            raise UserError(f"training.fp8_recipe={self.fp8_recipe!r} needs training.bf16: true "
+            raise UserError(f"training.fp8_format={self.fp8_format!r} (FP8) needs training.bf16: true "
                             "(FP8 matmuls run inside a bf16 mixed-precision step)")
         if self.recompute_num_layers < 1:
             raise UserError(f"training.recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
@@ -378,7 +400,7 @@ class RunConfig:
             # Refused rather than switched: a run that asks for the local spec (a flag, a recipe, or the
             # measured bf16 default of benchmarks/results/recipe_defaults.md when it is the local spec)
             # would otherwise run FP8 on the other layer implementation without saying so.
-            raise ConfigError(f"training.fp8_recipe={self.training.fp8_recipe!r} needs model.transformer_impl: te "
+            raise ConfigError(f"training.fp8_format={self.training.fp8_format!r} (FP8) needs model.transformer_impl: te "
                               f"(FP8 matmuls are Transformer Engine layers), got "
                               f"{self.model.transformer_impl!r}: add --transformer-impl te")
         from megatron_ext.training.cuda_graphs import run_problem
@@ -427,7 +449,7 @@ class RunConfig:
             if problem := phase.objective.selection_problem(context.seq_length,
                                                             lambda field: f"phases[{index}].{field}"):
                 raise ConfigError(problem)
-        if self.training.eval_interval:
+        if self.data.eval_iters:  # validation runs (at least after the last step)
             for objective in self.validation_objectives().values():
                 if problem := objective.selection_problem(seq_length, lambda field: "training.eval_mask_ratio"):
                     raise ConfigError(problem)

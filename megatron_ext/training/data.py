@@ -267,24 +267,28 @@ def _files_fingerprint(prefixes: list[str]) -> str:
 
 
 def build_datasets(
-    config: DataConfig, *, tokenizer: EncoderTokenizer, train_samples: int, valid_samples: int, seed: int
-) -> tuple[Dataset, Dataset | None]:
-    """Megatron-Core ``GPTDataset`` (or ``BlendedDataset``) train and valid splits.
+    config: DataConfig, *, tokenizer: EncoderTokenizer, train_samples: int, valid_samples: int, seed: int,
+    test_samples: int = 0,
+) -> tuple[Dataset, Dataset | None, Dataset | None]:
+    """Megatron-Core ``GPTDataset`` (or ``BlendedDataset``) train, valid and test splits, as
+    Megatron's ``BlendedMegatronDatasetBuilder`` returns them.
 
-    ``train_samples``/``valid_samples`` are the samples that will be read (e.g. train_iters x
-    global_batch_size, eval_iters x global_batch_size); each dataset has at least that many.
-    Returns ``(train, valid)``; valid is None when ``split`` gives it no share (then
-    ``valid_samples`` must be 0). Must be called on every rank when ``torch.distributed`` is
-    initialised (the builder synchronises the ranks with barriers). ``seed`` (the run's
-    ``training.seed``) seeds Megatron's document and sample shuffling.
+    ``train_samples``/``valid_samples``/``test_samples`` are the samples that will be read (e.g.
+    train_iters x global_batch_size, eval_iters x global_batch_size for both evaluations); each
+    dataset has at least that many. Returns ``(train, valid, test)``; valid is None when ``split``
+    gives it no share (then ``valid_samples`` must be 0), test likewise (``test_samples`` is then
+    ignored: a split without a test share has nothing to evaluate at the end). Must be called on
+    every rank when ``torch.distributed`` is initialised (the builder synchronises the ranks with
+    barriers). ``seed`` (the run's ``training.seed``) seeds Megatron's document and sample shuffling.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     if train_samples < 1:
         raise UserError(f"train_samples: expected >= 1, got {train_samples}")
-    if valid_samples < 0:
-        raise UserError(f"valid_samples: expected >= 0, got {valid_samples}")
+    for name, samples in (("valid_samples", valid_samples), ("test_samples", test_samples)):
+        if samples < 0:
+            raise UserError(f"{name}: expected >= 0, got {samples}")
     document_end_id(config, tokenizer)  # GPTDataset needs the EOD for every sample; raises with the fix
     prefixes, weights = config.blend
     indexes = [_read_index(prefix) for prefix in prefixes]
@@ -314,19 +318,19 @@ def build_datasets(
     if gpt_config.split_matrix[1] is None and valid_samples > 0:
         raise UserError(
             f"split {config.split!r} gives the valid split no share, but valid_samples={valid_samples}; "
-            "give it a share (e.g. 98,2,0) or set eval_iters to 0"
+            "give it a share (e.g. 98,2,0) or set data.eval_iters: 0 (no validation)"
         )
-    # Test size 0, not None: Megatron asserts that weighted blends get a size for every split.
-    sizes = [train_samples, valid_samples, 0]
-    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config).build()
-    for name, dataset, wanted in (("train", train, train_samples), ("valid", valid, valid_samples)):
+    # A size for every split, 0 rather than None: Megatron asserts that weighted blends get one.
+    sizes = [train_samples, valid_samples, test_samples if gpt_config.split_matrix[2] is not None else 0]
+    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config).build()
+    for name, dataset, wanted in zip(SPLIT_NAMES, (train, valid, test), sizes):
         if dataset is not None and len(dataset) < wanted:
             # Only unweighted blends stop short: Megatron caps them at one pass over each dataset.
             raise UserError(
                 f"data_path: the {name} blend has {len(dataset)} samples, {wanted} are needed; an "
                 "unweighted blend is one pass over its datasets: give weights to repeat them"
             )
-    return train, valid
+    return train, valid, test
 
 
 FINAL_EPOCH_APART_BELOW = 0.80
@@ -500,9 +504,10 @@ def build_train_iterator(
 
 
 def build_valid_iterator(
-    dataset: Dataset | None, *, config: DataConfig, dp_rank: int, dp_size: int
+    dataset: Dataset | None, *, config: DataConfig, dp_rank: int, dp_size: int, split: str = "valid"
 ) -> Iterator[dict]:
-    """Micro-batches of one evaluation: the first ``eval_iters`` global batches of ``dataset``.
+    """Micro-batches of one evaluation: the first ``eval_iters`` global batches of ``dataset``, the
+    ``split`` (``valid``, or ``test``: evaluated once, at the end of training) of ``build_datasets``.
 
     Call it once per evaluation: every evaluation then sees the same samples (unlike Megatron-LM,
     whose validation iterator moves on), so evaluation losses are comparable over training.
@@ -512,10 +517,10 @@ def build_valid_iterator(
     if stop == 0:
         return iter(())
     if dataset is None or len(dataset) < stop:
-        have = "no valid dataset" if dataset is None else f"{len(dataset)} valid samples"
+        have = f"no {split} dataset" if dataset is None else f"{len(dataset)} {split} samples"
         raise UserError(
             f"eval_iters {config.eval_iters} x global_batch_size {config.global_batch_size} = {stop} "
-            f"samples needed, {have}; build with valid_samples >= {stop} and a split with a valid share"
+            f"samples needed, {have}; build with {split}_samples >= {stop} and a split with a {split} share"
         )
     sampler = _MicroBatchSampler(
         start=0, stop=stop, micro_batch_size=config.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size

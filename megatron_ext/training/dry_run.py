@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
+
+import numpy as np
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.model.config import parameter_count, tensor_parallel_problem
 from megatron_ext.schedule import lr_at
 from megatron_ext.tokenizer import EncoderTokenizer
 from megatron_ext.training.config import RunConfig
-from megatron_ext.training.context import rampup_schedule, varies
-from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, mean_lm_head_share
+from megatron_ext.training.context import PhaseContext, rampup_schedule, varies
+from megatron_ext.training.metrics import (ISOLATED_DOCUMENTS_CONVENTION, MFU_CONVENTION, flops_per_token,
+                                           mean_lm_head_share)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,10 +36,11 @@ class RunPlan:
     """(name, first step, end step) per phase."""
 
 
-def make_plan(config: RunConfig, world_size: int) -> RunPlan:
+def check_layout(config: RunConfig, world_size: int) -> int:
     """Check that the layout and batch sizes divide, raising a ``UserError`` naming what does not:
     the one statement of these rules (``pretrain`` checks them before the process group exists,
-    ``--dry-run`` for any world size)."""
+    ``--dry-run`` for any world size, the memory estimate's micro-batch search for each size it
+    tries). Returns the data-parallel size."""
     tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
     if world_size < 1 or world_size % (tp * pp):
         raise UserError(
@@ -65,6 +71,25 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
                 f"phases[{c.phase.index}]: global batch {c.global_batch_size} is not divisible by micro batch "
                 f"{c.micro_batch_size} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp})); set "
                 f"phases[{c.phase.index}].micro_batch_size / global_batch_size")
+    return dp
+
+
+def layout_problem(config: RunConfig, world_size: int) -> str | None:
+    """What :func:`check_layout` refuses in ``config`` at ``world_size``, or None: how a search over
+    candidate settings (``memory.largest_micro_batch``) keeps to the same rules without restating them."""
+    try:
+        check_layout(config, world_size)
+    except UserError as err:
+        return str(err)
+    return None
+
+
+def make_plan(config: RunConfig, world_size: int) -> RunPlan:
+    """The numbers a launch implies, after :func:`check_layout` (which raises a ``UserError`` naming
+    what does not divide)."""
+    dp = check_layout(config, world_size)
+    tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
+    d = config.data
     phases = config.resolved_phases
     names = tuple((p.name, p.start, p.end) for p in phases)
     tokens_per_step = d.global_batch_size * d.seq_length
@@ -73,16 +98,24 @@ def make_plan(config: RunConfig, world_size: int) -> RunPlan:
         world_size=world_size, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
         micro_batches_per_step=d.global_batch_size // (d.micro_batch_size * dp),
         tokens_per_step=tokens_per_step,
-        total_tokens=sum(c.seq_length * sum(config.global_batch_size_at(step) for step in range(c.phase.start, c.phase.end))
-                         for c in config.phase_contexts),
-        parameters=parameter_count(m), total_flops=total_flops, phases=names,
+        total_tokens=sum(steps_tokens(config, c, c.phase.start, c.phase.end) for c in config.phase_contexts),
+        parameters=parameter_count(config.model), total_flops=total_flops, phases=names,
     )
+
+
+def steps_tokens(config: RunConfig, context: PhaseContext, start: int, end: int) -> int:
+    """Tokens of steps ``[start, end)`` of ``context``'s phase: its tokens per step, or under a
+    batch-size ramp-up (``data.rampup_batch_size``) each step's own global batch at its length."""
+    if config.data.rampup_batch_size is None:
+        return context.tokens_per_step * (end - start)
+    return context.seq_length * sum(config.global_batch_size_at(step) for step in range(start, end))
 
 
 def phase_flops(config: RunConfig, start: int = 0, end: int | None = None) -> list[tuple[str, float]]:
     """``(objective tag, training FLOPs)`` of each phase's steps within ``[start, end)`` (default:
-    the whole run), in the convention of ``metrics.MFU_CONVENTION``: what a segment of a study
-    trains, per objective."""
+    the whole run), in the convention of ``metrics.MFU_CONVENTION``, with attention counted within
+    documents where they are isolated (``data.reset_attention_mask``: ``document_attention``,
+    ``metrics.ISOLATED_DOCUMENTS_CONVENTION``): what a segment of a study trains, per objective."""
     end = config.training.train_iters if end is None else end
     found = []
     for p, c in zip(config.resolved_phases, config.phase_contexts):  # each phase at its own length (attention)
@@ -91,15 +124,126 @@ def phase_flops(config: RunConfig, start: int = 0, end: int | None = None) -> li
             continue
         share = mean_lm_head_share(p, seq_length=c.seq_length, scored_only=config.training.lm_head_scored_only,
                                    steps=None if (lo, hi) == (p.start, p.end) else range(lo, hi))
-        tokens = c.tokens_per_step * (hi - lo) if config.data.rampup_batch_size is None else \
-            c.seq_length * sum(config.global_batch_size_at(step) for step in range(lo, hi))
-        found.append((p.objective.tag, tokens * flops_per_token(config.model, c.seq_length, lm_head_share=share)))
+        documents = document_attention(config, c.seq_length)
+        attended = documents.attended if documents is not None else None
+        found.append((p.objective.tag, steps_tokens(config, c, lo, hi)
+                      * flops_per_token(config.model, c.seq_length, lm_head_share=share, attended=attended)))
     return found
 
 
 def training_flops(config: RunConfig, start: int = 0, end: int | None = None) -> float:
     """Training FLOPs of steps ``[start, end)`` of a run (default: all of them)."""
     return sum(flops for _, flops in phase_flops(config, start, end))
+
+
+# --- isolated documents' attention (``data.reset_attention_mask``) -----------------------------
+
+SIMULATED_TOKENS = 4 * 2**20
+"""Tokens of the first prefix packed into rows to estimate isolated documents' attention: a few
+million, the first entries of its ``.idx`` (read with numpy, not Megatron: milliseconds), enough
+for a mean that moves by well under a percent."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DocumentAttention:
+    """The attention of rows of ``seq_length`` whose documents attend only within themselves,
+    estimated from the data, or counted for full rows where the data cannot be read here."""
+
+    seq_length: int
+    attended: float | None
+    """Keys per query on average, ``sum(d^2) / tokens`` over the packed rows (``metrics.flops_per_token``'s
+    ``attended``); None: counted for full rows (``seq_length``)."""
+    mean_segment: float | None
+    """Tokens per document piece in a row (documents, and the pieces a row edge cuts)."""
+    source: str
+    """The prefix read, or why none could be."""
+    tokens: int = 0
+    """Tokens packed."""
+
+    def describe(self) -> str:
+        if self.attended is None:
+            return (f"attention FLOPs at seq {self.seq_length} counted for full rows: data not readable here "
+                    f"({self.source})")
+        return (f"attention FLOPs for isolated documents at seq {self.seq_length}, mean segment "
+                f"{self.mean_segment:,.0f} tokens ({100 * self.attended / self.seq_length:.1f} % of full rows' "
+                f"attention) from {self.source} (its first {token_count(self.tokens)} tokens packed)")
+
+
+def document_attention(config: RunConfig, seq_length: int) -> DocumentAttention | None:
+    """The attention of ``config``'s rows of ``seq_length`` with isolated documents
+    (``data.reset_attention_mask``; None without): GPTDataset's packing simulated over the first
+    :data:`SIMULATED_TOKENS` of the first prefix (in file order; the run shuffles documents, which
+    moves where rows cut them, not how long they are). Documents are the ``.idx``'s: each ends with
+    the EOD the model splits at when the data was made with ``--append-eod``. A prefix that cannot
+    be read here (a login node without the compute nodes' mounts) counts full rows, and says so."""
+    if not config.data.reset_attention_mask:
+        return None
+    prefix = config.data.blend[0][0]
+    try:
+        stat = os.stat(prefix + ".idx")
+        return _packed_prefix(prefix, seq_length, stat.st_size, stat.st_mtime_ns)
+    except (OSError, ValueError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        return DocumentAttention(seq_length=seq_length, attended=None, mean_segment=None,
+                                 source=f"{prefix}.idx: {reason}")
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_prefix(prefix: str, seq_length: int, size: int, mtime_ns: int) -> DocumentAttention:
+    """:func:`document_attention` of one prefix's index as it is on disk (its size and time key the cache:
+    a study prices many segments of the same data)."""
+    lengths = index_document_lengths(prefix, SIMULATED_TOKENS)
+    attended, mean_segment, tokens = packed_attention(lengths, seq_length, SIMULATED_TOKENS)
+    return DocumentAttention(seq_length=seq_length, attended=attended, mean_segment=mean_segment, source=prefix,
+                             tokens=tokens)
+
+
+def index_document_lengths(prefix: str, tokens: int) -> np.ndarray:
+    """Token counts of the first documents of ``prefix``'s ``.idx`` (Megatron's indexed dataset:
+    the header, then ``int32`` sequence lengths, ``int64`` pointers and ``int64`` document starts in
+    sequences), enough to cover ``tokens`` (fewer when the dataset holds fewer); memory-mapped, so
+    only that much is read. ``ValueError`` when the file is not such an index."""
+    from megatron_ext.training.data import _INDEX_PREAMBLE  # the header's layout, stated once there
+
+    path = prefix + ".idx"
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        preamble = f.read(_INDEX_PREAMBLE.size)
+    if len(preamble) < _INDEX_PREAMBLE.size:
+        raise ValueError(f"truncated header ({size} bytes)")
+    _, version, _, n_sequences, n_documents = _INDEX_PREAMBLE.unpack(preamble)
+    if version != 1 or n_documents < 1 or size < _INDEX_PREAMBLE.size + 12 * n_sequences + 8 * n_documents:
+        raise ValueError("not a Megatron index (version 1)")
+    take = min(n_sequences, tokens)  # no sequence is empty in ours; Megatron's may be, then fewer tokens
+    if take == 0:
+        raise ValueError("no sequences")
+    lengths = np.memmap(path, dtype=np.int32, mode="r", offset=_INDEX_PREAMBLE.size, shape=(take,))
+    starts = np.memmap(path, dtype=np.int64, mode="r", offset=_INDEX_PREAMBLE.size + 12 * n_sequences,
+                       shape=(min(n_documents, take + 1),))
+    before = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    starts = np.asarray(starts[starts < take])
+    if starts.size == 0 or starts[0] != 0 or np.any(np.diff(starts) < 0):
+        raise ValueError("corrupt document index")
+    return np.diff(before[np.append(starts, take)])  # the last document up to the sequences read
+
+
+def packed_attention(document_lengths: np.ndarray, seq_length: int, tokens: int) -> tuple[float, float, int]:
+    """``(keys per query, mean segment, tokens packed)`` of rows of ``seq_length`` cut from
+    ``document_lengths`` laid end to end (GPTDataset's packing: a document may start in one row and
+    end in the next; a row's edge ends its piece), each piece attending only within itself: per row,
+    ``sum(d^2)`` over its pieces, divided by the tokens. Whole rows, at most ``tokens`` of them, one at
+    least (a corpus shorter than a row repeats, as Megatron's epochs do). Equal to ``seq_length``
+    when every row holds one document."""
+    lengths = np.asarray(document_lengths, dtype=np.int64)
+    lengths = lengths[lengths > 0]
+    total = int(lengths.sum())
+    if total == 0:
+        raise ValueError("no tokens")
+    span = max(1, min(tokens, total) // seq_length) * seq_length
+    ends = np.cumsum(np.tile(lengths, -(-span // total)))
+    cuts = np.union1d(ends[ends < span], np.arange(seq_length, span, seq_length))
+    pieces = np.diff(np.concatenate([[0], cuts, [span]])).astype(np.float64)
+    return float(np.square(pieces).sum() / span), span / pieces.size, span
 
 
 def token_count(tokens: int) -> str:
@@ -125,7 +269,9 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
         *_rampup_lines(config, plan),
         f"tokens            {plan.tokens_per_step:,}/step, {plan.total_tokens:,} in total ({token_count(plan.total_tokens)})",
         f"compute           {plan.total_flops / plan.total_tokens:.3e} FLOPs/token on average, "
-        f"{plan.total_flops:.3e} FLOPs in total [{MFU_CONVENTION}]",
+        f"{plan.total_flops:.3e} FLOPs in total "
+        f"[{ISOLATED_DOCUMENTS_CONVENTION if d.reset_attention_mask else MFU_CONVENTION}]",
+        *_document_lines(config),
         f"optimizer         AdamW ({o.adam_beta1:g}, {o.adam_beta2:g}), eps {o.adam_eps:g}, weight decay "
         f"{o.weight_decay:g} on {'every parameter' if o.decay_norms_and_biases else 'matrices only'}, clip "
         f"{o.clip_grad:g}; init N(0, {m.init_method_std:g})"
@@ -143,9 +289,11 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
         lr_end = lr_at(end - 1, config=s, total_steps=total, phases=phases)
         lines.append(
             f"  {name:<9} steps [{start:>6}, {end:>6})  {end - start:>6} steps  "
-            f"{token_count((end - start) * context.tokens_per_step):>8} tokens  lr {lr_start:.2e} -> {lr_end:.2e}"
+            f"{token_count(steps_tokens(config, context, start, end)):>8} tokens  lr {lr_start:.2e} -> {lr_end:.2e}"
             + ("  (warmup restarts)" if phase.restart_warmup else "")
         )
+        if notes := _phase_notes(config, context):
+            lines.append("            " + "; ".join(notes))
         if varies(contexts) or len({c.rotary_base for c in contexts}) > 1:
             # Each phase's own length: attention's FLOPs per token grow with it.
             kept = ("same tokens/step" if context.tokens_per_step == first_tokens
@@ -154,7 +302,7 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
                 f"            sequence {context.seq_length}, global {context.global_batch_size} = micro "
                 f"{context.micro_batch_size} x DP {plan.data_parallel} x "
                 f"{context.global_batch_size // (context.micro_batch_size * plan.data_parallel)}, RoPE base "
-                f"{context.rotary_base:g}; {kept}; {phase_total / ((end - start) * context.tokens_per_step):.3e} "
+                f"{context.rotary_base:g}; {kept}; {phase_total / steps_tokens(config, context, start, end):.3e} "
                 f"FLOPs/token, {phase_total:.3e} FLOPs")
     p = config.parallel
     params = {"bfloat16": "bf16 parameters (fp32 main parameters)", "float32": "fp32 parameters"}.get(
@@ -181,6 +329,35 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
     )
     lines.append(f"data              {' '.join(map(str, d.data_path))} (split {d.split})")
     return "\n".join(lines)
+
+
+def _phase_notes(config: RunConfig, context: PhaseContext) -> list[str]:
+    """What sets a phase apart, on its own line under it: a length of its own (the long-context
+    phase), the part of the batch-size ramp-up its steps run, isolated documents."""
+    d, phase, i = config.data, context.phase, context.phase.index
+    notes = []
+    if phase.seq_length is not None and context.seq_length != d.seq_length:
+        kind = "long" if context.seq_length > d.seq_length else "short"
+        notes.append(f"{kind} context: phases[{i}].seq_length {context.seq_length} (data.seq_length {d.seq_length})")
+    if d.rampup_batch_size is not None:
+        ramp_end = next((step for step in range(config.training.train_iters)
+                         if config.global_batch_size_at(step) == d.global_batch_size), config.training.train_iters)
+        lo, hi = phase.start, min(phase.end, ramp_end)
+        if hi > lo:
+            first, last = config.global_batch_size_at(lo), config.global_batch_size_at(hi - 1)
+            notes.append(f"batch ramp-up in steps [{lo}, {hi}): global {first}"
+                         + (f" -> {last}" if last != first else "")
+                         + f", {d.global_batch_size} from step {ramp_end} (data.rampup_batch_size)")
+    if d.reset_attention_mask:
+        notes.append("documents isolated: each attends only within itself (data.reset_attention_mask)")
+    return notes
+
+
+def _document_lines(config: RunConfig) -> list[str]:
+    """Where isolated documents' attention FLOPs come from (``document_attention``), per length."""
+    lengths = sorted({c.seq_length for c in config.phase_contexts})
+    found = [document_attention(config, length) for length in lengths]
+    return [f"documents         isolated (data.reset_attention_mask): {a.describe()}" for a in found if a is not None]
 
 
 def _rampup_lines(config: RunConfig, plan: RunPlan) -> list[str]:
@@ -215,13 +392,13 @@ def check_tokenizer_serves(config: RunConfig, tokenizer: EncoderTokenizer) -> No
         document_end_id(config.data, tokenizer)
     for phase in config.phases:
         phase.objective.check_tokenizer(tokenizer)
-    if config.training.eval_interval:
+    if config.data.eval_iters:  # validation runs (at least after the last step)
         for objective in config.validation_objectives().values():
             try:
                 objective.check_tokenizer(tokenizer)
             except UserError as err:
-                raise type(err)(f"validation (training.eval_interval={config.training.eval_interval}) measures "
-                                f"{objective.name}: {err}; or set training.eval_interval: 0") from None
+                raise type(err)(f"validation (data.eval_iters={config.data.eval_iters}) measures "
+                                f"{objective.name}: {err}; or set data.eval_iters: 0") from None
 
 
 def check_paths(config: RunConfig) -> list[str]:

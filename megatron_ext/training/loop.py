@@ -47,7 +47,7 @@ from megatron_ext.training import data as data_lib
 from megatron_ext.training import cuda_graphs
 from megatron_ext.training import context as context_lib
 from megatron_ext.training.branching import check_saved_parent
-from megatron_ext.training.config import RunConfig
+from megatron_ext.training.config import DataConfig, RunConfig
 from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.schedule import Phase
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, StepOutcome, megatron_transformer_overrides
@@ -77,6 +77,10 @@ class TrainResult:
     valid: dict[int, dict[str, float]] = field(default_factory=dict)
     """Completed step -> validation loss by ``objectives.validation_objectives`` key ({"clm": ..., "mlm": ...},
     and "mntp" for a run that trains MNTP)."""
+    test: dict[str, float] = field(default_factory=dict)
+    """The test split's losses, by the same keys as ``valid``, measured once after the last step
+    (``training.train_iters``); empty when the split has no test share, ``data.eval_iters`` is 0 or
+    the run stopped before its end."""
     skipped_steps: int = 0
     checkpoint: str | None = None
     """The last checkpoint written or loaded."""
@@ -108,7 +112,7 @@ def masking_generator(seed: int, step: int, group: int, device: torch.device, *,
 def validate(engine: MegatronEngine, batches: list[dict[str, torch.Tensor]], *, config: RunConfig,
              vocabulary: Vocabulary) -> dict[str, float]:
     """Validation losses (``objectives.validation_objectives``) on the same fixed batches (global
-    token means), whatever the run trains."""
+    token means), whatever the run trains; the test split's at the end of training, measured alike."""
     engine.model.eval()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -319,8 +323,9 @@ def _warn_of_kept_steps_missed(config: RunConfig, start: int) -> None:
 
 def _due(step: int, interval: int, total: int) -> bool:
     """Whether a periodic action (evaluation, saving) runs after ``step``: every ``interval``
-    steps and after the last."""
-    return step % interval == 0 or step == total
+    steps (0: none before the last; ``training.eval_interval: 0``, as in Megatron-LM, still
+    validates at the end of training) and after the last."""
+    return step == total or (interval > 0 and step % interval == 0)
 
 
 def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
@@ -383,13 +388,32 @@ def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None,
         engine.close()  # its CUDA graphs, whatever ends the run
 
 
+RESUME_KEEPS_DATA = {
+    "reset_attention_mask": "which tokens each token attends to",
+    "reset_position_ids": "the positions RoPE reads",
+    "eod_mask_loss": "which tokens the loss scores",
+}
+"""``data`` keys a resume keeps, with what a change would alter from the checkpoint's step on: the
+steps after it would compute another function of the same samples than the steps before, which a
+resume (the run continued as if never stopped) cannot be; a branch compares them too
+(``training.branching``)."""
+
+
 def _check_resume_keeps_context(checkpoint: Checkpoint, config: RunConfig) -> None:
-    """Refuse, in one line, to resume ``checkpoint`` with phases that read other sequence lengths,
-    RoPE bases or global batches than the run that saved it (its data positions and positions'
-    meaning would no longer be its own). Other contexts continue a run only explicitly: a branch
+    """Refuse, in one line naming the key and the step, to resume ``checkpoint`` with another
+    ``RESUME_KEEPS_DATA`` setting, or with phases that read other sequence lengths, RoPE bases or
+    global batches than the run that saved it (its data positions and positions' meaning would no
+    longer be its own). Other settings continue a run only explicitly: a branch
     (``checkpoint.branch_from``) or continued pretraining (``checkpoint.finetune``)."""
     saved_raw = checkpoint.run_config()
-    saved_ramp = (saved_raw.get("data") or {}).get("rampup_batch_size")
+    saved_data = saved_raw.get("data") or {}
+    for key, what in RESUME_KEEPS_DATA.items():
+        saved, wanted = saved_data.get(key, DataConfig.__dataclass_fields__[key].default), getattr(config.data, key)
+        if saved != wanted:
+            raise UserError(f"resuming {checkpoint} (step {checkpoint.step}) with data.{key} {json.dumps(saved)} -> "
+                            f"{json.dumps(wanted)}: {what} would change from the next step on; keep it, or branch "
+                            "(checkpoint.branch_from) or continue from the weights (checkpoint.finetune)")
+    saved_ramp = saved_data.get("rampup_batch_size")
     ramp = config.data.rampup_batch_size
     if (list(saved_ramp) if saved_ramp else None) != (list(ramp) if ramp else None):
         raise UserError(f"resuming {checkpoint} with another data.rampup_batch_size: {saved_ramp} in the saved run, "
@@ -399,7 +423,7 @@ def _check_resume_keeps_context(checkpoint: Checkpoint, config: RunConfig) -> No
     raw_phases = saved_raw.get("phases") or []
     sets_context = any(isinstance(p, dict) and set(p) & set(Phase.CONTEXT_KEYS) for p in raw_phases)
     if not sets_context and not context_lib.varies(config.phase_contexts) and \
-            (saved_raw.get("data") or {}).get("seq_length") == config.data.seq_length:
+            saved_data.get("seq_length") == config.data.seq_length:
         return  # one length, the same, in both: nothing to compare (and older configs need not read)
     try:
         saved = run_config_from_dict(saved_raw)
@@ -491,12 +515,16 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
                  vocabulary: Vocabulary, device: torch.device, log: StepLogger, guard: _NonFiniteGuard,
                  checkpoints: _RunCheckpoints, stop: StopPolicy, sinks: MetricSinks, result: TrainResult,
                  exit_after_step: int | None, branched_from: dict | None) -> None:
-    """Steps ``start`` to ``total`` (or to the step a stop asks for), with their validations and saves."""
+    """Steps ``start`` to ``total`` (or to the step a stop asks for), with their validations and saves;
+    after the last, the validation (whatever ``training.eval_interval``) and the test split's
+    evaluation, as Megatron-LM ends a run."""
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     for step in range(start, total):
         done = step + 1
         phase = phase_at(phases, step)
+        if step == phase.start or step == start:
+            log.phase_begins(step, phase)
         context = context_lib.context_at(config.phase_contexts, step)
         engine.checkpoint_model.rotary_base = context.rotary_base  # the phase's RoPE theta, from its first step
         lr = lr_at(step, config=config.schedule, total_steps=total, phases=phases)
@@ -512,6 +540,9 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
         if batches.valid and _due(done, config.training.eval_interval, total):
             result.valid[done] = validate(engine, batches.valid, config=config, vocabulary=vocabulary)
             log.validation(done, result.valid[done])
+        if done == total and (test_batches := batches.test_batches(device)):
+            result.test = validate(engine, test_batches, config=config, vocabulary=vocabulary)
+            log.test(done, result.test)
         stopping = stop.reason_to_stop(done, device)  # a collective: every rank, every step
         if stopping is None and exit_after_step is not None and done >= exit_after_step:
             stopping = f"exit_after_step={exit_after_step}"

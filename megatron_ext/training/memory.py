@@ -1,6 +1,9 @@
 """Memory per rank a run needs, estimated from its config before anything is allocated.
 
-``--dry-run`` prints the estimate; ``pretrain`` refuses a config whose estimate exceeds the
+``--dry-run`` prints the estimate, judged against a GPU of ``--gpu KIND``, else against this
+machine where it runs the plan's processes (``runs_elsewhere``; a 64-process plan made on a CPU login
+node is not judged by the login node's memory: the dry run says memory was not checked and names
+``--gpu KIND``); ``pretrain`` refuses a config whose estimate exceeds the
 memory this process can use (``hardware.usable_memory_bytes``), naming the estimate and the
 settings that reduce it, instead of hanging or dying in the allocator an hour in.
 
@@ -156,17 +159,17 @@ def phase_memory(config: RunConfig, *, world_size: int) -> list[MemoryEstimate]:
 def _estimate(config: RunConfig, *, world_size: int, data, phases) -> MemoryEstimate:
     """Peak bytes per rank of ``phases`` of ``config`` read as ``data`` (a ``DataConfig``)."""
     from megatron_ext.training.metrics import peak_lm_head_share
-    from megatron_ext.training.dry_run import make_plan
+    from megatron_ext.training.dry_run import check_layout
 
-    plan = make_plan(config, world_size)
+    data_parallel = check_layout(config, world_size)
     m, d, t, p = config.model, data, config.training, config.parallel
-    tp, pp = plan.tensor_parallel, plan.pipeline_parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     params = stage_parameters(m, tensor_parallel=tp, pipeline_parallel=pp)
     param_bytes = m.torch_dtype.itemsize
-    distributed = p.use_distributed_optimizer and plan.data_parallel > 1
+    distributed = p.use_distributed_optimizer and data_parallel > 1
     # Adam: two fp32 moments, plus an fp32 main copy of parameters stored in lower precision.
     optimizer_per_param = 8 + (4 if param_bytes < 4 else 0)
-    optimizer = params * optimizer_per_param / (plan.data_parallel if distributed else 1)
+    optimizer = params * optimizer_per_param / (data_parallel if distributed else 1)
 
     residual_bytes = param_bytes  # the residual stream keeps the parameters' dtype under autocast
     compute_bytes = 2 if t.bf16 or param_bytes == 2 else 4
@@ -178,7 +181,7 @@ def _estimate(config: RunConfig, *, world_size: int, data, phases) -> MemoryEsti
                      for phase in phases)
     head = tokens * head_share * lm_head_bytes_per_scored_token(m, compute_bytes=compute_bytes, tensor_parallel=tp)
     outside_layers = tokens * 2 * m.hidden_size * residual_bytes  # embedding output, final norm input
-    in_flight = min(pp, d.global_batch_size // (d.micro_batch_size * plan.data_parallel))
+    in_flight = min(pp, d.global_batch_size // (d.micro_batch_size * data_parallel))
 
     def activations(kept_layers: float, full_layers: int) -> int:
         held = tokens * (kept_layers * m.hidden_size * residual_bytes + full_layers * per_layer)
@@ -207,11 +210,20 @@ def _estimate(config: RunConfig, *, world_size: int, data, phases) -> MemoryEsti
     )
 
 
-def reduce_memory_advice(config: RunConfig, *, on_gpu: bool = True) -> str:
+def reduce_memory_advice(config: RunConfig, *, on_gpu: bool = True, phase: int | None = None) -> str:
     """What reduces the memory of ``config``: only the settings it does not have already (recomputation
-    and CUDA graphs only where they apply: on a GPU)."""
+    and CUDA graphs only where they apply: on a GPU). For phase ``phase`` of a run whose phases read
+    other lengths or batches, its own keys (``phases[i].micro_batch_size``, and ``phases[i].seq_length``
+    where it sets one): the run's ``data.*`` would change every phase, or none where it sets its own."""
     t, p = config.training, config.parallel
-    advice = ["reduce data.micro_batch_size or data.seq_length"]
+    if phase is None:
+        micro, length = config.data.micro_batch_size, "data.seq_length"
+        keys = [f"data.micro_batch_size (now {micro})"] if micro > 1 else []
+    else:
+        micro = config.phase_contexts[phase].micro_batch_size
+        keys = [f"phases[{phase}].micro_batch_size (now {micro})"] if micro > 1 else []
+        length = f"phases[{phase}].seq_length" if config.phases[phase].seq_length is not None else "data.seq_length"
+    advice = ["lower " + " or ".join(keys + [length])]  # a micro-batch of 1 cannot be lowered
     if t.recompute_granularity != "full" and on_gpu:
         advice.append("set training.recompute_granularity: full")
     if not t.lm_head_scored_only:
@@ -241,31 +253,71 @@ def check_fits(estimate: MemoryEstimate, usable_bytes: int, where: str, *, advic
 
 
 def memory_report(config: RunConfig, *, world_size: int, gpu_kind: str | None = None) -> str:
-    """``--dry-run``'s memory lines: the estimate and whether it fits this machine's device, or a GPU
-    of ``gpu_kind`` (``--gpu``: a plan made on a login node is for the compute nodes' GPUs)."""
+    """``--dry-run``'s memory lines: the estimate and whether it fits a GPU of ``gpu_kind`` (``--gpu``:
+    a plan made on a login node is for the compute nodes' GPUs), else this machine's device where this
+    machine runs the plan's processes (:func:`runs_elsewhere`); elsewhere the estimate alone, saying
+    that memory was not checked and how to check it (a verdict about this machine would be about the
+    wrong one)."""
     from megatron_ext import hardware
+    from megatron_ext.training.context import varies
 
-    estimate = estimate_memory(config, world_size=world_size)
     if gpu_kind in GPU_MEMORY_GIB:
         usable, where, on = GPU_MEMORY_GIB[gpu_kind] * GiB, f"a {gpu_kind} ({GPU_MEMORY_GIB[gpu_kind]} GiB)", f"on a {gpu_kind}"
-        gpu = True
+        gpu, run_there = True, f"a run on a {gpu_kind}"
+    elif (reason := runs_elsewhere(world_size)) is not None:
+        return _unchecked_memory_report(config, world_size=world_size, reason=reason)
     else:
-        (usable, where), on, gpu = hardware.usable_memory_bytes(), "on this machine", hardware.on_gpu()
+        (usable, where), gpu = hardware.usable_memory_bytes(), hardware.on_gpu()
+        on, run_there = "on this machine", "a run here"
+    if varies(config.phase_contexts):
+        return _phase_memory_report(config, world_size=world_size, usable=usable, where=where, on=on, on_gpu=gpu)
+    estimate = estimate_memory(config, world_size=world_size)
     if estimate.total <= usable:
         verdict = f"fits {where}: {usable / GiB:.1f} GiB usable"
     else:
-        verdict = (f"NOT READY, a run here would stop: {usable / GiB:.1f} GiB usable in {where}; "
+        verdict = (f"NOT READY, {run_there} would stop: {usable / GiB:.1f} GiB usable in {where}; "
                    f"{reduce_memory_advice(config, on_gpu=gpu)}")
-    from megatron_ext.training.context import varies
-
-    if varies(config.phase_contexts):
-        return _phase_memory_report(config, world_size=world_size, usable=usable, where=where, on_gpu=gpu)
     largest = largest_micro_batch(config, world_size=world_size, usable_bytes=usable)
     choice = (f"{largest} (data.micro_batch_size; {config.data.micro_batch_size} in this config)" if largest
               else "none, even 1 exceeds it")
+    same = "same global batch" + (" and ramp-up batches" if config.data.rampup_batch_size is not None else "")
     return (f"memory/rank       {estimate.describe()}\n                  {on}: {verdict}\n"
-            f"                  largest micro-batch within {100 * (1 - MICRO_BATCH_HEADROOM):.0f} % of that memory, same "
-            f"global batch: {choice}")
+            f"                  largest micro-batch within {100 * (1 - MICRO_BATCH_HEADROOM):.0f} % of that memory, "
+            f"{same}: {choice}")
+
+
+def runs_elsewhere(world_size: int) -> str | None:
+    """Why this machine does not run a plan of ``world_size`` processes (so its memory, and what its
+    mounts lack, say nothing about the plan), or None when it does: on a GPU machine up to one process
+    per local GPU; on a machine without GPUs, one process. Several CPU processes only serve tests of
+    the parallel layouts (tiny models, where memory is no question), so a dry run for more processes
+    on a machine without GPUs is a plan made on a login node for the compute nodes' GPUs: only
+    ``--gpu KIND`` knows their memory."""
+    from megatron_ext import hardware
+
+    if hardware.on_gpu():
+        import torch
+
+        local = torch.cuda.device_count()
+        return None if world_size <= local else f"{world_size} processes, more than this machine's {local} GPU(s)"
+    return None if world_size == 1 else f"{world_size} processes, and this machine has no GPU"
+
+
+def _unchecked_memory_report(config: RunConfig, *, world_size: int, reason: str) -> str:
+    """The memory lines of a plan this machine does not run (:func:`runs_elsewhere`): the estimate,
+    and the flag that checks it."""
+    from megatron_ext.training.context import varies
+
+    check = (f"memory not checked ({reason}): give --gpu KIND ({', '.join(GPU_MEMORY_GIB)}) to check it "
+             "against that GPU's memory")
+    if not varies(config.phase_contexts):
+        estimate = estimate_memory(config, world_size=world_size)
+        return f"memory/rank       {estimate.describe()}\n                  {check}"
+    lines = [f"memory/rank       per phase; {check}:"]
+    for context, estimate in zip(config.phase_contexts, phase_memory(config, world_size=world_size)):
+        lines.append(f"  phases[{context.phase.index}] {context.phase.name:<8} seq {context.seq_length} x micro "
+                     f"{context.micro_batch_size}: {estimate.describe()}")
+    return "\n".join(lines)
 
 
 MICRO_BATCH_HEADROOM = 0.25
@@ -279,18 +331,36 @@ def largest_micro_batch(config: RunConfig, *, world_size: int, usable_bytes: int
     """The largest ``data.micro_batch_size`` whose estimate at ``world_size`` processes stays within
     ``(1 - headroom) * usable_bytes``, among the sizes that split ``sequences_per_rank`` evenly (by
     default one data-parallel rank's share of the global batch at ``world_size``: the global batch,
-    and with it the training, is unchanged, only the number of micro-batches per step changes);
-    ``None`` when even one sequence does not fit. Larger
+    and with it the training, is unchanged, only the number of micro-batches per step changes) and
+    that the run accepts (:func:`_candidate`: a batch-size ramp-up's smaller batches must split into
+    whole micro-batches too); ``None`` when even one sequence does not fit. Never raises for a config
+    that ``dry_run.check_layout`` accepts. Larger
     micro-batches mean fewer, bigger kernels per step and fewer host calls per token, which is what a
     host-bound step (Transformer Engine at small micro-batches) lacks."""
-    from megatron_ext.training.dry_run import make_plan
+    from megatron_ext.training.dry_run import check_layout
 
-    per_rank = sequences_per_rank or config.data.global_batch_size // make_plan(config, world_size).data_parallel
+    per_rank = sequences_per_rank or config.data.global_batch_size // check_layout(config, world_size)
     for micro in sorted((n for n in range(1, per_rank + 1) if per_rank % n == 0), reverse=True):
-        candidate = replace(config, data=replace(config.data, micro_batch_size=micro))
-        if estimate_memory(candidate, world_size=world_size).total <= (1 - headroom) * usable_bytes:
+        candidate = _candidate(config, world_size, lambda c: replace(c, data=replace(c.data, micro_batch_size=micro)))
+        if candidate is not None and \
+                estimate_memory(candidate, world_size=world_size).total <= (1 - headroom) * usable_bytes:
             return micro
     return None
+
+
+def _candidate(config: RunConfig, world_size: int, change) -> RunConfig | None:
+    """``change(config)`` when the run could train with it (the config's own checks and
+    ``dry_run.check_layout``'s: every global batch of the run, a batch-size ramp-up's included,
+    divisible by micro-batch x data-parallel size), else None: a micro-batch search proposes only
+    settings the run accepts."""
+    from megatron_ext.config_loading import UserError
+    from megatron_ext.training.dry_run import layout_problem
+
+    try:
+        candidate = change(config)
+    except UserError:
+        return None
+    return candidate if layout_problem(candidate, world_size) is None else None
 
 
 def check_run_fits(config: RunConfig, *, world_size: int, usable_bytes: int, where: str) -> None:
@@ -300,24 +370,27 @@ def check_run_fits(config: RunConfig, *, world_size: int, usable_bytes: int, whe
     from megatron_ext.config_loading import UserError
     from megatron_ext.training.context import varies
 
-    advice = reduce_memory_advice(config, on_gpu=hardware.on_gpu())
     contexts = config.phase_contexts
     if not varies(contexts):
-        return check_fits(estimate_memory(config, world_size=world_size), usable_bytes, where, advice=advice)
+        return check_fits(estimate_memory(config, world_size=world_size), usable_bytes, where,
+                          advice=reduce_memory_advice(config, on_gpu=hardware.on_gpu()))
     for context, estimate in zip(contexts, phase_memory(config, world_size=world_size)):
         if estimate.total > usable_bytes:
             i = context.phase.index
             largest = largest_phase_micro_batch(config, i, world_size=world_size, usable_bytes=usable_bytes)
-            fix = f"set phases[{i}].micro_batch_size: {largest}" if largest else advice
+            fix = (f"set phases[{i}].micro_batch_size: {largest}" if largest
+                   else reduce_memory_advice(config, on_gpu=hardware.on_gpu(), phase=i))
             raise UserError(f"phases[{i}] ({context.seq_length} tokens x micro-batch {context.micro_batch_size}) needs "
                             f"about {estimate.total / GiB:.1f} GiB per rank but {where} has {usable_bytes / GiB:.1f} "
                             f"GiB usable ({estimate.describe()}); {fix}")
 
 
-def _phase_memory_report(config: RunConfig, *, world_size: int, usable: int, where: str, on_gpu: bool) -> str:
+def _phase_memory_report(config: RunConfig, *, world_size: int, usable: int, where: str, on: str,
+                         on_gpu: bool) -> str:
     """``--dry-run``'s memory lines of a run whose phases read other lengths or batches: each
-    phase's estimate, and for one that does not fit, the largest micro-batch that does."""
-    lines = [f"memory/rank       per phase, on this machine ({where}: {usable / GiB:.1f} GiB usable):"]
+    phase's estimate, and for one that does not fit, the largest micro-batch that does (``on``: on
+    this machine, or on the GPU kind of ``--gpu``)."""
+    lines = [f"memory/rank       per phase, {on} ({where}: {usable / GiB:.1f} GiB usable):"]
     for context, estimate in zip(config.phase_contexts, phase_memory(config, world_size=world_size)):
         i = context.phase.index
         line = (f"  phases[{i}] {context.phase.name:<8} seq {context.seq_length} x micro {context.micro_batch_size}: "
@@ -326,7 +399,8 @@ def _phase_memory_report(config: RunConfig, *, world_size: int, usable: int, whe
             largest = largest_phase_micro_batch(config, i, world_size=world_size, usable_bytes=usable)
             line += (f"; NOT READY, this phase would not fit: set phases[{i}].micro_batch_size: {largest}"
                      if largest else f"; NOT READY, this phase would not fit, and no micro-batch fits within "
-                     f"{100 * (1 - MICRO_BATCH_HEADROOM):.0f} % of that memory: {reduce_memory_advice(config, on_gpu=on_gpu)}")
+                     f"{100 * (1 - MICRO_BATCH_HEADROOM):.0f} % of that memory: "
+                     f"{reduce_memory_advice(config, on_gpu=on_gpu, phase=i)}")
         lines.append(line)
     return "\n".join(lines)
 
@@ -334,14 +408,14 @@ def _phase_memory_report(config: RunConfig, *, world_size: int, usable: int, whe
 def largest_phase_micro_batch(config: RunConfig, index: int, *, world_size: int, usable_bytes: int,
                               headroom: float = MICRO_BATCH_HEADROOM) -> int | None:
     """:func:`largest_micro_batch` for phase ``index`` (its ``micro_batch_size``, same global batch)."""
-    from megatron_ext.training.dry_run import make_plan
+    from megatron_ext.training.dry_run import check_layout
 
     context = config.phase_contexts[index]
-    per_rank = context.global_batch_size // make_plan(config, world_size).data_parallel
+    per_rank = context.global_batch_size // check_layout(config, world_size)
     for micro in sorted((n for n in range(1, per_rank + 1) if per_rank % n == 0), reverse=True):
-        phases = tuple(replace(phase, micro_batch_size=micro) if i == index else phase
-                       for i, phase in enumerate(config.phases))
-        candidate = replace(config, phases=phases)
-        if phase_memory(candidate, world_size=world_size)[index].total <= (1 - headroom) * usable_bytes:
+        candidate = _candidate(config, world_size, lambda c: replace(c, phases=tuple(
+            replace(phase, micro_batch_size=micro) if i == index else phase for i, phase in enumerate(c.phases))))
+        if candidate is not None and \
+                phase_memory(candidate, world_size=world_size)[index].total <= (1 - headroom) * usable_bytes:
             return micro
     return None

@@ -8,6 +8,13 @@ at the scored (masked) share of positions only, so MFU is not inflated by FLOPs 
 Megatron-LM's own formula halves attention for causal masks; for an encoder that undercounts,
 and we use the full term for CLM steps too so that figures are comparable across phases (the
 kernels do skip the masked half for causal steps, so CLM MFU reads slightly high).
+
+With isolated documents (``data.reset_attention_mask``) a row's attention is computed per document:
+a document of ``d`` tokens costs ``d^2``, so the row's attention term is ``12 * L * h * sum(d^2) / s``
+per token instead of ``12 * L * h * s``. ``flops_per_token(attended=)`` takes that mean number of
+keys per query; ``--dry-run`` and the cost model estimate it from the data
+(``training.dry_run.document_attention``) and state :data:`ISOLATED_DOCUMENTS_CONVENTION`. The step
+log's MFU keeps :data:`MFU_CONVENTION` (full rows), like the throughput measurements.
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ import math
 from megatron_ext.model.config import EncoderModelConfig, layer_matmul_parameters
 from megatron_ext.schedule import ResolvedPhase
 
-MFU_CONVENTION = ("6*N(matmul params incl. LM head, the head counted at the positions where it runs) "
-                  "+ 12*L*h*s (full bidirectional attention)")
+_MATMUL_CONVENTION = "6*N(matmul params incl. LM head, the head counted at the positions where it runs)"
+MFU_CONVENTION = _MATMUL_CONVENTION + " + 12*L*h*s (full bidirectional attention)"
+ISOLATED_DOCUMENTS_CONVENTION = (_MATMUL_CONVENTION + " + 12*L*h*sum(d^2)/s (attention within each document d "
+                                 "of a row of s tokens: data.reset_attention_mask)")
 
 PEAK_TFLOPS = {
     # Dense peak TFLOP/s per device, no sparsity: (bf16, fp8); matched as a substring of the device
@@ -33,14 +42,18 @@ PEAK_TFLOPS = {
 }
 
 
-def flops_per_token(config: EncoderModelConfig, seq_length: int, *, lm_head_share: float = 1.0) -> float:
+def flops_per_token(config: EncoderModelConfig, seq_length: int, *, lm_head_share: float = 1.0,
+                    attended: float | None = None) -> float:
     """Training FLOPs per token (forward + backward), see the module docstring.
 
     ``lm_head_share``: share of the positions at which the LM head runs (see ``lm_head_share``).
+    ``attended``: keys each query attends to, on average (default ``seq_length``: full rows; with
+    isolated documents ``sum(d^2) / s`` over a row's documents, which is at most ``seq_length``).
     """
     body = config.num_layers * layer_matmul_parameters(config)
     head = config.vocab_size * config.hidden_size
-    return 6.0 * (body + lm_head_share * head) + 12.0 * config.num_layers * config.hidden_size * seq_length
+    keys = seq_length if attended is None else attended
+    return 6.0 * (body + lm_head_share * head) + 12.0 * config.num_layers * config.hidden_size * keys
 
 
 def lm_head_share(phase: ResolvedPhase, step: int, *, seq_length: int, scored_only: bool) -> float:

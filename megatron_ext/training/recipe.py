@@ -87,6 +87,33 @@ def add_override_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, 
     return dests
 
 
+FIELD_DEFAULTS_SHOWN = {
+    ("model", "seq_length"): "the longest seq_length of data and phases",
+    ("model", "vocab_size"): f"{VOCAB_FROM_TOKENIZER} (the tokenizer's, padded to 128 x TP)",
+}
+"""Defaults a recipe gets from another key, not from the field's dataclass default (``_model_config``)."""
+
+
+def field_defaults(dests: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """``{dest: the value a recipe that does not set the field gets}`` (``dataclasses.MISSING``:
+    required), for ``--help``; flags that set no single field (``--phases``, ``--model-preset``) are left out."""
+    found: dict[str, Any] = {}
+    for dest, (section, name) in dests.items():
+        fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+        if name not in fields:
+            continue
+        field = fields[name]
+        if (section, name) in FIELD_DEFAULTS_SHOWN:
+            found[dest] = FIELD_DEFAULTS_SHOWN[section, name]
+        elif field.default is not dataclasses.MISSING:
+            found[dest] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            found[dest] = field.default_factory()
+        else:
+            found[dest] = dataclasses.MISSING
+    return found
+
+
 def apply_overrides(recipe: dict[str, Any], args: argparse.Namespace, dests: dict[str, tuple[str, str]]) -> dict[str, Any]:
     """Recipe with every flag given on the command line written into its section."""
     out = copy.deepcopy(recipe)

@@ -1,13 +1,15 @@
 """What a run reports: one readable line per logged step, and every record to its sinks.
 
-``StepLogger`` keeps the throughput window (tokens/s, MFU, ETA) and prints the step line that
-:func:`format_step_line` builds; :class:`MetricSinks` writes every record (each step, each
-validation) to ``metrics.jsonl`` and, when enabled, to Weights & Biases. Only rank 0 writes.
+``StepLogger`` keeps the window since the last line (mean loss, tokens/s, MFU, ETA) and prints the
+step line that :func:`format_step_line` builds, a line where a phase begins, and the evaluations'
+lines; :class:`MetricSinks` writes every record (each step, each validation, the test evaluation)
+to ``metrics.jsonl`` and, when enabled, to Weights & Biases. Only rank 0 writes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -30,11 +32,14 @@ def duration(seconds: float) -> str:
 
 
 def format_step_line(*, step: int, total_steps: int, phase: ResolvedPhase, loss: float, lr: float, grad_norm: float,
-                     tokens_per_s: float, mfu: float | None, elapsed_s: float, eta_s: float, skipped: bool,
+                     tokens_per_s: float, mfu: float | None, elapsed_s: float, eta_s: float, skipped: int,
                      name_width: int = 7, global_batch: int | None = None) -> str:
     """The step log line, e.g. ``step  40/100 | mlm-30  | loss 5.2692 | lr 1.00e-03 | gnorm 0.912 |
     12,345 tok/s | MFU 41.2% | elapsed 1m02s | ETA 1m33s``; the phase name is padded to
-    ``name_width`` (the run's longest), so a run's columns line up."""
+    ``name_width`` (the run's longest), so a run's columns line up. ``loss`` is what the caller
+    averaged (``StepLogger``: the steps since the last line); ``skipped`` counts those steps that
+    were skipped for a non-finite loss or gradient norm (Megatron's "number of skipped
+    iterations")."""
     line = (f"step {step:>{len(str(total_steps))}}/{total_steps} | {phase.name:<{name_width}} | loss {loss:.4f} | "
             f"lr {lr:.2e} | gnorm {grad_norm:.3f} | {tokens_per_s:,.0f} tok/s")
     if mfu is not None:
@@ -43,7 +48,7 @@ def format_step_line(*, step: int, total_steps: int, phase: ResolvedPhase, loss:
     if global_batch is not None:  # a batch-size ramp-up (data.rampup_batch_size): the step's global batch
         line += f" | batch {global_batch}"
     if skipped:
-        line += " | SKIPPED (non-finite)"
+        line += f" | {skipped} step{'s' if skipped > 1 else ''} SKIPPED (non-finite)"
     return line
 
 
@@ -133,8 +138,15 @@ def drop_superseded_rows(path: Path, start_step: int) -> int:
 
 
 class StepLogger:
-    """Throughput over the steps since the last logged one; a line every ``training.log_interval``
-    steps (and at the last), a record at every step."""
+    """A line every ``training.log_interval`` steps (and at the last), a record at every step.
+
+    The line's loss is the mean over the steps since the last line that were not skipped, as
+    Megatron-LM's (which averages its losses over ``--log-interval``): one step's loss is noisy, and
+    a line every N steps would otherwise show one sample of N. A phase that begins between two lines
+    starts its own mean (a CLM and an MLM loss measure different things; the line names the phase
+    of its steps), and a mean of no step (all skipped) is NaN. The lr and gradient norm are the
+    last step's; tokens/s and MFU are over the steps since the last line. ``metrics.jsonl`` keeps
+    every step's own loss."""
 
     def __init__(self, config: RunConfig, sinks: MetricSinks, *, total_steps: int, start_step: int):
         self.config = config
@@ -148,6 +160,7 @@ class StepLogger:
         self.window_steps = 0
         self.window_flops = 0.0
         self.window_tokens = 0
+        self.line_loss = _LineLoss()
         self.name_width = max([7, *(len(phase.name) for phase in config.resolved_phases)])
 
     def banner(self, phases: list[ResolvedPhase], rank_nodes: list[str]) -> None:
@@ -161,8 +174,35 @@ class StepLogger:
                 for p, c in zip(phases, contexts)) + f"; MFU convention: {MFU_CONVENTION}", flush=True)
             print(f"engine: megatron; {hardware.placement(rank_nodes)}; {hardware.accelerator_summary()}", flush=True)
 
+    def phase_begins(self, step: int, phase: ResolvedPhase) -> None:
+        """One line where this run enters ``phase``, before its step ``step`` (0-based): the phase's
+        first step, or a resumed run's first step inside it. It names the phase, its objective and
+        what the step reads (sequence length, RoPE base, global batch: a ramp-up's at that step),
+        each with the step before's value where the phase changes it: the banner lists every phase
+        up front, this line says when the run crosses into one (e.g. a long-context phase)."""
+        if not is_writer():
+            return
+        contexts = self.config.phase_contexts
+        context = contexts[phase.index]
+        begins = step == phase.start
+        before = contexts[phase.index - 1] if begins and phase.index > 0 else None
+
+        def setting(label: str, value: float, previous: float | None) -> str:
+            changed = previous is not None and previous != value
+            return f"{label} {value:g}" + (f" (was {previous:g})" if changed else "")
+
+        settings = [
+            setting("seq_length", context.seq_length, None if before is None else before.seq_length),
+            setting("RoPE base", context.rotary_base, None if before is None else before.rotary_base),
+            setting("global batch", self.config.global_batch_size_at(step),
+                    None if before is None else self.config.global_batch_size_at(step - 1))]
+        print(f"phase {phase.index + 1}/{len(contexts)} {phase.name} [{phase.start}, {phase.end}) "
+              f"{'begins' if begins else 'continues'} with step {step + 1}: objective {phase.objective.describe()}, "
+              + ", ".join(settings), flush=True)
+
     def step(self, step: int, phase: ResolvedPhase, loss: float, lr: float, grad_norm: float, skipped: bool) -> None:
         self.window_steps += 1
+        self.line_loss.add(phase.index, loss, skipped)
         # ``step`` counts completed steps: this is the update of step ``step - 1``.
         context = self.config.phase_contexts[phase.index]  # the phase's length and batch (training.context)
         share = lm_head_share(phase, step - 1, seq_length=context.seq_length,
@@ -185,16 +225,47 @@ class StepLogger:
             elapsed = now - self.run_start
             if is_writer():
                 print(format_step_line(
-                    step=step, total_steps=self.total_steps, phase=phase, loss=loss, lr=lr, grad_norm=grad_norm,
-                    tokens_per_s=values["tokens_per_s"], mfu=mfu, elapsed_s=elapsed, skipped=skipped,
-                    name_width=self.name_width,
+                    step=step, total_steps=self.total_steps, phase=phase, loss=self.line_loss.mean, lr=lr,
+                    grad_norm=grad_norm, tokens_per_s=values["tokens_per_s"], mfu=mfu, elapsed_s=elapsed,
+                    skipped=self.line_loss.skipped, name_width=self.name_width,
                     global_batch=global_batch if self.config.data.rampup_batch_size is not None else None, eta_s=elapsed / max(step - self.start_step, 1) * (self.total_steps - step)), flush=True)
             self.window_start, self.window_steps, self.window_flops, self.window_tokens = now, 0, 0.0, 0
+            self.line_loss = _LineLoss()
         self.sinks.record("train", step, values)
 
     def validation(self, step: int, losses: dict[str, float]) -> None:
-        self.sinks.record("valid", step, losses)
+        """A validation's losses: a ``valid`` record and the line ``validation at step N: ...``."""
+        self._evaluation("valid", "validation", step, losses)
+
+    def test(self, step: int, losses: dict[str, float]) -> None:
+        """The test split's losses at the end of training: a ``test`` record and ``test at step N: ...``."""
+        self._evaluation("test", "test", step, losses)
+
+    def _evaluation(self, kind: str, title: str, step: int, losses: dict[str, float]) -> None:
+        self.sinks.record(kind, step, losses)
         if is_writer():
             measured = self.config.validation_objectives()
-            print(f"validation at step {step}: " + " | ".join(
+            print(f"{title} at step {step}: " + " | ".join(
                 f"{objective.name} loss {losses[key]:.4f}" for key, objective in measured.items()), flush=True)
+
+
+class _LineLoss:
+    """The step line's loss: the mean over the steps since the last line that were not skipped, and
+    how many were skipped; restarted where a phase begins (``StepLogger``)."""
+
+    def __init__(self) -> None:
+        self.phase: int | None = None
+        self.total, self.steps, self.skipped = 0.0, 0, 0
+
+    def add(self, phase: int, loss: float, skipped: bool) -> None:
+        if phase != self.phase:
+            self.phase, self.total, self.steps, self.skipped = phase, 0.0, 0, 0
+        if skipped:
+            self.skipped += 1
+        else:
+            self.total += loss
+            self.steps += 1
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.steps if self.steps else math.nan

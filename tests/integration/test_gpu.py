@@ -228,8 +228,9 @@ def test_biphasic_run_follows_the_cpu_fp32_reference(tmp_path, tiny_corpus, init
     1.84 on CPU (the 32 runs above) and 1.60 on the H100 (2026-11-24, FP8 tensorwise)."""
     kind = "fp8" if fp8_recipe else "bf16"
     model = _te_model() if fp8_recipe else None
+    fp8 = {"fp8_format": "hybrid", "fp8_recipe": fp8_recipe} if fp8_recipe else {}  # Megatron's: the format turns FP8 on
     raw = _gpu_recipe(tiny_corpus, tmp_path, steps=STEPS, model=model, start_from=initial_weights,
-                      fp8_recipe=fp8_recipe) | DISTRIBUTED_OPTIMIZER
+                      **fp8) | DISTRIBUTED_OPTIMIZER
     result = pretrain(run_config_from_dict(raw))
     out = Path(os.environ.get("GPU_CHECK_OUT", tmp_path))
     (out / f"biphasic_{fp8_recipe or 'bf16'}.json").write_text(json.dumps(
@@ -563,6 +564,7 @@ def _graph_engine_run(tmp_path, *, cuda_graphs: str, model: dict, initial_state:
                       model={**model, "params_dtype": params_dtype},
                       data={"seq_length": 128, "micro_batch_size": 4, "global_batch_size": 8},
                       training={"train_iters": sum(GRAPH_STEPS.values()), "bf16": True, "fp8_recipe": fp8_recipe,
+                                "fp8_format": "hybrid" if fp8_recipe else None,
                                 "cuda_graphs": cuda_graphs},
                       parallel={"use_distributed_optimizer": distributed, "overlap_grad_reduce": distributed})
     config = run_config_from_dict(raw)

@@ -238,18 +238,21 @@ def test_step_line_names_phase_throughput_and_skips():
 
     clm, mlm = resolve_phases((Phase(objective=CLM(), share=0.5), Phase(objective=MLM(mask_ratio=0.3), share=0.5)), 100)
     line = format_step_line(step=7, total_steps=100, phase=mlm, loss=5.26924, lr=1e-3, grad_norm=0.9123,
-                            tokens_per_s=12345.6, mfu=0.4123, elapsed_s=62, eta_s=3725, skipped=False)
+                            tokens_per_s=12345.6, mfu=0.4123, elapsed_s=62, eta_s=3725, skipped=0)
     assert line == ("step   7/100 | mlm-30  | loss 5.2692 | lr 1.00e-03 | gnorm 0.912 | 12,346 tok/s | MFU 41.2% | "
                     "elapsed 1m02s | ETA 1h02m")
     line = format_step_line(step=100, total_steps=100, phase=clm, loss=float("nan"), lr=0.0, grad_norm=float("inf"),
-                            tokens_per_s=10.0, mfu=None, elapsed_s=5, eta_s=0, skipped=True)
+                            tokens_per_s=10.0, mfu=None, elapsed_s=5, eta_s=0, skipped=1)
     assert line.startswith("step 100/100 | clm     | loss nan") and "MFU" not in line
-    assert line.endswith("| SKIPPED (non-finite)")
+    assert line.endswith("| 1 step SKIPPED (non-finite)")
+    line = format_step_line(step=100, total_steps=100, phase=clm, loss=5.0, lr=0.0, grad_norm=1.0,
+                            tokens_per_s=10.0, mfu=None, elapsed_s=5, eta_s=0, skipped=3)
+    assert line.endswith("| 3 steps SKIPPED (non-finite)")  # of the steps since the last line
     # A run with a longer phase name pads every phase to it, so the columns line up.
     scheduled = resolve_phases((Phase(objective=MLM(mask_ratio=0.3, mask_ratio_schedule="cosine", final_mask_ratio=0.05),
                                       share=1.0),), 100)[0]
     lines = [format_step_line(step=1, total_steps=100, phase=p, loss=1.0, lr=1e-3, grad_norm=1.0, tokens_per_s=1.0,
-                              mfu=None, elapsed_s=1, eta_s=1, skipped=False, name_width=len(scheduled.name))
+                              mfu=None, elapsed_s=1, eta_s=1, skipped=0, name_width=len(scheduled.name))
              for p in (clm, scheduled)]
     assert [line.index("| loss") for line in lines] == [len("step   1/100 | mlm-30to5-cosine ")] * 2
 
@@ -268,8 +271,8 @@ def _write(recipe: dict, path: Path) -> str:
     ({"name": "wwm", "mask_ratio": 0.4}, "unmarked", r"objective wwm-40 masks whole words, but the pieces of tokenizer "
                                                      r"HuggingFaceTokenizer '.*unmarked' carry no word mark"),
     ({"name": "span", "mask_ratio": 0.4}, "unmarked", r"objective span-40 \(span_unit: word\) masks whole words"),
-    ("clm", "sentencepiece", r"validation \(training.eval_interval=4\) measures mlm-40: objective mlm-40 needs a "
-                             r"mask token: .*; or set training.eval_interval: 0"),
+    ("clm", "sentencepiece", r"validation \(data.eval_iters=1\) measures mlm-40: objective mlm-40 needs a "
+                             r"mask token: .*; or set data.eval_iters: 0"),
 ])
 def test_dry_run_refuses_a_tokenizer_an_objective_cannot_serve(tmp_path, tiny_corpus, news_texts, capsys, objective,
                                                                tokenizer, message):

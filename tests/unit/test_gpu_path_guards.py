@@ -19,8 +19,11 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a
 
 
 @pytest.mark.parametrize("sections, message", [
-    ({"training": {"train_iters": 8, "fp8_recipe": "delayed"}}, "training.fp8_recipe='delayed' needs training.bf16"),
-    ({"training": {"train_iters": 8, "bf16": True, "fp8_recipe": "tensorwise"}},
+    ({"training": {"train_iters": 8, "fp8_format": "hybrid"}}, "training.fp8_format='hybrid' (FP8) needs training.bf16"),
+    # Megatron-LM's meaning: --fp8-recipe alone does not turn FP8 on, so alone it is refused.
+    ({"training": {"train_iters": 8, "bf16": True, "fp8_recipe": "delayed"}},
+     "training.fp8_recipe='delayed' chooses how FP8 scales, but FP8 is off: training.fp8_format"),
+    ({"training": {"train_iters": 8, "bf16": True, "fp8_format": "hybrid", "fp8_recipe": "tensorwise"}},
      "needs model.transformer_impl: te"),
     ({"parallel": {"overlap_param_gather": True}}, "overlap_param_gather needs parallel.use_distributed_optimizer"),
     ({"training": {"train_iters": 8, "recompute_num_layers": 0}}, "recompute_num_layers must be >= 1"),
@@ -32,7 +35,7 @@ def test_inconsistent_gpu_settings_are_config_errors(tmp_path, tiny_corpus, sect
 
 
 @pytest.mark.parametrize("sections, message", [
-    ({"training": {"train_iters": 8, "bf16": True, "fp8_recipe": "delayed"},
+    ({"training": {"train_iters": 8, "bf16": True, "fp8_format": "e4m3"},
       "model": {"transformer_impl": "te"}}, "FP8 needs a CUDA GPU with compute capability >= 8.9"),
     ({"parallel": {"pipeline_model_parallel_size": 2}},
      "not divisible by tensor_model_parallel_size=1 x pipeline_model_parallel_size=2"),
@@ -65,7 +68,8 @@ def test_te_spec_falls_back_to_local_loudly_and_records_the_optimizer_format(tmp
 def test_transformer_overrides_carry_fp8_and_recomputation(tmp_path, tiny_corpus):
     config = run_config_from_dict(_recipe(
         tiny_corpus, tmp_path, model={"transformer_impl": "te"},
-        training={"train_iters": 8, "bf16": True, "fp8_recipe": "tensorwise", "recompute_granularity": "full",
+        training={"train_iters": 8, "bf16": True, "fp8_format": "hybrid", "fp8_recipe": "tensorwise",
+                  "recompute_granularity": "full",
                   "recompute_num_layers": 2}))
     assert megatron_transformer_overrides(config) == {
         "calculate_per_token_loss": True, "fp8": "hybrid", "fp8_recipe": "tensorwise",

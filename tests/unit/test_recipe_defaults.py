@@ -127,14 +127,14 @@ def test_a_failure_in_any_gpu_test_stage_or_a_tie_within_the_noise_keeps_the_def
 
 def test_fp8_needs_the_te_spec_and_a_local_one_is_refused_in_one_line(capsys):
     recipe = REPO / "examples" / "recipes" / "paper" / "1b_mlm_40.yaml"
-    code = pretrain_encoder.main(["--config", str(recipe), "--dry-run", "--world-size", "8", "--fp8-recipe", "delayed",
+    code = pretrain_encoder.main(["--config", str(recipe), "--dry-run", "--world-size", "8", "--fp8-format", "hybrid",
                                   "--transformer-impl", "local"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert err[-1].endswith("training.fp8_recipe='delayed' needs model.transformer_impl: te (FP8 matmuls are "
+    assert err[-1].endswith("training.fp8_format='hybrid' (FP8) needs model.transformer_impl: te (FP8 matmuls are "
                             "Transformer Engine layers), got 'local': add --transformer-impl te")
-    # The recipes' measured default is the TE spec: FP8 is one flag.
-    code = pretrain_encoder.main(["--config", str(recipe), "--dry-run", "--world-size", "8", "--fp8-recipe", "delayed"])
+    # The recipes' measured default is the TE spec: FP8 is one flag, Megatron-LM's.
+    code = pretrain_encoder.main(["--config", str(recipe), "--dry-run", "--world-size", "8", "--fp8-format", "hybrid"])
     assert code == 0 and "(te layers)" in capsys.readouterr().out
 
 

@@ -221,8 +221,7 @@ def test_restart_warmup():
     ("kwargs", "field"),
     [
         ({"lr": 1e-3}, "lr_wsd_decay_iters"),
-        ({"lr": 1e-3, "lr_decay_style": "cosine", "lr_wsd_decay_iters": 5}, "lr_wsd_decay_iters"),
-        ({"lr": 1e-3, "lr_decay_style": "WSD", "lr_wsd_decay_iters": 5}, "lr_decay_style"),
+        ({"lr": 1e-3, "lr_decay_style": "WSD"}, "lr_wsd_decay_iters"),
         ({"lr": 1e-3, "lr_wsd_decay_style": "step", "lr_wsd_decay_iters": 5}, "lr_wsd_decay_style"),
         ({"lr": 0.0, "lr_decay_style": "constant"}, "lr must"),
         ({"lr": 1e-3, "min_lr": 2e-3, "lr_decay_style": "constant"}, "min_lr"),
@@ -233,6 +232,18 @@ def test_restart_warmup():
 def test_lr_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
         LRScheduleConfig(**kwargs)
+
+
+def test_lr_decay_style_reads_megatron_spelling_and_other_styles_ignore_wsd_decay_iters():
+    """As in Megatron-LM: ``WSD`` is the warmup-stable-decay style, and ``lr_wsd_decay_iters`` (set by
+    every shipped recipe) is ignored by the other styles, so ``--lr-decay-style cosine`` works on them."""
+    assert LRScheduleConfig(lr=1e-3, lr_decay_style="WSD", lr_wsd_decay_iters=5).lr_decay_style == "wsd"
+    for style in ("cosine", "linear", "constant"):
+        with_wsd = LRScheduleConfig(lr=1e-3, lr_decay_style=style, lr_warmup_iters=2, lr_wsd_decay_iters=5)
+        plain = LRScheduleConfig(lr=1e-3, lr_decay_style=style, lr_warmup_iters=2)
+        rates = [lr_at(step, config=with_wsd, total_steps=20) for step in range(20)]
+        assert rates == [lr_at(step, config=plain, total_steps=20) for step in range(20)]
+        assert (rates[-1] < rates[2]) == (style != "constant")  # decays over the whole run, not the last 5
 
 
 def test_lr_at_errors():

@@ -55,8 +55,9 @@ def tokenizer(sp_model):
 
 def _config(tmp_path: Path, *data_path: str, **kwargs) -> DataConfig:
     kwargs.setdefault("data_cache_path", str(tmp_path / "cache"))
+    kwargs.setdefault("eval_iters", 2)
     return DataConfig(
-        data_path=data_path, seq_length=SEQ, micro_batch_size=MBS, global_batch_size=GBS, eval_iters=2,
+        data_path=data_path, seq_length=SEQ, micro_batch_size=MBS, global_batch_size=GBS,
         **kwargs,
     )
 
@@ -80,7 +81,7 @@ def _copy_pair(prefix: str, tmp_path: Path) -> str:
 
 def test_samples_have_seq_length_and_a_seeded_order(tmp_path, corpora, tokenizer):
     config = _config(tmp_path, corpora["a"])
-    train, valid = build_datasets(config, tokenizer=tokenizer, train_samples=40, valid_samples=16, seed=1234)
+    train, valid, _ = build_datasets(config, tokenizer=tokenizer, train_samples=40, valid_samples=16, seed=1234)
     assert len(train) >= 40 and len(valid) >= 16
     sample = train[0]
     assert sample["tokens"].shape == sample["labels"].shape == sample["loss_mask"].shape == (SEQ,)
@@ -89,10 +90,10 @@ def test_samples_have_seq_length_and_a_seeded_order(tmp_path, corpora, tokenizer
     assert any(Path(config.data_cache_path).glob("*GPTDataset-train-shuffle_index.npy"))
 
     # Same seed, fresh cache: the same shuffled order. Another seed: another order.
-    again, _ = build_datasets(
+    again, _, _ = build_datasets(
         _config(tmp_path, corpora["a"], data_cache_path=str(tmp_path / "other")),
         tokenizer=tokenizer, train_samples=40, valid_samples=16, seed=1234)
-    reseeded, _ = build_datasets(
+    reseeded, _, _ = build_datasets(
         _config(tmp_path, corpora["a"]), tokenizer=tokenizer, train_samples=40, valid_samples=16, seed=7
     )
     first = [train[i]["tokens"].tolist() for i in range(10)]
@@ -107,7 +108,7 @@ def test_document_flags_reach_gpt_dataset(tmp_path, corpora, tokenizer):
 
     flags = {"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True}
     config = _config(tmp_path, corpora["a"], **flags)
-    train, _ = build_datasets(config, tokenizer=tokenizer, train_samples=40, valid_samples=16, seed=1234)
+    train, _, _ = build_datasets(config, tokenizer=tokenizer, train_samples=40, valid_samples=16, seed=1234)
     iterator = build_train_iterator(train, config=config, dp_rank=0, dp_size=1, consumed_samples=0)
     # The first micro-batch with a document boundary that is not the last token of its row.
     batch = next(b for b in iterator if (b["tokens"][:, :-1] == tokenizer.eod).any())
@@ -124,7 +125,7 @@ def test_document_flags_reach_gpt_dataset(tmp_path, corpora, tokenizer):
 def test_blend_weights_parse_and_the_blend_follows_them(tmp_path, corpora, tokenizer):
     config = _config(tmp_path, "0.25", corpora["a"], "0.75", corpora["b"])
     assert config.blend == ([corpora["a"], corpora["b"]], [0.25, 0.75])
-    train, valid = build_datasets(config, tokenizer=tokenizer, train_samples=400, valid_samples=16, seed=1234)
+    train, valid, _ = build_datasets(config, tokenizer=tokenizer, train_samples=400, valid_samples=16, seed=1234)
     assert type(train).__name__ == "BlendedDataset" and len(train) == 400
     counts = np.bincount(np.asarray(train.dataset_index), minlength=2)
     assert abs(counts[0] - 100) <= 1 and abs(counts[1] - 300) <= 1
@@ -133,7 +134,7 @@ def test_blend_weights_parse_and_the_blend_follows_them(tmp_path, corpora, token
 
     unweighted = _config(tmp_path, corpora["a"], corpora["b"])
     assert unweighted.blend == ([corpora["a"], corpora["b"]], None)
-    train, _ = build_datasets(unweighted, tokenizer=tokenizer, train_samples=400, valid_samples=16, seed=1234)
+    train, _, _ = build_datasets(unweighted, tokenizer=tokenizer, train_samples=400, valid_samples=16, seed=1234)
     assert len(train) == 400
     with pytest.raises(ValueError, match="an unweighted blend is one pass over its datasets"):
         build_datasets(unweighted, tokenizer=tokenizer, train_samples=100_000, valid_samples=16, seed=1234)
@@ -141,11 +142,12 @@ def test_blend_weights_parse_and_the_blend_follows_them(tmp_path, corpora, token
 
 def test_resume_continues_exactly_where_an_uninterrupted_run_is(tmp_path, corpora, tokenizer):
     config = _config(tmp_path, corpora["a"])
-    train, _ = build_datasets(config, tokenizer=tokenizer, train_samples=5 * GBS, valid_samples=16, seed=1234)
+    train, _, _ = build_datasets(config, tokenizer=tokenizer, train_samples=5 * GBS, valid_samples=16, seed=1234)
     uninterrupted = _steps(train, config, steps=5)
     # A restarted job rebuilds the dataset (from the cache) and may use loader workers.
     with_workers = _config(tmp_path, corpora["a"], num_workers=1)
-    restarted, _ = build_datasets(with_workers, tokenizer=tokenizer, train_samples=5 * GBS, valid_samples=16, seed=1234)
+    restarted, _, _ = build_datasets(with_workers, tokenizer=tokenizer, train_samples=5 * GBS, valid_samples=16,
+                                     seed=1234)
     resumed = _steps(restarted, config, consumed=2 * GBS, steps=3)
     for expected, got in zip(uninterrupted[2:], resumed, strict=True):
         assert torch.equal(expected, got)
@@ -157,7 +159,7 @@ def test_resume_continues_exactly_where_an_uninterrupted_run_is(tmp_path, corpor
 
 def test_data_parallel_ranks_split_each_global_batch(tmp_path, corpora, tokenizer):
     config = _config(tmp_path, corpora["a"])
-    train, _ = build_datasets(config, tokenizer=tokenizer, train_samples=3 * GBS, valid_samples=16, seed=1234)
+    train, _, _ = build_datasets(config, tokenizer=tokenizer, train_samples=3 * GBS, valid_samples=16, seed=1234)
     single = _steps(train, config)
     ranks = [_steps(train, config, dp_rank=r, dp_size=2) for r in range(2)]
     for step, whole in enumerate(single):
@@ -170,7 +172,7 @@ def test_data_parallel_ranks_split_each_global_batch(tmp_path, corpora, tokenize
 
 def test_validation_sees_the_same_samples_every_time(tmp_path, corpora, tokenizer):
     config = _config(tmp_path, corpora["a"])
-    _, valid = build_datasets(config, tokenizer=tokenizer, train_samples=GBS, valid_samples=2 * GBS, seed=1234)
+    _, valid, _ = build_datasets(config, tokenizer=tokenizer, train_samples=GBS, valid_samples=2 * GBS, seed=1234)
     first = [b["tokens"] for b in build_valid_iterator(valid, config=config, dp_rank=1, dp_size=2)]
     second = [b["tokens"] for b in build_valid_iterator(valid, config=config, dp_rank=1, dp_size=2)]
     assert len(first) == config.eval_iters * GBS // (MBS * 2)
@@ -179,6 +181,23 @@ def test_validation_sees_the_same_samples_every_time(tmp_path, corpora, tokenize
     longer = dataclasses.replace(config, eval_iters=too_many)
     with pytest.raises(ValueError, match=f"build with valid_samples >= {too_many * GBS}"):
         build_valid_iterator(valid, config=longer, dp_rank=0, dp_size=1)
+
+
+def test_a_test_share_builds_the_test_split_of_its_own_documents(tmp_path, corpora, tokenizer):
+    """Megatron's builder gives [train, valid, test]: the split's third share is built (from its own
+    documents, none of the validation's) with the samples asked for; without a share it is None."""
+    config = _config(tmp_path, corpora["a"], split="80,10,10")
+    _, valid, test = build_datasets(config, tokenizer=tokenizer, train_samples=GBS, valid_samples=2 * GBS,
+                                    test_samples=2 * GBS, seed=1234)
+    assert test.index_split.name == "test" and len(test) >= 2 * GBS
+    batches = list(build_valid_iterator(test, config=config, dp_rank=0, dp_size=1, split="test"))
+    assert len(batches) == config.eval_iters * GBS // MBS
+    assert set(test.indices.tolist()).isdisjoint(valid.indices.tolist()) and len(test.indices) > 0
+    _, _, none = build_datasets(_config(tmp_path, corpora["a"]), tokenizer=tokenizer, train_samples=GBS,
+                                valid_samples=2 * GBS, test_samples=2 * GBS, seed=1234)
+    assert none is None  # the default split, 98,2,0, has no test share
+    with pytest.raises(ValueError, match=r"no test dataset; build with test_samples >= 16 and a split with a test "):
+        build_valid_iterator(none, config=config, dp_rank=0, dp_size=1, split="test")
 
 
 def test_ranks_of_a_gloo_group_build_and_split_the_same_data(tmp_path, corpora, tokenizer):
@@ -193,7 +212,7 @@ def test_ranks_of_a_gloo_group_build_and_split_the_same_data(tmp_path, corpora, 
         config = DataConfig(data_path=({corpora["a"]!r},), seq_length={SEQ}, micro_batch_size={MBS},
                             global_batch_size={GBS}, data_cache_path={str(tmp_path / "dist")!r})
         tokenizer = build_tokenizer(TokenizerConfig(**{tokenizer.reference()!r}))
-        train, _ = build_datasets(config, tokenizer=tokenizer, train_samples={GBS}, valid_samples={GBS}, seed=1234)
+        train, _, _ = build_datasets(config, tokenizer=tokenizer, train_samples={GBS}, valid_samples={GBS}, seed=1234)
         it = build_train_iterator(train, config=config, dp_rank=rank, dp_size=2, consumed_samples=0)
         tokens = torch.cat([next(it)["tokens"] for _ in range({GBS // (2 * MBS)})])
         torch.save(tokens, os.path.join({str(tmp_path)!r}, f"rank{{rank}}.pt"))
@@ -209,7 +228,7 @@ def test_ranks_of_a_gloo_group_build_and_split_the_same_data(tmp_path, corpora, 
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     config = _config(tmp_path, corpora["a"])
-    train, _ = build_datasets(config, tokenizer=tokenizer, train_samples=GBS, valid_samples=GBS, seed=1234)
+    train, _, _ = build_datasets(config, tokenizer=tokenizer, train_samples=GBS, valid_samples=GBS, seed=1234)
     whole = _steps(train, config, steps=1)[0]
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert sorted(torch.cat(parts).tolist()) == sorted(whole.tolist())
@@ -256,14 +275,18 @@ def test_split_with_no_tokens_is_refused_with_a_working_suggestion(tmp_path, cor
     with pytest.raises(ValueError, match=empty_valid) as err:
         _build_small(tmp_path, corpora["small"], tokenizer, split="99,1,0")
     suggested = str(err.value).rsplit("--split ", 1)[1]
-    _, valid = _build_small(tmp_path, corpora["small"], tokenizer, split=suggested)
+    _, valid, _ = _build_small(tmp_path, corpora["small"], tokenizer, split=suggested)
     assert len(valid) >= 8
 
 
 def test_valid_samples_without_a_valid_share(tmp_path, corpora, tokenizer):
-    with pytest.raises(ValueError, match="gives the valid split no share, but valid_samples=8"):
+    # Refused with the recipe (the dry run sees it), where Megatron-LM would skip validation silently.
+    with pytest.raises(ValueError, match="gives the valid split no share, but data.eval_iters=2 asks for validation"):
         _build_small(tmp_path, corpora["small"], tokenizer, split="100,0,0")
-    train, valid = _build_small(tmp_path, corpora["small"], tokenizer, split="100,0,0", valid_samples=0)
+    with pytest.raises(ValueError, match="gives the valid split no share, but valid_samples=8"):
+        _build_small(tmp_path, corpora["small"], tokenizer, split="100,0,0", eval_iters=0)
+    train, valid, _ = _build_small(tmp_path, corpora["small"], tokenizer, split="100,0,0", eval_iters=0,
+                                   valid_samples=0)
     assert valid is None and len(train) >= 8
 
 
@@ -277,7 +300,7 @@ def test_token_ids_beyond_the_vocab(tmp_path, corpora):
         _build_small(tmp_path, prefix, small)
     # Too large to scan at start-up: the per-batch check catches it.
     config = _config(tmp_path, prefix, max_tokens_to_scan=0)
-    train, _ = build_datasets(config, tokenizer=small, train_samples=8, valid_samples=8, seed=1234)
+    train, _, _ = build_datasets(config, tokenizer=small, train_samples=8, valid_samples=8, seed=1234)
     iterator = build_train_iterator(train, config=config, dp_rank=0, dp_size=1, consumed_samples=0)
     in_batch = r"token id \d+ in tokens of train sample 0, from " + re.escape(prefix) + ", is outside"
     with pytest.raises(ValueError, match=in_batch):
