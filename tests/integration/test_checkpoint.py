@@ -241,9 +241,11 @@ def test_errors(single_rank, tmp_path):
     with pytest.raises(ValueError, match="no complete checkpoint in"):
         load(tmp_path, torch.nn.Linear(1, 1))
     assert latest_checkpoint(tmp_path / "missing") is None
-    for field, value in (("keep_last", 0), ("save_interval", 0)):
-        with pytest.raises(ValueError, match=f"CheckpointConfig.{field}"):
+    for field, value, message in (("keep_last", -1, r"checkpoint.keep_last must be >= 1, or 0 to keep every"),
+                                  ("save_interval", 0, "CheckpointConfig.save_interval")):
+        with pytest.raises(ValueError, match=message):
             CheckpointConfig(**{field: value})
+    assert CheckpointConfig(keep_last=0).keep_last == 0  # every checkpoint kept, as Megatron-LM does
 
     engine = build()
     model = engine.checkpoint_model
