@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:  # a bad recipe, flag, data, checkpoint or path, on any rank
         code, reason = report_user_error("pretrain_encoder.py", error), f"error: {error}"
     except KeyboardInterrupt:  # Ctrl-C before the training loop's handler (start-up): nothing to save yet
-        from megatron_ext.processes import INTERRUPTED_EXIT_CODE
+        from megatron_ext.exit_codes import INTERRUPTED_EXIT_CODE
 
         code, reason = INTERRUPTED_EXIT_CODE, "interrupted (Ctrl-C) during start-up, before the first step"
         if int(os.environ.get("RANK", "0")) == 0:
@@ -173,7 +173,7 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
             print(tokenizer_note)
         return 0, "dry run"
     from megatron_ext.training.loop import pretrain
-    from megatron_ext.training.stop import RESUMABLE_EXIT_CODE, STOPPED_UNSAVED_EXIT_CODE
+    from megatron_ext.exit_codes import RESUMABLE_EXIT_CODE, STOPPED_UNSAVED_EXIT_CODE
 
     result = pretrain(config)
     if result.stopped:  # the loop said where and why (rank 0)

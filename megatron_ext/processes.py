@@ -59,11 +59,6 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-INTERRUPTED_EXIT_CODE = 130
-"""Exit status of a program stopped by Ctrl-C without finishing (128 + SIGINT, as a shell reports
-it): a tool interrupted (what it finished is kept, nothing is half-written), a trainer interrupted
-during start-up or by a third Ctrl-C (the save in flight is lost; the previous checkpoint is where
-the same command resumes)."""
 
 IGNORED_BY_HELPERS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """Signals a trainer's helper processes ignore for life. A scheduler signals every process of a

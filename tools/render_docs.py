@@ -322,14 +322,10 @@ def render_import_layers(page: Path) -> str:
 
 # -- exit codes ----------------------------------------------------------------------------------
 
-EXIT_CODE_CONSTANTS = (
-    ("megatron_ext.cli.entry", "USER_ERROR_EXIT_CODE"),
-    ("megatron_ext.checkpoint.storage", "STORAGE_EXIT_CODE"),
-    ("megatron_ext.training.stop", "RESUMABLE_EXIT_CODE"),
-    ("megatron_ext.training.stop", "STOPPED_UNSAVED_EXIT_CODE"),
-    ("megatron_ext.processes", "INTERRUPTED_EXIT_CODE"),
-)
-"""Where each exit status the trainer and the tools use is defined, with its docstring."""
+EXIT_CODE_CONSTANTS = tuple(("megatron_ext.exit_codes", name) for name in (
+    "USER_ERROR_EXIT_CODE", "STORAGE_EXIT_CODE", "RESUMABLE_EXIT_CODE", "STOPPED_UNSAVED_EXIT_CODE",
+    "INTERRUPTED_EXIT_CODE"))
+"""Each exit status the trainer and the tools use (all in ``megatron_ext/exit_codes.py``), with its docstring."""
 
 
 def _constant_doc(module_name: str, name: str) -> str:

@@ -17,11 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext.config_loading import UserError
+from megatron_ext.exit_codes import STORAGE_EXIT_CODE
 
-STORAGE_EXIT_CODE = 74
-"""Exit status of a run stopped because its save directory is full, over quota or read-only
-(sysexits' EX_IOERR): the newest complete checkpoint is intact and the same command resumes once
-space is freed. Not requeued automatically: the disk would still be full."""
 
 STORAGE_ERRNOS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
                   errno.EROFS: "Read-only file system"}

@@ -28,12 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.processes import INTERRUPTED_EXIT_CODE
+from megatron_ext.exit_codes import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE
 
-USER_ERROR_EXIT_CODE = 2
-"""Exit status of a run stopped by bad input (argparse's own code for a bad command line). A
-``UserError`` subclass may carry another as its ``exit_code`` (``checkpoint.storage``'s 74: the
-save directory is full)."""
 
 DEBUG_ENV = "MEGATRON_EXT_DEBUG"
 """Set (to anything but empty or 0), a user error's line is followed by its traceback on stderr."""

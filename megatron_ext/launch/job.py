@@ -126,7 +126,7 @@ class Job:
     per_gpu: bool = False
     """One process per GPU of each node, under torchrun (the trainer); else one process per copy."""
     progress: Callable[[], object] | None = None
-    """What a resumable exit (``training.stop.RESUMABLE_EXIT_CODE``) must have advanced for a
+    """What a resumable exit (``exit_codes.RESUMABLE_EXIT_CODE``) must have advanced for a
     launcher that restarts jobs itself to start it again (the newest checkpoint's step); None: a
     resumable exit ends the job."""
 

@@ -6,7 +6,7 @@ share of the cores). A trainer job (``per_gpu``) with ``--nproc-per-node`` > 1 r
 through the packaged ``single_node.sh``. A job starts once the jobs it waits for have ended
 successfully; one that failed cancels it (and the jobs waiting on it).
 
-- Exit code: a trainer's own, from its exit-status file (``training.stop.EXIT_STATUS_ENV``: torchrun
+- Exit code: a trainer's own, from its exit-status file (``exit_codes.EXIT_STATUS_ENV``: torchrun
   says 1 for any failing worker), with its one-line reason.
 - A job that stops resumably on its own (exit 75) is started again for as long as each start
   advances its ``progress`` (the newest checkpoint).
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from megatron_ext import processes
 from megatron_ext.config_loading import UserError
+from megatron_ext.exit_codes import EXIT_STATUS_ENV, RESUMABLE_EXIT_CODE
 from megatron_ext.launch.programs import program_args, script
 from megatron_ext.launch.job import Job, JobEvents, JobState, Launcher
 
@@ -206,7 +207,6 @@ class LocalLauncher(Launcher):
 
     def _run(self, job_id: str, job: Job, events: JobEvents, stop: _Stop) -> JobState:
         """The job until it ends (started again while it stops resumably and progresses)."""
-        from megatron_ext.training.stop import RESUMABLE_EXIT_CODE  # imports torch: not for a dry run
 
         while True:
             before = job.progress() if job.progress is not None else None
@@ -225,7 +225,6 @@ class LocalLauncher(Launcher):
 
     def _start_and_wait(self, job_id: str, job: Job, events: JobEvents, stop: _Stop) -> list[Exit]:
         from megatron_ext import hardware
-        from megatron_ext.training.stop import EXIT_STATUS_ENV
 
         command, extra_env = self.command(job)
         status_file = self._exit_status_file(job)

@@ -9,7 +9,7 @@ One decision for the whole job: a node whose workers stopped resumably (exit cod
 the checkpoint written) exits 0, so ``srun --kill-on-bad-exit`` does not kill a node still saving,
 and a torchrun agent that loses the rendezvous store after the store's node exited (pytorch#67742)
 exits 0 too once global rank 0 has recorded the resumable stop. That record (the exit-status file,
-``training.stop.EXIT_STATUS_ENV``) is the truth the batch script acts on. A node that fails
+``exit_codes.EXIT_STATUS_ENV``) is the truth the batch script acts on. A node that fails
 records its name, exit code and the failing rank's message beside it (``<status file>.node-<node>``),
 and :func:`outcome` names the node that failed first in the job's last line and in the status file.
 
@@ -30,11 +30,10 @@ import sys
 import time
 from dataclasses import dataclass
 
+from megatron_ext.exit_codes import EXIT_STATUS_ENV, RESUMABLE_EXIT_CODE
 from megatron_ext.fileio import write_atomic
 from megatron_ext.processes import node_name
 
-RESUMABLE_EXIT_CODE = 75  # training.stop.RESUMABLE_EXIT_CODE (not imported: that imports torch)
-EXIT_STATUS_ENV = "MEGATRON_EXT_EXIT_STATUS_FILE"  # training.stop.EXIT_STATUS_ENV
 INTERFACE_ENV = "NETWORK_INTERFACE"
 """The network interface the nodes talk over (e.g. ``ib0``): NCCL's and gloo's sockets
 (``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``), the rendezvous address and each node's

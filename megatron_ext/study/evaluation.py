@@ -202,7 +202,7 @@ class EvaluationStage(JobEvents):
             return 0
         stopped = self.launcher.follow(list(self.job_ids.values()), self)
         if stopped is not None:
-            from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
+            from megatron_ext.exit_codes import RESUMABLE_EXIT_CODE
 
             self.out(f"evaluation: stopped on {stopped}; the same command resumes it (finished fine-tuning runs "
                      "are kept)")

@@ -44,7 +44,7 @@ from megatron_ext.study.state import (
 )
 from megatron_ext.study.plan import Segment, StudyPlan
 from megatron_ext.training.step_log import duration
-from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
+from megatron_ext.exit_codes import RESUMABLE_EXIT_CODE
 
 TRAINER = "pretrain_encoder"
 """The trainer's module: what every training segment runs."""

@@ -56,7 +56,8 @@ from megatron_ext.training.memory import check_run_fits, stage_parameters
 from megatron_ext.checkpoint import storage
 from megatron_ext.training.dry_run import check_paths, check_tokenizer_serves, make_plan
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
-from megatron_ext.training.stop import RESUMABLE_EXIT_CODE, StopPolicy, write_exit_status
+from megatron_ext.training.stop import StopPolicy, write_exit_status
+from megatron_ext.exit_codes import RESUMABLE_EXIT_CODE
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ signal while that save runs is recorded and otherwise ignored; publication is at
 
 Ctrl-C says so on the terminal: the first press one line (finishing the step, then saving), a
 second that the save is under way, a third ends the process at once (exit 130,
-``processes.INTERRUPTED_EXIT_CODE``), saying that the save in flight is lost and the previous
+``exit_codes.INTERRUPTED_EXIT_CODE``), saying that the save in flight is lost and the previous
 checkpoint is where the same command resumes. SIGINTs less than :data:`SAME_PRESS_SECONDS` apart
 count as one press: a terminal signals its whole foreground group, so a worker under torchrun gets
 each Ctrl-C twice (once more from the agent).
@@ -37,26 +37,13 @@ import torch.distributed as dist
 from megatron_ext import processes
 from megatron_ext.fileio import write_atomic
 
-RESUMABLE_EXIT_CODE = 75
-"""Exit status of a run that stopped on request after saving (sysexits' EX_TEMPFAIL: try again).
-``examples/launch/slurm.sbatch`` requeues the job on it and on nothing else."""
-
-# 74 (``checkpoint.storage.STORAGE_EXIT_CODE``): stopped because the save directory is full or
-# read-only, resumable once fixed; not a stop on request, so not requeued.
-
-STOPPED_UNSAVED_EXIT_CODE = 76
-"""Exit status of a run that stopped on request with nothing to resume from (``checkpoint.save``
-unset): a rerun would start over, so a launcher must not requeue it."""
+from megatron_ext.exit_codes import EXIT_STATUS_ENV, INTERRUPTED_EXIT_CODE, RESUMABLE_EXIT_CODE
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 SAME_PRESS_SECONDS = 1.0
 """SIGINTs closer together than this are one Ctrl-C (the terminal's and torchrun's forwarded copy)."""
 
-EXIT_STATUS_ENV = "MEGATRON_EXT_EXIT_STATUS_FILE"
-"""When set, global rank 0 writes its exit status there (one line: the code, then a reason).
-torchrun reports 1 whenever a worker exits non-zero, so a launch script behind it reads the
-trainer's own status from this file (``examples/launch/slurm.sbatch`` requeues on 75)."""
 
 
 def write_exit_status(code: int, reason: str) -> None:
@@ -117,7 +104,7 @@ class StopPolicy:
         if press >= 3:
             _say("Ctrl-C a third time: stopped at once; the checkpoint being written (if any) is lost, the last "
                  "complete one is where the same command resumes")
-            os._exit(processes.INTERRUPTED_EXIT_CODE)  # publication is atomic: a partial save is never read
+            os._exit(INTERRUPTED_EXIT_CODE)  # publication is atomic: a partial save is never read
         _say("Ctrl-C: finishing the step in flight, then saving a checkpoint to resume from (Ctrl-C again: "
              "nothing changes, a third time: stop at once and lose that save)" if press == 1 else
              "Ctrl-C again: still finishing the step and its checkpoint; a third Ctrl-C stops at once and loses it")

@@ -104,7 +104,7 @@ python tools/plan_study.py examples/studies/miniature.yaml --dry-run
 
 Resume past a damaged checkpoint with `--load-step N`; `training.rope_fusion` fuses RoPE;
 `mask_ratio: 0.4`; the lock lives in `megatron_ext/checkpoint/lock.py` (`checkpoint/lock.py`);
-`megatron_ext.training.stop.RESUMABLE_EXIT_CODE`, `cuda_on_cpu.check_megatron_runs_here`; see [the clusters page](clusters.md#exit-codes).
+`megatron_ext.exit_codes.RESUMABLE_EXIT_CODE`, `cuda_on_cpu.check_megatron_runs_here`; see [the clusters page](clusters.md#exit-codes).
 
 ```yaml
 training: {train_iters: 100, rope_fusion: true}
@@ -132,7 +132,7 @@ CHANGES = {
     "a repository path": ("megatron_ext/checkpoint/lock.py", "megatron_ext/checkpoint/core.py",
                           "no such file or directory: megatron_ext/checkpoint/core.py"),
     "a path inside the package": ("(`checkpoint/lock.py`)", "(`checkpoint/locks.py`)", "no such file or directory"),
-    "a module attribute": ("stop.RESUMABLE_EXIT_CODE", "stop.RESUMABLE_EXIT", "no such module or attribute"),
+    "a module attribute": ("exit_codes.RESUMABLE_EXIT_CODE", "exit_codes.RESUMABLE_EXIT", "no such module or attribute"),
     "a function moved": ("`cuda_on_cpu.check_megatron_runs_here`", "`hardware.check_megatron_runs_here`",
                          "megatron_ext.hardware has no check_megatron_runs_here"),
     "a link": ("(clusters.md#exit-codes)", "(cluster.md#exit-codes)", "link to a missing file"),

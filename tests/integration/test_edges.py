@@ -22,6 +22,7 @@ from megatron_ext.checkpoint import reader, storage
 from megatron_ext.checkpoint.lock import LOCK_NAME, SaveDirectoryInUse, SaveDirectoryLock, SaveDirectoryLockLost
 from megatron_ext.cli.entry import report_user_error
 from megatron_ext.config_loading import UserError
+from megatron_ext.exit_codes import STORAGE_EXIT_CODE
 from megatron_ext.claims import Owner, claim_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -178,7 +179,7 @@ def test_disk_full_during_a_save_stops_with_exit_74_keeping_the_previous_checkpo
     assert message.startswith(f"saving step 4 into {small_filesystem / 'ckpt'} failed: No space left on device "
                               "(it needs about ") and "\n" not in message, message
     assert "iter_0000002 stays the newest complete checkpoint" in message
-    assert report_user_error("pretrain_encoder.py", stopped.value) == storage.STORAGE_EXIT_CODE == 74
+    assert report_user_error("pretrain_encoder.py", stopped.value) == STORAGE_EXIT_CODE == 74
     left = sorted(path.name for path in (small_filesystem / "ckpt").iterdir())
     assert left == ["iter_0000002", "latest_checkpointed_iteration.txt"], left  # no .tmp-, no lock
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.cli.entry import USER_ERROR_EXIT_CODE, error_line
+from megatron_ext.cli.entry import error_line
+from megatron_ext.exit_codes import USER_ERROR_EXIT_CODE
 from helpers import tiny_recipe
 
 REPO = Path(__file__).resolve().parents[2]

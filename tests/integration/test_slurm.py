@@ -33,7 +33,7 @@ from helpers import tiny_recipe
 from slurm_cluster import FINAL_STATES
 from megatron_ext.checkpoint.reader import latest_checkpoint
 from megatron_ext.launch import Resources
-from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
+from megatron_ext.exit_codes import RESUMABLE_EXIT_CODE
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -316,11 +316,11 @@ def test_two_nodes_one_rank_each_train_like_one_node_with_two(slurm_cluster, tin
 
 def test_the_script_requeues_on_the_trainers_resumable_exit_code():
     """The script hard-codes the trainer's code (it decides before any Python runs)."""
-    assert f"RESUMABLE_EXIT_CODE={RESUMABLE_EXIT_CODE}  # megatron_ext.training.stop.RESUMABLE_EXIT_CODE" in \
+    assert f"RESUMABLE_EXIT_CODE={RESUMABLE_EXIT_CODE}  # megatron_ext.exit_codes.RESUMABLE_EXIT_CODE" in \
         SBATCH.read_text()
 
 
-# -- two nodes: stops, cancels and a crash (issue 55) -------------------------------------------------
+# -- two nodes: stops, cancels and a crash ------------------------------------------------------------
 
 def _trainer(cluster, job_id: int, rank: int, timeout: float = 300):
     """The trainer process of global ``rank`` in the job: a child of its node's torchrun agent (the

@@ -20,7 +20,7 @@ from megatron_ext.checkpoint.reader import latest_checkpoint
 from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.loop import pretrain
-from megatron_ext.training.stop import EXIT_STATUS_ENV, RESUMABLE_EXIT_CODE
+from megatron_ext.exit_codes import EXIT_STATUS_ENV, RESUMABLE_EXIT_CODE
 from helpers import tiny_recipe as _recipe
 
 REPO = Path(__file__).resolve().parents[2]

@@ -35,7 +35,7 @@ from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.cli import run_study as cli
 from megatron_ext.study.state import StudyDir
 from megatron_ext.training.recipe import read_recipe
-from megatron_ext.training.stop import RESUMABLE_EXIT_CODE
+from megatron_ext.exit_codes import RESUMABLE_EXIT_CODE
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "run_study.py"

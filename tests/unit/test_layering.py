@@ -19,7 +19,7 @@ PACKAGE = "megatron_ext"
 LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     # bottom: asks nothing of the rest of the package
     {"config_loading", "fileio", "transformer_impl", "hardware", "processes", "assets", "claims", "measurements",
-     "progress"},
+     "progress", "exit_codes"},
     {"cuda_on_cpu", "process_group"},  # Megatron's CUDA calls redirected on CPU; process-group start-up
     {"tokenizer", "schedule", "objectives", "model"},  # objectives/: one module per objective
     {"data", "checkpoint"},

@@ -102,9 +102,13 @@ def test_the_address_of_an_interface_and_a_missing_one_refused_by_name():
     assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+", slurm_batch.node_address(None))
 
 
-def test_the_codes_and_variable_are_the_trainers():
-    """Repeated here (the batch script's Python must not import torch before it decides)."""
-    from megatron_ext.training import stop
+def test_the_batch_step_imports_no_torch_for_the_codes_it_shares_with_the_trainer():
+    """The batch script's Python decides before torch could load: it reads the trainer's codes and
+    status file from ``exit_codes``, which imports nothing."""
+    import subprocess
+    import sys
 
-    assert (slurm_batch.RESUMABLE_EXIT_CODE, slurm_batch.EXIT_STATUS_ENV) == \
-        (stop.RESUMABLE_EXIT_CODE, stop.EXIT_STATUS_ENV)
+    probe = ("import sys; import megatron_ext.launch.slurm_batch as batch, megatron_ext.exit_codes as codes; "
+             "assert batch.RESUMABLE_EXIT_CODE is codes.RESUMABLE_EXIT_CODE == 75; "
+             "assert batch.EXIT_STATUS_ENV is codes.EXIT_STATUS_ENV; print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "False"

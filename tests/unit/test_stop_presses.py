@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from megatron_ext.processes import INTERRUPTED_EXIT_CODE
+from megatron_ext.exit_codes import INTERRUPTED_EXIT_CODE
 
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
