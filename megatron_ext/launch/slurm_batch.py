@@ -148,7 +148,7 @@ def agent(argv: list[str]) -> int:
 # -- what the job does after a stop ------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
-class JobRecord:
+class SchedulerJobState:
     """What the batch script reads of its own job (``scontrol show job``) once the trainer ended."""
 
     state: str
@@ -159,7 +159,7 @@ class JobRecord:
     """Preemption began during this run (PreemptTime at or after StartTime)."""
 
     @classmethod
-    def parse(cls, text: str) -> JobRecord:
+    def parse(cls, text: str) -> SchedulerJobState:
         fields = dict(re.findall(r"(\w+)=(\S*)", text))
         preempt, start = fields.get("PreemptTime", "None"), fields.get("StartTime", "")
         return cls(state=fields.get("JobState", "UNKNOWN"), reason=fields.get("Reason", "None"),
@@ -186,7 +186,7 @@ STOP_TABLE = (
 (checked by tests/unit/test_slurm_batch.py), decided by :func:`stop_outcome`."""
 
 
-def stop_outcome(job: JobRecord, *, batch_signals: set[str], trainer_reason: str) -> tuple[str, str]:
+def stop_outcome(job: SchedulerJobState, *, batch_signals: set[str], trainer_reason: str) -> tuple[str, str]:
     """``("requeue" | "cancel", why)`` for a resumable stop (exit code 75), by :data:`STOP_TABLE`.
     ``batch_signals``: what the batch shell received (``{"USR1", "TERM"}``); ``trainer_reason``: the
     trainer's one-line reason (``stopped after step N/M (signal SIGTERM)``), which names SIGUSR1 when
@@ -229,7 +229,7 @@ def outcome(*, srun_code: int, batch_signals: str, status_file: str, job_id: str
     if status == RESUMABLE_EXIT_CODE:
         record = subprocess.run(["scontrol", "--oneliner", "show", "job", job_id], capture_output=True,
                                 text=True).stdout
-        action, why = stop_outcome(JobRecord.parse(record), batch_signals=set(batch_signals.split()),
+        action, why = stop_outcome(SchedulerJobState.parse(record), batch_signals=set(batch_signals.split()),
                                    trainer_reason=reason)
         return action, status, f"{reason}; {why}"
     if failures:

@@ -56,7 +56,7 @@ def stored_id(job_id: str) -> int | str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class JobRecord:
+class SubmittedJob:
     """One job submitted for a run."""
 
     job_id: int | str
@@ -72,21 +72,21 @@ class JobsFile:
     def __init__(self, path: Path, study: str):
         self.path = path
         self.study = study
-        self.runs: dict[str, list[JobRecord]] = {}
+        self.runs: dict[str, list[SubmittedJob]] = {}
         if path.is_file():
             try:
                 data = json.loads(path.read_text())
-                self.runs = {run: [JobRecord(**record) for record in records]
+                self.runs = {run: [SubmittedJob(**record) for record in records]
                              for run, records in data["runs"].items()}
             except (ValueError, KeyError, TypeError) as err:
                 raise UserError(f"{path}: not a jobs file of run_study.py ({err}); "
                                 "move it away to start afresh") from None
 
-    def latest(self, run: str) -> JobRecord | None:
+    def latest(self, run: str) -> SubmittedJob | None:
         records = self.runs.get(run)
         return records[-1] if records else None
 
-    def add(self, run: str, record: JobRecord) -> None:
+    def add(self, run: str, record: SubmittedJob) -> None:
         self.runs.setdefault(run, []).append(record)
         runs = {run: [asdict(record) for record in records] for run, records in self.runs.items()}
         write_atomic(self.path, json.dumps({"study": self.study, "runs": runs}, indent=1) + "\n")
@@ -218,7 +218,7 @@ class TreeScheduler(JobEvents):
                 self._submitted[job_id] = new_job
                 submitted.append(job_id)
                 if self.jobs is not None:
-                    self.jobs.add(run, JobRecord(job_id=stored_id(job_id), submitted=datetime.datetime.now().isoformat(
+                    self.jobs.add(run, SubmittedJob(job_id=stored_id(job_id), submitted=datetime.datetime.now().isoformat(
                         timespec="seconds"), after=stored_id(after[0]) if after else None))
                     self.out(f"submitted {run}: job {job_id}" + (f", after job {after[0]}" if after else ""))
                 waiting_on[run] = job_id

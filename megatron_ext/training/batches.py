@@ -35,7 +35,7 @@ class Batches:
     config: RunConfig
     tokenizer: EncoderTokenizer
     train: Iterator | None
-    segment: context_lib.Segment | None
+    segment: context_lib.DatasetSpan | None
     valid: list[dict[str, torch.Tensor]]
     test: Dataset | None = None
     """The test split of ``data.split`` (Megatron's GPTDataset or BlendedDataset); None when the
@@ -48,7 +48,7 @@ class Batches:
     def micro_batches(self, step: int, context: context_lib.PhaseContext) -> Iterator[dict]:
         """The data-parallel rank's micro-batches of ``step`` (whose phase is ``context``'s): from
         the iterator of its segment, built at the segment's first step or where a resume starts."""
-        segment = context_lib.segment_at(context_lib.segments(self.config.phase_contexts), step)
+        segment = context_lib.span_at(context_lib.dataset_spans(self.config.phase_contexts), step)
         if segment != self.segment:
             self.train, self.segment = segment_iterator(self.config, self.tokenizer, segment, step), segment
         dp_size = parallel_state.get_data_parallel_world_size()
@@ -71,14 +71,14 @@ class Batches:
         return _evaluation_batches(self.test, self.config, device, split="test")
 
 
-def segment_iterator(config: RunConfig, tokenizer: EncoderTokenizer, segment: context_lib.Segment,
+def segment_iterator(config: RunConfig, tokenizer: EncoderTokenizer, segment: context_lib.DatasetSpan,
                       step: int) -> Iterator:
     """Micro-batches of ``segment`` from ``step`` on: Megatron's dataset of the run's prefixes at the
     segment's length, sized for every sample that length's segments read (``training.context``)."""
     data_cfg = segment.contexts[0].data_config(config.data)
     train_ds, _, _ = data_lib.build_datasets(
         data_cfg, tokenizer=tokenizer,
-        train_samples=context_lib.dataset_samples(context_lib.segments(config.phase_contexts), segment.seq_length),
+        train_samples=context_lib.dataset_samples(context_lib.dataset_spans(config.phase_contexts), segment.seq_length),
         valid_samples=0, seed=config.training.seed)
     reads = [(c.micro_batch_size, c.global_batch_size, segment.sample_at(max(step, c.phase.start)),
               segment.sample_at(c.phase.end)) for c in segment.contexts if c.phase.end > step]
@@ -113,7 +113,7 @@ def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int,
         train, segment = None, None
         blend = data_lib.blend_shares(data_cfg, None, train_samples=0)  # shares known per segment only
         if eval_samples:
-            segments = context_lib.segments(contexts)
+            segments = context_lib.dataset_spans(contexts)
             base = (context_lib.dataset_samples(segments, data_cfg.seq_length)
                     if any(s.seq_length == data_cfg.seq_length for s in segments) else 1)
             _, valid_ds, test_ds = data_lib.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=base,
@@ -128,7 +128,7 @@ def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int,
         train = data_lib.build_phase_iterator(
             train_ds, reads=[(data_cfg.micro_batch_size, chunk, config.consumed_samples(start), end)],
             config=data_cfg, dp_rank=dp_rank, dp_size=dp_size)
-        segment = context_lib.segments(contexts)[0]
+        segment = context_lib.dataset_spans(contexts)[0]
         blend = data_lib.blend_shares(data_cfg, train_ds, train_samples=end)
         rampup = StepBatchsizeNumMicroBatchesCalculator(
             micro_batch_size=data_cfg.micro_batch_size, data_parallel_size=dp_size,
@@ -143,7 +143,7 @@ def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int,
             train_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size,
             consumed_samples=start * data_cfg.global_batch_size,
         )
-        segment = context_lib.segments(contexts)[0]
+        segment = context_lib.dataset_spans(contexts)[0]
     valid = _evaluation_batches(valid_ds, config, device, split="valid") if eval_samples else []
     return Batches(config=config, tokenizer=tokenizer, train=train, segment=segment, valid=valid,
                    test=test_ds if eval_samples else None, blend=blend,

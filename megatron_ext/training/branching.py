@@ -40,7 +40,7 @@ from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.schedule import ResolvedPhase, lr_at
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.recipe import run_config_from_dict
-from megatron_ext.training.context import dataset_samples, first_context_change, segments, varies
+from megatron_ext.training.context import dataset_samples, dataset_spans, first_context_change, varies
 from megatron_ext.training.data import sample_order
 
 NOT_COMPARED: dict[str, frozenset[str] | None] = {
@@ -179,7 +179,7 @@ def data_order(config: RunConfig) -> tuple:
     if not varies(contexts):
         return sample_order(config.data, train_samples=config.training.train_iters * config.data.global_batch_size)
     # One dataset per sequence length (training.context), each sized for what its phases read.
-    all_segments = segments(contexts)
+    all_segments = dataset_spans(contexts)
     lengths = sorted({segment.seq_length for segment in all_segments})
     first_at = {length: next(s for s in all_segments if s.seq_length == length).contexts[0] for length in lengths}
     return tuple((length, sample_order(first_at[length].data_config(config.data),

@@ -7,13 +7,14 @@ steps hold the same tokens (a global batch that does not scale to a whole number
 Everything here is a pure function of the run config, so a resumed run reads what an uninterrupted
 run reads at every step.
 
-Data positions: the run counts Megatron's ``consumed_samples`` (the sum of the global batches of
-the steps done). Each *segment* (consecutive phases of one length) reads Megatron's ``GPTDataset``
-of the same prefixes built at its length, from the sample that covers the tokens the run has read
-before it (``ceil(tokens / length)``): a long final phase continues through the corpus where the
-short phases stopped, as a run that had been at that length from the start would be there, instead
-of reading its first documents again. Each length's dataset is built once for all the samples its
-segments read, so its shuffle (Megatron's epochs) is a function of the run only.
+Data positions: the run counts Megatron's ``consumed_samples`` (the sum of the global batches of the
+steps done). Each *dataset span* (``DatasetSpan``: consecutive phases of one length) reads
+Megatron's ``GPTDataset`` of the same prefixes built at its length, from the sample that covers the
+tokens the run has read before it (``ceil(tokens / length)``): a long final phase continues through
+the corpus where the short phases stopped, as a run that had been at that length from the start
+would be there, instead of reading its first documents again. Each length's dataset is built once
+for all the samples its spans read, so its shuffle (Megatron's epochs) is a function of the run
+only.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def consumed_tokens(contexts: Sequence[PhaseContext], step: int) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Segment:
+class DatasetSpan:
     """Consecutive phases of one sequence length: one dataset, read from ``first_sample`` on."""
 
     seq_length: int
@@ -135,8 +136,8 @@ class Segment:
         return self.sample_at(self.end)
 
 
-def segments(contexts: Sequence[PhaseContext]) -> tuple[Segment, ...]:
-    """The run's data segments (module docstring)."""
+def dataset_spans(contexts: Sequence[PhaseContext]) -> tuple[DatasetSpan, ...]:
+    """The run's dataset spans (module docstring)."""
     groups: list[list[PhaseContext]] = []
     for context in contexts:
         if groups and groups[-1][-1].seq_length == context.seq_length:
@@ -147,21 +148,21 @@ def segments(contexts: Sequence[PhaseContext]) -> tuple[Segment, ...]:
     for group in groups:
         start, length = group[0].phase.start, group[0].seq_length
         first = -(-consumed_tokens(contexts, start) // length)
-        out.append(Segment(seq_length=length, start=start, end=group[-1].phase.end, first_sample=first,
+        out.append(DatasetSpan(seq_length=length, start=start, end=group[-1].phase.end, first_sample=first,
                            contexts=tuple(group)))
     return tuple(out)
 
 
-def segment_at(all_segments: Sequence[Segment], step: int) -> Segment:
+def span_at(all_segments: Sequence[DatasetSpan], step: int) -> DatasetSpan:
     """The segment that contains ``step``."""
     for segment in all_segments:
         if segment.start <= step < segment.end:
             return segment
-    raise ValueError(f"step {step} is outside the segments' range [0, {all_segments[-1].end})")
+    raise ValueError(f"step {step} is outside the spans' range [0, {all_segments[-1].end})")
 
 
-def dataset_samples(all_segments: Sequence[Segment], seq_length: int) -> int:
-    """Samples the dataset at ``seq_length`` is built with: all its segments read."""
+def dataset_samples(all_segments: Sequence[DatasetSpan], seq_length: int) -> int:
+    """Samples the dataset at ``seq_length`` is built with: all its spans read."""
     return max(s.last_sample for s in all_segments if s.seq_length == seq_length)
 
 

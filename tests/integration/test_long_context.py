@@ -52,7 +52,7 @@ def test_a_long_phase_reads_its_length_and_keeps_tokens_per_step(straight):
     # Megatron's counter: the steps' global batches; the long phase starts at the sample covering the
     # 4 x 512 tokens read before it.
     assert context.consumed_samples(config.phase_contexts, 8) == 4 * 8 + 4 * 2
-    assert [(s.seq_length, s.first_sample, s.last_sample) for s in context.segments(config.phase_contexts)] == [
+    assert [(s.seq_length, s.first_sample, s.last_sample) for s in context.dataset_spans(config.phase_contexts)] == [
         (64, 0, 32), (256, 8, 16)]
 
 

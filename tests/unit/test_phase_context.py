@@ -40,8 +40,8 @@ def test_a_long_phase_keeps_tokens_per_step_and_switches_the_rope_base():
     assert context.consumed_samples(config.phase_contexts, 7) == 6 * 8 + 2
     # The long dataset starts at the sample covering the 6 x 512 tokens read at 64.
     assert [(s.seq_length, s.start, s.end, s.first_sample, s.last_sample) for s in
-            context.segments(config.phase_contexts)] == [(64, 0, 6, 0, 48), (256, 6, 8, 12, 16)]
-    assert context.segments(config.phase_contexts)[1].sample_at(7) == 14
+            context.dataset_spans(config.phase_contexts)] == [(64, 0, 6, 0, 48), (256, 6, 8, 12, 16)]
+    assert context.dataset_spans(config.phase_contexts)[1].sample_at(7) == 14
     # An explicit global batch changes the tokens per step (the dry run says so).
     explicit = _config(phases=[{"objective": "clm", "steps": 6}, {**LONG, "global_batch_size": 4}])
     assert explicit.phase_contexts[1].tokens_per_step == 1024

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.launch import slurm_batch
-from megatron_ext.launch.slurm_batch import STOP_TABLE, JobRecord, stop_outcome
+from megatron_ext.launch.slurm_batch import STOP_TABLE, SchedulerJobState, stop_outcome
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "clusters.md"
 
@@ -54,19 +54,19 @@ def test_the_docs_table_is_the_table_the_script_decides_by():
 @pytest.mark.parametrize("row, example", list(zip(STOP_TABLE, EXAMPLES)), ids=[row[0] for row in STOP_TABLE])
 def test_each_row_of_the_table_decides_as_it_says(row, example):
     record, batch_signals, reason = example
-    action, _ = stop_outcome(JobRecord.parse(record), batch_signals=batch_signals, trainer_reason=reason)
+    action, _ = stop_outcome(SchedulerJobState.parse(record), batch_signals=batch_signals, trainer_reason=reason)
     assert action == ("cancel" if row[3].startswith("CANCELLED") else "requeue"), (row, action)
 
 
 def test_scancel_signal_term_batch_cancels_though_the_trainer_got_the_shells_sigusr1():
     """The batch shell passes its SIGTERM on as SIGUSR1: that is no warning."""
-    action, _ = stop_outcome(JobRecord.parse(RUNNING), batch_signals={"TERM"},
+    action, _ = stop_outcome(SchedulerJobState.parse(RUNNING), batch_signals={"TERM"},
                              trainer_reason="stopped after step 9/300 (signal SIGUSR1)")
     assert action == "cancel"
 
 
 def test_a_preemption_of_an_earlier_run_does_not_make_a_later_sigterm_a_preemption():
-    assert JobRecord.parse(PREEMPTED).preempted and not JobRecord.parse(RESTARTED).preempted
+    assert SchedulerJobState.parse(PREEMPTED).preempted and not SchedulerJobState.parse(RESTARTED).preempted
 
 
 def test_a_killed_node_is_named_first_and_its_code_is_the_jobs(tmp_path, monkeypatch):
