@@ -430,6 +430,14 @@ class RunConfig:
         except UserError as err:
             raise ConfigError(str(err)) from err
         object.__setattr__(self, "_phase_contexts", contexts)
+        if not varies(contexts):
+            # One context for the whole run: the run reads data.*, so a value every phase sets alike
+            # would be ignored without a word; it is the run's own setting.
+            for key in ("seq_length", "micro_batch_size", "global_batch_size"):
+                shared, run = getattr(contexts[0], key), getattr(self.data, key)
+                if shared != run:
+                    raise ConfigError(f"every phase reads {key} {shared} but data.{key} is {run}: a value all phases "
+                                      f"share is the run's; set data.{key}: {shared} and drop it from the phases")
         if self.data.rampup_batch_size is not None and varies(contexts):
             raise ConfigError("data.rampup_batch_size needs phases of one sequence length and batch (no phase "
                               "seq_length, micro_batch_size or global_batch_size)")

@@ -59,6 +59,18 @@ def test_bad_phase_contexts_are_refused_naming_the_key(phase, model, message):
         _config(phases=[{"objective": "clm", "steps": 6}, {**LONG, **phase}], model=model)
 
 
+@pytest.mark.parametrize("shared, key", [
+    ({"micro_batch_size": 2}, "micro_batch_size 2 but data.micro_batch_size is 4"),
+    ({"global_batch_size": 16}, "global_batch_size 16 but data.global_batch_size is 8"),
+    ({"seq_length": 128, "global_batch_size": 4}, "seq_length 128 but data.seq_length is 64"),
+])
+def test_a_setting_every_phase_shares_is_refused_unless_it_is_the_runs(shared, key):
+    """One context for the whole run reads data.*: a value set alike on every phase was ignored."""
+    with pytest.raises(UserError, match=f"every phase reads {key}: a value all phases share is the run's"):
+        _config(phases=[{"objective": "clm", "steps": 6, **shared}, {"objective": "mlm", "mask_ratio": 0.4,
+                                                                     "steps": 2, **shared}])
+
+
 def test_cuda_graphs_are_refused_with_changing_shapes():
     recipe_phases = [{"objective": "clm", "steps": 6}, LONG]
     with pytest.raises(ConfigError, match=r"cuda_graphs='megatron' captures one shape"):
