@@ -12,7 +12,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from megatron_ext import cuda_on_cpu, hardware
+from megatron_ext import hardware
+from megatron_ext import megatron_compat
+from megatron_ext.megatron_compat import cuda_on_cpu
 
 
 def distributed_backend() -> str:
@@ -48,7 +50,7 @@ def init_process_group_and_model_parallel(
     (after checking the megatron-core version first, so a refused version starts nothing).
     """
     if not hardware.on_gpu():
-        cuda_on_cpu.check_megatron_core_version()
+        megatron_compat.check_megatron_core_version()
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size

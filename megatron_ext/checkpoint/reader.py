@@ -53,7 +53,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_ext import cuda_on_cpu
+from megatron_ext.megatron_compat import cuda_on_cpu
 from megatron_ext.checkpoint.storage import one_line
 from megatron_ext.config_loading import UserError, build_dataclass
 from megatron_ext.model.config import EncoderModelConfig

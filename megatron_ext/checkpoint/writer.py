@@ -36,7 +36,9 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_ext import cuda_on_cpu, hardware, processes
+from megatron_ext import hardware, processes
+from megatron_ext.megatron_compat import cuda_on_cpu
+from megatron_ext.megatron_compat.checkpoint_results import ResultsQueue
 from megatron_ext.checkpoint import storage
 from megatron_ext.checkpoint.config import check_nvrx_async_writer
 from megatron_ext.checkpoint.reader import (COMPLETE, MANIFEST_KEY, RUN_CONFIG, TOKENIZER_REFERENCE,
@@ -253,75 +255,6 @@ class CheckpointSaver:
         return 0 if self._queue is None else self._queue.get_num_unfinalized_calls()
 
 
-class _ResultsQueue:
-    """The queue through which Megatron's checkpoint writers report, owned here.
-
-    Megatron-Core 0.19.2 creates it on first use (``filesystem_async.get_write_results_queue``)
-    with a spawn-context ``Manager()`` that nothing ever shuts down, for synchronous saves too: a
-    ~700 MB process alive after the run and, after ``kill -9`` of the trainer, forever (NVRx's
-    writer, a copy of that module, does the same). This one is installed in their place while any
-    saver is open. Asynchronous saves report from their writer process, so while an asynchronous
-    saver is open it is a manager's queue that dies with the trainer
-    (``processes.die_with_parent``) and is shut down when the last such saver closes. A synchronous
-    save reports from this process (``execute_sync``): a plain queue serves it, without the
-    manager's process, which would import torch to unpickle the write results (~5 s of every
-    run's start and end on a CPU)."""
-
-    def __init__(self) -> None:
-        self._users = 0
-        self._across_processes = 0
-        self._manager = None
-        self._queue = None
-
-    def acquire(self, *, across_processes: bool) -> None:
-        """A saver opens; ``across_processes``: its writes report from another process."""
-        self._users += 1
-        self._across_processes += across_processes
-        if across_processes and self._manager is None:
-            import multiprocessing
-            from multiprocessing.managers import SyncManager
-
-            self._manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-            with processes.helpers_ignore_stop_signals():  # alive for the save a stop signal asks for
-                self._manager.start(initializer=processes.die_with_parent, initargs=(os.getpid(),))
-            self._queue = self._manager.Queue()
-        elif self._queue is None:
-            import queue
-
-            self._queue = queue.Queue()
-        self._install(self._queue)  # again for each saver: NVRx's is imported by its first saver
-
-    def release(self, *, across_processes: bool) -> None:
-        self._users -= 1
-        self._across_processes -= across_processes
-        if self._manager is not None and self._across_processes == 0:
-            self._manager.shutdown()
-            self._manager = self._queue = None
-            if self._users:
-                import queue
-
-                self._queue = queue.Queue()
-        if self._users == 0:
-            self._queue = None
-        self._install(self._queue)
-
-    @staticmethod
-    def _install(results_queue) -> None:
-        for module in _writer_modules():
-            module._results_queue = results_queue
-
-
-def _writer_modules() -> list:
-    """The checkpoint writer modules loaded in this process that hold a results queue: Megatron's,
-    and NVRx's once an ``nvrx`` saver has imported it."""
-    import sys
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    nvrx = sys.modules.get("nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async")
-    return [filesystem_async] + ([nvrx] if nvrx is not None else [])
-
-
 ASYNC_STRATEGIES = ("mcore", "nvrx")
 """Megatron's ``async_strategy`` values: who writes asynchronous saves (``CheckpointConfig.async_strategy``)."""
 
@@ -334,13 +267,13 @@ def _async_calls_queue_class(async_strategy: str) -> type:
 
         return AsyncCallsQueue
     check_nvrx_async_writer()
-    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async  # noqa: F401  (_writer_modules)
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async  # noqa: F401  (megatron_compat.checkpoint_results)
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
 
     return AsyncCallsQueue
 
 
-_results_queue = _ResultsQueue()
+_results_queue = ResultsQueue()
 _PERSISTENT_WRITER_STOP_SECONDS = 120
 
 

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_ext import cuda_on_cpu, hardware
+from megatron_ext import hardware
+from megatron_ext.megatron_compat import cuda_on_cpu
 from megatron_ext.checkpoint.resume import TrainingState
 from megatron_ext.objectives import ObjectiveBatch
 from megatron_ext.training import cuda_graphs

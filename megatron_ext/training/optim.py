@@ -7,18 +7,15 @@ weight decay before every step (:func:`weight_decay_for`). :class:`MegatronOptim
 that optimizer goes into and out of a distributed checkpoint (the
 ``checkpoint.reader.OptimizerCheckpointState`` protocol): the recorded format, Megatron-LM's
 sharding metadata, and the megatron-core 0.19.2 bugs with torch's Adam (no TE/apex) worked
-around at load.
+around at load (``megatron_compat.optimizer``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import types
-from collections.abc import Iterator
-
 import torch
 from megatron.core import parallel_state
 
+from megatron_ext.megatron_compat import optimizer as compat
 from megatron_ext.training.config import OptimizerConfig
 
 
@@ -91,76 +88,18 @@ class MegatronOptimizerState:
         # Megatron's own metadata keys are what the optimizer reads; ours are ignored by it.
         loading = saved_format is not None
         if loading:
-            self._allocate_state()
+            compat.allocate_distributed_optimizer_state(self._parts())
         return self.optimizer.sharded_state_dict(model_state, is_loading=loading,
                                                  metadata=saved_format if loading else self.format())
-
-    def _allocate_state(self) -> None:
-        """Give a fresh distributed optimizer its state tensors before a load. With torch's Adam
-        (no TE/apex), megatron-core 0.19.2's ``DistributedOptimizer.state_dict`` reads the step
-        from the per-parameter state, which a fresh optimizer lacks (an assertion in
-        ``DistributedOptimizer.state_dict``); Megatron's own dummy initialisation (a zero-gradient step
-        at the current LR, 0 before training) allocates it without moving any parameter."""
-        for part in self._parts():
-            if not part.optimizer.state and hasattr(part, "_init_optimizer_states_with_dummy_values"):
-                lrs = [group["lr"] for group in part.optimizer.param_groups]
-                for group in part.optimizer.param_groups:
-                    group["lr"] = 0.0
-                part._init_optimizer_states_with_dummy_values()
-                for group, lr in zip(part.optimizer.param_groups, lrs):
-                    group["lr"] = lr
 
     def load_state_dict(self, loaded: dict) -> None:
         # no_grad: with fp32 parameters the distributed optimizer's main parameters are views of
         # the model's, which require grad; the load copies into them.
         parts = self._parts()
-        with torch.no_grad(), _torch_adam_step_kept(parts):
+        with torch.no_grad(), compat.torch_adam_step_kept(parts):
             self.optimizer.load_state_dict(loaded)
-        saved_parts = [loaded] if len(parts) == 1 else [loaded[i] for i in range(len(parts))]
-        for part, saved in zip(parts, saved_parts):
-            # With torch's Adam (no TE/apex) the step lives per parameter; megatron-core 0.19.2
-            # stores it once per group and, for the distributed optimizer, does not bring it back
-            # into a state allocated before the load (the per-parameter steps stay as allocated),
-            # or shares one tensor between all parameters, which torch's Adam increments in place
-            # once per parameter. Each parameter gets its own copy of the saved step.
-            groups = saved.get("optimizer", saved).get("param_groups", [])
-            steps = {float(group["step"]) for group in groups if "step" in group}
-            if len(steps) != 1:
-                continue
-            step = steps.pop()
-            for param_state in part.optimizer.state.values():
-                if torch.is_tensor(param_state.get("step")):
-                    param_state["step"] = torch.tensor(step, dtype=param_state["step"].dtype,
-                                                       device=param_state["step"].device)
+        compat.restore_adam_steps(parts, [loaded] if len(parts) == 1 else [loaded[i] for i in range(len(parts))])
         self.set_kernel()
-
-
-@contextlib.contextmanager
-def _torch_adam_step_kept(parts: list) -> Iterator[None]:
-    """During a distributed-optimizer load with torch's Adam (no TE/apex): megatron-core 0.19.2's
-    ``_set_main_param_and_optimizer_states`` copies every tensor of a parameter's optimizer state
-    from the checkpoint, torch's per-parameter ``step`` included, which the ``fully_reshardable``
-    format does not hold (``KeyError: 'step'``). The step is restored from the common state just
-    before; here it is kept as it is, on these optimizer instances only (not their class)."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    patched = [] if distrib_optimizer.HAVE_APEX_OR_TE else [
-        part for part in parts if isinstance(part, distrib_optimizer.DistributedOptimizer)]
-
-    def keep_step(self, model_param, tensors):
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
-        if "step" in state and "step" not in tensors:
-            tensors = {**tensors, "step": state["step"]}
-        return type(self)._set_main_param_and_optimizer_states(self, model_param, tensors)
-
-    for part in patched:
-        part._set_main_param_and_optimizer_states = types.MethodType(keep_step, part)
-    try:
-        yield
-    finally:
-        for part in patched:
-            del part._set_main_param_and_optimizer_states
 
 
 def _layout() -> dict:

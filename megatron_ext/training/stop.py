@@ -6,7 +6,7 @@ Clusters end jobs with signals: SLURM sends SIGTERM at a time limit, on preempti
 ``training.exit_signal_handler`` (on by default) SIGTERM, SIGUSR1 and SIGINT only raise a flag:
 the step in flight finishes, every rank agrees to stop after the same step (a MAX all-reduce of
 the flag each step, so no rank waits for one that went on), the loop saves that step, waits until
-the checkpoint is published, and the process exits with :data:`RESUMABLE_EXIT_CODE`. A second
+the checkpoint is published, and the process exits with ``exit_codes.RESUMABLE_EXIT_CODE``. A second
 signal while that save runs is recorded and otherwise ignored; publication is atomic anyway
 (``checkpoint.writer``), so even SIGKILL loses only the save in flight.
 
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from megatron_ext import processes
 from megatron_ext.fileio import write_atomic
 
-from megatron_ext.exit_codes import EXIT_STATUS_ENV, INTERRUPTED_EXIT_CODE, RESUMABLE_EXIT_CODE
+from megatron_ext.exit_codes import EXIT_STATUS_ENV, INTERRUPTED_EXIT_CODE
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 

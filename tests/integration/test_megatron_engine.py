@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from megatron_ext import cuda_on_cpu, hardware, process_group
+from megatron_ext import hardware, process_group
+from megatron_ext import megatron_compat
+from megatron_ext.megatron_compat import cuda_on_cpu
 from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, latest_checkpoint
 from megatron_ext.checkpoint.writer import save_checkpoint
 from megatron_ext.checkpoint.config import nvrx_problem
@@ -157,7 +159,7 @@ def test_megatrons_cuda_calls_are_redirected_from_process_group_set_up_to_teardo
     assert not cuda_on_cpu.cuda_calls_redirected() and torch.cuda.current_device is original
     assert not _get_current_function_mode_stack()
     if not hardware.on_gpu():
-        monkeypatch.setattr(cuda_on_cpu, "_megatron_core_version", lambda: "0.20.0")
+        monkeypatch.setattr(megatron_compat, "installed_megatron_core_version", lambda: "0.20.0")
         with pytest.raises(RuntimeError, match=r"megatron-core 0.20.0 is installed.*megatron-core==0.19.2"):
             process_group.init_process_group_and_model_parallel(init_method=f"file://{tmp_path}/pg2", rank=0, world_size=1)
         assert not dist.is_initialized() and not cuda_on_cpu.cuda_calls_redirected()  # nothing was started
@@ -247,8 +249,8 @@ def test_the_megatron_core_pin_guards_the_kernel_list(tmp_path, monkeypatch):
     if hardware.on_gpu():
         return
     before = {key: getattr(importlib.import_module(key[0]), key[1]) for key in kernels}
-    monkeypatch.setattr(cuda_on_cpu, "_megatron_core_version", lambda: "0.20.0")
-    with pytest.raises(RuntimeError, match=r"megatron-core 0.20.0 is installed.*MEGATRON_CORE_CHECKED_ON_CPU"):
+    monkeypatch.setattr(megatron_compat, "installed_megatron_core_version", lambda: "0.20.0")
+    with pytest.raises(RuntimeError, match=r"megatron-core 0.20.0 is installed.*update MEGATRON_CORE_VERSION"):
         cuda_on_cpu.redirect_cuda_calls()
     assert not cuda_on_cpu.cuda_calls_redirected()
     assert all(getattr(importlib.import_module(module), attribute) is before[(module, attribute)]

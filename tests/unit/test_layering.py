@@ -20,7 +20,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     # bottom: asks nothing of the rest of the package
     {"config_loading", "fileio", "transformer_impl", "hardware", "processes", "assets", "claims", "measurements",
      "progress", "exit_codes"},
-    {"cuda_on_cpu", "process_group"},  # Megatron's CUDA calls redirected on CPU; process-group start-up
+    {"megatron_compat", "process_group"},  # megatron-core workarounds (CUDA calls on CPU ...); process-group start-up
     {"tokenizer", "schedule", "objectives", "model"},  # objectives/: one module per objective
     {"data", "checkpoint"},
     {"training"},

@@ -8,7 +8,7 @@ the CPU. On CPU, ``process_group.init_process_group_and_model_parallel`` turns t
 for the whole process (:func:`redirect_cuda_calls`), until
 ``process_group.destroy_process_group_and_model_parallel`` (:func:`cuda_calls_not_redirected` turns
 it off for a while, e.g. in a test), pinned to the megatron-core release it was checked against
-(:data:`MEGATRON_CORE_CHECKED_ON_CPU`). Megatron also picks Transformer Engine's or apex's CUDA
+(``megatron_compat.MEGATRON_CORE_VERSION``). Megatron also picks Transformer Engine's or apex's CUDA
 multi-tensor kernels (gradient norm and clipping, main-parameter copies) and fused optimizers
 (FusedAdam/FusedSGD) whenever they import, whatever the tensors' device: on a CPU machine with TE
 installed the first optimizer step died in ``clip_grads.py`` ("no CUDA-capable device is
@@ -26,16 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_ext import hardware
-
-
-MEGATRON_CORE_CHECKED_ON_CPU = "0.19.2"
-"""The megatron-core release whose CUDA-only calls the redirection was checked against."""
-
-
-def _megatron_core_version() -> str:
-    import importlib.metadata
-
-    return importlib.metadata.version("megatron-core")
+from megatron_ext.megatron_compat import check_megatron_core_version, installed_megatron_core_version
 
 
 def _is_cuda(device) -> bool:
@@ -127,17 +118,6 @@ def _megatron_torch_kernels() -> dict[tuple[str, str], object]:
     }
 
 
-def check_megatron_core_version() -> None:
-    installed = _megatron_core_version()
-    if installed != MEGATRON_CORE_CHECKED_ON_CPU:
-        raise RuntimeError(
-            f"megatron-core {installed} is installed, but megatron_ext runs Megatron-Core's DDP, optimizer, "
-            f"schedules and checkpoint save on CPU only for megatron-core {MEGATRON_CORE_CHECKED_ON_CPU}, whose "
-            "CUDA-only calls it redirects (megatron_ext/cuda_on_cpu.py). Install "
-            f"megatron-core=={MEGATRON_CORE_CHECKED_ON_CPU} (requirements.txt), or check the redirected calls "
-            "against the new release and update MEGATRON_CORE_CHECKED_ON_CPU")
-
-
 def redirect_cuda_calls() -> None:
     """Turn the redirection on for this process (CPU only; already on: nothing to do).
 
@@ -153,7 +133,7 @@ def redirect_cuda_calls() -> None:
     chose their CUDA multi-tensor kernels and fused optimizers at import: while on, its modules
     hold the local torch ones instead (``_megatron_torch_kernels``).
 
-    The list was checked against megatron-core ``MEGATRON_CORE_CHECKED_ON_CPU`` only: with any
+    The list was checked against megatron-core ``MEGATRON_CORE_VERSION`` only: with any
     other version this raises ``RuntimeError`` rather than risk a call it does not cover.
     """
     global _redirection
@@ -166,8 +146,8 @@ def redirect_cuda_calls() -> None:
     modules = {name: importlib.import_module(name) for name, _ in kernels}
     missing = [f"{module}.{attribute}" for module, attribute in kernels if not hasattr(modules[module], attribute)]
     if missing:  # the version pin makes this a mistake in the list: nothing is replaced
-        raise RuntimeError(f"{', '.join(missing)} not found in megatron-core {_megatron_core_version()}; "
-                           "update megatron_ext.cuda_on_cpu._megatron_torch_kernels")
+        raise RuntimeError(f"{', '.join(missing)} not found in megatron-core {installed_megatron_core_version()}; "
+                           "update megatron_ext.megatron_compat.cuda_on_cpu._megatron_torch_kernels")
     replaced_kernels = {(module, attribute): getattr(modules[module], attribute) for module, attribute in kernels}
     for (module, attribute), local in kernels.items():
         setattr(modules[module], attribute, local)
