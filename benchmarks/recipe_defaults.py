@@ -80,7 +80,7 @@ def _mlm40_flops_per_token(size: str, seq_length: int) -> float:
     """FLOPs per token of the throughput benchmark's step (MLM-40, LM head at the scored positions),
     for sides recorded before the suite wrote them (the MFU convention of training/metrics.py)."""
     from megatron_ext.model.config import preset
-    from megatron_ext.schedule import Phase, resolve_phases
+    from megatron_ext.phases import Phase, resolve_phases
     from megatron_ext.training.metrics import flops_per_token, mean_lm_head_share
 
     (phase,) = resolve_phases([Phase.from_config({"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}, "throughput")], 1)

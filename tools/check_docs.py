@@ -238,7 +238,7 @@ class ConfigKeys:
 
 def config_keys() -> ConfigKeys:
     from megatron_ext import objectives
-    from megatron_ext.schedule import Phase
+    from megatron_ext.phases import Phase
     from megatron_ext.study import spec
     from megatron_ext.training.config import SECTIONS
     from megatron_ext.training.recipe import TOP_LEVEL_KEYS

@@ -259,7 +259,7 @@ def _dataclass_table(cls: type, prefix: str) -> list[str]:
 
 def render_recipe_keys(page: Path) -> str:
     from megatron_ext import objectives
-    from megatron_ext.schedule import Phase
+    from megatron_ext.phases import Phase
     from megatron_ext.training.config import SECTIONS
 
     out = []

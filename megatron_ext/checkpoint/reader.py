@@ -57,7 +57,7 @@ from megatron_ext.megatron_compat import cuda_on_cpu
 from megatron_ext.checkpoint.storage import one_line
 from megatron_ext.config_loading import UserError, build_dataclass
 from megatron_ext.model.config import EncoderModelConfig
-from megatron_ext.schedule import rope_base_after
+from megatron_ext.phases import rope_base_after
 from megatron_ext.tokenizer import TokenizerConfig
 
 logger = logging.getLogger(__name__)

@@ -79,7 +79,7 @@ def trained_objective(checkpoint: Checkpoint) -> dict | None:
     """What the checkpoint's last step trained (:data:`TRAINED_OBJECTIVE`), from its run config;
     None when the run config has no phases (an import from Hugging Face)."""
     from megatron_ext.config_loading import coerce
-    from megatron_ext.schedule import Phase, phase_at, resolve_phases
+    from megatron_ext.phases import Phase, phase_at, resolve_phases
 
     run = checkpoint.run_config()
     if not run.get("phases") or "train_iters" not in (run.get("training") or {}):

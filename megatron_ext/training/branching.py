@@ -5,7 +5,7 @@ trained from step 0 only if both runs compute the same thing at every step befor
 trainer everything a step does is a function of the step and the run's definition
 (docs/design.md, "The trainer"):
 
-- its objective and masking: ``schedule.phase_at`` over ``schedule.resolve_phases`` and the
+- its objective and masking: ``phases.phase_at`` over ``phases.resolve_phases`` and the
   objective's ``step_identity`` at that step of its phase, which depends
   on ``training.train_iters`` when phases are given as shares (a 25/75 split switches at step 3,000
   of 12,000 but at 10,500 of 42,000);
@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.config_loading import ConfigError, UserError
-from megatron_ext.schedule import ResolvedPhase, lr_at
+from megatron_ext.phases import ResolvedPhase
+from megatron_ext.schedule import lr_at
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.context import dataset_samples, dataset_spans, first_context_change, varies

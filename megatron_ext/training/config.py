@@ -30,7 +30,8 @@ from typing import Any, Literal
 from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.objectives import Objective, validation_objectives
 from megatron_ext.model.config import EncoderModelConfig
-from megatron_ext.schedule import LRScheduleConfig, Phase, ResolvedPhase, lr_at, resolve_phases
+from megatron_ext.phases import Phase, ResolvedPhase, resolve_phases
+from megatron_ext.schedule import LRScheduleConfig, lr_at
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.checkpoint.config import CheckpointConfig
 

@@ -1,7 +1,7 @@
 """What each phase's steps read: its sequence length, RoPE base and batch sizes (long context as a phase).
 
 A phase may set ``seq_length``, ``rope_base``, ``micro_batch_size`` and ``global_batch_size``
-(``schedule.Phase``); unset, they are the run's (``data.*``, ``model.rotary_base``), and a phase
+(``phases.Phase``); unset, they are the run's (``data.*``, ``model.rotary_base``), and a phase
 with another length scales the run's batch sizes by ``data.seq_length / seq_length``, so that its
 steps hold the same tokens (a global batch that does not scale to a whole number must be given).
 Everything here is a pure function of the run config, so a resumed run reads what an uninterrupted
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.schedule import ResolvedPhase
+from megatron_ext.phases import ResolvedPhase
 
 DataConfig = Any
 """``training.config.DataConfig`` (not imported: the config module resolves contexts with this one)."""

@@ -1,7 +1,7 @@
 """The pretraining loop: phases (objectives) per step, WSD learning rate, checkpoints, logging.
 
 Everything a step does is a function of the step number and the config: the phase and the
-objective (``schedule.phase_at``), the learning rate (``schedule.lr_at``), the data position
+objective (``phases.phase_at``), the learning rate (``schedule.lr_at``), the data position
 (``step * global_batch_size`` samples consumed) and the MLM masks (a generator seeded from
 ``(seed, step, micro-batch group)``). A resumed run therefore replays exactly what an
 uninterrupted run would have done; model, optimizer and RNG states come from the checkpoint.
@@ -35,7 +35,8 @@ from megatron_ext.config_loading import UserError
 from megatron_ext import hardware, process_group, processes
 from megatron_ext.model import build_encoder_model
 from megatron_ext.objectives import Objective, PhaseProgress, Vocabulary
-from megatron_ext.schedule import ResolvedPhase, lr_at, phase_at
+from megatron_ext.phases import Phase, ResolvedPhase, phase_at
+from megatron_ext.schedule import lr_at
 from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
 from megatron_ext.checkpoint.config import check_nvrx_async_writer
 from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, Checkpoint, intact_checkpoints
@@ -49,7 +50,6 @@ from megatron_ext.training import context as context_lib
 from megatron_ext.training.branching import check_saved_parent
 from megatron_ext.training.config import DataConfig, RunConfig
 from megatron_ext.training.recipe import run_config_from_dict
-from megatron_ext.schedule import Phase
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, StepOutcome, megatron_transformer_overrides
 from megatron_ext.training.batches import Batches, build_batches, to_device
 from megatron_ext.training.memory import check_run_fits, stage_parameters

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 from megatron_ext.model.config import EncoderModelConfig, layer_matmul_parameters
-from megatron_ext.schedule import ResolvedPhase
+from megatron_ext.phases import ResolvedPhase
 
 _MATMUL_CONVENTION = "6*N(matmul params incl. LM head, the head counted at the positions where it runs)"
 MFU_CONVENTION = _MATMUL_CONVENTION + " + 12*L*h*s (full bidirectional attention)"

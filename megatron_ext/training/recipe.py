@@ -16,7 +16,8 @@ import yaml
 from megatron_ext.checkpoint.config import CheckpointConfig
 from megatron_ext.config_loading import ConfigError, add_dataclass_flags, build_dataclass, coerce, did_you_mean
 from megatron_ext.model.config import PRESETS, VOCAB_FROM_TOKENIZER_PRESETS, EncoderModelConfig, padded_vocab_size
-from megatron_ext.schedule import LRScheduleConfig, Phase
+from megatron_ext.phases import Phase
+from megatron_ext.schedule import LRScheduleConfig
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.training.config import (SECTIONS, DataConfig, LoggingConfig, OptimizerConfig, ParallelConfig, RunConfig,
                                           TrainingConfig)

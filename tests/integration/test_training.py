@@ -233,7 +233,7 @@ def test_user_errors_after_start_up_are_one_line_and_exit_2(tmp_path, tiny_corpu
 
 def test_step_line_names_phase_throughput_and_skips():
     from megatron_ext.objectives import CLM, MLM
-    from megatron_ext.schedule import Phase, resolve_phases
+    from megatron_ext.phases import Phase, resolve_phases
     from megatron_ext.training.step_log import format_step_line
 
     clm, mlm = resolve_phases((Phase(objective=CLM(), share=0.5), Phase(objective=MLM(mask_ratio=0.3), share=0.5)), 100)

@@ -21,7 +21,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {"config_loading", "fileio", "transformer_impl", "hardware", "processes", "assets", "claims", "measurements",
      "progress", "exit_codes"},
     {"megatron_compat", "process_group"},  # megatron-core workarounds (CUDA calls on CPU ...); process-group start-up
-    {"tokenizer", "schedule", "objectives", "model"},  # objectives/: one module per objective
+    {"tokenizer", "phases", "schedule", "objectives", "model"},  # objectives/: one module per objective
     {"data", "checkpoint"},
     {"training"},
     {"hf"},

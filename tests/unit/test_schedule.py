@@ -7,7 +7,8 @@ import torch
 
 from megatron_ext.config_loading import ConfigError
 from megatron_ext.objectives import CLM, MLM, MaskingConfig
-from megatron_ext.schedule import LRScheduleConfig, Phase, lr_at, phase_at, resolve_phases
+from megatron_ext.phases import Phase, phase_at, resolve_phases
+from megatron_ext.schedule import LRScheduleConfig, lr_at
 
 PAPER = LRScheduleConfig(lr=5e-4, lr_warmup_iters=2000, lr_wsd_decay_iters=2000)
 

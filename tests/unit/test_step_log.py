@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from helpers import tiny_recipe
-from megatron_ext.schedule import phase_at
+from megatron_ext.phases import phase_at
 from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.step_log import MetricSinks, StepLogger
 
