@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                      "study: tools/run_study.py")
     from megatron_ext.fileio import write_atomic
     from megatron_ext.study.plan import plan_study, plan_to_dict
-    from megatron_ext.study.render import format_plan
+    from megatron_ext.study.plan_text import format_plan
     from megatron_ext.study.spec import read_study
 
     plan = plan_study(read_study(args.study), args.study)

@@ -308,7 +308,7 @@ def _gh(value: float | None) -> str:
 def format_study_cost(plan, cost: StudyCost) -> str:
     """What ``plan_study.py --dry-run`` and ``run_study.py --dry-run`` print: per run and segment,
     the tree against separate runs, the evaluation, the whole study."""
-    from megatron_ext.study.render import tree_rows
+    from megatron_ext.study.plan_text import tree_rows
 
     kind = cost.kind
     out = ["", f"cost on {kind} ({MFU_CONVENTION} FLOPs / speed; GPU-hours = wall time x GPUs per run)"]
