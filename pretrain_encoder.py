@@ -26,7 +26,6 @@ MEGATRON_EXT_DEBUG=1 adds the traceback to a bad input's line.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -122,7 +121,8 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
     if args.dry_run:
         from megatron_ext.training.dry_run import check_paths, check_tokenizer_serves, format_dry_run, make_plan
 
-        from megatron_ext.training.memory import memory_report, runs_elsewhere
+        from megatron_ext.hardware import runs_elsewhere
+        from megatron_ext.training.memory import memory_report
 
         from megatron_ext.study.cost import check_budget, format_run_cost, segment_cost, speed_table
 

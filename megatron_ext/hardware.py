@@ -434,3 +434,16 @@ def seed_model_parallel(seed: int, *, cuda_graph_safe: bool = False, te_rng_trac
             megatron_random._CUDA_RNG_STATE_TRACKER)
         tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_rng_tracker,
                                                         use_cudagraphable_rng=cuda_graph_safe, force_reset_rng=replace)
+
+
+def runs_elsewhere(world_size: int) -> str | None:
+    """Why this machine does not run a plan of ``world_size`` processes (so its memory, and what its
+    mounts lack, say nothing about the plan), or None when it does: on a GPU machine up to one process
+    per local GPU; on a machine without GPUs, one process. Several CPU processes only serve tests of
+    the parallel layouts (tiny models, where memory is no question), so a dry run for more processes
+    on a machine without GPUs is a plan made on a login node for the compute nodes' GPUs: only
+    ``--gpu KIND`` knows their memory."""
+    if on_gpu():
+        local = torch.cuda.device_count()
+        return None if world_size <= local else f"{world_size} processes, more than this machine's {local} GPU(s)"
+    return None if world_size == 1 else f"{world_size} processes, and this machine has no GPU"

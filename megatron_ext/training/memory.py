@@ -1,7 +1,7 @@
 """Memory per rank a run needs, estimated from its config before anything is allocated.
 
 ``--dry-run`` prints the estimate, judged against a GPU of ``--gpu KIND``, else against this
-machine where it runs the plan's processes (``runs_elsewhere``; a 64-process plan made on a CPU login
+machine where it runs the plan's processes (``hardware.runs_elsewhere``; a 64-process plan made on a CPU login
 node is not judged by the login node's memory: the dry run says memory was not checked and names
 ``--gpu KIND``); ``pretrain`` refuses a config whose estimate exceeds the
 memory this process can use (``hardware.usable_memory_bytes``), naming the estimate and the
@@ -255,7 +255,7 @@ def check_fits(estimate: MemoryEstimate, usable_bytes: int, where: str, *, advic
 def memory_report(config: RunConfig, *, world_size: int, gpu_kind: str | None = None) -> str:
     """``--dry-run``'s memory lines: the estimate and whether it fits a GPU of ``gpu_kind`` (``--gpu``:
     a plan made on a login node is for the compute nodes' GPUs), else this machine's device where this
-    machine runs the plan's processes (:func:`runs_elsewhere`); elsewhere the estimate alone, saying
+    machine runs the plan's processes (``hardware.runs_elsewhere``); elsewhere the estimate alone, saying
     that memory was not checked and how to check it (a verdict about this machine would be about the
     wrong one)."""
     from megatron_ext import hardware
@@ -264,7 +264,7 @@ def memory_report(config: RunConfig, *, world_size: int, gpu_kind: str | None = 
     if gpu_kind in GPU_MEMORY_GIB:
         usable, where, on = GPU_MEMORY_GIB[gpu_kind] * GiB, f"a {gpu_kind} ({GPU_MEMORY_GIB[gpu_kind]} GiB)", f"on a {gpu_kind}"
         gpu, run_there = True, f"a run on a {gpu_kind}"
-    elif (reason := runs_elsewhere(world_size)) is not None:
+    elif (reason := hardware.runs_elsewhere(world_size)) is not None:
         return _unchecked_memory_report(config, world_size=world_size, reason=reason)
     else:
         (usable, where), gpu = hardware.usable_memory_bytes(), hardware.on_gpu()
@@ -286,25 +286,8 @@ def memory_report(config: RunConfig, *, world_size: int, gpu_kind: str | None = 
             f"{same}: {choice}")
 
 
-def runs_elsewhere(world_size: int) -> str | None:
-    """Why this machine does not run a plan of ``world_size`` processes (so its memory, and what its
-    mounts lack, say nothing about the plan), or None when it does: on a GPU machine up to one process
-    per local GPU; on a machine without GPUs, one process. Several CPU processes only serve tests of
-    the parallel layouts (tiny models, where memory is no question), so a dry run for more processes
-    on a machine without GPUs is a plan made on a login node for the compute nodes' GPUs: only
-    ``--gpu KIND`` knows their memory."""
-    from megatron_ext import hardware
-
-    if hardware.on_gpu():
-        import torch
-
-        local = torch.cuda.device_count()
-        return None if world_size <= local else f"{world_size} processes, more than this machine's {local} GPU(s)"
-    return None if world_size == 1 else f"{world_size} processes, and this machine has no GPU"
-
-
 def _unchecked_memory_report(config: RunConfig, *, world_size: int, reason: str) -> str:
-    """The memory lines of a plan this machine does not run (:func:`runs_elsewhere`): the estimate,
+    """The memory lines of a plan this machine does not run (``hardware.runs_elsewhere``): the estimate,
     and the flag that checks it."""
     from megatron_ext.training.context import varies
 
