@@ -12,7 +12,7 @@ set -uo pipefail
 OUT=${1:?output directory}; DATA=${2:-data}
 mkdir -p "$OUT"
 PY=${PY:-python3}
-ARGS=(--config examples/recipes/paper/210m_biphasic_25_75.yaml --attention-backend local
+ARGS=(--config examples/recipes/paper/210m_biphasic_25_75.yaml --transformer-impl local
       --tokenizer-model "$DATA/demo_tokenizer" --vocab-size from_tokenizer
       --data-path "$DATA/demo_dataset/train_text_document" --split 95,5,0 --seq-length 512
       --micro-batch-size 16 --global-batch-size 32 --eval-iters 2 --train-iters 400

@@ -330,3 +330,23 @@ def test_a_throughput_stage_cut_short_reports_the_sides_it_measured(tmp_path):
     page = gpu_suite.summary_markdown([result], machine=GPU, budget_s=100, elapsed_s=100, commit=None)
     assert "1b seq 2048 bf16 / megatron_ext: 61,234 tok/s, peak 30.1 GB" in page
     assert "cuda_graphs: - , peak - GB (crashed (exit 1): RuntimeError: capture failed)".replace(" ,", ",") in page
+
+
+def test_the_resume_stage_passes_the_trainer_flags_it_has(tmp_path, demo_tokenizer, capsys):
+    """``gpu_resume_e2e.sh`` starts the trainer with its ARGS on a GPU only; its flags are checked here
+    with the trainer's dry run on the demo data (a flag the trainer does not take ended the stage at
+    once: ``--attention-backend``, Megatron-LM's, until it read ``--transformer-impl``)."""
+    import pretrain_encoder
+
+    repo = Path(__file__).resolve().parents[2]
+    script = repo / "benchmarks" / "gpu_resume_e2e.sh"
+    listing = subprocess.run(
+        ["bash", "-c", f'OUT={tmp_path}; DATA={demo_tokenizer.parent}; '
+                       f'eval "$(sed -n "/^ARGS=(/,/)$/p" {script})"; printf "%s\\n" "${{ARGS[@]}}"'],
+        capture_output=True, text=True, check=True, cwd=repo).stdout.splitlines()
+    assert listing[:2] == ["--config", "examples/recipes/paper/210m_biphasic_25_75.yaml"]
+    argv = [str(repo / arg) if arg.startswith("examples/") else arg for arg in listing]
+    code = pretrain_encoder.main([*argv, "--save", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "log"),
+                                  "--dry-run"])
+    assert code == 0, capsys.readouterr().err
+    assert "(local layers)" in capsys.readouterr().out
