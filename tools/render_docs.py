@@ -480,8 +480,9 @@ def render_megatron_flags(page: Path) -> str:
     """Each Megatron-LM flag the trainer takes, beside Megatron-LM's default, and the refused ones
     (``megatron_ext.cli.megatron_flags``, the table its test keeps complete)."""
     from megatron_ext.cli.megatron_flags import flags_table
+    from pretrain_encoder import build_parser
 
-    return flags_table()
+    return flags_table(*build_parser())
 
 
 GENERATORS: dict[str, Callable[..., str]] = {  # each takes the page (for relative links), then its arguments

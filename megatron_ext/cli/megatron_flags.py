@@ -304,13 +304,13 @@ def megatron_differences(config) -> list[str]:
     return found
 
 
-def trainer_flag_defaults() -> dict[str, tuple[argparse.Action, Any]]:
+def trainer_flag_defaults(parser: argparse.ArgumentParser, dests: dict[str, tuple[str, str]]
+                          ) -> dict[str, tuple[argparse.Action, Any]]:
     """``{flag: (its argparse action, the default a recipe that does not set it gets)}`` for every
-    flag of ``pretrain_encoder.py`` that names one recipe field."""
-    from pretrain_encoder import build_parser
+    flag of the trainer's ``parser`` (``pretrain_encoder.build_parser``) that names one recipe field
+    (``dests``: ``{dest: (section, field)}``)."""
     from megatron_ext.training.recipe import field_defaults
 
-    parser, dests = build_parser()
     defaults = field_defaults(dests)
     return {flag: (action, defaults[action.dest]) for action in parser._actions if action.dest in defaults
             for flag in action.option_strings}
@@ -324,14 +324,11 @@ def _first_sentence(text: str) -> str:
     return match.group(1) if match else text
 
 
-def flags_table() -> str:
-    """docs/pretraining.md's table (Markdown): each Megatron-LM flag the trainer takes, the recipe
-    key it sets and what that does, the defaults side by side and the test that shows its effect;
-    then the refused ones."""
-    from pretrain_encoder import build_parser
-
-    names, ours = megatron_lm_flags(), trainer_flag_defaults()
-    _, dests = build_parser()
+def flags_table(parser: argparse.ArgumentParser, dests: dict[str, tuple[str, str]]) -> str:
+    """docs/pretraining.md's table (Markdown): each Megatron-LM flag the trainer takes (its
+    ``parser`` and ``dests``: ``pretrain_encoder.build_parser``), the recipe key it sets and what
+    that does, the defaults side by side and the test that shows its effect; then the refused ones."""
+    names, ours = megatron_lm_flags(), trainer_flag_defaults(parser, dests)
     lines = ["| Megatron-LM flag | recipe key: what it does here | default here | Megatron-LM's | shown by |",
              "|---|---|---|---|---|"]
     for flag, test in sorted(MEGATRON_FLAGS_HERE.items()):

@@ -5,7 +5,6 @@ one is refused in one line; no flag is guessed from a prefix."""
 from __future__ import annotations
 
 import ast
-import dataclasses
 import re
 from pathlib import Path
 
@@ -20,10 +19,15 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "recipes" / "paper" / "1b_mlm_40.yaml"
 
 
+def _trainer_flags() -> dict:
+    """Each flag of the trainer that sets one recipe field, with its action and default."""
+    return trainer_flag_defaults(*pretrain_encoder.build_parser())
+
+
 def _megatron_named() -> dict:
     """The trainer's flags that are Megatron-LM's too, with their action and default."""
     names = megatron_lm_flags()
-    return {flag: found for flag, found in trainer_flag_defaults().items() if flag in names}
+    return {flag: found for flag, found in _trainer_flags().items() if flag in names}
 
 
 def test_the_flag_list_is_megatron_lm_0_19s():
@@ -70,7 +74,7 @@ def test_defaults_that_differ_from_megatron_lm_say_why_and_help_shows_both():
 
 
 def test_refusal_table_names_megatron_flags_the_trainer_does_not_take():
-    names, taken = megatron_lm_flags(), trainer_flag_defaults()
+    names, taken = megatron_lm_flags(), _trainer_flags()
     assert set(UNSUPPORTED) <= set(names)
     assert not set(UNSUPPORTED) & set(taken)
     assert set(BEHAVIOUR_DIFFERENCES) <= set(MEGATRON_FLAGS_HERE)
@@ -148,6 +152,6 @@ def test_dry_run_says_where_this_run_differs_from_megatron_lm_on_purpose(capsys,
 def test_docs_table_is_the_code_table():
     page = (REPO / "docs" / "pretraining.md").read_text()
     region = re.search(r"<!-- generated: megatron-flags -->\n(.*?)<!-- end generated: megatron-flags -->", page, re.S)
-    assert region and region.group(1) == megatron_flags.flags_table()
+    assert region and region.group(1) == megatron_flags.flags_table(*pretrain_encoder.build_parser())
     for flag in MEGATRON_FLAGS_HERE:
         assert f"| `{flag}` |" in region.group(1)
