@@ -198,6 +198,7 @@ try:
     lock = SaveDirectoryLock.acquire(sys.argv[1])
 except SaveDirectoryInUse as refused:
     print(f"refused: {refused}", flush=True)
+    dist.destroy_process_group()  # as the trainer does on its way out (a live gloo group at exit may abort)
     sys.exit(2)
 print(f"held by rank {dist.get_rank()}, pid {os.getpid()}", flush=True)
 while not Path(sys.argv[2]).exists():
