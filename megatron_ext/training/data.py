@@ -74,6 +74,38 @@ def missing_prefix_problem(prefix: str) -> str | None:
     return None
 
 
+INDEX_HEADER = b"MMIDIDX\x00\x00"
+"""The first bytes of a Megatron-Core ``.idx`` (its ``indexed_dataset._INDEX_HEADER``, tested equal),
+stated here so that reading a header imports no Megatron."""
+
+INDEX_ARRAYS_OFFSET = _INDEX_PREAMBLE.size
+"""Where an ``.idx``'s arrays start: ``int32`` sequence lengths, ``int64`` pointers, ``int64``
+document starts (in sequences)."""
+
+
+def read_index_header(idx_path: str, *, header: bytes = INDEX_HEADER) -> tuple[int, int, int]:
+    """``(dtype code, sequences, documents)`` of a Megatron ``.idx`` after checking its header,
+    version and size against those counts; ``UserError`` naming the file otherwise. The one reader
+    of the header: the data checks (:func:`_read_index`) and the dry run's document lengths use it."""
+    idx_size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as f:
+        preamble = f.read(_INDEX_PREAMBLE.size)
+    if preamble[:9] != header:
+        raise UserError(f"{idx_path}: not a Megatron index; expected it to start with {header!r}, got {preamble[:9]!r}")
+    if len(preamble) < _INDEX_PREAMBLE.size:
+        raise UserError(f"{idx_path}: truncated header ({idx_size} bytes)")
+    _, version, code, n_sequences, n_documents = _INDEX_PREAMBLE.unpack(preamble)
+    if version != 1:
+        raise UserError(f"{idx_path}: index version {version}; Megatron-Core reads version 1")
+    expected = _INDEX_PREAMBLE.size + 12 * n_sequences + 8 * n_documents
+    if idx_size < expected:
+        raise UserError(
+            f"{idx_path}: {idx_size} bytes, expected {expected} for {n_sequences} sequences and "
+            f"{n_documents} document boundaries (truncated?)"
+        )
+    return code, n_sequences, n_documents
+
+
 def _read_index(prefix: str) -> _Index:
     """Check ``prefix``'s ``.idx`` header and sizes and its ``.bin`` size, as Megatron will read them."""
     from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType, _IndexReader
@@ -81,29 +113,11 @@ def _read_index(prefix: str) -> _Index:
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     if (problem := missing_prefix_problem(prefix)) is not None:
         raise UserError(f"data_path {prefix!r}: {problem}")
-    idx_size = os.path.getsize(idx_path)
-    with open(idx_path, "rb") as f:
-        preamble = f.read(_INDEX_PREAMBLE.size)
-    if preamble[:9] != _INDEX_HEADER:
-        raise UserError(
-            f"{idx_path}: not a Megatron index; expected it to start with {_INDEX_HEADER!r}, "
-            f"got {preamble[:9]!r}"
-        )
-    if len(preamble) < _INDEX_PREAMBLE.size:
-        raise UserError(f"{idx_path}: truncated header ({idx_size} bytes)")
-    _, version, code, n_sequences, n_documents = _INDEX_PREAMBLE.unpack(preamble)
-    if version != 1:
-        raise UserError(f"{idx_path}: index version {version}; Megatron-Core reads version 1")
+    code, n_sequences, _ = read_index_header(idx_path, header=_INDEX_HEADER)
     try:
         dtype = np.dtype(DType.dtype_from_code(code))
     except ValueError:
         raise UserError(f"{idx_path}: unknown token dtype code {code}") from None
-    expected = _INDEX_PREAMBLE.size + 12 * n_sequences + 8 * n_documents
-    if idx_size < expected:
-        raise UserError(
-            f"{idx_path}: {idx_size} bytes, expected {expected} for {n_sequences} sequences and "
-            f"{n_documents} document boundaries (truncated?)"
-        )
     # The arrays as Megatron-Core reads them (its IndexedDataset's reader; the dataset itself asserts
     # on a corrupt document index instead of naming the file, so the checks below come first).
     index = _IndexReader(idx_path, multimodal=False)

@@ -203,22 +203,17 @@ def index_document_lengths(prefix: str, tokens: int) -> np.ndarray:
     the header, then ``int32`` sequence lengths, ``int64`` pointers and ``int64`` document starts in
     sequences), enough to cover ``tokens`` (fewer when the dataset holds fewer); memory-mapped, so
     only that much is read. ``ValueError`` when the file is not such an index."""
-    from megatron_ext.training.data import _INDEX_PREAMBLE  # the header's layout, stated once there
+    from megatron_ext.training.data import INDEX_ARRAYS_OFFSET, read_index_header
 
     path = prefix + ".idx"
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        preamble = f.read(_INDEX_PREAMBLE.size)
-    if len(preamble) < _INDEX_PREAMBLE.size:
-        raise ValueError(f"truncated header ({size} bytes)")
-    _, version, _, n_sequences, n_documents = _INDEX_PREAMBLE.unpack(preamble)
-    if version != 1 or n_documents < 1 or size < _INDEX_PREAMBLE.size + 12 * n_sequences + 8 * n_documents:
-        raise ValueError("not a Megatron index (version 1)")
+    _, n_sequences, n_documents = read_index_header(path)  # UserError (a ValueError) naming the file
+    if n_documents < 1:
+        raise ValueError("no documents")
     take = min(n_sequences, tokens)  # no sequence is empty in ours; Megatron's may be, then fewer tokens
     if take == 0:
         raise ValueError("no sequences")
-    lengths = np.memmap(path, dtype=np.int32, mode="r", offset=_INDEX_PREAMBLE.size, shape=(take,))
-    starts = np.memmap(path, dtype=np.int64, mode="r", offset=_INDEX_PREAMBLE.size + 12 * n_sequences,
+    lengths = np.memmap(path, dtype=np.int32, mode="r", offset=INDEX_ARRAYS_OFFSET, shape=(take,))
+    starts = np.memmap(path, dtype=np.int64, mode="r", offset=INDEX_ARRAYS_OFFSET + 12 * n_sequences,
                        shape=(min(n_documents, take + 1),))
     before = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     starts = np.asarray(starts[starts < take])

@@ -422,3 +422,11 @@ def test_corrupt_index_fuzz(tmp_path, corpora, tokenizer, region):
             continue
         assert _all_tokens(prefix) == original, f"{kind} at byte {at} (+{span}) read other tokens"
     assert refused >= 20  # most corruptions change something
+
+
+def test_the_index_header_read_without_megatron_is_megatrons():
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
+
+    from megatron_ext.training import data
+
+    assert data.INDEX_HEADER == _INDEX_HEADER
