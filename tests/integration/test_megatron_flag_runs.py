@@ -7,32 +7,44 @@ from megatron_ext.training.recipe import run_config_from_dict
 from helpers import tiny_recipe
 
 
-def test_num_workers_start_loader_processes(tmp_path, tiny_corpus, monkeypatch):
+# A trainer in a process of its own (as a user's): the DataLoader it builds noted, the losses printed.
+_RECORDING_TRAINER = """
+import json, sys
+import torch.utils.data as torch_data
+real_loader, started = torch_data.DataLoader, []
+def recording_loader(*args, **kwargs):
+    started.append(kwargs.get("num_workers", 0))
+    return real_loader(*args, **kwargs)
+torch_data.DataLoader = recording_loader
+from megatron_ext.training.loop import pretrain
+from megatron_ext.training.recipe import run_config_from_dict
+result = pretrain(run_config_from_dict(json.loads(sys.argv[1])))
+print(json.dumps({"started": started, "losses": result.losses}))
+"""
+
+
+def test_num_workers_start_loader_processes(tmp_path, tiny_corpus):
     """``--num-workers`` 2 (0 here, Megatron-LM's 2) is the DataLoader's worker count: the rows come
-    from worker processes, and the run trains as one that loads in the training process."""
-    import torch.utils.data as torch_data
+    from worker processes, and the run trains as one that loads in the training process. Each run is
+    a trainer process of its own: forked from a test process that other tests left threads in, a
+    worker can die at start (a segmentation fault seen once under xdist)."""
+    import json
+    import subprocess
+    import sys
 
-    from megatron_ext.training.loop import pretrain
-
-    started = []
-    real_loader = torch_data.DataLoader
-
-    def recording_loader(*args, **kwargs):  # the real loader, its worker count noted
-        started.append(kwargs.get("num_workers", 0))
-        return real_loader(*args, **kwargs)
-
-    monkeypatch.setattr(torch_data, "DataLoader", recording_loader)
-    losses = {}
+    outcomes = {}
     for workers in (0, 2):
-        started.clear()
         run = tmp_path / f"workers{workers}"
-        config = run_config_from_dict(tiny_recipe(tiny_corpus, run, data={"num_workers": workers},
-                                                  training={"train_iters": 5, "eval_interval": 0, "log_interval": 5},
-                                                  checkpoint={"save_interval": 5}))
-        losses[workers] = pretrain(config).losses
-        assert started and set(started) == {workers}
-    assert losses[0] == losses[2]
-
+        recipe = tiny_recipe(tiny_corpus, run, data={"num_workers": workers},
+                             training={"train_iters": 5, "eval_interval": 0, "log_interval": 5},
+                             checkpoint={"save_interval": 5})
+        done = subprocess.run([sys.executable, "-c", _RECORDING_TRAINER, json.dumps(recipe)], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outcomes[workers] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcomes[0]["started"] and set(outcomes[0]["started"]) == {0}
+    assert outcomes[2]["started"] and set(outcomes[2]["started"]) == {2}
+    assert outcomes[0]["losses"] == outcomes[2]["losses"]
 
 
 def test_keep_last_zero_keeps_every_checkpoint_as_megatron_lm(tmp_path, tiny_corpus):
