@@ -191,7 +191,7 @@ def _timed_save(saver: CheckpointSaver, step, engine: MegatronEngine, save_dir: 
     start, start_cpu = time.perf_counter(), time.process_time()
     with engine.checkpointing():
         saver.save(save_dir, step=save_step, model=engine.checkpoint_model, optimizer=engine.optimizer_state,
-                   trainer_state={}, run_config={}, tokenizer_reference={}, keep_last=1)
+                   trainer_state={}, run_config={}, model_config={}, tokenizer_reference={}, keep_last=1)
     stall, stall_cpu = time.perf_counter() - start, time.process_time() - start_cpu
     after: list[tuple[float, float, int]] = []
     written, steps_while_writing = None, 0

@@ -35,12 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext import assets
-from megatron_ext.model.attention import (
-    attention_mask_for,
-    decode_attention_mask,
-    explicit_document_mask,
-    per_document_attention,
-)
+from megatron_ext.model.attention import attention_pattern, explicit_document_mask, per_document_attention
 from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
 
 _results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
@@ -73,13 +68,13 @@ def routes(ids: torch.Tensor, eod: int, *, causal: bool, heads: int, groups: int
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def per_document() -> torch.Tensor:
-        pattern = decode_attention_mask(attention_mask_for(ids, causal=causal, eod_token_id=eod))
-        return per_document_attention(q, k, v, pattern.cu_seqlens, causal=causal, enable_gqa=True)
+        pattern = attention_pattern(causal=causal, document_ends=ids == eod)
+        return per_document_attention(q, k, v, pattern.documents, causal=causal, enable_gqa=True)
 
     return (q, k, v), {
         "cross_document": lambda: sdpa(None, causal),
         "per_document": per_document,
-        "explicit_mask": lambda: sdpa(~explicit_document_mask(ids, causal=causal, eod_token_id=eod), False),
+        "explicit_mask": lambda: sdpa(~explicit_document_mask(ids == eod, causal=causal), False),
     }
 
 

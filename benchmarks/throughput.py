@@ -490,9 +490,11 @@ def _batches(args, model_preset: str, seq_length: int, side: str):
         ends = torch.rand(tokens.shape, generator=gen, device=device) < 1 / MEAN_DOCUMENT_TOKENS
         step = apply_mlm(tokens.masked_fill(ends, EOD_ID), config=masking, mask_id=MASK_ID,
                          vocab_size=args.vocab_size, special_ids=SPECIAL_IDS, generator=gen,
-                         document_end_id=EOD_ID if isolated else None)
-        return [dataclasses.replace(step, input_ids=ids, labels=labels, loss_mask=mask) for ids, labels, mask
-                in zip(*(t.split(micro) for t in (step.input_ids, step.labels, step.loss_mask)))]
+                         document_ends=ends if isolated else None)
+        documents = ends.split(micro) if isolated else [None] * count
+        return [dataclasses.replace(step, input_ids=ids, labels=labels, loss_mask=mask, document_ends=document_ends)
+                for ids, labels, mask, document_ends
+                in zip(*(t.split(micro) for t in (step.input_ids, step.labels, step.loss_mask)), documents)]
     return step_batches
 
 

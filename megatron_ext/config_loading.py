@@ -130,6 +130,7 @@ MOVED_KEYS: dict[str, str] = {
     "model.document_mask": "data.reset_attention_mask (and data.reset_position_ids to restart RoPE per document)",
     "model.eod_token_id": "data.reset_attention_mask, which reads the tokenizer's end-of-document token",
     "model.attention_backend": "model.transformer_impl",
+    "phases[*].rope_base": "phases[*].rotary_base (Megatron's name, as model.rotary_base)",
     "training.engine": "nothing: every run trains with the Megatron engine; delete the key",
 }
 """Keys an earlier version read, by dotted path (``[*]``: any item of a list), and where each went:

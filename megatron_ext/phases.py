@@ -42,7 +42,7 @@ class Phase:
     run extends its context (EuroBERT's annealing at 8,192): from the phase's first step the data
     is Megatron's dataset of the same prefixes at this length (``training.context``)."""
 
-    rope_base: float | None = None
+    rotary_base: float | None = None
     """RoPE theta in this phase (None: ``model.rotary_base``): long phases raise it."""
 
     micro_batch_size: int | None = None
@@ -70,10 +70,10 @@ class Phase:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise UserError(f"{name} must be a positive integer, got {value!r}")
-        if self.rope_base is not None and not self.rope_base > 0:
-            raise UserError(f"rope_base must be > 0, got {self.rope_base!r}")
+        if self.rotary_base is not None and not self.rotary_base > 0:
+            raise UserError(f"rotary_base must be > 0, got {self.rotary_base!r}")
 
-    CONTEXT_KEYS = ("seq_length", "rope_base", "micro_batch_size", "global_batch_size")
+    CONTEXT_KEYS = ("seq_length", "rotary_base", "micro_batch_size", "global_batch_size")
     """The keys that change what a phase's steps read (``training.context``); saved only when set."""
 
     @classmethod
@@ -119,7 +119,7 @@ class ResolvedPhase:
     seq_length: int | None = None
     """See :class:`Phase` (None: the run's)."""
 
-    rope_base: float | None = None
+    rotary_base: float | None = None
     """See :class:`Phase` (None: the model's)."""
 
     micro_batch_size: int | None = None
@@ -197,14 +197,3 @@ def phase_at(resolved: Sequence[ResolvedPhase], step: int) -> ResolvedPhase:
         if phase.start <= step < phase.end:
             return phase
     raise ValueError(f"step {step} is outside the phases' range [0, {resolved[-1].end})")
-
-
-def rope_base_after(raw_phases: Any, total_steps: Any, steps_done: int) -> float | None:
-    """The ``rope_base`` a saved run trained its last step with after ``steps_done`` steps: of the
-    phase of step ``steps_done - 1`` in ``raw_phases`` (the run config's phases as
-    :meth:`Phase.to_config` writes them) over ``total_steps``; None when that phase has none (the
-    model's ``rotary_base``) or the saved config has no phases (an import)."""
-    if not isinstance(raw_phases, list) or not raw_phases or not isinstance(total_steps, int):
-        return None
-    phases = [Phase.from_config(raw, f"phases[{i}]") for i, raw in enumerate(raw_phases)]
-    return phase_at(resolve_phases(phases, total_steps), min(max(steps_done - 1, 0), total_steps - 1)).rope_base

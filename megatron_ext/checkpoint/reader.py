@@ -39,7 +39,6 @@ import logging
 import os
 import pickle
 import re
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -57,13 +56,15 @@ from megatron_ext.megatron_compat import cuda_on_cpu
 from megatron_ext.checkpoint.storage import one_line
 from megatron_ext.config_loading import UserError, build_dataclass
 from megatron_ext.model.config import EncoderModelConfig
-from megatron_ext.phases import rope_base_after
 from megatron_ext.tokenizer import TokenizerConfig
 
 logger = logging.getLogger(__name__)
 
 COMPLETE = "checkpoint_complete.json"
 RUN_CONFIG = "run_config.json"
+MODEL_CONFIG = "model_config.json"
+"""The architecture of the saved weights: the run config's model section with the RoPE base the
+last saved step trained with (``save_checkpoint``'s ``model_config``)."""
 TOKENIZER_REFERENCE = "tokenizer_reference.json"
 TOKENIZER_FINGERPRINT = "fingerprint"
 """Key of ``tokenizer_reference.json`` holding the tokenizer's content fingerprint."""
@@ -74,7 +75,7 @@ MEGATRON_METADATA = "metadata.json"
 DCP_METADATA = ".metadata"
 """torch.distributed.checkpoint's index of the shard files."""
 CHECKPOINT_NAME = re.compile(r"^iter_(\d{7,})$")
-EDITABLE = (RUN_CONFIG, TOKENIZER_REFERENCE)
+EDITABLE = (RUN_CONFIG, MODEL_CONFIG, TOKENIZER_REFERENCE)
 """Files of a checkpoint that may be rewritten after it was saved (checked for presence only:
 users and tools may rewrite them, e.g. a moved tokenizer's path)."""
 # What a damaged or half-copied dist checkpoint raises while being read.
@@ -246,18 +247,28 @@ class Checkpoint:
         return self._json(RUN_CONFIG)
 
     def model_config(self) -> EncoderModelConfig:
-        """The architecture of the saved weights (the run config's ``model`` section), with the RoPE
-        base the weights were last trained with: a phase's ``rope_base`` (a long-context phase)
-        replaces ``model.rotary_base`` in checkpoints saved during or after it, so exports,
-        evaluation and inference read positions as training did."""
+        """The architecture of the saved weights (``model_config.json``), with the RoPE base the
+        weights were last trained with: a phase's ``rotary_base`` (a long-context phase) replaces the
+        run's ``model.rotary_base`` in checkpoints saved during or after it, so exports, evaluation
+        and inference read positions as training did.
+
+        A checkpoint written before that file existed has only the run config's model section, the
+        architecture of its first step: read when no phase of the run changed the RoPE base, refused
+        in one line otherwise (the base of its last step is not recorded)."""
+        if (self.path / MODEL_CONFIG).exists():
+            return build_dataclass(EncoderModelConfig, self._json(MODEL_CONFIG), f"{self.path / MODEL_CONFIG} model")
         where = f"{self.path / RUN_CONFIG} model"
         run_config = self.run_config()
         if "model" not in run_config:
             raise UserError(f"{where}: missing; expected the saved model section")
-        config = build_dataclass(EncoderModelConfig, run_config["model"], where)
-        rope_base = rope_base_after(run_config.get("phases"), (run_config.get("training") or {}).get("train_iters"),
-                                    self.step)
-        return config if rope_base is None else dataclasses.replace(config, rotary_base=float(rope_base))
+        phases = run_config.get("phases")
+        # Those versions called a phase's base rope_base.
+        if isinstance(phases, list) and any(isinstance(p, dict) and p.get("rope_base") is not None for p in phases):
+            raise UserError(f"{self.path}: no {MODEL_CONFIG} (saved by an earlier version) and its run's phases change "
+                            f"the RoPE base (rope_base), so the base its weights were last trained with is not "
+                            f"recorded; write {MODEL_CONFIG} from the model section of {RUN_CONFIG} with the last "
+                            "phase's rope_base as rotary_base")
+        return build_dataclass(EncoderModelConfig, run_config["model"], where)
 
     def tokenizer_config(self) -> TokenizerConfig:
         """The tokenizer the weights expect (``tokenizer_reference.json``: the ``TokenizerConfig``

@@ -41,7 +41,7 @@ from megatron_ext.megatron_compat import cuda_on_cpu
 from megatron_ext.megatron_compat.checkpoint_results import ResultsQueue
 from megatron_ext.checkpoint import storage
 from megatron_ext.checkpoint.config import check_nvrx_async_writer
-from megatron_ext.checkpoint.reader import (COMPLETE, MANIFEST_KEY, RUN_CONFIG, TOKENIZER_REFERENCE,
+from megatron_ext.checkpoint.reader import (COMPLETE, MANIFEST_KEY, MODEL_CONFIG, RUN_CONFIG, TOKENIZER_REFERENCE,
                                             OptimizerCheckpointState, complete_checkpoints, latest_checkpoint,
                                             missing_shards)
 from megatron_ext.config_loading import UserError
@@ -63,6 +63,7 @@ def save_checkpoint(
     optimizer: OptimizerCheckpointState | None,
     trainer_state: dict,
     run_config: dict,
+    model_config: dict,
     tokenizer_reference: dict,
     keep_last: int,
     keep_steps: tuple[int, ...] = (),
@@ -80,13 +81,17 @@ def save_checkpoint(
             ``torch.load(weights_only=True)`` accepts (containers, numbers, strings, bytes,
             tensors, numpy arrays: checked here). ``step`` is added (or must equal ``step``).
         run_config: The resolved run configuration, JSON-serialisable.
+        model_config: The architecture of the saved weights (``EncoderModelConfig`` fields): the run
+            config's model section with the RoPE base the last step trained with (a phase's
+            ``rotary_base``), what exports and evaluation build the model from.
         tokenizer_reference: Which tokenizer the weights expect, JSON-serialisable.
         keep_last: Keep this many newest complete checkpoints (the new one included); 0: all.
         keep_steps: Steps never pruned, besides those (the checkpoints other runs branch from).
     """
     with CheckpointSaver(async_save=False) as saver:
         return saver.save(save_dir, step=step, model=model, optimizer=optimizer, trainer_state=trainer_state,
-                          run_config=run_config, tokenizer_reference=tokenizer_reference, keep_last=keep_last,
+                          run_config=run_config, model_config=model_config,
+                          tokenizer_reference=tokenizer_reference, keep_last=keep_last,
                           keep_steps=keep_steps)
 
 
@@ -178,7 +183,8 @@ class CheckpointSaver:
 
     def save(self, save_dir: str | os.PathLike, *, step: int, model: torch.nn.Module,
              optimizer: OptimizerCheckpointState | None, trainer_state: dict, run_config: dict,
-             tokenizer_reference: dict, keep_last: int, keep_steps: tuple[int, ...] = ()) -> Path:
+             model_config: dict, tokenizer_reference: dict, keep_last: int,
+             keep_steps: tuple[int, ...] = ()) -> Path:
         """Start writing ``<save_dir>/iter_<step>`` (arguments: :func:`save_checkpoint`); returns
         its final path, complete on return unless the save is asynchronous."""
         if self._closed:
@@ -192,6 +198,7 @@ class CheckpointSaver:
             raise UserError(f"keep_last must be >= 1, or 0 to keep every checkpoint; got {keep_last}")
         trainer_state = _checked_trainer_state(trainer_state, step)
         files = {RUN_CONFIG: _to_json("run_config", run_config),
+                 MODEL_CONFIG: _to_json("model_config", model_config),
                  TOKENIZER_REFERENCE: _to_json("tokenizer_reference", tokenizer_reference)}
         self.wait()
         save_dir = Path(save_dir)

@@ -253,7 +253,8 @@ def import_hf_model(
                                    f"unexpected {unexpected}")
             checkpoint = save_checkpoint(
                 tmp, step=0, model=megatron_model, optimizer=None, trainer_state={},
-                run_config=run_config, tokenizer_reference=tokenizer_reference, keep_last=1)
+                run_config=run_config, model_config=run_config["model"], tokenizer_reference=tokenizer_reference,
+                keep_last=1)
         (tmp / RECIPE_SNIPPET).write_text(
             _recipe_snippet(config, final_tokenizer, output_dir, str(source)))
         publish_dir(tmp, output_dir, overwrite=overwrite, identical_ok=False)

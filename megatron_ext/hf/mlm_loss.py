@@ -77,9 +77,10 @@ def _logits_fn(model: Any):
     if isinstance(model, PreTrainedModel):
         return lambda ids: model(input_ids=ids).logits
     from megatron_ext.model import EncoderModel
+    from megatron_ext.model.attention import attention_pattern
 
-    if isinstance(model, EncoderModel):
-        return lambda ids: model(ids, causal=False)  # TP=1: the whole (padded) vocabulary
+    if isinstance(model, EncoderModel):  # TP=1: the whole (padded) vocabulary
+        return lambda ids: model(ids, packed_seq_params=attention_pattern(causal=False))
     raise TypeError(f"expected a transformers masked LM or a megatron_ext EncoderModel, got "
                     f"{type(model).__name__}")
 

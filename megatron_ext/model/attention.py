@@ -1,23 +1,31 @@
-"""Core attention modules and the per-call attention pattern.
+"""Core attention modules and what one forward call attends to.
 
 The same weights run causally (CLM steps) and bidirectionally (MLM steps, evaluation, export),
-so the pattern is chosen per forward call. Megatron's ``SelfAttention`` fixes ``attn_mask_type``
-at construction, but passes its ``attention_mask`` argument through ``TransformerBlock`` ->
-``TransformerLayer`` -> ``SelfAttention`` -> core attention on every call, including activation
-recomputation (only tensors and ``None`` survive ``tensor_parallel.checkpoint``). The pattern
-therefore travels in ``attention_mask``, encoded by ``attention_mask_for``:
+with or without isolated documents, so the pattern is chosen per forward call. Megatron's
+``SelfAttention`` fixes ``attn_mask_type`` at construction, but hands its ``packed_seq_params``
+argument from ``GPTModel``/``TransformerBlock`` through every ``TransformerLayer`` to core attention
+on every call, also under activation recomputation (``recompute.py`` and selective recomputation
+keep it in their closures) and CUDA graphs (``CudaGraphManager`` compares a dataclass argument field
+by field: one runner per direction). The pattern is therefore an :class:`AttentionPattern`, a
+``PackedSeqParams`` that also says the direction:
 
-- ``None``: bidirectional, every position attends to every position;
-- an empty boolean tensor: causal and nothing else, so SDPA and TE take their ``is_causal``
-  kernels without materialising an ``s x s`` mask;
-- an int32 tensor of ``cu_seqlens`` (:func:`document_cu_seqlens`): isolated documents of packed
-  rows (``data.reset_attention_mask``), each attending only within itself; 1-D bidirectional,
-  ``[1, n + 1]`` causal within each document. No ``s x s`` mask is materialised: Transformer
-  Engine runs its packed-sequence (THD) kernels on these ``cu_seqlens``, the local spec one SDPA
-  call per bucket of documents of similar length (:func:`per_document_attention`);
-- a boolean ``[b, 1, s, s]`` tensor, True = masked out (Megatron's convention): an explicit mask
-  (:func:`explicit_document_mask`), kept as the reference the packed route is tested and
-  benchmarked against.
+- ``causal``: position ``i`` attends to positions ``<= i`` only (within its document when documents
+  are isolated); else to every position (of its document);
+- ``cu_seqlens_q`` (= ``cu_seqlens_kv``, :attr:`AttentionPattern.documents`): isolated documents of
+  packed rows (``data.reset_attention_mask``), int32, where each starts in the row-major ``[b * s]``
+  token stream, then ``b * s`` (:func:`document_cu_seqlens`); None: a row attends across its
+  documents. No ``s x s`` mask is materialised: Transformer Engine runs its packed-sequence (THD)
+  kernels on these ``cu_seqlens``, the local spec one SDPA call per run of documents of one length
+  (:func:`per_document_attention`).
+
+``qkv_format`` stays ``"sbhd"``: the layers keep their ``[s, b, h]`` activations. Megatron's
+``"thd"`` would have the layers flatten the batch and restart RoPE at each document inside the
+attention; here positions are the model's ``position_ids`` (``data.reset_position_ids`` restarts
+them per document), so core attention packs the stream itself.
+
+``attention_mask`` keeps Megatron's meaning, an explicit boolean ``[b, 1, s, s]`` mask (True =
+masked out) with a bidirectional pattern: the reference the packed route is tested and benchmarked
+against (:func:`explicit_document_mask`); the trainer never builds one.
 
 Documents end at (and include) each end-of-document token, as in Megatron's ``GPTDataset`` with
 ``reset_attention_mask``; the start of each row also starts a document (a document cut by the row
@@ -27,7 +35,7 @@ edge continues in the next sample as a document of its own there).
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,68 +57,73 @@ from ``cu_seqlens`` itself (``DotProductAttention.forward``, a device-to-host co
 row length so rounded, an upper bound known on the host, so no copy happens."""
 
 
-class AttentionPattern(NamedTuple):
-    """A decoded per-call pattern (module docstring)."""
+@dataclass
+class AttentionPattern(PackedSeqParams):
+    """What each token attends to in one forward call (module docstring): Megatron's
+    ``PackedSeqParams`` with the isolated documents in ``cu_seqlens_q``/``cu_seqlens_kv``, plus the
+    direction. Build it with :func:`attention_pattern`."""
 
-    mask: Tensor | None
-    """Explicit boolean mask ``[b, 1, s, s]``, True = masked out; None without one."""
-    is_causal: bool
-    """Causal, alone (no mask) or within each document (with ``cu_seqlens``)."""
-    cu_seqlens: Tensor | None
-    """int32 ``[n + 1]``: where each isolated document starts in the row-major ``[b * s]`` token
-    stream, then ``b * s``; None when documents are not isolated."""
+    causal: bool = False
+    """Causal (CLM), alone or within each document; False: bidirectional (MLM, evaluation)."""
+
+    @property
+    def documents(self) -> Tensor | None:
+        """int32 ``[n + 1]`` starts of the isolated documents in the row-major ``[b * s]`` stream, then
+        ``b * s``; None when a row attends across its documents."""
+        return self.cu_seqlens_q
 
 
-def document_cu_seqlens(input_ids: Tensor, eod_token_id: int) -> Tensor:
-    """Starts of the documents of ``input_ids`` ``[b, s]`` in its row-major token stream, then
-    ``b * s`` (int32 ``[n + 1]``, Transformer Engine's ``cu_seqlens``). A document starts at each
-    row's first token and after each end-of-document token; one that ends a row ends there.
+def attention_pattern(*, causal: bool, document_ends: Tensor | None = None) -> AttentionPattern:
+    """The pattern of a call: ``causal`` or bidirectional, within the documents that
+    ``document_ends`` (bool ``[b, s]``, True at each token that ends one) delimits, or across them
+    (None)."""
+    documents = None if document_ends is None else document_cu_seqlens(document_ends)
+    return AttentionPattern(qkv_format="sbhd", causal=causal, cu_seqlens_q=documents, cu_seqlens_kv=documents)
+
+
+def document_cu_seqlens(document_ends: Tensor) -> Tensor:
+    """Starts of the documents of a ``[b, s]`` micro-batch in its row-major token stream, then
+    ``b * s`` (int32 ``[n + 1]``, Transformer Engine's ``cu_seqlens``). ``document_ends`` (bool
+    ``[b, s]``) is True at each token that ends a document (its end-of-document token). A document
+    starts at each row's first token and after each end; one that ends a row ends there.
 
     The count of documents is data-dependent: on a GPU reading it waits for the device (once per
     forward, not per layer)."""
-    b, s = input_ids.shape
-    starts = torch.ones(b, s, dtype=torch.bool, device=input_ids.device)
-    starts[:, 1:] = input_ids[:, :-1] == eod_token_id
+    b, s = document_ends.shape
+    starts = torch.ones(b, s, dtype=torch.bool, device=document_ends.device)
+    starts[:, 1:] = document_ends[:, :-1]
     first = starts.reshape(-1).nonzero().squeeze(1)
     end = torch.full((1,), b * s, dtype=first.dtype, device=first.device)
     return torch.cat([first, end]).to(torch.int32)
 
 
-def attention_mask_for(
-    input_ids: Tensor, *, causal: bool, eod_token_id: int | None
-) -> Tensor | None:
-    """The per-call attention pattern for ``input_ids`` [b, s] (see the module docstring).
-
-    ``eod_token_id`` set: documents are isolated (``data.reset_attention_mask``), each ending at
-    (and including) that token.
-    """
-    if eod_token_id is None:
-        return torch.empty(0, dtype=torch.bool, device=input_ids.device) if causal else None
-    cu_seqlens = document_cu_seqlens(input_ids, eod_token_id)
-    return cu_seqlens[None] if causal else cu_seqlens
-
-
-def explicit_document_mask(input_ids: Tensor, *, causal: bool, eod_token_id: int) -> Tensor:
-    """The same documents as :func:`attention_mask_for`, as an explicit ``[b, 1, s, s]`` boolean
-    mask (True = masked out): the reference the packed route is compared with."""
-    is_eod = (input_ids == eod_token_id).long()
-    document = is_eod.cumsum(dim=1) - is_eod  # [b, s]: EODs strictly before each position
+def explicit_document_mask(document_ends: Tensor, *, causal: bool) -> Tensor:
+    """The documents of ``document_ends`` (:func:`document_cu_seqlens`) as an explicit
+    ``[b, 1, s, s]`` boolean mask (True = masked out), causal within each or not: the reference the
+    packed route is compared with."""
+    ends = document_ends.long()
+    document = ends.cumsum(dim=1) - ends  # [b, s]: document ends strictly before each position
     masked = document[:, None, :, None] != document[:, None, None, :]
     if causal:
-        s = input_ids.shape[1]
-        masked |= torch.ones(s, s, dtype=torch.bool, device=input_ids.device).triu(1)
+        s = document_ends.shape[1]
+        masked |= torch.ones(s, s, dtype=torch.bool, device=document_ends.device).triu(1)
     return masked
 
 
-def decode_attention_mask(attention_mask: Tensor | None) -> AttentionPattern:
-    """Inverse of ``attention_mask_for`` (and of :func:`explicit_document_mask`)."""
-    if attention_mask is None:
-        return AttentionPattern(None, False, None)
-    if attention_mask.dtype == torch.int32:
-        return AttentionPattern(None, attention_mask.dim() == 2, attention_mask.reshape(-1))
-    if attention_mask.numel() == 0:
-        return AttentionPattern(None, True, None)
-    return AttentionPattern(attention_mask, False, None)
+def call_pattern(attention_mask: Tensor | None, packed_seq_params: PackedSeqParams | None) -> AttentionPattern:
+    """The pattern core attention runs: ``packed_seq_params`` as ``EncoderModel.forward`` passes it;
+    without one (a caller of Megatron's interface with an explicit ``attention_mask`` or nothing),
+    bidirectional over the mask. Anything else is refused rather than guessed."""
+    if packed_seq_params is None:
+        return AttentionPattern()
+    if not isinstance(packed_seq_params, AttentionPattern):
+        raise ValueError("the encoder's core attention takes model.attention.AttentionPattern as packed_seq_params "
+                         f"(EncoderModel.forward builds it), not {type(packed_seq_params).__name__} with "
+                         f"qkv_format={packed_seq_params.qkv_format!r}")
+    if attention_mask is not None and (packed_seq_params.causal or packed_seq_params.documents is not None):
+        raise ValueError("an explicit attention_mask says alone what each token attends to: pass it with a "
+                         "bidirectional AttentionPattern without documents")
+    return packed_seq_params
 
 
 def _equal_length_runs(lengths: list[int]) -> list[tuple[int, int]]:
@@ -204,23 +217,24 @@ class SDPAttention(MegatronModule):
         attention_bias: Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
-        """Attention over ``[s, b, n, d]``; ``attn_mask_type`` is ignored (see module doc)."""
-        if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SDPAttention supports neither attention_bias nor packed_seq_params")
-        pattern = decode_attention_mask(attention_mask)
+        """Attention over ``[s, b, n, d]`` with the call's :class:`AttentionPattern`;
+        ``attn_mask_type`` (fixed at construction) is ignored (module docstring)."""
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support attention_bias")
+        pattern = call_pattern(attention_mask, packed_seq_params)
         dropout = self.dropout if self.training else 0.0
         gqa = self.heads_per_rank != self.groups_per_rank
         with hardware.tensor_parallel_rng() if dropout else contextlib.nullcontext():
-            if pattern.cu_seqlens is not None:
-                return per_document_attention(query, key, value, pattern.cu_seqlens, causal=pattern.is_causal,
+            if pattern.documents is not None:
+                return per_document_attention(query, key, value, pattern.documents, causal=pattern.causal,
                                               dropout_p=dropout, scale=self.softmax_scale, enable_gqa=gqa)
             s, b = query.shape[:2]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
             out = F.scaled_dot_product_attention(
                 q, k, v,
-                attn_mask=None if pattern.mask is None else ~pattern.mask,  # SDPA: True = attend
+                attn_mask=None if attention_mask is None else ~attention_mask,  # SDPA: True = attend
                 dropout_p=dropout,
-                is_causal=pattern.is_causal,
+                is_causal=pattern.causal,
                 scale=self.softmax_scale,
                 enable_gqa=gqa,
             )
@@ -230,12 +244,13 @@ class SDPAttention(MegatronModule):
 if HAVE_TE:
 
     class TEEncoderAttention(TEDotProductAttention):
-        """``TEDotProductAttention`` that takes its mask type from the per-call pattern.
+        """``TEDotProductAttention`` that takes its mask type from the call's :class:`AttentionPattern`.
 
-        None -> ``no_mask`` and empty -> ``causal`` (flash/cuDNN kernels); isolated documents
-        (``cu_seqlens``) -> THD: the ``[s, b]`` tokens as one ``[b * s]`` stream of packed sequences,
-        ``padding``/``padding_causal`` over :func:`packed_seq_params_for`; an explicit mask ->
-        ``arbitrary``, which TE serves with a slower kernel (the reference only).
+        Bidirectional -> ``no_mask`` and causal -> ``causal`` (flash/cuDNN kernels); isolated documents
+        -> THD: the ``[s, b]`` tokens as one ``[b * s]`` stream of packed sequences,
+        ``padding``/``padding_causal`` over Megatron's ``PackedSeqParams`` of the documents
+        (:func:`packed_seq_params_for`); an explicit mask -> ``arbitrary``, which TE serves with a
+        slower kernel (the reference only).
         """
 
         # The same signature as SDPAttention.forward, deliberately: both are Megatron's core-attention
@@ -251,23 +266,19 @@ if HAVE_TE:
             packed_seq_params: PackedSeqParams | None = None,
             num_splits: int | None = None,
         ) -> Tensor:
-            pattern = decode_attention_mask(attention_mask)
-            if pattern.cu_seqlens is not None:  # isolated documents: THD, no s x s mask
-                if packed_seq_params is not None:
-                    raise ValueError("TEEncoderAttention builds its own packed_seq_params from the documents")
+            pattern = call_pattern(attention_mask, packed_seq_params)
+            if pattern.documents is not None:  # isolated documents: THD, no s x s mask
                 s, b = query.shape[:2]
                 stream = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (query, key, value)]
-                mask_type = AttnMaskType.padding_causal if pattern.is_causal else AttnMaskType.padding
+                mask_type = AttnMaskType.padding_causal if pattern.causal else AttnMaskType.padding
                 out = super().forward(*stream, None, mask_type, attention_bias,
-                                      packed_seq_params_for(pattern.cu_seqlens, s), num_splits)
+                                      packed_seq_params_for(pattern.documents, s), num_splits)
                 return out.reshape(b, s, -1).transpose(0, 1).contiguous()
-            if pattern.mask is not None:
+            if attention_mask is not None:
                 mask_type = AttnMaskType.arbitrary
             else:
-                mask_type = AttnMaskType.causal if pattern.is_causal else AttnMaskType.no_mask
-            return super().forward(
-                query, key, value, pattern.mask, mask_type, attention_bias, packed_seq_params, num_splits
-            )
+                mask_type = AttnMaskType.causal if pattern.causal else AttnMaskType.no_mask
+            return super().forward(query, key, value, attention_mask, mask_type, attention_bias, None, num_splits)
 
 else:
     TEEncoderAttention = None

@@ -1,4 +1,4 @@
-"""The encoder model: Megatron-Core's ``GPTModel`` with a per-call attention pattern.
+"""The encoder model: Megatron-Core's ``GPTModel`` with a per-call attention pattern and RoPE base.
 
 Parameter names are GPTModel's (``embedding.word_embeddings``, ``decoder.layers.<i>.*``,
 ``decoder.final_layernorm``, ``output_layer``), one ``TransformerLayer`` per EuroBERT/Llama
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from megatron_ext.config_loading import UserError
 from megatron_ext import hardware
-from megatron_ext.model.attention import attention_mask_for
+from megatron_ext.model.attention import AttentionPattern
 from megatron_ext.model.config import EncoderModelConfig, tensor_parallel_problem
 from megatron_ext.model.spec import encoder_block_spec, require_transformer_engine
 
@@ -32,9 +32,13 @@ from megatron_ext.model.spec import encoder_block_spec, require_transformer_engi
 class EncoderModel(GPTModel):
     """Bidirectional/causal encoder on Megatron-Core; build it with ``build_encoder_model``.
 
-    RoPE is computed here from positions (``position_ids`` or ``0..s-1``) rather than by
-    GPTModel's ``RotaryEmbedding``, which ignores ``position_ids`` and moves its frequencies to
-    ``torch.cuda.current_device()``; GPTModel is therefore built with no position embedding.
+    What a call computes beyond its tokens are arguments of :meth:`forward`, nothing the model holds:
+    the attention pattern (``packed_seq_params``, Megatron's per-call channel to core attention) and
+    the RoPE base (a phase may raise it). RoPE is computed here per call from positions
+    (``position_ids`` or ``0..s-1``) and that base rather than by GPTModel's ``RotaryEmbedding``,
+    whose frequencies are fixed at construction, which ignores ``position_ids`` and moves its
+    frequencies to ``torch.cuda.current_device()``; GPTModel is therefore built with no position
+    embedding.
 
     ``gradient_accumulation_fusion`` in ``transformer_config`` without apex's
     ``fused_weight_gradient_mlp_cuda`` (``hardware.megatron_linear_wgrad_fusion_available``):
@@ -80,20 +84,18 @@ class EncoderModel(GPTModel):
             position_embedding_type="none",
         )
         self.encoder_config = config
-        self.rotary_base = config.rotary_base
-        """RoPE theta of the next forward passes: ``config.rotary_base`` until a phase with its own
-        ``rope_base`` sets it (a float used per call: no buffer, nothing saved with the weights)."""
 
     def rotary_embedding(
-        self, seq_len: int, position_ids: Tensor | None, device: torch.device
+        self, seq_len: int, position_ids: Tensor | None, device: torch.device, *, base: float
     ) -> Tensor:
-        """RoPE angles ``[s, b or 1, 1, head_dim]`` in Megatron's (non-interleaved) layout.
+        """RoPE angles ``[s, b or 1, 1, head_dim]`` in Megatron's (non-interleaved) layout, of theta
+        ``base``.
 
         Always float32 (recomputed per call, a few KB), whatever the parameter dtype.
         """
         d = self.encoder_config.head_dim
         exponents = torch.arange(0, d, 2, dtype=torch.float32, device=device) / d
-        inv_freq = self.rotary_base**-exponents
+        inv_freq = base**-exponents
         if position_ids is None:
             positions = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None]
         else:
@@ -109,30 +111,29 @@ class EncoderModel(GPTModel):
                 "position_ids of several sequences need training.rope_fusion: false (Transformer Engine's fused "
                 "RoPE takes one row of positions for the whole batch); pass position_ids=None for 0..s-1")
 
-    def _preprocess(self, input_ids, position_ids, decoder_input=None, **kwargs):  # type: ignore
-        out = super()._preprocess(input_ids, position_ids, decoder_input=decoder_input, **kwargs)
-        # Full length from input_ids: hidden states are shorter under sequence parallelism.
-        rotary = self.rotary_embedding(input_ids.shape[1], position_ids, input_ids.device)
-        return (out[0], rotary, *out[2:])
-
     def forward(  # type: ignore[override]
         self,
         input_ids: Tensor,
         *,
-        causal: bool,
+        packed_seq_params: AttentionPattern,
+        rotary_base: float | None = None,
         position_ids: Tensor | None = None,
         labels: Tensor | None = None,
         loss_mask: Tensor | None = None,
         max_scored_per_sequence: int | None = None,
-        document_end_id: int | None = None,
+        attention_mask: Tensor | None = None,
     ) -> Tensor:
-        """Run the encoder with a causal (CLM) or bidirectional (MLM, evaluation) pattern.
+        """Run the encoder with the call's attention pattern and RoPE base.
 
         Args:
-            input_ids: ``[b, s]`` token ids (also on later pipeline stages: the documents are
-                read from them).
-            causal: Position ``i`` attends to positions ``<= i`` only; else to all positions.
-                With ``document_end_id`` attention also stays inside each document.
+            input_ids: ``[b, s]`` token ids (also on later pipeline stages: the length is read
+                from them).
+            packed_seq_params: What each token attends to (``model.attention.attention_pattern``):
+                causal (CLM) or bidirectional (MLM, evaluation), within isolated documents
+                (``data.reset_attention_mask``: THD on Transformer Engine, per-document SDPA on the
+                local spec) or across them. Megatron hands it to every layer's core attention.
+            rotary_base: RoPE theta of this call: a phase's ``rotary_base`` (``training.context``);
+                None: the architecture's ``rotary_base``.
             position_ids: ``[b, s]`` RoPE positions; default ``0..s-1`` in every row.
             labels: ``[b, s]`` target ids. A position holding an id outside the vocabulary
                 (e.g. ``IGNORE_INDEX`` = -100) gets a finite, meaningless loss: multiply the
@@ -146,11 +147,9 @@ class EncoderModel(GPTModel):
                 positions per sequence, chosen on the device, with no host sync; a value below the
                 truth drops scored positions. None reads the largest count from the mask (one host
                 sync).
-            document_end_id: Isolate the documents of each row (``data.reset_attention_mask``):
-                a document ends at and includes each token of this id (the tokenizer's EOD), and
-                attends only within itself (``model.attention``: THD on Transformer Engine,
-                per-document SDPA on the local spec). None: every position of a row attends
-                across documents.
+            attention_mask: Megatron's explicit boolean ``[b, 1, s, s]`` mask (True = masked out),
+                with a bidirectional ``packed_seq_params`` without documents: the reference the
+                packed route is tested against (``model.attention.explicit_document_mask``).
 
         Returns:
             Without ``labels``: logits ``[b, s, vocab_size / tp]``, this tensor-parallel rank's
@@ -166,14 +165,24 @@ class EncoderModel(GPTModel):
                 f"{self.encoder_config.seq_length}"
             )
         self._check_rope_positions(position_ids)
-        mask = attention_mask_for(input_ids, causal=causal, eod_token_id=document_end_id)
+        base = self.encoder_config.rotary_base if rotary_base is None else rotary_base
+        # Full length from input_ids: hidden states are shorter under sequence parallelism.
+        rotary = self.rotary_embedding(seq_len, position_ids, input_ids.device, base=base)
         processor = None
         if labels is not None and loss_mask is not None:
             if max_scored_per_sequence is None:
                 max_scored_per_sequence = int((loss_mask > 0).sum(dim=1).max()) if loss_mask.numel() else 0
             processor = functools.partial(self._loss_at_scored_positions, rows_per_sequence=max_scored_per_sequence)
-        return super().forward(input_ids, position_ids, mask, labels=labels, loss_mask=loss_mask,
-                               output_processor=processor)
+        # GPTModel.forward's three steps, with this call's RoPE table: its _preprocess computes RoPE
+        # only from the frequencies fixed at construction, so it serves here for the embedding alone
+        # (None on later pipeline stages, whose decoder reads the stage's input tensor).
+        decoder_input = self._preprocess(input_ids, position_ids, packed_seq_params=packed_seq_params)[0]
+        hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
+                                     rotary_pos_emb=rotary, packed_seq_params=packed_seq_params)
+        return self._postprocess(hidden_states=hidden_states, input_ids=input_ids, position_ids=position_ids,
+                                 labels=labels, rotary_pos_emb=rotary, rotary_pos_cos=None, rotary_pos_sin=None,
+                                 loss_mask=loss_mask, attention_mask=attention_mask,
+                                 packed_seq_params=packed_seq_params, output_processor=processor)
 
     def _loss_at_scored_positions(
         self, *, hidden_states: Tensor, output_layer, output_weight: Tensor | None, labels: Tensor,

@@ -13,6 +13,11 @@ tokens ``text`` and yields:
   occurs in batch-padding samples and, with ``drop_last_partial_validation_sequence=False``, at
   the tail of the last validation sample; training samples are never padded.
 
+With isolated documents (``data.reset_attention_mask``) the trainer adds ``document_ends`` (bool
+``[b, s]``, True at each token that ends a document: its end-of-document token); without it a row's
+documents attend to each other, the paper's setting. The objectives pass it on to the model
+(:attr:`ObjectiveBatch.document_ends`) and never predict across a document end.
+
 Labels are ``IGNORE_INDEX`` wherever ``loss_mask`` is 0. Megatron's vocab-parallel cross entropy
 accepts such labels (out-of-partition ids give a finite value), which the loss mask then zeroes.
 
@@ -57,10 +62,10 @@ class ObjectiveBatch:
     without reading ``loss_mask`` (the LM head at the scored positions selects this many rows per
     sequence, so the GPU never waits for the host). MLM: ``floor(mask_ratio * s + 0.5)``; CLM: ``s``."""
 
-    document_end_id: int | None = None
-    """Isolated documents (``data.reset_attention_mask``): each ends at and includes a token of this
-    id (the tokenizer's EOD) and attends only within itself (``EncoderModel.forward``). None:
-    attention spans the documents of a row."""
+    document_ends: torch.Tensor | None = None
+    """Isolated documents (``data.reset_attention_mask``): bool ``[b, s]``, True at each token that
+    ends a document (the batch's ``document_ends``); each document attends only within itself
+    (``model.attention.attention_pattern``). None: attention spans the documents of a row."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,16 +90,13 @@ class PhaseProgress:
 
 
 class Vocabulary:
-    """The token ids an objective corrupts with, and where documents end, read from the tokenizer
-    when first asked (a CLM-only run needs no mask token)."""
+    """The token ids an objective corrupts with, read from the tokenizer when first asked (a
+    CLM-only run needs no mask token)."""
 
-    def __init__(self, tokenizer: EncoderTokenizer, *, size: int, isolate_documents: bool = False) -> None:
+    def __init__(self, tokenizer: EncoderTokenizer, *, size: int) -> None:
         self.tokenizer = tokenizer
         self.size = size
         """Rows of the model's embedding (``model.vocab_size``, >= the tokenizer's ids)."""
-        self.isolate_documents = isolate_documents
-        """``data.reset_attention_mask``: documents attend only within themselves, and no objective
-        predicts across a document end."""
 
     @property
     def eod_id(self) -> int | None:
@@ -105,12 +107,6 @@ class Vocabulary:
             return self.tokenizer.eod
         except MissingSpecialTokenError:
             return None
-
-    @property
-    def document_end_id(self) -> int | None:
-        """What isolates documents (``ObjectiveBatch.document_end_id``): the EOD id when
-        ``isolate_documents`` (a tokenizer without one raises, naming the fix), else None."""
-        return self.tokenizer.eod if self.isolate_documents else None
 
     @property
     def never_selected_ids(self) -> frozenset[int]:

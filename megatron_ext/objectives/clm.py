@@ -26,7 +26,7 @@ class CLM(Objective):
     def make_batch(self, batch: Mapping[str, torch.Tensor], *, progress: PhaseProgress, vocabulary: Vocabulary,
                    generator: torch.Generator) -> ObjectiveBatch:
         return apply_clm(batch["tokens"], batch["labels"], loss_mask=batch["loss_mask"],
-                         document_end_id=vocabulary.document_end_id)
+                         document_ends=batch.get("document_ends"))
 
     def lm_head_share(self, progress: PhaseProgress, *, seq_length: int) -> float:
         return 1.0
@@ -36,20 +36,21 @@ class CLM(Objective):
 
 
 def apply_clm(
-    tokens: torch.Tensor, labels: torch.Tensor, *, loss_mask: torch.Tensor, document_end_id: int | None = None
+    tokens: torch.Tensor, labels: torch.Tensor, *, loss_mask: torch.Tensor, document_ends: torch.Tensor | None = None
 ) -> ObjectiveBatch:
     """Next-token prediction on ``GPTDataset`` output: ``labels`` is ``tokens`` shifted by one.
 
-    ``document_end_id`` (isolated documents): a position whose input ends a document sees only
-    that document, and its label is the next one's first token: it is not scored."""
+    ``document_ends`` (isolated documents, ``ObjectiveBatch.document_ends``): a position whose input
+    ends a document sees only that document, and its label is the next one's first token: it is not
+    scored."""
     if tokens.dim() != 2 or tokens.shape != labels.shape or tokens.shape != loss_mask.shape:
         raise ValueError(
             "tokens, labels and loss_mask must share one [b, s] shape, got "
             f"{tuple(tokens.shape)}, {tuple(labels.shape)}, {tuple(loss_mask.shape)}"
         )
     scored = loss_mask > 0
-    if document_end_id is not None:
-        scored = scored & (tokens != document_end_id)
+    if document_ends is not None:
+        scored = scored & ~document_ends
         loss_mask = loss_mask * scored
     return ObjectiveBatch(
         input_ids=tokens,
@@ -57,5 +58,5 @@ def apply_clm(
         loss_mask=loss_mask.float(),
         causal=True,
         max_scored_per_sequence=tokens.shape[1],
-        document_end_id=document_end_id,
+        document_ends=document_ends,
     )

@@ -133,7 +133,7 @@ def apply_mlm(
     generator: torch.Generator,
     maskable: torch.Tensor | None = None,
     select: Selection = select_uniform,
-    document_end_id: int | None = None,
+    document_ends: torch.Tensor | None = None,
 ) -> ObjectiveBatch:
     """Corrupt ``tokens`` ``[b, s]`` (ids in ``[0, vocab_size)``) for masked language modeling.
 
@@ -142,8 +142,9 @@ def apply_mlm(
     :func:`select_uniform`). Each selected position (or group of positions, where the selection
     says which are ``replaced_together``) is then independently replaced by ``mask_id``, by uniformly
     drawn ids of ``[0, vocab_size)`` outside ``special_ids``/``mask_id``, or kept, with the config's
-    probabilities. ``document_end_id`` (isolated documents) is passed on to the model with the
-    batch; it must be among ``special_ids`` (an end of document is never selected nor drawn).
+    probabilities. ``document_ends`` (isolated documents, ``ObjectiveBatch.document_ends``) is passed
+    on to the model with the batch; an end of document is never selected (it must be in
+    ``special_ids``, which are never drawn either).
 
     The output is a function of the inputs and ``generator``'s state, which must live on
     ``tokens.device``.
@@ -154,8 +155,6 @@ def apply_mlm(
         )
     if not 0 <= mask_id < vocab_size:
         raise ValueError(f"mask_id must be in [0, vocab_size={vocab_size}), got {mask_id}")
-    if document_end_id is not None and document_end_id not in special_ids:
-        raise ValueError(f"document_end_id {document_end_id} must be among special_ids (never selected nor drawn)")
     excluded_ids = sorted({*special_ids, mask_id})
     if excluded_ids[0] < 0 or excluded_ids[-1] >= vocab_size:
         raise ValueError(
@@ -192,7 +191,7 @@ def apply_mlm(
         loss_mask=selected.float(),
         causal=False,
         max_scored_per_sequence=picked.bound,
-        document_end_id=document_end_id,
+        document_ends=document_ends,
     )
 
 
@@ -310,8 +309,9 @@ class MLM(Objective):
             text += f", replace {self.mask_replace_prob}/{self.random_replace_prob}"
         return text
 
-    def select(self, vocabulary: Vocabulary, device: torch.device) -> Selection:
-        """Which positions are predicted (:data:`Selection`)."""
+    def select(self, vocabulary: Vocabulary, device: torch.device, document_ends: torch.Tensor | None) -> Selection:
+        """Which positions are predicted (:data:`Selection`), with the batch's isolated documents
+        (``ObjectiveBatch.document_ends``; None: not isolated)."""
         return select_uniform
 
     def make_batch(self, batch: Mapping[str, torch.Tensor], *, progress: PhaseProgress, vocabulary: Vocabulary,
@@ -323,8 +323,8 @@ class MLM(Objective):
             vocab_size=vocabulary.tokenizer.vocab_size, special_ids=vocabulary.never_selected_ids,
             generator=generator,
             maskable=batch["loss_mask"].sum(-1, keepdim=True) > 0,  # batch-padding samples
-            select=self.select(vocabulary, tokens.device),
-            document_end_id=vocabulary.document_end_id,
+            select=self.select(vocabulary, tokens.device, batch.get("document_ends")),
+            document_ends=batch.get("document_ends"),
         )
 
     def lm_head_share(self, progress: PhaseProgress, *, seq_length: int) -> float:

@@ -21,15 +21,15 @@ from megatron_ext.objectives.base import IGNORE_INDEX, ObjectiveBatch, PhaseProg
 from megatron_ext.objectives.mlm import MLM, Selected, Selection
 
 
-def _after_first(select: Selection, document_end_id: int | None = None) -> Selection:
+def _after_first(select: Selection, document_ends: torch.Tensor | None = None) -> Selection:
     """``select`` never at position 0 (nothing precedes it) nor, with isolated documents
-    (``document_end_id``), at a document's first token (what precedes it is the previous
+    (``document_ends``), at a document's first token (what precedes it is the previous
     document's end, which does not see it)."""
     def select_after_first(tokens: torch.Tensor, eligible: torch.Tensor, **kwargs) -> Selected:
         eligible = eligible.clone()
         eligible[:, 0] = False
-        if document_end_id is not None:
-            eligible[:, 1:] &= tokens[:, :-1] != document_end_id
+        if document_ends is not None:
+            eligible[:, 1:] &= ~document_ends[:, :-1]
         return select(tokens, eligible, **kwargs)
 
     return select_after_first
@@ -55,8 +55,8 @@ class MNTP(MLM):
     def selectable_positions(self, seq_length: int) -> int:
         return seq_length - 1  # never position 0
 
-    def select(self, vocabulary: Vocabulary, device: torch.device) -> Selection:
-        return _after_first(super().select(vocabulary, device), vocabulary.document_end_id)
+    def select(self, vocabulary: Vocabulary, device: torch.device, document_ends: torch.Tensor | None) -> Selection:
+        return _after_first(super().select(vocabulary, device, document_ends), document_ends)
 
     def make_batch(self, batch: Mapping[str, torch.Tensor], *, progress: PhaseProgress, vocabulary: Vocabulary,
                    generator: torch.Generator) -> ObjectiveBatch:

@@ -121,7 +121,7 @@ class SpanMLM(MLM):
                 raise UserError(f"{field} {ratio} is above {highest:.3f}, the most span masking reaches with "
                                 f"mean span length {mean:.2f} and a {self.span_unit} between spans")
 
-    def select(self, vocabulary: Vocabulary, device: torch.device) -> Selection:
+    def select(self, vocabulary: Vocabulary, device: torch.device, document_ends: torch.Tensor | None) -> Selection:
         return functools.partial(select_spans, span_p=self.span_p, max_span_length=self.max_span_length,
                                  word_boundaries=vocabulary.word_boundaries(device) if self.span_unit == "word"
                                  else None, document_end_id=vocabulary.eod_id)

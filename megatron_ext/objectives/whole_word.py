@@ -45,7 +45,7 @@ class WholeWordMLM(MLM):
 
     tag = "wwm"
 
-    def select(self, vocabulary: Vocabulary, device: torch.device) -> Selection:
+    def select(self, vocabulary: Vocabulary, device: torch.device, document_ends: torch.Tensor | None) -> Selection:
         return functools.partial(select_whole_words, word_boundaries=vocabulary.word_boundaries(device))
 
     def check_tokenizer(self, tokenizer) -> None:

@@ -26,6 +26,15 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+def with_document_ends(batch: dict[str, torch.Tensor], document_end_id: int | None) -> dict[str, torch.Tensor]:
+    """``batch`` with where its documents end (``document_ends``, bool ``[b, s]``: the objectives'
+    data contract, ``objectives.base``) when documents are isolated (``document_end_id``, the EOD id
+    under ``data.reset_attention_mask``); as it is otherwise (None)."""
+    if document_end_id is None:
+        return batch
+    return {**batch, "document_ends": batch["tokens"] == document_end_id}
+
+
 @dataclass(kw_only=True)
 class Batches:
     """What the steps read: the training iterator of the current data segment (``training.context``),
@@ -44,6 +53,8 @@ class Batches:
     """``training.data.blend_shares``: each dataset's weight and share of the run's samples."""
     rampup: object | None = None
     """Megatron-Core's step batch-size calculator of ``data.rampup_batch_size`` (None: no ramp-up)."""
+    document_end_id: int | None = None
+    """The EOD id at which documents are isolated (``data.reset_attention_mask``); None: not isolated."""
 
     def micro_batches(self, step: int, context: context_lib.PhaseContext) -> Iterator[dict]:
         """The data-parallel rank's micro-batches of ``step`` (whose phase is ``context``'s): from
@@ -59,7 +70,7 @@ class Batches:
                 raise RuntimeError(f"step {step}: Megatron's batch-size calculator gives {self.rampup.get()} "
                                    f"micro-batches, the plan {count}")
         for _ in range(count):
-            yield next(self.train)
+            yield with_document_ends(next(self.train), self.document_end_id)
 
     def test_batches(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
         """The test evaluation's batches (the first ``data.eval_iters`` global batches of the test
@@ -68,7 +79,7 @@ class Batches:
         the last step."""
         if self.test is None:
             return []
-        return _evaluation_batches(self.test, self.config, device, split="test")
+        return _evaluation_batches(self.test, self.config, device, split="test", document_end_id=self.document_end_id)
 
 
 def segment_iterator(config: RunConfig, tokenizer: EncoderTokenizer, segment: context_lib.DatasetSpan,
@@ -88,9 +99,9 @@ def segment_iterator(config: RunConfig, tokenizer: EncoderTokenizer, segment: co
 
 
 def _evaluation_batches(dataset: Dataset | None, config: RunConfig, device: torch.device, *,
-                        split: str) -> list[dict[str, torch.Tensor]]:
+                        split: str, document_end_id: int | None) -> list[dict[str, torch.Tensor]]:
     """This data-parallel rank's micro-batches of one evaluation of ``dataset`` (``split``), on ``device``."""
-    return [to_device(b, device) for b in data_lib.build_valid_iterator(
+    return [to_device(with_document_ends(b, document_end_id), device) for b in data_lib.build_valid_iterator(
         dataset, config=config.data, dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(), split=split)]
 
@@ -103,6 +114,7 @@ def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int,
     data_cfg = config.data
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
+    document_end_id = data_lib.document_end_id(data_cfg, tokenizer) if data_cfg.reset_attention_mask else None
     eval_samples = data_cfg.eval_iters * data_cfg.global_batch_size  # per split evaluated; 0: no evaluation
     evaluated = dict(valid_samples=eval_samples, test_samples=eval_samples, seed=config.training.seed)
     valid_ds = test_ds = None
@@ -144,7 +156,9 @@ def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int,
             consumed_samples=start * data_cfg.global_batch_size,
         )
         segment = context_lib.dataset_spans(contexts)[0]
-    valid = _evaluation_batches(valid_ds, config, device, split="valid") if eval_samples else []
+    valid = (_evaluation_batches(valid_ds, config, device, split="valid", document_end_id=document_end_id)
+             if eval_samples else [])
     return Batches(config=config, tokenizer=tokenizer, train=train, segment=segment, valid=valid,
                    test=test_ds if eval_samples else None, blend=blend,
-                   rampup=rampup if data_cfg.rampup_batch_size is not None else None)
+                   rampup=rampup if data_cfg.rampup_batch_size is not None else None,
+                   document_end_id=document_end_id)

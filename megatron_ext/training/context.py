@@ -1,6 +1,6 @@
 """What each phase's steps read: its sequence length, RoPE base and batch sizes (long context as a phase).
 
-A phase may set ``seq_length``, ``rope_base``, ``micro_batch_size`` and ``global_batch_size``
+A phase may set ``seq_length``, ``rotary_base``, ``micro_batch_size`` and ``global_batch_size``
 (``phases.Phase``); unset, they are the run's (``data.*``, ``model.rotary_base``), and a phase
 with another length scales the run's batch sizes by ``data.seq_length / seq_length``, so that its
 steps hold the same tokens (a global batch that does not scale to a whole number must be given).
@@ -82,7 +82,7 @@ def phase_contexts(phases: Sequence[ResolvedPhase], *, data: DataConfig, rotary_
             mbs = max(m for m in range(1, min(limit, gbs) + 1) if gbs % m == 0)
         if gbs % mbs:
             raise UserError(f"{where}: global_batch_size {gbs} is not divisible by micro_batch_size {mbs}")
-        out.append(PhaseContext(phase=phase, seq_length=length, rotary_base=float(phase.rope_base or rotary_base),
+        out.append(PhaseContext(phase=phase, seq_length=length, rotary_base=float(phase.rotary_base or rotary_base),
                                 micro_batch_size=mbs, global_batch_size=gbs))
     return tuple(out)
 

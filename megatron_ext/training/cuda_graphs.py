@@ -19,9 +19,11 @@ How Megatron-Core does it, and what this module adds around it:
   whose recorded arguments match the call's (``CudaGraphManager.get_cudagraph_runner``,
   ``_CudaGraphRunner.get_mismatch_errors``: type, shape, dtype and device of every tensor
   argument, the value of every other) and refuses a call that matches none.
-- The attention pattern travels per call in ``attention_mask`` (``model.attention``): None
-  (bidirectional) and an empty tensor (causal) differ in type, so Megatron keeps one runner per
-  layer and pattern and never replays a causal graph for a bidirectional call (nor the reverse).
+- The attention pattern travels per call in ``packed_seq_params`` (``model.attention.AttentionPattern``,
+  a dataclass whose fields Megatron compares one by one, ``causal`` by value), so Megatron keeps one
+  runner per layer and direction and never replays a causal graph for a bidirectional call (nor
+  the reverse). The RoPE base travels in the RoPE table, a tensor argument: a phase that changes it
+  replays the same graphs with other angles.
   But only the patterns recorded before ``create_cudagraphs()`` get graphs, and a biphasic run
   meets its second pattern only at the phase switch. So the engine *primes* the graphs on the
   run's first training step (``LayerGraphs.capture``): one forward-backward over the step's first

@@ -323,10 +323,11 @@ def build_datasets(
         path_to_cache=cache,
         tokenizer=tokenizer,
         reset_position_ids=config.reset_position_ids,
-        reset_attention_mask=config.reset_attention_mask,
         eod_mask_loss=config.eod_mask_loss,
-        # No [s, s] mask per sample: the model reads the documents from the tokens' EODs
-        # (model.attention.document_cu_seqlens), with data.reset_attention_mask.
+        # No [s, s] mask per sample, which is all GPTDataset's reset_attention_mask shapes: with
+        # data.reset_attention_mask the batches carry where documents end (training.batches), from
+        # which the model's attention pattern is built per micro-batch.
+        reset_attention_mask=False,
         create_attention_mask=False,
     )
     if gpt_config.split_matrix[1] is None and valid_samples > 0:

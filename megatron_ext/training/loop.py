@@ -111,9 +111,10 @@ def masking_generator(seed: int, step: int, group: int, device: torch.device, *,
 
 @torch.no_grad()
 def validate(engine: MegatronEngine, batches: list[dict[str, torch.Tensor]], *, config: RunConfig,
-             vocabulary: Vocabulary) -> dict[str, float]:
+             vocabulary: Vocabulary, rotary_base: float) -> dict[str, float]:
     """Validation losses (``objectives.validation_objectives``) on the same fixed batches (global
-    token means), whatever the run trains; the test split's at the end of training, measured alike."""
+    token means), whatever the run trains; the test split's at the end of training, measured alike.
+    ``rotary_base``: the RoPE theta the model was last trained with (its phase's)."""
     engine.model.eval()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -123,7 +124,7 @@ def validate(engine: MegatronEngine, batches: list[dict[str, torch.Tensor]], *, 
         micro_batches = []
         for i, batch in enumerate(batches):
             gen = masking_generator(config.training.seed, 0, i * dp_size + dp_rank, device, stream=EVAL_STREAM)
-            micro_batches.append(_apply(objective, batch, VALIDATION_PROGRESS, vocabulary, gen, config))
+            micro_batches.append(_apply(objective, batch, VALIDATION_PROGRESS, vocabulary, gen, config, rotary_base))
         loss_sum, tokens = engine.eval_loss(micro_batches)
         result[key] = loss_sum / tokens if tokens > 0 else math.nan
     engine.model.train()
@@ -151,12 +152,12 @@ def _trainer_state(step: int, config: RunConfig, nonfinite: int, skipped: int, w
 
 
 def _micro_batch(batch: dict[str, torch.Tensor], step: int, phase: ResolvedPhase, group: int, *, config: RunConfig,
-                 vocabulary: Vocabulary, device: torch.device) -> MicroBatch:
+                 vocabulary: Vocabulary, device: torch.device, rotary_base: float) -> MicroBatch:
     """One micro-batch of ``step`` under ``phase``'s objective; ``group`` (micro-batch index x
     data-parallel size + rank) keys its masking stream, so the masks do not depend on the layout."""
     batch = to_device(batch, device)
     gen = masking_generator(config.training.seed, step, group, device)
-    return _apply(phase.objective, batch, phase.progress(step), vocabulary, gen, config)
+    return _apply(phase.objective, batch, phase.progress(step), vocabulary, gen, config, rotary_base)
 
 
 VALIDATION_PROGRESS = PhaseProgress(step=0, steps=1)
@@ -164,10 +165,10 @@ VALIDATION_PROGRESS = PhaseProgress(step=0, steps=1)
 
 
 def _apply(objective: Objective, batch: dict[str, torch.Tensor], progress: PhaseProgress, vocabulary: Vocabulary,
-           generator: torch.Generator, config: RunConfig) -> MicroBatch:
-    """``objective`` on one device micro-batch, with the position ids the model reads."""
+           generator: torch.Generator, config: RunConfig, rotary_base: float) -> MicroBatch:
+    """``objective`` on one device micro-batch, with the position ids and the RoPE base the model reads."""
     return MicroBatch(objective.make_batch(batch, progress=progress, vocabulary=vocabulary, generator=generator),
-                      model_positions(batch, config))
+                      model_positions(batch, config), rotary_base)
 
 
 def model_positions(batch: dict[str, torch.Tensor], config: RunConfig) -> torch.Tensor | None:
@@ -278,14 +279,16 @@ class _RunCheckpoints:
         self.tokenizer_reference = {**tokenizer.reference(), TOKENIZER_FINGERPRINT: tokenizer.fingerprint()}
         self.saver = CheckpointSaver(async_save=self.config.async_save, async_strategy=self.config.async_strategy)
 
-    def save(self, step: int, trainer_state: dict) -> str:
-        """Save (or start saving) the state after ``step``; returns the checkpoint's path."""
+    def save(self, step: int, trainer_state: dict, *, rotary_base: float) -> str:
+        """Save (or start saving) the state after ``step``, whose phase trained with RoPE theta
+        ``rotary_base`` (saved as the weights' ``model.rotary_base``); returns the checkpoint's path."""
         if self.lock is not None:
             self.lock.check_held(before=f"saving step {step}")
         with self.engine.checkpointing():
             path = self.saver.save(
                 self.config.save, step=step, model=self.engine.checkpoint_model,
                 optimizer=self.engine.optimizer_state, trainer_state=trainer_state, run_config=self.run_config,
+                model_config={**self.run_config["model"], "rotary_base": rotary_base},
                 tokenizer_reference=self.tokenizer_reference, keep_last=self.config.keep_last,
                 keep_steps=self.config.keep_steps,
             )
@@ -433,7 +436,7 @@ def _check_resume_keeps_context(checkpoint: Checkpoint, config: RunConfig) -> No
     if (change := context_lib.first_context_change(saved.phase_contexts, config.phase_contexts)) is not None:
         raise UserError(
             f"resuming {checkpoint} with other phase contexts: {change[1]} (saved run vs this recipe); a resume keeps "
-            "each phase's seq_length, rope_base and global batch: continue with others as a branch "
+            "each phase's seq_length, rotary_base and global batch: continue with others as a branch "
             "(checkpoint.branch_from + branch_step) or continued pretraining (checkpoint.load + finetune), "
             "docs/pretraining.md")
 
@@ -495,8 +498,7 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
         stack.push(lambda error_type, error, traceback: checkpoints.close(abort=error_type is not None))
         engine.checkpoint_model.train()
         _train_steps(config, start=start, total=total, phases=phases, batches=batches, engine=engine,
-                     vocabulary=Vocabulary(tokenizer, size=config.model.vocab_size,
-                                           isolate_documents=config.data.reset_attention_mask), device=device, log=log,
+                     vocabulary=Vocabulary(tokenizer, size=config.model.vocab_size), device=device, log=log,
                      guard=guard, checkpoints=checkpoints,
                      stop=stop, sinks=sinks, result=result, exit_after_step=exit_after_step,
                      branched_from=starting_point.branched_from)
@@ -527,10 +529,9 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
         if step == phase.start or step == start:
             log.phase_begins(step, phase)
         context = context_lib.context_at(config.phase_contexts, step)
-        engine.checkpoint_model.rotary_base = context.rotary_base  # the phase's RoPE theta, from its first step
         lr = lr_at(step, config=config.schedule, total_steps=total, phases=phases)
         micro_batches = [_micro_batch(batch, step, phase, micro * dp_size + dp_rank, config=config,
-                                      vocabulary=vocabulary, device=device)
+                                      vocabulary=vocabulary, device=device, rotary_base=context.rotary_base)
                          for micro, batch in enumerate(batches.micro_batches(step, context))]
         outcome = engine.train_step(micro_batches, lr)
         checkpoints.poll()
@@ -539,10 +540,12 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
         result.losses[done] = outcome.loss
         log.step(done, phase, outcome.loss, lr, outcome.grad_norm, outcome.skipped)
         if batches.valid and _due(done, config.training.eval_interval, total):
-            result.valid[done] = validate(engine, batches.valid, config=config, vocabulary=vocabulary)
+            result.valid[done] = validate(engine, batches.valid, config=config, vocabulary=vocabulary,
+                                         rotary_base=context.rotary_base)
             log.validation(done, result.valid[done])
         if done == total and (test_batches := batches.test_batches(device)):
-            result.test = validate(engine, test_batches, config=config, vocabulary=vocabulary)
+            result.test = validate(engine, test_batches, config=config, vocabulary=vocabulary,
+                                   rotary_base=context.rotary_base)
             log.test(done, result.test)
         stopping = stop.reason_to_stop(done, device)  # a collective: every rank, every step
         if stopping is None and exit_after_step is not None and done >= exit_after_step:
@@ -552,7 +555,8 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
         kept = done in config.checkpoint.keep_steps  # a step other runs start from
         if config.checkpoint.save and (_due(done, config.checkpoint.save_interval, total) or stopping or kept):
             result.checkpoint = checkpoints.save(done, _trainer_state(
-                done, config, guard.in_a_row, guard.total, sinks.wandb_run_id, branched_from))
+                done, config, guard.in_a_row, guard.total, sinks.wandb_run_id, branched_from),
+                rotary_base=context.rotary_base)
         if stopping:
             result.stopped = stopping
             return

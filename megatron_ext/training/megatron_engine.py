@@ -40,6 +40,7 @@ from megatron.core import parallel_state
 
 from megatron_ext import hardware
 from megatron_ext.megatron_compat import cuda_on_cpu
+from megatron_ext.model.attention import attention_pattern
 from megatron_ext.checkpoint.resume import TrainingState
 from megatron_ext.objectives import ObjectiveBatch
 from megatron_ext.training import cuda_graphs
@@ -49,10 +50,15 @@ from megatron_ext.training.optim import MegatronOptimizerState, megatron_uses_to
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """What one forward pass reads."""
+    """What one forward pass reads: the objective's inputs and targets (with the isolated documents,
+    ``ObjectiveBatch.document_ends``), the positions and the RoPE base."""
 
     objective: ObjectiveBatch
     position_ids: torch.Tensor | None
+    """``[b, s]`` RoPE positions (``data.reset_position_ids``); None: ``0..s-1`` in every row."""
+    rotary_base: float | None = None
+    """RoPE theta of the step's phase (``training.context.PhaseContext.rotary_base``, which the
+    trainer always passes); None: the architecture's ``model.rotary_base``."""
 
 
 @dataclass(frozen=True)
@@ -75,10 +81,11 @@ def per_token_loss(model: torch.nn.Module, micro: MicroBatch, *, bf16: bool, lm_
     batch = micro.objective
     labels = batch.labels.clamp(min=0)  # IGNORE_INDEX positions are zeroed by the loss mask
     with torch.autocast(hardware.device().type, dtype=torch.bfloat16, enabled=bf16):
-        return model(batch.input_ids, causal=batch.causal, position_ids=micro.position_ids, labels=labels,
+        return model(batch.input_ids, packed_seq_params=attention_pattern(causal=batch.causal,
+                                                                          document_ends=batch.document_ends),
+                     rotary_base=micro.rotary_base, position_ids=micro.position_ids, labels=labels,
                      loss_mask=batch.loss_mask if lm_head_scored_only else None,
-                     max_scored_per_sequence=batch.max_scored_per_sequence,
-                     document_end_id=batch.document_end_id)
+                     max_scored_per_sequence=batch.max_scored_per_sequence)
 
 
 def masked_loss_sum(per_token: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:

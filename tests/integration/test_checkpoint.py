@@ -14,6 +14,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 
 from distributed import run_ranks
+from megatron_ext.model.attention import attention_pattern
 from megatron_ext import hardware, process_group
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, preset
 from megatron_ext.objectives import MaskingConfig, apply_mlm
@@ -64,7 +65,8 @@ def save(save_dir, step: int, engine: MegatronEngine, *, weights_only: bool = Fa
     state = {"consumed_samples": 8 * step, "torch_rng_state": torch.get_rng_state(), **trainer_state}
     return save_checkpoint(
         save_dir, step=step, model=engine.checkpoint_model, optimizer=None if weights_only else engine.optimizer_state,
-        trainer_state=state, run_config=RUN_CONFIG, tokenizer_reference=TOKENIZER, keep_last=keep_last,
+        trainer_state=state, run_config=RUN_CONFIG, model_config=RUN_CONFIG["model"], tokenizer_reference=TOKENIZER,
+        keep_last=keep_last,
     )
 
 
@@ -253,10 +255,10 @@ def test_errors(single_rank, tmp_path):
         save(tmp_path / "a", 1, engine, config=CheckpointConfig())
     with pytest.raises(ValueError, match="run_config must be JSON-serialisable"):
         save_checkpoint(tmp_path / "a", step=1, model=model, optimizer=engine.optimizer_state, trainer_state={},
-                        run_config={"x": {1, 2}}, tokenizer_reference={}, keep_last=1)
+                        run_config={"x": {1, 2}}, model_config={}, tokenizer_reference={}, keep_last=1)
     with pytest.raises(ValueError, match=r"trainer_state\['step'\]=3 differs from step=1"):
         save_checkpoint(tmp_path / "a", step=1, model=model, optimizer=engine.optimizer_state,
-                        trainer_state={"step": 3}, run_config={}, tokenizer_reference={},
+                        trainer_state={"step": 3}, run_config={}, model_config={}, tokenizer_reference={},
                         keep_last=1)
     assert not (tmp_path / "a").exists()  # refused before anything is written
 
@@ -290,7 +292,8 @@ def test_an_nvrx_async_save_holds_the_state_of_its_step_while_training_goes_on(s
     with CheckpointSaver(async_save=True, async_strategy=async_strategy) as saver:
         with engine.checkpointing():
             saver.save(tmp_path, step=1, model=engine.checkpoint_model, optimizer=engine.optimizer_state,
-                       trainer_state={}, run_config=RUN_CONFIG, tokenizer_reference=TOKENIZER, keep_last=1)
+                       trainer_state={}, run_config=RUN_CONFIG, model_config=RUN_CONFIG["model"],
+                       tokenizer_reference=TOKENIZER, keep_last=1)
         for seed in (1, 2):  # the parameters change under the writer
             train_step(engine, seed)
             saver.poll()
@@ -356,7 +359,8 @@ def resharding_worker(rank: int, rendezvous: str, root: str) -> None:
     train_step(engine, 0)
     ids = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        logits = gather_vocab_parallel_logits(engine.checkpoint_model(ids, causal=False))
+        bidirectional = attention_pattern(causal=False)
+        logits = gather_vocab_parallel_logits(engine.checkpoint_model(ids, packed_seq_params=bidirectional))
     shards, saved_optimizer = weights(engine.checkpoint_model), optimizer_state(engine)
     save(root_dir / "tp2", 1, engine)
     train_step(engine, 1)
@@ -368,7 +372,8 @@ def resharding_worker(rank: int, rendezvous: str, root: str) -> None:
     assert whole.checkpoint_model.output_layer.weight.shape[0] == TINY.vocab_size
     assert load(root_dir / "tp2", whole)["step"] == 1
     with torch.no_grad():
-        torch.testing.assert_close(whole.checkpoint_model(ids, causal=False), logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(whole.checkpoint_model(ids, packed_seq_params=bidirectional), logits,
+                                   atol=1e-5, rtol=1e-5)
     assert optimizer_state(whole)["params"]["output_layer.weight"]["exp_avg"].abs().sum() > 0
     save(root_dir / "tp1", 1, whole)
 
@@ -424,16 +429,28 @@ def test_a_resolved_checkpoint_resolves_once_and_reads_what_was_saved(single_ran
     with pytest.raises(ValueError, match="not a complete checkpoint: no checkpoint_complete.json"):
         Checkpoint.open(newest)
     assert Checkpoint.open(tmp_path).step == 1  # the newest COMPLETE one
-    run_config = json.loads((tmp_path / "iter_0000001" / "run_config.json").read_text())
+    saved_model = json.loads((tmp_path / "iter_0000001" / "model_config.json").read_text())
     assert Checkpoint.open(tmp_path).model_config() == TINY and Checkpoint.open(tmp_path).run_config() == RUN_CONFIG
     # A key an earlier version wrote is refused, naming where it went (config_loading.MOVED_KEYS).
-    old_model = {("attention_backend" if k == "transformer_impl" else k): v for k, v in run_config["model"].items()}
-    (tmp_path / "iter_0000001" / "run_config.json").write_text(json.dumps({**run_config, "model": old_model}))
-    with pytest.raises(ValueError, match=r"run_config.json model: unknown key\(s\) \['attention_backend'\] "
+    old_model = {("attention_backend" if k == "transformer_impl" else k): v for k, v in saved_model.items()}
+    (tmp_path / "iter_0000001" / "model_config.json").write_text(json.dumps(old_model))
+    with pytest.raises(ValueError, match=r"model_config.json model: unknown key\(s\) \['attention_backend'\] "
                                          r"\(attention_backend is now model.transformer_impl\)"):
         Checkpoint.open(tmp_path).model_config()
-    (tmp_path / "iter_0000001" / "run_config.json").write_text(json.dumps({**run_config, "model": {"hidden": 1}}))
-    with pytest.raises(ValueError, match=r"iter_0000001/run_config.json model.*hidden"):
+    (tmp_path / "iter_0000001" / "model_config.json").write_text(json.dumps({"hidden": 1}))
+    with pytest.raises(ValueError, match=r"iter_0000001/model_config.json model.*hidden"):
+        Checkpoint.open(tmp_path).model_config()
+    # Saved by an earlier version (no model_config.json): the run config's model section, unless the
+    # run's phases changed the RoPE base, which that section would misstate.
+    (tmp_path / "iter_0000001" / "model_config.json").unlink()
+    marker = json.loads((tmp_path / "iter_0000001" / COMPLETE).read_text())
+    del marker["files"]["model_config.json"]
+    (tmp_path / "iter_0000001" / COMPLETE).write_text(json.dumps(marker))
+    assert Checkpoint.open(tmp_path).model_config() == TINY
+    run_config = json.loads((tmp_path / "iter_0000001" / "run_config.json").read_text())
+    (tmp_path / "iter_0000001" / "run_config.json").write_text(json.dumps(
+        {**run_config, "phases": [{"objective": "mlm", "share": 1.0, "rope_base": 160000.0}]}))
+    with pytest.raises(ValueError, match=r"no model_config.json .* phases change the RoPE base \(rope_base\)"):
         Checkpoint.open(tmp_path).model_config()
 
 

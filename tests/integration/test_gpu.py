@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_ext.model.attention import attention_pattern
 from megatron_ext import hardware, process_group
 from megatron_ext.checkpoint.reader import Checkpoint, latest_checkpoint
 from megatron_ext.checkpoint.writer import save_checkpoint
@@ -138,7 +139,7 @@ def test_te_attention_modes_and_agreement_with_local(model_parallel, tmp_path):
     torch.manual_seed(0)
     local = build_encoder_model(preset("tiny", vocab_size=1024)).cuda().eval()
     save_checkpoint(tmp_path / "local", step=1, model=local, optimizer=None, trainer_state={"step": 1},
-                         run_config={}, tokenizer_reference={}, keep_last=1)
+                         run_config={}, model_config={}, tokenizer_reference={}, keep_last=1)
     te = build_encoder_model(preset("tiny", vocab_size=1024, transformer_impl="te")).cuda().eval()
     Checkpoint.latest(tmp_path / "local").load(model=te, optimizer=None)
     ids = torch.randint(3, 1024, (2, 64), device="cuda")
@@ -146,11 +147,12 @@ def test_te_attention_modes_and_agreement_with_local(model_parallel, tmp_path):
     later[:, 40] = (later[:, 40] + 7) % 1024
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         for causal in (True, False):
-            a, b = te(ids, causal=causal), te(later, causal=causal)
+            pattern = attention_pattern(causal=causal)
+            a, b = te(ids, packed_seq_params=pattern), te(later, packed_seq_params=pattern)
             changed = (a - b).abs().amax(-1) > 1e-3
             assert changed[:, 40:].all()
             assert changed[:, :40].any() != causal  # causal: earlier positions unchanged
-            torch.testing.assert_close(a.float(), local(ids, causal=causal).float(), atol=5e-2, rtol=5e-2)
+            torch.testing.assert_close(a.float(), local(ids, packed_seq_params=pattern).float(), atol=5e-2, rtol=5e-2)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +168,8 @@ def initial_weights(model_parallel, tmp_path_factory, tiny_corpus) -> str:
     torch.manual_seed(0)
     model = build_encoder_model(config.model).cuda()
     save_checkpoint(root / "ckpt", step=0, model=model, optimizer=None, trainer_state={"step": 0},
-                         run_config=config.to_dict(), tokenizer_reference={}, keep_last=1)
+                         run_config=config.to_dict(), model_config=config.to_dict()["model"],
+                         tokenizer_reference={}, keep_last=1)
     return str(root / "ckpt")
 
 
@@ -420,11 +423,12 @@ def test_gpu_checkpoint_loads_on_cpu(tmp_path, tiny_corpus):
     script = (
         "import sys, torch;"
         "from megatron_ext.hf import load_megatron_checkpoint, single_process_model_parallel;"
+        "from megatron_ext.model.attention import attention_pattern;"
         "ids = torch.load(sys.argv[2]);"
         "ctx = single_process_model_parallel();"
         "ctx.__enter__();"
         "m = load_megatron_checkpoint(sys.argv[1]);"
-        "torch.save(m(ids, causal=False).detach(), sys.argv[3])"
+        "torch.save(m(ids, packed_seq_params=attention_pattern(causal=False)).detach(), sys.argv[3])"
     )
     torch.save(ids, tmp_path / "ids.pt")
     _cpu_process([sys.executable, "-c", script, result.checkpoint, str(tmp_path / "ids.pt"),
@@ -433,7 +437,7 @@ def test_gpu_checkpoint_loads_on_cpu(tmp_path, tiny_corpus):
 
     with single_process_model_parallel(), torch.no_grad():
         gpu = load_megatron_checkpoint(result.checkpoint).cuda()
-        gpu_logits = gpu(ids.cuda(), causal=False).cpu()
+        gpu_logits = gpu(ids.cuda(), packed_seq_params=attention_pattern(causal=False)).cpu()
     torch.testing.assert_close(torch.load(tmp_path / "cpu_logits.pt"), gpu_logits, atol=1e-3, rtol=1e-3)
 
 

@@ -18,6 +18,7 @@ import transformers
 import yaml
 
 from distributed import run_ranks
+from megatron_ext.model.attention import attention_pattern
 from megatron_ext import hardware, process_group
 from megatron_ext.hf import (
     FORMATS,
@@ -148,7 +149,8 @@ def megatron_logits(checkpoint: Path, ids: torch.Tensor) -> dict[bool, torch.Ten
         model = load_megatron_checkpoint(checkpoint)
         assert sum(p.numel() for p in model.parameters()) == parameter_count(model.encoder_config)
         ids = ids.to(hardware.device())
-        return {causal: model(ids, causal=causal).cpu() for causal in (True, False)}
+        return {causal: model(ids, packed_seq_params=attention_pattern(causal=causal)).cpu()
+                for causal in (True, False)}
 
 
 def expected_vocab_rows(original: torch.Tensor, imp: Imported, rows: int) -> torch.Tensor:
@@ -263,7 +265,7 @@ def _tp2_worker(rank: int, rendezvous: str, checkpoint: str, ids: torch.Tensor,
     model = build_encoder_model(saved.model_config()).eval()
     saved.load(model=model)
     with torch.no_grad():
-        logits = gather_vocab_parallel_logits(model(ids, causal=True))
+        logits = gather_vocab_parallel_logits(model(ids, packed_seq_params=attention_pattern(causal=True)))
     torch.testing.assert_close(logits[..., :reference.shape[-1]], reference, **TOL)
     process_group.destroy_process_group_and_model_parallel()
 
@@ -468,11 +470,11 @@ def test_export_directory_rules_and_checkpoint_errors(imports, tmp_path, capsys)
         json.dumps({**reference, "tokenizer_model": str(tmp_path / "gone")}))
     assert "pass --tokenizer DIR" in _err(capsys, export(moved, to=tmp_path / "moved_out"))
     assert export(moved, "--tokenizer", str(llama.result.tokenizer_dir), to=tmp_path / "moved_out") == 0
-    # A checkpoint whose run config describes another model (here: Qwen3's shapes).
+    # A checkpoint whose model config describes another model (here: Qwen3's shapes).
     mixed = tmp_path / "mixed"
     shutil.copytree(llama.result.checkpoint, mixed)
-    qwen3_run_config = json.loads((imports("qwen3").result.checkpoint / "run_config.json").read_text())
-    (mixed / "run_config.json").write_text(json.dumps(qwen3_run_config))
+    qwen3_model = json.loads((imports("qwen3").result.checkpoint / "model_config.json").read_text())
+    (mixed / "model_config.json").write_text(json.dumps(qwen3_model))
     err = _err(capsys, export(mixed, "--format", "qwen3", to=tmp_path / "mixed_out"))
     assert "does not fit the model" in err and "linear_qkv.weight" in err and "q_layernorm" in err
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.models.gpt import GPTModel
 
 from megatron_ext import hardware, process_group
-from megatron_ext.model.attention import explicit_document_mask
+from megatron_ext.model.attention import attention_pattern, explicit_document_mask
 
 pytestmark = pytest.mark.gpu
 needs_te = pytest.mark.skipif(not torch.cuda.is_available() or not hardware.transformer_engine_available(),
@@ -38,7 +37,8 @@ def _rows() -> torch.Tensor:
 
 def _explicit(model, ids: torch.Tensor, causal: bool) -> torch.Tensor:
     """The same forward with the ``[b, 1, s, s]`` mask (TE's ``arbitrary`` kernel) instead of THD."""
-    return GPTModel.forward(model, ids, None, explicit_document_mask(ids, causal=causal, eod_token_id=EOD))
+    return model(ids, packed_seq_params=attention_pattern(causal=False),
+                 attention_mask=explicit_document_mask(ids == EOD, causal=causal))
 
 
 @needs_te
@@ -46,12 +46,12 @@ def _explicit(model, ids: torch.Tensor, causal: bool) -> torch.Tensor:
 def test_thd_equals_the_explicit_mask_and_each_document_alone(te_model, causal):
     ids = _rows()
     with torch.no_grad():
-        thd = te_model(ids, causal=causal, document_end_id=EOD)
+        thd = te_model(ids, packed_seq_params=attention_pattern(causal=causal, document_ends=ids == EOD))
         torch.testing.assert_close(thd.float(), _explicit(te_model, ids, causal).float(), atol=3e-2, rtol=3e-2)
         for b, slices in enumerate([[slice(0, 41), slice(41, 42), slice(42, 151), slice(151, 256)],
                                     [slice(0, 256)], [slice(0, 256)]]):
             for document in slices:
-                alone = te_model(ids[b:b + 1, document], causal=causal)
+                alone = te_model(ids[b:b + 1, document], packed_seq_params=attention_pattern(causal=causal))
                 torch.testing.assert_close(thd[b:b + 1, document].float(), alone.float(), atol=3e-2, rtol=3e-2)
 
 
@@ -59,7 +59,7 @@ def test_thd_equals_the_explicit_mask_and_each_document_alone(te_model, causal):
 def test_thd_gradients_equal_the_explicit_masks(te_model):
     ids = _rows()
     grads = []
-    for forward in (lambda: te_model(ids, causal=False, document_end_id=EOD),
+    for forward in (lambda: te_model(ids, packed_seq_params=attention_pattern(causal=False, document_ends=ids == EOD)),
                     lambda: _explicit(te_model, ids, False)):
         te_model.zero_grad()
         forward().float().square().mean().backward()

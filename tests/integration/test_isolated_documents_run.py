@@ -9,6 +9,7 @@ import math
 import torch
 
 from helpers import tiny_recipe
+from megatron_ext.model.attention import attention_pattern
 from megatron_ext.checkpoint.reader import latest_checkpoint
 from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.loop import pretrain
@@ -41,7 +42,8 @@ def test_isolated_biphasic_run_trains_resumes_exactly_and_exports(tmp_path, tiny
     hf = transformers.EuroBertForMaskedLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.randint(4, 1024, (1, 48), generator=torch.Generator().manual_seed(0))
     with single_process_model_parallel(), torch.no_grad():
-        ours = load_megatron_checkpoint(checkpoint)(ids, causal=False)  # one document: what isolation trains
+        # one document: what isolation trains
+        ours = load_megatron_checkpoint(checkpoint)(ids, packed_seq_params=attention_pattern(causal=False))
         theirs = hf(input_ids=ids).logits
     torch.testing.assert_close(theirs, ours[..., : theirs.shape[-1]], atol=1e-5, rtol=1e-5)
 

@@ -16,13 +16,14 @@ from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.config_loading import UserError
 from megatron_ext.eval import finetuning
 from megatron_ext.hf import export_checkpoint, load_megatron_checkpoint, single_process_model_parallel
+from megatron_ext.model.attention import attention_pattern
 from megatron_ext.training import context
 from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.loop import pretrain
 
 LONG_BASE = 160_000.0
 PHASES = [{"objective": "clm", "share": 0.5},
-          {"objective": "mlm", "mask_ratio": 0.4, "share": 0.5, "seq_length": 256, "rope_base": LONG_BASE}]
+          {"objective": "mlm", "mask_ratio": 0.4, "share": 0.5, "seq_length": 256, "rotary_base": LONG_BASE}]
 
 
 def _recipe(corpus, run_dir, **sections):
@@ -48,7 +49,7 @@ def test_a_long_phase_reads_its_length_and_keeps_tokens_per_step(straight):
     train = [r for r in records if r["kind"] == "train"]
     assert [(r["seq_length"], r["global_batch_size"]) for r in train] == [(64, 8)] * 4 + [(256, 2)] * 4
     saved = Checkpoint.open(run_dir / "ckpt").run_config()
-    assert saved["phases"][1]["seq_length"] == 256 and saved["phases"][1]["rope_base"] == LONG_BASE
+    assert saved["phases"][1]["seq_length"] == 256 and saved["phases"][1]["rotary_base"] == LONG_BASE
     # Megatron's counter: the steps' global batches; the long phase starts at the sample covering the
     # 4 x 512 tokens read before it.
     assert context.consumed_samples(config.phase_contexts, 8) == 4 * 8 + 4 * 2
@@ -101,10 +102,10 @@ def test_export_reads_the_long_phase(straight, tmp_path):
     ids = torch.randint(0, 1000, (1, 200), generator=torch.Generator().manual_seed(0))  # beyond the first phase's 64
     with single_process_model_parallel(), torch.no_grad():
         trained = load_megatron_checkpoint(checkpoint).eval()
-        assert trained.rotary_base == LONG_BASE
-        expected = trained(ids.to(hardware.device()), causal=False).cpu()
-        trained.rotary_base = 10_000.0
-        first_base = trained(ids.to(hardware.device()), causal=False).cpu()
+        assert trained.encoder_config.rotary_base == LONG_BASE
+        bidirectional = attention_pattern(causal=False)
+        expected = trained(ids.to(hardware.device()), packed_seq_params=bidirectional).cpu()
+        first_base = trained(ids.to(hardware.device()), packed_seq_params=bidirectional, rotary_base=10_000.0).cpu()
     exported = transformers.AutoModelForMaskedLM.from_pretrained(out).eval()
     with torch.no_grad():
         got = exported(input_ids=ids).logits
@@ -189,7 +190,7 @@ def test_a_branch_adds_the_long_phase_to_a_run_that_had_none(straight, tiny_corp
 def test_isolated_documents_and_a_long_phase_pack_more_documents_per_row(tiny_corpus, tmp_path, monkeypatch):
     """With documents isolated in packed rows (``data.reset_attention_mask`` and ``reset_position_ids``)
     the long phase's rows hold more documents than the short phase's, each still attending only to
-    itself (the model's document starts, read where the model builds them); the run resumes exactly
+    itself (the document starts of the attention pattern, read where it is built); the run resumes exactly
     across the switch."""
     from megatron_ext.model import attention
 
@@ -197,9 +198,9 @@ def test_isolated_documents_and_a_long_phase_pack_more_documents_per_row(tiny_co
     seen: dict[int, list[float]] = {}
     real = attention.document_cu_seqlens
 
-    def recording(input_ids, eod_token_id):
-        cu_seqlens = real(input_ids, eod_token_id)
-        seen.setdefault(input_ids.shape[1], []).append((len(cu_seqlens) - 1) / input_ids.shape[0])
+    def recording(document_ends):
+        cu_seqlens = real(document_ends)
+        seen.setdefault(document_ends.shape[1], []).append((len(cu_seqlens) - 1) / document_ends.shape[0])
         return cu_seqlens
 
     monkeypatch.setattr(attention, "document_cu_seqlens", recording)

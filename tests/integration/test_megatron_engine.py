@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
+from megatron_ext.model.attention import attention_pattern
 from megatron_ext import hardware, process_group
 from megatron_ext import megatron_compat
 from megatron_ext.megatron_compat import cuda_on_cpu
@@ -152,7 +153,7 @@ def test_megatrons_cuda_calls_are_redirected_from_process_group_set_up_to_teardo
                 with pytest.raises(RuntimeError, match="saving a checkpoint runs Megatron-Core code that calls CUDA.*"
                                                        "init_process_group_and_model_parallel"):
                     save_checkpoint(tmp_path / "ckpt", step=1, model=torch.nn.Linear(1, 1), optimizer=None,
-                                         trainer_state={}, run_config={}, tokenizer_reference={}, keep_last=1)
+                                         trainer_state={}, run_config={}, model_config={}, tokenizer_reference={}, keep_last=1)
             assert cuda_on_cpu.cuda_calls_redirected() and torch.zeros(1, device="cuda").device.type == "cpu"
     finally:
         process_group.destroy_process_group_and_model_parallel()
@@ -353,6 +354,7 @@ def test_a_portable_engine_checkpoint_is_refused_naming_the_fix_and_its_weights_
         model = build_encoder_model(config.model, transformer_overrides=megatron_transformer_overrides(config))
         save_checkpoint(tmp_path / "portable", step=2, model=model, optimizer=_PortableEngineOptimizerState(recorded),
                              trainer_state={"consumed_samples": 16}, run_config=saved_config,
+                             model_config=saved_config["model"],
                              tokenizer_reference={**tokenizer.reference(), TOKENIZER_FINGERPRINT: tokenizer.fingerprint()},
                              keep_last=1)
     finally:
@@ -480,7 +482,7 @@ def test_megatron_engine_checkpoint_exports_with_logit_parity(tmp_path, tiny_cor
     hf = transformers.EuroBertForMaskedLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.randint(4, 1024, (2, 48), generator=torch.Generator().manual_seed(0))
     with single_process_model_parallel(), torch.no_grad():
-        ours = load_megatron_checkpoint(checkpoint)(ids, causal=False)
+        ours = load_megatron_checkpoint(checkpoint)(ids, packed_seq_params=attention_pattern(causal=False))
         theirs = hf(input_ids=ids).logits
     torch.testing.assert_close(theirs, ours[..., : theirs.shape[-1]], atol=1e-5, rtol=1e-5)
 

@@ -19,7 +19,7 @@ from megatron_ext.training.loop import RESUME_KEEPS_DATA, pretrain
 from megatron_ext.training.recipe import run_config_from_dict
 
 LONG_PHASES = [{"objective": "clm", "share": 0.5},
-               {"objective": "mlm", "mask_ratio": 0.4, "share": 0.5, "seq_length": 128, "rope_base": 160_000.0}]
+               {"objective": "mlm", "mask_ratio": 0.4, "share": 0.5, "seq_length": 128, "rotary_base": 160_000.0}]
 STEP_LINE = re.compile(r"^step (\d+)/\d+ \| (\S+) +\| loss (\S+) \|")
 
 

@@ -8,6 +8,7 @@ import torch
 from megatron.core import parallel_state
 
 from distributed import run_ranks
+from megatron_ext.model.attention import attention_pattern
 from megatron_ext import process_group
 from megatron_ext.model import build_encoder_model, gather_vocab_parallel_logits, preset
 
@@ -42,11 +43,12 @@ def run(ids: torch.Tensor, model, labels: torch.Tensor, loss_mask: torch.Tensor)
     model.zero_grad()
     with torch.no_grad():
         logits = {
-            causal: gather_vocab_parallel_logits(model(ids, causal=causal, document_end_id=EOD))
+            causal: gather_vocab_parallel_logits(model(ids, packed_seq_params=attention_pattern(causal=causal, document_ends=ids == EOD)))
             for causal in (True, False)
         }
-    loss = model(ids, causal=True, labels=labels, document_end_id=EOD)
-    scored = model(ids, causal=False, labels=labels, loss_mask=loss_mask, document_end_id=EOD)
+    loss = model(ids, packed_seq_params=attention_pattern(causal=True, document_ends=ids == EOD), labels=labels)
+    scored = model(ids, packed_seq_params=attention_pattern(causal=False, document_ends=ids == EOD), labels=labels,
+                       loss_mask=loss_mask)
     (loss.mean() + (scored * loss_mask).sum() / loss_mask.sum()).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return logits, torch.cat([loss.detach(), scored.detach()]), grads

@@ -195,8 +195,8 @@ def test_none_positions_give_the_same_rope_angles_as_0_to_s(model_parallel_cpu):
     from megatron_ext.model import build_encoder_model, preset
 
     model = build_encoder_model(preset("tiny", vocab_size=256))
-    rows = model.rotary_embedding(16, torch.arange(16).repeat(3, 1), torch.device("cpu"))
-    table = model.rotary_embedding(16, None, torch.device("cpu"))
+    rows = model.rotary_embedding(16, torch.arange(16).repeat(3, 1), torch.device("cpu"), base=10_000.0)
+    table = model.rotary_embedding(16, None, torch.device("cpu"), base=10_000.0)
     assert table.shape[1:3] == (1, 1) and rows.shape[1] == 3
     torch.testing.assert_close(rows, table.expand_as(rows), rtol=0, atol=0)
 

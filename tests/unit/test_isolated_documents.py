@@ -17,7 +17,7 @@ from megatron_ext.config_loading import UserError
 from megatron_ext.model import build_encoder_model, preset
 from megatron_ext.model.attention import (
     THD_MAX_SEQLEN_MULTIPLE,
-    decode_attention_mask,
+    attention_pattern,
     document_cu_seqlens,
     explicit_document_mask,
     packed_seq_params_for,
@@ -26,6 +26,8 @@ from megatron_ext.model.attention import (
 from megatron_ext.objectives import CLM, IGNORE_INDEX, MLM, MNTP, PhaseProgress, SpanMLM, Vocabulary, WholeWordMLM
 from megatron_ext.objectives.span import select_spans
 from megatron_ext.tokenizer import MissingSpecialTokenError, TokenizerConfig, build_tokenizer
+from megatron_ext.training.batches import with_document_ends
+from megatron_ext.training.data import document_end_id
 from megatron_ext.training.recipe import run_config_from_dict
 
 EOD = 2
@@ -51,7 +53,7 @@ def test_cu_seqlens_start_documents_at_rows_and_after_each_eod():
     expected = []
     for b, row in enumerate(ids):
         expected += [b * 24 + d.start for d in _documents(row)]
-    cu = document_cu_seqlens(ids, EOD)
+    cu = document_cu_seqlens(ids == EOD)
     assert cu.dtype == torch.int32 and cu.tolist() == [*expected, 4 * 24]
     assert expected[:3] == [0, 6, 18] and expected[3:7] == [24, 25, 34, 35]  # the layouts _rows promises
 
@@ -63,8 +65,8 @@ def test_per_document_attention_equals_the_explicit_mask(causal):
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(s, b, heads, d, generator=generator, requires_grad=True)
     k, v = (torch.randn(s, b, groups, d, generator=generator, requires_grad=True) for _ in range(2))
-    packed = per_document_attention(q, k, v, document_cu_seqlens(ids, EOD), causal=causal, enable_gqa=True)
-    mask = explicit_document_mask(ids, causal=causal, eod_token_id=EOD)
+    packed = per_document_attention(q, k, v, document_cu_seqlens(ids == EOD), causal=causal, enable_gqa=True)
+    mask = explicit_document_mask(ids == EOD, causal=causal)
     reference = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), attn_mask=~mask,
                                                enable_gqa=True).permute(2, 0, 1, 3).reshape(s, b, -1)
     torch.testing.assert_close(packed, reference)
@@ -77,19 +79,17 @@ def test_per_document_attention_equals_the_explicit_mask(causal):
 
 def test_transformer_engine_gets_thd_packed_seq_params_without_padding():
     ids = _rows(100)
-    cu = document_cu_seqlens(ids, EOD)
+    cu = document_cu_seqlens(ids == EOD)
     params = packed_seq_params_for(cu, 100)
     assert params.qkv_format == "thd"
     assert params.cu_seqlens_q is cu and params.cu_seqlens_kv is cu  # self-attention: one layout
     assert params.cu_seqlens_q_padded is None and params.cu_seqlens_kv_padded is None  # contiguous tokens
     assert params.max_seqlen_q == params.max_seqlen_kv == 128  # the row, rounded up as TE rounds
     assert 128 % THD_MAX_SEQLEN_MULTIPLE == 0
-    # The pattern that reaches TE: documents, and the causal flag by shape.
+    # The pattern that reaches TE's core attention: the documents and the direction.
     for causal in (False, True):
-        from megatron_ext.model.attention import attention_mask_for
-
-        pattern = decode_attention_mask(attention_mask_for(ids, causal=causal, eod_token_id=EOD))
-        assert pattern.is_causal == causal and torch.equal(pattern.cu_seqlens, cu)
+        pattern = attention_pattern(causal=causal, document_ends=ids == EOD)
+        assert pattern.causal == causal and torch.equal(pattern.documents, cu)
 
 
 @pytest.fixture(scope="module")
@@ -121,16 +121,16 @@ def test_a_packed_rows_logits_equal_each_document_run_alone(model, bpe_and_news,
     ids[1, 40:42] = eod  # a one-token document (the second EOD)
     ids[2] = torch.where(ids[2] == eod, 5, ids[2])  # a row with no end of document
     with torch.no_grad():
-        logits = model(ids, causal=causal, position_ids=_reset_positions(torch.where(ids == eod, EOD, 0)),
-                       document_end_id=eod)
+        logits = model(ids, packed_seq_params=attention_pattern(causal=causal, document_ends=ids == eod),
+                       position_ids=_reset_positions(torch.where(ids == eod, EOD, 0)))
         seen = 0
         for b, row in enumerate(torch.where(ids == eod, EOD, 0)):
             for document in _documents(row):
-                alone = model(ids[b:b + 1, document], causal=causal)
+                alone = model(ids[b:b + 1, document], packed_seq_params=attention_pattern(causal=causal))
                 torch.testing.assert_close(logits[b:b + 1, document], alone)
                 seen += 1
         assert seen >= 5  # row 0 holds an end of document, row 1 a one-token document
-        crossing = model(ids, causal=causal)  # the paper's setting: documents attend across
+        crossing = model(ids, packed_seq_params=attention_pattern(causal=causal))  # the paper's setting: documents attend across
         assert (crossing - logits).abs().amax() > 1e-3
 
 
@@ -144,13 +144,15 @@ def bpe_and_news(tiny_corpus, news_texts):
     return tokenizer, torch.tensor(ids[: 8 * 128]).view(8, 128)
 
 
-def _batch(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1), "loss_mask": torch.ones(tokens.shape)}
+def _batch(tokens: torch.Tensor, document_end_id: int | None) -> dict[str, torch.Tensor]:
+    """GPTDataset's micro-batch as the trainer hands it to the objectives (``training.batches``)."""
+    batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1), "loss_mask": torch.ones(tokens.shape)}
+    return with_document_ends(batch, document_end_id)
 
 
-def _make(objective, tokens, vocabulary, seed=0):
-    return objective.make_batch(_batch(tokens), progress=PhaseProgress(step=0, steps=1), vocabulary=vocabulary,
-                                generator=torch.Generator().manual_seed(seed))
+def _make(objective, tokens, vocabulary, seed=0, *, document_end_id=None):
+    return objective.make_batch(_batch(tokens, document_end_id), progress=PhaseProgress(step=0, steps=1),
+                                vocabulary=vocabulary, generator=torch.Generator().manual_seed(seed))
 
 
 def test_clm_does_not_predict_across_a_document_end_when_isolated(bpe_and_news):
@@ -158,9 +160,9 @@ def test_clm_does_not_predict_across_a_document_end_when_isolated(bpe_and_news):
     at_eod = tokens == tokenizer.eod
     assert at_eod.any()
     crossing = _make(CLM(), tokens, Vocabulary(tokenizer, size=1024))
-    assert crossing.loss_mask.all() and crossing.document_end_id is None  # the paper's setting
-    isolated = _make(CLM(), tokens, Vocabulary(tokenizer, size=1024, isolate_documents=True))
-    assert isolated.document_end_id == tokenizer.eod
+    assert crossing.loss_mask.all() and crossing.document_ends is None  # the paper's setting
+    isolated = _make(CLM(), tokens, Vocabulary(tokenizer, size=1024), document_end_id=tokenizer.eod)
+    assert torch.equal(isolated.document_ends, at_eod)
     assert torch.equal(isolated.loss_mask == 0, at_eod)
     assert (isolated.labels[at_eod] == IGNORE_INDEX).all()
 
@@ -171,11 +173,11 @@ def test_clm_does_not_predict_across_a_document_end_when_isolated(bpe_and_news):
                          ids=lambda o: o.tag)
 def test_masking_never_selects_nor_forges_an_end_of_document(bpe_and_news, objective):
     tokenizer, tokens = bpe_and_news
-    vocabulary = Vocabulary(tokenizer, size=1024, isolate_documents=True)
+    vocabulary = Vocabulary(tokenizer, size=1024)
     at_eod = tokens == tokenizer.eod
     for seed in range(4):
-        batch = _make(objective, tokens, vocabulary, seed)
-        assert batch.document_end_id == tokenizer.eod and not batch.causal
+        batch = _make(objective, tokens, vocabulary, seed, document_end_id=tokenizer.eod)
+        assert torch.equal(batch.document_ends, at_eod) and not batch.causal
         assert torch.equal(batch.input_ids == tokenizer.eod, at_eod)  # kept where they were, none drawn
         selected = batch.labels != IGNORE_INDEX
         assert selected.any()
@@ -234,8 +236,8 @@ def test_a_tokenizer_without_an_end_of_document_is_refused_naming_the_setting(tm
         check_tokenizer_serves(config, tokenizer)
     message = str(refused.value)
     assert "\n" not in message and "data.reset_attention_mask" in message and "end-of-document" in message
-    with pytest.raises(MissingSpecialTokenError, match="has no eod token"):
-        Vocabulary(tokenizer, size=32, isolate_documents=True).document_end_id
+    with pytest.raises(MissingSpecialTokenError, match="data.reset_attention_mask.*has no eod token"):
+        document_end_id(config.data, tokenizer)  # what the trainer's batches ask before the first step
     assert Vocabulary(tokenizer, size=32).eod_id is None
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from megatron_ext.model.attention import attention_pattern
 from megatron_ext.model import build_encoder_model, preset
 from megatron_ext.training.recipe import run_config_from_dict
 from helpers import tiny_recipe
@@ -18,7 +19,7 @@ TINY = preset("tiny", vocab_size=1000)
 
 def _logits(model, ids) -> torch.Tensor:
     with torch.no_grad():
-        return model(ids, causal=False)
+        return model(ids, packed_seq_params=attention_pattern(causal=False))
 
 
 def test_dropouts_reach_the_layers_and_act_in_training_only(single_rank):

@@ -12,6 +12,7 @@ import torch
 import yaml
 
 import pretrain_encoder
+from megatron_ext.model.attention import attention_pattern
 from megatron_ext.config_loading import UserError
 from megatron_ext.model import build_encoder_model, parameter_count, preset
 from megatron_ext.training.recipe import read_recipe, run_config_from_dict
@@ -39,7 +40,7 @@ def saved_bytes(model, ids: torch.Tensor, loss_mask: torch.Tensor, *, bf16: bool
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            model(ids, causal=False, labels=ids, loss_mask=loss_mask)
+            model(ids, packed_seq_params=attention_pattern(causal=False), labels=ids, loss_mask=loss_mask)
     return sum(n for ptr, n in storages.items() if ptr not in parameters)
 
 

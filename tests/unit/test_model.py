@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_ext import hardware, process_group
 from megatron_ext.model import (
@@ -15,7 +16,7 @@ from megatron_ext.model import (
     parameter_count,
     preset,
 )
-from megatron_ext.model.attention import attention_mask_for, decode_attention_mask, explicit_document_mask
+from megatron_ext.model.attention import AttentionPattern, attention_pattern, explicit_document_mask
 
 EOD = 2
 TINY = preset("tiny", vocab_size=1000)
@@ -47,12 +48,18 @@ def perturbed(ids: torch.Tensor, j: int) -> torch.Tensor:
     return out
 
 
+def run(model, ids: torch.Tensor, *, causal: bool, document_end_id: int | None = None, **kwargs) -> torch.Tensor:
+    """``model`` on ``ids`` with the pattern of ``causal``, documents isolated at ``document_end_id``."""
+    ends = None if document_end_id is None else ids == document_end_id
+    return model(ids, packed_seq_params=attention_pattern(causal=causal, document_ends=ends), **kwargs)
+
+
 def changed_positions(model, ids: torch.Tensor, j: int, *, causal: bool, document_end_id: int | None = None
                       ) -> torch.Tensor:
     """Per position: did perturbing token j change its logits?"""
     with torch.no_grad():
-        a = model(ids, causal=causal, document_end_id=document_end_id)[0]
-        b = model(perturbed(ids, j), causal=causal, document_end_id=document_end_id)[0]
+        a = run(model, ids, causal=causal, document_end_id=document_end_id)[0]
+        b = run(model, perturbed(ids, j), causal=causal, document_end_id=document_end_id)[0]
     return (a - b).abs().amax(dim=-1) > 1e-5
 
 
@@ -125,8 +132,8 @@ def test_same_weights_differ_between_modes():
     model = build()
     ids = random_ids(24, seed=2)
     with torch.no_grad():
-        causal, bidirectional = model(ids, causal=True), model(ids, causal=False)
-        causal_again = model(ids, causal=True)
+        causal, bidirectional = run(model, ids, causal=True), run(model, ids, causal=False)
+        causal_again = run(model, ids, causal=True)
     assert (causal - bidirectional).abs().amax() > 1e-2
     torch.testing.assert_close(causal, causal_again, rtol=0, atol=0)
 
@@ -135,24 +142,56 @@ def test_attention_pattern_encoding():
     ids = torch.tensor([[5, 6, EOD, 7, EOD, EOD, 8, 9], [EOD, 5, 6, 7, 8, 9, 5, EOD]])
     document = [[0, 0, 0, 1, 1, 2, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1]]  # EOD ends its document
     for causal in (False, True):
-        mask = explicit_document_mask(ids, causal=causal, eod_token_id=EOD)
+        mask = explicit_document_mask(ids == EOD, causal=causal)
         expected = torch.tensor([
             [[(document[b][q] != document[b][k]) or (causal and k > q) for k in range(8)]
              for q in range(8)]
             for b in range(2)
         ])
         assert torch.equal(mask, expected[:, None])
-    # Without documents no s x s mask is built: None, or an empty tensor meaning causal.
-    assert attention_mask_for(ids, causal=False, eod_token_id=None) is None
-    assert decode_attention_mask(attention_mask_for(ids, causal=True, eod_token_id=None)) == (
-        None, True, None
-    )
-    # Isolated documents: their starts in the [b * s] stream, causal as a [1, n + 1] row.
+    # Without documents no s x s mask and no cu_seqlens: the direction alone, in Megatron's
+    # PackedSeqParams channel (qkv_format sbhd: the layers keep [s, b, h]).
+    for causal in (False, True):
+        pattern = attention_pattern(causal=causal)
+        assert isinstance(pattern, PackedSeqParams) and pattern.qkv_format == "sbhd"
+        assert pattern.causal == causal and pattern.documents is None and pattern.cu_seqlens_kv is None
+    # Isolated documents: their starts in the [b * s] stream, the same for queries and keys.
     starts = [0, 3, 5, 6, 8, 9]
     for causal in (False, True):
-        pattern = decode_attention_mask(attention_mask_for(ids, causal=causal, eod_token_id=EOD))
-        assert pattern.mask is None and pattern.is_causal == causal
-        assert pattern.cu_seqlens.dtype == torch.int32 and pattern.cu_seqlens.tolist() == [*starts, 16]
+        pattern = attention_pattern(causal=causal, document_ends=ids == EOD)
+        assert pattern.causal == causal and pattern.cu_seqlens_kv is pattern.documents
+        assert pattern.documents.dtype == torch.int32 and pattern.documents.tolist() == [*starts, 16]
+
+
+def test_core_attention_refuses_what_it_would_misread():
+    """Megatron's plain packed-sequence parameters (no direction: which one was meant?) and an
+    explicit mask beside a causal or documented pattern are refused, not guessed at."""
+    model = build()
+    ids = random_ids(8, seed=6)
+    plain = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32))
+    with torch.no_grad(), pytest.raises(ValueError, match="takes model.attention.AttentionPattern.*not PackedSeqParams"):
+        model(ids, packed_seq_params=plain)
+    mask = explicit_document_mask(ids == EOD, causal=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="explicit attention_mask says alone"):
+        model(ids, packed_seq_params=attention_pattern(causal=True), attention_mask=mask)
+    with torch.no_grad():  # the explicit causal mask with a bidirectional pattern is the causal pattern
+        torch.testing.assert_close(model(ids, packed_seq_params=AttentionPattern(), attention_mask=mask),
+                                   run(model, ids, causal=True))
+
+
+def test_the_rotary_base_is_an_argument_of_the_call_not_a_state_of_the_model():
+    """A call's ``rotary_base`` gives the logits of a model built with that ``rotary_base``, and leaves
+    the model as it was (a phase's base reaches the model per call)."""
+    model = build()
+    raised = build(dataclasses.replace(TINY, rotary_base=160_000.0))
+    ids = random_ids(32, seed=7)
+    with torch.no_grad():
+        default = run(model, ids, causal=False)
+        at_raised = run(model, ids, causal=False, rotary_base=160_000.0)
+        torch.testing.assert_close(at_raised, run(raised, ids, causal=False), rtol=0, atol=0)
+        assert (at_raised - default).abs().amax() > 1e-3
+        torch.testing.assert_close(run(model, ids, causal=False), default, rtol=0, atol=0)
+    assert model.encoder_config.rotary_base == TINY.rotary_base
 
 
 def changed_in_documents(model, ids, j, *, causal):
@@ -180,9 +219,9 @@ def test_isolated_documents_equal_running_documents_alone():
     ids[0, 9] = EOD  # documents: [0, 9], [10, 23]
     with torch.no_grad():
         for causal in (False, True):
-            packed = model(ids, causal=causal, document_end_id=EOD)
-            torch.testing.assert_close(packed[:, :10], model(ids[:, :10], causal=causal))
-            torch.testing.assert_close(packed[:, 10:], model(ids[:, 10:], causal=causal))
+            packed = run(model, ids, causal=causal, document_end_id=EOD)
+            torch.testing.assert_close(packed[:, :10], run(model, ids[:, :10], causal=causal))
+            torch.testing.assert_close(packed[:, 10:], run(model, ids[:, 10:], causal=causal))
 
 
 def test_position_ids():
@@ -190,12 +229,12 @@ def test_position_ids():
     ids = random_ids(16, seed=5).repeat(2, 1)
     arange = torch.arange(16).repeat(2, 1)
     with torch.no_grad():
-        default = model(ids, causal=False)
-        torch.testing.assert_close(model(ids, causal=False, position_ids=arange), default)
+        default = run(model, ids, causal=False)
+        torch.testing.assert_close(run(model, ids, causal=False, position_ids=arange), default)
         # Per-row positions; RoPE sees only differences, so a constant shift changes nothing.
-        shifted = model(ids, causal=False, position_ids=arange + torch.tensor([[0], [100]]))
+        shifted = run(model, ids, causal=False, position_ids=arange + torch.tensor([[0], [100]]))
         torch.testing.assert_close(shifted, default, atol=1e-4, rtol=1e-4)
-        reversed_ = model(ids, causal=False, position_ids=arange.flip(1))
+        reversed_ = run(model, ids, causal=False, position_ids=arange.flip(1))
     assert (reversed_ - default).abs().amax() > 1e-2
 
 
@@ -204,8 +243,8 @@ def test_labels_give_per_token_cross_entropy_and_gradients():
     ids = random_ids(24, seed=6).repeat(2, 1)
     labels = torch.roll(ids, -1, dims=1)
     labels[1, :5] = -100  # ignored positions: finite values, removed by the caller's loss mask
-    loss = model(ids, causal=True, labels=labels)
-    logits = model(ids, causal=True)
+    loss = run(model, ids, causal=True, labels=labels)
+    logits = run(model, ids, causal=True)
     assert loss.shape == (2, 24) and loss.dtype == torch.float32 and loss.isfinite().all()
     reference = F.cross_entropy(
         logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none"
@@ -230,7 +269,7 @@ def test_lm_head_at_scored_positions_only_gives_the_same_loss_and_gradients(tie)
 
     def loss_and_grads(**kwargs):
         model.zero_grad(set_to_none=True)
-        per_token = model(ids, causal=False, labels=labels, **kwargs)
+        per_token = run(model, ids, causal=False, labels=labels, **kwargs)
         (per_token * loss_mask).sum().backward()
         return per_token.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -248,7 +287,7 @@ def test_lm_head_at_scored_positions_only_gives_the_same_loss_and_gradients(tie)
             torch.testing.assert_close(scored_grads[name], grad, msg=f"{name}, bound {bound}")
 
     with torch.no_grad():  # nothing scored at all: an empty head, zero loss
-        empty = model(ids, causal=False, labels=labels, loss_mask=torch.zeros_like(loss_mask))
+        empty = run(model, ids, causal=False, labels=labels, loss_mask=torch.zeros_like(loss_mask))
     assert empty.shape == ids.shape and (empty == 0).all()
 
 
@@ -280,7 +319,7 @@ def test_matches_hugging_face_eurobert_and_llama():
             missing, unexpected = hf.load_state_dict(hf_state, strict=False)
             assert not unexpected and not [k for k in missing if "rotary" not in k]
             torch.testing.assert_close(
-                model(ids, causal=causal), hf(input_ids=ids).logits, atol=2e-5, rtol=1e-4
+                run(model, ids, causal=causal), hf(input_ids=ids).logits, atol=2e-5, rtol=1e-4
             )
 
 
@@ -292,7 +331,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="unknown model preset"):
         preset("7b")
     with pytest.raises(ValueError, match="seq_length"):
-        build()(random_ids(TINY.seq_length + 1, seed=0), causal=False)
+        run(build(), random_ids(TINY.seq_length + 1, seed=0), causal=False)
 
 
 @pytest.mark.skipif(hardware.on_gpu(), reason="checks the CPU-only error paths")

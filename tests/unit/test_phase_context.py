@@ -12,7 +12,7 @@ from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.dry_run import format_dry_run, make_plan, training_flops
 from megatron_ext.training.memory import GiB, check_run_fits, largest_phase_micro_batch, phase_memory
 
-LONG = {"objective": "mlm", "mask_ratio": 0.4, "steps": 2, "seq_length": 256, "rope_base": 160000}
+LONG = {"objective": "mlm", "mask_ratio": 0.4, "steps": 2, "seq_length": 256, "rotary_base": 160000}
 
 
 def _config(phases=None, model=None, train_iters=8, **data):
@@ -31,7 +31,7 @@ def _raw(phases=None, model=None, train_iters=8, **data):
     })
 
 
-def test_a_long_phase_keeps_tokens_per_step_and_switches_the_rope_base():
+def test_a_long_phase_keeps_tokens_per_step_and_switches_the_rotary_base():
     config = _config()
     assert config.model.seq_length == 256
     short, long = config.phase_contexts
@@ -51,7 +51,8 @@ def test_a_long_phase_keeps_tokens_per_step_and_switches_the_rope_base():
 @pytest.mark.parametrize("phase, model, message", [
     ({"seq_length": 96}, {}, r"phases\[1\].seq_length=96: keeping .* not a whole number; give phases\[1\].global_batch_size"),
     ({"seq_length": 512}, {"seq_length": 256}, r"phases\[1\].seq_length=512 exceeds model.seq_length=256"),
-    ({"rope_base": 0}, {}, r"rope_base must be > 0"),
+    ({"rotary_base": 0}, {}, r"rotary_base must be > 0"),
+    ({"rope_base": 1e5}, {}, r"phases\[1\]: unknown key\(s\) \['rope_base'\] \(rope_base is now phases\[\*\].rotary_base"),
     ({"global_batch_size": 3, "micro_batch_size": 2}, {}, r"global_batch_size 3 is not divisible by micro_batch_size 2"),
 ])
 def test_bad_phase_contexts_are_refused_naming_the_key(phase, model, message):
@@ -88,7 +89,7 @@ def test_attention_makes_long_tokens_dearer():
     short_flops = training_flops(config, 0, 6) / short_tokens
     long_flops = training_flops(config, 6, 8) / long_tokens
     plain = _config(phases=[{"objective": "clm", "steps": 6}, {k: v for k, v in LONG.items()
-                                                               if k not in ("seq_length", "rope_base")}])
+                                                               if k not in ("seq_length", "rotary_base")}])
     assert long_flops > training_flops(plain, 6, 8) / long_tokens  # same objective, 4x the length
     assert short_flops > 0
     out = format_dry_run(config, make_plan(config, 1))
@@ -116,7 +117,7 @@ def test_branches_and_resumes_compare_the_contexts():
     other_length = _config(phases=[{"objective": "clm", "steps": 6}, {**LONG, "seq_length": 128}])
     found = first_divergence(base, other_length)
     assert found.step == 6 and "seq_length 256 x global batch 2" in found.reason
-    other_base = _config(phases=[{"objective": "clm", "steps": 6}, {**LONG, "rope_base": 500000}])
+    other_base = _config(phases=[{"objective": "clm", "steps": 6}, {**LONG, "rotary_base": 500000}])
     assert first_divergence(base, other_base).step == 6
     assert first_divergence(base, _config()) is None
     assert context.first_context_change(base.phase_contexts, other_length.phase_contexts)[0] == 6

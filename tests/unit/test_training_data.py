@@ -103,8 +103,9 @@ def test_samples_have_seq_length_and_a_seeded_order(tmp_path, corpora, tokenizer
 
 def test_document_flags_reach_gpt_dataset(tmp_path, corpora, tokenizer):
     """Positions restart and EOD inputs score nothing as Megatron does; no [b, 1, s, s] mask is
-    built (the model reads the documents from the tokens' EODs, the same boundaries)."""
+    built (the trainer's batches carry where documents end, the EODs: the same boundaries)."""
     from megatron_ext.model.attention import document_cu_seqlens
+    from megatron_ext.training.batches import with_document_ends
 
     flags = {"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True}
     config = _config(tmp_path, corpora["a"], **flags)
@@ -117,7 +118,7 @@ def test_document_flags_reach_gpt_dataset(tmp_path, corpora, tokenizer):
     assert (batch["loss_mask"][eod] == 0).all() and (batch["loss_mask"][~eod] == 1).all()
     row, col = (int(i) for i in (eod[:, :-1]).nonzero()[0])
     assert batch["position_ids"][row, col + 1] == 0
-    starts = document_cu_seqlens(batch["tokens"], tokenizer.eod).tolist()
+    starts = document_cu_seqlens(with_document_ends(batch, tokenizer.eod)["document_ends"]).tolist()
     assert row * SEQ + col + 1 in starts and row * SEQ + col not in starts  # the next document starts after it
     assert batch["position_ids"][row, col] > 0 or row * SEQ + col in starts
 
