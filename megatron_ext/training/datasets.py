@@ -52,16 +52,17 @@ class DatasetProvider(Protocol):
     ) -> tuple[Dataset, Dataset | None, Dataset | None]:
         """``(train, valid, test)`` with at least ``train_samples``, ``valid_samples`` and
         ``test_samples`` samples, in an order that ``seed`` (the run's ``training.seed``) decides
-        and is the same at every call with the same arguments (a resume rebuilds them); None for a
-        split the provider has no share for (then its sample count must be 0, or the test split's
-        is ignored). Called on every rank, with the same arguments."""
+        and is the same at every call with the same arguments (a resume rebuilds them). None for a
+        split the data gives no share: the valid split's then needs ``valid_samples`` 0 (refused in
+        one line otherwise), the test split's ignores ``test_samples`` (nothing evaluated at the
+        end). Called on every rank, with the same arguments."""
         ...
 
     def blend_shares(self, config: DataConfig, train: Dataset | None, *, train_samples: int) -> list[dict]:
         """Per source of the training data: ``{"prefix", "weight", "share"}`` (the report
         :func:`format_blend` prints and the metrics header records), ``train`` the training split
-        or None (shares not known yet: a run whose phases read several lengths); empty when the
-        data is not a blend."""
+        or None (shares not known yet: a run whose phases read several lengths); empty for data
+        that is not read from ``data.data_path``'s prefixes."""
         ...
 
 
