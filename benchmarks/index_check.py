@@ -7,7 +7,7 @@ boundaries) on a corpus of realistic size, next to the time Megatron itself take
 Writes the index with Megatron-Core's own writer (``_IndexWriter``) for ``--tokens`` tokens in
 sequences of geometric lengths (mean ``--mean-length``), and a sparse ``.bin`` of the matching size
 (no disk is spent on token bytes: the check reads only the index and the file size). Times
-``megatron_ext.training.data._read_index`` (the check) and ``IndexedDataset`` construction
+``megatron_ext.data.index_checks.read_index`` (the check) and ``IndexedDataset`` construction
 (Megatron's open) over ``--rounds`` rounds each, and writes
 ``benchmarks/results/index_check_<device>.json``.
 """
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from megatron.core.datasets.indexed_dataset import IndexedDataset, _IndexWriter
 
-    from megatron_ext.training.data import _read_index
+    from megatron_ext.data.index_checks import read_index
 
     rng = np.random.default_rng(0)
     lengths = rng.geometric(1 / args.mean_length, size=int(args.tokens / args.mean_length * 1.1)).astype(np.int32)
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         check, megatron_open = [], []
         for _ in range(args.rounds):
             start = time.perf_counter()
-            _read_index(prefix)
+            read_index(prefix)
             check.append(time.perf_counter() - start)
             start = time.perf_counter()
             IndexedDataset(prefix, mmap=True)

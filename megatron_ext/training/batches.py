@@ -15,11 +15,12 @@ from megatron.core import parallel_state
 
 from megatron_ext.tokenizer import EncoderTokenizer
 from megatron_ext.training import context as context_lib
-from megatron_ext.training import data as data_lib
+from megatron_ext.training.datasets import DatasetProvider, document_end_id as eod_of
+from megatron_ext.training.samplers import build_phase_iterator, build_train_iterator, build_valid_iterator
 from megatron_ext.training.config import RunConfig
 
 if TYPE_CHECKING:
-    from torch.utils.data import Dataset  # a Megatron GPTDataset or BlendedDataset
+    from torch.utils.data import Dataset  # a dataset provider's (training.datasets)
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -43,14 +44,16 @@ class Batches:
 
     config: RunConfig
     tokenizer: EncoderTokenizer
+    datasets: DatasetProvider
+    """What builds the datasets (``training.datasets``), again at each data segment's first step."""
     train: Iterator | None
     segment: context_lib.DatasetSpan | None
     valid: list[dict[str, torch.Tensor]]
     test: Dataset | None = None
-    """The test split of ``data.split`` (Megatron's GPTDataset or BlendedDataset); None when the
-    split gives it no share or ``data.eval_iters`` is 0."""
+    """The test split of ``data.split`` (the dataset provider's); None when the split gives it no
+    share or ``data.eval_iters`` is 0."""
     blend: list[dict] = field(default_factory=list)
-    """``training.data.blend_shares``: each dataset's weight and share of the run's samples."""
+    """The dataset provider's ``blend_shares``: each dataset's weight and share of the run's samples."""
     rampup: object | None = None
     """Megatron-Core's step batch-size calculator of ``data.rampup_batch_size`` (None: no ramp-up)."""
     document_end_id: int | None = None
@@ -61,7 +64,8 @@ class Batches:
         the iterator of its segment, built at the segment's first step or where a resume starts."""
         segment = context_lib.span_at(context_lib.dataset_spans(self.config.phase_contexts), step)
         if segment != self.segment:
-            self.train, self.segment = segment_iterator(self.config, self.tokenizer, segment, step), segment
+            self.train = segment_iterator(self.config, self.tokenizer, segment, step, datasets=self.datasets)
+            self.segment = segment
         dp_size = parallel_state.get_data_parallel_world_size()
         count = self.config.global_batch_size_at(step) // (context.micro_batch_size * dp_size)
         if self.rampup is not None:  # Megatron's calculator decides; the plan must agree with it
@@ -83,38 +87,39 @@ class Batches:
 
 
 def segment_iterator(config: RunConfig, tokenizer: EncoderTokenizer, segment: context_lib.DatasetSpan,
-                      step: int) -> Iterator:
-    """Micro-batches of ``segment`` from ``step`` on: Megatron's dataset of the run's prefixes at the
-    segment's length, sized for every sample that length's segments read (``training.context``)."""
+                     step: int, *, datasets: DatasetProvider) -> Iterator:
+    """Micro-batches of ``segment`` from ``step`` on: the training dataset of the segment's length
+    (``datasets``'), sized for every sample that length's segments read (``training.context``)."""
     data_cfg = segment.contexts[0].data_config(config.data)
-    train_ds, _, _ = data_lib.build_datasets(
+    train_ds, _, _ = datasets.build_datasets(
         data_cfg, tokenizer=tokenizer,
         train_samples=context_lib.dataset_samples(context_lib.dataset_spans(config.phase_contexts), segment.seq_length),
         valid_samples=0, seed=config.training.seed)
     reads = [(c.micro_batch_size, c.global_batch_size, segment.sample_at(max(step, c.phase.start)),
               segment.sample_at(c.phase.end)) for c in segment.contexts if c.phase.end > step]
-    return data_lib.build_phase_iterator(train_ds, reads=reads, config=data_cfg,
-                                         dp_rank=parallel_state.get_data_parallel_rank(),
-                                         dp_size=parallel_state.get_data_parallel_world_size())
+    return build_phase_iterator(train_ds, reads=reads, config=data_cfg,
+                                dp_rank=parallel_state.get_data_parallel_rank(),
+                                dp_size=parallel_state.get_data_parallel_world_size())
 
 
 def _evaluation_batches(dataset: Dataset | None, config: RunConfig, device: torch.device, *,
                         split: str, document_end_id: int | None) -> list[dict[str, torch.Tensor]]:
     """This data-parallel rank's micro-batches of one evaluation of ``dataset`` (``split``), on ``device``."""
-    return [to_device(with_document_ends(b, document_end_id), device) for b in data_lib.build_valid_iterator(
+    return [to_device(with_document_ends(b, document_end_id), device) for b in build_valid_iterator(
         dataset, config=config.data, dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(), split=split)]
 
 
-def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int, device: torch.device) -> Batches:
-    """The run's data from step ``start`` on. Evaluation (validation, and the test split at the end
-    when ``data.split`` gives it a share) reads ``data.eval_iters`` global batches of each split,
+def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int, device: torch.device,
+                  datasets: DatasetProvider) -> Batches:
+    """The run's data from step ``start`` on, from the splits ``datasets`` builds. Evaluation
+    (validation, and the test split at the end when ``data.split`` gives it a share) reads ``data.eval_iters`` global batches of each split,
     whatever ``training.eval_interval`` (which sets only how often validation runs), as in
     Megatron-LM: ``data.eval_iters: 0`` evaluates nothing."""
     data_cfg = config.data
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    document_end_id = data_lib.document_end_id(data_cfg, tokenizer) if data_cfg.reset_attention_mask else None
+    document_end_id = eod_of(data_cfg, tokenizer) if data_cfg.reset_attention_mask else None
     eval_samples = data_cfg.eval_iters * data_cfg.global_batch_size  # per split evaluated; 0: no evaluation
     evaluated = dict(valid_samples=eval_samples, test_samples=eval_samples, seed=config.training.seed)
     valid_ds = test_ds = None
@@ -123,42 +128,42 @@ def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int,
         # Training data per segment, built as the steps reach it; validation at the run's
         # data.seq_length in every phase, so that its losses compare over the whole run.
         train, segment = None, None
-        blend = data_lib.blend_shares(data_cfg, None, train_samples=0)  # shares known per segment only
+        blend = datasets.blend_shares(data_cfg, None, train_samples=0)  # shares known per segment only
         if eval_samples:
             segments = context_lib.dataset_spans(contexts)
             base = (context_lib.dataset_samples(segments, data_cfg.seq_length)
                     if any(s.seq_length == data_cfg.seq_length for s in segments) else 1)
-            _, valid_ds, test_ds = data_lib.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=base,
+            _, valid_ds, test_ds = datasets.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=base,
                                                            **evaluated)
     elif data_cfg.rampup_batch_size is not None:  # one dataset, read in global batches that grow
         from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
 
         end = config.consumed_samples(config.training.train_iters)
-        train_ds, valid_ds, test_ds = data_lib.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=end,
+        train_ds, valid_ds, test_ds = datasets.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=end,
                                                               **evaluated)
         chunk = data_cfg.micro_batch_size * dp_size  # every batch of the ramp is whole chunks (make_plan)
-        train = data_lib.build_phase_iterator(
+        train = build_phase_iterator(
             train_ds, reads=[(data_cfg.micro_batch_size, chunk, config.consumed_samples(start), end)],
             config=data_cfg, dp_rank=dp_rank, dp_size=dp_size)
         segment = context_lib.dataset_spans(contexts)[0]
-        blend = data_lib.blend_shares(data_cfg, train_ds, train_samples=end)
+        blend = datasets.blend_shares(data_cfg, train_ds, train_samples=end)
         rampup = StepBatchsizeNumMicroBatchesCalculator(
             micro_batch_size=data_cfg.micro_batch_size, data_parallel_size=dp_size,
             decrease_batch_size_if_needed=False, rank=dist.get_rank(),
             schedule=context_lib.rampup_schedule_text(context_lib.rampup_schedule(data_cfg)))
     else:  # one dataset and sampler for the whole run
         train_samples = config.training.train_iters * data_cfg.global_batch_size
-        train_ds, valid_ds, test_ds = data_lib.build_datasets(
+        train_ds, valid_ds, test_ds = datasets.build_datasets(
             data_cfg, tokenizer=tokenizer, train_samples=train_samples, **evaluated)
-        blend = data_lib.blend_shares(data_cfg, train_ds, train_samples=train_samples)
-        train = data_lib.build_train_iterator(
+        blend = datasets.blend_shares(data_cfg, train_ds, train_samples=train_samples)
+        train = build_train_iterator(
             train_ds, config=data_cfg, dp_rank=dp_rank, dp_size=dp_size,
             consumed_samples=start * data_cfg.global_batch_size,
         )
         segment = context_lib.dataset_spans(contexts)[0]
     valid = (_evaluation_batches(valid_ds, config, device, split="valid", document_end_id=document_end_id)
              if eval_samples else [])
-    return Batches(config=config, tokenizer=tokenizer, train=train, segment=segment, valid=valid,
-                   test=test_ds if eval_samples else None, blend=blend,
+    return Batches(config=config, tokenizer=tokenizer, datasets=datasets, train=train, segment=segment,
+                   valid=valid, test=test_ds if eval_samples else None, blend=blend,
                    rampup=rampup if data_cfg.rampup_batch_size is not None else None,
                    document_end_id=document_end_id)

@@ -25,7 +25,7 @@ gives before it loads a parent's checkpoint. One thing the configs cannot tell: 
 so two run lengths give the same sample order only if every dataset of the blend is read within
 the same number of epochs by both (e.g. within one: the paper's 99B tokens of FineWeb-Edu's 1.3T).
 The caller that has the datasets passes ``data_order`` to compare it: :func:`data_order` (from
-the ``.idx`` files, ``training.data.sample_order``), which :func:`check_saved_parent`, the check
+the ``.idx`` files, ``training.datasets.sample_order``), which :func:`check_saved_parent`, the check
 of ``checkpoint.branch_from`` (``checkpoint/resume.py``), passes.
 """
 
@@ -42,7 +42,7 @@ from megatron_ext.schedule import lr_at
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.context import dataset_samples, dataset_spans, first_context_change, varies
-from megatron_ext.training.data import sample_order
+from megatron_ext.training.datasets import sample_order
 
 NOT_COMPARED: dict[str, frozenset[str] | None] = {
     # how a step is run, not what it computes (a resume may change these too); bitwise equality of a
@@ -175,7 +175,7 @@ def check_branch(parent: RunConfig, child: RunConfig, step: int, **kwargs) -> No
 def data_order(config: RunConfig) -> tuple:
     """The sample-order key of ``first_divergence``: per dataset of the blend, ``(prefix, epochs,
     final epoch shuffled apart)`` for ``train_iters x global_batch_size`` samples
-    (``training.data.sample_order``; equal keys: the same samples in the same order)."""
+    (``training.datasets.sample_order``; equal keys: the same samples in the same order)."""
     contexts = config.phase_contexts
     if not varies(contexts):
         return sample_order(config.data, train_samples=config.training.train_iters * config.data.global_batch_size)

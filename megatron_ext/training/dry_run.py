@@ -203,7 +203,7 @@ def index_document_lengths(prefix: str, tokens: int) -> np.ndarray:
     the header, then ``int32`` sequence lengths, ``int64`` pointers and ``int64`` document starts in
     sequences), enough to cover ``tokens`` (fewer when the dataset holds fewer); memory-mapped, so
     only that much is read. ``ValueError`` when the file is not such an index."""
-    from megatron_ext.training.data import INDEX_ARRAYS_OFFSET, read_index_header
+    from megatron_ext.data.index_checks import INDEX_ARRAYS_OFFSET, read_index_header
 
     path = prefix + ".idx"
     _, n_sequences, n_documents = read_index_header(path)  # UserError (a ValueError) naming the file
@@ -382,7 +382,7 @@ def check_tokenizer_serves(config: RunConfig, tokenizer: EncoderTokenizer) -> No
             f"{config.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size} (or from_tokenizer)"
         )
     if config.data.reset_attention_mask:
-        from megatron_ext.training.data import document_end_id
+        from megatron_ext.training.datasets import document_end_id
 
         document_end_id(config.data, tokenizer)
     for phase in config.phases:
@@ -405,7 +405,7 @@ def check_paths(config: RunConfig) -> list[str]:
     import tempfile
     from pathlib import Path
 
-    from megatron_ext.training.data import missing_prefix_problem
+    from megatron_ext.data.index_checks import missing_prefix_problem
 
     checked = []
     cc = config.checkpoint

@@ -33,7 +33,7 @@ from megatron.core import parallel_state
 
 from megatron_ext.config_loading import UserError
 from megatron_ext import hardware, process_group, processes
-from megatron_ext.model import build_encoder_model
+from megatron_ext.model.provider import ENCODER, ModelProvider
 from megatron_ext.objectives import Objective, PhaseProgress, Vocabulary
 from megatron_ext.phases import Phase, ResolvedPhase, phase_at
 from megatron_ext.schedule import lr_at
@@ -44,7 +44,6 @@ from megatron_ext.checkpoint.lock import SaveDirectoryLock
 from megatron_ext.checkpoint.resume import BRANCHED_FROM, load_starting_point
 from megatron_ext.checkpoint.writer import CheckpointSaver
 from megatron_ext.data.provenance import check_data_tokenizer
-from megatron_ext.training import data as data_lib
 from megatron_ext.training import cuda_graphs
 from megatron_ext.training import context as context_lib
 from megatron_ext.training.branching import check_saved_parent
@@ -52,6 +51,7 @@ from megatron_ext.training.config import DataConfig, RunConfig
 from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, StepOutcome, megatron_transformer_overrides
 from megatron_ext.training.batches import Batches, build_batches, to_device
+from megatron_ext.training.datasets import GPT_DATASETS, DatasetProvider, format_blend
 from megatron_ext.training.memory import check_run_fits, stage_parameters
 from megatron_ext.checkpoint import storage
 from megatron_ext.training.dry_run import check_paths, check_tokenizer_serves, make_plan
@@ -195,11 +195,15 @@ def runnable_here(config: RunConfig, *, announce: bool = True) -> RunConfig:
                                training=dataclasses.replace(t, **fusions))
 
 
-def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainResult:
+def pretrain(config: RunConfig, *, exit_after_step: int | None = None, model_provider: ModelProvider = ENCODER,
+             dataset_provider: DatasetProvider = GPT_DATASETS) -> TrainResult:
     """Run (or resume) the configured pretraining. Initialises distributed state if needed.
 
     ``exit_after_step`` stops (after checkpointing) once that many steps are complete; used to
     test that resuming is exact. Signals and ``training.exit_*`` stop runs too (``training.stop``).
+    ``model_provider`` builds the model of ``config.model`` (``model.provider``: the encoder by
+    default) and ``dataset_provider`` the datasets of ``config.data`` (``training.datasets``:
+    Megatron's ``GPTDataset`` by default), as torchtitan's train spec names them.
     """
     check_paths(config)  # unwritable outputs and missing inputs, before anything starts
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -224,19 +228,20 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None) -> TrainR
                 timeout_minutes=config.parallel.distributed_timeout_minutes,
             )
         with processes.trainer_session():
-            return _pretrain(config, exit_after_step=exit_after_step)
+            return _pretrain(config, exit_after_step=exit_after_step, model_provider=model_provider,
+                             dataset_provider=dataset_provider)
     finally:
         if owns_process_group:
             process_group.destroy_process_group_and_model_parallel()
 
 
-def _build_model_and_engine(config: RunConfig, device: torch.device) -> MegatronEngine:
-    """This pipeline stage's encoder on ``device``, wrapped by the engine."""
+def _build_model_and_engine(config: RunConfig, device: torch.device, model_provider: ModelProvider) -> MegatronEngine:
+    """This pipeline stage's model (``model_provider``'s) on ``device``, wrapped by the engine."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     cuda_graphs.prepare_rng(config)  # graph-safe RNG tracker before the layers' graph managers exist
-    model = build_encoder_model(config.model, pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
-                                transformer_overrides=megatron_transformer_overrides(config)).to(device)
+    model = model_provider.build_model(config.model, pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
+                                       transformer_overrides=megatron_transformer_overrides(config)).to(device)
     return MegatronEngine(model, config)
 
 
@@ -332,11 +337,13 @@ def _due(step: int, interval: int, total: int) -> bool:
     return step == total or (interval > 0 and step % interval == 0)
 
 
-def _pretrain(config: RunConfig, *, exit_after_step: int | None) -> TrainResult:
+def _pretrain(config: RunConfig, *, exit_after_step: int | None, model_provider: ModelProvider,
+              dataset_provider: DatasetProvider) -> TrainResult:
     # First, before this run writes anything: a second trainer on the same save directory stops here.
     with (SaveDirectoryLock.acquire(config.checkpoint.save) if config.checkpoint.save
           else contextlib.nullcontext()) as lock:
-        return _pretrain_locked(config, exit_after_step=exit_after_step, lock=lock)
+        return _pretrain_locked(config, exit_after_step=exit_after_step, lock=lock, model_provider=model_provider,
+                                dataset_provider=dataset_provider)
 
 
 def checkpoint_bytes_estimate(config: RunConfig) -> int:
@@ -371,8 +378,8 @@ def _check_save_space(config: RunConfig) -> None:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None,
-                     lock: SaveDirectoryLock | None) -> TrainResult:
+def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None, lock: SaveDirectoryLock | None,
+                     model_provider: ModelProvider, dataset_provider: DatasetProvider) -> TrainResult:
     # Everything a launch can get wrong is refused here, before the model is allocated.
     if config.checkpoint.save:
         _check_save_space(config)
@@ -384,10 +391,10 @@ def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None,
     unrecorded = check_data_tokenizer(config.data.blend[0], tokenizer)  # the data's own tokenizer is this one
     if unrecorded and is_writer():
         print(unrecorded, file=sys.stderr, flush=True)
-    engine = _build_model_and_engine(config, device)
+    engine = _build_model_and_engine(config, device, model_provider)
     try:
         return _train_engine(config, engine, tokenizer=tokenizer, device=device, exit_after_step=exit_after_step,
-                             lock=lock)
+                             lock=lock, dataset_provider=dataset_provider)
     finally:
         engine.close()  # its CUDA graphs, whatever ends the run
 
@@ -442,7 +449,8 @@ def _check_resume_keeps_context(checkpoint: Checkpoint, config: RunConfig) -> No
 
 
 def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: EncoderTokenizer, device: torch.device,
-                  exit_after_step: int | None, lock: SaveDirectoryLock | None) -> TrainResult:
+                  exit_after_step: int | None, lock: SaveDirectoryLock | None,
+                  dataset_provider: DatasetProvider) -> TrainResult:
     """The run with its engine built: the starting point loaded, then the steps."""
     total = config.training.train_iters
     phases = config.resolved_phases
@@ -468,7 +476,7 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
                            skipped_steps=int(state.get("skipped_steps", 0)))
 
     _warn_of_kept_steps_missed(config, start)
-    batches = build_batches(config, tokenizer, start=start, device=device)
+    batches = build_batches(config, tokenizer, start=start, device=device, datasets=dataset_provider)
     t = config.training
     rank_nodes = process_group.rank_nodes()  # a collective, once: the log names each rank's node
     stop = StopPolicy(handle_signals=t.exit_signal_handler, duration_minutes=t.exit_duration_in_mins,
@@ -487,7 +495,7 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
         log = StepLogger(config, sinks, total_steps=total, start_step=start)
         log.banner(phases, rank_nodes)
         if len(batches.blend) > 1 and is_writer():
-            print(data_lib.format_blend(batches.blend, train_samples=total * config.data.global_batch_size), flush=True)
+            print(format_blend(batches.blend, train_samples=total * config.data.global_batch_size), flush=True)
         if is_writer() and starting_point.branched_from:
             origin = starting_point.branched_from
             print(f"branched from {origin['save']} at step {origin['step']}"

@@ -23,7 +23,7 @@ from megatron_ext.study.spec import read_study
 from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
 from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.config import DataConfig
-from megatron_ext.training.data import build_datasets, sample_order
+from megatron_ext.training.datasets import build_datasets, sample_order
 from megatron_ext.training.loop import pretrain
 
 DECAY = 4

@@ -27,7 +27,7 @@ from megatron_ext.objectives import CLM, IGNORE_INDEX, MLM, MNTP, PhaseProgress,
 from megatron_ext.objectives.span import select_spans
 from megatron_ext.tokenizer import MissingSpecialTokenError, TokenizerConfig, build_tokenizer
 from megatron_ext.training.batches import with_document_ends
-from megatron_ext.training.data import document_end_id
+from megatron_ext.training.datasets import document_end_id
 from megatron_ext.training.recipe import run_config_from_dict
 
 EOD = 2

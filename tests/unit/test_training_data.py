@@ -1,4 +1,5 @@
-"""megatron_ext.training.data: Megatron-Core datasets over real preprocessed news, DP batching, bad input."""
+"""The default dataset provider (megatron_ext.training.datasets: Megatron-Core datasets over real preprocessed
+news), its index checks (megatron_ext.data.index_checks), DP batching (megatron_ext.training.samplers), bad input."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from megatron_ext import assets
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
 from megatron_ext.training.config import DataConfig
-from megatron_ext.training.data import build_datasets, build_train_iterator, build_valid_iterator
+from megatron_ext.training.datasets import build_datasets
+from megatron_ext.training.samplers import build_train_iterator, build_valid_iterator
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ, MBS, GBS = 32, 2, 8
@@ -207,7 +209,8 @@ def test_ranks_of_a_gloo_group_build_and_split_the_same_data(tmp_path, corpora, 
         import os, sys, torch, torch.distributed as dist
         from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
         from megatron_ext.training.config import DataConfig
-        from megatron_ext.training.data import build_datasets, build_train_iterator
+        from megatron_ext.training.datasets import build_datasets
+        from megatron_ext.training.samplers import build_train_iterator
         dist.init_process_group("gloo")
         rank = dist.get_rank()
         config = DataConfig(data_path=({corpora["a"]!r},), seq_length={SEQ}, micro_batch_size={MBS},
@@ -394,7 +397,7 @@ def test_corrupt_index_fuzz(tmp_path, corpora, tokenizer, region):
     """Random corruptions of one region of a real .idx (bytes zeroed, randomised, or the file cut
     there): every one either reads exactly the original tokens of every document, or stops in the
     start-up check (before any step) with a message naming the file."""
-    from megatron_ext.training.data import _read_index
+    from megatron_ext.data.index_checks import read_index
 
     original = _all_tokens(corpora["small"])
     reference = (Path(corpora["small"] + ".idx")).read_bytes()
@@ -416,7 +419,7 @@ def test_corrupt_index_fuzz(tmp_path, corpora, tokenizer, region):
         shutil.copy(corpora["small"] + ".bin", prefix + ".bin")
         Path(prefix + ".idx").write_bytes(bytes(data))
         try:
-            _read_index(prefix)
+            read_index(prefix)
         except ValueError as error:
             assert prefix + ".idx" in str(error) or prefix + ".bin" in str(error), str(error)
             refused += 1
@@ -428,6 +431,6 @@ def test_corrupt_index_fuzz(tmp_path, corpora, tokenizer, region):
 def test_the_index_header_read_without_megatron_is_megatrons():
     from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
 
-    from megatron_ext.training import data
+    from megatron_ext.data import index_checks
 
-    assert data.INDEX_HEADER == _INDEX_HEADER
+    assert index_checks.INDEX_HEADER == _INDEX_HEADER

@@ -1,0 +1,328 @@
+"""The run's datasets, behind a seam: a dataset provider builds the train, valid and test splits
+for the run's data config; Megatron-Core's ``GPTDataset`` is the default.
+
+A provider (:class:`DatasetProvider`) is what ``training.loop.pretrain`` takes, as torchtitan's
+train spec names its dataloader builder and Megatron-Bridge's dataset providers build a run's
+datasets: the trainer asks it for splits of so many samples and for the blend report, and reads
+the splits in micro-batches itself (``training.samplers``), so sample order per step, resumes and
+data parallelism are the trainer's, whatever the provider.
+
+The default, :data:`GPT_DATASETS`, builds Megatron-Core's own datasets
+(``BlendedMegatronDatasetBuilder`` + ``GPTDataset``) from ``--data-path``/``--split`` exactly as
+Megatron-LM does, so sample order, blending and the index caches agree with it. With
+``torch.distributed`` initialised the builder builds the caches on global rank 0 first and the
+other ranks load them after a barrier (the cache directory must then be shared); without it, the
+one process builds them. Before Megatron reads anything, every ``.bin``/``.idx`` pair is checked
+(``data.index_checks``), and so is each split: one that gets no tokens would never finish building
+(``GPTDataset`` loops forever in ``_get_num_epochs`` on one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from megatron_ext.config_loading import UserError
+from megatron_ext.data.index_checks import IndexFile, check_token_dtype, read_index, scan_token_ids
+from megatron_ext.training.config import DataConfig, split_proportions
+from megatron_ext.tokenizer import EncoderTokenizer, MissingSpecialTokenError
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset  # a Megatron GPTDataset or BlendedDataset, or a provider's
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+class DatasetProvider(Protocol):
+    """What the trainer asks of the run's data: its splits, and the blend report of the training one.
+
+    The datasets it returns are sized, map a sample index to GPTDataset's sample (``tokens``,
+    ``labels``, ``loss_mask``, ``position_ids``, each ``data.seq_length`` long, as numpy arrays or
+    tensors), and say, as Megatron's datasets do, the tokenizer their ids are of
+    (``config.tokenizer``) and where they come from (``dataset_path``; a Megatron ``BlendedDataset``
+    names its datasets'): ``training.samplers`` checks every batch's ids against the vocab and
+    names the sample's source when one is outside it."""
+
+    def build_datasets(
+        self, config: DataConfig, *, tokenizer: EncoderTokenizer, train_samples: int, valid_samples: int,
+        seed: int, test_samples: int = 0,
+    ) -> tuple[Dataset, Dataset | None, Dataset | None]:
+        """``(train, valid, test)`` with at least ``train_samples``, ``valid_samples`` and
+        ``test_samples`` samples, in an order that ``seed`` (the run's ``training.seed``) decides
+        and is the same at every call with the same arguments (a resume rebuilds them). None for a
+        split the data gives no share: the valid split's then needs ``valid_samples`` 0 (refused in
+        one line otherwise), the test split's ignores ``test_samples`` (nothing evaluated at the
+        end). Called on every rank, with the same arguments."""
+        ...
+
+    def blend_shares(self, config: DataConfig, train: Dataset | None, *, train_samples: int) -> list[dict]:
+        """Per source of the training data: ``{"prefix", "weight", "share"}`` (the report
+        :func:`format_blend` prints and the metrics header records), ``train`` the training split
+        or None (shares not known yet: a run whose phases read several lengths); empty for data
+        that is not read from ``data.data_path``'s prefixes."""
+        ...
+
+
+# --- checking the splits GPTDataset will cut ------------------------------------------------------
+
+
+def _split_ranges(split: str, n_sequences: int) -> list[tuple[int, int] | None]:
+    """The sequence ranges Megatron gives each split (None: the split has no share)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    # The rounding of BlendedMegatronDatasetBuilder._build_megatron_dataset_splits.
+    n = float(n_sequences)
+    return [None if b is None else (int(round(b[0] * n)), int(round(b[1] * n))) for b in matrix]
+
+
+def _short_splits(split: str, indexes: list[IndexFile], min_tokens: int) -> list[str]:
+    """One line per (prefix, split) that would get fewer than ``min_tokens`` tokens."""
+    problems = []
+    for index in indexes:
+        tokens_before = index.tokens_before
+        n = len(tokens_before) - 1
+        for name, bounds in zip(SPLIT_NAMES, _split_ranges(split, n)):
+            if bounds is not None and tokens_before[bounds[1]] - tokens_before[bounds[0]] < min_tokens:
+                n_tokens = int(tokens_before[bounds[1]] - tokens_before[bounds[0]])
+                problems.append(
+                    f"{index.prefix}: {name} gets sequences [{bounds[0]}, {bounds[1]}) of {n} "
+                    f"= {n_tokens} tokens"
+                )
+    return problems
+
+
+def _suggest_split(split: str, indexes: list[IndexFile], min_tokens: int) -> str:
+    shared = [i for i, share in enumerate(split_proportions(split)[1:3], start=1) if share > 0]
+    for percent in range(1, 100 // (len(shared) + 1) + 1):
+        candidate = [100 - percent * len(shared), *(percent if i in shared else 0 for i in (1, 2))]
+        candidate_split = ",".join(map(str, candidate))
+        if not _short_splits(candidate_split, indexes, min_tokens):
+            return f"--split {candidate_split}"
+    return "--split 100,0,0 with eval_iters 0, or more data"
+
+
+def _check_splits(config: DataConfig, indexes: list[IndexFile], *, weighted: bool) -> None:
+    # A weighted (or single) dataset repeats its split until it has the samples asked for: it needs
+    # one token (zero tokens never reach enough: the hang). An unweighted blend takes one pass over
+    # each split, and Megatron asserts when one of them yields no whole sample.
+    min_tokens = 1 if weighted or len(indexes) == 1 else config.seq_length + 1
+    problems = _short_splits(config.split, indexes, min_tokens)
+    if problems:
+        need = (
+            "some tokens (GPTDataset never finishes building an empty split)" if min_tokens == 1
+            else f"seq_length + 1 = {min_tokens} tokens (one sample; an unweighted blend is one pass)"
+        )
+        raise UserError(
+            f"split {config.split!r}: each split with a share needs {need} in every dataset, split by "
+            "sequence (documents, or sentences with --split-sentences): " + "; ".join(problems)
+            + f". Try {_suggest_split(config.split, indexes, min_tokens)}"
+        )
+
+
+# --- building GPTDataset ------------------------------------------------------------------------
+
+
+def document_end_id(config: DataConfig, tokenizer: EncoderTokenizer) -> int:
+    """The tokenizer's end-of-document id, which every sample ends documents with and
+    ``reset_attention_mask`` isolates documents at; a tokenizer without one is refused in one line
+    naming the setting that needs it."""
+    try:
+        return tokenizer.eod
+    except MissingSpecialTokenError as err:
+        need = ("data.reset_attention_mask (documents end at it)" if config.reset_attention_mask
+                else "GPTDataset (it ends every document)")
+        raise MissingSpecialTokenError(f"{need} needs an end-of-document token: {err}") from None
+
+
+def _files_fingerprint(prefixes: list[str]) -> str:
+    """Short hash of the data files' sizes and modification times.
+
+    Megatron keys its index caches by path, seed and split only, so re-preprocessing into the same
+    prefix would silently reuse indices built for the old files; a cache folder per fingerprint
+    avoids that.
+    """
+    digest = hashlib.sha1()
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            stat = os.stat(prefix + suffix)
+            digest.update(f"{os.path.abspath(prefix)}{suffix}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return digest.hexdigest()[:12]
+
+
+def build_datasets(
+    config: DataConfig, *, tokenizer: EncoderTokenizer, train_samples: int, valid_samples: int, seed: int,
+    test_samples: int = 0,
+) -> tuple[Dataset, Dataset | None, Dataset | None]:
+    """Megatron-Core ``GPTDataset`` (or ``BlendedDataset``) train, valid and test splits, as
+    Megatron's ``BlendedMegatronDatasetBuilder`` returns them.
+
+    ``train_samples``/``valid_samples``/``test_samples`` are the samples that will be read (e.g.
+    train_iters x global_batch_size, eval_iters x global_batch_size for both evaluations); each
+    dataset has at least that many. Returns ``(train, valid, test)``; valid is None when ``split``
+    gives it no share (then ``valid_samples`` must be 0), test likewise (``test_samples`` is then
+    ignored: a split without a test share has nothing to evaluate at the end). Must be called on
+    every rank when ``torch.distributed`` is initialised (the builder synchronises the ranks with
+    barriers). ``seed`` (the run's ``training.seed``) seeds Megatron's document and sample shuffling.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    if train_samples < 1:
+        raise UserError(f"train_samples: expected >= 1, got {train_samples}")
+    for name, samples in (("valid_samples", valid_samples), ("test_samples", test_samples)):
+        if samples < 0:
+            raise UserError(f"{name}: expected >= 0, got {samples}")
+    document_end_id(config, tokenizer)  # GPTDataset needs the EOD for every sample; raises with the fix
+    prefixes, weights = config.blend
+    indexes = [read_index(prefix) for prefix in prefixes]
+    for index in indexes:
+        check_token_dtype(index, tokenizer)
+        if int(index.tokens_before[-1]) <= config.max_tokens_to_scan:
+            scan_token_ids(index, tokenizer)
+    _check_splits(config, indexes, weighted=weights is not None)
+
+    cache = config.data_cache_path or os.path.join(
+        os.path.dirname(os.path.abspath(prefixes[0])), "cache", _files_fingerprint(prefixes)
+    )
+    gpt_config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=config.seq_length,
+        blend=(prefixes, weights),
+        split=config.split,
+        path_to_cache=cache,
+        tokenizer=tokenizer,
+        reset_position_ids=config.reset_position_ids,
+        # No [s, s] mask per sample, which is all GPTDataset's reset_attention_mask shapes: with
+        # data.reset_attention_mask the batches carry where documents end (training.batches), from
+        # which the model's attention pattern is built per micro-batch.
+        reset_attention_mask=False,
+        create_attention_mask=False,
+    )
+    if gpt_config.split_matrix[1] is None and valid_samples > 0:
+        raise UserError(
+            f"split {config.split!r} gives the valid split no share, but valid_samples={valid_samples}; "
+            "give it a share (e.g. 98,2,0) or set data.eval_iters: 0 (no validation)"
+        )
+    # A size for every split, 0 rather than None: Megatron asserts that weighted blends get one.
+    sizes = [train_samples, valid_samples, test_samples if gpt_config.split_matrix[2] is not None else 0]
+    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config).build()
+    for name, dataset, wanted in zip(SPLIT_NAMES, (train, valid, test), sizes):
+        if dataset is not None and len(dataset) < wanted:
+            # Only unweighted blends stop short: Megatron caps them at one pass over each dataset.
+            raise UserError(
+                f"data_path: the {name} blend has {len(dataset)} samples, {wanted} are needed; an "
+                "unweighted blend is one pass over its datasets: give weights to repeat them"
+            )
+    return train, valid, test
+
+
+FINAL_EPOCH_APART_BELOW = 0.80
+"""``GPTDataset``'s threshold (``_build_document_sample_shuffle_indices``, megatron-core 0.19.2): a
+final epoch read for less than this share of its samples is shuffled apart from the others."""
+
+
+def sample_order(config: DataConfig, *, train_samples: int) -> tuple[tuple[str, int, bool], ...]:
+    """What the order of the training samples depends on through the run length: per dataset of the
+    blend, ``(prefix, epochs, final epoch shuffled apart)`` of the ``GPTDataset`` that
+    ``build_datasets`` builds for ``train_samples`` samples.
+
+    Megatron's document, sample and shuffle indices are functions of the split's documents, the
+    sequence length, the seed and these two numbers (``_build_document_sample_shuffle_indices``:
+    the documents are shuffled over ``epochs`` copies, the last one apart when it is read for less
+    than ``FINAL_EPOCH_APART_BELOW`` of it); a blend interleaves its datasets the same way at any
+    length (Megatron's greedy ``build_blending_indices`` is prefix-stable), each asked for its
+    weight's share plus Megatron's surplus, and an unweighted blend reads one pass over each
+    whatever the length. So two lengths of a run with the same data, split, sequence length and
+    seed read the same samples in the same order up to the shorter one exactly when their keys
+    are equal. Computed from the ``.idx`` files (checked as ``build_datasets`` checks them),
+    without building Megatron's indices.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import _get_size_per_split_per_dataset
+    from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.datasets.utils import normalize
+
+    prefixes, weights = config.blend
+    if weights is None and len(prefixes) > 1:  # Megatron builds one pass over each, at any length
+        return tuple((prefix, 1, False) for prefix in prefixes)
+    if weights is None:
+        samples = [train_samples]
+    else:
+        surplus = BlendedMegatronDatasetConfig.__dataclass_fields__["mid_level_dataset_surplus"].default
+        samples = [per_split[0] for per_split in _get_size_per_split_per_dataset(
+            normalize(weights), [train_samples, 0, 0], surplus=surplus)]
+    extra = int(GPTDatasetConfig.__dataclass_fields__["add_extra_token_to_sequence"].default)
+    length = config.seq_length
+    order = []
+    for prefix, wanted in zip(prefixes, samples):
+        index = read_index(prefix)
+        begin, end = _split_ranges(config.split, len(index.tokens_before) - 1)[0]
+        tokens = int(index.tokens_before[end] - index.tokens_before[begin])  # one epoch (GPTDataset)
+        if tokens == 0:
+            raise UserError(f"data_path {prefix!r}: the train split of {config.split!r} holds no tokens")
+        epochs = max(1, -(-(wanted * length + extra) // tokens))  # GPTDataset._get_num_epochs
+        apart = False
+        if epochs > 1:
+            from_final = wanted - ((epochs - 1) * tokens - extra) // length
+            apart = from_final < int(FINAL_EPOCH_APART_BELOW * ((tokens - extra) // length))
+        order.append((prefix, epochs, apart))
+    return tuple(order)
+
+
+# --- the blend report ----------------------------------------------------------------------------
+
+
+def blend_shares(config: DataConfig, train: Dataset | None, *, train_samples: int) -> list[dict]:
+    """Per dataset of the blend, in ``data_path`` order: ``{"prefix", "weight", "share"}``, the
+    weight normalised (None for an unweighted blend) and the share of the run's ``train_samples``
+    training samples it gives (Megatron's blending index, read as the run will read it; None without
+    ``train``: a run whose phases read other lengths builds a dataset per length as it reaches it)."""
+    prefixes, weights = config.blend
+    total = sum(weights) if weights else None
+    if train is None:
+        shares = [None] * len(prefixes)
+    elif hasattr(train, "dataset_index"):  # BlendedDataset
+        read = np.asarray(train.dataset_index[:train_samples])  # its datasets in data_path's order
+        shares = (np.bincount(read, minlength=len(prefixes)) / len(read)).tolist()
+    else:
+        shares = [1.0]
+    return [{"prefix": prefix, "weight": None if total is None else weights[i] / total, "share": shares[i]}
+            for i, prefix in enumerate(prefixes)]
+
+
+def format_blend(shares: list[dict], *, train_samples: int) -> str:
+    """One line: each dataset's weight and realised share of the training samples."""
+    return f"blend of {len(shares)} datasets over {train_samples:,} training samples: " + ", ".join(
+        f"{os.path.basename(entry['prefix'])} "
+        + ("" if entry["weight"] is None else f"weight {100 * entry['weight']:.1f}% -> ")
+        + ("(share read per phase length)" if entry["share"] is None else f"{100 * entry['share']:.1f}%")
+        for entry in shares)
+
+
+# --- the default provider -------------------------------------------------------------------------
+
+
+class GPTDatasetProvider:
+    """Megatron-Core's ``GPTDataset`` (and ``BlendedDataset``) over the run's ``data.data_path``:
+    :func:`build_datasets` and :func:`blend_shares`."""
+
+    def build_datasets(
+        self, config: DataConfig, *, tokenizer: EncoderTokenizer, train_samples: int, valid_samples: int,
+        seed: int, test_samples: int = 0,
+    ) -> tuple[Dataset, Dataset | None, Dataset | None]:
+        return build_datasets(config, tokenizer=tokenizer, train_samples=train_samples,
+                              valid_samples=valid_samples, seed=seed, test_samples=test_samples)
+
+    def blend_shares(self, config: DataConfig, train: Dataset | None, *, train_samples: int) -> list[dict]:
+        return blend_shares(config, train, train_samples=train_samples)
+
+
+GPT_DATASETS: DatasetProvider = GPTDatasetProvider()
+"""The run's datasets unless ``training.loop.pretrain`` is given another provider."""
