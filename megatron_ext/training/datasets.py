@@ -199,6 +199,7 @@ def build_datasets(
         path_to_cache=cache,
         tokenizer=tokenizer,
         reset_position_ids=config.reset_position_ids,
+        eod_mask_loss=config.eod_mask_loss,
         # No [s, s] mask per sample, which is all GPTDataset's reset_attention_mask shapes: with
         # data.reset_attention_mask the batches carry where documents end (training.batches), from
         # which the model's attention pattern is built per micro-batch.
