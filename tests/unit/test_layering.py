@@ -22,8 +22,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
      "exit_codes"},
     {"megatron_compat", "process_group"},  # megatron-core workarounds (CUDA calls on CPU ...); process-group start-up
     {"tokenizer", "phases", "schedule", "objectives", "model"},  # objectives/: one module per objective
-    # FLOPs, memory, device peaks, measured speeds, the cost model: reads a run's config by its fields
-    {"performance"},
+    {"performance"},  # FLOPs, memory, device peaks, measured speeds, the cost model (a run config read by its fields)
     {"data", "checkpoint"},
     {"training"},
     {"hf"},
