@@ -25,7 +25,7 @@ from megatron_ext.training.dry_run import check_layout, layout_problem
 
 
 def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:
-    """Peak bytes per rank of ``config`` at ``world_size`` processes (module docstring): of its
+    """Peak bytes per rank of ``config`` at ``world_size`` processes (``performance.memory``): of its
     most demanding phase when phases read other lengths or batches (``training.context``)."""
     return max(phase_memory(config, world_size=world_size), key=lambda estimate: estimate.total)
 
