@@ -7,7 +7,7 @@
 
 --dry-run also prints what the run costs: GPU-hours and wall time on --world-size GPUs of --gpu KIND
 (default: this machine's), from a committed throughput measurement, else the kind's peak at an
-assumed MFU, with the source of the speed (megatron_ext/study/cost.py); --budget-gpu-hours N
+assumed MFU, with the source of the speed (megatron_ext/performance/cost.py); --budget-gpu-hours N
 refuses (exit 2) a run estimated above N.
 
 Every config field has a flag named like Megatron-LM's (see --help); the recipe's values are
@@ -57,7 +57,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     parser.add_argument("--world-size", type=int, default=None,
                         help="--dry-run: plan for this many processes (default: $WORLD_SIZE or 1)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
-    from megatron_ext.study.cost import add_cost_flags
+    from megatron_ext.performance.cost import add_cost_flags
     from megatron_ext.training.recipe import add_override_flags
 
     add_cost_flags(parser, study=False)
@@ -119,12 +119,13 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if args.dry_run:
-        from megatron_ext.training.dry_run import check_paths, check_tokenizer_serves, format_dry_run, make_plan
+        from megatron_ext.training.dry_run import (check_paths, check_tokenizer_serves, format_dry_run, make_plan,
+                                                   phase_flops)
 
         from megatron_ext.hardware import runs_elsewhere
-        from megatron_ext.training.memory import memory_report
+        from megatron_ext.training.memory_fit import memory_report
 
-        from megatron_ext.study.cost import check_budget, format_run_cost, segment_cost, speed_table
+        from megatron_ext.performance.cost import check_budget, format_run_cost, segment_cost, speed_table
 
         world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
         plan = make_plan(config, world)
@@ -155,12 +156,13 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
             print("\n".join(["unlike Megatron-LM, on purpose:", *(f"  {difference}" for difference in differences)]))
         speeds = speed_table(args)
         print(memory_report(config, world_size=world, gpu_kind=speeds.kind if args.gpu else None))
-        cost = segment_cost(config, run="the run", gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
+        cost = segment_cost(config, phase_flops(config), run="the run", gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
         print(format_run_cost(cost, speeds.kind, speeds.notices))
         if len({(c.seq_length, c.global_batch_size) for c in config.phase_contexts}) > 1:  # training.context
             for context in config.phase_contexts:
-                part = segment_cost(config, run=f"phases[{context.phase.index}]", start=context.phase.start,
-                                    end=context.phase.end, gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
+                start, end = context.phase.start, context.phase.end
+                part = segment_cost(config, phase_flops(config, start, end), run=f"phases[{context.phase.index}]",
+                                    start=start, end=end, gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
                 hours = "unknown" if part.gpu_hours is None else f"{part.gpu_hours:,.3g} GPU-hours"
                 print(f"  phases[{context.phase.index}] at {context.seq_length} tokens: {part.flops:.3e} FLOPs, {hours}")
         check_budget(args.budget_gpu_hours, cost.gpu_hours, [("the run", cost.gpu_hours or 0.0)], "the run",

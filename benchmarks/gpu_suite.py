@@ -61,7 +61,8 @@ if str(REPO) not in sys.path:
     # with the carried wheels on PYTHONPATH): the suite and its stages import megatron_ext from here.
     sys.path.insert(0, str(REPO))
 
-from megatron_ext import measurements  # noqa: E402  (standard library only: the suite's process stays light)
+from benchmarks import gpu_visits  # noqa: E402  (standard library only: the suite's process stays light)
+from megatron_ext.performance.devices import device_kind  # noqa: E402  (the same)
 
 STOPPED_AT_ITS_OWN_LIMIT = 124
 """The exit code of a stage that stops itself a little before its cap so as to report what finished
@@ -125,7 +126,7 @@ class VisitPlan:
     @classmethod
     def for_device(cls, device: str) -> "VisitPlan":
         plan_module = _visit_plan_module()
-        kind = measurements.device_kind(device)
+        kind = device_kind(device)
         decisions = plan_module.plan_known_sides(kind)
         return cls(kind=kind, remeasure={n: d.reason for n, d in decisions.items() if d.remeasure},
                    known={n: d.reason for n, d in decisions.items() if not d.remeasure},
@@ -303,7 +304,7 @@ def read_throughput(stage_dir: Path) -> dict:
     stage was cut before, the sides it measured (``throughput.sides.jsonl``, one line per side)."""
     record = _read_json(stage_dir / "throughput.json")
     # Each side as written, with the settings it ran (benchmarks/recipe_defaults.py compares them).
-    sides = measurements.read_side_records(stage_dir)
+    sides = gpu_visits.read_side_records(stage_dir)
     if record is None:
         return {"rows": [], "complete": False, "sides": sides} if sides else {}
     rows = []
@@ -327,7 +328,7 @@ def read_throughput(stage_dir: Path) -> dict:
 
 
 def read_gpu_tests(stage_dir: Path) -> dict:
-    reports = measurements.read_gpu_test_reports(stage_dir)
+    reports = gpu_visits.read_gpu_test_reports(stage_dir)
     if not reports:
         return {}
     report = reports[0]

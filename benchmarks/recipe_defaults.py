@@ -15,7 +15,7 @@ local spec is refused in one line naming both keys).
     python benchmarks/recipe_defaults.py --write    # rewrite benchmarks/results/recipe_defaults.{json,md}
     python benchmarks/recipe_defaults.py --check    # exit 1 if the committed table or a recipe disagrees
 
-The visits are read by ``megatron_ext.measurements.read_visits`` (newest first: by date, then a
+The visits are read by ``benchmarks.gpu_visits.read_visits`` (newest first: by date, then a
 same-day suffix). ``tests/unit/test_recipe_defaults.py`` runs ``--check``'s logic: the committed table
 is what the committed visits give, and every paper recipe sets what the table says.
 """
@@ -29,11 +29,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext.config_loading import UserError
-from megatron_ext.measurements import GpuVisit, ThroughputSide, read_visits
-
-
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script (python benchmarks/recipe_defaults.py): its sibling modules by package
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.gpu_visits import GpuVisit, ThroughputSide, read_visits  # noqa: E402
+from megatron_ext.config_loading import UserError  # noqa: E402
+
 VISITS_DIR = REPO / "benchmarks" / "results" / "gpu_visits"
 TABLE_JSON = REPO / "benchmarks" / "results" / "recipe_defaults.json"
 TABLE_MD = REPO / "benchmarks" / "results" / "recipe_defaults.md"
@@ -78,10 +80,10 @@ class Side:
 @functools.cache  # the same few (size, seq) for every side of a visit
 def _mlm40_flops_per_token(size: str, seq_length: int) -> float:
     """FLOPs per token of the throughput benchmark's step (MLM-40, LM head at the scored positions),
-    for sides recorded before the suite wrote them (the MFU convention of training/metrics.py)."""
+    for sides recorded before the suite wrote them (the MFU convention of performance/flops.py)."""
     from megatron_ext.model.config import preset
     from megatron_ext.phases import Phase, resolve_phases
-    from megatron_ext.training.metrics import flops_per_token, mean_lm_head_share
+    from megatron_ext.performance.flops import flops_per_token, mean_lm_head_share
 
     (phase,) = resolve_phases([Phase.from_config({"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}, "throughput")], 1)
     share = mean_lm_head_share(phase, seq_length=seq_length, scored_only=True)
@@ -89,7 +91,7 @@ def _mlm40_flops_per_token(size: str, seq_length: int) -> float:
 
 
 def _mfu(side: ThroughputSide, size: str, seq_length: int, device: str) -> float | None:
-    from megatron_ext.training.metrics import peak_flops_per_device
+    from megatron_ext.performance.devices import peak_flops_per_device
 
     peak = peak_flops_per_device(device)
     if peak is None or not side.tokens_per_s:
@@ -99,7 +101,7 @@ def _mfu(side: ThroughputSide, size: str, seq_length: int, device: str) -> float
 
 
 def _side_settings(side: ThroughputSide, row_sides: list[ThroughputSide]) -> dict:
-    if side.settings:  # in today's spelling (measurements.RENAMED_SETTING_VALUES)
+    if side.settings:  # in today's spelling (gpu_visits.RENAMED_SETTING_VALUES)
         return {key: side.settings.get(key) for _, _, key, _ in DECIDED}
     name = side.side
     settings = {key: default for _, _, key, default in DECIDED}

@@ -31,7 +31,7 @@ visits before 2026-11-28) and as a rank of a ``--data-parallel-size``-rank run o
 (the distributed optimizer's 1/ranks share of the update; its collectives not counted). On a GPU each
 side also records the SM clock and power draw while timed (``nvidia-smi``), the cuDNN version and the
 attention kernel (TE's choice, or PyTorch SDPA's). Reported per row: tokens/s, achieved
-TFLOP/s and MFU (FLOPs convention of ``megatron_ext.training.metrics``, printed; MFU against the dense
+TFLOP/s and MFU (FLOPs convention of ``megatron_ext.performance.flops``, printed; MFU against the dense
 bf16 peak, also for FP8 rows), peak memory and step time, and the baseline's tokens/s and peak memory
 on the same shape; for each of ``--variants`` (an optimisation step of the recipe undone, or a tuning
 choice, as a run-config change) its tokens/s, peak memory and how much faster the default is, timed
@@ -68,8 +68,9 @@ from megatron_ext.training import cuda_graphs
 from megatron_ext.training.recipe import read_recipe, run_config_from_dict
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
 from megatron_ext.training.loop import runnable_here
-from megatron_ext.training.memory import estimate_memory
-from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, mean_lm_head_share, peak_flops_per_device
+from megatron_ext.performance.devices import peak_flops_per_device
+from megatron_ext.performance.flops import MFU_CONVENTION, flops_per_token, mean_lm_head_share
+from megatron_ext.training.memory_fit import estimate_memory
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -3,7 +3,7 @@ when its code or the device kind changed since it was last timed.
 
 GPU time is rare (minutes per visit, often none), so ``benchmarks/gpu_suite.py``'s default plan does
 not re-time an answer the committed visits already hold. This module decides, from the committed
-visit folders (``benchmarks/results/gpu_visits/<kind>-<date>/``, read by ``megatron_ext.measurements.
+visit folders (``benchmarks/results/gpu_visits/<kind>-<date>/``, read by ``benchmarks.gpu_visits.
 read_visits``) and the tree the suite runs from, with no git (a GPU machine gets a copy of the tree
 without its history) and no torch (the suite's own process stays light):
 
@@ -33,10 +33,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from megatron_ext.config_loading import UserError
-from megatron_ext.measurements import FINGERPRINTS_FILE, GpuVisit, ThroughputSide, read_visit, read_visits
-
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script (python benchmarks/visit_plan.py): its sibling modules by package
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.gpu_visits import FINGERPRINTS_FILE, GpuVisit, ThroughputSide, read_visit, read_visits  # noqa: E402
+from megatron_ext.config_loading import UserError  # noqa: E402
 VISITS_DIR = REPO / "benchmarks" / "results" / "gpu_visits"
 KNOWN_ROW = "1b seq 2048 bf16"
 """The row whose known sides the plan tracks (the one every visit times first)."""

@@ -45,7 +45,7 @@ Divergences, and why:
 8. Asynchronous checkpoint writer (``persistent_checkpoint_writer``): a persistent worker on GPU,
    a process forked per save on CPU (where staging copies nothing).
 9. Memory a process may use (``usable_memory_bytes``, checked against
-   ``training.memory.estimate_memory`` before a run allocates): the GPU's free memory, or on CPU
+   ``training.memory_fit.estimate_memory`` before a run allocates): the GPU's free memory, or on CPU
    the machine's available memory shared by the processes started on it.
 
 Not a divergence: ``training.deterministic`` (``make_deterministic``) sets the same torch flags on

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: ``tools`` is importable from the repository root
     sys.path.insert(0, str(REPO))
 
-from megatron_ext.measurements import GpuVisit, VisitStage, read_visits  # noqa: E402
+from benchmarks.gpu_visits import GpuVisit, VisitStage, read_visits  # noqa: E402
 from tools.check_docs import Program, doc_pages, program_help  # noqa: E402
 
 GPU_VISITS = REPO / "benchmarks" / "results" / "gpu_visits"
@@ -46,7 +46,7 @@ REGION = re.compile(r"(?P<open><!-- generated: (?P<name>[^>]*?) -->\n)(?P<body>.
 
 def newest_gpu_suite_run(root: Path = GPU_VISITS) -> GpuVisit:
     """The newest committed visit of ``benchmarks/gpu_suite.py`` under ``gpu_visits/<kind>-<date>[suffix]/``
-    (``megatron_ext.measurements.read_visits``: by date, then by suffix, ``h200-2026-11-26b`` after
+    (``benchmarks.gpu_visits.read_visits``: by date, then by suffix, ``h200-2026-11-26b`` after
     ``h200-2026-11-26``)."""
     visits = read_visits(root)
     if not visits:
@@ -191,9 +191,9 @@ NVLINK_GB_S, IB_GB_S_PER_GPU = 400.0, 45.0
 
 def render_scaling_estimates(page: Path) -> str:
     """Parameters, distributed-optimizer traffic and step times of the paper's sizes, computed from
-    the presets and the FLOPs convention of ``megatron_ext/training/metrics.py``."""
+    the presets and the FLOPs convention of ``megatron_ext/performance/flops.py``."""
     from megatron_ext.model.config import PRESETS, parameter_count
-    from megatron_ext.training.metrics import flops_per_token
+    from megatron_ext.performance.flops import flops_per_token
 
     lines = ["| preset | parameters | bytes per GPU per step (DP 64) | step at 40 % MFU, 8 / 64 H100 | "
              "NVLink (~400 GB/s), 8 GPUs | InfiniBand (~45 GB/s per GPU), 64 GPUs |", "|---|---|---|---|---|---|"]
@@ -370,8 +370,8 @@ def _study_cost(study_file: str, *, paper_evaluation: bool, kind: str = "H100"):
     """The cost model's estimate of ``examples/studies/<study_file>`` on ``kind`` GPUs from the committed
     measurements; ``paper_evaluation``: with the paper's 12 tasks (LR grid x 5 seeds) on 64 workers and
     every run on 64 GPUs, as the page's comparison with the paper counts them."""
-    from megatron_ext.study.cost import SpeedTable
-    from megatron_ext.study.study_cost import study_cost
+    from megatron_ext.performance.cost import SpeedTable
+    from megatron_ext.study.cost import study_cost
     from megatron_ext.study.plan import plan_study
     from megatron_ext.study.spec import EvaluationSpec, read_study
 
@@ -387,8 +387,8 @@ def _study_cost(study_file: str, *, paper_evaluation: bool, kind: str = "H100"):
 
 def _size_speeds(plan, speeds) -> str:
     """Each size's training speed and where it comes from (MLM steps; measured rows name their file)."""
-    from megatron_ext.study.study_cost import costed_config
-    from megatron_ext.training.metrics import PEAK_TFLOPS
+    from megatron_ext.performance.devices import PEAK_TFLOPS
+    from megatron_ext.study.cost import costed_config
 
     parts = []
     for size in plan.study.sizes:
@@ -415,7 +415,7 @@ def _evaluation_source(cost) -> str:
 def render_paper_grid_cost(page: Path) -> str:
     """The paper's grid (``paper_610m.yaml``) and the three sizes (``paper_sizes.yaml``) on H100s,
     from the cost model and the committed measurements, against the paper's 110,000 MI250X hours."""
-    from megatron_ext.training.metrics import PEAK_TFLOPS
+    from megatron_ext.performance.devices import PEAK_TFLOPS
 
     columns = {name: _study_cost(name, paper_evaluation=True) for name in ("paper_610m.yaml", "paper_sizes.yaml")}
     header = [f"{name} ({len(plan.runs)} runs)" for name, (plan, _, _) in columns.items()]

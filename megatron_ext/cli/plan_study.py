@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true", help="print the plan; train nothing")
     parser.add_argument("--plan-json", default=None, metavar="PATH",
                         help="write the plan (runs and segments) as JSON")
-    from megatron_ext.study.cost import add_cost_flags
+    from megatron_ext.performance.cost import add_cost_flags
 
     add_cost_flags(parser, study=True)
     return parser

@@ -27,7 +27,7 @@ study's), which each launcher maps to its own form, plus that launcher's extra f
          failed or cancelled segments and the ones below them. --wait: follow the jobs until they end.
 
 --dry-run also prints the study's cost (GPU-hours and wall time per segment, the tree against
-every run from scratch, the evaluation, the whole study; megatron_ext/study/study_cost.py); with
+every run from scratch, the evaluation, the whole study; megatron_ext/study/cost.py); with
 --budget-gpu-hours N a study estimated above N is refused (exit 2) before anything starts. While it
 trains, the progress lines give the study's ETA from the same estimate, corrected by the measured
 time of the segments already trained.
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the status and what would be started or submitted; write and start nothing")
     for name in LAUNCHERS:
         launcher_class(name).add_arguments(parser.add_argument_group(f"{name} launcher"))
-    from megatron_ext.study.cost import add_cost_flags
+    from megatron_ext.performance.cost import add_cost_flags
 
     add_cost_flags(parser, study=True)
     return parser
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     selected = select_runs(plan, args.only)
     launcher = launcher_class(args.launcher).from_args(args)
     from megatron_ext.study.calibration import report_study_cost
-    from megatron_ext.study.study_cost import seconds_left
+    from megatron_ext.study.cost import seconds_left
 
     scheduler = TreeScheduler(plan, study_dir, selected, launcher,
                               estimate_seconds=lambda segments: seconds_left(plan, segments, gpus=args.gpus))

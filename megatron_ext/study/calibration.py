@@ -6,8 +6,8 @@ Each distinct training shape (model, batch, precision, objective) of a study run
 trainer job of the local launcher (``megatron_ext.launch.local``), the first steps (warm-up) left
 out of the timing; then one fine-tuning run per family and size runs as an evaluation job, in the
 environment of one of the study's evaluation workers. What they measured is a
-:class:`~megatron_ext.study.study_cost.Calibration`, which the cost model (``study/cost.py``,
-``study/study_cost.py``: no process started) prices from first.
+:class:`~megatron_ext.study.cost.Calibration`, which the cost model (``performance/cost.py``,
+``study/cost.py``: no process started) prices from first.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 from megatron_ext.config_loading import UserError
 from megatron_ext.launch import Job, JobEvents, JobState
 from megatron_ext.launch.local import LocalLauncher
-from megatron_ext.study.cost import Speed, calibration_key, check_budget, speed_table
-from megatron_ext.study.study_cost import (Calibration, StudyCost, costed_config, finetune_families, format_study_cost,
-                                           study_cost)
+from megatron_ext.performance.cost import Speed, calibration_key, check_budget, speed_table
+from megatron_ext.study.cost import (Calibration, StudyCost, costed_config, finetune_families, format_study_cost,
+                                     study_cost)
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.dry_run import phase_flops
 
@@ -82,7 +82,7 @@ def calibrate_training(runs: Iterable, *, warmup: int = 2, steps: int = 4,
                        say: Callable[[str], None] = print) -> tuple[dict[tuple, Speed], dict[str, Path]]:
     """Time ``warmup + steps`` steps of each distinct shape of ``runs`` (a study's planned runs:
     ``.name``, ``.size``, ``.recipe``, ``.config``) with the trainer on this machine; returns the
-    speeds by :func:`~megatron_ext.study.cost.calibration_key` and, per size, a checkpoint of the
+    speeds by :func:`~megatron_ext.performance.cost.calibration_key` and, per size, a checkpoint of the
     last calibration run (what the fine-tuning calibration starts from)."""
     import yaml
 

@@ -1,394 +1,350 @@
-"""What a run costs before it is launched: GPU-hours and wall time (the speed model, no I/O but
-reading the measurements, and with isolated documents the first entries of the data's index:
-``training.dry_run.document_attention``).
+"""What a study costs before it is launched: its runs' training (the run cost model,
+``performance/cost.py``, per segment of the branching tree) and its evaluation's fine-tuning runs.
 
-A training segment's cost is its FLOPs (``training.dry_run.phase_flops``: the FLOPs ``--dry-run``
-prints, per objective, in the convention of ``metrics.MFU_CONVENTION``) divided by a speed, the
-training FLOP/s one device achieves for that shape (size, sequence length, precision, spec) on a
-GPU kind. Where a speed comes from, in this order, is printed with every figure:
-
-1. **calibrated**: ``--calibrate`` timed a few steps of each distinct shape on this machine,
-   the warm-up steps excluded (:func:`calibrate_training`), and the trainer's start-up;
-2. **measured**: a throughput measurement (``megatron_ext.measurements``: the committed ones shipped
-   with the package, and a results folder of the user's own) for this GPU kind, model (by its
-   parameter count), sequence length and precision: the file, its device and the commit and date
-   that added it;
-3. **assumed**: the GPU kind's dense peak (``metrics.PEAK_TFLOPS``, from the vendors' datasheets)
-   at an assumed MFU (:data:`ASSUMED_MFU` unless ``--mfu``), marked as an assumption.
-
-A measured or assumed speed is per device and objective-independent in FLOP/s: the objective mix
-enters through the FLOPs (an MLM-40 step's LM head runs at 40 % of the positions, a CLM step's at
-all). A calibrated speed is per objective.
-
-Several GPUs: data parallelism, each GPU at the one-GPU speed, plus the distributed optimizer's
-traffic of ``docs/scaling.md``: 2 x 4 x N x (DP - 1) / DP bytes per GPU per step (fp32 gradients
-reduce-scattered, fp32 parameters all-gathered) over NVLink (:data:`NVLINK_BYTES_PER_S`) within a
-node or InfiniBand (:data:`INTERNODE_BYTES_PER_S` per GPU) across nodes; the half that
-``overlap_grad_reduce`` (reduce-scatter) or ``overlap_param_gather`` (all-gather) overlaps is
-taken as hidden.
-
-A study's cost (its segments and its evaluation) is ``study/study_cost.py``'s; ``--calibrate``'s
-timings are ``study/calibration.py``'s.
-
-The committed measurements ship inside the package (``megatron_ext.measurements.packaged``), so a
-clone and an installed package price a run alike; ``--results-dir`` (or
-``$MEGATRON_EXT_RESULTS_DIR``) adds a folder of one's own.
+Evaluation: the study's fine-tuning runs (models x tasks x LRs x seeds; a zero-shot task once per
+model) times the time of one run per family and size: calibrated (one run per family on this
+machine, ``study/calibration.py``), else the cost model's (``SpeedTable.finetune_run``: measured on
+this device, scaled by steps and parameters, or assumed from its peak), over the workers. Pure: no
+process is started and nothing is written here.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-from collections.abc import Iterable
-from dataclasses import dataclass
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
-from megatron_ext import measurements
 from megatron_ext.config_loading import UserError
 from megatron_ext.model.config import parameter_count
+from megatron_ext.performance.cost import (Speed, SpeedTable, SegmentCost, default_results_dir, format_band, hours,
+                                           segment_cost)
+from megatron_ext.performance.devices import this_machine_kind
+from megatron_ext.performance.flops import MFU_CONVENTION
 from megatron_ext.training.config import RunConfig
-from megatron_ext.training.metrics import PEAK_TFLOPS
 from megatron_ext.training.dry_run import phase_flops
 
-
-CPU = "cpu"
-"""The GPU kind of a CPU-only machine (no peak: measured or calibrated speeds only)."""
-
-ASSUMED_MFU = 0.35
-"""MFU assumed without a measurement: within this project's measured 27-42 % (610M and 1B, H100/H200,
-``benchmarks/results/gpu_visits``) and below the 38-42 % of published Megatron/MPT runs at ~1B."""
-
-NVLINK_BYTES_PER_S = 400e9
-"""Per GPU within a node (docs/scaling.md, H100 NVLink)."""
-
-INTERNODE_BYTES_PER_S = 45e9
-"""Per GPU across nodes: 8 x 400 Gb/s InfiniBand per node of 8 GPUs (docs/scaling.md)."""
-
-STUDY_SPEED_HINT = "--calibrate here, or --gpu KIND"
-"""What gives a speed where none is known, in the study tools (``tools/plan_study.py``,
-``tools/run_study.py``: their ``--calibrate`` times this machine)."""
-
-TRAINER_SPEED_HINT = ("give --gpu KIND to price it on that GPU, or --results-dir DIR with a throughput measurement "
-                      "of this machine (benchmarks/throughput.py)")
-"""The same in ``pretrain_encoder.py --dry-run``, which has no ``--calibrate`` (timing needs a study's runs)."""
-
-ASSUMED_STARTUP_S = {CPU: 20.0, "gpu": 120.0}
-"""Seconds a trainer takes besides its steps (imports, model build, data index, checkpoint load, the
-final save) where ``--calibrate`` did not measure them: assumed, on a CPU from the miniature's
-segments (a 50-step segment took 26 s), on a GPU node a guess."""
-
-BANDS: dict[str, tuple[float, float]] = {"calibrated": (0.75, 1.25), "measured": (0.5, 2.0), "assumed": (1 / 3, 3.0)}
-"""The range the real wall time is expected in, as factors of the estimate, by the least certain
-speed source used: calibrated on this machine (the start-up and pace of this very trainer),
-measured elsewhere (same kind of device, another moment, start-up assumed), assumed from a peak."""
-
-Source = Literal["calibrated", "measured", "assumed"]
+ASSUMED_FINETUNE_TOKENS = 256
+"""Tokens per fine-tuning example assumed where the study sets no ``max_length``."""
 
 
-def precision_of(config: RunConfig) -> str:
-    """``fp8``, ``bf16`` or ``fp32``: the precision a throughput row is recorded under."""
-    if config.training.fp8_recipe:
-        return "fp8"
-    return "bf16" if config.training.bf16 else "fp32"
-
-
-def gpu_kind(name: str) -> str:
-    """``name`` as a kind of :data:`PEAK_TFLOPS` (case-insensitive) or :data:`CPU`; a clear error otherwise."""
-    if name.lower() == CPU:
-        return CPU
-    for kind in PEAK_TFLOPS:
-        if kind.lower() == name.lower():
-            return kind
-    raise UserError(f"--gpu {name}: unknown GPU kind; known: {', '.join(PEAK_TFLOPS)}, {CPU}")
-
-
-def device_kind(device: str) -> str | None:
-    """The kind of a recorded device name as :data:`PEAK_TFLOPS` spells it (``NVIDIA H100 80GB HBM3``
-    -> ``H100``, ``cpu2`` -> ``cpu``; ``measurements.device_kind``, the rule visit folders are named by),
-    or None for a kind with no known peak."""
-    kind = measurements.device_kind(device)
-    return CPU if kind == CPU else next((known for known in PEAK_TFLOPS if known.lower() == kind), None)
-
-
-def hours(seconds: float) -> str:
-    """``12.3 h``, ``4.1 min`` or ``12 s``."""
-    if seconds >= 3600:
-        return f"{seconds / 3600:,.1f} h"
-    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+# -- what a calibration measured (megatron_ext.study.calibration measures it) -----------------------
 
 
 @dataclass(frozen=True, kw_only=True)
-class Speed:
-    """Training FLOP/s of one device for a shape, and where the figure comes from."""
+class Calibration:
+    """What ``--calibrate`` measured on this machine."""
 
-    flops_per_s: float
-    source: Source
-    detail: str
-    """What was measured or assumed: the file, device, commit and date; or the peak and MFU."""
-    startup_s: float = 0.0
-    """Seconds a trainer takes besides its steps (imports, build, data, final save): calibrated only."""
-
-    def label(self) -> str:
-        return f"{self.source}: {self.detail}"
+    training: dict[tuple, Speed] = field(default_factory=dict)
+    finetuning: dict[tuple[str, str], float] = field(default_factory=dict)
+    """``(size, family)`` -> seconds of one fine-tuning run at the study's settings."""
 
 
-RESULTS_DIR_VARIABLE = "MEGATRON_EXT_RESULTS_DIR"
-"""A folder of one's own measurements (``--results-dir``'s default), read beside the packaged ones."""
+# -- a study ----------------------------------------------------------------------------------------
 
 
-def default_results_dir() -> Path | None:
-    """``$MEGATRON_EXT_RESULTS_DIR`` when set (a folder of one's own measurements, added to the packaged
-    ones), else None."""
-    if os.environ.get(RESULTS_DIR_VARIABLE):
-        path = Path(os.environ[RESULTS_DIR_VARIABLE])
-        if not path.is_dir():
-            raise UserError(f"{RESULTS_DIR_VARIABLE}={path}: not a directory (expected a benchmarks/results folder)")
-        return path
-    return None
+_VOCABULARIES: dict[str, int | None] = {}
 
 
-class SpeedTable:
-    """The training speed of any run config on one GPU kind: calibrated, measured, else assumed."""
+def costed_config(run, notice: Callable[[str], None] = lambda line: None) -> RunConfig:
+    """``run``'s config with its tokenizer's vocabulary (a plan reads no tokenizer and validates
+    ``vocab_size: from_tokenizer`` with a placeholder; the LM head's FLOPs need the real one). A
+    tokenizer that cannot be read here leaves the placeholder, and ``notice`` says so."""
+    from megatron_ext.config_loading import build_dataclass
+    from megatron_ext.study.plan import VOCAB_NOT_READ
+    from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
+    from megatron_ext.training.recipe import needs_tokenizer_vocab, run_config_from_dict
 
-    def __init__(self, *, kind: str, results_dir: Path | None = None, mfu: float = ASSUMED_MFU,
-                 calibrated: dict[tuple, Speed] | None = None, measured: measurements.Measurements | None = None,
-                 unknown_hint: str = STUDY_SPEED_HINT):
-        """``measured``: the measurements to price from (default: those shipped with the package,
-        ``measurements.packaged``); ``results_dir``: measurements of one's own, read beside them;
-        ``unknown_hint``: what the tool offers where no speed is known (its own flags)."""
-        self.kind = kind
-        self.unknown_hint = unknown_hint
-        self.mfu = mfu
-        self.calibrated = dict(calibrated or {})
-        self.results_dir = results_dir
-        self.notices: list[str] = []
-        self.measurements = measurements.packaged() if measured is None else measured
-        if results_dir is not None:
-            if not results_dir.is_dir():
-                raise UserError(f"--results-dir {results_dir}: no such directory")
-            self.measurements = self.measurements + measurements.read_all(results_dir)
-        self.rows = self.measurements.throughput
-
-    def speed(self, config: RunConfig, objective: str) -> Speed | None:
-        """The speed of ``config``'s steps of ``objective`` (a phase's objective tag); None: unknown
-        (a CPU without a measurement or calibration)."""
-        key = calibration_key(config, objective)
-        if key in self.calibrated:
-            return self.calibrated[key]
-        measured = self._measured(config)
-        if measured is not None:
-            return measured
-        peak = PEAK_TFLOPS.get(self.kind)
-        if peak is None:
-            return None
-        fp8 = precision_of(config) == "fp8" and peak[1] is not None
-        value = (peak[1] if fp8 else peak[0]) * 1e12
-        where = "the measurements" + (f" or {self.results_dir}" if self.results_dir is not None else "")
-        self.notice(f"no measurement for {self.kind} at {parameter_count(config.model):,} parameters, seq "
-                    f"{config.data.seq_length}, {precision_of(config)} in {where}: assumed {100 * self.mfu:.0f} % MFU")
-        startup = ASSUMED_STARTUP_S["gpu"]
-        return Speed(flops_per_s=value * self.mfu, source="assumed", startup_s=startup,
-                     detail=f"{self.kind} {'fp8' if fp8 else 'bf16'} dense peak {value / 1e12:,.0f} TFLOP/s "
-                            f"(datasheet) x {100 * self.mfu:.0f} % MFU, an assumption; {startup:.0f} s start-up per "
-                            "trainer assumed")
-
-    def notice(self, line: str) -> None:
-        if line not in self.notices:
-            self.notices.append(line)
-
-    def _measured(self, config: RunConfig) -> Speed | None:
-        """The newest row of this kind, sequence length and precision for this model: the same
-        parameter count, else the same layers (a row's preset) with another vocabulary."""
-        parameters = parameter_count(config.model)
-        found = [r for r in self.rows if device_kind(r.device) == self.kind and r.seq_length == config.data.seq_length
-                 and r.precision == precision_of(config)
-                 and (r.parameters == parameters or _same_layers(r.model, config))]
-        if not found:
-            return None
-        backend = config.model.transformer_impl
-        best = max(found, key=lambda r: (r.parameters == parameters, r.backend == backend, r.date, r.flops_per_s))
-        spec = (f", {best.backend} spec" if best.backend else "") + (f" (variant {best.variant})" if best.variant else "")
-        other = "" if best.parameters == parameters else \
-            f" (its layers, another vocabulary: {best.parameters:,} parameters against {parameters:,})"
-        startup = ASSUMED_STARTUP_S[CPU if self.kind == CPU else "gpu"]
-        return Speed(flops_per_s=best.flops_per_s, source="measured", startup_s=startup,
-                     detail=f"{best.file}: {best.device}, {best.provenance}: {best.model} seq {best.seq_length} "
-                            f"{best.precision}{spec}, {best.flops_per_s / 1e12:,.3g} TFLOP/s{other}; {startup:.0f} s "
-                            "start-up per trainer assumed")
+    if not needs_tokenizer_vocab(run.recipe):
+        return run.config
+    settings = run.recipe.get("tokenizer") or {}
+    key = json.dumps(settings, sort_keys=True)
+    if key not in _VOCABULARIES:
+        try:
+            _VOCABULARIES[key] = build_tokenizer(build_dataclass(TokenizerConfig, settings, "tokenizer")).vocab_size
+        except (UserError, OSError, ValueError) as error:
+            _VOCABULARIES[key] = None
+            notice(f"tokenizer {settings.get('tokenizer_model')} not read here ({str(error)[:80]}): the LM head is "
+                   f"counted with a {VOCAB_NOT_READ}-token placeholder vocabulary")
+    vocab = _VOCABULARIES[key]
+    return run.config if vocab is None else run_config_from_dict(run.recipe, tokenizer_vocab_size=vocab)
 
 
-def _same_layers(preset_name: str, config: RunConfig) -> bool:
-    """Whether ``config``'s layers are those of the model preset ``preset_name``."""
-    from megatron_ext.model.config import PRESETS
-
-    preset = PRESETS.get(preset_name)
-    fields = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
-    return preset is not None and all(getattr(preset, f) == getattr(config.model, f) for f in fields)
-
-
-def calibration_key(config: RunConfig, objective: str) -> tuple:
-    """What sets a step's speed: the model, the batch shape, the precision and the objective."""
-    m, d = config.model, config.data
-    return (parameter_count(m), m.num_layers, m.hidden_size, m.transformer_impl, d.seq_length, d.micro_batch_size,
-            d.global_batch_size, precision_of(config), config.training.lm_head_scored_only, objective)
+def _flag(flags: Iterable[str], *names: str) -> int | None:
+    """The integer value of the last of ``flags`` spelled ``--name=N`` or ``--name=TYPE:N``."""
+    value = None
+    for flag in flags:
+        name, _, raw = flag.partition("=")
+        if name in names and raw:
+            count = raw.rsplit(":", 1)[-1]
+            if count.isdigit():
+                value = int(count)
+    return value
 
 
-# -- several GPUs -----------------------------------------------------------------------------------
+def study_gpus_per_run(plan, size: str, *, gpus_per_node: int) -> int:
+    """GPUs of one run of ``size``: its ``resources`` over the study's, ``nodes`` x ``gpus_per_node``
+    (``gpus_per_node`` here where only ``nodes`` is set); older study files' SLURM flags
+    (``--nodes``, ``--gpus-per-node``, ``--gpus``, read as the ``slurm`` extras) where the neutral
+    keys say nothing; 1 when nothing does. The one place that reads a study's resources for a cost."""
+    spec = next(s for s in plan.study.sizes if s.name == size)
+    resources = spec.resources.over(plan.study.resources)
+    nodes, per_node = resources.nodes, resources.gpus_per_node
+    if nodes is None and per_node is None:
+        flags = list(resources.extras.get("slurm", ()))
+        gpus = _flag(flags, "--gpus", "-G")
+        if gpus is not None:
+            return gpus
+        nodes, per_node = _flag(flags, "--nodes", "-N"), _flag(flags, "--gpus-per-node")
+        if nodes is None and per_node is None:
+            return 1
+    return (nodes or 1) * (per_node if per_node is not None else gpus_per_node)
 
 
-def data_parallel_overhead(config: RunConfig, gpus: int, gpus_per_node: int) -> tuple[float, str]:
-    """Seconds added to each step by the distributed optimizer's traffic on ``gpus`` data-parallel
-    GPUs (docs/scaling.md), and the statement of it."""
-    parallel = config.parallel
-    dp = gpus // (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size)
-    if dp <= 1:
-        return 0.0, ""
-    n = parameter_count(config.model)
-    moved = 2 * 4 * n * (dp - 1) / dp
-    within = gpus <= gpus_per_node
-    link = NVLINK_BYTES_PER_S if within else INTERNODE_BYTES_PER_S
-    seconds = moved / link
-    hidden = 0.5 * parallel.overlap_grad_reduce + 0.5 * parallel.overlap_param_gather
-    text = (f"data parallel over {gpus} GPUs: {moved / 1e9:.1f} GB/GPU/step (2 x 4 x N x (DP-1)/DP, docs/scaling.md) "
-            f"over {'NVLink' if within else 'InfiniBand'} at {link / 1e9:.0f} GB/s = {1e3 * seconds:.0f} ms, "
-            f"{100 * hidden:.0f} % overlapped")
-    return seconds * (1 - hidden), text
+def finetune_families(tasks: Iterable[str]) -> list[tuple[str, str, bool]]:
+    """``(task, family, zero-shot)`` of each of ``tasks`` as ``evaluate.py --tasks`` takes them,
+    without building or reading any (a task directory's ``task.json`` is read)."""
+    from megatron_ext.eval.hub_datasets import BENCHMARKS, expand_tasks
+    from megatron_ext.eval.families import FAMILIES
+    from megatron_ext.eval.suite import TASKS
 
-
-# -- a run, a segment -------------------------------------------------------------------------------
+    found = []
+    for task in expand_tasks(list(tasks)):
+        if task in TASKS:
+            family = TASKS[task].family
+        elif task in BENCHMARKS:
+            family = BENCHMARKS[task].family
+        elif (Path(task) / "task.json").is_file():
+            family = json.loads((Path(task) / "task.json").read_text()).get("family", "")
+        else:
+            raise UserError(f"evaluation.tasks: unknown task {task!r} (a suite task, a benchmark or a directory "
+                            "with task.json)")
+        if family not in FAMILIES:
+            raise UserError(f"evaluation.tasks: task {task!r} has family {family!r}; families: {sorted(FAMILIES)}")
+        found.append((task, family, FAMILIES[family].zero_shot))
+    return found
 
 
 @dataclass(frozen=True, kw_only=True)
-class SegmentCost:
-    """Steps ``[start, end)`` of one run on ``gpus`` GPUs."""
+class FinetuneCost:
+    """One kind of fine-tuning run of the study: its count and the time of one."""
 
-    run: str
-    start: int
-    end: int
-    flops: float
-    gpus: int
-    seconds: float | None
-    """Wall time; None: no speed known."""
-    speeds: tuple[str, ...]
-    """Where the speeds come from (one label per distinct speed)."""
-    scaling: str = ""
-    """The data-parallel statement (several GPUs)."""
-    sources: tuple[str, ...] = ()
-    """The speed sources used (``calibrated``, ``measured``, ``assumed``)."""
+    what: str
+    """``610m sc`` or ``reference ettin sc``."""
+    runs: int
+    seconds: float
+    source: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluationCost:
+    items: tuple[FinetuneCost, ...]
+    workers: int
 
     @property
-    def gpu_hours(self) -> float | None:
-        return None if self.seconds is None else self.seconds * self.gpus / 3600
+    def seconds(self) -> float:
+        """Device-seconds: every run on one device."""
+        return sum(item.runs * item.seconds for item in self.items)
+
+    @property
+    def runs(self) -> int:
+        return sum(item.runs for item in self.items)
+
+    @property
+    def wall_s(self) -> float:
+        return self.seconds / self.workers
 
 
-def segment_cost(config: RunConfig, *, run: str, start: int = 0, end: int | None = None, gpus: int,
-                 gpus_per_node: int, speeds: SpeedTable) -> SegmentCost:
-    """The cost of steps ``[start, end)`` of ``config`` (default: the whole run)."""
-    end = config.training.train_iters if end is None else end
-    parts = phase_flops(config, start, end)
-    flops = sum(f for _, f in parts)
-    seconds, labels, startup, sources = 0.0, [], 0.0, []
-    for objective, phase in parts:
-        speed = speeds.speed(config, objective)
-        if speed is None:
-            return SegmentCost(run=run, start=start, end=end, flops=flops, gpus=gpus, seconds=None,
-                               speeds=(f"no speed known for {speeds.kind}: {speeds.unknown_hint}",))
-        seconds += phase / (speed.flops_per_s * gpus)
-        startup = max(startup, speed.startup_s)
-        if speed.label() not in labels:
-            labels.append(speed.label())
-            sources.append(speed.source)
-    extra, scaling = data_parallel_overhead(config, gpus, gpus_per_node)
-    return SegmentCost(run=run, start=start, end=end, flops=flops, gpus=gpus, speeds=tuple(labels), scaling=scaling,
-                       seconds=seconds + (end - start) * extra + startup, sources=tuple(sources))
+def evaluation_cost(plan, *, speeds: SpeedTable, calibrated: dict[tuple[str, str], float] | None = None
+                    ) -> EvaluationCost | None:
+    """The fine-tuning runs of the study's ``evaluation:`` section and their time (module docstring)."""
+    from megatron_ext.eval.finetuning import PAPER_LR_GRID, PAPER_SEEDS
+
+    spec = plan.study.evaluation
+    if spec is None:
+        return None
+    calibrated = calibrated or {}
+    families = finetune_families(spec.tasks)
+    steps = spec.max_steps or 1000
+    batch = spec.batch_size or 32
+    length = spec.max_length or ASSUMED_FINETUNE_TOKENS
+    seeds = len(spec.seeds or PAPER_SEEDS)
+
+    def one_run(size: str, config: RunConfig, family: str) -> tuple[float, str]:
+        if (size, family) in calibrated:
+            return calibrated[size, family], f"calibrated: one {family} run of {size} timed here"
+        return speeds.finetune_run(config.model, steps=steps, batch_size=batch, length=length)
+
+    items = []
+    for size in plan.study.sizes:
+        runs = [r for r in plan.runs if r.size == size.name]
+        checkpoints = sum(1 + (len(plan.segment(r.name).saves) if r.kind in spec.all_checkpoints else 0) for r in runs)
+        config = costed_config(runs[0], speeds.notice)
+        for family in sorted({f for _, f, _ in families}):
+            count = sum((1 if zero else len(spec.lrs or PAPER_LR_GRID) * seeds) for _, f, zero in families if f == family)
+            seconds, source = one_run(size.name, config, family)
+            items.append(FinetuneCost(what=f"{size.name} {family}", runs=checkpoints * count, seconds=seconds,
+                                      source=source))
+    largest = max(plan.runs, key=lambda r: parameter_count(r.config.model))
+    for reference in spec.references:
+        for family in sorted({f for _, f, _ in families}):
+            count = sum((1 if zero else len(reference.lrs or spec.lrs or PAPER_LR_GRID) * seeds)
+                        for _, f, zero in families if f == family)
+            seconds, source = one_run(largest.size, costed_config(largest, speeds.notice), family)
+            items.append(FinetuneCost(what=f"reference {reference.name} {family}", runs=count, seconds=seconds,
+                                      source=f"as {largest.size}'s run: " + source))
+    return EvaluationCost(items=tuple(items), workers=spec.workers)
 
 
-def band(sources: Iterable[str]) -> tuple[float, float]:
-    """The widest :data:`BANDS` of ``sources`` (the least certain speed decides)."""
-    found = [BANDS[source] for source in sources] or [BANDS["assumed"]]
-    return min(low for low, _ in found), max(high for _, high in found)
+@dataclass(frozen=True, kw_only=True)
+class StudyCost:
+    """A study's training (as the tree and as separate runs) and evaluation."""
+
+    kind: str
+    segments: tuple[SegmentCost, ...]
+    """The tree's segments, in plan order."""
+    separate: tuple[SegmentCost, ...]
+    """Each run trained alone from step 0."""
+    evaluation: EvaluationCost | None
+    sequential_s: float | None
+    """Training wall time with one segment at a time (the local launcher)."""
+    parallel_s: float | None
+    """Training wall time with one job per segment, each once its parent's job is done (SLURM)."""
+    notices: tuple[str, ...] = ()
+
+    @staticmethod
+    def _sum(costs: Iterable[SegmentCost]) -> float | None:
+        values = [c.gpu_hours for c in costs]
+        return None if any(v is None for v in values) else sum(values)
+
+    @property
+    def tree_gpu_hours(self) -> float | None:
+        return self._sum(self.segments)
+
+    @property
+    def separate_gpu_hours(self) -> float | None:
+        return self._sum(self.separate)
+
+    @property
+    def evaluation_gpu_hours(self) -> float | None:
+        if self.evaluation is None:
+            return 0.0
+        return None if math.isnan(self.evaluation.seconds) else self.evaluation.seconds / 3600
+
+    @property
+    def total_gpu_hours(self) -> float | None:
+        tree, evaluation = self.tree_gpu_hours, self.evaluation_gpu_hours
+        return None if tree is None or evaluation is None else tree + evaluation
+
+    def items(self) -> list[tuple[str, float]]:
+        """The study's parts and their GPU-hours (what a refused budget names)."""
+        found = [(f"segment {c.run}", c.gpu_hours) for c in self.segments if c.gpu_hours is not None]
+        if self.evaluation is not None:
+            found += [(f"fine-tuning {i.what} ({i.runs} runs)", i.runs * i.seconds / 3600) for i in self.evaluation.items
+                      if not math.isnan(i.seconds)]
+        return found
 
 
-def format_band(sources: Iterable[str]) -> str:
-    sources = sorted(set(sources), key=list(BANDS).index)
-    low, high = band(sources)
-    return f"expected within x{low:.3g} to x{high:.3g} of the estimate ({', '.join(sources)} speeds)"
+def study_cost(plan, *, speeds: SpeedTable, gpus: int | None, gpus_per_node: int,
+               calibration: Calibration | None = None) -> StudyCost:
+    """The cost of ``plan`` (a ``study.plan.StudyPlan``): each segment on its size's GPUs
+    (``gpus`` for every run when given), the runs alone, the evaluation."""
+    calibration = calibration or Calibration()
+    segments, separate = [], []
+    for segment in plan.segments:
+        run = plan.run(segment.run)
+        config = costed_config(run, speeds.notice)
+        n = gpus if gpus is not None else study_gpus_per_run(plan, run.size, gpus_per_node=gpus_per_node)
+        segments.append(segment_cost(config, phase_flops(config, segment.start, segment.end), run=run.name,
+                                     start=segment.start, end=segment.end, gpus=n, gpus_per_node=gpus_per_node,
+                                     speeds=speeds))
+        separate.append(segment_cost(config, phase_flops(config), run=run.name, gpus=n, gpus_per_node=gpus_per_node,
+                                     speeds=speeds))
+    known = all(c.seconds is not None for c in segments)
+    sequential = sum(c.seconds for c in segments) if known else None
+    parallel = None
+    if known:
+        step_cost = {c.run: c.seconds / max(1, c.end - c.start) for c in segments}
+        parallel = plan.wall_steps("parent_done", step_cost=step_cost)
+    return StudyCost(kind=speeds.kind, segments=tuple(segments), separate=tuple(separate),
+                     evaluation=evaluation_cost(plan, speeds=speeds, calibrated=calibration.finetuning),
+                     sequential_s=sequential, parallel_s=parallel, notices=tuple(speeds.notices))
 
 
-def format_run_cost(cost: SegmentCost, kind: str, notices: Iterable[str] = ()) -> str:
-    """What ``pretrain_encoder.py --dry-run`` prints under the plan."""
-    lines = [f"notice            {line}" for line in notices]
-    if cost.seconds is None:
-        return "\n".join(lines + [f"cost              unknown: {cost.speeds[0]}"])
-    devices = f"{cost.gpus} CPU process{'es' if cost.gpus != 1 else ''}" if kind == CPU else f"{cost.gpus} {kind} GPU(s)"
-    lines.append(f"cost              {cost.gpu_hours:,.1f} GPU-hours, wall time {hours(cost.seconds)} on {devices} "
-                 f"({cost.flops:.3e} FLOPs); {format_band(cost.sources)}")
-    lines += [f"  speed           {label}" for label in cost.speeds]
-    if cost.scaling:
-        lines.append(f"  scaling         {cost.scaling}")
-    return "\n".join(lines)
+def _gh(value: float | None) -> str:
+    return "?" if value is None else f"{value:,.1f}"
 
 
-def check_budget(budget: float | None, total: float | None, items: list[tuple[str, float]], what: str, *,
-                 unknown_hint: str = STUDY_SPEED_HINT) -> None:
-    """Refuse (one line naming the biggest items) an estimate above ``budget`` GPU-hours; an unknown
-    cost too, naming ``unknown_hint`` (``SpeedTable.unknown_hint``: the tool's own flags)."""
-    if budget is None:
-        return
-    if total is None:
-        raise UserError(f"--budget-gpu-hours {budget:g}: the cost of {what} is unknown (no speed for this machine): "
-                        f"{unknown_hint}")
-    if total > budget:
-        biggest = sorted(items, key=lambda item: -item[1])[:3]
-        named = ", ".join(f"{name} {value:,.1f}" for name, value in biggest)
-        raise UserError(f"--budget-gpu-hours {budget:g}: {what} is estimated at {total:,.1f} GPU-hours; "
-                        f"the biggest: {named}")
+def format_study_cost(plan, cost: StudyCost) -> str:
+    """What ``plan_study.py --dry-run`` and ``run_study.py --dry-run`` print: per run and segment,
+    the tree against separate runs, the evaluation, the whole study."""
+    from megatron_ext.study.plan_text import tree_rows
+
+    kind = cost.kind
+    out = ["", f"cost on {kind} ({MFU_CONVENTION} FLOPs / speed; GPU-hours = wall time x GPUs per run)"]
+    out += [f"  notice: {line}" for line in cost.notices]
+    by_run = {c.run: c for c in cost.segments}
+    alone = {c.run: c for c in cost.separate}
+    rows = tree_rows(plan)
+    width = max(len(name) for name, _ in rows) + 2
+    out.append(f"  {'segment':<{width}}{'GPUs':>5}{'segment GPU-h':>15}{'wall':>10}{'run alone GPU-h':>17}")
+    for name, segment in rows:
+        c, a = by_run[segment.run], alone[segment.run]
+        wall = "?" if c.seconds is None else hours(c.seconds)
+        out.append(f"  {name:<{width}}{c.gpus:>5}{_gh(c.gpu_hours):>15}{wall:>10}{_gh(a.gpu_hours):>17}")
+    tree, separate = cost.tree_gpu_hours, cost.separate_gpu_hours
+    saved = "" if tree is None or not separate else f" ({100 * (1 - tree / separate):.1f} % saved)"
+    out.append(f"  training as the tree: {_gh(tree)} GPU-hours; every run from scratch: {_gh(separate)} "
+               f"GPU-hours{saved}")
+    if cost.sequential_s is not None:
+        out.append(f"  training wall time: {hours(cost.sequential_s)} one segment at a time (local launcher); "
+                   f"{hours(cost.parallel_s)} with a job per segment after its parent's (slurm launcher)")
+    speeds = sorted({label for c in cost.segments for label in c.speeds})
+    if cost.sequential_s is not None:
+        out.append(f"  training: {format_band(s for c in cost.segments for s in c.sources)}")
+    out += ["  speeds:"] + [f"    {label}" for label in speeds]
+    scalings = sorted({c.scaling for c in cost.segments if c.scaling})
+    out += [f"    {line}" for line in scalings]
+    evaluation = cost.evaluation
+    if evaluation is not None:
+        out.append(f"  evaluation: {evaluation.runs:,} fine-tuning runs on one {kind} each, {evaluation.workers} "
+                   f"worker(s): {_gh(cost.evaluation_gpu_hours)} GPU-hours, wall time "
+                   f"{'?' if math.isnan(evaluation.wall_s) else hours(evaluation.wall_s)}")
+        for item in evaluation.items:
+            each = "?" if math.isnan(item.seconds) else f"{item.seconds:,.0f} s"
+            out.append(f"    {item.what:<28}{item.runs:>7,} runs x {each:>8}  [{item.source}]")
+    total = cost.total_gpu_hours
+    line = f"  whole study: {_gh(total)} GPU-hours"
+    if cost.sequential_s is not None and (evaluation is None or not math.isnan(evaluation.wall_s)):
+        after = evaluation.wall_s if evaluation is not None else 0.0
+        line += (f"; wall time {hours(cost.sequential_s + after)} (local launcher) or "
+                 f"{hours(cost.parallel_s + after)} (slurm launcher), the evaluation after the training")
+    out.append(line)
+    return "\n".join(out)
 
 
-def add_cost_flags(parser: argparse.ArgumentParser, *, study: bool) -> None:
-    """The cost flags of ``pretrain_encoder.py --dry-run``, ``plan_study.py`` and ``run_study.py``."""
-    group = parser.add_argument_group("cost estimate (--dry-run)")
-    group.add_argument("--gpu", default=None, metavar="KIND",
-                       help=f"GPU kind to estimate for: {', '.join(PEAK_TFLOPS)} or {CPU} [this machine's]")
-    if study:
-        group.add_argument("--gpus", type=int, default=None, metavar="N",
-                           help="GPUs per run [the size's resources: nodes x gpus_per_node, else 1]")
-        group.add_argument("--calibrate", action="store_true",
-                           help="time a few steps of each distinct shape (and one fine-tuning run per family) "
-                                "on this machine first")
-    group.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
-                       help="GPUs per node (NVLink within, InfiniBand across) [8]")
-    group.add_argument("--mfu", type=float, default=ASSUMED_MFU, metavar="X",
-                       help=f"MFU assumed where nothing is measured [{ASSUMED_MFU}]")
-    group.add_argument("--results-dir", default=None, metavar="DIR",
-                       help="a folder of one's own measurements, read beside those the package ships")
-    group.add_argument("--budget-gpu-hours", type=float, default=None, metavar="N",
-                       help="refuse (exit 2) when the estimate is above N GPU-hours")
+def seconds_left(plan, segments: Iterable, *, gpus: int | None, say: Callable[[str], None] = print
+                 ) -> dict[str, float] | None:
+    """The estimated seconds of each segment's steps still to train (from its newest checkpoint) on
+    this machine's kind, ``gpus`` per run (None: the study's); None where no speed is known (said)."""
+    from megatron_ext.study.state import first_step, saved_step
 
-
-def speed_table(args: argparse.Namespace, calibrated: dict[tuple, Speed] | None = None) -> SpeedTable:
-    """The speeds the cost flags ask for; where none is known they name the tool's own flags
-    (``--calibrate`` exists only where :func:`add_cost_flags` added it: the study tools)."""
-    if not 0 < args.mfu <= 1:
-        raise UserError(f"--mfu: expected a share in (0, 1], got {args.mfu}")
-    if args.gpus_per_node < 1:
-        raise UserError(f"--gpus-per-node: expected at least 1, got {args.gpus_per_node}")
-    kind = gpu_kind(args.gpu) if args.gpu else this_machine_kind()
-    results = Path(args.results_dir) if args.results_dir else default_results_dir()
-    hint = STUDY_SPEED_HINT if hasattr(args, "calibrate") else TRAINER_SPEED_HINT
-    return SpeedTable(kind=kind, results_dir=results, mfu=args.mfu, calibrated=calibrated, unknown_hint=hint)
-
-
-def this_machine_kind() -> str:
-    """The kind of this machine's GPU (or :data:`CPU`); an unknown GPU is named as an error."""
-    from megatron_ext import hardware
-
-    name = hardware.device_name() if hardware.on_gpu() else None
-    if not name:
-        return CPU
-    kind = device_kind(name)
-    if kind is None:
-        raise UserError(f"this machine's GPU ({name}) has no known peak: give --gpu KIND "
-                        f"({', '.join(PEAK_TFLOPS)})")
-    return kind
+    try:
+        speeds = SpeedTable(kind=this_machine_kind(), results_dir=default_results_dir())
+    except UserError as error:
+        say(f"ETA: at the pace so far ({error})")
+        return None
+    found = {}
+    for segment in segments:
+        run = plan.run(segment.run)
+        n = gpus if gpus is not None else study_gpus_per_run(plan, run.size, gpus_per_node=8)
+        start = first_step(segment, run, saved_step(run))
+        config, start = costed_config(run), min(start, segment.end)
+        cost = segment_cost(config, phase_flops(config, start, segment.end), run=run.name, start=start,
+                            end=segment.end, gpus=n, gpus_per_node=8, speeds=speeds)
+        if cost.seconds is None:
+            say(f"ETA: at the pace so far ({cost.speeds[0]})")
+            return None
+        found[run.name] = cost.seconds
+    return found

@@ -241,7 +241,7 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 class Progress:
     """The steps an execution trains: how many are done, and the ETA: the cost model's estimate of
-    the segments left (``estimates``, ``study.study_cost.seconds_left``), scaled by the measured time
+    the segments left (``estimates``, ``study.cost.seconds_left``), scaled by the measured time
     over the estimate of the segments finished so far; without estimates, at the pace so far."""
 
     def __init__(self, steps: dict[str, int], estimates: dict[str, float] | None = None):

@@ -98,7 +98,7 @@ class TreeScheduler(JobEvents):
     def __init__(self, plan: StudyPlan, study_dir: StudyDir, selected: set[str], launcher: Launcher, *,
                  out: Callable[[str], None] = say,
                  estimate_seconds: Callable[[list[Segment]], dict[str, float] | None] | None = None):
-        # estimate_seconds: each segment's estimated seconds left (study.study_cost.seconds_left), for the
+        # estimate_seconds: each segment's estimated seconds left (study.cost.seconds_left), for the
         # ETA of launchers that run the jobs in turn; None: the ETA from the pace so far.
         self.estimate_seconds = estimate_seconds
         self.plan = plan

@@ -14,8 +14,8 @@ from megatron_ext.schedule import lr_at
 from megatron_ext.tokenizer import EncoderTokenizer
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.context import PhaseContext, rampup_schedule, varies
-from megatron_ext.training.metrics import (ISOLATED_DOCUMENTS_CONVENTION, MFU_CONVENTION, flops_per_token,
-                                           mean_lm_head_share)
+from megatron_ext.performance.flops import (ISOLATED_DOCUMENTS_CONVENTION, MFU_CONVENTION, flops_per_token,
+                                            mean_lm_head_share, packed_attention)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +31,7 @@ class RunPlan:
     total_tokens: int
     parameters: int
     total_flops: float
-    """Training FLOPs of the whole run (``metrics.MFU_CONVENTION``)."""
+    """Training FLOPs of the whole run (``flops.MFU_CONVENTION``)."""
     phases: tuple[tuple[str, int, int], ...]
     """(name, first step, end step) per phase."""
 
@@ -76,7 +76,7 @@ def check_layout(config: RunConfig, world_size: int) -> int:
 
 def layout_problem(config: RunConfig, world_size: int) -> str | None:
     """What :func:`check_layout` refuses in ``config`` at ``world_size``, or None: how a search over
-    candidate settings (``memory.largest_micro_batch``) keeps to the same rules without restating them."""
+    candidate settings (``memory_fit.largest_micro_batch``) keeps to the same rules without restating them."""
     try:
         check_layout(config, world_size)
     except UserError as err:
@@ -113,9 +113,9 @@ def steps_tokens(config: RunConfig, context: PhaseContext, start: int, end: int)
 
 def phase_flops(config: RunConfig, start: int = 0, end: int | None = None) -> list[tuple[str, float]]:
     """``(objective tag, training FLOPs)`` of each phase's steps within ``[start, end)`` (default:
-    the whole run), in the convention of ``metrics.MFU_CONVENTION``, with attention counted within
+    the whole run), in the convention of ``flops.MFU_CONVENTION``, with attention counted within
     documents where they are isolated (``data.reset_attention_mask``: ``document_attention``,
-    ``metrics.ISOLATED_DOCUMENTS_CONVENTION``): what a segment of a study trains, per objective."""
+    ``flops.ISOLATED_DOCUMENTS_CONVENTION``): what a segment of a study trains, per objective."""
     end = config.training.train_iters if end is None else end
     found = []
     for p, c in zip(config.resolved_phases, config.phase_contexts):  # each phase at its own length (attention)
@@ -151,7 +151,7 @@ class DocumentAttention:
 
     seq_length: int
     attended: float | None
-    """Keys per query on average, ``sum(d^2) / tokens`` over the packed rows (``metrics.flops_per_token``'s
+    """Keys per query on average, ``sum(d^2) / tokens`` over the packed rows (``flops.flops_per_token``'s
     ``attended``); None: counted for full rows (``seq_length``)."""
     mean_segment: float | None
     """Tokens per document piece in a row (documents, and the pieces a row edge cuts)."""
@@ -220,25 +220,6 @@ def index_document_lengths(prefix: str, tokens: int) -> np.ndarray:
     if starts.size == 0 or starts[0] != 0 or np.any(np.diff(starts) < 0):
         raise ValueError("corrupt document index")
     return np.diff(before[np.append(starts, take)])  # the last document up to the sequences read
-
-
-def packed_attention(document_lengths: np.ndarray, seq_length: int, tokens: int) -> tuple[float, float, int]:
-    """``(keys per query, mean segment, tokens packed)`` of rows of ``seq_length`` cut from
-    ``document_lengths`` laid end to end (GPTDataset's packing: a document may start in one row and
-    end in the next; a row's edge ends its piece), each piece attending only within itself: per row,
-    ``sum(d^2)`` over its pieces, divided by the tokens. Whole rows, at most ``tokens`` of them, one at
-    least (a corpus shorter than a row repeats, as Megatron's epochs do). Equal to ``seq_length``
-    when every row holds one document."""
-    lengths = np.asarray(document_lengths, dtype=np.int64)
-    lengths = lengths[lengths > 0]
-    total = int(lengths.sum())
-    if total == 0:
-        raise ValueError("no tokens")
-    span = max(1, min(tokens, total) // seq_length) * seq_length
-    ends = np.cumsum(np.tile(lengths, -(-span // total)))
-    cuts = np.union1d(ends[ends < span], np.arange(seq_length, span, seq_length))
-    pieces = np.diff(np.concatenate([[0], cuts, [span]])).astype(np.float64)
-    return float(np.square(pieces).sum() / span), span / pieces.size, span
 
 
 def token_count(tokens: int) -> str:

@@ -52,7 +52,8 @@ from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, StepOutcome, megatron_transformer_overrides
 from megatron_ext.training.batches import Batches, build_batches, to_device
 from megatron_ext.training.datasets import GPT_DATASETS, DatasetProvider, format_blend
-from megatron_ext.training.memory import check_run_fits, stage_parameters
+from megatron_ext.performance.memory import stage_parameters
+from megatron_ext.training.memory_fit import check_run_fits
 from megatron_ext.checkpoint import storage
 from megatron_ext.training.dry_run import check_paths, check_tokenizer_serves, make_plan
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer

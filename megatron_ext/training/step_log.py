@@ -20,7 +20,8 @@ from megatron_ext import hardware
 from megatron_ext.fileio import write_atomic
 from megatron_ext.phases import ResolvedPhase
 from megatron_ext.training.config import LoggingConfig, RunConfig
-from megatron_ext.training.metrics import MFU_CONVENTION, flops_per_token, lm_head_share, peak_flops_per_device
+from megatron_ext.performance.devices import peak_flops_per_device
+from megatron_ext.performance.flops import MFU_CONVENTION, flops_per_token, lm_head_share
 
 
 def duration(seconds: float) -> str:

@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from megatron_ext.checkpoint.reader import Checkpoint
-from megatron_ext.study import cost, study_cost
+from megatron_ext.performance import cost
+from megatron_ext.study import cost as study_costs
 from megatron_ext.study.plan import plan_study
 from megatron_ext.study.spec import read_study
 
@@ -80,10 +81,10 @@ def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, installed_package
     # The cost model: the training's measured time inside the band its estimate states (from the
     # committed CPU throughput and the assumed start-up per trainer), and an ETA from it, corrected
     # by the segments trained, in the progress lines (the installed package reads the committed
-    # measurements it ships: megatron_ext.measurements.packaged).
+    # measurements it ships: megatron_ext.performance.measured_speeds.packaged).
     took = float(re.search(r"^training: every run complete \((\d+) s\)$", printed, re.M).group(1))
     speeds = cost.SpeedTable(kind=cost.CPU)
-    estimate = study_cost.study_cost(plan, speeds=speeds, gpus=None, gpus_per_node=8)
+    estimate = study_costs.study_cost(plan, speeds=speeds, gpus=None, gpus_per_node=8)
     low, high = cost.band(source for segment in estimate.segments for source in segment.sources)
     assert (low, high) == cost.BANDS["measured"], estimate.segments[0].speeds
     assert low * estimate.sequential_s <= took <= high * estimate.sequential_s, (  # for a machine to itself

@@ -15,7 +15,8 @@ from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.training import cuda_graphs
 from megatron_ext.training.recipe import add_override_flags, apply_overrides, run_config_from_dict
 from megatron_ext.training.megatron_engine import megatron_transformer_overrides
-from megatron_ext.training.memory import cuda_graph_pool_bytes, estimate_memory, layer_activation_bytes
+from megatron_ext.performance.memory import cuda_graph_pool_bytes, layer_activation_bytes
+from megatron_ext.training.memory_fit import estimate_memory
 from helpers import tiny_recipe
 
 FAKE_CORPUS = {"tokenizer": "unused-tokenizer", "data": "unused-data"}

@@ -18,10 +18,10 @@ import pretrain_encoder
 from helpers import tiny_recipe
 from megatron_ext import hardware
 from megatron_ext.config_loading import UserError
-from megatron_ext.training.dry_run import (document_attention, format_dry_run, make_plan, packed_attention,
-                                           training_flops)
-from megatron_ext.training.memory import (check_run_fits, estimate_memory, largest_micro_batch, memory_report,
-                                          phase_memory, reduce_memory_advice)
+from megatron_ext.performance.flops import packed_attention
+from megatron_ext.training.dry_run import document_attention, format_dry_run, make_plan, training_flops
+from megatron_ext.training.memory_fit import (check_run_fits, estimate_memory, largest_micro_batch, memory_report,
+                                              phase_memory, reduce_memory_advice)
 from megatron_ext.training.recipe import run_config_from_dict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -182,7 +182,7 @@ def test_the_trainers_hints_name_its_own_flags(tmp_path, tiny_corpus, capsys):
 
 def test_the_study_tools_keep_their_calibrate_hint():
     from megatron_ext.cli import plan_study, run_study
-    from megatron_ext.study.cost import speed_table
+    from megatron_ext.performance.cost import speed_table
 
     for tool in (plan_study, run_study):
         parser = tool.build_parser()

@@ -18,10 +18,11 @@ PACKAGE = "megatron_ext"
 
 LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     # bottom: asks nothing of the rest of the package
-    {"config_loading", "fileio", "transformer_impl", "hardware", "processes", "assets", "claims", "measurements",
-     "progress", "exit_codes"},
+    {"config_loading", "fileio", "transformer_impl", "hardware", "processes", "assets", "claims", "progress",
+     "exit_codes"},
     {"megatron_compat", "process_group"},  # megatron-core workarounds (CUDA calls on CPU ...); process-group start-up
     {"tokenizer", "phases", "schedule", "objectives", "model"},  # objectives/: one module per objective
+    {"performance"},  # FLOPs, memory, device peaks, measured speeds, the cost model (a run config read by its fields)
     {"data", "checkpoint"},
     {"training"},
     {"hf"},

@@ -17,12 +17,8 @@ from megatron_ext.config_loading import UserError
 from megatron_ext.model import build_encoder_model, parameter_count, preset
 from megatron_ext.training.recipe import read_recipe, run_config_from_dict
 from megatron_ext.training.loop import pretrain
-from megatron_ext.training.memory import (
-    estimate_memory,
-    largest_micro_batch,
-    layer_activation_bytes,
-    stage_parameters,
-)
+from megatron_ext.performance.memory import layer_activation_bytes, stage_parameters
+from megatron_ext.training.memory_fit import estimate_memory, largest_micro_batch
 from helpers import tiny_recipe as _recipe
 
 REPO = Path(__file__).resolve().parents[2]

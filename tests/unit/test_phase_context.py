@@ -10,7 +10,8 @@ from megatron_ext.training import context
 from megatron_ext.training.branching import first_divergence
 from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.dry_run import format_dry_run, make_plan, training_flops
-from megatron_ext.training.memory import GiB, check_run_fits, largest_phase_micro_batch, phase_memory
+from megatron_ext.performance.memory import GiB
+from megatron_ext.training.memory_fit import check_run_fits, largest_phase_micro_batch, phase_memory
 
 LONG = {"objective": "mlm", "mask_ratio": 0.4, "steps": 2, "seq_length": 256, "rotary_base": 160000}
 

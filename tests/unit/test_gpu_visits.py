@@ -1,7 +1,5 @@
-"""``megatron_ext.measurements``: the committed measurements shipped with the package are what the
-checkout's results give (one command refreshes them), each record carries its provenance, and a
-folder of one's own is read the same way; GPU visit folders are read in one date order, with each
-stage's sides and gpu-test reports, and a missing or malformed file is refused naming it."""
+"""``benchmarks/gpu_visits.py``: GPU visit folders are read in one date order, with each stage's sides
+and gpu-test reports, and a missing or malformed file is refused naming it."""
 
 from __future__ import annotations
 
@@ -10,45 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext import measurements
+from benchmarks import gpu_visits
 from megatron_ext.config_loading import UserError
-
-REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "benchmarks" / "results"
-
-
-def test_the_packaged_measurements_are_the_committed_ones():
-    assert measurements.packaged_path().read_text() == measurements.refreshed(RESULTS), (
-        "run python -m megatron_ext.measurements --refresh benchmarks/results")
-    assert measurements.main(["--check", str(RESULTS)]) == 0
-    shipped = measurements.packaged()
-    # The 2026-11-27 H100 visit's 1B rows: the recipe's side (local then) and the TE spec's variant.
-    at_1b = [r for r in shipped.throughput if r.file.startswith("gpu_visits/h100-2026-11-27/") and r.model == "1b"]
-    assert {r.backend for r in at_1b} == {"local", "te"}
-    assert all("commit" in r.provenance and r.date == "2026-11-27" for r in at_1b)
-    assert any(r.device == "cpu2" for r in shipped.finetune)
-
-
-def test_a_folder_of_ones_own_is_read_with_its_provenance(tmp_path):
-    row = {"model": "1b", "seq_length": 2048, "precision": "bf16", "parameters": 1_000, "tflops": 400.0,
-           "tokens_per_s": 50_000.0, "transformer_impl": "te"}
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "throughput_b200.json").write_text(json.dumps(
-        {"device": "NVIDIA B200", "commit": "abc1234", "date": "2030-01-02", "rows": [row, {**row, "tflops": None}]}))
-    (tmp_path / "mine" / "throughput_broken.json").write_text("{not json")
-    (tmp_path / "mine" / "finetune_speed_b200.json").write_text(json.dumps(
-        {"device": "NVIDIA B200", "model": "eurobert-210m", "task": "sst2", "parameters": 210_000_000,
-         "measurements": {"old": {"config": {"steps": 10, "batch_size": 32}, "median_seconds": {"ours": 99.0}},
-                          "new": {"config": {"steps": 300, "batch_size": 32}, "median_seconds": {"ours": 42.0}}}}))
-    found = measurements.read_all(tmp_path)
-    (only,) = found.throughput
-    assert (only.file, only.device, only.provenance, only.flops_per_s) == (
-        "mine/throughput_b200.json", "NVIDIA B200", "commit abc1234, 2030-01-02", 400e12)
-    (speed,) = found.finetune
-    assert (speed.label, speed.steps, speed.seconds) == ("new", 300, 42.0)
-    assert speed.describe().startswith("mine/finetune_speed_b200.json ('new'): NVIDIA B200, commit unknown")
-    both = measurements.packaged() + found
-    assert len(both.throughput) == len(measurements.packaged().throughput) + 1
 
 
 def _stage(name: str, status: str = "passed", **figures) -> dict:
@@ -68,7 +29,7 @@ def test_visits_are_read_newest_first_by_date_then_the_same_days_suffix(tmp_path
         _visit(tmp_path, name)
     (tmp_path / "h100-2026-11-22").mkdir()  # a visit before the suite: other files, no summary.json
     (tmp_path / "h100-2026-11-22" / "throughput_gpu.json").write_text("{}")
-    visits = measurements.read_visits(tmp_path)
+    visits = gpu_visits.read_visits(tmp_path)
     assert [v.name for v in visits] == ["b200-2026-12-01", "h100-2026-11-27", "h200-2026-11-26c", "h200-2026-11-26b",
                                         "h100-2026-11-26"]
     newest = visits[0]
@@ -92,50 +53,44 @@ def test_a_stage_gives_its_sides_in_todays_spelling_and_its_gpu_test_reports(tmp
         {"test": "tests/integration/test_gpu.py::test_a", "outcome": "passed", "error": None},
         {"test": "tests/integration/test_gpu.py::test_b", "outcome": "failed", "error": "AssertionError"}],
         "collection_errors": [], "pytest_exit_code": 1}))
-    throughput, tests, skipped = measurements.read_visit(visit).stages
+    throughput, tests, skipped = gpu_visits.read_visit(visit).stages
     assert (throughput.status, throughput.ran_out_of_time, tests.runs_gpu_tests) == ("timed_out", True, True)
     recipe, graphs = throughput.sides()
     assert (recipe.side, recipe.tokens_per_s, recipe.micro_batch_size, recipe.flops_per_token) == (
         "megatron_ext", 60_000.0, 9, 6.2e9)
     assert graphs.settings["cuda_graphs"] == "megatron" and graphs.tokens_per_s is None and graphs.error == "OOM"
     # A summary that holds the sides (the suite copies them in when the stage ends) is read from there.
-    held = measurements.read_visit(_visit(tmp_path / "b", "h100-2026-11-28", _stage(
+    held = gpu_visits.read_visit(_visit(tmp_path / "b", "h100-2026-11-28", _stage(
         "throughput_1b_bf16", sides=[{"row": "1b seq 2048 bf16", "side": "hf", "tokens_per_s": 1.0}])))
     assert [s.side for s in held.stages[0].sides()] == ["hf"]
     (report,) = tests.gpu_test_reports()
     assert report.passed() == {"tests/integration/test_gpu.py::test_a"} and report.pytest_exit_code == 1
     assert skipped.sides() == () and skipped.gpu_test_reports() == ()
-    assert measurements.read_visit(visit).fingerprints() is None
+    assert gpu_visits.read_visit(visit).fingerprints() is None
     (visit / "fingerprints.json").write_text(json.dumps({"commit": "abc1234", "how": "test", "sides": {"hf": "0a1b"}}))
-    assert measurements.read_visit(visit).fingerprints() == {"hf": "0a1b"}
+    assert gpu_visits.read_visit(visit).fingerprints() == {"hf": "0a1b"}
 
 
 def test_a_missing_or_malformed_visit_file_is_refused_naming_it(tmp_path):
     (tmp_path / "h100-2026-11-27").mkdir()
     with pytest.raises(UserError, match=r"h100-2026-11-27/summary.json: missing \(expected the summary"):
-        measurements.read_visit(tmp_path / "h100-2026-11-27")
+        gpu_visits.read_visit(tmp_path / "h100-2026-11-27")
     (tmp_path / "h100-2026-11-27" / "summary.json").write_text('{"device": "x",\n  oops}')
     with pytest.raises(UserError, match=r"h100-2026-11-27/summary.json: line 2: not JSON"):
-        measurements.read_visits(tmp_path)
+        gpu_visits.read_visits(tmp_path)
     (tmp_path / "h100-2026-11-27" / "summary.json").write_text(json.dumps({"device": "x", "commit": None, "stages": []}))
     with pytest.raises(UserError, match=r"summary.json: no 'budget_s', 'elapsed_s' \(expected the summary"):
-        measurements.read_visits(tmp_path)
+        gpu_visits.read_visits(tmp_path)
     visit = _visit(tmp_path / "b", "h100-2026-11-27", {"name": "gpu_tests", "status": "passed"})
     with pytest.raises(UserError, match=r"summary.json: stages\[0\]: no 'exit_code', 'reason', 'figures'"):
-        measurements.read_visit(visit)
+        gpu_visits.read_visit(visit)
     _visit(tmp_path / "c", "h100-latest")
     with pytest.raises(UserError, match=r"h100-latest: a GPU visit folder is named <kind>-<YYYY-MM-DD>\[suffix\]"):
-        measurements.read_visits(tmp_path / "c")
+        gpu_visits.read_visits(tmp_path / "c")
     visit = _visit(tmp_path / "d", "h100-2026-11-27", _stage("throughput_1b_bf16"))
     (visit / "throughput_1b_bf16").mkdir()
     (visit / "throughput_1b_bf16" / "throughput.sides.jsonl").write_text('{"row": "1b seq 2048 bf16", "side": "hf"}\n'
                                                                          '{"row": "1b seq 2048 bf16"}\n')
     with pytest.raises(UserError, match=r"throughput.sides.jsonl:2: no 'side'"):
-        measurements.read_visit(visit).stages[0].sides()
+        gpu_visits.read_visit(visit).stages[0].sides()
 
-
-def test_one_device_kind_rule_names_visit_folders_and_prices_runs():
-    kinds = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200", "NVIDIA B200": "b200",
-             "NVIDIA A100-SXM4-80GB": "a100", "AMD Instinct MI300X": "mi300x", "cpu2": "cpu",
-             "Some Accelerator": "some_accelerator"}
-    assert {device: measurements.device_kind(device) for device in kinds} == kinds

@@ -1,4 +1,4 @@
-"""Throughput accounting: FLOPs per token and model FLOPs utilisation (MFU).
+"""Training FLOPs per token and the convention model FLOPs utilisation (MFU) is stated in.
 
 Convention (stated next to every MFU figure): FLOPs/token = 6 * N + 12 * L * h * s, where N
 counts the parameters of every matmul INCLUDING the LM head, excluding the embedding lookup and
@@ -12,14 +12,17 @@ kernels do skip the masked half for causal steps, so CLM MFU reads slightly high
 With isolated documents (``data.reset_attention_mask``) a row's attention is computed per document:
 a document of ``d`` tokens costs ``d^2``, so the row's attention term is ``12 * L * h * sum(d^2) / s``
 per token instead of ``12 * L * h * s``. ``flops_per_token(attended=)`` takes that mean number of
-keys per query; ``--dry-run`` and the cost model estimate it from the data
-(``training.dry_run.document_attention``) and state :data:`ISOLATED_DOCUMENTS_CONVENTION`. The step
+keys per query (:func:`packed_attention` of the documents' lengths); ``--dry-run`` and the cost model
+estimate it from the data (``training.dry_run.document_attention``) and state
+:data:`ISOLATED_DOCUMENTS_CONVENTION`. The step
 log's MFU keeps :data:`MFU_CONVENTION` (full rows), like the throughput measurements.
 """
 
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from megatron_ext.model.config import EncoderModelConfig, layer_matmul_parameters
 from megatron_ext.phases import ResolvedPhase
@@ -28,18 +31,6 @@ _MATMUL_CONVENTION = "6*N(matmul params incl. LM head, the head counted at the p
 MFU_CONVENTION = _MATMUL_CONVENTION + " + 12*L*h*s (full bidirectional attention)"
 ISOLATED_DOCUMENTS_CONVENTION = (_MATMUL_CONVENTION + " + 12*L*h*sum(d^2)/s (attention within each document d "
                                  "of a row of s tokens: data.reset_attention_mask)")
-
-PEAK_TFLOPS = {
-    # Dense peak TFLOP/s per device, no sparsity: (bf16, fp8); matched as a substring of the device
-    # name, in this order. Sources: the vendors' datasheets.
-    "H100": (989.0, 1979.0),    # NVIDIA H100 Tensor Core GPU datasheet, SXM (PCIe: 756 / 1,513)
-    "H200": (989.0, 1979.0),    # NVIDIA H200 Tensor Core GPU datasheet, SXM
-    "B200": (2250.0, 4500.0),   # NVIDIA HGX B200 datasheet, per GPU
-    "A100": (312.0, None),      # NVIDIA A100 Tensor Core GPU datasheet (no FP8)
-    "L40S": (362.05, 733.0),    # NVIDIA L40S datasheet
-    "MI300X": (1307.4, 2614.9),  # AMD Instinct MI300X datasheet
-    "MI250X": (383.0, None),    # AMD Instinct MI250X datasheet: the whole OAM module, two GCDs of 191.5
-}
 
 
 def flops_per_token(config: EncoderModelConfig, seq_length: int, *, lm_head_share: float = 1.0,
@@ -82,10 +73,20 @@ def peak_lm_head_share(phase: ResolvedPhase, *, seq_length: int, scored_only: bo
     return phase.objective.peak_lm_head_share(seq_length=seq_length) if scored_only else 1.0
 
 
-def peak_flops_per_device(device_name: str, *, fp8: bool = False) -> float | None:
-    """Dense peak FLOP/s of a known GPU by (substring of) its name, else None."""
-    for key, (bf16, f8) in PEAK_TFLOPS.items():
-        if key in device_name:
-            value = f8 if fp8 else bf16
-            return value * 1e12 if value else None
-    return None
+def packed_attention(document_lengths: np.ndarray, seq_length: int, tokens: int) -> tuple[float, float, int]:
+    """``(keys per query, mean segment, tokens packed)`` of rows of ``seq_length`` cut from
+    ``document_lengths`` laid end to end (GPTDataset's packing: a document may start in one row and
+    end in the next; a row's edge ends its piece), each piece attending only within itself: per row,
+    ``sum(d^2)`` over its pieces, divided by the tokens. Whole rows, at most ``tokens`` of them, one at
+    least (a corpus shorter than a row repeats, as Megatron's epochs do). Equal to ``seq_length``
+    when every row holds one document."""
+    lengths = np.asarray(document_lengths, dtype=np.int64)
+    lengths = lengths[lengths > 0]
+    total = int(lengths.sum())
+    if total == 0:
+        raise ValueError("no tokens")
+    span = max(1, min(tokens, total) // seq_length) * seq_length
+    ends = np.cumsum(np.tile(lengths, -(-span // total)))
+    cuts = np.union1d(ends[ends < span], np.arange(seq_length, span, seq_length))
+    pieces = np.diff(np.concatenate([[0], cuts, [span]])).astype(np.float64)
+    return float(np.square(pieces).sum() / span), span / pieces.size, span
