@@ -149,23 +149,22 @@ def test_a_deterministic_run_sets_determinism_before_the_model_is_built(tmp_path
     import torch.distributed as dist
 
     from megatron_ext import hardware
-    from megatron_ext.training import loop
+    from megatron_ext.model.provider import ENCODER
 
     seen = []
     make_deterministic = hardware.make_deterministic
     monkeypatch.setattr(hardware, "make_deterministic",
                         lambda: (seen.append(dist.is_initialized()), make_deterministic()))
-    build = loop.build_encoder_model
 
-    def build_and_record(*args, **kwargs):
-        seen.append(torch.are_deterministic_algorithms_enabled())
-        model = build(*args, **kwargs)
-        seen.append(model.config.deterministic_mode)
-        return model
+    class RecordingEncoder:  # the default model provider, watched
+        def build_model(self, *args, **kwargs):
+            seen.append(torch.are_deterministic_algorithms_enabled())
+            model = ENCODER.build_model(*args, **kwargs)
+            seen.append(model.config.deterministic_mode)
+            return model
 
-    monkeypatch.setattr(loop, "build_encoder_model", build_and_record)
     config = run_config_from_dict(_recipe(tiny_corpus, tmp_path, training={
         "train_iters": 5, "eval_interval": 0, "log_interval": 1, "deterministic": True}))
-    result = pretrain(config)
+    result = pretrain(config, model_provider=RecordingEncoder())
     assert seen == [False, True, True] and result.final_step == 5
     assert all(math.isfinite(v) for v in result.losses.values())
