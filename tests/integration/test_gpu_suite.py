@@ -336,7 +336,7 @@ def test_the_resume_stage_passes_the_trainer_flags_it_has(tmp_path, demo_tokeniz
     """``gpu_resume_e2e.sh`` starts the trainer with its ARGS on a GPU only; its flags are checked here
     with the trainer's dry run on the demo data (a flag the trainer does not take ended the stage at
     once: ``--attention-backend``, Megatron-LM's, until it read ``--transformer-impl``)."""
-    import pretrain_encoder
+    from megatron_ext.cli import pretrain_encoder
 
     repo = Path(__file__).resolve().parents[2]
     script = repo / "benchmarks" / "gpu_resume_e2e.sh"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-import pretrain_encoder
+from megatron_ext.cli import pretrain_encoder
 from helpers import tiny_recipe
 from megatron_ext import hardware
 from megatron_ext.config_loading import UserError

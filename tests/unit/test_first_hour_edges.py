@@ -16,7 +16,7 @@ from megatron_ext.training.memory import GPU_MEMORY_GIB, memory_report, reduce_m
 from megatron_ext.training.metrics import PEAK_TFLOPS
 from helpers import tiny_recipe
 
-import pretrain_encoder
+from megatron_ext.cli import pretrain_encoder
 
 FAKE = {"tokenizer": "/nonexistent/tok", "data": "/nonexistent/data_text_document"}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import pretrain_encoder
+from megatron_ext.cli import pretrain_encoder
 
 REPO = Path(__file__).resolve().parents[2]
 defaults = runpy.run_path(str(REPO / "benchmarks" / "recipe_defaults.py"), run_name="recipe_defaults")
