@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import runpy
 import statistics
 import time
 from pathlib import Path
@@ -32,10 +31,7 @@ from megatron_ext import hardware
 from megatron_ext.config_loading import UserError
 from megatron_ext.model.config import PRESETS
 
-# results_file.py is a sibling file, not an installed module: read by its path, whether this runs
-# as a script or the tests import it.
-_results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
-write_record = _results_file["write_record"]
+from benchmarks.results_file import write_record
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

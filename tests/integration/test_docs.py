@@ -40,7 +40,7 @@ def test_generated_parts_are_current():
         text = page.read_text()
         if REGION.search(text) and render_page(text, page) != text:
             stale.append(str(page.relative_to(REPO)))
-    assert not stale, f"out of date, run `python tools/render_docs.py`: {stale}"
+    assert not stale, f"out of date, run `python -m tools.render_docs`: {stale}"
 
 
 def test_the_gpu_status_names_a_stage_that_stopped_itself_and_lists_what_did_not_run(tmp_path, monkeypatch):
