@@ -95,6 +95,7 @@ What it is for: the checker's own test.
 python pretrain_encoder.py --config examples/recipes/paper/610m_mlm_40.yaml --micro-batch-size 4 --dry-run
 RECIPE=examples/recipes/paper/610m_mlm_40.yaml DRY_RUN=1 bash examples/launch/slurm.sbatch
 make test TEST_WORKERS=0
+python -m benchmarks.recipe_defaults --check
 ```
 
 <!-- check: dry-run -->
@@ -123,6 +124,8 @@ CHANGES = {
                                    "no such file or directory: examples/recipes/paper/610m_mlm_41.yaml"),
     "a launch script's variable": ("DRY_RUN=1 bash", "DRYRUN=1 bash", "does not read DRYRUN"),
     "a make target": ("make test TEST", "make tests TEST", "no make target 'tests'"),
+    "a benchmark run by its path": ("python -m benchmarks.recipe_defaults", "python benchmarks/recipe_defaults.py",
+                                    "run it as python -m benchmarks.recipe_defaults"),
     "a dry run that fails": ("examples/studies/miniature.yaml --dry-run", "examples/recipes/demo_tiny_biphasic.yaml --dry-run",
                              "exited 2"),
     "a dry-run block without --dry-run": ("miniature.yaml --dry-run\n", "miniature.yaml\n", "without --dry-run"),
