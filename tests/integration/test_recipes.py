@@ -300,7 +300,8 @@ def test_launch_scripts_dry_run(tmp_path: Path):
 @pytest.mark.parametrize(
     "script, env, expected",
     [
-        ("single_node.sh", {"GPUS_PER_NODE": "4"}, "--standalone --nproc-per-node 4 --module megatron_ext.cli.pretrain_encoder"),
+        ("single_node.sh", {"GPUS_PER_NODE": "4"},
+         "--standalone --nproc-per-node 4 --module megatron_ext.cli.pretrain_encoder"),
         ("multi_node.sh", {"NNODES": "3", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "6000", "NODE_RANK": "0"},
          "--nnodes 3 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.7:6000 "
          "--rdzv-id encoder-10.0.0.7-6000 --rdzv-conf is_host=true --module megatron_ext.cli.pretrain_encoder"),
