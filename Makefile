@@ -65,13 +65,13 @@ test-quick: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests/unit
 
 bench: setup
-	$(PY) benchmarks/preprocess.py
+	$(PY) -m benchmarks.preprocess
 
 # The generated parts of README.md and docs/ rendered again (GPU and benchmark tables, recipe keys,
 # exit codes, each tool's --help), then every page checked against the code (tests/integration/test_docs.py).
 docs: setup
-	$(PY) tools/render_docs.py
-	$(PY) tools/check_docs.py --no-run
+	$(PY) -m tools.render_docs
+	$(PY) -m tools.check_docs --no-run
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,8 +1,8 @@
 """What a checkpoint save costs training: synchronous against asynchronous, and each asynchronous
 writer (``checkpoint.async_strategy``: Megatron-Core's own, NVIDIA's resiliency package), one run.
 
-    .venv/bin/python benchmarks/checkpoint_stall.py --preset tiny --vocab-size 32768   # CPU
-    .venv/bin/python benchmarks/checkpoint_stall.py --preset 210m --seq-length 512     # on a GPU
+    .venv/bin/python -m benchmarks.checkpoint_stall --preset tiny --vocab-size 32768   # CPU
+    .venv/bin/python -m benchmarks.checkpoint_stall --preset 210m --seq-length 512     # on a GPU
 
 Builds the model and the Megatron engine with the distributed optimizer (what the paper recipes
 run), takes one training step so the optimizer has state, then, ``--rounds`` times, for each side in
@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import os
 import resource
-import runpy
 import statistics
 import sys
 import tempfile
@@ -58,10 +57,7 @@ from megatron_ext.objectives import MaskingConfig, apply_mlm
 from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
 
-# results_file.py is a sibling file, not an installed module: read by its path, whether this runs
-# as a script or the tests import it.
-_results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
-write_record = _results_file["write_record"]
+from benchmarks.results_file import write_record
 
 MEDIAN_KEYS = ("stall_s", "written_s", "excess_s", "cost_s", "cost_steps", "share_at_interval", "plain_step_s",
                "steps_while_writing", "stall_cpu_s", "excess_cpu_s", "plain_step_cpu_s", "first_step_extra_page_faults",

@@ -1,7 +1,7 @@
 """What isolating documents costs the local spec's attention: ms per forward + backward of the core
 attention (``model.attention.SDPAttention``) over packed rows of real documents, three ways.
 
-    .venv/bin/python benchmarks/document_attention.py [--micro-batch-size 8] [--seq-length 512] [--repeats 10]
+    .venv/bin/python -m benchmarks.document_attention [--micro-batch-size 8] [--seq-length 512] [--repeats 10]
 
 - ``cross_document``: the paper's setting (``data.reset_attention_mask: false``), one SDPA call
   with no mask;
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import statistics
 import time
 from pathlib import Path
@@ -38,8 +37,7 @@ from megatron_ext import assets
 from megatron_ext.model.attention import attention_pattern, explicit_document_mask, per_document_attention
 from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
 
-_results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
-write_record = _results_file["write_record"]
+from benchmarks.results_file import write_record
 
 
 def packed_rows(tokenizer_model: Path, micro_batch_size: int, seq_length: int) -> tuple[torch.Tensor, int]:

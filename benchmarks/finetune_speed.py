@@ -1,9 +1,9 @@
 """Fine-tuning runs per hour on one device: the evaluation harness's run against the same run
 written with a plain ``transformers.Trainer``, side by side in one invocation.
 
-    .venv/bin/python benchmarks/finetune_speed.py                          # CPU: MiniLM-L6, rt_sentiment, 100 steps
-    .venv/bin/python benchmarks/finetune_speed.py --steps 1000 --rounds 3  # on a GPU: the paper's run length
-    .venv/bin/python benchmarks/finetune_speed.py --profile                # + cProfile of one of our runs
+    .venv/bin/python -m benchmarks.finetune_speed                          # CPU: MiniLM-L6, rt_sentiment, 100 steps
+    .venv/bin/python -m benchmarks.finetune_speed --steps 1000 --rounds 3  # on a GPU: the paper's run length
+    .venv/bin/python -m benchmarks.finetune_speed --profile                # + cProfile of one of our runs
 
 One run, both sides: the same model (all-MiniLM-L6-v2's real weights from the asset cache, or
 ``--model``), sequence-classification task (``rt_sentiment``, the offline suite's SST-2, or
@@ -38,7 +38,6 @@ import io
 import json
 import os
 import pstats
-import runpy
 import statistics
 import subprocess
 import sys
@@ -54,11 +53,7 @@ from megatron_ext.eval.finetuning import FinetuneConfig, eval_subset, input_leng
 from megatron_ext.eval.suite import build_task
 from megatron_ext.eval.task_io import TASK_FILE, default_suite_dir, load_task
 
-# results_file.py is a sibling file, not an installed module: read by its path, whether this runs
-# as a script or the tests import it.
-_results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
-RESULTS = _results_file["RESULTS"]
-write_record = _results_file["write_record"]
+from benchmarks.results_file import RESULTS, write_record
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 """From what model size FP8 pays: one transformer layer's four GEMMs, bf16 against FP8, per size.
 
-    .venv/bin/python benchmarks/fp8_gemm.py                     # GPU with Transformer Engine
-    .venv/bin/python benchmarks/fp8_gemm.py --cpu-tiny          # CI: the same code, torch bf16 linears, tiny
+    .venv/bin/python -m benchmarks.fp8_gemm                      # GPU with Transformer Engine
+    .venv/bin/python -m benchmarks.fp8_gemm --cpu-tiny           # CI: the same code, torch bf16 linears, tiny
 
 FP8 was 0.82x of bf16 at 1B on an H100 (2026-11-24): at hidden 1,728 the GEMMs may be too small
 for FP8's cast, amax and transpose work to pay. This times, for each size, the forward and backward
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import runpy
 import statistics
 import time
 from pathlib import Path
@@ -32,10 +31,7 @@ from megatron_ext import hardware
 from megatron_ext.config_loading import UserError
 from megatron_ext.model.config import PRESETS
 
-# results_file.py is a sibling file, not an installed module: read by its path, whether this runs
-# as a script or the tests import it.
-_results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
-write_record = _results_file["write_record"]
+from benchmarks.results_file import write_record
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

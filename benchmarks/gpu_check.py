@@ -1,9 +1,9 @@
 """Run the GPU tests and record their outcome, so the state of the GPU path is visible without a GPU.
 
-    .venv/bin/python benchmarks/gpu_check.py                      # on a CUDA machine
-    .venv/bin/python benchmarks/gpu_check.py --output-dir $OUT    # e.g. on a lent GPU machine
-    .venv/bin/python benchmarks/gpu_check.py --tests tests/integration/test_gpu.py::test_kill_and_resume
-    .venv/bin/python benchmarks/gpu_check.py -k "biphasic" --pytest-args "-n 4 --dist load" --timeout-s 540
+    .venv/bin/python -m benchmarks.gpu_check                      # on a CUDA machine
+    .venv/bin/python -m benchmarks.gpu_check --output-dir $OUT    # e.g. on a lent GPU machine
+    .venv/bin/python -m benchmarks.gpu_check --tests tests/integration/test_gpu.py::test_kill_and_resume
+    .venv/bin/python -m benchmarks.gpu_check -k "biphasic" --pytest-args "-n 4 --dist load" --timeout-s 540
 
 Runs ``pytest -m gpu`` over the test files that hold ``gpu``-marked tests, and only those (found by
 reading the files for the marker, ``mark.gpu``, without importing them: tests/integration/test_gpu.py and those

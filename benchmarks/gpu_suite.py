@@ -1,10 +1,10 @@
 """Prove and measure the GPU path inside a time budget: the command of a GPU visit, or of a check of a
 new GPU node or cluster image.
 
-    .venv/bin/python benchmarks/gpu_suite.py --budget-s 480 --output-dir runs/gpu_suite
-    .venv/bin/python benchmarks/gpu_suite.py --list                     # the stages, in order of value
-    .venv/bin/python benchmarks/gpu_suite.py --stages environment throughput_1b_bf16 --budget-s 200
-    .venv/bin/python benchmarks/gpu_suite.py --launcher slurm --time 00:15:00 --sbatch-arg=--partition=gpu
+    .venv/bin/python -m benchmarks.gpu_suite --budget-s 480 --output-dir runs/gpu_suite
+    .venv/bin/python -m benchmarks.gpu_suite --list                     # the stages, in order of value
+    .venv/bin/python -m benchmarks.gpu_suite --stages environment throughput_1b_bf16 --budget-s 200
+    .venv/bin/python -m benchmarks.gpu_suite --launcher slurm --time 00:15:00 --sbatch-arg=--partition=gpu
 
 With ``--launcher NAME`` (a launcher of ``megatron_ext.launch``: local, slurm) the suite is not run
 here but submitted as a job of that launcher: one process on one node with one GPU, for ``--time``
@@ -12,7 +12,7 @@ here but submitted as a job of that launcher: one process on one node with one G
 end), computed here, so that nothing in the job asks its scheduler. The command prints the job's id,
 its log and where the summaries will land (``--output-dir``, default
 ``runs/gpu_suite/<date>-<time>``); ``--dry-run`` prints the submission instead. Each launcher's own
-options apply (``--sbatch-arg=--cpus-per-task=16``, ``--wait``; ``python benchmarks/gpu_suite.py
+options apply (``--sbatch-arg=--cpus-per-task=16``, ``--wait``; ``python -m benchmarks.gpu_suite
 --help``); the local launcher runs the job here at once and waits for it.
 
 Stages run one after the other in order of value (or side by side where they cannot disturb each
@@ -47,7 +47,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,14 +54,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from megatron_ext.launch import Job
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    # On a GPU machine the project is a copied tree, not an installed package (the image's Python
-    # with the carried wheels on PYTHONPATH): the suite and its stages import megatron_ext from here.
-    sys.path.insert(0, str(REPO))
+from benchmarks import gpu_visits  # standard library only: the suite's process stays light
+from megatron_ext.performance.devices import device_kind  # the same
 
-from benchmarks import gpu_visits  # noqa: E402  (standard library only: the suite's process stays light)
-from megatron_ext.performance.devices import device_kind  # noqa: E402  (the same)
+REPO = Path(__file__).resolve().parent.parent
 
 STOPPED_AT_ITS_OWN_LIMIT = 124
 """The exit code of a stage that stops itself a little before its cap so as to report what finished
@@ -125,18 +120,13 @@ class VisitPlan:
 
     @classmethod
     def for_device(cls, device: str) -> "VisitPlan":
-        plan_module = _visit_plan_module()
+        from benchmarks import visit_plan
+
         kind = device_kind(device)
-        decisions = plan_module.plan_known_sides(kind)
+        decisions = visit_plan.plan_known_sides(kind)
         return cls(kind=kind, remeasure={n: d.reason for n, d in decisions.items() if d.remeasure},
                    known={n: d.reason for n, d in decisions.items() if not d.remeasure},
-                   passed_tests=frozenset(plan_module.passed_gpu_tests(kind)))
-
-
-def _visit_plan_module():
-    import runpy  # a sibling script, not a package module: read by its path
-
-    return types.SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("visit_plan.py"))))
+                   passed_tests=frozenset(visit_plan.passed_gpu_tests(kind)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -165,7 +155,7 @@ class Stage:
 
 
 def _python_probe(probe: str) -> Callable[[StageContext], list[str]]:
-    return lambda ctx: [ctx.python, str(Path(__file__).resolve()), "--probe", probe,
+    return lambda ctx: [ctx.python, "-m", "benchmarks.gpu_suite", "--probe", probe,
                         "--probe-output", str(ctx.stage_dir / f"{probe}.json")]
 
 
@@ -387,7 +377,7 @@ KNOWN_VARIANTS_1B = ("local_spec", "local_spec_cuda_graphs", "te_spec_cuda_graph
 def _throughput(preset: str, precision: str, *, variants: tuple[str, ...] | Callable[[StageContext], tuple[str, ...]] = (),
                 hf: bool | Callable[[StageContext], bool] = True, profile: bool = False) -> Callable[[StageContext], list[str]]:
     def command(ctx: StageContext) -> list[str]:
-        argv = [ctx.python, str(REPO / "benchmarks" / "throughput.py"), "--output", str(ctx.stage_dir / "throughput.json")]
+        argv = [ctx.python, "-m", "benchmarks.throughput", "--output", str(ctx.stage_dir / "throughput.json")]
         if ctx.machine.gpu:
             argv += ["--presets", preset, "--seq-lengths", "2048", "--precisions", precision, *THROUGHPUT_TIMING]
             argv += ["--variants", *(variants(ctx) if callable(variants) else variants)]
@@ -403,7 +393,7 @@ def _throughput(preset: str, precision: str, *, variants: tuple[str, ...] | Call
 
 def _gpu_tests(ctx: StageContext) -> list[str]:
     # gpu_check stops pytest itself a little before the cap, so its report is written from what finished.
-    argv = [ctx.python, str(REPO / "benchmarks" / "gpu_check.py"), "--output-dir", str(ctx.stage_dir),
+    argv = [ctx.python, "-m", "benchmarks.gpu_check", "--output-dir", str(ctx.stage_dir),
             "--timeout-s", str(int(max(30.0, ctx.cap_s - 20)))]
     if ctx.machine.xdist:
         # The gpu tests are small models, each with its own runs and folders. Spread test by test, not
@@ -462,7 +452,7 @@ def _checkpoint_cost(ctx: StageContext) -> list[str]:
     # The resume run's shape (210M, seq 512, micro-batch 16); every writer the machine has (nvrx where
     # nvidia-resiliency-ext >= 0.6.0 imports), rounds while the cap allows (model build and the
     # persistent writers' start-up, ~1 min, come first).
-    return [ctx.python, str(REPO / "benchmarks" / "checkpoint_stall.py"), "--preset", "210m", "--vocab-size", "32768",
+    return [ctx.python, "-m", "benchmarks.checkpoint_stall", "--preset", "210m", "--vocab-size", "32768",
             "--seq-length", "512", "--micro-batch-size", "16", "--rounds", "3", "--steps-after", "20",
             "--time-limit-s", str(int(max(60.0, ctx.cap_s - 30))), "--output", str(ctx.stage_dir / "checkpoint_stall.json")]
 
@@ -479,7 +469,7 @@ def _finetune_speed(ctx: StageContext) -> list[str]:
     # (the paper's runs are 1,000: the time per step is what a study's cost scales). The demo tokenizer
     # (--data-dir) and the task in the asset cache (benchmarks/results/gpu_visits/README.md: preparing a visit).
     tokenizer = ["--tokenizer", str(ctx.data_dir / "demo_tokenizer")] if ctx.data_dir else []  # run only with it
-    return [ctx.python, str(REPO / "benchmarks" / "finetune_speed.py"), "--model-size", "210m", *tokenizer, "--steps", "300",
+    return [ctx.python, "-m", "benchmarks.finetune_speed", "--model-size", "210m", *tokenizer, "--steps", "300",
             "--rounds", "1", "--workers", "1", "2", "4", "--grid-runs", "4", "--label", "suite",
             "--output", str(ctx.stage_dir / "finetune_speed.json")]
 
@@ -496,7 +486,7 @@ STAGES: tuple[Stage, ...] = (
           max_s=240, min_s=90, read=read_throughput),
     Stage(name="fp8_gemm", purpose="one layer's GEMMs, bf16 vs FP8 (delayed, tensorwise), from 210M to Llama-3-70B "
                                    "sizes: from what size FP8 pays",
-          command=lambda ctx: [ctx.python, str(REPO / "benchmarks" / "fp8_gemm.py"),
+          command=lambda ctx: [ctx.python, "-m", "benchmarks.fp8_gemm",
                                "--output", str(ctx.stage_dir / "fp8_gemm.json")],
           max_s=90, min_s=40, needs=frozenset({"fp8"}), read=read_fp8_gemm),
     Stage(name="throughput_1b_fp8", purpose="1B, seq 2048, FP8 (delayed scaling): the recipe's configuration in FP8, "
@@ -591,8 +581,9 @@ def _start(stage: Stage, ctx: StageContext, log_path: Path, result: StageResult,
 
 
 def _with_repo(pythonpath: str | None) -> str:
-    """``PYTHONPATH`` with the project first: a stage's script (``benchmarks/throughput.py``, pytest)
-    imports megatron_ext from this tree whether or not it is installed."""
+    """``PYTHONPATH`` with the project first: what a stage starts beyond its ``python -m`` in this tree
+    (pytest's workers, the trainer under the resume script) imports megatron_ext from this tree whether
+    or not it is installed."""
     return os.pathsep.join([str(REPO), *(p for p in (pythonpath or "").split(os.pathsep) if p and p != str(REPO))])
 
 
@@ -812,12 +803,13 @@ def write_summaries(output_dir: Path, results: list[StageResult], *, machine: Ma
 def write_plan(output_dir: Path, plan: VisitPlan, *, commit: str | None) -> None:
     """The visit's plan (``plan.json``) and the fingerprints of the known sides' code in this tree
     (``fingerprints.json``: the next visit's plan compares against them)."""
-    plan_module = _visit_plan_module()
+    from benchmarks import visit_plan
+
     (output_dir / "plan.json").write_text(json.dumps(
         {"kind": plan.kind, "remeasure": plan.remeasure, "known": plan.known,
          "passed_tests": sorted(plan.passed_tests)}, indent=1) + "\n")
-    plan_module.write_fingerprints(output_dir, plan_module.tree_fingerprints(REPO), commit=commit,
-                                   how="recorded by gpu_suite.py from the tree it ran")
+    visit_plan.write_fingerprints(output_dir, visit_plan.tree_fingerprints(REPO), commit=commit,
+                                  how="recorded by gpu_suite.py from the tree it ran")
 
 
 def _commit() -> str | None:
@@ -834,7 +826,7 @@ def _commit() -> str | None:
 
 def probe_machine_in_child(python: str = sys.executable) -> Machine:
     """``probe_machine`` in a child process (no CUDA context in the suite's own process)."""
-    run = subprocess.run([python, str(Path(__file__).resolve()), "--probe", "machine"], cwd=REPO,
+    run = subprocess.run([python, "-m", "benchmarks.gpu_suite", "--probe", "machine"], cwd=REPO,
                          capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"probing this machine failed (exit {run.returncode}): {(run.stdout + run.stderr)[-2000:]}")
@@ -921,7 +913,7 @@ def suite_job(args: argparse.Namespace) -> tuple[Job, float]:
         suite_args += ["--data-dir", str(args.data_dir.resolve())]
     if args.stages:
         suite_args += ["--stages", *args.stages]
-    return Job(name="gpu-suite", script=Path(__file__).resolve(), args=tuple(suite_args), workdir=REPO,
+    return Job(name="gpu-suite", module="benchmarks.gpu_suite", args=tuple(suite_args), workdir=REPO,
                log=output_dir / "gpu_suite", resources=resources), budget_s
 
 

@@ -17,7 +17,7 @@ if [[ -f .te/te_install.sh ]]; then
   echo "te_install rc=$? ($(tail -1 /tmp/te_install.log)) $(( $(date +%s) - T0 ))s"
 fi
 LEFT=$(( BUDGET_S - ($(date +%s) - T0) - 15 ))
-MEGATRON_EXT_COMMIT=$COMMIT bash .gpu/run.sh python3 benchmarks/gpu_suite.py --budget-s "$LEFT" --reserve-s 5 \
+MEGATRON_EXT_COMMIT=$COMMIT bash .gpu/run.sh python3 -m benchmarks.gpu_suite --budget-s "$LEFT" --reserve-s 5 \
   --output-dir "$SUITE" --data-dir .gpu/demo "$@"
 echo "suite rc=$? at $(( $(date +%s) - T0 ))s"
 cp /tmp/te_install.log "$SUITE/" 2>/dev/null

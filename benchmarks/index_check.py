@@ -1,8 +1,8 @@
 """Cost of the full start-up check of a Megatron ``.idx`` (sizes, every sequence pointer, document
 boundaries) on a corpus of realistic size, next to the time Megatron itself takes to open it.
 
-    .venv/bin/python benchmarks/index_check.py                       # 4 GB corpus: 2B uint16 tokens
-    .venv/bin/python benchmarks/index_check.py --tokens 200000000 --mean-length 1000
+    .venv/bin/python -m benchmarks.index_check                       # 4 GB corpus: 2B uint16 tokens
+    .venv/bin/python -m benchmarks.index_check --tokens 200000000 --mean-length 1000
 
 Writes the index with Megatron-Core's own writer (``_IndexWriter``) for ``--tokens`` tokens in
 sequences of geometric lengths (mean ``--mean-length``), and a sparse ``.bin`` of the matching size

@@ -1,6 +1,6 @@
 """What building a micro-batch costs each objective: ms per ``make_batch`` at a recipe's shape.
 
-    .venv/bin/python benchmarks/masking.py [--micro-batch-size 9] [--seq-length 2048] [--repeats 100]
+    .venv/bin/python -m benchmarks.masking [--micro-batch-size 9] [--seq-length 2048] [--repeats 100]
 
 The trainer builds every micro-batch of a step on the training device before the step's forward
 passes (``training/loop.py``), so this is time the accelerator waits for at each step's start
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import statistics
 import time
 from pathlib import Path
@@ -28,10 +27,7 @@ from megatron_ext import assets
 from megatron_ext.objectives import CLM, MLM, MNTP, PhaseProgress, SpanMLM, Vocabulary, WholeWordMLM
 from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
 
-# results_file.py is a sibling file, not an installed module: read by its path, whether this runs
-# as a script or the tests import it.
-_results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
-write_record = _results_file["write_record"]
+from benchmarks.results_file import write_record
 
 LLAMA3_IDS, LLAMA3_SPECIAL = 128_256, 256
 

@@ -1,7 +1,7 @@
 """What a preemption costs: steps lost and the time from SIGTERM to a complete checkpoint.
 
-    .venv/bin/python benchmarks/preemption.py                    # CPU: the demo model and 210M
-    .venv/bin/python benchmarks/preemption.py --sizes demo       # the demo model only
+    .venv/bin/python -m benchmarks.preemption                    # CPU: the demo model and 210M
+    .venv/bin/python -m benchmarks.preemption --sizes demo       # the demo model only
 
 For each size, ``pretrain_encoder.py`` trains on real text (300 news articles, a BPE tokenizer of
 8,192 ids trained on them) with asynchronous saves every ``--save-interval`` steps, and gets
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import runpy
 import re
 import signal
 import subprocess
@@ -28,10 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# results_file.py is a sibling file, not an installed module: read by its path, whether this runs
-# as a script or the tests import it.
-_results_file = runpy.run_path(str(Path(__file__).with_name("results_file.py")))
-write_record = _results_file["write_record"]
+from benchmarks.results_file import write_record
 
 REPO = Path(__file__).resolve().parent.parent
 

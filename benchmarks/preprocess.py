@@ -1,6 +1,6 @@
 """Preprocessing throughput: end to end vs the tokenizer's raw batch encode, same texts, same cores.
 
-    .venv/bin/python benchmarks/preprocess.py [--repeat 4] [--workers 1 2]
+    .venv/bin/python -m benchmarks.preprocess [--repeat 4] [--workers 1 2]
 
 For each worker count N it measures, in one run:
 - raw:        ``tokenize_batch`` over all texts, in a fresh process whose tokenizer thread pool

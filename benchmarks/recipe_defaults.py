@@ -11,9 +11,9 @@ The settings decided this way are the layer implementation (``model.transformer_
 (``training.cuda_graphs``); FP8 needs the TE spec whatever wins in bf16 (a run asking for FP8 with the
 local spec is refused in one line naming both keys).
 
-    python benchmarks/recipe_defaults.py            # print the table
-    python benchmarks/recipe_defaults.py --write    # rewrite benchmarks/results/recipe_defaults.{json,md}
-    python benchmarks/recipe_defaults.py --check    # exit 1 if the committed table or a recipe disagrees
+    python -m benchmarks.recipe_defaults            # print the table
+    python -m benchmarks.recipe_defaults --write    # rewrite benchmarks/results/recipe_defaults.{json,md}
+    python -m benchmarks.recipe_defaults --check    # exit 1 if the committed table or a recipe disagrees
 
 The visits are read by ``benchmarks.gpu_visits.read_visits`` (newest first: by date, then a
 same-day suffix). ``tests/unit/test_recipe_defaults.py`` runs ``--check``'s logic: the committed table
@@ -30,11 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script (python benchmarks/recipe_defaults.py): its sibling modules by package
-    sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu_visits import GpuVisit, ThroughputSide, read_visits  # noqa: E402
-from megatron_ext.config_loading import UserError  # noqa: E402
+from benchmarks.gpu_visits import GpuVisit, ThroughputSide, read_visits
+from megatron_ext.config_loading import UserError
 
 VISITS_DIR = REPO / "benchmarks" / "results" / "gpu_visits"
 TABLE_JSON = REPO / "benchmarks" / "results" / "recipe_defaults.json"
@@ -287,7 +285,7 @@ def decide(visits_dir: Path = VISITS_DIR) -> dict:
 
 def render_markdown(table: dict) -> str:
     lines = ["# Paper recipes: GPU defaults and the measurements behind them", "",
-             "Written by `python benchmarks/recipe_defaults.py --write` from the committed GPU visits "
+             "Written by `python -m benchmarks.recipe_defaults --write` from the committed GPU visits "
              "(`benchmarks/results/gpu_visits/`); `tests/unit/test_recipe_defaults.py` keeps it, and the recipes "
              "under `examples/recipes/base/`, in step with them.", "", f"Rule: {table['rule']}", "",
              "| size | setting | default | source | measured (bf16, seq 2048, MLM-40, one GPU) | device | visit | commit | gpu tests |",
@@ -368,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = disagreements(table)
         if not TABLE_JSON.is_file() or json.loads(TABLE_JSON.read_text()) != table:
             problems.append(f"{TABLE_JSON.relative_to(REPO)} is not what the committed visits give: "
-                            "run python benchmarks/recipe_defaults.py --write")
+                            "run python -m benchmarks.recipe_defaults --write")
         for problem in problems:
             print(f"recipe_defaults.py: {problem}", file=sys.stderr)
         return 1 if problems else 0

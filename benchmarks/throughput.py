@@ -1,8 +1,8 @@
 """Training throughput of the encoder vs a Hugging Face baseline, same shapes and batches, one device.
 
-    .venv/bin/python benchmarks/throughput.py                      # GPU: 210m/610m/1b x seq 1024/2048 x bf16/fp8
-    .venv/bin/python benchmarks/throughput.py --cpu-tiny           # CPU (CI): the tiny preset, seq 128, fp32
-    .venv/bin/python benchmarks/throughput.py --presets 610m --seq-lengths 2048 --precisions bf16
+    .venv/bin/python -m benchmarks.throughput                      # GPU: 210m/610m/1b x seq 1024/2048 x bf16/fp8
+    .venv/bin/python -m benchmarks.throughput --cpu-tiny           # CPU (CI): the tiny preset, seq 128, fp32
+    .venv/bin/python -m benchmarks.throughput --presets 610m --seq-lengths 2048 --precisions bf16
 
 Per (preset, sequence length, precision) both sides train MLM-40 on the same random-token
 sequences (the objective and shapes set the speed, not the text), AdamW (0.9, 0.95), clip 1.0, at

@@ -12,13 +12,13 @@ without its history) and no torch (the suite's own process stays light):
   the 1B row, or when the side's code changed since that visit. "Its code" is a fingerprint over the
   files and functions it runs (``KnownSide.sources``); each visit records the fingerprints of the tree
   it ran (``fingerprints.json`` in its folder, written by the suite; for visits before 2026-11-28
-  backfilled from their commit with ``python benchmarks/visit_plan.py --backfill VISIT_DIR``).
+  backfilled from their commit with ``python -m benchmarks.visit_plan --backfill VISIT_DIR``).
 - **gpu tests**: those not yet passed on this device kind (read from the visits' ``gpu_check_*.json``);
   a test whose file changed is not exempt by an old pass only if its node id changed, so a visit with
   time runs ``gpu_tests`` (all of them) with ``--stages``.
 
-    python benchmarks/visit_plan.py --kind h100          # what the next H100 visit would re-measure
-    python benchmarks/visit_plan.py --backfill benchmarks/results/gpu_visits/h100-2026-11-27
+    python -m benchmarks.visit_plan --kind h100          # what the next H100 visit would re-measure
+    python -m benchmarks.visit_plan --backfill benchmarks/results/gpu_visits/h100-2026-11-27
 """
 
 from __future__ import annotations
@@ -34,11 +34,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script (python benchmarks/visit_plan.py): its sibling modules by package
-    sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu_visits import FINGERPRINTS_FILE, GpuVisit, ThroughputSide, read_visit, read_visits  # noqa: E402
-from megatron_ext.config_loading import UserError  # noqa: E402
+from benchmarks.gpu_visits import FINGERPRINTS_FILE, GpuVisit, ThroughputSide, read_visit, read_visits
+from megatron_ext.config_loading import UserError
 VISITS_DIR = REPO / "benchmarks" / "results" / "gpu_visits"
 KNOWN_ROW = "1b seq 2048 bf16"
 """The row whose known sides the plan tracks (the one every visit times first)."""

@@ -164,8 +164,7 @@ def installed_package(tmp_path_factory) -> dict:
     source = root / "source"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(ROOT / "megatron_ext", source / "megatron_ext", ignore=ignore)
-    for name in ("pretrain_encoder.py", "pyproject.toml"):
-        shutil.copy(ROOT / name, source / name)
+    shutil.copy(ROOT / "pyproject.toml", source / "pyproject.toml")
     site = root / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--target", str(site), str(source)], check=True, capture_output=True, timeout=600)
@@ -174,8 +173,8 @@ def installed_package(tmp_path_factory) -> dict:
     work = root / "work"
     work.mkdir()
     where = subprocess.run(
-        [sys.executable, "-c", "import megatron_ext.launch, pretrain_encoder; print(megatron_ext.__file__); "
-         "print(pretrain_encoder.__file__); print(megatron_ext.launch.script('slurm.sbatch'))"],
+        [sys.executable, "-c", "import megatron_ext.launch, megatron_ext.cli.pretrain_encoder as trainer; "
+         "print(megatron_ext.__file__); print(trainer.__file__); print(megatron_ext.launch.script('slurm.sbatch'))"],
         env=env, cwd=work, capture_output=True, text=True, check=True).stdout.split()
     assert all(Path(path).is_relative_to(site) for path in where), where
     return {"env": env, "site": site, "work": work}

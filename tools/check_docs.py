@@ -1,8 +1,8 @@
 """Check the README and every page under docs/ against the code, so that a renamed flag, config
 key or file fails the tests instead of a reader.
 
-    python tools/check_docs.py            # every page; one line per problem, exit 1 if any
-    python tools/check_docs.py docs/clusters.md --no-run
+    python -m tools.check_docs            # every page; one line per problem, exit 1 if any
+    python -m tools.check_docs docs/clusters.md --no-run
 
 What is checked, page by page:
 
@@ -159,6 +159,11 @@ class Program:
                     runpy.run_path(str(self.script), run_name="__main__")
                 elif self.module is not None:
                     sys.argv = [self.module, *args]
+                    # A module this process imported already (tools.check_docs, a benchmark a test
+                    # imported) runs again as __main__, as in its own process: runpy's warning about
+                    # the first copy says nothing about the command.
+                    warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package",
+                                            RuntimeWarning)
                     runpy.run_module(self.module, run_name="__main__", alter_sys=True)
                 else:
                     module, function = self.entry.split(":")
@@ -456,14 +461,20 @@ class DocsChecker:
 
     def program_names(self, texts: Iterable[str]) -> list[Program]:
         """Every Python program the texts name (``tools/x.py``, ``pretrain_encoder.py``,
-        ``benchmarks/x.py``, ``megatron-ext-x``)."""
+        ``benchmarks/x.py`` or ``-m benchmarks.x``, ``megatron-ext-x``)."""
         scripts = _pyproject_scripts()
         seen: dict[str, Program] = {}
         for text in texts:
             for match in re.finditer(r"(?<![\w/.-])((?:tools|benchmarks|examples/[\w/]+)/[\w]+\.py|pretrain_encoder\.py)",
                                      text):
                 if (REPO / match[1]).is_file():
-                    seen.setdefault(match[1], Program(name=match[1], script=REPO / match[1]))
+                    if module := module_program(REPO / match[1]):
+                        seen.setdefault(f"-m {module}", Program(name=f"-m {module}", module=module))
+                    else:
+                        seen.setdefault(match[1], Program(name=match[1], script=REPO / match[1]))
+            for match in re.finditer(r"(?<![\w-])-m ((?:benchmarks|tools)\.\w+)", text):
+                if (REPO / f"{match[1].replace('.', '/')}.py").is_file():
+                    seen.setdefault(f"-m {match[1]}", Program(name=f"-m {match[1]}", module=match[1]))
             for match in re.finditer(r"(?<![\w/.-])((?:tools|benchmarks|examples/[\w/]+)/[\w]+\.sh)", text):
                 if (REPO / match[1]).is_file():
                     seen.setdefault(match[1], Program(name=match[1], script=REPO / match[1]))
@@ -579,6 +590,9 @@ class DocsChecker:
             return []
         if program.script is not None and not program.script.is_file():
             return [f"no such program: {program.name}"]
+        if program.script is not None and (module := module_program(program.script)):
+            return [f"{program.name} is a module of the checkout's {module.partition('.')[0]} package: "
+                    f"run it as python -m {module}"]
         if program.module is not None and not _module_exists(program.module):
             return [f"no such module: {program.module}"]
         try:
@@ -765,14 +779,10 @@ def recipe_problems(text: str) -> list[str]:
     """A whole recipe (a YAML block marked ``recipe``) must validate as ``pretrain_encoder.py``
     would read it, from the repository's root; the tokenizer is loaded (and must serve the run)
     when the vocabulary comes from it."""
+    from megatron_ext.cli.pretrain_encoder import config_from_recipe
     from megatron_ext.config_loading import UserError
     from megatron_ext.training.dry_run import check_tokenizer_serves
 
-    sys.path.insert(0, str(REPO))
-    try:
-        from pretrain_encoder import config_from_recipe
-    finally:
-        sys.path.remove(str(REPO))
     saved_cwd = os.getcwd()
     try:
         os.chdir(REPO)
@@ -784,6 +794,19 @@ def recipe_problems(text: str) -> list[str]:
     finally:
         os.chdir(saved_cwd)
     return []
+
+
+def module_program(path: Path) -> str | None:
+    """``benchmarks.x`` for a program of one of the checkout's packages that is run from the
+    repository's root as ``python -m benchmarks.x``: every benchmark, and a tool that imports its
+    own package (``tools/render_docs.py``). Run by its path, Python would put its folder on the path,
+    not the root, and the package would not import. None for a program run by its path."""
+    package = path.parent
+    if path.suffix != ".py" or package.parent != REPO or not (package / "__init__.py").is_file():
+        return None
+    if package.name == "benchmarks" or re.search(rf"^\s*(from|import) {package.name}\b", path.read_text(), re.M):
+        return f"{package.name}.{path.stem}"
+    return None
 
 
 def _module_exists(dotted: str) -> bool:

@@ -1,12 +1,6 @@
-"""Export a Megatron checkpoint (pretrain_encoder.py or import_hf_checkpoint.py) to Hugging Face.
-
-The implementation is ``megatron_ext/cli/export_hf_checkpoint.py``; ``pip install -e .`` (``make setup``) also
-installs it as the ``megatron-ext-export-hf-checkpoint`` command.
-"""
-
-import sys
+"""``megatron-ext-export-hf-checkpoint`` in a checkout: megatron_ext/cli/export_hf_checkpoint.py."""
 
 from megatron_ext.cli.export_hf_checkpoint import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,12 +1,6 @@
-"""Download the paper's benchmarks from the Hugging Face hub into a folder, for a cluster without network.
-
-The implementation is ``megatron_ext/cli/fetch_benchmarks.py``; ``pip install -e .`` (``make setup``) also
-installs it as the ``megatron-ext-fetch-benchmarks`` command.
-"""
-
-import sys
+"""``megatron-ext-fetch-benchmarks`` in a checkout: megatron_ext/cli/fetch_benchmarks.py."""
 
 from megatron_ext.cli.fetch_benchmarks import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

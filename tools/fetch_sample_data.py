@@ -1,12 +1,6 @@
-"""Build the demo corpus (Wikipedia articles, news, a public-domain novel) as JSONL.
-
-The implementation is ``megatron_ext/cli/fetch_sample_data.py``; ``pip install -e .`` (``make setup``) also
-installs it as the ``megatron-ext-fetch-sample-data`` command.
-"""
-
-import sys
+"""``megatron-ext-fetch-sample-data`` in a checkout: megatron_ext/cli/fetch_sample_data.py."""
 
 from megatron_ext.cli.fetch_sample_data import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,12 +1,6 @@
-"""Fill in masked words with an exported encoder, using plain Hugging Face transformers.
-
-The implementation is ``megatron_ext/cli/fill_mask.py``; ``pip install -e .`` (``make setup``) also
-installs it as the ``megatron-ext-fill-mask`` command.
-"""
-
-import sys
+"""``megatron-ext-fill-mask`` in a checkout: megatron_ext/cli/fill_mask.py."""
 
 from megatron_ext.cli.fill_mask import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,12 +1,6 @@
-"""Tokenize raw corpora into Megatron-Core indexed datasets (``.bin``/``.idx``).
-
-The implementation is ``megatron_ext/cli/preprocess_data.py``; ``pip install -e .`` (``make setup``) also
-installs it as the ``megatron-ext-preprocess-data`` command.
-"""
-
-import sys
+"""``megatron-ext-preprocess-data`` in a checkout: megatron_ext/cli/preprocess_data.py."""
 
 from megatron_ext.cli.preprocess_data import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

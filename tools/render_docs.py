@@ -2,8 +2,8 @@
 types them by hand: the README's GPU status table, the recipe keys, the exit codes and each tool's
 ``--help``.
 
-    python tools/render_docs.py           # rewrite every generated region in place
-    python tools/render_docs.py --check   # exit 1, naming each page, when one is out of date
+    python -m tools.render_docs           # rewrite every generated region in place
+    python -m tools.render_docs --check   # exit 1, naming each page, when one is out of date
 
 A generated region sits between two HTML comments in a page::
 
@@ -12,7 +12,7 @@ A generated region sits between two HTML comments in a page::
     <!-- end generated: NAME -->
 
 :data:`GENERATORS` maps each NAME to the function that renders it (``cli-help TOOL`` takes the
-tool as its argument). ``tests/integration/test_docs.py`` fails when a committed region differs from what this
+tool as its argument: its file, ``tools/evaluate.py``, or ``-m`` and its module, ``-m tools.check_docs``). ``tests/integration/test_docs.py`` fails when a committed region differs from what this
 script renders now.
 """
 
@@ -29,12 +29,10 @@ import typing
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: ``tools`` is importable from the repository root
-    sys.path.insert(0, str(REPO))
+from benchmarks.gpu_visits import GpuVisit, VisitStage, read_visits
+from tools.check_docs import Program, doc_pages, program_help
 
-from benchmarks.gpu_visits import GpuVisit, VisitStage, read_visits  # noqa: E402
-from tools.check_docs import Program, doc_pages, program_help  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 GPU_VISITS = REPO / "benchmarks" / "results" / "gpu_visits"
 REGION = re.compile(r"(?P<open><!-- generated: (?P<name>[^>]*?) -->\n)(?P<body>.*?)(?P<close><!-- end generated: (?P=name) -->)",
@@ -466,12 +464,15 @@ def render_one_node_cost(page: Path) -> str:
 # -- each tool's --help --------------------------------------------------------------------------
 
 
-def _program(name: str) -> Program:
-    return Program(name=name, script=REPO / name)
+def _program(*command: str) -> Program:
+    """A program as a region names it: its file (``pretrain_encoder.py``), or ``-m`` and its module."""
+    if command[0] == "-m":
+        return Program(name=" ".join(command), module=command[1])
+    return Program(name=command[0], script=REPO / command[0])
 
 
-def render_cli_help(page: Path, name: str) -> str:
-    text = program_help(_program(name)).rstrip()
+def render_cli_help(page: Path, *command: str) -> str:
+    text = program_help(_program(*command)).rstrip()
     text = re.sub(r"usage: \S*?([\w.-]+\.py)", r"usage: \1", text)
     return f"```text\n{text}\n```\n"
 
@@ -480,7 +481,7 @@ def render_megatron_flags(page: Path) -> str:
     """Each Megatron-LM flag the trainer takes, beside Megatron-LM's default, and the refused ones
     (``megatron_ext.cli.megatron_flags``, the table its test keeps complete)."""
     from megatron_ext.cli.megatron_flags import flags_table
-    from pretrain_encoder import build_parser
+    from megatron_ext.cli.pretrain_encoder import build_parser
 
     return flags_table(*build_parser())
 
@@ -530,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.check:
                 page.write_text(new)
     for page in stale:
-        print(f"{page}: {'out of date (run python tools/render_docs.py)' if args.check else 'rewritten'}")
+        print(f"{page}: {'out of date (run python -m tools.render_docs)' if args.check else 'rewritten'}")
     return 1 if stale and args.check else 0
 
 

@@ -1,12 +1,6 @@
-"""Train a study: its segments through a launcher (this machine, SLURM), parents before children.
-
-The implementation is ``megatron_ext/cli/run_study.py``; ``pip install -e .`` (``make setup``) also
-installs it as the ``megatron-ext-run-study`` command.
-"""
-
-import sys
+"""``megatron-ext-run-study`` in a checkout: megatron_ext/cli/run_study.py."""
 
 from megatron_ext.cli.run_study import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

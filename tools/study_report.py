@@ -1,12 +1,6 @@
-"""The study's report: the paper's tables (per-family scores with CIs, per-task rankings) and figures.
-
-The implementation is ``megatron_ext/cli/study_report.py``; ``pip install -e .`` (``make setup``) also
-installs it as the ``megatron-ext-study-report`` command.
-"""
-
-import sys
+"""``megatron-ext-study-report`` in a checkout: megatron_ext/cli/study_report.py."""
 
 from megatron_ext.cli.study_report import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -7,7 +7,7 @@
 
 (also ``megatron-ext-run-study`` and, in a clone, ``tools/run_study.py``). The plan
 (plan_study) and one recipe per run are written to the study directory (--study-dir, default
-runs/studies/<study name>), then each segment is a job of the trainer (pretrain_encoder --config
+runs/studies/<study name>), then each segment is a job of the trainer (pretrain_encoder.py --config
 <its recipe>), submitted in tree order, a parent before its children, each waiting for its
 parent's job. A segment is complete when the newest checkpoint in its run's checkpoint.save is
 at its train_iters; rerunning the command skips complete segments and trains the rest (an

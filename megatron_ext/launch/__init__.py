@@ -1,5 +1,5 @@
 """The launch layer: every job of a study (a training segment, an evaluation grid), and the GPU
-suite of a checkout (``benchmarks/gpu_suite.py --launcher NAME``, a script job), goes through one
+suite of a checkout (``python -m benchmarks.gpu_suite --launcher NAME``), goes through one
 :class:`Launcher` interface, implemented once per scheduler.
 
 - :mod:`megatron_ext.launch.job`: :class:`Job`, :class:`Resources`, :class:`JobState`, :class:`Launcher`.
@@ -14,8 +14,8 @@ study's ``resources:`` (its extra flags).
 """
 
 from megatron_ext.launch.job import Job, JobEvents, JobState, Launcher, Resources
-from megatron_ext.launch.programs import SCRIPTS_DIR, program, script
+from megatron_ext.launch.programs import SCRIPTS_DIR, TRAINER, script
 from megatron_ext.launch.registry import LAUNCHERS, launcher_class
 
-__all__ = ["LAUNCHERS", "SCRIPTS_DIR", "Job", "JobEvents", "JobState", "Launcher", "Resources", "launcher_class",
-           "program", "script"]
+__all__ = ["LAUNCHERS", "SCRIPTS_DIR", "TRAINER", "Job", "JobEvents", "JobState", "Launcher", "Resources",
+           "launcher_class", "script"]

@@ -1,8 +1,9 @@
 """What a launcher runs (:class:`Job`, :class:`Resources`), what it says about it (:class:`JobState`)
 and the interface every launcher implements (:class:`Launcher`).
 
-A job is a program (a module of the installed package run as ``python -m``, the trainer
-``pretrain_encoder``, or a Python file such as a checkout's benchmark), its arguments, environment, working directory and log, the resources it
+A job is a program (a module run as ``python -m``: of the installed package, such as the trainer
+``megatron_ext.cli.pretrain_encoder``, or of a checkout, such as its GPU suite ``benchmarks.gpu_suite``
+run in the checkout; or a Python file), its arguments, environment, working directory and log, the resources it
 asks for and the jobs it waits for. A launcher starts it where its scheduler says: the local one
 in this process's machine, the SLURM one as a batch job. Nothing here knows a scheduler's commands.
 """
@@ -107,11 +108,11 @@ class Job:
     name: str
     """Its name at the scheduler (``<study>.<run>``)."""
     module: str | None = None
-    """The program: a module of the installed package (``pretrain_encoder``, ``megatron_ext.cli.evaluate``)."""
+    """The program, run as ``python -m``: a module of the installed package (``megatron_ext.cli.evaluate``,
+    the trainer ``programs.TRAINER``), or one importable in ``workdir`` (a checkout's ``benchmarks.gpu_suite``)."""
     script: Path | None = None
-    """Or the program as a Python file, run as ``python <script>``: a file of a checkout, not of the
-    package (``benchmarks/gpu_suite.py``); an absolute path (the job may run elsewhere). Exactly one
-    of ``module`` and ``script`` is set."""
+    """Or the program as a Python file, run as ``python <script>``: a file of no package; an absolute
+    path (the job may run elsewhere). Exactly one of ``module`` and ``script`` is set."""
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     """Added to the launcher's environment."""

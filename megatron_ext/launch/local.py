@@ -1,6 +1,6 @@
 """The local launcher: jobs on this machine, one at a time, in the order they were submitted.
 
-A job is its program (a module of the package, ``launch.program``, or a Python file) started in a session of its own, its output appended
+A job is its program (a module, run as ``python -m``, or a Python file) started in a session of its own, its output appended
 to ``<log>.log`` (an array's copies: ``<log>.worker<i>.log``, started together, on CPU each with its
 share of the cores). A trainer job (``per_gpu``) with ``--nproc-per-node`` > 1 runs under torchrun
 through the packaged ``single_node.sh``. A job starts once the jobs it waits for have ended
@@ -30,7 +30,7 @@ from pathlib import Path
 from megatron_ext import processes
 from megatron_ext.config_loading import UserError
 from megatron_ext.exit_codes import EXIT_STATUS_ENV, RESUMABLE_EXIT_CODE
-from megatron_ext.launch.programs import program_args, script
+from megatron_ext.launch.programs import TRAINER, program_args, script
 from megatron_ext.launch.job import Job, JobEvents, JobState, Launcher
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -144,7 +144,7 @@ class LocalLauncher(Launcher):
         nproc = self.processes_per_node(job)
         if nproc == 1:
             return [sys.executable, *program_args(job), *job.args], {}
-        if job.module != "pretrain_encoder":
+        if job.module != TRAINER:
             raise UserError(f"job {job.name}: only the trainer runs several processes per node, not {job.program_name}")
         # RECIPE empty: the job's arguments name the recipe.
         return (["bash", str(script("single_node.sh")), *job.args],

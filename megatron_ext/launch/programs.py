@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,6 +9,9 @@ from megatron_ext.config_loading import UserError
 
 if TYPE_CHECKING:
     from megatron_ext.launch.job import Job
+
+TRAINER = "megatron_ext.cli.pretrain_encoder"
+"""The trainer's module, as the launchers start it (``python -m``, ``torchrun --module``)."""
 
 SCRIPTS_DIR = Path(__file__).resolve().parent / "scripts"
 """The launch scripts, shipped with the package."""
@@ -25,22 +26,10 @@ def script(name: str) -> Path:
     return path
 
 
-def program(module: str, python: str | None = None) -> list[str]:
-    """The command that runs ``module`` of the installed package: a top-level module by its file
-    (``python .../pretrain_encoder.py``), a package's as ``python -m`` (its folder must not shadow
-    other modules on ``sys.path``)."""
-    python = python or sys.executable
-    if "." in module:
-        return [python, "-m", module]
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        raise UserError(f"{module}: not importable from {python}; install the package (pip install .)")
-    return [python, spec.origin]
-
-
 def program_args(job: Job) -> list[str]:
     """What follows the Python interpreter in the command of ``job``'s program (its arguments not
-    included): its script's path, or its module as :func:`program` runs it."""
+    included): its script's path, or ``-m`` and its module (of the installed package, or one
+    importable in the job's working directory)."""
     if job.script is not None:
         return [str(job.script)]
-    return program(job.module)[1:]
+    return ["-m", job.module]

@@ -5,7 +5,7 @@ A job is submitted as ``sbatch --parsable --job-name=<name> --output=<log>-%j.ou
 the script being the program's: ``slurm.sbatch`` for the trainer (srun + torchrun on every node,
 requeued on a resumable stop), ``evaluate.sbatch`` for the evaluation workers (an array of
 ``array_size`` tasks, ``--array=0-<n-1>``, output ``<log>-%A_%a.out``), and for any other
-one-process program (a script job, such as ``benchmarks/gpu_suite.py``) ``program.sbatch``, which
+one-process program (such as a checkout's GPU suite, ``-m benchmarks.gpu_suite``) ``program.sbatch``, which
 runs ``$PYTHON <program> <args>``. Resources map to
 ``--nodes``, ``--gpus-per-node`` (a one-process task: ``--gpus``) and ``--time``; then the study's ``slurm:`` extras, then the
 command line's ``--sbatch-arg`` (a later flag wins). ``--kill-on-invalid-dep=yes``: a job whose
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from megatron_ext import processes
 from megatron_ext.config_loading import UserError
-from megatron_ext.launch.programs import program_args, script
+from megatron_ext.launch.programs import TRAINER, program_args, script
 from megatron_ext.launch.job import Job, JobEvents, JobState, Launcher
 
 RUNNING_STATES = {"RUNNING", "CONFIGURING", "COMPLETING", "SIGNALING", "STAGE_OUT", "RESIZING"}
@@ -48,12 +48,12 @@ and is then seen as failed."""
 NEVER_SATISFIED = "DependencyNeverSatisfied"
 """``squeue``'s reason for a job whose dependency failed."""
 
-BATCH_SCRIPTS = {"pretrain_encoder": "slurm.sbatch", "megatron_ext.cli.evaluate": "evaluate.sbatch"}
+BATCH_SCRIPTS = {TRAINER: "slurm.sbatch", "megatron_ext.cli.evaluate": "evaluate.sbatch"}
 """The packaged launch script that runs each program as a batch job."""
 
 PROGRAM_SCRIPT = "program.sbatch"
 """The packaged launch script of a one-process program with none of its own in :data:`BATCH_SCRIPTS`
-(a script job): it runs ``"$PYTHON" "$@"``."""
+(a one-process job): it runs ``"$PYTHON" "$@"``."""
 
 
 def check_sbatch_flags(flags: tuple[str, ...], where: str) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.launch import Job, JobEvents, JobState
+from megatron_ext.launch import TRAINER, Job, JobEvents, JobState
 from megatron_ext.launch.local import LocalLauncher
 from megatron_ext.performance.cost import Speed, calibration_key, check_budget, speed_table
 from megatron_ext.study.cost import (Calibration, StudyCost, costed_config, finetune_families, format_study_cost,
@@ -102,7 +102,7 @@ def calibrate_training(runs: Iterable, *, warmup: int = 2, steps: int = 4,
             root.mkdir(parents=True)
             path.write_text(yaml.safe_dump(recipe, sort_keys=False))
             started = time.perf_counter()
-            _run_job(Job(name=f"calibration.{run.name}.{objective}", module="pretrain_encoder",
+            _run_job(Job(name=f"calibration.{run.name}.{objective}", module=TRAINER,
                          args=("--config", str(path)), log=root / "trainer", per_gpu=True),
                      f"the trainer on {run.name}'s shape")
             wall = time.perf_counter() - started

@@ -12,7 +12,7 @@ checkpoint.
 The study directory (``runs/studies/<study name>`` unless given)::
 
     plan.json              the plan (plan_to_dict): the runs with their recipes, the segments, totals
-    recipes/<run>.yaml     what ``pretrain_encoder --config`` reads for each run
+    recipes/<run>.yaml     what ``pretrain_encoder.py --config`` reads for each run
     logs/<run>.log         the trainer's output (local launcher; every attempt appended)
     logs/<run>-<job>.out   the job's output (slurm launcher)
     jobs.json              the jobs submitted for each run, newest last (launchers whose jobs outlive it)

@@ -1,7 +1,7 @@
 """The tree scheduler: a study's segments as jobs of any launcher, a parent's before its children's.
 
 Each selected segment that is not complete becomes one trainer job (:meth:`TreeScheduler.job`):
-``pretrain_encoder --config <study dir>/recipes/<run>.yaml``, named ``<study>.<run>``, logging to
+``python -m megatron_ext.cli.pretrain_encoder --config <study dir>/recipes/<run>.yaml``, named ``<study>.<run>``, logging to
 ``<study dir>/logs/<run>``, with the resources of its size over the study's. It waits for its
 parent's job while the parent is not complete (a branch or a continued pretraining starts once
 its parent has ended successfully; a parent that fails cancels it). The launcher decides where
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import write_atomic
-from megatron_ext.launch import Job, JobEvents, JobState, Launcher
+from megatron_ext.launch import TRAINER, Job, JobEvents, JobState, Launcher
 from megatron_ext.study.state import (
     Progress,
     SegmentState,
@@ -45,9 +45,6 @@ from megatron_ext.study.state import (
 from megatron_ext.study.plan import Segment, StudyPlan
 from megatron_ext.training.step_log import duration
 from megatron_ext.exit_codes import RESUMABLE_EXIT_CODE
-
-TRAINER = "pretrain_encoder"
-"""The trainer's module: what every training segment runs."""
 
 
 def stored_id(job_id: str) -> int | str:

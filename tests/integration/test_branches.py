@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-import pretrain_encoder
+from megatron_ext.cli import pretrain_encoder
 from helpers import tiny_recipe
 from megatron_ext.checkpoint.config import CheckpointConfig
 from megatron_ext.checkpoint.reader import Checkpoint

@@ -40,7 +40,7 @@ def test_generated_parts_are_current():
         text = page.read_text()
         if REGION.search(text) and render_page(text, page) != text:
             stale.append(str(page.relative_to(REPO)))
-    assert not stale, f"out of date, run `python tools/render_docs.py`: {stale}"
+    assert not stale, f"out of date, run `python -m tools.render_docs`: {stale}"
 
 
 def test_the_gpu_status_names_a_stage_that_stopped_itself_and_lists_what_did_not_run(tmp_path, monkeypatch):
@@ -95,6 +95,7 @@ What it is for: the checker's own test.
 python pretrain_encoder.py --config examples/recipes/paper/610m_mlm_40.yaml --micro-batch-size 4 --dry-run
 RECIPE=examples/recipes/paper/610m_mlm_40.yaml DRY_RUN=1 bash examples/launch/slurm.sbatch
 make test TEST_WORKERS=0
+python -m benchmarks.recipe_defaults --check
 ```
 
 <!-- check: dry-run -->
@@ -123,6 +124,8 @@ CHANGES = {
                                    "no such file or directory: examples/recipes/paper/610m_mlm_41.yaml"),
     "a launch script's variable": ("DRY_RUN=1 bash", "DRYRUN=1 bash", "does not read DRYRUN"),
     "a make target": ("make test TEST", "make tests TEST", "no make target 'tests'"),
+    "a benchmark run by its path": ("python -m benchmarks.recipe_defaults", "python benchmarks/recipe_defaults.py",
+                                    "run it as python -m benchmarks.recipe_defaults"),
     "a dry run that fails": ("examples/studies/miniature.yaml --dry-run", "examples/recipes/demo_tiny_biphasic.yaml --dry-run",
                              "exited 2"),
     "a dry-run block without --dry-run": ("miniature.yaml --dry-run\n", "miniature.yaml\n", "without --dry-run"),

@@ -160,15 +160,16 @@ def test_the_stages_on_a_gpu_machine_build_their_commands(tmp_path):
     assert gpu_tests[gpu_tests.index("--pytest-args") + 1].startswith("-n ")
     assert "--no-baseline" in commands["throughput_1b_fp8"]
     fp8_gemm = commands["fp8_gemm"]
-    assert fp8_gemm[1].endswith("benchmarks/fp8_gemm.py") and "--cpu-tiny" not in fp8_gemm
+    assert fp8_gemm[1:3] == ["-m", "benchmarks.fp8_gemm"] and "--cpu-tiny" not in fp8_gemm
     assert fp8_gemm[fp8_gemm.index("--output") + 1] == str(tmp_path / "fp8_gemm" / "fp8_gemm.json")
     from benchmarks import checkpoint_stall
 
     finetune = commands["finetune_210m"]
-    assert finetune[1].endswith("benchmarks/finetune_speed.py") and finetune[finetune.index("--model-size") + 1] == "210m"
+    assert finetune[1:3] == ["-m", "benchmarks.finetune_speed"] and finetune[finetune.index("--model-size") + 1] == "210m"
     assert finetune[finetune.index("--tokenizer") + 1] == str(tmp_path / "demo" / "demo_tokenizer")
     assert finetune[finetune.index("--workers") + 1:finetune.index("--grid-runs")] == ["1", "2", "4"]
-    cost = checkpoint_stall.build_parser().parse_args(commands["checkpoint_cost"][2:])
+    assert commands["checkpoint_cost"][1:3] == ["-m", "benchmarks.checkpoint_stall"]
+    cost = checkpoint_stall.build_parser().parse_args(commands["checkpoint_cost"][3:])
     assert (cost.preset, cost.seq_length, cost.time_limit_s) == ("210m", 512, 170)  # the cap less 30 s
     assert cost.output == tmp_path / "checkpoint_cost" / "checkpoint_stall.json"
 
@@ -252,7 +253,7 @@ def test_the_suite_on_cpu_runs_what_a_cpu_can_and_says_why_not_the_rest(tmp_path
 
 def test_as_a_job_the_suite_gets_the_time_limit_less_the_margin_as_its_budget(tmp_path, capsys):
     """``--launcher``: the suite is one job of that launcher (one process, one node, one GPU, the
-    time limit) running this file with its budget computed here; nothing is submitted on a dry run."""
+    time limit) running this module with its budget computed here; nothing is submitted on a dry run."""
     from megatron_ext.launch import script
 
     out = tmp_path / "suite"
@@ -261,12 +262,12 @@ def test_as_a_job_the_suite_gets_the_time_limit_less_the_margin_as_its_budget(tm
                            "--stages", "environment", "gpu_tests"]) == 0
     assert capsys.readouterr().out.strip() == (
         f"sbatch --parsable --job-name=gpu-suite --output={out}/gpu_suite-%j.out --nodes=1 --gpus=1 --time=1:00:00 "
-        f"--partition=gpu --kill-on-invalid-dep=yes {script('program.sbatch')} {gpu_suite.REPO}/benchmarks/gpu_suite.py "
+        f"--partition=gpu --kill-on-invalid-dep=yes {script('program.sbatch')} -m benchmarks.gpu_suite "
         f"--budget-s 3480 --reserve-s 10 --output-dir {out} --data-dir {tmp_path} --stages environment gpu_tests")
     assert not out.exists()
     # the local launcher: the same program, one process here (the default time: 15 minutes less 60 s)
     assert gpu_suite.main(["--launcher", "local", "--dry-run", "--output-dir", str(out)]) == 0
-    assert capsys.readouterr().out.strip() == (f"{sys.executable} {gpu_suite.REPO}/benchmarks/gpu_suite.py "
+    assert capsys.readouterr().out.strip() == (f"{sys.executable} -m benchmarks.gpu_suite "
                                                f"--budget-s 840 --reserve-s 10 --output-dir {out}")
 
 
@@ -336,7 +337,7 @@ def test_the_resume_stage_passes_the_trainer_flags_it_has(tmp_path, demo_tokeniz
     """``gpu_resume_e2e.sh`` starts the trainer with its ARGS on a GPU only; its flags are checked here
     with the trainer's dry run on the demo data (a flag the trainer does not take ended the stage at
     once: ``--attention-backend``, Megatron-LM's, until it read ``--transformer-impl``)."""
-    import pretrain_encoder
+    from megatron_ext.cli import pretrain_encoder
 
     repo = Path(__file__).resolve().parents[2]
     script = repo / "benchmarks" / "gpu_resume_e2e.sh"

@@ -120,7 +120,7 @@ def test_the_long_context_recipe_plans_each_phase(capsys):
     import re
     from pathlib import Path
 
-    import pretrain_encoder
+    from megatron_ext.cli import pretrain_encoder
 
     recipe = Path(__file__).resolve().parents[2] / "examples/recipes/long_context/610m_biphasic_long_8192.yaml"
     assert pretrain_encoder.main(["--config", str(recipe), "--dry-run", "--world-size", "64"]) == 0

@@ -72,10 +72,10 @@ def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, installed_package
     printed = run.stdout
     assert run.returncode == 0, printed + run.stderr
     assert "training: every run complete" in printed and "evaluation: runs: 2 worker(s)" in printed
-    # Every job ran the installed package's programs (the log's first line names the command).
-    site = str(installed_package["site"])
+    # Every job ran the installed package's programs (the log's first line names the command; in the
+    # jobs' environment the module is the installed copy's: the installed_package fixture).
     assert (tmp_path / "study" / "logs" / "tiny_clm_16.log").read_text().split("\n", 1)[0].endswith(
-        f"{site}/pretrain_encoder.py --config {tmp_path / 'study' / 'recipes' / 'tiny_clm_16.yaml'}")
+        f"-m megatron_ext.cli.pretrain_encoder --config {tmp_path / 'study' / 'recipes' / 'tiny_clm_16.yaml'}")
     assert not (installed_package["work"] / "runs").exists()  # the study wrote where it was told
 
     # The cost model: the training's measured time inside the band its estimate states (from the
@@ -138,7 +138,7 @@ def test_an_installed_package_prices_the_1b_recipe_from_the_measured_speed(insta
     """``pip install`` (not editable, nothing of the checkout on the path): ``--dry-run --gpu H100``
     prices the 1B recipe from the measurements the package ships and names the visit they come from."""
     recipe = Path(__file__).resolve().parents[2] / "examples" / "recipes" / "paper" / "1b_mlm_40.yaml"
-    run = subprocess.run([sys.executable, "-m", "pretrain_encoder", "--config", str(recipe), "--dry-run",
+    run = subprocess.run([sys.executable, "-m", "megatron_ext.cli.pretrain_encoder", "--config", str(recipe), "--dry-run",
                           "--world-size", "64", "--gpu", "h100"], cwd=installed_package["work"],
                          env=installed_package["env"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr

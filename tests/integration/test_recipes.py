@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import pretrain_encoder
+from megatron_ext.cli import pretrain_encoder
 from megatron_ext.training.recipe import read_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -300,10 +300,11 @@ def test_launch_scripts_dry_run(tmp_path: Path):
 @pytest.mark.parametrize(
     "script, env, expected",
     [
-        ("single_node.sh", {"GPUS_PER_NODE": "4"}, "--standalone --nproc-per-node 4 --module pretrain_encoder"),
+        ("single_node.sh", {"GPUS_PER_NODE": "4"},
+         "--standalone --nproc-per-node 4 --module megatron_ext.cli.pretrain_encoder"),
         ("multi_node.sh", {"NNODES": "3", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "6000", "NODE_RANK": "0"},
          "--nnodes 3 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.7:6000 "
-         "--rdzv-id encoder-10.0.0.7-6000 --rdzv-conf is_host=true --module pretrain_encoder"),
+         "--rdzv-id encoder-10.0.0.7-6000 --rdzv-conf is_host=true --module megatron_ext.cli.pretrain_encoder"),
         ("multi_node.sh", {"NODE_RANK": "2", "MASTER_ADDR": "node001"}, "--rdzv-conf is_host=false"),
         # inside a SLURM allocation: the first host of its node list, its job id
         ("multi_node.sh", {"SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "4242"},

@@ -154,7 +154,7 @@ def test_local_failure_blocks_descendants_only_and_reruns_finish(tmp_path, tiny_
     assert code == 0, out
     assert _row(out, "late_clm_40").endswith(f"to do: resumes at step {stopped}")
     assert _row(out, "tiny_clm_40").endswith("(not selected)")
-    assert re.findall(r"^  \S+ \S+pretrain_encoder\.py --config (\S+)$", out, re.M) == [
+    assert re.findall(r"^  \S+ -m megatron_ext\.cli\.pretrain_encoder --config (\S+)$", out, re.M) == [
         str(study_dir / "recipes" / "late_clm_40.yaml"), str(study_dir / "recipes" / "late_clm_40_cpt_mlm_40_8.yaml")]
     assert cli.main([str(study), "--launcher", "local", "--study-dir", str(study_dir), "--only", "nope"]) == 2
     assert "--only: no run named nope in study grid; its runs: late_clm_40, " in capsys.readouterr().err

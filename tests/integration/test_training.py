@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import pretrain_encoder
+from megatron_ext.cli import pretrain_encoder
 from distributed import run_ranks
 from helpers import tiny_recipe as _recipe
 from megatron_ext import process_group
@@ -196,10 +196,11 @@ def test_dry_run_imports_no_megatron(tmp_path, tiny_corpus):
 
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(_recipe(tiny_corpus, tmp_path)))
-    script = ("import sys, pretrain_encoder; code = pretrain_encoder.main(['--config', sys.argv[1], '--dry-run']); "
+    script = ("import sys; from megatron_ext.cli import pretrain_encoder; "
+              "code = pretrain_encoder.main(['--config', sys.argv[1], '--dry-run']); "
               "print(code, sorted(m for m in sys.modules if m.startswith('megatron.')))")
     done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300,
-                          cwd=Path(pretrain_encoder.__file__).parent)
+                          cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "0 []"
 

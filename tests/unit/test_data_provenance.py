@@ -16,7 +16,7 @@ from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
 from megatron_ext.cli import train_tokenizer
 from helpers import tiny_recipe
 
-import pretrain_encoder
+from megatron_ext.cli import pretrain_encoder
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ isolated documents actually compute (estimated from the data, saying from where)
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-import pretrain_encoder
+from megatron_ext.cli import pretrain_encoder
 from helpers import tiny_recipe
 from megatron_ext import hardware
 from megatron_ext.config_loading import UserError
@@ -283,12 +284,14 @@ def test_unreadable_data_counts_full_rows_and_says_so(tmp_path):
 
 def test_the_isolated_estimate_imports_no_megatron(tmp_path):
     """The dry run stays free of Megatron's import (seconds on a login node) with isolated documents."""
-    script = ("import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from helpers import tiny_recipe; "
+    script = ("import sys; from pathlib import Path; from helpers import tiny_recipe; "
               "from megatron_ext.training.recipe import run_config_from_dict; "
               "from megatron_ext.training.dry_run import document_attention; "
               f"c = run_config_from_dict(tiny_recipe({{'tokenizer': 'x', 'data': {str(DEMO_DATA)!r}}}, Path('.'), "
               "data={'reset_attention_mask': True})); a = document_attention(c, 64); "
               "print(a.attended is not None, sorted(m for m in sys.modules if m.startswith('megatron.')))")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(  # helpers, as pytest finds it
+                              filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))})
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "True []"

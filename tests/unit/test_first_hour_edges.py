@@ -16,7 +16,7 @@ from megatron_ext.performance.devices import GPU_MEMORY_GIB, PEAK_TFLOPS
 from megatron_ext.training.memory_fit import memory_report, reduce_memory_advice
 from helpers import tiny_recipe
 
-import pretrain_encoder
+from megatron_ext.cli import pretrain_encoder
 
 FAKE = {"tokenizer": "/nonexistent/tok", "data": "/nonexistent/data_text_document"}
 

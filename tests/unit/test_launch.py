@@ -63,7 +63,7 @@ def test_neutral_resources_become_each_launchers_form(tmp_path, capsys):
                            "--nproc-per-node", "1"]) == 0
     out = capsys.readouterr()
     first, _ = _submissions(out.out)
-    assert re.fullmatch(r"\S+python\S* \S+/pretrain_encoder\.py --config \S+/tiny_clm_600\.yaml", first), first
+    assert re.fullmatch(r"\S+python\S* -m megatron_ext\.cli\.pretrain_encoder --config \S+/tiny_clm_600\.yaml", first), first
 
 
 @pytest.mark.parametrize("fields, where", [

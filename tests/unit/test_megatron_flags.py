@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import pretrain_encoder
+from megatron_ext.cli import pretrain_encoder
 from megatron_ext.cli import megatron_flags
 from megatron_ext.cli.megatron_flags import (BEHAVIOUR_DIFFERENCES, DIFFERENT_DEFAULTS, MEGATRON_FLAGS_HERE,
                                              UNSUPPORTED, megatron_lm_flags, same_default, trainer_flag_defaults)

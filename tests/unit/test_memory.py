@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-import pretrain_encoder
+from megatron_ext.cli import pretrain_encoder
 from megatron_ext.model.attention import attention_pattern
 from megatron_ext.config_loading import UserError
 from megatron_ext.model import build_encoder_model, parameter_count, preset

@@ -6,21 +6,20 @@ from __future__ import annotations
 
 import copy
 import json
-import runpy
 from pathlib import Path
 
 import pytest
 
-import pretrain_encoder
+from benchmarks import recipe_defaults as defaults
+from megatron_ext.cli import pretrain_encoder
 
 REPO = Path(__file__).resolve().parents[2]
-defaults = runpy.run_path(str(REPO / "benchmarks" / "recipe_defaults.py"), run_name="recipe_defaults")
 
 
 def test_committed_table_is_what_the_committed_visits_give():
-    table = defaults["decide"]()
-    assert json.loads(defaults["TABLE_JSON"].read_text()) == table
-    assert defaults["TABLE_MD"].read_text() == defaults["render_markdown"](table)
+    table = defaults.decide()
+    assert json.loads(defaults.TABLE_JSON.read_text()) == table
+    assert defaults.TABLE_MD.read_text() == defaults.render_markdown(table)
     # The 2026-11-27 H100 row (2 micro-batches of 9): the TE spec (67,364 tok/s) over the local spec's
     # fastest side (60,890, with CUDA graphs); its gpu tests ran out of time with none failed.
     one_b = table["sizes"]["1b"]["model.transformer_impl"]
@@ -33,13 +32,13 @@ def test_committed_table_is_what_the_committed_visits_give():
 
 
 def test_size_recipes_set_what_the_table_says():
-    assert defaults["disagreements"](defaults["decide"]()) == []
+    assert defaults.disagreements(defaults.decide()) == []
 
 
 def test_a_recipe_that_drifts_from_the_table_is_named():
-    table = copy.deepcopy(defaults["decide"]())
+    table = copy.deepcopy(defaults.decide())
     table["sizes"]["610m"]["model.transformer_impl"]["value"] = "local"
-    (problem,) = defaults["disagreements"](table)
+    (problem,) = defaults.disagreements(table)
     assert problem.startswith("examples/recipes/base/610m.yaml: model.transformer_impl is 'te'")
 
 
@@ -67,7 +66,7 @@ def test_the_newest_visit_with_passing_gpu_tests_decides(tmp_path):
     # Newer and faster with the TE spec under CUDA graphs, but its gpu tests failed: not eligible.
     _visit(tmp_path, "h100-2026-12-02", tests_passed=False,
            sides={"megatron_ext": (50_000.0, local), "te_spec_cuda_graphs": (70_000.0, te_graphs)})
-    table = defaults["decide"](tmp_path)
+    table = defaults.decide(tmp_path)
     assert table["sizes"]["1b"]["model.transformer_impl"]["value"] == "local"
     assert table["sizes"]["1b"]["model.transformer_impl"]["visit"] == "h100-2026-12-01"
     assert table["sizes"]["1b"]["training.cuda_graphs"]["source"].startswith("not compared")
@@ -75,7 +74,7 @@ def test_the_newest_visit_with_passing_gpu_tests_decides(tmp_path):
     # The same newer visit with passing tests takes both settings: TE and CUDA graphs.
     _visit(tmp_path, "h100-2026-12-02b", tests_passed=True,
            sides={"megatron_ext": (50_000.0, local), "te_spec_cuda_graphs": (70_000.0, te_graphs)})
-    table = defaults["decide"](tmp_path)
+    table = defaults.decide(tmp_path)
     for name, value in (("model.transformer_impl", "te"), ("training.cuda_graphs", "megatron")):
         entry = table["sizes"]["1b"][name]
         assert (entry["value"], entry["visit"]) == (value, "h100-2026-12-02b")
@@ -94,14 +93,14 @@ def test_a_gpu_test_stage_that_ran_out_of_time_counts_only_without_a_failure(tmp
     _visit(tmp_path, "h100-2026-12-01", tests_passed=True, sides={"megatron_ext": (50_000.0, local), "te_spec": (40_000.0, te)})
     _visit(tmp_path, "h100-2026-12-02", tests_passed=False, tests_stage=out_of_time,
            sides={"megatron_ext": (50_000.0, local), "te_spec": (60_000.0, te)})
-    entry = defaults["decide"](tmp_path)["sizes"]["1b"]["model.transformer_impl"]
+    entry = defaults.decide(tmp_path)["sizes"]["1b"]["model.transformer_impl"]
     assert (entry["value"], entry["visit"]) == ("te", "h100-2026-12-02")
     assert entry["gpu_tests"] == "5 of 9 passed, none failed, 4 not finished (stopped at its time limit)"
     out_of_time["figures"]["counts"]["failed"] = 1  # one that ran failed: the older visit decides
     _visit(tmp_path, "h100-2026-12-03", tests_passed=False, tests_stage=out_of_time,
            sides={"megatron_ext": (50_000.0, local), "te_spec": (60_000.0, te)})
     (tmp_path / "h100-2026-12-02" / "summary.json").unlink()
-    entry = defaults["decide"](tmp_path)["sizes"]["1b"]["model.transformer_impl"]
+    entry = defaults.decide(tmp_path)["sizes"]["1b"]["model.transformer_impl"]
     assert (entry["value"], entry["visit"], entry["gpu_tests"]) == ("local", "h100-2026-12-01", "passed")
 
 
@@ -115,11 +114,11 @@ def test_a_failure_in_any_gpu_test_stage_or_a_tie_within_the_noise_keeps_the_def
     summary["stages"].append({"name": "gpu_tests_fusions", "status": "failed", "exit_code": 1, "reason": None,
                               "figures": {"counts": {"failed": 1}}})
     (visit / "summary.json").write_text(json.dumps(summary))
-    assert defaults["decide"](tmp_path)["sizes"]["1b"]["model.transformer_impl"]["visit"] == "h100-2026-12-01"
+    assert defaults.decide(tmp_path)["sizes"]["1b"]["model.transformer_impl"]["visit"] == "h100-2026-12-01"
     # Faster by less than the timing noise: the trainer's default (local) stands, and the table says why.
     _visit(tmp_path, "h100-2026-12-03", tests_passed=True,
            sides={"megatron_ext": (50_000.0, local), "te_spec": (51_000.0, te)})
-    entry = defaults["decide"](tmp_path)["sizes"]["1b"]["model.transformer_impl"]
+    entry = defaults.decide(tmp_path)["sizes"]["1b"]["model.transformer_impl"]
     assert (entry["value"], entry["visit"]) == ("local", "h100-2026-12-03")
     assert entry["source"].startswith("measured: within the timing noise (3 %)")
     assert [c["value"] for c in entry["candidates"]] == ["te", "local"]
@@ -142,22 +141,22 @@ def test_device_kinds_that_disagree_at_the_recipe_shape_need_a_default_each(tmp_
     """One default serves every device kind when the kinds agree at the size recipe's micro-batch, or
     when the one that disagrees measured another shape (not comparable: its next visit re-times it);
     kinds that disagree at the recipe's own shape fail ``--check``, naming both."""
-    micro = defaults["_recipe_micro_batch"]("1b")
+    micro = defaults._recipe_micro_batch("1b")
     local, te = ({"transformer_impl": "local", "cuda_graphs": None, "micro_batch_size": micro},
                  {"transformer_impl": "te", "cuda_graphs": None, "micro_batch_size": micro})
     _visit(tmp_path, "h100-2026-12-01", tests_passed=True, sides={"megatron_ext": (60_000.0, te), "local_spec": (50_000.0, local)})
     stale = {k: v for k, v in local.items() if k != "micro_batch_size"}
     _visit(tmp_path, "h200-2026-12-02", tests_passed=True,
            sides={"megatron_ext": (40_000.0, {**te, "micro_batch_size": None}), "local_spec": (55_000.0, stale)})
-    entry = defaults["decide"](tmp_path)["device_kinds"]["1b"]["model.transformer_impl"]
+    entry = defaults.decide(tmp_path)["device_kinds"]["1b"]["model.transformer_impl"]
     assert entry["one_value_serves"] and "h200's comparison (local, h200-2026-12-02)" in entry["why"]
     assert "not comparable" in entry["why"]
     _visit(tmp_path, "h200-2026-12-03", tests_passed=True,
            sides={"megatron_ext": (40_000.0, te), "local_spec": (55_000.0, local)})
-    table = defaults["decide"](tmp_path)
+    table = defaults.decide(tmp_path)
     entry = table["device_kinds"]["1b"]["model.transformer_impl"]
     assert not entry["one_value_serves"]
     assert entry["kinds"]["h100"]["value"] == "te" and entry["kinds"]["h200"]["value"] == "local"
-    problems = defaults["disagreements"](table)
+    problems = defaults.disagreements(table)
     assert any(p.startswith("1b: model.transformer_impl: the device kinds disagree at the recipe's micro-batch")
                for p in problems)

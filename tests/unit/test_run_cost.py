@@ -109,7 +109,7 @@ def test_budget_refuses_in_one_line_naming_the_biggest_items():
 
 
 def test_pretrain_dry_run_prints_the_cost_and_refuses_a_budget(capsys):
-    import pretrain_encoder
+    from megatron_ext.cli import pretrain_encoder
 
     argv = ["--config", str(RECIPES / "paper" / "610m_mlm_40.yaml"), "--dry-run", "--world-size", "64",
             "--gpu", "h100"]

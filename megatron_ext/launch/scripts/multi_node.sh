@@ -61,7 +61,7 @@ config=()
 [[ -n "$RECIPE" ]] && config=(--config "$RECIPE")
 
 if [[ "$DRY_RUN" == 1 ]]; then
-    exec "$PYTHON" -m pretrain_encoder "${config[@]}" --dry-run \
+    exec "$PYTHON" -m megatron_ext.cli.pretrain_encoder "${config[@]}" --dry-run \
         --world-size "$((NNODES * GPUS_PER_NODE))" "$@"
 fi
 
@@ -82,4 +82,4 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
 exec $TORCHRUN --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID" \
     "${rdzv_conf[@]}" "${local_addr[@]}" \
-    --module pretrain_encoder "${config[@]}" "$@"
+    --module megatron_ext.cli.pretrain_encoder "${config[@]}" "$@"

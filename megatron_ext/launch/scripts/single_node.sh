@@ -29,7 +29,7 @@ config=()
 [[ -n "$RECIPE" ]] && config=(--config "$RECIPE")
 
 if [[ "$DRY_RUN" == 1 ]]; then
-    exec "$PYTHON" -m pretrain_encoder "${config[@]}" --dry-run --world-size "$GPUS_PER_NODE" "$@"
+    exec "$PYTHON" -m megatron_ext.cli.pretrain_encoder "${config[@]}" --dry-run --world-size "$GPUS_PER_NODE" "$@"
 fi
 
 # As in Megatron-LM's launch scripts: one hardware work queue keeps tensor-parallel communication
@@ -42,4 +42,4 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
 # $TORCHRUN is split on purpose: it may be a command with arguments.
 # shellcheck disable=SC2086
 exec $TORCHRUN --standalone --nproc-per-node "$GPUS_PER_NODE" \
-    --module pretrain_encoder "${config[@]}" "$@"
+    --module megatron_ext.cli.pretrain_encoder "${config[@]}" "$@"
