@@ -766,7 +766,7 @@ def recipe_problems(text: str) -> list[str]:
     would read it, from the repository's root; the tokenizer is loaded (and must serve the run)
     when the vocabulary comes from it."""
     from megatron_ext.config_loading import UserError
-    from megatron_ext.training.dry_run import check_tokenizer_serves
+    from megatron_ext.training.preflight import check_tokenizer_serves
 
     sys.path.insert(0, str(REPO))
     try:
