@@ -14,7 +14,7 @@ from megatron_ext.training.config import RunConfig
 from megatron_ext.training.context import PhaseContext, rampup_schedule, varies
 # layout_problem: training.memory's micro-batch search imports it from here (memory.py moves to the
 # performance unit in parallel; its imports follow then).
-from megatron_ext.training.preflight import check_layout, layout_problem  # noqa: F401
+from megatron_ext.training.layout import check_layout, layout_problem  # noqa: F401
 from megatron_ext.training.metrics import (ISOLATED_DOCUMENTS_CONVENTION, MFU_CONVENTION, flops_per_token,
                                            mean_lm_head_share)
 
@@ -38,7 +38,7 @@ class RunPlan:
 
 
 def make_plan(config: RunConfig, world_size: int) -> RunPlan:
-    """The numbers a launch implies, after ``preflight.check_layout`` (which raises a ``UserError``
+    """The numbers a launch implies, after ``layout.check_layout`` (which raises a ``UserError``
     naming what does not divide)."""
     dp = check_layout(config, world_size)
     tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size

@@ -10,7 +10,8 @@ import pretrain_encoder
 from helpers import tiny_recipe
 from megatron_ext.cli import plan_study
 from megatron_ext.config_loading import UserError
-from megatron_ext.training.preflight import Caller, check_layout, preflight
+from megatron_ext.training.layout import check_layout
+from megatron_ext.training.preflight import Caller, preflight
 from megatron_ext.training.recipe import run_config_from_dict
 
 FAKE = {"tokenizer": "/nonexistent/tok", "data": "/nonexistent/data_text_document"}
@@ -88,7 +89,7 @@ def test_the_module_states_every_check_and_caller():
     doc = module.__doc__
     for caller in Caller:
         assert caller.name in doc or caller.value in doc, caller
-    for check in ("check_paths", "check_layout", "model_parallel_problem", "check_machine", "check_save_space",
+    for check in ("check_paths", "layout.check_layout", "layout.model_parallel_problem", "check_machine", "check_save_space",
                   "check_run_fits", "memory_report", "check_tokenizer_serves", "check_data_tokenizer",
                   "machine_problem", "run_problem", "training_problem"):
         assert check in doc, check
