@@ -52,11 +52,14 @@ Who runs which (:class:`Caller`)::
 here and to check where it starts. The trainer calls :func:`preflight` twice, at the two moments
 above (``RUN_BEFORE_PROCESS_GROUP``: 2-4; ``RUN_BEFORE_MODEL``: 5-7).
 
-Checked later, where what they check first exists: the starting checkpoint (damage, the optimizer
-format, a resume that changes the data's attention or positions, a branch's parent:
-``checkpoint.resume.load_starting_point``, ``loop._check_resume_keeps_context``,
-``training.branching.check_saved_parent``) once the model is built, and each dataset's index
-(``training.data``) when the datasets are built.
+Checked later, before the first step, where what they check first exists: the starting checkpoint
+(damage, the optimizer format, a resume that changes the data's attention or positions, a branch's
+parent: ``checkpoint.resume.load_starting_point``, ``loop._check_resume_keeps_context``,
+``training.branching.check_saved_parent``) once the model is built to load into; each prefix's
+index (header, document index, token dtype and ids against the tokenizer, the split's shares:
+``training.data.build_datasets``) as the datasets are built from it. Not checks: what this machine
+lacks and the run turns off, announced once (``loop.runnable_here``: the ``te`` layers, the fused
+kernels), after check 4.
 """
 
 from __future__ import annotations
