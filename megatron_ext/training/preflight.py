@@ -68,7 +68,7 @@ import enum
 import os
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -97,7 +97,7 @@ NOT_READY = "NOT READY, a run would stop here"
 """How ``--dry-run`` says what would stop a run on this machine (its paths, its tokenizer)."""
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class Preflight:
     """What a pre-flight found; the checks it ran passed (a failure raised), but for what
     ``--dry-run`` says instead of refusing (``lines``)."""
@@ -109,7 +109,7 @@ class Preflight:
     """The run's tokenizer, built by check 7 (None where it was not built)."""
     memory: str | None = None
     """``--dry-run``'s memory lines (check 6)."""
-    lines: list[str] = field(default_factory=list)
+    lines: tuple[str, ...] = ()
     """``--dry-run``'s last lines: what the paths check found, then the tokenizer's (check 2, 7)."""
 
 
@@ -190,7 +190,7 @@ def _dry_run(config: RunConfig, world_size: int, tokenizer: EncoderTokenizer | N
     except UserError as err:
         paths_line = f"paths: {missing}: {err}"
     return Preflight(caller=Caller.DRY_RUN, data_parallel=data_parallel, tokenizer=tokenizer, memory=memory,
-                     lines=[paths_line] + ([tokenizer_line] if tokenizer_line else []))
+                     lines=(paths_line, *([tokenizer_line] if tokenizer_line else [])))
 
 
 # -- 2. paths ------------------------------------------------------------------------------------
