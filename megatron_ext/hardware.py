@@ -33,7 +33,7 @@ Divergences, and why:
    Engine, ``transformer_impl: te`` falls back to the local spec, announced once; so do
    ``training.rope_fusion`` (TE's kernel) and ``training.gradient_accumulation_fusion`` (GPU;
    with the local spec, apex) turn off (``fusion_fallbacks``). CUDA graphs
-   (``training.cuda_graphs``) are CUDA: refused on CPU.
+   (``training.cuda_graphs``) are CUDA: refused on CPU (``training.cuda_graphs.machine_problem``).
 7. Megatron-Core outside the model: its DDP, optimizers, gradient clipping, forward-backward
    schedules (pipeline p2p included) and the distributed-checkpoint save place small tensors
    on CUDA, use CUDA streams and check for ``torch.cuda`` tensor types even when every
@@ -119,15 +119,11 @@ def transformer_engine_available() -> bool:
 
 
 def check_run_supported(*, fp8_recipe: str | None, recompute_granularity: str | None,
-                        bf16_autocast: bool = False, params_dtype: str = "float32",
-                        cuda_graphs: str = "none") -> None:
-    """Raise ``UserError`` naming the setting this machine cannot run (before any model is built).
-    What the config itself rules out (FP8 without the ``te`` backend, graphs with recomputation) is
-    refused once, by ``RunConfig``. (``checkpoint.async_strategy: nvrx`` without NVRx: the checkpoint
-    layer's ``check_nvrx_async_writer``, at the same point of a run.)"""
-    if cuda_graphs != "none" and not on_gpu():
-        raise UserError(f"training.cuda_graphs={cuda_graphs!r}: CUDA graphs need a CUDA GPU; this machine has "
-                        "none. Set training.cuda_graphs: none on CPU")
+                        bf16_autocast: bool = False, params_dtype: str = "float32") -> None:
+    """Raise ``UserError`` naming the kernel setting this machine cannot run (before any model is
+    built). What the config itself rules out (FP8 without the ``te`` backend, graphs with
+    recomputation) is refused once, by ``RunConfig``. The run's pre-flight asks this with its other
+    machine checks (``training.preflight.check_machine``: CUDA graphs on CPU, NVRx)."""
     if fp8_recipe is not None:
         if not on_gpu():
             raise UserError(f"training.fp8_recipe={fp8_recipe!r}: FP8 needs a CUDA GPU with compute capability "

@@ -37,8 +37,8 @@ def init_process_group_and_model_parallel(
     Args:
         tensor_parallel_size: Tensor-parallel size.
         pipeline_parallel_size: Pipeline-parallel size; data parallelism takes the rest. Whether the
-            world size divides is the plan's rule (``training.dry_run.make_plan``, checked before a run
-            starts); Megatron's ``initialize_model_parallel`` refuses it too.
+            world size divides is the pre-flight's rule (``training.layout.check_layout``, checked
+            before a run starts); Megatron's ``initialize_model_parallel`` refuses it too.
         seed: Seed for parameter initialisation (same on every rank; ``hardware``, divergences 3 and 4).
         init_method: ``torch.distributed`` rendezvous; ``env://`` reads ``MASTER_ADDR``,
             ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` as set by torchrun or SLURM scripts.

@@ -781,7 +781,7 @@ def recipe_problems(text: str) -> list[str]:
     when the vocabulary comes from it."""
     from megatron_ext.cli.pretrain_encoder import config_from_recipe
     from megatron_ext.config_loading import UserError
-    from megatron_ext.training.dry_run import check_tokenizer_serves
+    from megatron_ext.training.preflight import check_tokenizer_serves
 
     saved_cwd = os.getcwd()
     try:

@@ -37,7 +37,7 @@ from megatron_ext.cli.entry import ArgumentParser, configure_logging, report_use
 import yaml
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.tokenizer import EncoderTokenizer, TokenizerConfig, build_tokenizer, is_hub_id
+from megatron_ext.tokenizer import EncoderTokenizer, TokenizerConfig, build_tokenizer
 
 if TYPE_CHECKING:
     from megatron_ext.training.config import RunConfig
@@ -120,44 +120,26 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if args.dry_run:
-        from megatron_ext.training.dry_run import (check_paths, check_tokenizer_serves, format_dry_run, make_plan,
-                                                   phase_flops)
-
-        from megatron_ext.hardware import runs_elsewhere
-        from megatron_ext.training.memory_fit import memory_report
+        from megatron_ext.training.dry_run import format_dry_run, make_plan, phase_flops
+        from megatron_ext.training.preflight import Caller, preflight
 
         from megatron_ext.performance.cost import check_budget, format_run_cost, segment_cost, speed_table
 
         world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        speeds = speed_table(args)
+        # The run's pre-flight for this plan: what refuses a run refuses here (before the plan); what
+        # this machine lacks is said in the last lines (NOT READY where this machine runs the plan).
+        checks = preflight(config, Caller.DRY_RUN, world_size=world, tokenizer=tokenizer,
+                           gpu_kind=speeds.kind if args.gpu else None)
         plan = make_plan(config, world)
-        # What this machine lacks stops a run here only; a plan it does not run (64 GPUs planned on a
-        # login node) starts where the compute nodes' mounts are: said, not judged NOT READY.
-        elsewhere = runs_elsewhere(world)
-        missing = ("NOT READY, a run would stop here" if elsewhere is None
-                   else f"fails on this machine, which does not run this plan ({elsewhere}); check where it starts")
-        tokenizer_note = None
-        model = config.tokenizer.tokenizer_model
-        if tokenizer is None and model is not None and not os.path.exists(model) and is_hub_id(model):
-            # A download (minutes of retries without network) has no place in a dry run.
-            tokenizer_note = f"tokenizer: hub id {model!r} not loaded by --dry-run; the run checks it before building the model"
-        else:
-            try:  # like the paths below, the tokenizer may be on a mount of the compute nodes only
-                tokenizer = tokenizer or build_tokenizer(config.tokenizer)
-            except UserError as err:
-                tokenizer_note = f"tokenizer: {missing}: {err}"
-            else:  # what the objectives need of it: refused now (before the plan), as the run would refuse it
-                check_tokenizer_serves(config, tokenizer)
-                from megatron_ext.data.provenance import check_data_tokenizer
-
-                tokenizer_note = check_data_tokenizer(config.data.blend[0], tokenizer)  # refuses another's data
         print(format_dry_run(config, plan))
         from megatron_ext.cli.megatron_flags import megatron_differences
 
         if differences := megatron_differences(config):  # on purpose, said before a ported script launches
             print("\n".join(["unlike Megatron-LM, on purpose:", *(f"  {difference}" for difference in differences)]))
-        speeds = speed_table(args)
-        print(memory_report(config, world_size=world, gpu_kind=speeds.kind if args.gpu else None))
-        cost = segment_cost(config, phase_flops(config), run="the run", gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
+        print(checks.memory)
+        cost = segment_cost(config, phase_flops(config), run="the run", gpus=world, gpus_per_node=args.gpus_per_node,
+                            speeds=speeds)
         print(format_run_cost(cost, speeds.kind, speeds.notices))
         if len({(c.seq_length, c.global_batch_size) for c in config.phase_contexts}) > 1:  # training.context
             for context in config.phase_contexts:
@@ -168,12 +150,7 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
                 print(f"  phases[{context.phase.index}] at {context.seq_length} tokens: {part.flops:.3e} FLOPs, {hours}")
         check_budget(args.budget_gpu_hours, cost.gpu_hours, [("the run", cost.gpu_hours or 0.0)], "the run",
                      unknown_hint=speeds.unknown_hint)
-        try:  # a plan made on a login node may name paths mounted only on the compute nodes
-            print("checked: " + ", ".join(check_paths(config)))
-        except UserError as err:
-            print(f"paths: {missing}: {err}")
-        if tokenizer_note:
-            print(tokenizer_note)
+        print("\n".join(checks.lines))
         return 0, "dry run"
     from megatron_ext.training.loop import pretrain
     from megatron_ext.exit_codes import RESUMABLE_EXIT_CODE, STOPPED_UNSAVED_EXIT_CODE

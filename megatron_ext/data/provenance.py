@@ -53,7 +53,7 @@ def _describe(record: dict) -> str:
 def check_data_tokenizer(prefixes: list[str], tokenizer: EncoderTokenizer, *, field: str = "data.data_path") -> str | None:
     """Refuse (``UserError``, naming both tokenizers) data whose record names another tokenizer than
     ``tokenizer``; returns a notice naming the prefixes without a record (None when all have one).
-    Prefixes whose files are missing are left to ``dry_run.check_paths``."""
+    Prefixes whose files are missing are left to ``preflight.check_paths``."""
     unrecorded = []
     for prefix in prefixes:
         path = record_path(prefix)

@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_ext.config_loading import ConfigError
+from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.study.spec import Study, steps_label
 from megatron_ext.training.branching import shared_steps
 from megatron_ext.training.config import RunConfig, TrainingConfig
+from megatron_ext.training.preflight import Caller, preflight
 from megatron_ext.training.recipe import deep_merge, needs_tokenizer_vocab, read_recipe, run_config_from_dict
 
 VOCAB_NOT_READ = 128
@@ -259,11 +260,19 @@ def expand_runs(study: Study, path: str | Path) -> list[PlannedRun]:
 
 
 def _validated(recipe: dict[str, Any], path: Path, name: str) -> RunConfig:
+    """``recipe`` as a run config, through the run's pre-flight for a plan (``training.preflight``:
+    the config's rules and the model's split over its parallel sizes; the world size, the machine,
+    the data and the tokenizer are the launch's, checked when each run starts)."""
     try:
         vocab = VOCAB_NOT_READ if needs_tokenizer_vocab(recipe) else None
-        return run_config_from_dict(recipe, tokenizer_vocab_size=vocab)
+        config = run_config_from_dict(recipe, tokenizer_vocab_size=vocab)
     except ConfigError as err:
         raise ConfigError(f"{path}: run {name}: {err}") from None
+    try:
+        preflight(config, Caller.STUDY_PLAN)
+    except UserError as err:
+        raise ConfigError(f"{path}: run {name}: {err}") from None
+    return config
 
 
 def _in_the_tree(run: PlannedRun, segment: Segment, parent: PlannedRun | None, path: Path) -> PlannedRun:

@@ -141,7 +141,7 @@ def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int,
         end = config.consumed_samples(config.training.train_iters)
         train_ds, valid_ds, test_ds = datasets.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=end,
                                                               **evaluated)
-        chunk = data_cfg.micro_batch_size * dp_size  # every batch of the ramp is whole chunks (make_plan)
+        chunk = data_cfg.micro_batch_size * dp_size  # every batch of the ramp is whole chunks (layout.check_layout)
         train = build_phase_iterator(
             train_ds, reads=[(data_cfg.micro_batch_size, chunk, config.consumed_samples(start), end)],
             config=data_cfg, dp_rank=dp_rank, dp_size=dp_size)

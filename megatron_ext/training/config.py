@@ -404,10 +404,6 @@ class RunConfig:
             raise ConfigError(f"training.fp8_format={self.training.fp8_format!r} (FP8) needs model.transformer_impl: te "
                               f"(FP8 matmuls are Transformer Engine layers), got "
                               f"{self.model.transformer_impl!r}: add --transformer-impl te")
-        from megatron_ext.training.cuda_graphs import run_problem
-
-        if (problem := run_problem(self)) is not None:
-            raise ConfigError(problem)
         checkpoint, total = self.checkpoint, self.training.train_iters
         past = [step for step in checkpoint.keep_steps if step > total]
         if past:
@@ -450,9 +446,10 @@ class RunConfig:
             if context.seq_length > self.model.seq_length:
                 raise ConfigError(f"phases[{context.phase.index}].seq_length={context.seq_length} exceeds "
                                   f"model.seq_length={self.model.seq_length}")
-        if (varies(contexts) or self.data.rampup_batch_size is not None) and self.training.cuda_graphs != "none":
-            raise ConfigError(f"training.cuda_graphs={self.training.cuda_graphs!r} captures one shape; phases with "
-                              "other seq_length or batch sizes, and a batch-size ramp-up, need training.cuda_graphs: none")
+        from megatron_ext.training.cuda_graphs import run_problem
+
+        if (problem := run_problem(self)) is not None:  # the CUDA-graph rules across sections
+            raise ConfigError(problem)
         seq_length = self.data.seq_length
         for index, (phase, context) in enumerate(zip(self.phases, contexts)):
             if problem := phase.objective.selection_problem(context.seq_length,

@@ -54,8 +54,9 @@ How Megatron-Core does it, and what this module adds around it:
   (``distributed_data_parallel.py``, ``_cudagraph_wgrad_ready_event``). FP8 scaling state is
   saved and restored around the capture's warm-up by the runner itself.
 
-What is refused, before anything is built (``training_problem``, ``run_problem``; on CPU
-``hardware.check_run_supported``): the ``transformer_engine`` implementation (TE's
+What is refused, before anything is built: the rules are stated here, once, and asked by the
+config (``training_problem`` by ``TrainingConfig``, ``run_problem`` by ``RunConfig``) and by the
+pre-flight (``machine_problem``, ``training.preflight``): the ``transformer_engine`` implementation (TE's
 ``make_graphed_callables`` captures each layer once per micro-batch with Megatron's sample
 arguments, a dense causal ``[b, 1, s, s]`` mask, and replays None as a dense zero mask:
 ``transformer_layer.py::get_layer_static_inputs``, ``_get_te_cuda_graph_replay_args``; the
@@ -64,7 +65,8 @@ documents are a data-dependent packed-sequence layout, ``cu_seqlens`` of varying
 captured graph cannot replay: NVIDIA/Megatron-LM#5619, until upstream supports it); activation recomputation (Megatron refuses full
 recomputation with per-layer graphs; selective recomputation inside a graph is unverified here);
 pipeline parallelism (Megatron then keeps one runner per micro-batch in flight, untested here);
-CPU (CUDA graphs are CUDA). The LM head and the loss stay outside the graphs, eager: the MLM head
+more than one shape (phases at other lengths or batches, a batch-size ramp-up: a graph replays the
+shape it captured); CPU (CUDA graphs are CUDA). The LM head and the loss stay outside the graphs, eager: the MLM head
 runs on ``max_scored_per_sequence`` rows, a fixed shape, but it never needed a graph.
 
 Measured on an H200 (2026-11-26, torch 2.11, megatron-core 0.19.2, *without* Transformer Engine:
@@ -120,7 +122,9 @@ def training_problem(training: Any) -> str | None:
 
 def run_problem(config: Any) -> str | None:
     """What in a ``RunConfig`` (beyond its training section) rules ``training.cuda_graphs`` out, or
-    None."""
+    None. Asked once the config's phase contexts are resolved (``RunConfig.phase_contexts``)."""
+    from megatron_ext.training.context import varies
+
     impl = config.training.cuda_graphs
     if impl == "none":
         return None
@@ -132,6 +136,19 @@ def run_problem(config: Any) -> str | None:
         return (f"training.cuda_graphs={impl!r} with parallel.pipeline_model_parallel_size="
                 f"{config.parallel.pipeline_model_parallel_size}: Megatron then keeps a graph per micro-batch in "
                 "flight (1F1B), which this trainer has not verified; use pipeline_model_parallel_size: 1")
+    if varies(config.phase_contexts) or config.data.rampup_batch_size is not None:
+        return (f"training.cuda_graphs={impl!r} captures one shape; phases with other seq_length or batch sizes, "
+                "and a batch-size ramp-up, need training.cuda_graphs: none")
+    return None
+
+
+def machine_problem(config: Any) -> str | None:
+    """What this machine lacks for a ``RunConfig``'s ``training.cuda_graphs`` (a CUDA GPU), or None:
+    the pre-flight's machine check (``training.preflight.check_machine``)."""
+    impl = config.training.cuda_graphs
+    if impl != "none" and not hardware.on_gpu():
+        return (f"training.cuda_graphs={impl!r}: CUDA graphs need a CUDA GPU; this machine has none. Set "
+                "training.cuda_graphs: none on CPU")
     return None
 
 

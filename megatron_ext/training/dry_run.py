@@ -8,14 +8,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_ext.config_loading import UserError
-from megatron_ext.model.config import parameter_count, tensor_parallel_problem
+from megatron_ext.model.config import parameter_count
 from megatron_ext.schedule import lr_at
-from megatron_ext.tokenizer import EncoderTokenizer
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.context import PhaseContext, rampup_schedule, varies
 from megatron_ext.performance.flops import (ISOLATED_DOCUMENTS_CONVENTION, MFU_CONVENTION, flops_per_token,
                                             mean_lm_head_share, packed_attention)
+from megatron_ext.training.layout import check_layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,57 +35,9 @@ class RunPlan:
     """(name, first step, end step) per phase."""
 
 
-def check_layout(config: RunConfig, world_size: int) -> int:
-    """Check that the layout and batch sizes divide, raising a ``UserError`` naming what does not:
-    the one statement of these rules (``pretrain`` checks them before the process group exists,
-    ``--dry-run`` for any world size, the memory estimate's micro-batch search for each size it
-    tries). Returns the data-parallel size."""
-    tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
-    if world_size < 1 or world_size % (tp * pp):
-        raise UserError(
-            f"world size {world_size} is not divisible by tensor_model_parallel_size={tp} x "
-            f"pipeline_model_parallel_size={pp}"
-        )
-    dp = world_size // (tp * pp)
-    m = config.model
-    if (problem := tensor_parallel_problem(m, tp)) is not None:
-        raise UserError(problem)
-    if m.vocab_size % tp:
-        raise UserError(f"tensor_model_parallel_size={tp} must divide model.vocab_size={m.vocab_size}")
-    if m.num_layers % pp:
-        raise UserError(f"pipeline_model_parallel_size={pp} must divide num_layers={m.num_layers}")
-    d = config.data
-    if d.global_batch_size % (d.micro_batch_size * dp):
-        raise UserError(
-            f"data.global_batch_size={d.global_batch_size} is not divisible by micro_batch_size="
-            f"{d.micro_batch_size} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp}))"
-        )
-    for batch in sorted({b for _, b in rampup_schedule(d) or ()}):
-        if batch % (d.micro_batch_size * dp):
-            raise UserError(f"data.rampup_batch_size {list(d.rampup_batch_size)}: the ramp's global batch {batch} is not "
-                            f"divisible by micro_batch_size={d.micro_batch_size} x data-parallel size {dp}")
-    for c in config.phase_contexts:
-        if c.global_batch_size % (c.micro_batch_size * dp):
-            raise UserError(
-                f"phases[{c.phase.index}]: global batch {c.global_batch_size} is not divisible by micro batch "
-                f"{c.micro_batch_size} x data-parallel size {dp} (world {world_size} / (TP {tp} x PP {pp})); set "
-                f"phases[{c.phase.index}].micro_batch_size / global_batch_size")
-    return dp
-
-
-def layout_problem(config: RunConfig, world_size: int) -> str | None:
-    """What :func:`check_layout` refuses in ``config`` at ``world_size``, or None: how a search over
-    candidate settings (``memory_fit.largest_micro_batch``) keeps to the same rules without restating them."""
-    try:
-        check_layout(config, world_size)
-    except UserError as err:
-        return str(err)
-    return None
-
-
 def make_plan(config: RunConfig, world_size: int) -> RunPlan:
-    """The numbers a launch implies, after :func:`check_layout` (which raises a ``UserError`` naming
-    what does not divide)."""
+    """The numbers a launch implies, after ``layout.check_layout`` (which raises a ``UserError``
+    naming what does not divide)."""
     dp = check_layout(config, world_size)
     tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
     d = config.data
@@ -350,68 +301,3 @@ def _rampup_lines(config: RunConfig, plan: RunPlan) -> list[str]:
     return [f"batch ramp-up     {start} + {increment} per {samples / (len(schedule) - 1):,.0f} samples to "
             f"{config.data.global_batch_size} over the first {samples:,} samples (Megatron-LM --rampup-batch-size): "
             f"{reached}"]
-
-
-def check_tokenizer_serves(config: RunConfig, tokenizer: EncoderTokenizer) -> None:
-    """Refuse, naming the tokenizer (and the objective), a tokenizer the run cannot train with: more
-    ids than the model's embedding rows, or what an objective needs and it lacks (a mask token,
-    word marks: ``Objective.check_tokenizer``), validation's objectives included. ``--dry-run`` and
-    every run ask, before any model is built."""
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise UserError(
-            f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size is "
-            f"{config.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size} (or from_tokenizer)"
-        )
-    if config.data.reset_attention_mask:
-        from megatron_ext.training.datasets import document_end_id
-
-        document_end_id(config.data, tokenizer)
-    for phase in config.phases:
-        phase.objective.check_tokenizer(tokenizer)
-    if config.data.eval_iters:  # validation runs (at least after the last step)
-        for objective in config.validation_objectives().values():
-            try:
-                objective.check_tokenizer(tokenizer)
-            except UserError as err:
-                raise type(err)(f"validation (data.eval_iters={config.data.eval_iters}) measures "
-                                f"{objective.name}: {err}; or set data.eval_iters: 0") from None
-
-
-def check_paths(config: RunConfig) -> list[str]:
-    """Fail now, naming the field, on paths a run would trip over later: a save or log directory
-    that cannot be written (found otherwise at the first save, a whole save interval in), missing
-    ``.bin``/``.idx`` files of ``data.data_path``, a ``checkpoint.load`` that does not exist, or
-    ``checkpoint.finetune`` without ``checkpoint.load``. Writes nothing that stays (a probe file is
-    created and removed in the nearest existing directory). Returns what was checked."""
-    import tempfile
-    from pathlib import Path
-
-    from megatron_ext.data.index_checks import missing_prefix_problem
-
-    checked = []
-    cc = config.checkpoint
-    if cc.finetune and not cc.load:
-        raise UserError("checkpoint.finetune needs checkpoint.load (the checkpoint to start from)")
-    if cc.load and not Path(cc.load).exists():
-        raise UserError(f"checkpoint.load={cc.load!r} does not exist")
-    for field, directory in (("checkpoint.save", cc.save), ("logging.log_dir", config.logging.log_dir)):
-        if not directory:
-            continue
-        existing = Path(directory).absolute()
-        while not existing.exists():
-            existing = existing.parent
-        if not existing.is_dir():
-            raise UserError(f"{field}={directory!r}: {existing} is a file, not a directory")
-        try:
-            with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-probe-"):
-                pass
-        except OSError as error:
-            raise UserError(f"{field}={directory!r} cannot be written ({existing}: {error.strerror}); "
-                             "choose a writable directory") from None
-        checked.append(f"{field} writable")
-    prefixes, _ = config.data.blend
-    for prefix in prefixes:
-        if (problem := missing_prefix_problem(prefix)) is not None:
-            raise UserError(f"data.data_path: {problem}")
-    checked.append(f"{len(prefixes)} data prefix(es) present")
-    return checked

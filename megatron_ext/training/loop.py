@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import sys
-from pathlib import Path
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,13 +36,11 @@ from megatron_ext.model.provider import ENCODER, ModelProvider
 from megatron_ext.objectives import Objective, PhaseProgress, Vocabulary
 from megatron_ext.phases import Phase, ResolvedPhase, phase_at
 from megatron_ext.schedule import lr_at
-from megatron_ext.tokenizer import EncoderTokenizer, build_tokenizer
-from megatron_ext.checkpoint.config import check_nvrx_async_writer
-from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, Checkpoint, intact_checkpoints
+from megatron_ext.tokenizer import EncoderTokenizer
+from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, Checkpoint
 from megatron_ext.checkpoint.lock import SaveDirectoryLock
 from megatron_ext.checkpoint.resume import BRANCHED_FROM, load_starting_point
 from megatron_ext.checkpoint.writer import CheckpointSaver
-from megatron_ext.data.provenance import check_data_tokenizer
 from megatron_ext.training import cuda_graphs
 from megatron_ext.training import context as context_lib
 from megatron_ext.training.branching import check_saved_parent
@@ -52,10 +49,7 @@ from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, StepOutcome, megatron_transformer_overrides
 from megatron_ext.training.batches import Batches, build_batches, to_device
 from megatron_ext.training.datasets import GPT_DATASETS, DatasetProvider, format_blend
-from megatron_ext.performance.memory import stage_parameters
-from megatron_ext.training.memory_fit import check_run_fits
-from megatron_ext.checkpoint import storage
-from megatron_ext.training.dry_run import check_paths, check_tokenizer_serves, make_plan
+from megatron_ext.training.preflight import Caller, preflight
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
 from megatron_ext.training.stop import StopPolicy, write_exit_status
 from megatron_ext.exit_codes import RESUMABLE_EXIT_CODE
@@ -206,15 +200,8 @@ def pretrain(config: RunConfig, *, exit_after_step: int | None = None, model_pro
     default) and ``dataset_provider`` the datasets of ``config.data`` (``training.datasets``:
     Megatron's ``GPTDataset`` by default), as torchtitan's train spec names them.
     """
-    check_paths(config)  # unwritable outputs and missing inputs, before anything starts
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    make_plan(config, world_size)  # the layout and batch sizes divide, before the process group exists
-    hardware.check_run_supported(fp8_recipe=config.training.fp8_recipe,
-                                 recompute_granularity=config.training.recompute_granularity,
-                                 bf16_autocast=config.training.bf16, params_dtype=config.model.params_dtype,
-                                 cuda_graphs=config.training.cuda_graphs)
-    if config.checkpoint.async_save and config.checkpoint.async_strategy == "nvrx":
-        check_nvrx_async_writer()
+    preflight(config, Caller.RUN_BEFORE_PROCESS_GROUP, world_size=world_size)  # paths, layout, this machine
     config = runnable_here(config, announce=int(os.environ.get("RANK", "0")) == 0)
     if config.training.deterministic:  # before the process group (NCCL) and any CUDA work (cuBLAS)
         hardware.make_deterministic()
@@ -347,51 +334,12 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None, model_provider:
                                 dataset_provider=dataset_provider)
 
 
-def checkpoint_bytes_estimate(config: RunConfig) -> int:
-    """About the size of one checkpoint of ``config``: every parameter once in its dtype, and Adam's
-    state (two fp32 moments, plus fp32 main parameters for lower-precision ones)."""
-    params = stage_parameters(config.model, tensor_parallel=1, pipeline_parallel=1)
-    param_bytes = config.model.torch_dtype.itemsize
-    return params * (param_bytes + 8 + (4 if param_bytes < 4 else 0))
-
-
-def _check_save_space(config: RunConfig) -> None:
-    """Refuse a run whose first save cannot fit in ``checkpoint.save`` (``CheckpointStorageError``,
-    exit code 74, on every rank), warn when ``keep_last`` checkpoints will not (rank 0 judges, for
-    all: ranks on one shared directory must not disagree)."""
-    verdict: list = [None]
-    if dist.get_rank() == 0:
-        save_dir = Path(config.checkpoint.save)
-        kept = intact_checkpoints(save_dir)[-config.checkpoint.keep_last:]
-        sizes = [storage.directory_bytes(path) for path in kept]
-        check = storage.SpaceCheck(save_dir=save_dir, checkpoint_bytes=sizes[-1] if sizes else
-                                   checkpoint_bytes_estimate(config), measured=bool(sizes),
-                                   kept=config.checkpoint.keep_last, existing_bytes=sum(sizes))
-        verdict[0] = check.problem()
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is None:
-        return
-    message, fatal = verdict[0]
-    if fatal:
-        raise storage.CheckpointStorageError(message)
-    if is_writer():
-        print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
 def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None, lock: SaveDirectoryLock | None,
                      model_provider: ModelProvider, dataset_provider: DatasetProvider) -> TrainResult:
-    # Everything a launch can get wrong is refused here, before the model is allocated.
-    if config.checkpoint.save:
-        _check_save_space(config)
-    usable, where = hardware.usable_memory_bytes()
-    check_run_fits(config, world_size=dist.get_world_size(), usable_bytes=usable, where=where)
+    # Everything a launch can get wrong is refused here, before the model is allocated: save space,
+    # memory, the tokenizer.
+    tokenizer = preflight(config, Caller.RUN_BEFORE_MODEL, world_size=dist.get_world_size()).tokenizer
     device = hardware.device()
-    tokenizer = build_tokenizer(config.tokenizer)
-    check_tokenizer_serves(config, tokenizer)
-    unrecorded = check_data_tokenizer(config.data.blend[0], tokenizer)  # the data's own tokenizer is this one
-    if unrecorded and is_writer():
-        print(unrecorded, file=sys.stderr, flush=True)
     engine = _build_model_and_engine(config, device, model_provider)
     try:
         return _train_engine(config, engine, tokenizer=tokenizer, device=device, exit_after_step=exit_after_step,

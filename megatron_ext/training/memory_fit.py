@@ -21,7 +21,7 @@ from megatron_ext.performance.devices import GPU_MEMORY_GIB
 from megatron_ext.performance.memory import GiB, MemoryEstimate, rank_memory
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.context import varies
-from megatron_ext.training.dry_run import check_layout, layout_problem
+from megatron_ext.training.layout import check_layout, layout_problem
 
 
 def estimate_memory(config: RunConfig, *, world_size: int) -> MemoryEstimate:

@@ -78,7 +78,8 @@ def _source(dataset: Dataset, index: int) -> str:
 
 def _check_dp(config: DataConfig, dp_rank: int, dp_size: int) -> None:
     """The rank is one of the group's. That ``global_batch_size`` divides by ``micro_batch_size x
-    dp_size`` is the plan's rule (``training.dry_run.make_plan``, checked before a run starts)."""
+    dp_size`` is the pre-flight's rule (``training.layout.check_layout``, checked before a run
+    starts)."""
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise UserError(f"dp_rank {dp_rank} / dp_size {dp_size}: expected 0 <= dp_rank < dp_size")
 

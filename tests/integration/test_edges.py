@@ -164,7 +164,8 @@ def test_disk_full_during_a_save_stops_with_exit_74_keeping_the_previous_checkpo
                                                                                     small_filesystem, async_save):
     """Synchronous, or asynchronous where the writer process fails after training went on."""
     from megatron_ext.training.recipe import run_config_from_dict
-    from megatron_ext.training.loop import checkpoint_bytes_estimate, pretrain
+    from megatron_ext.training.loop import pretrain
+    from megatron_ext.training.preflight import checkpoint_bytes_estimate
 
     # A 2 MiB disk: the model shrunk so that one checkpoint fits and the second (beside it) does not.
     recipe = _recipe(tiny_corpus, tmp_path, training={"train_iters": 4, "eval_interval": 0},

@@ -67,12 +67,15 @@ def test_incompatible_settings_are_refused_naming_the_keys(tmp_path, sections, k
 def test_cpu_refuses_graphs_before_building_anything(tmp_path, tiny_corpus):
     from megatron_ext.training.loop import pretrain
 
+    from megatron_ext.training.preflight import check_machine
+
+    config = run_config_from_dict(tiny_recipe(tiny_corpus, tmp_path, training={"train_iters": 8, "cuda_graphs": "megatron"}))
     with pytest.raises(UserError, match=r"training.cuda_graphs='megatron': CUDA graphs need a CUDA GPU"):
-        hardware.check_run_supported(fp8_recipe=None, recompute_granularity=None, cuda_graphs="megatron")
-    hardware.check_run_supported(fp8_recipe=None, recompute_granularity=None, cuda_graphs="none")
+        check_machine(config)  # the pre-flight's machine check
+    assert cuda_graphs.machine_problem(_config(tmp_path)) is None  # training.cuda_graphs: none
+    check_machine(_config(tmp_path))
     with pytest.raises(UserError, match="training.cuda_graphs"):
         hardware.seed_model_parallel(1234, cuda_graph_safe=True)
-    config = run_config_from_dict(tiny_recipe(tiny_corpus, tmp_path, training={"train_iters": 8, "cuda_graphs": "megatron"}))
     with pytest.raises(UserError, match=r"training.cuda_graphs='megatron': CUDA graphs need a CUDA GPU"):
         pretrain(config)
     assert not (tmp_path / "log").exists() and not (tmp_path / "ckpt").exists()  # nothing ran

@@ -11,7 +11,8 @@ import yaml
 
 from megatron_ext.config_loading import ConfigError, UserError
 from megatron_ext.training.recipe import read_recipe, run_config_from_dict
-from megatron_ext.training.dry_run import check_paths, token_count
+from megatron_ext.training.dry_run import token_count
+from megatron_ext.training.preflight import check_paths
 from megatron_ext.performance.devices import GPU_MEMORY_GIB, PEAK_TFLOPS
 from megatron_ext.training.memory_fit import memory_report, reduce_memory_advice
 from helpers import tiny_recipe

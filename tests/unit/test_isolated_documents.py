@@ -226,7 +226,7 @@ def _gpt2_without_eod(tmp_path):
 
 
 def test_a_tokenizer_without_an_end_of_document_is_refused_naming_the_setting(tmp_path, tiny_corpus):
-    from megatron_ext.training.dry_run import check_tokenizer_serves
+    from megatron_ext.training.preflight import check_tokenizer_serves
 
     tokenizer = build_tokenizer(TokenizerConfig(**_gpt2_without_eod(tmp_path)))
     config = run_config_from_dict(tiny_recipe(tiny_corpus, tmp_path, data={"reset_attention_mask": True},
