@@ -318,6 +318,36 @@ def render_import_layers(page: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+def render_unit_graph(page: Path) -> str:
+    """The package's units and the units each imports (``tools/import_graph.py``, read from the
+    source now), as a Mermaid flowchart whose rows are the layers of ``render_import_layers``, top
+    down: every arrow points down a row or along it. Arrows into the bottom row (configuration
+    reading, the hardware probe, file publishing ...) are counted, not drawn."""
+    import ast
+
+    from tools.import_graph import module_graph, unit_graph
+
+    edges = unit_graph(module_graph(REPO))
+    source = (REPO / "tests" / "unit" / "test_layering.py").read_text()
+    layers = next(node.value for node in ast.parse(source).body if isinstance(node, ast.AnnAssign)
+                  and getattr(node.target, "id", None) == "LAYERS")
+    rows = [sorted(element.value for element in layer.elts)
+            for layer in reversed([e for e in ast.walk(layers) if isinstance(e, ast.Set)])]
+    out = ["```mermaid", "flowchart TD"]
+    for number, row in enumerate(rows, start=1):
+        out.append(f'  subgraph layer{number}[" "]')
+        out += [f'    {unit}["{unit}/"]' if (REPO / "megatron_ext" / unit).is_dir() else f'    {unit}["{unit}.py"]'
+                for unit in row]
+        out.append("  end")
+    ground = set(rows[-1])  # what most units ask: their arrows would hide the rest
+    arrows = sorted((a, b) for a, targets in edges.items() if a for b in targets if b)
+    drawn = [(a, b) for a, b in arrows if b not in ground]
+    out += [f"  {a} --> {b}" for a, b in drawn]
+    out.append("```")
+    return "\n".join(out) + (f"\n\n{sum(map(len, rows))} units, {len(arrows)} arrows between them; the "
+                              f"{len(arrows) - len(drawn)} into the bottom row are not drawn.\n")
+
+
 # -- exit codes ----------------------------------------------------------------------------------
 
 EXIT_CODE_CONSTANTS = tuple(("megatron_ext.exit_codes", name) for name in (
@@ -500,6 +530,7 @@ GENERATORS: dict[str, Callable[..., str]] = {  # each takes the page (for relati
     "paper-grid-cost": render_paper_grid_cost,
     "one-node-cost": render_one_node_cost,
     "import-layers": render_import_layers,
+    "unit-graph": render_unit_graph,
     "cli-help": render_cli_help,
 }
 

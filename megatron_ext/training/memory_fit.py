@@ -137,7 +137,7 @@ def largest_micro_batch(config: RunConfig, *, world_size: int, usable_bytes: int
     and with it the training, is unchanged, only the number of micro-batches per step changes) and
     that the run accepts (:func:`_candidate`: a batch-size ramp-up's smaller batches must split into
     whole micro-batches too); ``None`` when even one sequence does not fit. Never raises for a config
-    that ``dry_run.check_layout`` accepts. Larger
+    that ``layout.check_layout`` accepts. Larger
     micro-batches mean fewer, bigger kernels per step and fewer host calls per token, which is what a
     host-bound step (Transformer Engine at small micro-batches) lacks."""
 
@@ -152,7 +152,7 @@ def largest_micro_batch(config: RunConfig, *, world_size: int, usable_bytes: int
 
 def _candidate(config: RunConfig, world_size: int, change) -> RunConfig | None:
     """``change(config)`` when the run could train with it (the config's own checks and
-    ``dry_run.check_layout``'s: every global batch of the run, a batch-size ramp-up's included,
+    ``layout.check_layout``'s: every global batch of the run, a batch-size ramp-up's included,
     divisible by micro-batch x data-parallel size), else None: a micro-batch search proposes only
     settings the run accepts."""
 

@@ -57,7 +57,7 @@ Checked later, before the first step, where what they check first exists: the st
 parent: ``checkpoint.resume.load_starting_point``, ``loop._check_resume_keeps_context``,
 ``training.branching.check_saved_parent``) once the model is built to load into; each prefix's
 index (header, document index, token dtype and ids against the tokenizer, the split's shares:
-``training.data.build_datasets``) as the datasets are built from it. Not checks: what this machine
+``training.datasets.build_datasets``) as the datasets are built from it. Not checks: what this machine
 lacks and the run turns off, announced once (``loop.runnable_here``: the ``te`` layers, the fused
 kernels), after check 4.
 """

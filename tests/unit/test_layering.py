@@ -1,20 +1,20 @@
 """The package's import graph: no circles, and every import runs down the layers of docs/design.md.
 
-Read from the source (every ``import`` statement, function-local ones included), so it holds for
-lazy imports too and needs neither Megatron nor torch.
+Read from the source (``tools/import_graph.py``: every ``import`` statement, function-local ones
+included), so it holds for lazy imports too and needs neither Megatron nor torch.
 """
 
 from __future__ import annotations
 
 import ast
 import re
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
+from tools.import_graph import PACKAGE, module_graph, modules, unit, unit_graph
+
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = "megatron_ext"
 
 LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     # bottom: asks nothing of the rest of the package
@@ -35,42 +35,9 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
 of its own layer or one below."""
 
 
-def _modules() -> dict[str, Path]:
-    modules = {}
-    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return modules
-
-
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules that ``name`` imports (``from pkg import module`` names the module)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name in modules)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
-            submodules = {f"{source}.{alias.name}" for alias in node.names} & modules.keys()
-            found.update(submodules or ({source} & modules.keys()))
-    found.discard(name)
-    return found
-
-
-def _unit(module: str) -> str:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else ""
-
-
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
-    modules = _modules()
-    return {name: _imports(name, path, modules) for name, path in modules.items()}
+    return module_graph(ROOT)
 
 
 def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -101,18 +68,16 @@ def test_no_import_circle_between_modules(graph):
 
 
 def test_no_import_circle_between_packages(graph):
-    units: dict[str, set[str]] = defaultdict(set)
-    for module, imported in graph.items():
-        units[_unit(module)].update(_unit(m) for m in imported if _unit(m) != _unit(module))
+    units = unit_graph(graph)
     assert _cycle(units) is None, " -> ".join(_cycle(units))
 
 
 def test_every_import_runs_down_the_layers(graph):
-    layer_of = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
-    units = {_unit(m) for m in graph} - {""}
+    layer_of = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    units = {unit(m) for m in graph} - {""}
     assert units <= layer_of.keys(), f"place {sorted(units - layer_of.keys())} in LAYERS (and docs/design.md)"
     upward = [f"{module} -> {imported}" for module, targets in sorted(graph.items()) for imported in sorted(targets)
-              if _unit(module) and _unit(imported) and layer_of[_unit(imported)] > layer_of[_unit(module)]]
+              if unit(module) and unit(imported) and layer_of[unit(imported)] > layer_of[unit(module)]]
     assert not upward, "imports running up the layers:\n" + "\n".join(upward)
 
 
@@ -121,7 +86,7 @@ def test_objectives_are_reached_through_the_package(graph):
     base types), never one objective's module; inside, an objective's module imports ``base``, the
     word tables of ``words`` and at most the objective it varies (``mlm``). Adding an objective then
     touches the package alone."""
-    inside = {m for m in graph if _unit(m) == "objectives"}
+    inside = {m for m in graph if unit(m) == "objectives"}
     reaching_in = [f"{module} -> {imported}" for module, targets in sorted(graph.items()) if module not in inside
                    for imported in sorted(targets & inside) if imported != f"{PACKAGE}.objectives"]
     assert not reaching_in, "import megatron_ext.objectives instead:\n" + "\n".join(reaching_in)
@@ -154,7 +119,7 @@ def test_only_the_launch_layer_runs_scheduler_commands():
     """SLURM's commands (and flags named after them) appear in the code of ``megatron_ext/launch/``
     only: a scheduler is one launcher module, not a branch elsewhere (docstrings may name them)."""
     found = []
-    for name, path in _modules().items():
+    for name, path in modules(ROOT).items():
         if name.startswith(f"{PACKAGE}.launch"):
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-import pretrain_encoder
+from megatron_ext.cli import pretrain_encoder
 from helpers import tiny_recipe
 from megatron_ext.cli import plan_study
 from megatron_ext.config_loading import UserError
