@@ -44,3 +44,18 @@ def unmarked_bpe_dir(texts: list[str], directory: Path) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[SEP]",
                             mask_token="[MASK]").save_pretrained(directory)
     return directory
+
+
+RECIPES = Path(__file__).resolve().parents[1] / "examples" / "recipes"
+"""The shipped recipes."""
+
+
+def shipped_recipe_config(recipe: str, **training):
+    """A shipped recipe (``RECIPES / recipe``; a size base gets MLM-40 as its one phase) as a
+    ``RunConfig``, with ``training`` fields replaced."""
+    from megatron_ext.training.recipe import read_recipe, run_config_from_dict
+
+    raw = read_recipe(RECIPES / recipe)
+    raw.setdefault("phases", [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}])
+    raw.setdefault("training", {}).update(training)
+    return run_config_from_dict(raw)

@@ -12,24 +12,17 @@ import pytest
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.performance import cost, measured_speeds
+from helpers import RECIPES, shipped_recipe_config
 from megatron_ext.training.recipe import read_recipe, run_config_from_dict
 from megatron_ext.training.dry_run import phase_flops, training_flops
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = ROOT / "examples" / "recipes"
 
-
-def _config(recipe: str, **training):
-    """A recipe (a size base gets MLM-40 as its one phase) with ``training`` fields replaced."""
-    raw = read_recipe(RECIPES / recipe)
-    raw.setdefault("phases", [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}])
-    raw.setdefault("training", {}).update(training)
-    return run_config_from_dict(raw)
 
 
 def test_known_flops_at_an_assumed_speed_give_known_hours_and_say_the_fallback(tmp_path):
     """The 1B biphasic recipe's 6.332e20 FLOPs (its --dry-run) on one H100 at 35 % of 989 TFLOP/s."""
-    config = _config("paper/1b_biphasic_25_75.yaml")
+    config = shipped_recipe_config("paper/1b_biphasic_25_75.yaml")
     assert training_flops(config) == pytest.approx(6.332e20, rel=1e-3)
     speeds = cost.SpeedTable(kind="H100", measured=measured_speeds.MeasuredSpeeds(), mfu=0.35)
     one = cost.segment_cost(config, phase_flops(config), run="r", gpus=1, gpus_per_node=8, speeds=speeds)
@@ -55,7 +48,7 @@ def test_known_flops_at_an_assumed_speed_give_known_hours_and_say_the_fallback(t
 
 
 def test_a_committed_measurement_is_used_with_its_device_commit_and_date():
-    config = _config("base/610m.yaml", train_iters=5000)
+    config = shipped_recipe_config("base/610m.yaml", train_iters=5000)
     speeds = cost.SpeedTable(kind="H100")
     speed = speeds.speed(config, "mlm")
     assert speed.source == "measured"
@@ -78,7 +71,7 @@ def test_a_variant_that_ran_the_same_step_another_way_is_a_speed_of_that_spec(tm
     though the row's default ran the local spec; a variant with other FLOPs per token is not a speed."""
     import json
 
-    config = _config("base/1b.yaml", train_iters=5000)
+    config = shipped_recipe_config("base/1b.yaml", train_iters=5000)
     local = {"transformer_impl": "local", "cuda_graphs": "none", "gradient_accumulation_fusion": False,
              "lm_head_scored_only": True}
     row = {"model": "1b", "seq_length": 2048, "precision": "bf16", "parameters": cost.parameter_count(config.model),

@@ -16,19 +16,11 @@ from megatron_ext.study import cost as study_costs
 from megatron_ext.study.state import Progress
 from megatron_ext.study.plan import plan_study
 from megatron_ext.study.spec import read_study
-from megatron_ext.training.recipe import read_recipe, run_config_from_dict
+from helpers import RECIPES, shipped_recipe_config
 from megatron_ext.training.dry_run import phase_flops, training_flops
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = ROOT / "examples" / "recipes"
 
-
-def _config(recipe: str, **training):
-    """A recipe (a size base gets MLM-40 as its one phase) with ``training`` fields replaced."""
-    raw = read_recipe(RECIPES / recipe)
-    raw.setdefault("phases", [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}])
-    raw.setdefault("training", {}).update(training)
-    return run_config_from_dict(raw)
 
 
 def test_calibrated_speeds_come_first_and_the_warmup_is_left_out():
@@ -41,7 +33,7 @@ def test_calibrated_speeds_come_first_and_the_warmup_is_left_out():
     with pytest.raises(UserError, match="no step after the 5 warm-up step"):
         calibration.steady_step_seconds(records, warmup=5, tokens_per_step=tokens)
 
-    config = _config("base/610m.yaml", train_iters=5000)
+    config = shipped_recipe_config("base/610m.yaml", train_iters=5000)
     here = cost.Speed(flops_per_s=1e12, source="calibrated", detail="timed here", startup_s=30.0)
     speeds = cost.SpeedTable(kind="H100",
                              calibrated={cost.calibration_key(config, "mlm"): here})
