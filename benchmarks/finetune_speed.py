@@ -137,7 +137,7 @@ def grid_with_workers(workers: int, runs: int, model_dir: str, task_dir: Path, c
     seeds = [list(range(runs))[i::workers] for i in range(workers)]
     spec = {"model_dir": model_dir, "task_dir": str(task_dir), "config": dataclasses.asdict(config)}
     start = time.perf_counter()
-    processes = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--run-seeds",
+    processes = [subprocess.Popen([sys.executable, "-m", "benchmarks.finetune_speed", "--run-seeds",
                                    json.dumps({**spec, "seeds": mine})], cwd=REPO)
                  for mine in seeds if mine]
     codes = [p.wait() for p in processes]

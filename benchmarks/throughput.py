@@ -560,7 +560,7 @@ def measure_alone(args, side: str, model_preset: str | None = None, seq_length: 
         spec_path.write_text(json.dumps({"side": side, "model": model_preset, "seq_length": seq_length,
                                          "precision": precision, "args": settings, "spawned_at": spawned_at}))
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
-        run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--run-side", str(spec_path),
+        run = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--run-side", str(spec_path),
                               "--side-result", str(result_path)], cwd=REPO, env=env, capture_output=True, text=True)
         if run.returncode != 0 or not result_path.is_file():
             output = (run.stdout + run.stderr).strip()

@@ -115,13 +115,15 @@ def _corpus(corpus_dir: Path | None) -> Path:
 def check_causal_parity(hf_model, hf_tokenizer, checkpoint: Path) -> float:
     """Max |Megatron - transformers| causal logit on ``PARITY_TEXT``; raises beyond PARITY_TOL."""
     from megatron_ext.hf import load_megatron_checkpoint, single_process_model_parallel
+    from megatron_ext.model.attention import attention_pattern
 
     ids = hf_tokenizer(PARITY_TEXT, return_tensors="pt").input_ids
     with torch.no_grad():
         expected = hf_model(input_ids=ids).logits
     with single_process_model_parallel(), torch.no_grad():
         model = load_megatron_checkpoint(checkpoint)
-        got = model(ids, causal=True)[..., : expected.shape[-1]]  # drop the mask and padding rows
+        got = model(ids, packed_seq_params=attention_pattern(causal=True))
+        got = got[..., : expected.shape[-1]]  # drop the mask and padding rows
     torch.testing.assert_close(got, expected, **PARITY_TOL)
     return float((got - expected).abs().max())
 

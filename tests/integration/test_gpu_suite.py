@@ -296,10 +296,10 @@ def test_submitted_through_the_slurm_launcher_the_suite_runs_within_the_jobs_tim
     out = tmp_path / "suite"
     env = {k: v for k, v in slurm_cluster.env.items() if not k.startswith("SLURM_JOB") and k != "PYTHON"}
     submit = subprocess.run(
-        [sys.executable, str(gpu_suite.REPO / "benchmarks" / "gpu_suite.py"), "--launcher", "slurm", "--time", "4",
+        [sys.executable, "-m", "benchmarks.gpu_suite", "--launcher", "slurm", "--time", "4",
          "--sbatch-arg=--gpus=0", "--sbatch-arg=--cpus-per-task=1", "--wait", "--poll-interval", "1",
          "--output-dir", str(out), "--data-dir", str(tmp_path), "--stages", "environment", "gpu_tests"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        env=env, cwd=gpu_suite.REPO, capture_output=True, text=True, timeout=300)
     job_id = int(re.search(r"^gpu_suite: job (\d+) ", submit.stdout, re.M).group(1))
     info = slurm_cluster.wait(job_id, timeout=60)
     log = Path(info["StdOut"]).read_text()
