@@ -73,10 +73,12 @@ TRAINER_SPEED_HINT = ("give --gpu KIND to price it on that GPU, or --results-dir
                       "of this machine (benchmarks/throughput.py)")
 """The same in ``pretrain_encoder.py --dry-run``, which has no ``--calibrate`` (timing needs a study's runs)."""
 
-ASSUMED_STARTUP_S = {CPU: 20.0, "gpu": 120.0}
+ASSUMED_STARTUP_S = {CPU: 10.0, "gpu": 120.0}
 """Seconds a trainer takes besides its steps (imports, model build, data index, checkpoint load, the
-final save) where ``--calibrate`` did not measure them: assumed, on a CPU from the miniature's
-segments (a 50-step segment took 26 s), on a GPU node a guess."""
+final save) where ``--calibrate`` did not measure them. On a CPU, measured: ``--calibrate`` timed
+10-11 s per trainer on an idle 2-core machine (docs/cost.md), and the demo recipe's 60 steps took
+23 s of which 14 s of steps (2026-12-06); 20 s, assumed before, put the CI-size miniature's 12 short
+segments (113 s) below half their estimate. On a GPU node a guess."""
 
 ASSUMED_FINETUNE_MFU = 0.2
 """MFU assumed for a fine-tuning run on a GPU (small batches, evaluation passes): an assumption."""
