@@ -54,6 +54,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from megatron_ext.launch import Job
 
+if not __package__:  # run by its path (python benchmarks/gpu_suite.py, as older notes say): be the module
+    _root = str(Path(__file__).resolve().parent.parent)
+    _env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_root, os.environ.get("PYTHONPATH")]))}
+    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.gpu_suite", *sys.argv[1:]], _env)
+
 from benchmarks import gpu_visits  # standard library only: the suite's process stays light
 from megatron_ext.performance.devices import device_kind  # the same
 

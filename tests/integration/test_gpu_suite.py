@@ -351,3 +351,14 @@ def test_the_resume_stage_passes_the_trainer_flags_it_has(tmp_path, demo_tokeniz
                                   "--dry-run"])
     assert code == 0, capsys.readouterr().err
     assert "(local layers)" in capsys.readouterr().out
+
+
+def test_run_by_its_path_from_anywhere_the_suite_lists_every_stage(tmp_path):
+    """``python benchmarks/gpu_suite.py --list`` (the form older notes and visits use) runs the module
+    (``python -m benchmarks.gpu_suite``) and names every stage, from any directory: a visit's first
+    call has no minute to spare for a broken path."""
+    listed = subprocess.run([sys.executable, str(gpu_suite.REPO / "benchmarks" / "gpu_suite.py"), "--list"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    names = [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
+    assert names == [stage.name for stage in gpu_suite.STAGES] and len(names) >= 15
