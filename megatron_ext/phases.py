@@ -53,6 +53,18 @@ class Phase:
     """Samples per step in this phase (None: the run's, scaled by ``data.seq_length / seq_length``,
     which keeps the tokens per step; given, the tokens per step may change, which the dry run says)."""
 
+    data_path: tuple[str, ...] | None = None
+    """The phase's own training blend, in the forms of ``data.data_path`` (prefixes, or Megatron's
+    ``weight prefix`` pairs); None: the run's ``data.data_path``. A run any of whose phases sets
+    ``data_path`` or ``temperature`` reads each source as its own stream, continued across phases
+    (``training.mixtures``)."""
+
+    temperature: float | None = None
+    """Sampling temperature tau in [0, 1] of the phase's sources (the XLM-R / mmBERT rule): each
+    source's share is proportional to its size ** tau, its size being its weight in ``data_path``
+    or, without weights, its samples (tokens of its train split / seq_length). 1: proportional to
+    size (Megatron's blend); 0: uniform; mmBERT anneals 0.7 -> 0.5 -> 0.3. None: 1."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.objective, Objective):
             raise UserError(f"objective must be one of megatron_ext.objectives.OBJECTIVES' settings, "
@@ -72,9 +84,22 @@ class Phase:
                 raise UserError(f"{name} must be a positive integer, got {value!r}")
         if self.rotary_base is not None and not self.rotary_base > 0:
             raise UserError(f"rotary_base must be > 0, got {self.rotary_base!r}")
+        if self.data_path is not None:
+            if isinstance(self.data_path, str) or not self.data_path:
+                raise UserError(f"data_path: expected a non-empty list of prefixes, got {self.data_path!r}")
+            object.__setattr__(self, "data_path", tuple(str(entry) for entry in self.data_path))
+        if self.temperature is not None and (isinstance(self.temperature, bool)
+                                             or not isinstance(self.temperature, (int, float))
+                                             or not 0.0 <= self.temperature <= 1.0):
+            raise UserError(f"temperature: expected a number in [0, 1] (1: shares proportional to the "
+                            f"sources' sizes, 0: uniform), got {self.temperature!r}")
 
     CONTEXT_KEYS = ("seq_length", "rotary_base", "micro_batch_size", "global_batch_size")
     """The keys that change what a phase's steps read (``training.context``); saved only when set."""
+
+    DATA_KEYS = ("data_path", "temperature")
+    """The keys that change which sources a phase's steps read from (``training.mixtures``); saved
+    only when set."""
 
     @classmethod
     def from_config(cls, raw: Any, where: str) -> Phase:
@@ -94,7 +119,9 @@ class Phase:
         """The tagged YAML form :meth:`from_config` reads back."""
         return {"objective": self.objective.to_config(), "steps": self.steps, "share": self.share,
                 "restart_warmup": self.restart_warmup,
-                **{key: getattr(self, key) for key in self.CONTEXT_KEYS if getattr(self, key) is not None}}
+                **{key: getattr(self, key) for key in self.CONTEXT_KEYS if getattr(self, key) is not None},
+                **{key: (list(value) if key == "data_path" else value)
+                   for key in self.DATA_KEYS if (value := getattr(self, key)) is not None}}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +154,12 @@ class ResolvedPhase:
 
     global_batch_size: int | None = None
     """See :class:`Phase` (None: the run's, scaled)."""
+
+    data_path: tuple[str, ...] | None = None
+    """See :class:`Phase` (None: the run's)."""
+
+    temperature: float | None = None
+    """See :class:`Phase`."""
 
     @property
     def name(self) -> str:
@@ -186,7 +219,7 @@ def resolve_phases(phases: Sequence[Phase], total_steps: int) -> list[ResolvedPh
     for i, (phase, length) in enumerate(zip(phases, _phase_lengths(phases, total_steps))):
         resolved.append(ResolvedPhase(index=i, objective=phase.objective, start=start, end=start + length,
                                       restart_warmup=phase.restart_warmup,
-                                      **{key: getattr(phase, key) for key in Phase.CONTEXT_KEYS}))
+                                      **{key: getattr(phase, key) for key in Phase.CONTEXT_KEYS + Phase.DATA_KEYS}))
         start += length
     return resolved
 

@@ -18,6 +18,7 @@ from megatron_ext.training import context as context_lib
 from megatron_ext.training.datasets import DatasetProvider, document_end_id as eod_of
 from megatron_ext.training.samplers import build_phase_iterator, build_train_iterator, build_valid_iterator
 from megatron_ext.training.config import RunConfig
+from megatron_ext.training.mixtures import SpanReads, source_names
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset  # a dataset provider's (training.datasets)
@@ -58,6 +59,12 @@ class Batches:
     """Megatron-Core's step batch-size calculator of ``data.rampup_batch_size`` (None: no ramp-up)."""
     document_end_id: int | None = None
     """The EOD id at which documents are isolated (``data.reset_attention_mask``); None: not isolated."""
+    eval_sources: tuple[str, ...] = ()
+    """Names of the validation (and test) blend's datasets when it has several, in ``data_path``
+    order (a batch row's ``dataset_id`` indexes them): evaluations then give each one's losses."""
+    source_plan: tuple[SpanReads, ...] | None = None
+    """What each data span reads from each source, in a run whose phases set their own data
+    (``training.mixtures``); None: the run reads ``data.data_path`` as one blend."""
 
     def micro_batches(self, step: int, context: context_lib.PhaseContext) -> Iterator[dict]:
         """The data-parallel rank's micro-batches of ``step`` (whose phase is ``context``'s): from
@@ -91,12 +98,18 @@ def segment_iterator(config: RunConfig, tokenizer: EncoderTokenizer, segment: co
     """Micro-batches of ``segment`` from ``step`` on: the training dataset of the segment's length
     (``datasets``'), sized for every sample that length's segments read (``training.context``)."""
     data_cfg = segment.contexts[0].data_config(config.data)
-    train_ds, _, _ = datasets.build_datasets(
-        data_cfg, tokenizer=tokenizer,
-        train_samples=context_lib.dataset_samples(context_lib.dataset_spans(config.phase_contexts), segment.seq_length),
-        valid_samples=0, seed=config.training.seed)
-    reads = [(c.micro_batch_size, c.global_batch_size, segment.sample_at(max(step, c.phase.start)),
-              segment.sample_at(c.phase.end)) for c in segment.contexts if c.phase.end > step]
+    spans = context_lib.dataset_spans(config.phase_contexts)
+    first = 0
+    if segment.mixture is not None:  # its own sources, each continued where the run left it
+        plan = datasets.plan_source_reads(config.data, spans)[spans.index(segment)]
+        train_ds = datasets.build_span_dataset(data_cfg, plan, tokenizer=tokenizer, seed=config.training.seed)
+        first = segment.first_sample  # the span's dataset starts at its own first sample
+    else:
+        train_ds, _, _ = datasets.build_datasets(
+            data_cfg, tokenizer=tokenizer, train_samples=context_lib.dataset_samples(spans, segment.seq_length),
+            valid_samples=0, seed=config.training.seed)
+    reads = [(c.micro_batch_size, c.global_batch_size, segment.sample_at(max(step, c.phase.start)) - first,
+              segment.sample_at(c.phase.end) - first) for c in segment.contexts if c.phase.end > step]
     return build_phase_iterator(train_ds, reads=reads, config=data_cfg,
                                 dp_rank=parallel_state.get_data_parallel_rank(),
                                 dp_size=parallel_state.get_data_parallel_world_size())
@@ -124,15 +137,18 @@ def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int,
     evaluated = dict(valid_samples=eval_samples, test_samples=eval_samples, seed=config.training.seed)
     valid_ds = test_ds = None
     contexts = config.phase_contexts
-    if context_lib.varies(contexts):
+    source_plan = None
+    if context_lib.reads_sources(contexts) or context_lib.varies(contexts):
         # Training data per segment, built as the steps reach it; validation at the run's
         # data.seq_length in every phase, so that its losses compare over the whole run.
         train, segment = None, None
         blend = datasets.blend_shares(data_cfg, None, train_samples=0)  # shares known per segment only
+        if context_lib.reads_sources(contexts):
+            source_plan = datasets.plan_source_reads(data_cfg, context_lib.dataset_spans(contexts))
         if eval_samples:
             segments = context_lib.dataset_spans(contexts)
             base = (context_lib.dataset_samples(segments, data_cfg.seq_length)
-                    if any(s.seq_length == data_cfg.seq_length for s in segments) else 1)
+                    if source_plan is None and any(s.seq_length == data_cfg.seq_length for s in segments) else 1)
             _, valid_ds, test_ds = datasets.build_datasets(data_cfg, tokenizer=tokenizer, train_samples=base,
                                                            **evaluated)
     elif data_cfg.rampup_batch_size is not None:  # one dataset, read in global batches that grow
@@ -166,4 +182,5 @@ def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int,
     return Batches(config=config, tokenizer=tokenizer, datasets=datasets, train=train, segment=segment,
                    valid=valid, test=test_ds if eval_samples else None, blend=blend,
                    rampup=rampup if data_cfg.rampup_batch_size is not None else None,
-                   document_end_id=document_end_id)
+                   document_end_id=document_end_id, source_plan=source_plan,
+                   eval_sources=source_names(data_cfg.blend[0]) if len(data_cfg.blend[0]) > 1 else ())

@@ -34,6 +34,7 @@ from megatron_ext.phases import Phase, ResolvedPhase, resolve_phases
 from megatron_ext.schedule import LRScheduleConfig, lr_at
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.checkpoint.config import CheckpointConfig
+from megatron_ext.training.mixtures import parse_blend
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,14 +88,7 @@ class DataConfig:
         if isinstance(self.data_path, str) or not self.data_path:
             raise UserError(f"data_path: expected a non-empty list of prefixes, got {self.data_path!r}")
         object.__setattr__(self, "data_path", tuple(self.data_path))
-        prefixes, weights = self.blend
-        if weights is None and any(_is_number(p) for p in prefixes):
-            raise UserError(
-                f"data_path {list(self.data_path)}: expected either only prefixes or alternating "
-                "'weight prefix' pairs, got a mix"
-            )
-        if weights is not None and not all(w > 0 for w in weights):
-            raise UserError(f"data_path: blend weights must be > 0, got {weights}")
+        parse_blend(self.data_path, where="data_path")
         proportions = split_proportions(self.split)
         if self.eval_iters and (len(proportions) < 2 or proportions[1] == 0):
             # Megatron-LM skips validation without a word here; eval_iters would then do nothing.
@@ -121,18 +115,7 @@ class DataConfig:
         ``datasets.utils.get_blend_from_list`` returns (tested equal): ``weight prefix`` pairs when
         every other entry from the first is a number, prefixes alone otherwise. Parsed here so that
         reading a recipe (and ``--dry-run``) imports no Megatron."""
-        entries = [entry.strip() for entry in self.data_path]
-        if len(entries) % 2 == 0 and all(_is_number(weight) for weight in entries[::2]):
-            return entries[1::2], [float(weight) for weight in entries[::2]]
-        return entries, None
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+        return parse_blend(self.data_path, where="data_path")
 
 
 def split_proportions(split: str) -> list[float]:
@@ -420,7 +403,7 @@ class RunConfig:
         except ValueError as err:
             raise ConfigError(f"schedule: {err}") from err
         object.__setattr__(self, "_resolved_phases", tuple(resolved))  # frozen: set once, here
-        from megatron_ext.training.context import phase_contexts, varies
+        from megatron_ext.training.context import phase_contexts, reads_sources, varies
 
         try:
             contexts = phase_contexts(resolved, data=self.data, rotary_base=self.model.rotary_base)
@@ -435,6 +418,9 @@ class RunConfig:
                 if shared != run:
                     raise ConfigError(f"every phase reads {key} {shared} but data.{key} is {run}: a value all phases "
                                       f"share is the run's; set data.{key}: {shared} and drop it from the phases")
+        if self.data.rampup_batch_size is not None and reads_sources(contexts):
+            raise ConfigError("data.rampup_batch_size needs phases that read data.data_path as one blend (no phase "
+                              "data_path or temperature)")
         if self.data.rampup_batch_size is not None and varies(contexts):
             raise ConfigError("data.rampup_batch_size needs phases of one sequence length and batch (no phase "
                               "seq_length, micro_batch_size or global_batch_size)")
@@ -459,6 +445,15 @@ class RunConfig:
             for objective in self.validation_objectives().values():
                 if problem := objective.selection_problem(seq_length, lambda field: "training.eval_mask_ratio"):
                     raise ConfigError(problem)
+
+    def data_paths(self) -> dict[str, list[str]]:
+        """The prefixes each data setting names: ``data.data_path``'s and each ``phases[i].data_path``'s
+        (what the pre-flight checks are present and made with the run's tokenizer)."""
+        out = {"data.data_path": self.data.blend[0]}
+        for index, phase in enumerate(self.phases):
+            if phase.data_path is not None:
+                out[f"phases[{index}].data_path"] = parse_blend(phase.data_path, where=f"phases[{index}].data_path")[0]
+        return out
 
     def validation_objectives(self) -> dict[str, Objective]:
         """What each validation measures (``objectives.validation_objectives`` for this run's phases)."""

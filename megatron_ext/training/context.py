@@ -26,6 +26,7 @@ from typing import Any
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.phases import ResolvedPhase
+from megatron_ext.training.mixtures import Mixture, parse_blend
 
 DataConfig = Any
 """``training.config.DataConfig`` (not imported: the config module resolves contexts with this one)."""
@@ -40,6 +41,9 @@ class PhaseContext:
     rotary_base: float
     micro_batch_size: int
     global_batch_size: int
+    mixture: Mixture | None = None
+    """The sources the phase reads from (``training.mixtures``) when any phase of the run sets its own
+    data (``phases.Phase.DATA_KEYS``); None: the run reads ``data.data_path`` as one Megatron blend."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -63,6 +67,7 @@ def phase_contexts(phases: Sequence[ResolvedPhase], *, data: DataConfig, rotary_
     """Each phase's :class:`PhaseContext`, raising ``UserError`` naming ``phases[i].key`` when a
     default cannot be derived (module docstring)."""
     out = []
+    streams = any(getattr(phase, key) is not None for phase in phases for key in ("data_path", "temperature"))
     for phase in phases:
         where = f"phases[{phase.index}]"
         length = phase.seq_length or data.seq_length
@@ -82,8 +87,13 @@ def phase_contexts(phases: Sequence[ResolvedPhase], *, data: DataConfig, rotary_
             mbs = max(m for m in range(1, min(limit, gbs) + 1) if gbs % m == 0)
         if gbs % mbs:
             raise UserError(f"{where}: global_batch_size {gbs} is not divisible by micro_batch_size {mbs}")
+        mixture = None
+        if streams:
+            data_path = phase.data_path or data.data_path
+            parse_blend(data_path, where=f"{where}.data_path" if phase.data_path else "data.data_path")
+            mixture = Mixture(data_path=tuple(data_path), temperature=phase.temperature)
         out.append(PhaseContext(phase=phase, seq_length=length, rotary_base=float(phase.rotary_base or rotary_base),
-                                micro_batch_size=mbs, global_batch_size=gbs))
+                                micro_batch_size=mbs, global_batch_size=gbs, mixture=mixture))
     return tuple(out)
 
 
@@ -93,6 +103,11 @@ def varies(contexts: Sequence[PhaseContext]) -> bool:
     first = contexts[0]
     return any((c.seq_length, c.micro_batch_size, c.global_batch_size)
                != (first.seq_length, first.micro_batch_size, first.global_batch_size) for c in contexts)
+
+
+def reads_sources(contexts: Sequence[PhaseContext]) -> bool:
+    """Whether the run reads its sources as streams (``training.mixtures``): some phase sets its own data."""
+    return contexts[0].mixture is not None
 
 
 def context_at(contexts: Sequence[PhaseContext], step: int) -> PhaseContext:
@@ -115,7 +130,8 @@ def consumed_tokens(contexts: Sequence[PhaseContext], step: int) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class DatasetSpan:
-    """Consecutive phases of one sequence length: one dataset, read from ``first_sample`` on."""
+    """Consecutive phases of one sequence length (and, in a run whose phases set their own data, one
+    mixture): one dataset, read from ``first_sample`` on."""
 
     seq_length: int
     start: int
@@ -125,6 +141,8 @@ class DatasetSpan:
     first_sample: int
     """The dataset sample its first step reads first."""
     contexts: tuple[PhaseContext, ...]
+    mixture: Mixture | None = None
+    """The span's sources (``training.mixtures``); None: ``data.data_path`` as one Megatron blend."""
 
     def sample_at(self, step: int) -> int:
         """The first dataset sample step ``step`` (in this segment) reads."""
@@ -140,7 +158,7 @@ def dataset_spans(contexts: Sequence[PhaseContext]) -> tuple[DatasetSpan, ...]:
     """The run's dataset spans (module docstring)."""
     groups: list[list[PhaseContext]] = []
     for context in contexts:
-        if groups and groups[-1][-1].seq_length == context.seq_length:
+        if groups and (groups[-1][-1].seq_length, groups[-1][-1].mixture) == (context.seq_length, context.mixture):
             groups[-1].append(context)
         else:
             groups.append([context])
@@ -149,7 +167,7 @@ def dataset_spans(contexts: Sequence[PhaseContext]) -> tuple[DatasetSpan, ...]:
         start, length = group[0].phase.start, group[0].seq_length
         first = -(-consumed_tokens(contexts, start) // length)
         out.append(DatasetSpan(seq_length=length, start=start, end=group[-1].phase.end, first_sample=first,
-                           contexts=tuple(group)))
+                               contexts=tuple(group), mixture=group[0].mixture))
     return tuple(out)
 
 
@@ -168,17 +186,21 @@ def dataset_samples(all_segments: Sequence[DatasetSpan], seq_length: int) -> int
 
 def describe(context: PhaseContext) -> str:
     """``seq_length 256 x global batch 2, RoPE base 160000`` (the phase's context, for messages)."""
-    return (f"seq_length {context.seq_length} x global batch {context.global_batch_size}, "
+    text = (f"seq_length {context.seq_length} x global batch {context.global_batch_size}, "
             f"RoPE base {context.rotary_base:g}")
+    if context.mixture is not None:
+        text += f", {context.mixture.describe()}"
+    return text
 
 
 def first_context_change(a: Sequence[PhaseContext], b: Sequence[PhaseContext], *,
                          micro_batches: bool = False) -> tuple[int, str] | None:
-    """The first step both runs train at which their sequence length, global batch or RoPE base
-    (and, with ``micro_batches``, micro-batch size: it names the masking streams) differ, with both
-    contexts described (``a``'s first); None when they agree on every such step."""
+    """The first step both runs train at which their sequence length, global batch, RoPE base or
+    mixture (and, with ``micro_batches``, micro-batch size: it names the masking streams) differ,
+    with both contexts described (``a``'s first); None when they agree on every such step."""
     def key(c: PhaseContext) -> tuple:
-        return (c.seq_length, c.global_batch_size, c.rotary_base) + ((c.micro_batch_size,) if micro_batches else ())
+        return ((c.seq_length, c.global_batch_size, c.rotary_base, c.mixture)
+                + ((c.micro_batch_size,) if micro_batches else ()))
 
     shared = min(a[-1].phase.end, b[-1].phase.end)  # the steps both runs train
     for step in sorted({c.phase.start for c in (*a, *b) if c.phase.start < shared}):  # constant in between

@@ -19,8 +19,11 @@ one process builds them. Before Megatron reads anything, every ``.bin``/``.idx``
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -28,6 +31,8 @@ import numpy as np
 from megatron_ext.config_loading import UserError
 from megatron_ext.data.index_checks import IndexFile, check_token_dtype, read_index, scan_token_ids
 from megatron_ext.training.config import DataConfig, split_proportions
+from megatron_ext.training.context import DatasetSpan
+from megatron_ext.training.mixtures import SpanReads, check_enough_data, epoch_seed, plan_reads
 from megatron_ext.tokenizer import EncoderTokenizer, MissingSpecialTokenError
 
 if TYPE_CHECKING:
@@ -63,6 +68,16 @@ class DatasetProvider(Protocol):
         :func:`format_blend` prints and the metrics header records), ``train`` the training split
         or None (shares not known yet: a run whose phases read several lengths); empty for data
         that is not read from ``data.data_path``'s prefixes."""
+        ...
+
+    def plan_source_reads(self, config: DataConfig, spans: Sequence[DatasetSpan]) -> tuple[SpanReads, ...]:
+        """For a run whose phases set their own data (``training.mixtures``): what each data span
+        reads from each source, computed without building anything (the dry run prints it)."""
+        ...
+
+    def build_span_dataset(self, config: DataConfig, reads: SpanReads, *, tokenizer: EncoderTokenizer,
+                           seed: int) -> Dataset:
+        """The samples of one span of :meth:`plan_source_reads`, in order (``config`` at its length)."""
         ...
 
 
@@ -156,6 +171,31 @@ def _files_fingerprint(prefixes: list[str]) -> str:
     return digest.hexdigest()[:12]
 
 
+def _gpt_dataset_config(config: DataConfig, tokenizer: EncoderTokenizer, seed: int):
+    """Megatron's ``GPTDatasetConfig`` of ``config.data_path`` at ``config.seq_length``."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    prefixes, weights = config.blend
+    cache = config.data_cache_path or os.path.join(
+        os.path.dirname(os.path.abspath(prefixes[0])), "cache", _files_fingerprint(prefixes)
+    )
+    return GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=config.seq_length,
+        blend=(prefixes, weights),
+        split=config.split,
+        path_to_cache=cache,
+        tokenizer=tokenizer,
+        reset_position_ids=config.reset_position_ids,
+        eod_mask_loss=config.eod_mask_loss,
+        # No [s, s] mask per sample, which is all GPTDataset's reset_attention_mask shapes: with
+        # data.reset_attention_mask the batches carry where documents end (training.batches), from
+        # which the model's attention pattern is built per micro-batch.
+        reset_attention_mask=False,
+        create_attention_mask=False,
+    )
+
+
 def build_datasets(
     config: DataConfig, *, tokenizer: EncoderTokenizer, train_samples: int, valid_samples: int, seed: int,
     test_samples: int = 0,
@@ -172,7 +212,7 @@ def build_datasets(
     barriers). ``seed`` (the run's ``training.seed``) seeds Megatron's document and sample shuffling.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDataset
 
     if train_samples < 1:
         raise UserError(f"train_samples: expected >= 1, got {train_samples}")
@@ -188,24 +228,7 @@ def build_datasets(
             scan_token_ids(index, tokenizer)
     _check_splits(config, indexes, weighted=weights is not None)
 
-    cache = config.data_cache_path or os.path.join(
-        os.path.dirname(os.path.abspath(prefixes[0])), "cache", _files_fingerprint(prefixes)
-    )
-    gpt_config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=config.seq_length,
-        blend=(prefixes, weights),
-        split=config.split,
-        path_to_cache=cache,
-        tokenizer=tokenizer,
-        reset_position_ids=config.reset_position_ids,
-        eod_mask_loss=config.eod_mask_loss,
-        # No [s, s] mask per sample, which is all GPTDataset's reset_attention_mask shapes: with
-        # data.reset_attention_mask the batches carry where documents end (training.batches), from
-        # which the model's attention pattern is built per micro-batch.
-        reset_attention_mask=False,
-        create_attention_mask=False,
-    )
+    gpt_config = _gpt_dataset_config(config, tokenizer, seed)
     if gpt_config.split_matrix[1] is None and valid_samples > 0:
         raise UserError(
             f"split {config.split!r} gives the valid split no share, but valid_samples={valid_samples}; "
@@ -247,7 +270,6 @@ def sample_order(config: DataConfig, *, train_samples: int) -> tuple[tuple[str, 
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import _get_size_per_split_per_dataset
     from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
     from megatron.core.datasets.utils import normalize
 
     prefixes, weights = config.blend
@@ -259,15 +281,11 @@ def sample_order(config: DataConfig, *, train_samples: int) -> tuple[tuple[str, 
         surplus = BlendedMegatronDatasetConfig.__dataclass_fields__["mid_level_dataset_surplus"].default
         samples = [per_split[0] for per_split in _get_size_per_split_per_dataset(
             normalize(weights), [train_samples, 0, 0], surplus=surplus)]
-    extra = int(GPTDatasetConfig.__dataclass_fields__["add_extra_token_to_sequence"].default)
+    extra = _extra_token()
     length = config.seq_length
     order = []
     for prefix, wanted in zip(prefixes, samples):
-        index = read_index(prefix)
-        begin, end = _split_ranges(config.split, len(index.tokens_before) - 1)[0]
-        tokens = int(index.tokens_before[end] - index.tokens_before[begin])  # one epoch (GPTDataset)
-        if tokens == 0:
-            raise UserError(f"data_path {prefix!r}: the train split of {config.split!r} holds no tokens")
+        tokens = train_split_tokens(prefix, config.split)  # one epoch (GPTDataset)
         epochs = max(1, -(-(wanted * length + extra) // tokens))  # GPTDataset._get_num_epochs
         apart = False
         if epochs > 1:
@@ -275,6 +293,121 @@ def sample_order(config: DataConfig, *, train_samples: int) -> tuple[tuple[str, 
             apart = from_final < int(FINAL_EPOCH_APART_BELOW * ((tokens - extra) // length))
         order.append((prefix, epochs, apart))
     return tuple(order)
+
+
+def _extra_token() -> int:
+    """1: GPTDataset reads ``seq_length + 1`` tokens a sample (``add_extra_token_to_sequence``)."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    return int(GPTDatasetConfig.__dataclass_fields__["add_extra_token_to_sequence"].default)
+
+
+def train_split_tokens(prefix: str, split: str) -> int:
+    """Tokens of the train split of ``prefix`` under ``split`` (the sequences Megatron gives it):
+    one epoch of its ``GPTDataset``; a split that holds none refused naming the prefix."""
+    index = read_index(prefix)
+    begin, end = _split_ranges(split, len(index.tokens_before) - 1)[0]
+    tokens = int(index.tokens_before[end] - index.tokens_before[begin])
+    if tokens == 0:
+        raise UserError(f"data_path {prefix!r}: the train split of {split!r} holds no tokens")
+    return tokens
+
+
+def samples_per_epoch(tokens: int, seq_length: int) -> int:
+    """Samples of one epoch of ``tokens`` tokens at ``seq_length`` (``GPTDataset``'s sample index:
+    each sample reads one token more than its length, the next sample's first)."""
+    return max(0, (tokens - _extra_token()) // seq_length)
+
+
+# --- sources read as streams (training.mixtures) ------------------------------------------------
+
+
+def blending_index(shares: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Megatron's blending index of ``size`` samples at ``shares`` (``BlendedDataset``'s greedy
+    rule, Megatron's own C++ helper): per sample, its source and its sample within the source."""
+    from megatron.core.datasets import helpers
+    from megatron.core.datasets.utils import normalize
+
+    dataset_index = np.zeros(size, dtype=np.int16)
+    dataset_sample_index = np.zeros(size, dtype=np.int64)
+    if size:
+        helpers.build_blending_indices(dataset_index, dataset_sample_index, normalize(shares), len(shares), size,
+                                       False)
+    return dataset_index, dataset_sample_index
+
+
+def blend_counts(shares: list[float], size: int) -> list[int]:
+    """Samples of each source among the first ``size`` of :func:`blending_index`."""
+    return np.bincount(blending_index(shares, size)[0], minlength=len(shares)).tolist()
+
+
+def build_source_epoch(config: DataConfig, prefix: str, *, tokenizer: EncoderTokenizer, seed: int) -> Dataset:
+    """One epoch of the train split of ``prefix`` at ``config.seq_length``: Megatron's
+    ``GPTDataset`` built for no set number of samples (one epoch), shuffled with ``seed``
+    (``training.mixtures.epoch_seed``). Checked as :func:`build_datasets` checks its prefixes."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    document_end_id(config, tokenizer)
+    index = read_index(prefix)
+    check_token_dtype(index, tokenizer)
+    if int(index.tokens_before[-1]) <= config.max_tokens_to_scan:
+        scan_token_ids(index, tokenizer)
+    _check_splits(config, [index], weighted=True)
+    source = dataclasses.replace(config, data_path=(prefix,))
+    # One epoch of each split (no sizes: Megatron builds each dataset over one epoch).
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [None, None, None], lambda: True,
+                                                _gpt_dataset_config(source, tokenizer, seed)).build()
+    return train
+
+
+def plan_source_reads(config: DataConfig, spans: Sequence[DatasetSpan]) -> tuple[SpanReads, ...]:
+    """What each data span of a run whose phases set their own data reads from each source
+    (``training.mixtures.plan_reads`` over the ``.idx`` files' train splits)."""
+    tokens = functools.cache(lambda prefix: train_split_tokens(prefix, config.split))
+    plans = plan_reads(spans, samples_per_epoch=lambda prefix, length: samples_per_epoch(tokens(prefix), length),
+                       blend_counts=blend_counts, sample_count=lambda span: span.last_sample - span.first_sample)
+    check_enough_data(plans)
+    return plans
+
+
+class SpanDataset:
+    """The samples of one data span (``training.mixtures``), in order: sample ``j`` is source
+    ``dataset_index[j]``'s stream sample ``first_sample + dataset_sample_index[j]`` (Megatron's
+    blending index at the span's shares), read from the epoch it falls in. Like Megatron's
+    ``BlendedDataset`` it has ``datasets``, ``dataset_index`` (a sample's source names it in
+    errors) and adds ``dataset_id`` (the source's position in the span's ``data_path``)."""
+
+    def __init__(self, reads: SpanReads, epochs: dict[tuple[int, int], Dataset]) -> None:
+        self.reads = reads
+        self.epochs = epochs
+        """``(source, epoch)`` -> that epoch's ``GPTDataset``, for each epoch the span reads."""
+        self.dataset_index, self.dataset_sample_index = blending_index([s.share for s in reads.sources], reads.samples)
+        self.datasets = [next((d for (i, _), d in epochs.items() if i == s), None) for s in range(len(reads.sources))]
+        self.config = next(iter(epochs.values())).config  # the tokenizer the samples' ids are of
+
+    def __len__(self) -> int:
+        return self.reads.samples
+
+    def __getitem__(self, index: int) -> dict:
+        s = int(self.dataset_index[index])
+        source = self.reads.sources[s]
+        epoch, sample = divmod(source.first_sample + int(self.dataset_sample_index[index]), source.samples_per_epoch)
+        return {"dataset_id": s, **self.epochs[(s, epoch)][sample]}
+
+
+def build_span_dataset(config: DataConfig, reads: SpanReads, *, tokenizer: EncoderTokenizer, seed: int) -> SpanDataset:
+    """:class:`SpanDataset` of ``reads`` (``config`` at the span's length), each epoch it reads
+    built (:func:`build_source_epoch`) and checked to hold the samples the plan counted."""
+    epochs = {}
+    for s, source in enumerate(reads.sources):
+        for epoch in source.epochs:
+            dataset = build_source_epoch(config, source.prefix, tokenizer=tokenizer, seed=epoch_seed(seed, epoch))
+            if len(dataset) != source.samples_per_epoch:
+                raise RuntimeError(f"{source.prefix}: Megatron's epoch holds {len(dataset)} samples of "
+                                   f"{config.seq_length}, the plan counted {source.samples_per_epoch}")
+            epochs[(s, epoch)] = dataset
+    return SpanDataset(reads, epochs)
 
 
 # --- the blend report ----------------------------------------------------------------------------
@@ -323,6 +456,13 @@ class GPTDatasetProvider:
 
     def blend_shares(self, config: DataConfig, train: Dataset | None, *, train_samples: int) -> list[dict]:
         return blend_shares(config, train, train_samples=train_samples)
+
+    def plan_source_reads(self, config: DataConfig, spans: Sequence[DatasetSpan]) -> tuple[SpanReads, ...]:
+        return plan_source_reads(config, spans)
+
+    def build_span_dataset(self, config: DataConfig, reads: SpanReads, *, tokenizer: EncoderTokenizer,
+                           seed: int) -> Dataset:
+        return build_span_dataset(config, reads, tokenizer=tokenizer, seed=seed)
 
 
 GPT_DATASETS: DatasetProvider = GPTDatasetProvider()

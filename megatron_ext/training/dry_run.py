@@ -11,7 +11,9 @@ import numpy as np
 from megatron_ext.model.config import parameter_count
 from megatron_ext.schedule import lr_at
 from megatron_ext.training.config import RunConfig
-from megatron_ext.training.context import PhaseContext, rampup_schedule, varies
+from megatron_ext.config_loading import UserError
+from megatron_ext.training.context import PhaseContext, dataset_spans, rampup_schedule, reads_sources, varies
+from megatron_ext.training.mixtures import format_source_plan
 from megatron_ext.performance.flops import (ISOLATED_DOCUMENTS_CONVENTION, MFU_CONVENTION, flops_per_token,
                                             mean_lm_head_share, packed_attention)
 from megatron_ext.training.layout import check_layout
@@ -255,7 +257,24 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
         + (f"; keeps steps {' '.join(map(str, c.keep_steps))}" if c.keep_steps else "")
     )
     lines.append(f"data              {' '.join(map(str, d.data_path))} (split {d.split})")
+    lines += _source_lines(config)
     return "\n".join(lines)
+
+
+def _source_lines(config: RunConfig) -> list[str]:
+    """What each data span reads from each source, in a run whose phases set their own data
+    (``training.mixtures``: shares after temperature, samples and tokens, epochs), as the trainer
+    will read it; said, not judged, where the ``.idx`` files cannot be read here."""
+    contexts = config.phase_contexts
+    if not reads_sources(contexts):
+        return []
+    from megatron_ext.training.datasets import plan_source_reads
+
+    try:
+        plans = plan_source_reads(config.data, dataset_spans(contexts))
+    except (OSError, UserError) as err:
+        return [f"sources           per-source shares not computed here: {err}"]
+    return format_source_plan(plans).splitlines()
 
 
 def _phase_notes(config: RunConfig, context: PhaseContext) -> list[str]:

@@ -24,6 +24,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, StepOutcome, megatron_transformer_overrides
 from megatron_ext.training.batches import Batches, build_batches, to_device
 from megatron_ext.training.datasets import GPT_DATASETS, DatasetProvider, format_blend
+from megatron_ext.training.mixtures import format_source_plan
 from megatron_ext.training.preflight import Caller, preflight
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
 from megatron_ext.training.stop import StopPolicy, write_exit_status
@@ -73,6 +75,9 @@ class TrainResult:
     valid: dict[int, dict[str, float]] = field(default_factory=dict)
     """Completed step -> validation loss by ``objectives.validation_objectives`` key ({"clm": ..., "mlm": ...},
     and "mntp" for a run that trains MNTP)."""
+    valid_by_source: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
+    """Completed step -> each validation source's losses by the same keys, when the validation data
+    is a blend of several datasets (``{"wiki_text_document": {"clm": ..., ...}, ...}``)."""
     test: dict[str, float] = field(default_factory=dict)
     """The test split's losses, by the same keys as ``valid``, measured once after the last step
     (``training.train_iters``); empty when the split has no test share, ``data.eval_iters`` is 0 or
@@ -106,24 +111,34 @@ def masking_generator(seed: int, step: int, group: int, device: torch.device, *,
 
 @torch.no_grad()
 def validate(engine: MegatronEngine, batches: list[dict[str, torch.Tensor]], *, config: RunConfig,
-             vocabulary: Vocabulary, rotary_base: float) -> dict[str, float]:
+             vocabulary: Vocabulary, rotary_base: float, sources: Sequence[str] = ()
+             ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """Validation losses (``objectives.validation_objectives``) on the same fixed batches (global
     token means), whatever the run trains; the test split's at the end of training, measured alike.
-    ``rotary_base``: the RoPE theta the model was last trained with (its phase's)."""
+    ``rotary_base``: the RoPE theta the model was last trained with (its phase's). With ``sources``
+    (the names of a blend's datasets, whose batches say each row's, Megatron's ``dataset_id``), also
+    each source's losses, from the same forward passes: ``(losses, {source: losses})``."""
     engine.model.eval()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     device = hardware.device()
-    result = {}
+    result: dict[str, float] = {}
+    by_source: dict[str, dict[str, float]] = {name: {} for name in sources}
     for key, objective in config.validation_objectives().items():
         micro_batches = []
         for i, batch in enumerate(batches):
             gen = masking_generator(config.training.seed, 0, i * dp_size + dp_rank, device, stream=EVAL_STREAM)
-            micro_batches.append(_apply(objective, batch, VALIDATION_PROGRESS, vocabulary, gen, config, rotary_base))
-        loss_sum, tokens = engine.eval_loss(micro_batches)
+            micro = _apply(objective, batch, VALIDATION_PROGRESS, vocabulary, gen, config, rotary_base)
+            micro_batches.append(dataclasses.replace(micro, sources=batch["dataset_id"]) if sources else micro)
+        if sources:
+            loss_sum, tokens, per_source = engine.eval_loss_by_source(micro_batches, len(sources))
+            for name, (source_sum, source_tokens) in zip(sources, per_source):
+                by_source[name][key] = source_sum / source_tokens if source_tokens > 0 else math.nan
+        else:
+            loss_sum, tokens = engine.eval_loss(micro_batches)
         result[key] = loss_sum / tokens if tokens > 0 else math.nan
     engine.model.train()
-    return result
+    return result, by_source
 
 
 PARENT_ONLY = ("wandb_run_id",)
@@ -381,8 +396,9 @@ def _check_resume_keeps_context(checkpoint: Checkpoint, config: RunConfig) -> No
                         "change: keep it, or branch (checkpoint.branch_from) or continue from the weights "
                         "(checkpoint.finetune)")
     raw_phases = saved_raw.get("phases") or []
-    sets_context = any(isinstance(p, dict) and set(p) & set(Phase.CONTEXT_KEYS) for p in raw_phases)
+    sets_context = any(isinstance(p, dict) and set(p) & set(Phase.CONTEXT_KEYS + Phase.DATA_KEYS) for p in raw_phases)
     if not sets_context and not context_lib.varies(config.phase_contexts) and \
+            not context_lib.reads_sources(config.phase_contexts) and \
             saved_data.get("seq_length") == config.data.seq_length:
         return  # one length, the same, in both: nothing to compare (and older configs need not read)
     try:
@@ -392,7 +408,8 @@ def _check_resume_keeps_context(checkpoint: Checkpoint, config: RunConfig) -> No
     if (change := context_lib.first_context_change(saved.phase_contexts, config.phase_contexts)) is not None:
         raise UserError(
             f"resuming {checkpoint} with other phase contexts: {change[1]} (saved run vs this recipe); a resume keeps "
-            "each phase's seq_length, rotary_base and global batch: continue with others as a branch "
+            "each phase's seq_length, rotary_base, global batch and data (data_path, temperature): continue with "
+            "others as a branch "
             "(checkpoint.branch_from + branch_step) or continued pretraining (checkpoint.load + finetune), "
             "docs/pretraining.md")
 
@@ -440,10 +457,15 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
         sinks = MetricSinks(config.logging, run_config=config.to_dict(), wandb_run_id=state.get("wandb_run_id"),
                             start_step=start)
         stack.callback(sinks.close)
-        sinks.header({"blend": batches.blend}, start)
+        header = {"blend": batches.blend}
+        if batches.source_plan is not None:
+            header["source_reads"] = [dataclasses.asdict(plan) for plan in batches.source_plan]
+        sinks.header(header, start)
         log = StepLogger(config, sinks, total_steps=total, start_step=start)
         log.banner(phases, rank_nodes)
-        if len(batches.blend) > 1 and is_writer():
+        if batches.source_plan is not None and is_writer():
+            print(format_source_plan(batches.source_plan), flush=True)
+        elif len(batches.blend) > 1 and is_writer():
             print(format_blend(batches.blend, train_samples=total * config.data.global_batch_size), flush=True)
         if is_writer() and starting_point.branched_from:
             origin = starting_point.branched_from
@@ -497,13 +519,15 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
         result.losses[done] = outcome.loss
         log.step(done, phase, outcome.loss, lr, outcome.grad_norm, outcome.skipped)
         if batches.valid and _due(done, config.training.eval_interval, total):
-            result.valid[done] = validate(engine, batches.valid, config=config, vocabulary=vocabulary,
-                                         rotary_base=context.rotary_base)
-            log.validation(done, result.valid[done])
+            result.valid[done], by_source = validate(engine, batches.valid, config=config, vocabulary=vocabulary,
+                                                     rotary_base=context.rotary_base, sources=batches.eval_sources)
+            if by_source:
+                result.valid_by_source[done] = by_source
+            log.validation(done, result.valid[done], by_source)
         if done == total and (test_batches := batches.test_batches(device)):
-            result.test = validate(engine, test_batches, config=config, vocabulary=vocabulary,
-                                   rotary_base=context.rotary_base)
-            log.test(done, result.test)
+            result.test, by_source = validate(engine, test_batches, config=config, vocabulary=vocabulary,
+                                              rotary_base=context.rotary_base, sources=batches.eval_sources)
+            log.test(done, result.test, by_source)
         stopping = stop.reason_to_stop(done, device)  # a collective: every rank, every step
         if stopping is None and exit_after_step is not None and done >= exit_after_step:
             stopping = f"exit_after_step={exit_after_step}"

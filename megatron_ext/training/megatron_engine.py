@@ -59,6 +59,9 @@ class MicroBatch:
     rotary_base: float | None = None
     """RoPE theta of the step's phase (``training.context.PhaseContext.rotary_base``, which the
     trainer always passes); None: the architecture's ``model.rotary_base``."""
+    sources: torch.Tensor | None = None
+    """``[b]`` each row's source (its position in the blend, Megatron's ``dataset_id``): an
+    evaluation adds up its losses per source (:meth:`MegatronEngine.eval_loss_by_source`)."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,9 @@ class MegatronEngine(TrainingState):
             transformer_config.grad_sync_func = self.ddp.start_grad_sync
         if p.overlap_param_gather:
             transformer_config.param_sync_func = self.ddp.start_param_sync
+        self._sources = 0
+        """Sources an evaluation adds its losses up by (:meth:`eval_loss_by_source`); 0: none."""
+        self._by_source: list[list[float]] = []
         self.forward_backward = get_forward_backward_func()
         self.model = self.ddp
         """The module that runs forward (``train()``/``eval()`` are set on it)."""
@@ -187,7 +193,13 @@ class MegatronEngine(TrainingState):
 
         def loss_func(per_token: torch.Tensor):
             loss_sum, n = masked_loss_sum(per_token, micro)
-            return loss_sum, n, {"loss": torch.stack([loss_sum.detach(), n.detach().float()])}
+            reported = {"loss": torch.stack([loss_sum.detach(), n.detach().float()])}
+            if self._sources and micro.sources is not None:  # per row, added up per source
+                mask = micro.objective.loss_mask.to(torch.float32)
+                rows = torch.stack([(per_token.detach().float() * mask).sum(dim=1), mask.sum(dim=1)], dim=1)
+                reported["by_source"] = torch.zeros(self._sources, 2, device=rows.device).index_add_(
+                    0, micro.sources.to(rows.device, torch.long), rows)
+            return loss_sum, n, reported
 
         return output, loss_func
 
@@ -202,13 +214,16 @@ class MegatronEngine(TrainingState):
             num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
             forward_only=forward_only,
         )
-        totals = torch.zeros(2, dtype=torch.float64, device=hardware.device())
+        totals = torch.zeros(1 + self._sources, 2, dtype=torch.float64, device=hardware.device())
         for item in reported or []:  # only the last pipeline stage reports losses
-            totals += item["loss"].double()
+            totals[0] += item["loss"].double()
+            if "by_source" in item:
+                totals[1:] += item["by_source"].double()
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # share with the other stages
             dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
-        return float(totals[0]), float(totals[1])
+        self._by_source = totals[1:].tolist()
+        return float(totals[0, 0]), float(totals[0, 1])
 
     def train_step(self, micro_batches: Sequence[MicroBatch], lr: float) -> StepOutcome:
         """One optimizer step over this rank's micro-batches (skipped when non-finite)."""
@@ -257,6 +272,18 @@ class MegatronEngine(TrainingState):
         with layer graphs: validation's shapes and patterns need not be the captured ones)."""
         with self.graphs.eager() if self.graphs is not None else contextlib.nullcontext():
             return self._run(micro_batches, forward_only=True)
+
+    def eval_loss_by_source(self, micro_batches: Sequence[MicroBatch], sources: int
+                            ) -> tuple[float, float, list[tuple[float, float]]]:
+        """:meth:`eval_loss`, and in the same pass ``(sum of token losses, token count)`` of each of
+        the ``sources`` sources the micro-batches' rows name (``MicroBatch.sources``), over the
+        data-parallel group."""
+        self._sources = sources
+        try:
+            loss_sum, tokens = self.eval_loss(micro_batches)
+        finally:
+            self._sources = 0
+        return loss_sum, tokens, [(source_sum, source_tokens) for source_sum, source_tokens in self._by_source]
 
     def close(self) -> None:
         """Release what outlives a step: the layer graphs and Megatron's global graph state (the

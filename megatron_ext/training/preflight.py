@@ -148,9 +148,10 @@ def _before_model(config: RunConfig, world_size: int) -> Preflight:
     check_run_fits(config, world_size=world_size, usable_bytes=usable, where=where)
     tokenizer = build_tokenizer(config.tokenizer)
     check_tokenizer_serves(config, tokenizer)
-    unrecorded = check_data_tokenizer(config.data.blend[0], tokenizer)  # the data's own tokenizer is this one
-    if unrecorded and is_writer():
-        print(unrecorded, file=sys.stderr, flush=True)
+    for field, prefixes in config.data_paths().items():  # the data's own tokenizer is this one
+        unrecorded = check_data_tokenizer(prefixes, tokenizer, field=field)
+        if unrecorded and is_writer():
+            print(unrecorded, file=sys.stderr, flush=True)
     return Preflight(caller=Caller.RUN_BEFORE_MODEL, tokenizer=tokenizer)
 
 
@@ -183,7 +184,9 @@ def _dry_run(config: RunConfig, world_size: int, tokenizer: EncoderTokenizer | N
             tokenizer_line = f"tokenizer: {missing}: {err}"
         else:  # what the objectives need of it: refused now (before the plan), as the run would refuse it
             check_tokenizer_serves(config, tokenizer)
-            tokenizer_line = check_data_tokenizer(config.data.blend[0], tokenizer)  # refuses another's data
+            notices = [notice for field, prefixes in config.data_paths().items()  # refuses another's data
+                       if (notice := check_data_tokenizer(prefixes, tokenizer, field=field))]
+            tokenizer_line = "; ".join(notices) or None
     memory = memory_report(config, world_size=world_size, gpu_kind=gpu_kind)
     try:  # a plan made on a login node may name paths mounted only on the compute nodes
         paths_line = "checked: " + ", ".join(check_paths(config))
@@ -225,10 +228,12 @@ def check_paths(config: RunConfig) -> list[str]:
             raise UserError(f"{field_name}={directory!r} cannot be written ({existing}: {error.strerror}); "
                             "choose a writable directory") from None
         checked.append(f"{field_name} writable")
-    prefixes, _ = config.data.blend
-    for prefix in prefixes:
-        if (problem := missing_prefix_problem(prefix)) is not None:
-            raise UserError(f"data.data_path: {problem}")
+    prefixes = set()
+    for field, named in config.data_paths().items():
+        for prefix in named:
+            if (problem := missing_prefix_problem(prefix)) is not None:
+                raise UserError(f"{field}: {problem}")
+        prefixes.update(named)
     checked.append(f"{len(prefixes)} data prefix(es) present")
     return checked
 

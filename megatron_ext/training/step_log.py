@@ -234,20 +234,26 @@ class StepLogger:
             self.line_loss = _LineLoss()
         self.sinks.record("train", step, values)
 
-    def validation(self, step: int, losses: dict[str, float]) -> None:
-        """A validation's losses: a ``valid`` record and the line ``validation at step N: ...``."""
-        self._evaluation("valid", "validation", step, losses)
+    def validation(self, step: int, losses: dict[str, float], by_source: dict[str, dict[str, float]]) -> None:
+        """A validation's losses: a ``valid`` record and the line ``validation at step N: ...``;
+        with a blend of several sources, each source's (``by_source`` in the record, one more line)."""
+        self._evaluation("valid", "validation", step, losses, by_source)
 
-    def test(self, step: int, losses: dict[str, float]) -> None:
+    def test(self, step: int, losses: dict[str, float], by_source: dict[str, dict[str, float]]) -> None:
         """The test split's losses at the end of training: a ``test`` record and ``test at step N: ...``."""
-        self._evaluation("test", "test", step, losses)
+        self._evaluation("test", "test", step, losses, by_source)
 
-    def _evaluation(self, kind: str, title: str, step: int, losses: dict[str, float]) -> None:
-        self.sinks.record(kind, step, losses)
+    def _evaluation(self, kind: str, title: str, step: int, losses: dict[str, float],
+                    by_source: dict[str, dict[str, float]]) -> None:
+        self.sinks.record(kind, step, {**losses, "by_source": by_source} if by_source else losses)
         if is_writer():
             measured = self.config.validation_objectives()
             print(f"{title} at step {step}: " + " | ".join(
                 f"{objective.name} loss {losses[key]:.4f}" for key, objective in measured.items()), flush=True)
+            if by_source:
+                print("  by source: " + " | ".join(
+                    f"{name} " + " ".join(f"{objective.name} {source[key]:.4f}" for key, objective in measured.items())
+                    for name, source in by_source.items()), flush=True)
 
 
 class _LineLoss:

@@ -1,0 +1,279 @@
+"""Phases that change the data (``training.mixtures``), on CPU with real text: three sources (300 real
+news articles cut into 150, 100 and 50 documents, one prefix each, the tiny corpus's tokenizer),
+phases that switch blends and temperatures and, in the last, the length. Temperature shares against
+hand-computed values; every source continued across switches and read once per epoch; exact resume
+before, at, after and across the switches; a changed started phase refused; each validation source's
+losses; the dry run's reads equal to the trainer's; a branch that trains another mixture."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+
+from helpers import tiny_recipe
+from megatron_ext.config_loading import UserError
+from megatron_ext.training import context
+from megatron_ext.training.datasets import blend_counts, build_span_dataset, plan_source_reads
+from megatron_ext.training.loop import pretrain
+from megatron_ext.training.mixtures import Mixture, SpanReads, plan_reads, source_shares
+from megatron_ext.training.recipe import run_config_from_dict
+
+SIZES = {"a": (0, 150), "b": (150, 250), "c": (250, 300)}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, tiny_corpus, news_texts) -> dict[str, str]:
+    """Three prefixes of real news made with the tiny corpus's tokenizer (its record written)."""
+    from megatron_ext.data.preprocess import PreprocessConfig, preprocess
+    from megatron_ext.tokenizer import TokenizerConfig
+
+    root = tmp_path_factory.mktemp("sources")
+    out = {}
+    for name, (lo, hi) in SIZES.items():
+        jsonl = root / f"{name}.jsonl"
+        jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in news_texts[lo:hi]))
+        preprocess(PreprocessConfig(inputs=(str(jsonl),), output_prefix=str(root / name),
+                                    tokenizer=TokenizerConfig(tokenizer_model=tiny_corpus["tokenizer"]),
+                                    append_eod=True, progress=False))
+        out[name] = str(root / f"{name}_text_document")
+    return out
+
+
+def _phases(src: dict[str, str], last: list[str] | None = None) -> list[dict]:
+    """{a, b} at tau 0.5 (CLM) -> {b, c} (MLM) -> {a} at 128 tokens (MLM), 3 steps each."""
+    return [{"objective": "clm", "steps": 3, "data_path": [src["a"], src["b"]], "temperature": 0.5},
+            {"objective": "mlm", "mask_ratio": 0.4, "steps": 3, "data_path": [src["b"], src["c"]]},
+            {"objective": "mlm", "mask_ratio": 0.4, "steps": 3, "data_path": last or [src["a"]], "seq_length": 128}]
+
+
+def _recipe(corpus, src, run_dir, **sections) -> dict:
+    data = {"data_path": [src["a"], src["b"], src["c"]], "split": "90,10,0", "seq_length": 64,
+            "micro_batch_size": 4, "global_batch_size": 8, "eval_iters": 1,
+            "data_cache_path": str(run_dir / "index_cache")}
+    return tiny_recipe(corpus, run_dir, **{"phases": _phases(src), "data": data,
+                                           "training": {"train_iters": 9, "eval_interval": 3, "log_interval": 1},
+                                           "checkpoint": {"save": str(run_dir / "ckpt"), "save_interval": 3},
+                                           **sections})
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, tiny_corpus, sources):
+    run_dir = tmp_path_factory.mktemp("straight")
+    config = run_config_from_dict(_recipe(tiny_corpus, sources, run_dir))
+    return run_dir, config, pretrain(config)
+
+
+def test_temperature_shares_against_hand_computed_values():
+    unweighted = Mixture(data_path=("a", "b"), temperature=0.5)
+    assert source_shares(unweighted, [100, 25]) == pytest.approx([10 / 15, 5 / 15])  # sqrt: 10 : 5
+    assert source_shares(Mixture(data_path=("a", "b")), [100, 25]) == pytest.approx([0.8, 0.2])  # tau 1: sizes
+    assert source_shares(Mixture(data_path=("a", "b"), temperature=0.0), [100, 25]) == [0.5, 0.5]  # uniform
+    weighted = Mixture(data_path=("1", "a", "4", "b", "16", "c"), temperature=0.5)  # weights, not sizes
+    assert source_shares(weighted, [7, 7, 7]) == pytest.approx([1 / 7, 2 / 7, 4 / 7])
+    # mmBERT's annealing flattens a skewed mix: 0.7 -> 0.5 -> 0.3 moves shares towards uniform.
+    skewed = [10_000, 100, 1]
+    low = [source_shares(Mixture(data_path=("a", "b", "c"), temperature=t), skewed)[2] for t in (0.7, 0.5, 0.3)]
+    assert low[0] < low[1] < low[2] < 1 / 3
+
+
+def _plan(spans_spec, per_epoch):
+    """plan_reads over hand-made spans: (start, end, length, sources, samples)."""
+    class Span:
+        def __init__(self, start, end, length, prefixes, samples):
+            self.start, self.end, self.seq_length, self.samples = start, end, length, samples
+            self.mixture = Mixture(data_path=tuple(prefixes))
+    spans = [Span(*spec) for spec in spans_spec]
+    return plan_reads(spans, samples_per_epoch=lambda prefix, length: per_epoch[prefix] * 64 // length,
+                      blend_counts=blend_counts, sample_count=lambda span: span.samples)
+
+
+def test_a_source_continues_where_the_run_left_it_and_a_new_one_starts_at_its_beginning():
+    plans = _plan([(0, 10, 64, ["a", "b"], 100), (10, 20, 64, ["b", "c"], 100), (20, 30, 64, ["a"], 50),
+                   (30, 40, 128, ["a", "c"], 40)], per_epoch={"a": 1000, "b": 1000, "c": 1000})
+    first = {(i, s.prefix): (s.first_sample, s.samples) for i, p in enumerate(plans) for s in p.sources}
+    assert first[(0, "a")] == (0, 50) and first[(0, "b")] == (0, 50)  # equal sizes: half each
+    assert first[(1, "b")][0] == 50 and first[(1, "c")][0] == 0        # b continues, c is new
+    assert first[(2, "a")] == (50, 50)                                  # a comes back where it stopped
+    # At twice the length a source's cursor is its tokens read: 100 samples of 64 = 50 of 128.
+    assert first[(3, "a")][0] == 50 and first[(3, "c")][0] == math.ceil(first[(1, "c")][1] / 2)
+
+
+def test_every_source_is_read_once_per_epoch_over_many_switches(sources, tiny_corpus):
+    """Twelve switches between random mixtures at one length, enough samples for each source to wrap
+    its epochs several times: per source, the stream positions read are 0, 1, 2, ... (none skipped,
+    none read twice), and each epoch's samples are Megatron's one-epoch dataset in its own shuffle."""
+    from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
+    from megatron_ext.training.config import DataConfig
+
+    config = DataConfig(data_path=tuple(sources.values()), split="90,10,0", seq_length=64, micro_batch_size=4,
+                        global_batch_size=8, eval_iters=0, data_cache_path=str(tiny_corpus["data"]) + "_cache")
+    rng = np.random.default_rng(0)
+    names = list(sources)
+    spans = []
+    for i in range(12):
+        chosen = sorted(rng.choice(names, size=int(rng.integers(1, 4)), replace=False))
+        span = context.DatasetSpan(seq_length=64, start=i, end=i + 1, first_sample=0, contexts=(),
+                                   mixture=Mixture(data_path=tuple(sources[n] for n in chosen),
+                                                   temperature=float(rng.choice([0.3, 0.7, 1.0]))))
+        spans.append((span, int(rng.integers(200, 800))))
+    plans = plan_reads([s for s, _ in spans], samples_per_epoch=lambda p, length: plan_source_reads(
+        config, [context.DatasetSpan(seq_length=length, start=0, end=1, first_sample=0, contexts=(),
+                                     mixture=Mixture(data_path=(p,)))])[0].sources[0].samples_per_epoch,
+        blend_counts=blend_counts, sample_count=lambda span: dict(spans)[span])
+    tokenizer = build_tokenizer(TokenizerConfig(tokenizer_model=tiny_corpus["tokenizer"]))
+    positions = {p: [] for p in sources.values()}
+    epochs_seen = {}
+    for plan in plans:
+        dataset = build_span_dataset(config, plan, tokenizer=tokenizer, seed=1234)
+        for j in range(len(dataset)):
+            s = int(dataset.dataset_index[j])
+            source = plan.sources[s]
+            position = source.first_sample + int(dataset.dataset_sample_index[j])
+            positions[source.prefix].append(position)
+            epoch, sample = divmod(position, source.samples_per_epoch)
+            epochs_seen.setdefault(source.prefix, set()).add(epoch)
+            if j % 97 == 0:  # the sample is that epoch's Megatron sample
+                np.testing.assert_array_equal(dataset[j]["tokens"], dataset.epochs[(s, epoch)][sample]["tokens"])
+    for prefix, read in positions.items():
+        assert read == list(range(len(read))), f"{prefix}: a stream sample skipped or read twice"
+    assert max(len(e) for e in epochs_seen.values()) >= 3  # some source wrapped its epochs
+    # Epochs after the first are reshuffled: epoch 1 is not epoch 0 again.
+    wrapped = next(p for p, e in epochs_seen.items() if {0, 1} <= e)
+    built = {}
+    for plan in plans:
+        for s, source in enumerate(plan.sources):
+            if source.prefix == wrapped and {0, 1} <= set(source.epochs):
+                dataset = build_span_dataset(config, plan, tokenizer=tokenizer, seed=1234)
+                built = {e: dataset.epochs[(s, e)] for e in (0, 1)}
+    if built:
+        assert not np.array_equal(built[0][0]["tokens"], built[1][0]["tokens"])
+
+
+def test_phases_read_their_own_mixtures_and_validation_reports_each_source(straight, sources):
+    run_dir, config, result = straight
+    assert result.final_step == 9
+    spans = context.dataset_spans(config.phase_contexts)
+    assert [(s.start, s.end, s.seq_length) for s in spans] == [(0, 3, 64), (3, 6, 64), (6, 9, 128)]
+    records = [json.loads(line) for line in (run_dir / "log/metrics.jsonl").read_text().splitlines()]
+    header = next(r for r in records if "source_reads" in r)
+    reads = [[(s["prefix"], s["first_sample"], s["samples"]) for s in span["sources"]] for span in header["source_reads"]]
+    assert [[p for p, _, _ in span] for span in reads] == [[sources["a"], sources["b"]], [sources["b"], sources["c"]],
+                                                           [sources["a"]]]
+    a_first, b_first = reads[0][0][2], reads[0][1][2]
+    assert a_first + b_first == 3 * 8 and reads[1][0][1] == b_first  # b continues in the second span
+    assert reads[2][0][1] == math.ceil(a_first * 64 / 128)  # a continues at 128 tokens where it stopped
+    valid = [r for r in records if r["kind"] == "valid"]
+    assert [r["step"] for r in valid] == [3, 6, 9]
+    names = ["a_text_document", "b_text_document", "c_text_document"]
+    for record in valid:
+        assert list(record["by_source"]) == names
+        for key in ("clm", "mlm"):
+            per_source = [record["by_source"][n][key] for n in names]
+            assert all(math.isfinite(v) for v in per_source)
+            assert min(per_source) <= record[key] <= max(per_source)  # the blend's is their token-weighted mean
+    assert result.valid_by_source[9] == valid[-1]["by_source"]
+
+
+@pytest.mark.parametrize("stops", [(2,), (3,), (4,), (2, 7)], ids=["before", "at", "after", "across"])
+def test_resume_across_blend_switches_is_exact(straight, tiny_corpus, sources, tmp_path, stops):
+    _, _, uninterrupted = straight
+    config = run_config_from_dict(_recipe(tiny_corpus, sources, tmp_path))
+    for stop in stops:
+        assert pretrain(config, exit_after_step=stop).final_step == stop
+    resumed = pretrain(config)
+    assert resumed.start_step == stops[-1] and resumed.final_step == 9
+    for step in range(stops[-1] + 1, 10):
+        assert resumed.losses[step] == uninterrupted.losses[step], f"step {step} differs after resume"
+    assert resumed.valid[9] == uninterrupted.valid[9]
+
+
+def test_a_resume_that_changes_a_started_phase_blend_is_refused(tiny_corpus, sources, tmp_path):
+    recipe = _recipe(tiny_corpus, sources, tmp_path, training={"train_iters": 9, "eval_interval": 0})
+    pretrain(run_config_from_dict(recipe), exit_after_step=4)
+    changed = _recipe(tiny_corpus, sources, tmp_path, training={"train_iters": 9, "eval_interval": 0})
+    changed["phases"][1]["temperature"] = 0.3
+    with pytest.raises(UserError, match=r"^resuming .*step 3 reads .*2 sources .*vs .*2 sources at temperature 0\.3"
+                                        r".*branch_from") as error:
+        pretrain(run_config_from_dict(changed))
+    assert "\n" not in str(error.value)
+
+
+def test_a_branch_trains_another_decay_mixture(straight, tiny_corpus, sources, tmp_path):
+    """The documented way to change a later phase: a branch from the trunk's step-6 checkpoint whose
+    last phase reads another mixture; its steps before the branch are the trunk's."""
+    trunk_dir, _, trunk = straight
+    recipe = _recipe(tiny_corpus, sources, tmp_path, phases=_phases(sources, last=[sources["b"], sources["c"]]))
+    recipe["checkpoint"] = {**recipe["checkpoint"], "branch_from": str(trunk_dir / "ckpt"), "branch_step": 6}
+    branch = pretrain(run_config_from_dict(recipe))
+    assert branch.start_step == 6 and branch.final_step == 9
+    assert branch.losses[7] != trunk.losses[7]  # another mixture from the branch on
+    # A branch that changes a phase before its branch step is refused, naming the step.
+    early = _recipe(tiny_corpus, sources, tmp_path / "early")
+    early["phases"][1]["data_path"] = [sources["c"]]
+    early["checkpoint"] = {**early["checkpoint"], "branch_from": str(trunk_dir / "ckpt"), "branch_step": 6}
+    with pytest.raises(UserError, match=r"cannot branch at step 6: .*step 3 reads"):
+        pretrain(run_config_from_dict(early))
+
+
+def test_the_dry_run_prints_what_the_trainer_reads(straight, tiny_corpus, sources, tmp_path, capsys):
+    import yaml
+
+    from megatron_ext.cli import pretrain_encoder
+
+    run_dir, config, _ = straight
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tiny_corpus, sources, run_dir)))
+    assert pretrain_encoder.main(["--config", str(path), "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    trained = [json.loads(line) for line in (run_dir / "log/metrics.jsonl").read_text().splitlines()]
+    header = next(r for r in trained if "source_reads" in r)
+    for span in header["source_reads"]:
+        for source in span["sources"]:
+            name = source["prefix"].rsplit("/", 1)[1]
+            assert re.search(rf"{name}: share {100 * source['share']:.1f}% \| {source['samples']:,} samples", plan), plan
+    assert "steps [6, 9) at seq_length 128: 12 samples from 1 source" in plan
+
+
+def test_phase_data_refusals(tiny_corpus, sources, tmp_path, news_texts):
+    from megatron_ext.training.preflight import check_paths
+
+    missing = _recipe(tiny_corpus, sources, tmp_path)
+    missing["phases"][1]["data_path"] = [sources["b"], str(tmp_path / "nowhere_text_document")]
+    with pytest.raises(UserError, match=r"^phases\[1\]\.data_path: .*nowhere_text_document"):
+        check_paths(run_config_from_dict(missing))
+    with pytest.raises(UserError, match=r"temperature: expected a number in \[0, 1\]"):
+        bad = _recipe(tiny_corpus, sources, tmp_path)
+        bad["phases"][0]["temperature"] = 1.5
+        run_config_from_dict(bad)
+    with pytest.raises(UserError, match=r"phases\[0\]\.data_path.*either only prefixes or alternating"):
+        mixed = _recipe(tiny_corpus, sources, tmp_path)
+        mixed["phases"][0]["data_path"] = ["0.5", sources["a"], sources["b"]]
+        run_config_from_dict(mixed)
+    # A prefix made with another tokenizer, named by the phase that reads it.
+    from megatron_ext.cli import train_tokenizer
+    from megatron_ext.data.preprocess import PreprocessConfig, preprocess
+    from megatron_ext.tokenizer import TokenizerConfig
+
+    jsonl = tmp_path / "other.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in news_texts[:40]))
+    assert train_tokenizer.main(["--input", str(jsonl), "--output-dir", str(tmp_path / "tok"), "--vocab-size", "512",
+                                 "--no-progress"]) == 0
+    preprocess(PreprocessConfig(inputs=(str(jsonl),), output_prefix=str(tmp_path / "other"),
+                                tokenizer=TokenizerConfig(tokenizer_model=str(tmp_path / "tok")), append_eod=True,
+                                progress=False))
+    other = _recipe(tiny_corpus, sources, tmp_path)
+    other["phases"][2]["data_path"] = [str(tmp_path / "other_text_document")]
+    with pytest.raises(UserError, match=r"^phases\[2\]\.data_path: .*other_text_document was tokenized by"):
+        pretrain(run_config_from_dict(other))
+
+
+def test_span_reads_are_a_function_of_the_config(straight, sources):
+    """What a resume relies on: the plan computed again is the same."""
+    _, config, _ = straight
+    first = plan_source_reads(config.data, context.dataset_spans(config.phase_contexts))
+    again = plan_source_reads(config.data, context.dataset_spans(config.phase_contexts))
+    assert first == again and all(isinstance(p, SpanReads) for p in first)
