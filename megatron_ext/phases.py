@@ -65,6 +65,12 @@ class Phase:
     or, without weights, its samples (tokens of its train split / seq_length). 1: proportional to
     size (Megatron's blend); 0: uniform; mmBERT anneals 0.7 -> 0.5 -> 0.3. None: 1."""
 
+    valid_data_path: tuple[str, ...] | None = None
+    """The blend validation reads at the evaluations of this phase (the valid split of its prefixes,
+    as ``data.split`` cuts them; read whole with ``data.valid_data_path``'s per-split form), each
+    source's losses reported; None: the run's validation blend, the same in every phase so that its
+    losses compare over the run."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.objective, Objective):
             raise UserError(f"objective must be one of megatron_ext.objectives.OBJECTIVES' settings, "
@@ -84,10 +90,12 @@ class Phase:
                 raise UserError(f"{name} must be a positive integer, got {value!r}")
         if self.rotary_base is not None and not self.rotary_base > 0:
             raise UserError(f"rotary_base must be > 0, got {self.rotary_base!r}")
-        if self.data_path is not None:
-            if isinstance(self.data_path, str) or not self.data_path:
-                raise UserError(f"data_path: expected a non-empty list of prefixes, got {self.data_path!r}")
-            object.__setattr__(self, "data_path", tuple(str(entry) for entry in self.data_path))
+        for name in ("data_path", "valid_data_path"):
+            value = getattr(self, name)
+            if value is not None:
+                if isinstance(value, str) or not value:
+                    raise UserError(f"{name}: expected a non-empty list of prefixes, got {value!r}")
+                object.__setattr__(self, name, tuple(str(entry) for entry in value))
         if self.temperature is not None and (isinstance(self.temperature, bool)
                                              or not isinstance(self.temperature, (int, float))
                                              or not 0.0 <= self.temperature <= 1.0):
@@ -120,8 +128,8 @@ class Phase:
         return {"objective": self.objective.to_config(), "steps": self.steps, "share": self.share,
                 "restart_warmup": self.restart_warmup,
                 **{key: getattr(self, key) for key in self.CONTEXT_KEYS if getattr(self, key) is not None},
-                **{key: (list(value) if key == "data_path" else value)
-                   for key in self.DATA_KEYS if (value := getattr(self, key)) is not None}}
+                **{key: (list(value) if isinstance(value, tuple) else value)
+                   for key in (*self.DATA_KEYS, "valid_data_path") if (value := getattr(self, key)) is not None}}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +168,9 @@ class ResolvedPhase:
 
     temperature: float | None = None
     """See :class:`Phase`."""
+
+    valid_data_path: tuple[str, ...] | None = None
+    """See :class:`Phase` (None: the run's validation blend)."""
 
     @property
     def name(self) -> str:
@@ -219,6 +230,7 @@ def resolve_phases(phases: Sequence[Phase], total_steps: int) -> list[ResolvedPh
     for i, (phase, length) in enumerate(zip(phases, _phase_lengths(phases, total_steps))):
         resolved.append(ResolvedPhase(index=i, objective=phase.objective, start=start, end=start + length,
                                       restart_warmup=phase.restart_warmup,
+                                      valid_data_path=phase.valid_data_path,
                                       **{key: getattr(phase, key) for key in Phase.CONTEXT_KEYS + Phase.DATA_KEYS}))
         start += length
     return resolved

@@ -5,6 +5,7 @@ once at the end of training (Megatron's "end of training for test data")."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -13,11 +14,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_ext.phases import ResolvedPhase
 from megatron_ext.tokenizer import EncoderTokenizer
 from megatron_ext.training import context as context_lib
 from megatron_ext.training.datasets import DatasetProvider, document_end_id as eod_of
 from megatron_ext.training.samplers import build_phase_iterator, build_train_iterator, build_valid_iterator
-from megatron_ext.training.config import RunConfig
+from megatron_ext.training.config import DataConfig, RunConfig
 from megatron_ext.training.mixtures import SpanReads, source_names
 
 if TYPE_CHECKING:
@@ -59,9 +61,13 @@ class Batches:
     """Megatron-Core's step batch-size calculator of ``data.rampup_batch_size`` (None: no ramp-up)."""
     document_end_id: int | None = None
     """The EOD id at which documents are isolated (``data.reset_attention_mask``); None: not isolated."""
-    eval_sources: tuple[str, ...] = ()
-    """Names of the validation (and test) blend's datasets when it has several, in ``data_path``
-    order (a batch row's ``dataset_id`` indexes them): evaluations then give each one's losses."""
+    valid_sources: tuple[str, ...] = ()
+    """Names of the validation blend's datasets when it has several, in its order (a batch row's
+    ``dataset_id`` indexes them): each validation then gives each one's losses."""
+    test_sources: tuple[str, ...] = ()
+    """The same for the test blend."""
+    phase_valid: dict[int, tuple[list[dict[str, torch.Tensor]], tuple[str, ...]]] = field(default_factory=dict)
+    """Per phase with its own ``valid_data_path``: its validation batches and their sources."""
     source_plan: tuple[SpanReads, ...] | None = None
     """What each data span reads from each source, in a run whose phases set their own data
     (``training.mixtures``); None: the run reads ``data.data_path`` as one blend."""
@@ -82,6 +88,24 @@ class Batches:
                                    f"micro-batches, the plan {count}")
         for _ in range(count):
             yield with_document_ends(next(self.train), self.document_end_id)
+
+    def validation(self, phase: ResolvedPhase, device: torch.device) -> tuple[list[dict[str, torch.Tensor]], tuple[str, ...]]:
+        """The validation batches at an evaluation in ``phase``, and the names of their sources (empty
+        for one): the run's, or those of the phase's own ``valid_data_path`` (built at its first
+        evaluation, the first ``data.eval_iters`` global batches of that blend's valid split)."""
+        if phase.valid_data_path is None:
+            return self.valid, self.valid_sources
+        if phase.index not in self.phase_valid:
+            d = self.config.data
+            own = (dataclasses.replace(d, valid_data_path=phase.valid_data_path, test_data_path=()) if d.per_split
+                   else dataclasses.replace(d, data_path=phase.valid_data_path))
+            _, valid_ds, _ = self.datasets.build_datasets(
+                own, tokenizer=self.tokenizer, train_samples=1, valid_samples=d.eval_iters * d.global_batch_size,
+                seed=self.config.training.seed)
+            self.phase_valid[phase.index] = (
+                _evaluation_batches(valid_ds, self.config, device, split="valid", document_end_id=self.document_end_id),
+                _blend_sources(own, "valid"))
+        return self.phase_valid[phase.index]
 
     def test_batches(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
         """The test evaluation's batches (the first ``data.eval_iters`` global batches of the test
@@ -183,4 +207,10 @@ def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int,
                    valid=valid, test=test_ds if eval_samples else None, blend=blend,
                    rampup=rampup if data_cfg.rampup_batch_size is not None else None,
                    document_end_id=document_end_id, source_plan=source_plan,
-                   eval_sources=source_names(data_cfg.blend[0]) if len(data_cfg.blend[0]) > 1 else ())
+                   valid_sources=_blend_sources(data_cfg, "valid"), test_sources=_blend_sources(data_cfg, "test"))
+
+
+def _blend_sources(data: DataConfig, split: str) -> tuple[str, ...]:
+    """Names of ``split``'s datasets when its blend has several (``source_names``), else none."""
+    blend = data.split_blend(split)
+    return source_names(blend[0]) if blend is not None and len(blend[0]) > 1 else ()

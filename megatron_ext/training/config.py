@@ -41,12 +41,24 @@ from megatron_ext.training.mixtures import parse_blend
 class DataConfig:
     """Which data to read and how to batch it; names follow Megatron-LM's flags."""
 
-    data_path: tuple[str, ...]
+    data_path: tuple[str, ...] = ()
     """``--data-path``: dataset prefixes (``{prefix}.bin``/``.idx``), or alternating
     ``weight prefix weight prefix ...`` to blend them in those proportions. Several prefixes without
-    weights blend in proportion to their sizes, one pass over each (Megatron never repeats them)."""
+    weights blend in proportion to their sizes, one pass over each (Megatron never repeats them).
+    Give it, or ``train_data_path`` (one of the two)."""
+    train_data_path: tuple[str, ...] = ()
+    """``--train-data-path``: the training blend alone, in ``data_path``'s forms, each prefix read
+    whole for training (Megatron's ``blend_per_split``: no ``split``); with ``valid_data_path`` and
+    ``test_data_path`` instead of ``data_path``."""
+    valid_data_path: tuple[str, ...] = ()
+    """``--valid-data-path``: the validation blend, read whole (with ``train_data_path``); needed
+    when ``eval_iters`` asks for validation."""
+    test_data_path: tuple[str, ...] = ()
+    """``--test-data-path``: the test blend, read whole once after the last step (with
+    ``train_data_path``); none: no test evaluation."""
     split: str = "98,2,0"
-    """``--split``: comma-separated train,valid,test proportions of each prefix's sequences."""
+    """``--split``: comma-separated train,valid,test proportions of each prefix's sequences (with
+    ``data_path``; the per-split paths are each read whole, as in Megatron)."""
     seq_length: int
     """``--seq-length``: tokens per sample."""
     micro_batch_size: int
@@ -85,16 +97,34 @@ class DataConfig:
     tokenizer vocab (fast with numpy); larger ones rely on the per-batch check. 0: never scan."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.data_path, str) or not self.data_path:
-            raise UserError(f"data_path: expected a non-empty list of prefixes, got {self.data_path!r}")
-        object.__setattr__(self, "data_path", tuple(self.data_path))
-        parse_blend(self.data_path, where="data_path")
-        proportions = split_proportions(self.split)
-        if self.eval_iters and (len(proportions) < 2 or proportions[1] == 0):
-            # Megatron-LM skips validation without a word here; eval_iters would then do nothing.
-            raise UserError(f"split {self.split!r} gives the valid split no share, but data.eval_iters="
-                            f"{self.eval_iters} asks for validation; give it a share (e.g. 98,2,0) or set "
-                            "data.eval_iters: 0 (no validation)")
+        for name in ("data_path", *PER_SPLIT_PATHS):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise UserError(f"{name}: expected a list of prefixes, got the string {value!r}")
+            object.__setattr__(self, name, tuple(value))
+            if value:
+                parse_blend(value, where=name)
+        if bool(self.data_path) == bool(self.train_data_path):
+            raise UserError("data: give data_path (one blend cut by split into train, valid and test) or "
+                            "train_data_path (with valid_data_path, test_data_path: a blend per split), "
+                            f"not {'both' if self.data_path else 'neither'}")
+        if self.data_path:
+            if self.valid_data_path or self.test_data_path:
+                raise UserError("data.valid_data_path / test_data_path come with train_data_path, not data_path "
+                                "(whose split cuts the valid and test splits), as in Megatron")
+            proportions = split_proportions(self.split)
+            if self.eval_iters and (len(proportions) < 2 or proportions[1] == 0):
+                # Megatron-LM skips validation without a word here; eval_iters would then do nothing.
+                raise UserError(f"split {self.split!r} gives the valid split no share, but data.eval_iters="
+                                f"{self.eval_iters} asks for validation; give it a share (e.g. 98,2,0) or set "
+                                "data.eval_iters: 0 (no validation)")
+        else:
+            if self.split != DataConfig.__dataclass_fields__["split"].default:
+                raise UserError(f"data.split {self.split!r} with train_data_path: each per-split blend is read "
+                                "whole (Megatron's blend_per_split); drop split, or give data_path instead")
+            if self.eval_iters and not self.valid_data_path:
+                raise UserError(f"data.eval_iters={self.eval_iters} asks for validation but there is no "
+                                "valid_data_path beside train_data_path; give one or set data.eval_iters: 0")
         for name in ("seq_length", "micro_batch_size", "global_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}: expected >= 1, got {getattr(self, name)}")
@@ -111,11 +141,36 @@ class DataConfig:
 
     @property
     def blend(self) -> tuple[list[str], list[float] | None]:
-        """``data_path`` as Megatron's ``(prefixes, weights or None)``, the pair its
-        ``datasets.utils.get_blend_from_list`` returns (tested equal): ``weight prefix`` pairs when
-        every other entry from the first is a number, prefixes alone otherwise. Parsed here so that
-        reading a recipe (and ``--dry-run``) imports no Megatron."""
-        return parse_blend(self.data_path, where="data_path")
+        """The training blend (``data_path``, or ``train_data_path``) as Megatron's ``(prefixes,
+        weights or None)``, the pair its ``datasets.utils.get_blend_from_list`` returns (tested
+        equal): ``weight prefix`` pairs when every other entry from the first is a number, prefixes
+        alone otherwise. Parsed here so that reading a recipe (and ``--dry-run``) imports no Megatron."""
+        return parse_blend(self.data_path, where="data_path") if self.data_path else \
+            parse_blend(self.train_data_path, where="train_data_path")
+
+    @property
+    def per_split(self) -> bool:
+        """Whether each split has its own blend (``train_data_path``...), read whole."""
+        return not self.data_path
+
+    def split_blend(self, split: str) -> tuple[list[str], list[float] | None] | None:
+        """The blend that ``split`` (``train``, ``valid``, ``test``) reads: ``data_path``'s, or its
+        own per-split path's (None: none given)."""
+        if not self.per_split:
+            return self.blend
+        paths = getattr(self, f"{split}_data_path")
+        return parse_blend(paths, where=f"{split}_data_path") if paths else None
+
+    def split_cut(self, split: str) -> str:
+        """The ``split`` string that cuts ``split``'s share out of each of its prefixes: ``data.split``,
+        or with per-split paths the whole prefix (Megatron's ``blend_per_split`` reads it whole)."""
+        if not self.per_split:
+            return self.split
+        return ",".join("100" if name == split else "0" for name in ("train", "valid", "test"))
+
+
+PER_SPLIT_PATHS = ("train_data_path", "valid_data_path", "test_data_path")
+"""Megatron's ``--train-data-path``/``--valid-data-path``/``--test-data-path``: a blend per split."""
 
 
 def split_proportions(split: str) -> list[float]:
@@ -449,10 +504,12 @@ class RunConfig:
     def data_paths(self) -> dict[str, list[str]]:
         """The prefixes each data setting names: ``data.data_path``'s and each ``phases[i].data_path``'s
         (what the pre-flight checks are present and made with the run's tokenizer)."""
-        out = {"data.data_path": self.data.blend[0]}
+        out = {f"data.{name}": parse_blend(paths, where=f"data.{name}")[0]
+               for name in ("data_path", *PER_SPLIT_PATHS) if (paths := getattr(self.data, name))}
         for index, phase in enumerate(self.phases):
-            if phase.data_path is not None:
-                out[f"phases[{index}].data_path"] = parse_blend(phase.data_path, where=f"phases[{index}].data_path")[0]
+            for name in ("data_path", "valid_data_path"):
+                if (paths := getattr(phase, name)) is not None:
+                    out[f"phases[{index}].{name}"] = parse_blend(paths, where=f"phases[{index}].{name}")[0]
         return out
 
     def validation_objectives(self) -> dict[str, Objective]:

@@ -123,21 +123,25 @@ def _suggest_split(split: str, indexes: list[IndexFile], min_tokens: int) -> str
     return "--split 100,0,0 with eval_iters 0, or more data"
 
 
-def _check_splits(config: DataConfig, indexes: list[IndexFile], *, weighted: bool) -> None:
+def _check_splits(config: DataConfig, indexes: list[IndexFile], *, weighted: bool, cut: str | None = None) -> None:
+    """Each split ``cut`` (default ``data.split``) gives a share gets enough tokens of each index."""
     # A weighted (or single) dataset repeats its split until it has the samples asked for: it needs
     # one token (zero tokens never reach enough: the hang). An unweighted blend takes one pass over
     # each split, and Megatron asserts when one of them yields no whole sample.
+    cut = cut or config.split
     min_tokens = 1 if weighted or len(indexes) == 1 else config.seq_length + 1
-    problems = _short_splits(config.split, indexes, min_tokens)
+    problems = _short_splits(cut, indexes, min_tokens)
     if problems:
         need = (
             "some tokens (GPTDataset never finishes building an empty split)" if min_tokens == 1
             else f"seq_length + 1 = {min_tokens} tokens (one sample; an unweighted blend is one pass)"
         )
+        if config.per_split:
+            raise UserError(f"each per-split blend needs {need} in every dataset: " + "; ".join(problems))
         raise UserError(
-            f"split {config.split!r}: each split with a share needs {need} in every dataset, split by "
+            f"split {cut!r}: each split with a share needs {need} in every dataset, split by "
             "sequence (documents, or sentences with --split-sentences): " + "; ".join(problems)
-            + f". Try {_suggest_split(config.split, indexes, min_tokens)}"
+            + f". Try {_suggest_split(cut, indexes, min_tokens)}"
         )
 
 
@@ -175,15 +179,17 @@ def _gpt_dataset_config(config: DataConfig, tokenizer: EncoderTokenizer, seed: i
     """Megatron's ``GPTDatasetConfig`` of ``config.data_path`` at ``config.seq_length``."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
-    prefixes, weights = config.blend
+    blends = [config.split_blend(name) for name in SPLIT_NAMES]
+    prefixes = list(dict.fromkeys(prefix for blend in blends if blend for prefix in blend[0]))
     cache = config.data_cache_path or os.path.join(
         os.path.dirname(os.path.abspath(prefixes[0])), "cache", _files_fingerprint(prefixes)
     )
+    # With per-split paths, Megatron's blend_per_split (each split's blend read whole, no split).
+    where = dict(blend_per_split=blends) if config.per_split else dict(blend=config.blend, split=config.split)
     return GPTDatasetConfig(
         random_seed=seed,
         sequence_length=config.seq_length,
-        blend=(prefixes, weights),
-        split=config.split,
+        **where,
         path_to_cache=cache,
         tokenizer=tokenizer,
         reset_position_ids=config.reset_position_ids,
@@ -220,22 +226,30 @@ def build_datasets(
         if samples < 0:
             raise UserError(f"{name}: expected >= 0, got {samples}")
     document_end_id(config, tokenizer)  # GPTDataset needs the EOD for every sample; raises with the fix
-    prefixes, weights = config.blend
-    indexes = [read_index(prefix) for prefix in prefixes]
-    for index in indexes:
-        check_token_dtype(index, tokenizer)
-        if int(index.tokens_before[-1]) <= config.max_tokens_to_scan:
-            scan_token_ids(index, tokenizer)
-    _check_splits(config, indexes, weighted=weights is not None)
+    for name in SPLIT_NAMES if config.per_split else ("train",):  # one blend cut by data.split, or one each
+        if (blend := config.split_blend(name)) is None:
+            continue
+        prefixes, weights = blend
+        indexes = [read_index(prefix) for prefix in prefixes]
+        for index in indexes:
+            check_token_dtype(index, tokenizer)
+            if int(index.tokens_before[-1]) <= config.max_tokens_to_scan:
+                scan_token_ids(index, tokenizer)
+        _check_splits(config, indexes, weighted=weights is not None,
+                      cut=config.split_cut(name) if config.per_split else None)
 
     gpt_config = _gpt_dataset_config(config, tokenizer, seed)
-    if gpt_config.split_matrix[1] is None and valid_samples > 0:
+    has_split = [config.split_blend(name) is not None if config.per_split else gpt_config.split_matrix[i] is not None
+                 for i, name in enumerate(SPLIT_NAMES)]
+    if not has_split[1] and valid_samples > 0:
         raise UserError(
+            "no valid_data_path, but valid_samples={valid_samples}; give one or set data.eval_iters: 0"
+            if config.per_split else
             f"split {config.split!r} gives the valid split no share, but valid_samples={valid_samples}; "
             "give it a share (e.g. 98,2,0) or set data.eval_iters: 0 (no validation)"
         )
     # A size for every split, 0 rather than None: Megatron asserts that weighted blends get one.
-    sizes = [train_samples, valid_samples, test_samples if gpt_config.split_matrix[2] is not None else 0]
+    sizes = [train_samples, valid_samples, test_samples if has_split[2] else 0]
     train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config).build()
     for name, dataset, wanted in zip(SPLIT_NAMES, (train, valid, test), sizes):
         if dataset is not None and len(dataset) < wanted:
@@ -285,7 +299,7 @@ def sample_order(config: DataConfig, *, train_samples: int) -> tuple[tuple[str, 
     length = config.seq_length
     order = []
     for prefix, wanted in zip(prefixes, samples):
-        tokens = train_split_tokens(prefix, config.split)  # one epoch (GPTDataset)
+        tokens = train_split_tokens(prefix, config.split_cut("train"))  # one epoch (GPTDataset)
         epochs = max(1, -(-(wanted * length + extra) // tokens))  # GPTDataset._get_num_epochs
         apart = False
         if epochs > 1:
@@ -353,8 +367,10 @@ def build_source_epoch(config: DataConfig, prefix: str, *, tokenizer: EncoderTok
     check_token_dtype(index, tokenizer)
     if int(index.tokens_before[-1]) <= config.max_tokens_to_scan:
         scan_token_ids(index, tokenizer)
-    _check_splits(config, [index], weighted=True)
-    source = dataclasses.replace(config, data_path=(prefix,))
+    _check_splits(config, [index], weighted=True, cut=config.split_cut("train"))
+    # The prefix alone, cut as the run's training blend is cut (its train share; whole with per-split paths).
+    source = dataclasses.replace(config, data_path=(prefix,), train_data_path=(), valid_data_path=(),
+                                 test_data_path=(), split=config.split_cut("train"), eval_iters=0)
     # One epoch of each split (no sizes: Megatron builds each dataset over one epoch).
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [None, None, None], lambda: True,
                                                 _gpt_dataset_config(source, tokenizer, seed)).build()
@@ -364,7 +380,7 @@ def build_source_epoch(config: DataConfig, prefix: str, *, tokenizer: EncoderTok
 def plan_source_reads(config: DataConfig, spans: Sequence[DatasetSpan]) -> tuple[SpanReads, ...]:
     """What each data span of a run whose phases set their own data reads from each source
     (``training.mixtures.plan_reads`` over the ``.idx`` files' train splits)."""
-    tokens = functools.cache(lambda prefix: train_split_tokens(prefix, config.split))
+    tokens = functools.cache(lambda prefix: train_split_tokens(prefix, config.split_cut("train")))
     plans = plan_reads(spans, samples_per_epoch=lambda prefix, length: samples_per_epoch(tokens(prefix), length),
                        blend_counts=blend_counts, sample_count=lambda span: span.last_sample - span.first_sample)
     check_enough_data(plans)

@@ -10,7 +10,7 @@ import numpy as np
 
 from megatron_ext.model.config import parameter_count
 from megatron_ext.schedule import lr_at
-from megatron_ext.training.config import RunConfig
+from megatron_ext.training.config import PER_SPLIT_PATHS, RunConfig
 from megatron_ext.config_loading import UserError
 from megatron_ext.training.context import PhaseContext, dataset_spans, rampup_schedule, reads_sources, varies
 from megatron_ext.training.mixtures import format_source_plan
@@ -256,7 +256,11 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
         + (f"; branch from {c.branch_from} at step {c.branch_step}" if c.branch_from else "")
         + (f"; keeps steps {' '.join(map(str, c.keep_steps))}" if c.keep_steps else "")
     )
-    lines.append(f"data              {' '.join(map(str, d.data_path))} (split {d.split})")
+    if d.per_split:
+        lines.append("data              " + "; ".join(f"{name} {' '.join(map(str, paths))}" for name in PER_SPLIT_PATHS
+                                                      if (paths := getattr(d, name))) + " (each read whole)")
+    else:
+        lines.append(f"data              {' '.join(map(str, d.data_path))} (split {d.split})")
     lines += _source_lines(config)
     return "\n".join(lines)
 
@@ -296,6 +300,11 @@ def _phase_notes(config: RunConfig, context: PhaseContext) -> list[str]:
                          + f", {d.global_batch_size} from step {ramp_end} (data.rampup_batch_size)")
     if d.reset_attention_mask:
         notes.append("documents isolated: each attends only within itself (data.reset_attention_mask)")
+    if context.mixture is not None:
+        own = "its own" if phase.data_path is not None else "the run's"
+        notes.append(f"data: {own} blend: {context.mixture.summary()}")
+    if phase.valid_data_path is not None:
+        notes.append(f"validation: its own blend ({len(phase.valid_data_path)} entries of phases[{i}].valid_data_path)")
     return notes
 
 

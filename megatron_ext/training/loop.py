@@ -518,15 +518,16 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
         result.final_step = done
         result.losses[done] = outcome.loss
         log.step(done, phase, outcome.loss, lr, outcome.grad_norm, outcome.skipped)
-        if batches.valid and _due(done, config.training.eval_interval, total):
-            result.valid[done], by_source = validate(engine, batches.valid, config=config, vocabulary=vocabulary,
-                                                     rotary_base=context.rotary_base, sources=batches.eval_sources)
+        if config.data.eval_iters and _due(done, config.training.eval_interval, total):
+            valid_batches, valid_sources = batches.validation(phase, device)
+            result.valid[done], by_source = validate(engine, valid_batches, config=config, vocabulary=vocabulary,
+                                                     rotary_base=context.rotary_base, sources=valid_sources)
             if by_source:
                 result.valid_by_source[done] = by_source
             log.validation(done, result.valid[done], by_source)
         if done == total and (test_batches := batches.test_batches(device)):
             result.test, by_source = validate(engine, test_batches, config=config, vocabulary=vocabulary,
-                                              rotary_base=context.rotary_base, sources=batches.eval_sources)
+                                              rotary_base=context.rotary_base, sources=batches.test_sources)
             log.test(done, result.test, by_source)
         stopping = stop.reason_to_stop(done, device)  # a collective: every rank, every step
         if stopping is None and exit_after_step is not None and done >= exit_after_step:

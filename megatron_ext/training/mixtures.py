@@ -79,6 +79,18 @@ class Mixture:
     def weights(self) -> list[float] | None:
         return parse_blend(self.data_path, where="data_path")[1]
 
+    def summary(self) -> str:
+        """``wiki 30% (weight), books 70% (weight), at temperature 0.5`` or the prefixes' file names
+        (for the dry run's phase lines, which need no data)."""
+        prefixes, weights = self.prefixes, self.weights
+        names = source_names(prefixes)
+        if weights is None:
+            text = ", ".join(names) + " (shares by size)"
+        else:
+            total = sum(weights)
+            text = ", ".join(f"{name} weight {100 * w / total:.0f}%" for name, w in zip(names, weights))
+        return text + ("" if self.temperature is None else f", at temperature {self.temperature:g}")
+
     def describe(self) -> str:
         """``3 sources at temperature 0.5`` (for messages)."""
         n = len(self.prefixes)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import tiny_recipe
+from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.config_loading import UserError
 from megatron_ext.training import context
 from megatron_ext.training.datasets import blend_counts, build_span_dataset, plan_source_reads
@@ -277,3 +278,52 @@ def test_span_reads_are_a_function_of_the_config(straight, sources):
     first = plan_source_reads(config.data, context.dataset_spans(config.phase_contexts))
     again = plan_source_reads(config.data, context.dataset_spans(config.phase_contexts))
     assert first == again and all(isinstance(p, SpanReads) for p in first)
+
+
+def test_megatrons_per_split_paths_read_each_blend_whole_for_its_split(tiny_corpus, sources, tmp_path):
+    """``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path`` (Megatron's
+    ``blend_per_split``): training reads only its blend, every document of it (no split cut out),
+    validation and test only theirs, each validation source reported; the mixes are refused."""
+    from megatron_ext.data.index_checks import read_index
+    from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
+    from megatron_ext.training.config import DataConfig
+    from megatron_ext.training.datasets import build_datasets, samples_per_epoch
+
+    data = dict(train_data_path=(sources["a"],), valid_data_path=(sources["b"], sources["c"]),
+                test_data_path=(sources["c"],), seq_length=64, micro_batch_size=4, global_batch_size=8,
+                eval_iters=1, data_cache_path=str(tmp_path / "cache"))
+    config = DataConfig(**data)
+    tokenizer = build_tokenizer(TokenizerConfig(tokenizer_model=tiny_corpus["tokenizer"]))
+    whole = int(read_index(sources["a"]).tokens_before[-1])
+    train, valid, test = build_datasets(config, tokenizer=tokenizer, train_samples=10, valid_samples=8,
+                                        test_samples=8, seed=1234)
+    assert train.dataset_path == sources["a"] and len(train) == samples_per_epoch(whole, 64)  # all of a
+    assert sorted({d.dataset_path for d in valid.datasets}) == sorted([sources["b"], sources["c"]])
+    assert test.dataset_path == sources["c"]
+    for bad, message in [(dict(data, data_path=(sources["a"],)), r"give data_path .* or train_data_path .*not both"),
+                         (dict(data, split="90,10,0"), r"data\.split '90,10,0' with train_data_path"),
+                         (dict(data, valid_data_path=()), r"no valid_data_path beside train_data_path"),
+                         ({**{k: v for k, v in data.items() if k != "train_data_path"}, "data_path": (sources["a"],)},
+                          r"valid_data_path / test_data_path come with train_data_path")]:
+        with pytest.raises(UserError, match=message):
+            DataConfig(**bad)
+    recipe = _recipe(tiny_corpus, sources, tmp_path / "run", data=data, phases=[
+        {"objective": "clm", "share": 0.5}, {"objective": "mlm", "mask_ratio": 0.4, "share": 0.5}],
+        training={"train_iters": 4, "eval_interval": 4, "log_interval": 1})
+    recipe["data"] = {key: value for key, value in recipe["data"].items() if key not in ("data_path", "split")}
+    result = pretrain(run_config_from_dict(recipe))
+    assert list(result.valid_by_source[4]) == ["b_text_document", "c_text_document"]
+    assert result.test and math.isfinite(result.test["mlm"])
+
+
+def test_a_phase_may_validate_on_its_own_blend(tiny_corpus, sources, tmp_path):
+    """Validation reads the run's blend (a, b, c) in every phase but one that names its own (b, c)."""
+    phases = [{"objective": "clm", "steps": 2}, {"objective": "mlm", "mask_ratio": 0.4, "steps": 2,
+                                                 "valid_data_path": [sources["b"], sources["c"]]}]
+    recipe = _recipe(tiny_corpus, sources, tmp_path, phases=phases,
+                     training={"train_iters": 4, "eval_interval": 2, "log_interval": 1})
+    result = pretrain(run_config_from_dict(recipe))
+    assert list(result.valid_by_source[2]) == ["a_text_document", "b_text_document", "c_text_document"]
+    assert list(result.valid_by_source[4]) == ["b_text_document", "c_text_document"]
+    saved = Checkpoint.open(tmp_path / "ckpt").run_config()
+    assert saved["phases"][1]["valid_data_path"] == [sources["b"], sources["c"]] and "data_path" not in saved["phases"][1]
