@@ -5,7 +5,8 @@
 Reads each run's ``metrics.jsonl`` (written by ``pretrain_encoder.py`` into ``logging.log_dir``).
 Left panel: training loss per step, drawn per phase (the objectives' losses are different
 quantities, so a phase change shows as a jump, not as progress). Right panel: the validation
-losses (CLM, and MLM at ``training.eval_mask_ratio``) at every evaluation.
+losses (CLM, and MLM at ``training.eval_mask_ratio``) at every evaluation. A third panel, when the
+validation blend has several sources: each source's validation loss.
 """
 
 from __future__ import annotations
@@ -43,16 +44,37 @@ def _line_style(tag: str, run: Path) -> str:
     return "--" if OBJECTIVES[tag].causal else "-"
 
 
+def _plot_sources(ax, runs: list[Path], all_records: list[list[dict]]) -> None:
+    """Third panel, when validation reads several sources: each source's validation loss (the
+    bidirectional objective's, MLM where measured) at every evaluation, one line per run and source."""
+    styles = ["-", "--", ":", "-."]
+    for i, (run, records) in enumerate(zip(runs, all_records)):
+        valid = [r for r in records if r["kind"] == "valid" and "by_source" in r]
+        names = list(dict.fromkeys(name for r in valid for name in r["by_source"]))
+        for name in names:
+            points = [(r["step"], losses.get("mlm", next(iter(losses.values()))))
+                      for r in valid if (losses := r["by_source"].get(name))]
+            ax.plot(*zip(*points), linestyle=styles[i % len(styles)], marker="o", markersize=3,
+                    label=f"{run.name} {name}" if len(runs) > 1 else name)
+    ax.set(title="validation loss per source (MLM)", xlabel="step", ylabel="cross-entropy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def plot(runs: list[Path], output: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_train, ax_valid) = plt.subplots(1, 2, figsize=(12, 4.5))
+    all_records = [read_metrics(run) for run in runs]
+    by_source = any("by_source" in r for records in all_records for r in records)
+    fig, axes = plt.subplots(1, 3 if by_source else 2, figsize=(18 if by_source else 12, 4.5))
+    ax_train, ax_valid = axes[:2]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, run in enumerate(runs):
-        records = read_metrics(run)
+    if by_source:
+        _plot_sources(axes[2], runs, all_records)
+    for i, (run, records) in enumerate(zip(runs, all_records)):
         color = colors[i % len(colors)]
         train = [r for r in records if r["kind"] == "train" and not r.get("skipped")]
         segments: list[tuple[str, str, list, list]] = []

@@ -177,6 +177,13 @@ def test_phases_read_their_own_mixtures_and_validation_reports_each_source(strai
             assert all(math.isfinite(v) for v in per_source)
             assert min(per_source) <= record[key] <= max(per_source)  # the blend's is their token-weighted mean
     assert result.valid_by_source[9] == valid[-1]["by_source"]
+    # plot_loss draws a third panel, each source's validation loss (18 x 4.5 inches at 120 dpi).
+    from PIL import Image
+
+    from megatron_ext.cli import plot_loss
+
+    assert plot_loss.main([str(run_dir / "log"), "--output", str(run_dir / "loss.png")]) == 0
+    assert Image.open(run_dir / "loss.png").size == (2160, 540)
 
 
 @pytest.mark.parametrize("stops", [(2,), (3,), (4,), (2, 7)], ids=["before", "at", "after", "across"])
@@ -327,3 +334,22 @@ def test_a_phase_may_validate_on_its_own_blend(tiny_corpus, sources, tmp_path):
     assert list(result.valid_by_source[4]) == ["b_text_document", "c_text_document"]
     saved = Checkpoint.open(tmp_path / "ckpt").run_config()
     assert saved["phases"][1]["valid_data_path"] == [sources["b"], sources["c"]] and "data_path" not in saved["phases"][1]
+
+
+@pytest.mark.parametrize("size", ["210m", "610m", "1b"])
+def test_the_annealing_recipes_plan_each_phase_mix(size, capsys):
+    """examples/recipes/annealing/: the paper's biphasic run, 8,192 tokens on a new mix, a decay on
+    another, planned at 64 GPUs where the data is not at hand: each phase's mix is printed."""
+    from helpers import RECIPES
+    from megatron_ext.cli import pretrain_encoder
+
+    recipe = RECIPES / "annealing" / f"{size}_pretrain_anneal_decay.yaml"
+    assert pretrain_encoder.main(["--config", str(recipe), "--dry-run", "--world-size", "64"]) == 0
+    plan = capsys.readouterr().out
+    assert re.search(r"mlm-40 +steps \[ 34750,  40000\)", plan) and re.search(r"mlm-5 +steps \[ 40000,  42000\)", plan)
+    assert ("data: its own blend: fineweb_edu_text_document weight 50%, wikipedia_text_document weight 30%, "
+            "books_text_document weight 20%") in plan
+    assert ("data: its own blend: wikipedia_text_document weight 40%, books_text_document weight 40%, "
+            "fineweb_edu_text_document weight 20%") in plan
+    assert plan.count("data: the run's blend: fineweb_edu_text_document") == 2
+    assert "per-source shares not computed here" in plan  # the placeholders' .idx are not on this machine
