@@ -120,7 +120,7 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if args.dry_run:
-        from megatron_ext.training.dry_run import format_dry_run, make_plan, phase_flops
+        from megatron_ext.training.dry_run import format_dry_run, make_plan, phase_flops, source_costs
         from megatron_ext.training.preflight import Caller, preflight
 
         from megatron_ext.performance.cost import check_budget, format_run_cost, segment_cost, speed_table
@@ -148,6 +148,15 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
                                     start=start, end=end, gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
                 hours = "unknown" if part.gpu_hours is None else f"{part.gpu_hours:,.3g} GPU-hours"
                 print(f"  phases[{context.phase.index}] at {context.seq_length} tokens: {part.flops:.3e} FLOPs, {hours}")
+
+        def cost_of_steps(start: int, end: int) -> tuple[float, float | None]:
+            part = segment_cost(config, phase_flops(config, start, end), run=f"steps [{start}, {end})", start=start,
+                                end=end, gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
+            return part.flops, part.gpu_hours
+
+        for prefix, flops, hours in source_costs(config, cost_of_steps) or ():
+            spent = "unknown" if hours is None else f"{hours:,.3g} GPU-hours"
+            print(f"  source {os.path.basename(prefix)}: {flops:.3e} FLOPs ({100 * flops / cost.flops:.1f} %), {spent}")
         check_budget(args.budget_gpu_hours, cost.gpu_hours, [("the run", cost.gpu_hours or 0.0)], "the run",
                      unknown_hint=speeds.unknown_hint)
         print("\n".join(checks.lines))

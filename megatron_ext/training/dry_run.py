@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -279,6 +280,32 @@ def _source_lines(config: RunConfig) -> list[str]:
     except (OSError, UserError) as err:
         return [f"sources           per-source shares not computed here: {err}"]
     return format_source_plan(plans).splitlines()
+
+
+def source_costs(config: RunConfig, cost_of_steps: Callable[[int, int], tuple[float, float | None]]
+                 ) -> list[tuple[str, float, float | None]] | None:
+    """Per source of a run whose phases set their own data: ``(prefix, FLOPs, GPU-hours or None)``
+    it costs, each data span's cost (``cost_of_steps(start, end)``: its FLOPs and GPU-hours) shared
+    by the samples each source gives the span. None when the run reads one blend, or the data
+    cannot be read here."""
+    contexts = config.phase_contexts
+    if not reads_sources(contexts):
+        return None
+    from megatron_ext.training.datasets import plan_source_reads
+
+    try:
+        plans = plan_source_reads(config.data, dataset_spans(contexts))
+    except (OSError, UserError):
+        return None
+    totals: dict[str, list] = {}
+    for plan in plans:
+        flops, hours = cost_of_steps(plan.start, plan.end)
+        for source in plan.sources:
+            share = source.samples / plan.samples
+            entry = totals.setdefault(source.prefix, [0.0, 0.0])
+            entry[0] += flops * share
+            entry[1] = None if hours is None or entry[1] is None else entry[1] + hours * share
+    return [(prefix, f, h) for prefix, (f, h) in totals.items()]
 
 
 def _phase_notes(config: RunConfig, context: PhaseContext) -> list[str]:

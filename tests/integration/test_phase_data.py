@@ -244,6 +244,11 @@ def test_the_dry_run_prints_what_the_trainer_reads(straight, tiny_corpus, source
             name = source["prefix"].rsplit("/", 1)[1]
             assert re.search(rf"{name}: share {100 * source['share']:.1f}% \| {source['samples']:,} samples", plan), plan
     assert "steps [6, 9) at seq_length 128: 12 samples from 1 source" in plan
+    # Each source's cost: the spans' costs shared by the samples it gives them, adding up to the run's.
+    shares = {name: float(share) for name, share in
+              re.findall(r"^  source (\w+): \S+ FLOPs \(([\d.]+) %\), ", plan, re.M)}
+    assert set(shares) == {"a_text_document", "b_text_document", "c_text_document"}
+    assert sum(shares.values()) == pytest.approx(100, abs=0.2)
 
 
 def test_phase_data_refusals(tiny_corpus, sources, tmp_path, news_texts):
