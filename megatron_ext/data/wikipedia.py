@@ -1,4 +1,4 @@
-"""English Wikipedia from a MediaWiki XML dump: the articles, their wikitext and its plain text.
+"""Wikipedia from a MediaWiki XML dump: the articles, their wikitext and its plain text.
 
 The demo corpus (:mod:`megatron_ext.data.sample_corpus`) and the evaluation suite
 (:mod:`megatron_ext.eval.suite`) both read gensim's shortened 2016 dump through this module, so
@@ -56,6 +56,7 @@ def tidy(text: str) -> str:
 _DROP_SECTIONS = frozenset({
     "references", "notes", "footnotes", "citations", "notes and references", "sources",
     "bibliography", "works cited", "further reading", "external links", "see also",
+    "източници", "бележки", "литература", "външни препратки", "вижте също",  # the Bulgarian sample's
 })
 """Level-2 sections that hold link lists and citations rather than prose."""
 _DROP_TAGS = frozenset({"ref", "references", "table", "gallery", "math", "div", "timeline", "score"})
@@ -183,13 +184,16 @@ class WikiArticle:
     """Raw wikitext of the latest revision."""
 
 
-def wikipedia_articles(path: Path) -> tuple[list[WikiArticle], int]:
+def wikipedia_articles(path: Path, *, namespaces: tuple[str, ...] = ("0",)) -> tuple[list[WikiArticle], int]:
     """The articles of a bz2 MediaWiki XML dump in file order, and how many pages were skipped
-    (redirects, other namespaces, empty and disambiguation pages)."""
+    (redirects, pages outside ``namespaces``, empty and disambiguation pages).
+
+    ``namespaces`` are the dump's numeric keys: "0" the articles, "4" the project's own pages
+    (help pages, discussion archives: prose too, which the Bulgarian sample mostly holds)."""
     articles, skipped = [], 0
     for page in _iter_pages(path):
         wikitext = page["text"]
-        is_article = page["ns"] == "0" and page["redirect"] is None and bool(wikitext)
+        is_article = page["ns"] in namespaces and page["redirect"] is None and bool(wikitext)
         if not is_article or _DISAMBIGUATION.search(wikitext):
             skipped += 1
             continue

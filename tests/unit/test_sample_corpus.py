@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from megatron_ext.data.sample_corpus import SOURCES, is_valid_document
+from megatron_ext.data.sample_corpus import DEMO_SOURCES, is_valid_document
 from megatron_ext.cli.fetch_sample_data import main
 
 FILES = ("train.jsonl", "valid.jsonl", "manifest.json")
@@ -40,7 +40,7 @@ def corpus(tmp_path_factory) -> dict:
     train, valid = _read_jsonl(out_dir / "train.jsonl"), _read_jsonl(out_dir / "valid.jsonl")
     return {
         "dir": out_dir, "report": report, "train": train, "valid": valid,
-        "docs": {name: [d for d in train + valid if d["source"] == name] for name in SOURCES},
+        "docs": {name: [d for d in train + valid if d["source"] == name] for name in DEMO_SOURCES},
         "manifest": json.loads((out_dir / "manifest.json").read_text(encoding="utf-8")),
     }
 
@@ -61,7 +61,8 @@ def test_every_source_yields_plausible_documents(corpus):
         assert entry["asset_sha256"] and entry["license"]
     assert manifest["sources"]["botchan"]["dropped_short"] == 1  # the title page
     assert manifest["files"]["valid"]["documents"] == len(corpus["valid"])
-    for name in [*SOURCES, "total", str(corpus["dir"] / "train.jsonl"), str(corpus["dir"] / "manifest.json")]:
+    assert set(manifest["sources"]) == set(DEMO_SOURCES)  # the other languages only when named
+    for name in [*DEMO_SOURCES, "total", str(corpus["dir"] / "train.jsonl"), str(corpus["dir"] / "manifest.json")]:
         assert name in corpus["report"]
 
 
@@ -101,7 +102,8 @@ def test_botchan_is_clean_reflowed_prose(corpus):
 def test_jsonl_records_and_held_out_split(corpus):
     train, valid = corpus["train"], corpus["valid"]
     for doc in train + valid:
-        assert set(doc) == {"id", "source", "title", "text"} and doc["text"].strip()
+        assert set(doc) == {"id", "source", "lang", "title", "text"} and doc["text"].strip()
+        assert doc["lang"] == "en"
     train_ids, valid_ids = {d["id"] for d in train}, {d["id"] for d in valid}
     assert len(train_ids) == len(train) and len(valid_ids) == len(valid)
     assert not train_ids & valid_ids
@@ -143,7 +145,8 @@ def test_subset_overwrite_and_atomic_outputs(corpus, tmp_path, capsys):
 def test_bad_arguments_are_rejected_before_any_work(tmp_path, capsys):
     out_dir = tmp_path / "out"
     assert main(["--output-dir", str(out_dir), "--sources", "wikipedia", "news"]) == 2
-    assert re.search(r"'news'.*valid names are \['wikipedia', 'lee_news', 'botchan'\]", capsys.readouterr().err)
+    assert re.search(r"'news'.*valid names are \['wikipedia', 'lee_news', 'botchan', 'bgwiki', 'ua_gec', 'kolaw'\]",
+                     capsys.readouterr().err)
     assert main(["--output-dir", str(out_dir), "--valid-fraction", "1.0"]) == 2
     assert "fetch_sample_data.py: error: valid_fraction" in capsys.readouterr().err
     assert not out_dir.exists()
