@@ -136,6 +136,22 @@ def tiny_corpus(tmp_path_factory, news_texts) -> dict[str, str]:
     return {"tokenizer": str(root / "tok"), "data": str(root / "news_text_document")}
 
 
+@pytest.fixture(scope="session")
+def multilingual_sample(tmp_path_factory) -> dict:
+    """``fetch_sample_data.py --multilingual`` built into a scratch folder: ``{"dir", "report"}``
+    (real text in four languages, one tokenizer, a prefix per language and split)."""
+    import contextlib
+    import io
+
+    from megatron_ext.cli import fetch_sample_data
+
+    out_dir = tmp_path_factory.mktemp("multilingual_sample")
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        assert fetch_sample_data.main(["--multilingual", "--output-dir", str(out_dir)]) == 0
+    return {"dir": out_dir, "report": report.getvalue()}
+
+
 @pytest.fixture(scope="module")
 def single_rank(tmp_path_factory):
     """Megatron's parallel state for this one CPU process (gloo, world size 1), per test module."""

@@ -154,9 +154,9 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
                                 end=end, gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
             return part.flops, part.gpu_hours
 
-        for prefix, flops, hours in source_costs(config, cost_of_steps) or ():
+        for name, flops, hours in source_costs(config, cost_of_steps) or ():
             spent = "unknown" if hours is None else f"{hours:,.3g} GPU-hours"
-            print(f"  source {os.path.basename(prefix)}: {flops:.3e} FLOPs ({100 * flops / cost.flops:.1f} %), {spent}")
+            print(f"  source {name}: {flops:.3e} FLOPs ({100 * flops / cost.flops:.1f} %), {spent}")
         check_budget(args.budget_gpu_hours, cost.gpu_hours, [("the run", cost.gpu_hours or 0.0)], "the run",
                      unknown_hint=speeds.unknown_hint)
         print("\n".join(checks.lines))

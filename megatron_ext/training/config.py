@@ -56,9 +56,10 @@ class DataConfig:
     test_data_path: tuple[str, ...] = ()
     """``--test-data-path``: the test blend, read whole once after the last step (with
     ``train_data_path``); none: no test evaluation."""
-    split: str = "98,2,0"
-    """``--split``: comma-separated train,valid,test proportions of each prefix's sequences (with
-    ``data_path``; the per-split paths are each read whole, as in Megatron)."""
+    split: str | None = None
+    """``--split``: comma-separated train,valid,test proportions of each prefix's sequences of
+    ``data_path``; None: ``DEFAULT_SPLIT``. Refused with the per-split paths, which are read whole
+    (Megatron's ``blend_per_split``)."""
     seq_length: int
     """``--seq-length``: tokens per sample."""
     micro_batch_size: int
@@ -109,6 +110,8 @@ class DataConfig:
                             "train_data_path (with valid_data_path, test_data_path: a blend per split), "
                             f"not {'both' if self.data_path else 'neither'}")
         if self.data_path:
+            if self.split is None:
+                object.__setattr__(self, "split", DEFAULT_SPLIT)
             if self.valid_data_path or self.test_data_path:
                 raise UserError("data.valid_data_path / test_data_path come with train_data_path, not data_path "
                                 "(whose split cuts the valid and test splits), as in Megatron")
@@ -119,9 +122,10 @@ class DataConfig:
                                 f"{self.eval_iters} asks for validation; give it a share (e.g. 98,2,0) or set "
                                 "data.eval_iters: 0 (no validation)")
         else:
-            if self.split != DataConfig.__dataclass_fields__["split"].default:
+            if self.split is not None:
                 raise UserError(f"data.split {self.split!r} with train_data_path: each per-split blend is read "
-                                "whole (Megatron's blend_per_split); drop split, or give data_path instead")
+                                "whole (Megatron's blend_per_split); drop split (split: null under a base that "
+                                "sets one), or give data_path instead")
             if self.eval_iters and not self.valid_data_path:
                 raise UserError(f"data.eval_iters={self.eval_iters} asks for validation but there is no "
                                 "valid_data_path beside train_data_path; give one or set data.eval_iters: 0")
@@ -168,6 +172,10 @@ class DataConfig:
             return self.split
         return ",".join("100" if name == split else "0" for name in ("train", "valid", "test"))
 
+
+DEFAULT_SPLIT = "98,2,0"
+"""``data.split`` when unset with ``data_path``: 2 % validation, no test share unless asked
+(Megatron-LM uses ``969, 30, 1`` when ``--split`` is missing)."""
 
 PER_SPLIT_PATHS = ("train_data_path", "valid_data_path", "test_data_path")
 """Megatron's ``--train-data-path``/``--valid-data-path``/``--test-data-path``: a blend per split."""

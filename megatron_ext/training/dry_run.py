@@ -14,7 +14,7 @@ from megatron_ext.schedule import lr_at
 from megatron_ext.training.config import PER_SPLIT_PATHS, RunConfig
 from megatron_ext.config_loading import UserError
 from megatron_ext.training.context import PhaseContext, dataset_spans, rampup_schedule, reads_sources, varies
-from megatron_ext.training.mixtures import format_source_plan
+from megatron_ext.training.mixtures import format_source_plan, source_names
 from megatron_ext.performance.flops import (ISOLATED_DOCUMENTS_CONVENTION, MFU_CONVENTION, flops_per_token,
                                             mean_lm_head_share, packed_attention)
 from megatron_ext.training.layout import check_layout
@@ -284,7 +284,7 @@ def _source_lines(config: RunConfig) -> list[str]:
 
 def source_costs(config: RunConfig, cost_of_steps: Callable[[int, int], tuple[float, float | None]]
                  ) -> list[tuple[str, float, float | None]] | None:
-    """Per source of a run whose phases set their own data: ``(prefix, FLOPs, GPU-hours or None)``
+    """Per source of a run whose phases set their own data: ``(name, FLOPs, GPU-hours or None)``
     it costs, each data span's cost (``cost_of_steps(start, end)``: its FLOPs and GPU-hours) shared
     by the samples each source gives the span. None when the run reads one blend, or the data
     cannot be read here."""
@@ -305,7 +305,7 @@ def source_costs(config: RunConfig, cost_of_steps: Callable[[int, int], tuple[fl
             entry = totals.setdefault(source.prefix, [0.0, 0.0])
             entry[0] += flops * share
             entry[1] = None if hours is None or entry[1] is None else entry[1] + hours * share
-    return [(prefix, f, h) for prefix, (f, h) in totals.items()]
+    return [(name, f, h) for name, (f, h) in zip(source_names(list(totals)), totals.values())]
 
 
 def _phase_notes(config: RunConfig, context: PhaseContext) -> list[str]:

@@ -199,9 +199,9 @@ def epochs_read(plans: Sequence[SpanReads]) -> dict[str, float]:
     return out
 
 
-def repeated_sources(plans: Sequence[SpanReads]) -> list[str]:
-    """``prefix (N.N epochs)`` of each source read more than :data:`EPOCHS_NAMED_ABOVE` epochs."""
-    return [f"{prefix} ({epochs:.1f} epochs)" for prefix, epochs in epochs_read(plans).items()
+def repeated_sources(plans: Sequence[SpanReads], names: dict[str, str]) -> list[str]:
+    """``name (N.N epochs)`` of each source read more than :data:`EPOCHS_NAMED_ABOVE` epochs."""
+    return [f"{names[prefix]} ({epochs:.1f} epochs)" for prefix, epochs in epochs_read(plans).items()
             if epochs > EPOCHS_NAMED_ABOVE]
 
 
@@ -239,13 +239,17 @@ def format_source_plan(plans: Sequence[SpanReads]) -> str:
     lines = ["sources read as streams (training.mixtures):"]
     for plan in plans:
         lines += ["  " + line for line in format_span(plan, names=names)]
-    if repeated := repeated_sources(plans):
+    if repeated := repeated_sources(plans, names):
         lines.append(f"  read more than {EPOCHS_NAMED_ABOVE:g} epochs: {', '.join(repeated)}")
     return "\n".join(lines)
 
 
 def source_names(prefixes: Sequence[str]) -> tuple[str, ...]:
-    """Short names of a blend's prefixes for logs and records: their file names, or the prefixes
-    themselves when two file names are the same."""
-    names = tuple(os.path.basename(prefix) for prefix in prefixes)
-    return names if len(set(names)) == len(names) else tuple(prefixes)
+    """Short names of a blend's prefixes for logs and records: their file names, with as many of
+    their folders as it takes to tell them apart (``en/train_text_document``)."""
+    parts = [os.path.normpath(prefix).split(os.sep) for prefix in prefixes]
+    for depth in range(1, max((len(p) for p in parts), default=1) + 1):
+        names = tuple("/".join(p[-depth:]) for p in parts)
+        if len(set(names)) == len(set(prefixes)):
+            return names
+    return tuple(prefixes)

@@ -358,3 +358,38 @@ def test_the_annealing_recipes_plan_each_phase_mix(size, capsys):
             "fineweb_edu_text_document weight 20%") in plan
     assert plan.count("data: the run's blend: fineweb_edu_text_document") == 2
     assert "per-source shares not computed here" in plan  # the placeholders' .idx are not on this machine
+
+
+def test_the_temperature_annealed_multilingual_recipe_trains_and_validates_per_language(multilingual_sample, tmp_path,
+                                                                                        capsys):
+    """examples/recipes/multilingual/: mmBERT's three phases on real text in four languages (2 -> 3
+    -> 4 languages, tau 0.7 -> 0.5 -> 0.3), read from the sample built here; a short run trains all
+    three phases and gives every language's validation loss at each evaluation, Korean's too before
+    it enters the training mix."""
+    import yaml
+
+    from helpers import RECIPES
+    from megatron_ext.cli import pretrain_encoder
+    from megatron_ext.training.recipe import read_recipe
+
+    raw = read_recipe(RECIPES / "multilingual" / "tiny_temperature_annealed.yaml")
+    text = yaml.safe_dump(raw).replace("data/multilingual_sample", str(multilingual_sample["dir"]))
+    recipe = yaml.safe_load(text)
+    recipe["training"] = {**recipe["training"], "train_iters": 40, "eval_interval": 20}
+    recipe["schedule"] = {**recipe["schedule"], "lr_warmup_iters": 5, "lr_wsd_decay_iters": 2}
+    recipe["checkpoint"] = {"save": str(tmp_path / "ckpt"), "save_interval": 20}
+    recipe["logging"] = {**recipe["logging"], "log_dir": str(tmp_path / "log"), "wandb_mode": "disabled"}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert pretrain_encoder.main(["--config", str(path), "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    # tau 0.7 over English's and Bulgarian's sizes, then 3 and 4 languages at 0.5 and 0.3.
+    assert re.search(r"steps \[0, 31\) at seq_length 128: 496 samples from 2 sources at temperature 0\.7", plan)
+    assert re.search(r"ko/train_text_document: share 13\.\d% \| \d+ samples", plan)
+    assert pretrain_encoder.main(["--config", str(path)]) == 0
+    records = [json.loads(line) for line in (tmp_path / "log/metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 41)) and {r["phase"] for r in train} == {"mlm-30", "mlm-15", "mlm-5"}
+    valid = [r for r in records if r["kind"] == "valid"]
+    languages = [f"{lang}/valid_text_document" for lang in ("en", "bg", "uk", "ko")]
+    assert [r["step"] for r in valid] == [20, 40] and all(list(r["by_source"]) == languages for r in valid)

@@ -37,11 +37,9 @@ def _run(argv: list[str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def sample(tmp_path_factory) -> dict:
-    out_dir = tmp_path_factory.mktemp("multilingual_sample")
-    report = _run(["--multilingual", "--output-dir", str(out_dir)])
-    print(report)  # the documented counts, shown with pytest -s
-    return {"dir": out_dir, "report": report}
+def sample(multilingual_sample) -> dict:
+    print(multilingual_sample["report"])  # the documented counts, shown with pytest -s
+    return multilingual_sample
 
 
 def _text(path: Path) -> str:
