@@ -40,7 +40,7 @@ from megatron_ext.config_loading import UserError
 from megatron_ext.hf.architectures import FORMATS
 from megatron_ext.hf.name_map import Layout, megatron_to_hf, zero_o_proj_biases
 from megatron_ext.fileio import is_empty_dir_or_absent, publish_dir, staged_dir
-from megatron_ext.hf.runtime import load_megatron_checkpoint, single_process_model_parallel
+from megatron_ext.checkpoint.single_process import load_megatron_checkpoint, single_process_model_parallel
 from megatron_ext.tokenizer import (
     HuggingFaceTokenizer,
     MissingSpecialTokenError,
