@@ -19,7 +19,9 @@ naming the input and what differs.
 Output: a save directory holding one weights-only checkpoint, ``iter_0000000`` (no optimizer state,
 an empty trainer state: like an import from Hugging Face, it is a starting point, not a run to
 resume), and ``merge.json``, the provenance (method, parents and their steps, base, weights,
-density, lambda, sign conflicts), also recorded as ``merge`` in the checkpoint's ``run_config.json``.
+density, lambda, sign conflicts), also recorded as ``merge`` in the checkpoint's ``run_config.json``
+beside what the parents last trained (``trained_objective``: exports record it; parents whose outputs
+predict at other positions, MNTP and MLM, are refused).
 It starts further training as ``checkpoint: {load: DIR, finetune: true}`` (fresh optimizer and
 schedule from step 0) and exports and evaluates like any checkpoint. The parents' state dicts are
 held in host memory, with a few float64 copies of one tensor at a time.
@@ -38,7 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, Checkpoint
+from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, TRAINED_OBJECTIVE, Checkpoint
 from megatron_ext.checkpoint.single_process import (build_local_model, load_megatron_checkpoint,
                                                     single_process_model_parallel)
 from megatron_ext.checkpoint.writer import save_checkpoint
@@ -286,6 +288,24 @@ def _check_same_model(checkpoints: Sequence[Checkpoint], roles: Sequence[str]) -
                             "of a merge must share one tokenizer")
 
 
+def _common_objective(checkpoints: Sequence[Checkpoint], roles: Sequence[str]) -> dict | None:
+    """What the parents last trained (``Checkpoint.trained_objective``), for the merge's exports: one
+    reading of the outputs (``prediction_offset``, ``causal``) or a ``UserError`` naming the parent
+    that differs; names that differ with the same reading are joined (``mlm-40 + mlm-20``)."""
+    objectives = [checkpoint.trained_objective() for checkpoint in checkpoints]
+    first = objectives[0]
+    for objective, checkpoint, role in zip(objectives[1:], checkpoints[1:], roles[1:]):
+        reading = None if objective is None else (objective["prediction_offset"], objective["causal"])
+        if reading != (None if first is None else (first["prediction_offset"], first["causal"])):
+            raise UserError(f"{role} {checkpoint} last trained {objective and objective['name']}, {roles[0]} "
+                            f"{first and first['name']}: their outputs predict tokens at other positions (prediction "
+                            "offset, causal), so a merge of them has no one reading")
+    if first is None:
+        return None
+    names = list(dict.fromkeys(objective["name"] for objective in objectives))
+    return {**first, "name": " + ".join(names)}
+
+
 def _check_output(output_dir: Path, inputs: Sequence[Checkpoint], overwrite: bool) -> None:
     for checkpoint in inputs:
         if checkpoint.path.resolve().is_relative_to(output_dir):
@@ -316,21 +336,23 @@ def merge_checkpoints(parents: Sequence[str | os.PathLike], output_dir: str | os
     if config.method == "uniform" and base is not None:
         raise UserError("--base belongs to --method ties; uniform averages the parents' weights")
     weights = normalised_weights(config.weights, len(parents))
-    opened = [_open(path, f"parent {i + 1}") for i, path in enumerate(parents)]
-    roles = [f"parent {i + 1}" for i in range(len(opened))]
+    parent_roles = [f"parent {i + 1}" for i in range(len(parents))]
+    parent_checkpoints = [_open(path, role) for path, role in zip(parents, parent_roles)]
+    opened, roles = parent_checkpoints, parent_roles
     if base is not None:
         opened, roles = [_open(base, "--base"), *opened], ["--base", *roles]
     output_dir = Path(output_dir).resolve()
     _check_output(output_dir, opened, overwrite)
     _check_same_model(opened, roles)
+    objective = _common_objective(parent_checkpoints, parent_roles)
 
     names = [f"{role} {checkpoint}" for role, checkpoint in zip(roles, opened)]
     states = []
     with single_process_model_parallel():
-        for name in names:
+        for checkpoint, name in zip(opened, names):
             log(f"loading {name}")
             states.append({key: value.detach().cpu() if isinstance(value, torch.Tensor) else value
-                           for key, value in load_megatron_checkpoint(opened[len(states)]).state_dict().items()})
+                           for key, value in load_megatron_checkpoint(checkpoint).state_dict().items()})
         log(f"merging by {config.method}")
         if config.method == "ties":
             merged, stats = ties_merge(states[0], states[1:], density=config.density, scale=config.scale,
@@ -342,7 +364,6 @@ def merge_checkpoints(parents: Sequence[str | os.PathLike], output_dir: str | os
         def described(checkpoint: Checkpoint) -> dict:
             return {"path": str(checkpoint.path.resolve()), "step": checkpoint.step}
 
-        parent_checkpoints = opened[1:] if base is not None else opened
         provenance = {
             "method": config.method,
             "parents": [{**described(c), "weight": w} for c, w in zip(parent_checkpoints, weights)],
@@ -362,7 +383,8 @@ def merge_checkpoints(parents: Sequence[str | os.PathLike], output_dir: str | os
             log(f"saving the merged checkpoint into {output_dir}")
             checkpoint = save_checkpoint(
                 tmp, step=0, model=model, optimizer=None, trainer_state={},
-                run_config={"model": model_config, "tokenizer": tokenizer_reference, MERGE_KEY: provenance},
+                run_config={"model": model_config, "tokenizer": tokenizer_reference, TRAINED_OBJECTIVE: objective,
+                            MERGE_KEY: provenance},
                 model_config=model_config,
                 tokenizer_reference={**tokenizer_reference, **({TOKENIZER_FINGERPRINT: fingerprint} if fingerprint else {})},
                 keep_last=1)

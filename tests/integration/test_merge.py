@@ -149,6 +149,8 @@ def test_uniform_merge_of_real_checkpoints_is_their_average(branches, tmp_path, 
     assert checkpoint.step == 0 and checkpoint.optimizer_format() is None  # weights only
     assert checkpoint.model_config() == Checkpoint.open(branches["trunk"]).model_config()
     assert checkpoint.tokenizer_fingerprint() == Checkpoint.open(branches["trunk"]).tokenizer_fingerprint()
+    # what the parents last trained, for exports: the same reading of the outputs under two names
+    assert checkpoint.trained_objective() == {"name": "mlm-40 + mlm-20", "prediction_offset": 0, "causal": False}
     provenance = json.loads((out / PROVENANCE).read_text())
     assert provenance == checkpoint.run_config()[MERGE_KEY]
     assert [(p["path"], p["step"], p["weight"]) for p in provenance["parents"]] == [
@@ -190,6 +192,7 @@ def test_ties_merge_trains_on_and_exports_with_the_same_logits(branches, tmp_pat
 
     # Exports: the Hugging Face model computes the merged weights' logits.
     export_checkpoint(out, tmp_path / "hf", hf_format="eurobert", log=lambda _: None)
+    assert json.loads((tmp_path / "hf/config.json").read_text())["trained_objective"]["name"] == "mlm-40 + mlm-20"
     hf = transformers.EuroBertForMaskedLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.randint(4, 1024, (2, 48), generator=torch.Generator().manual_seed(0))
     with single_process_model_parallel(), torch.no_grad():
@@ -217,6 +220,9 @@ def test_merges_that_cannot_be_made_are_one_line(branches, tmp_path, capsys):
                                                          "3", "--out", out)
     assert f"--out {branches['root']} holds the input" in refused("--method", "uniform", trunk, branch,
                                                                   "--out", str(branches["root"]))
+    # Parents whose outputs predict at other positions: the trunk at step 4 had trained CLM last, at 8 MLM.
+    assert (f"parent 2 {branches['base']} last trained clm, parent 1 mlm-40: their outputs predict tokens at other "
+            "positions") in refused("--method", "uniform", trunk, str(branches["base"]), "--out", out)
     # Another architecture: a copy of the branch's checkpoint whose model_config.json says another RoPE base.
     other = tmp_path / "other" / "iter_0000008"
     shutil.copytree(Checkpoint.open(branch).path, other)
