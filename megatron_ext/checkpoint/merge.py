@@ -85,7 +85,8 @@ class MergeConfig:
         if self.method == "uniform":
             given = [flag for flag, value in (("--density", self.density), ("--lambda", self.scale)) if value is not None]
             if given:
-                raise UserError(f"{' and '.join(given)} belong to --method ties; uniform averages the parents")
+                raise UserError(f"{' and '.join(given)} {'belong' if len(given) > 1 else 'belongs'} to --method ties; "
+                                "uniform averages the parents")
             return
         object.__setattr__(self, "density", DEFAULT_DENSITY if self.density is None else float(self.density))
         object.__setattr__(self, "scale", DEFAULT_LAMBDA if self.scale is None else float(self.scale))
@@ -134,7 +135,7 @@ def check_same_layout(states: Sequence[StateDict], names: Sequence[str]) -> None
     for state, name in zip(states[1:], names[1:]):
         missing, extra = sorted(reference.keys() - state.keys()), sorted(state.keys() - reference.keys())
         if missing or extra:
-            key, where = (missing[0], f"lacks {missing[0]}") if missing else (extra[0], f"has {extra[0]}")
+            where = f"lacks {missing[0]}" if missing else f"has {extra[0]}"
             raise UserError(f"{name} {where}, which {first} {'has' if missing else 'lacks'}: inputs of a merge "
                             "must hold the same tensors")
         for key, value in reference.items():

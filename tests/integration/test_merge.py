@@ -94,7 +94,7 @@ def test_inputs_that_do_not_fit_are_refused_naming_the_key():
         ties_merge({"w": torch.zeros(2, 3), "steps": torch.tensor(3)}, [a])
     with pytest.raises(UserError, match=r"--weights: 1 given for 2 parents"):
         uniform_merge([a, a], [1.0])
-    for config, message in ((dict(method="uniform", density=0.5), "--density belong to --method ties"),
+    for config, message in ((dict(method="uniform", density=0.5), "--density belongs to --method ties"),
                             (dict(method="ties", density=0.0), r"--density 0.0: expected a share .* in \(0, 1\]"),
                             (dict(method="ties", weights=(1, -1)), r"--weights \[1.0, -1.0\]: expected one positive"),
                             (dict(method="mean"), "--method 'mean': expected one of uniform, ties")):
@@ -206,8 +206,10 @@ def test_merges_that_cannot_be_made_are_one_line(branches, tmp_path, capsys):
     assert f"parent 2 {missing}: no complete checkpoint at {missing}: not a directory" in refused(
         "--method", "uniform", trunk, str(missing), "--out", out)
     assert "--method ties needs --base" in refused("--method", "ties", trunk, branch, "--out", out)
-    assert "--density belong to --method ties" in refused("--method", "uniform", trunk, branch, "--density", "0.3",
+    assert "--density belongs to --method ties" in refused("--method", "uniform", trunk, branch, "--density", "0.3",
                                                           "--out", out)
+    assert "--base belongs to --method ties" in refused("--method", "uniform", "--base", str(branches["base"]), trunk,
+                                                        branch, "--out", out)
     assert "--weights: 3 given for 2 parents" in refused("--method", "uniform", trunk, branch, "--weights", "1", "2",
                                                          "3", "--out", out)
     assert f"--out {branches['root']} holds the input" in refused("--method", "uniform", trunk, branch,
