@@ -29,6 +29,23 @@ def tiny_recipe(corpus: dict[str, str], run_dir: Path, **sections) -> dict:
     return recipe
 
 
+def assert_export_has_its_logits(checkpoint, hf_dir: Path, *, batch: int = 2, length: int = 48) -> None:
+    """The ``EuroBertForMaskedLM`` exported into ``hf_dir`` computes the Megatron ``checkpoint``'s
+    bidirectional logits (one document of ``length`` random ids per row) to 1e-5."""
+    import torch
+    import transformers
+
+    from megatron_ext.hf import load_megatron_checkpoint, single_process_model_parallel
+    from megatron_ext.model.attention import attention_pattern
+
+    hf = transformers.EuroBertForMaskedLM.from_pretrained(hf_dir).eval()
+    ids = torch.randint(4, 1024, (batch, length), generator=torch.Generator().manual_seed(0))
+    with single_process_model_parallel(), torch.no_grad():
+        ours = load_megatron_checkpoint(checkpoint)(ids, packed_seq_params=attention_pattern(causal=False))
+        theirs = hf(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours[..., : theirs.shape[-1]], atol=1e-5, rtol=1e-5)
+
+
 def unmarked_bpe_dir(texts: list[str], directory: Path) -> Path:
     """A BPE tokenizer directory trained on ``texts`` behind a whitespace pre-tokenizer: its pieces
     carry no word mark ('hello', 'ing'), so its ids do not say where words begin; 1,024 ids with

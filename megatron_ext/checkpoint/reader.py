@@ -68,6 +68,9 @@ last saved step trained with (``save_checkpoint``'s ``model_config``)."""
 TOKENIZER_REFERENCE = "tokenizer_reference.json"
 TOKENIZER_FINGERPRINT = "fingerprint"
 """Key of ``tokenizer_reference.json`` holding the tokenizer's content fingerprint."""
+TRAINED_OBJECTIVE = "trained_objective"
+"""Key of a run config (one written by ``checkpoint/merge.py``, which has no phases) holding what the
+weights last trained (:meth:`Checkpoint.trained_objective`)."""
 MANIFEST_KEY = "files"
 """Key of the completion marker holding ``{file name: size in bytes}`` of the checkpoint."""
 MEGATRON_METADATA = "metadata.json"
@@ -281,6 +284,24 @@ class Checkpoint:
         """The content fingerprint of that tokenizer (``EncoderTokenizer.fingerprint``; None for
         checkpoints saved without one)."""
         return self._json(TOKENIZER_REFERENCE).get(TOKENIZER_FINGERPRINT)
+
+    def trained_objective(self) -> dict | None:
+        """What the checkpoint's last step trained, ``{"name": "mntp-20", "prediction_offset": -1,
+        "causal": False}``: where the output predicting a masked token sits (exports record it for
+        ``tools/fill_mask.py``). From the run config's phases at the last step; a merge
+        (``checkpoint/merge.py``) records its parents' as ``TRAINED_OBJECTIVE``. None without either
+        (an import from Hugging Face)."""
+        from megatron_ext.config_loading import coerce
+        from megatron_ext.phases import Phase, phase_at, resolve_phases
+
+        run = self.run_config()
+        if TRAINED_OBJECTIVE in run:
+            return run[TRAINED_OBJECTIVE]
+        if not run.get("phases") or "train_iters" not in (run.get("training") or {}):
+            return None
+        phases = [coerce(raw, Phase, f"{self.path / RUN_CONFIG} phases[{i}]") for i, raw in enumerate(run["phases"])]
+        objective = phase_at(resolve_phases(phases, run["training"]["train_iters"]), max(self.step - 1, 0)).objective
+        return {"name": objective.name, "prediction_offset": objective.prediction_offset, "causal": objective.causal}
 
     def optimizer_format(self) -> dict | None:
         """The optimizer format recorded (None: weights only). Checkpoints written before formats

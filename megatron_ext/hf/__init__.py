@@ -33,7 +33,7 @@ from megatron_ext.hf.importer import (
     load_hf_tokenizer,
 )
 from megatron_ext.hf.name_map import Layout, hf_to_megatron, megatron_to_hf
-from megatron_ext.hf.runtime import load_megatron_checkpoint, single_process_model_parallel
+from megatron_ext.checkpoint.single_process import load_megatron_checkpoint, single_process_model_parallel
 
 __all__ = [
     "ENCODER_MODEL_TYPES",

@@ -40,7 +40,7 @@ from megatron_ext.config_loading import UserError
 from megatron_ext.hf.architectures import FORMATS
 from megatron_ext.hf.name_map import Layout, megatron_to_hf, zero_o_proj_biases
 from megatron_ext.fileio import is_empty_dir_or_absent, publish_dir, staged_dir
-from megatron_ext.hf.runtime import load_megatron_checkpoint, single_process_model_parallel
+from megatron_ext.checkpoint.single_process import load_megatron_checkpoint, single_process_model_parallel
 from megatron_ext.tokenizer import (
     HuggingFaceTokenizer,
     MissingSpecialTokenError,
@@ -72,21 +72,8 @@ def _tokenizers(checkpoint: Checkpoint, tokenizer: str | None) -> tuple[HuggingF
 
 
 TRAINED_OBJECTIVE = "trained_objective"
-"""The key of ``config.json`` that records the objective of the checkpoint's last step."""
-
-
-def trained_objective(checkpoint: Checkpoint) -> dict | None:
-    """What the checkpoint's last step trained (:data:`TRAINED_OBJECTIVE`), from its run config;
-    None when the run config has no phases (an import from Hugging Face)."""
-    from megatron_ext.config_loading import coerce
-    from megatron_ext.phases import Phase, phase_at, resolve_phases
-
-    run = checkpoint.run_config()
-    if not run.get("phases") or "train_iters" not in (run.get("training") or {}):
-        return None
-    phases = [coerce(raw, Phase, f"{checkpoint} run_config.json phases[{i}]") for i, raw in enumerate(run["phases"])]
-    objective = phase_at(resolve_phases(phases, run["training"]["train_iters"]), max(checkpoint.step - 1, 0)).objective
-    return {"name": objective.name, "prediction_offset": objective.prediction_offset, "causal": objective.causal}
+"""The key of ``config.json`` that records the objective of the checkpoint's last step
+(``Checkpoint.trained_objective``)."""
 
 
 def _sentence_transformers_files(root: Path, hidden_size: int) -> None:
@@ -179,7 +166,7 @@ def export_checkpoint(
         hf_state |= zero_o_proj_biases(config)  # the flag also adds an o_proj bias
     hf_state = {k: v.to("cpu", DTYPES[dtype]) for k, v in hf_state.items()}
     hf_config = export_format.hf_config(config, vocab_size=vocab, token_ids=token_ids, dtype=dtype)
-    setattr(hf_config, TRAINED_OBJECTIVE, trained_objective(source))
+    setattr(hf_config, TRAINED_OBJECTIVE, source.trained_objective())
     _check_against_hf_class(export_format.architecture, hf_config, hf_state)
 
     from safetensors.torch import save_file

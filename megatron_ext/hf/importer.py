@@ -50,7 +50,7 @@ from megatron_ext.hf.architectures import (
 )
 from megatron_ext.hf.name_map import Layout, drop_zero_o_proj_biases, hf_to_megatron
 from megatron_ext.fileio import is_empty_dir_or_absent, publish_dir, staged_dir
-from megatron_ext.hf.runtime import build_local_model, single_process_model_parallel
+from megatron_ext.checkpoint.single_process import build_local_model, single_process_model_parallel
 from megatron_ext.model import EncoderModelConfig
 from megatron_ext.model.config import padded_vocab_size, tensor_parallel_problem
 from megatron_ext.tokenizer import HUGGINGFACE, TokenizerConfig, build_tokenizer

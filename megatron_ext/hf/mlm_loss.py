@@ -133,7 +133,7 @@ def checkpoint_mlm_loss(checkpoint: str | os.PathLike, texts: Sequence[str], **k
     """:func:`mlm_loss` of a Megatron checkpoint (or a save directory: its newest), loaded at
     TP=1 in this process with the tokenizer it references; ``kwargs`` as for :func:`mlm_loss`."""
     from megatron_ext.checkpoint.reader import Checkpoint
-    from megatron_ext.hf.runtime import load_megatron_checkpoint, single_process_model_parallel
+    from megatron_ext.checkpoint.single_process import load_megatron_checkpoint, single_process_model_parallel
     from megatron_ext.tokenizer import build_tokenizer
 
     source = Checkpoint.open(checkpoint)

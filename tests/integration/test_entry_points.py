@@ -45,6 +45,9 @@ BAD_INPUTS = {
     "megatron-ext-export-hf-checkpoint": lambda tmp, corpus: (
         ["--checkpoint", str(tmp / "missing"), "--output-dir", str(tmp / "out")],
         f"--checkpoint: no complete checkpoint at {tmp / 'missing'}"),
+    "megatron-ext-merge-checkpoints": lambda tmp, corpus: (
+        ["--method", "uniform", str(tmp / "missing"), "--out", str(tmp / "out")],
+        f"parent 1 {tmp / 'missing'}: no complete checkpoint at {tmp / 'missing'}"),
     "megatron-ext-evaluate": lambda tmp, corpus: (
         ["--models", str(tmp / "missing"), "--tasks", "rt_sentiment", "--output-dir", str(tmp / "out")],
         f"model '{tmp / 'missing'}': {tmp / 'missing'} is not a directory"),

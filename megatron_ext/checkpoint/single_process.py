@@ -1,6 +1,7 @@
-"""What import and export share besides the name map: a one-process Megatron runtime at
-tensor-parallel size 1 and checkpoint loading (output directories are published by
-:mod:`megatron_ext.fileio`)."""
+"""A checkpoint's model in this one process: Megatron's parallel state at tensor-parallel size 1,
+the model built from a saved architecture, a checkpoint loaded into it. What the tools that read or
+write weights outside a training run share (Hugging Face import and export, ``checkpoint/merge.py``);
+Megatron's dist checkpoints reshard on load, so a checkpoint saved at any TP loads here."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ext import process_group
+from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.config_loading import UserError
 from megatron_ext.model import EncoderModel, EncoderModelConfig, build_encoder_model
-from megatron_ext.checkpoint.reader import Checkpoint
 
 
 @contextlib.contextmanager
@@ -29,7 +30,7 @@ def single_process_model_parallel() -> Iterator[None]:
             if (dist.get_world_size() != 1 or not parallel_state.model_parallel_is_initialized()
                     or parallel_state.get_tensor_model_parallel_world_size() != 1):
                 raise UserError(
-                    "Hugging Face conversion runs in a single process at tensor-parallel size 1 "
+                    "loading a checkpoint outside training runs in a single process at tensor-parallel size 1 "
                     "(Megatron's dist checkpoints reshard on load); run it outside torchrun")
             yield
             return
