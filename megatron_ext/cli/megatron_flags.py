@@ -139,7 +139,6 @@ DIFFERENT_DEFAULTS: dict[str, str] = {
     "--hidden-dropout": "Llama-like pretraining (EuroBERT, the paper) uses no dropout",
     "--transformer-impl": "the local spec runs on CPU and GPU; the GPU recipes set te (benchmarks/results/"
                           "recipe_defaults.md)",
-    "--split": "no test share unless asked (Megatron-LM warns and uses '969, 30, 1' when --split is missing)",
     "--num-workers": "rows are read from memory-mapped Megatron datasets in the training process; a worker is a "
                      "process holding torch, which a CPU run cannot spare",
     "--log-interval": "a line every 10 steps: small and CPU runs are watched step by step",
@@ -164,6 +163,8 @@ DIFFERENT_DEFAULTS: dict[str, str] = {
 
 
 BEHAVIOUR_DIFFERENCES: dict[str, str] = {
+    "--split": "unset with --data-path means '98,2,0': no test share unless asked (Megatron-LM warns and uses "
+               "'969, 30, 1' when --split is missing)",
     "--bf16": "bf16 autocast over fp32 parameters; Megatron-LM's --bf16 also stores bf16 parameters with fp32 "
               "main parameters in the optimizer: add --params-dtype bfloat16 for that",
     "--save-interval": "keeps the newest --keep-last (2) checkpoints and every --keep-steps one; Megatron-LM "
@@ -254,6 +255,8 @@ def same_default(ours: Any, megatron: Any) -> bool:
         return float(ours) == float(megatron)
     if isinstance(ours, tuple):
         ours = list(ours)
+        if not ours and megatron is None:  # an empty list of paths is Megatron's unset one
+            return True
     return ours == megatron
 
 

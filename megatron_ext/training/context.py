@@ -15,6 +15,10 @@ the corpus where the short phases stopped, as a run that had been at that length
 would be there, instead of reading its first documents again. Each length's dataset is built once
 for all the samples its spans read, so its shuffle (Megatron's epochs) is a function of the run
 only.
+
+A run any of whose phases sets its own data (``data_path``, ``temperature``) gives each phase a
+``Mixture``, and a span is also one mixture: each span then reads its sources as streams continued
+across spans (``training.mixtures``), not one dataset per length.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.phases import ResolvedPhase
+from megatron_ext.phases import Phase, ResolvedPhase
 from megatron_ext.training.mixtures import Mixture, parse_blend
 
 DataConfig = Any
@@ -67,7 +71,7 @@ def phase_contexts(phases: Sequence[ResolvedPhase], *, data: DataConfig, rotary_
     """Each phase's :class:`PhaseContext`, raising ``UserError`` naming ``phases[i].key`` when a
     default cannot be derived (module docstring)."""
     out = []
-    streams = any(getattr(phase, key) is not None for phase in phases for key in ("data_path", "temperature"))
+    streams = any(getattr(phase, key) is not None for phase in phases for key in Phase.DATA_KEYS)
     for phase in phases:
         where = f"phases[{phase.index}]"
         length = phase.seq_length or data.seq_length

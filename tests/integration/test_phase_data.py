@@ -393,3 +393,38 @@ def test_the_temperature_annealed_multilingual_recipe_trains_and_validates_per_l
     valid = [r for r in records if r["kind"] == "valid"]
     languages = [f"{lang}/valid_text_document" for lang in ("en", "bg", "uk", "ko")]
     assert [r["step"] for r in valid] == [20, 40] and all(list(r["by_source"]) == languages for r in valid)
+
+
+def _two_rank_worker(rank: int, rendezvous: str, recipe: dict, out: str) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from megatron_ext import process_group
+
+    torch.set_num_threads(1)
+    config = run_config_from_dict(recipe)
+    process_group.init_process_group_and_model_parallel(seed=config.training.seed, init_method=rendezvous, rank=rank,
+                                                        world_size=2)
+    result = pretrain(config)
+    process_group.destroy_process_group_and_model_parallel()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"losses": result.losses, "valid": result.valid_by_source}))
+
+
+@pytest.mark.slow
+def test_two_data_parallel_ranks_read_what_one_reads(straight, tiny_corpus, sources, tmp_path):
+    """Two data-parallel ranks build every source's epochs (rank 0 first, Megatron's builder) and split
+    each step's global batch of the spans as one rank reads it: the same losses, and the same
+    per-source validation, across the three switches."""
+    from distributed import run_ranks
+
+    _, _, single = straight
+    recipe = _recipe(tiny_corpus, sources, tmp_path, checkpoint={"save": None})
+    out = tmp_path / "two_ranks.json"
+    run_ranks(_two_rank_worker, recipe, str(out), world=2, tmp_path=tmp_path)
+    got = json.loads(out.read_text())
+    for step, loss in single.losses.items():
+        assert got["losses"][str(step)] == pytest.approx(loss, rel=1e-5, abs=1e-6), f"step {step}"
+    for source, losses in single.valid_by_source[9].items():
+        assert got["valid"]["9"][source] == pytest.approx(losses, rel=1e-5), source

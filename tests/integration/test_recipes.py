@@ -29,6 +29,7 @@ CPT_ENCODER = sorted((RECIPES / "cpt_encoder").glob("*.yaml"))
 OBJECTIVE_RECIPES = sorted((RECIPES / "objectives").glob("*.yaml"))
 LONG_CONTEXT = sorted((RECIPES / "long_context").glob("*.yaml"))  # planned in test_long_context.py
 MULTILINGUAL = sorted((RECIPES / "multilingual").glob("*.yaml"))  # data: fetch_sample_data.py --multilingual
+ANNEALING = sorted((RECIPES / "annealing").glob("*.yaml"))  # planned in test_phase_data.py
 LAUNCH = ROOT / "examples" / "launch"
 
 TOKENS_PER_STEP = 1152 * 2048  # the paper's ~2.36M tokens per step
@@ -78,8 +79,9 @@ def test_the_paper_recipe_set_is_complete():
     kinds = ["mlm_20", "mlm_30", "mlm_40", "mlm_50", "clm", "biphasic_25_75", "biphasic_50_50", "cpt_mlm_40"]
     assert names == {f"{size}_{kind}" for size in SHAPES for kind in kinds}
     assert set(RUNNABLE) == (set(PAPER) | {DEMO} | set(CPT_ENCODER) | set(OBJECTIVE_RECIPES) | set(LONG_CONTEXT)
-                             | set(MULTILINGUAL))
+                             | set(MULTILINGUAL) | set(ANNEALING))
     assert [p.stem for p in MULTILINGUAL] == ["tiny_temperature_annealed"]
+    assert [p.stem for p in ANNEALING] == [f"{size}_pretrain_anneal_decay" for size in ("1b", "210m", "610m")]
     assert [p.stem for p in CPT_ENCODER] == ["eurobert_210m_clm_detour", "eurobert_210m_mlm"]
 
 

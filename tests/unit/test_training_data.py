@@ -329,7 +329,7 @@ def test_token_dtype_too_small_for_the_vocab(tmp_path, news_texts, tokenizer):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"data_path": ()}, "data_path: expected a non-empty list"),
+        ({"data_path": ()}, "give data_path .* or train_data_path .*not neither"),
         ({"data_path": ("0.3", "x", "y")}, "either only prefixes or alternating 'weight prefix' pairs"),
         ({"data_path": ("0", "x", "1", "y")}, "blend weights must be > 0"),
         ({"split": "98;2"}, "split: expected 'train,valid,test'"),
