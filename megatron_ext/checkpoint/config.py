@@ -29,6 +29,10 @@ class CheckpointConfig:
     """Steps between checkpoints (``--save-interval``); a final one is always written at the end.
     Unlike Megatron-LM, which keeps every checkpoint, only the ``keep_last`` newest stay (and
     those of ``keep_steps``): ``keep_last: 0`` keeps them all."""
+    save_interval_minutes: float | None = None
+    """Also save after the first step that ends this many minutes (wall clock) after the last save
+    or the run's start, every rank agreeing: bounds the work a failure loses whatever the steps
+    cost (``--save-interval`` counts steps). None: steps only."""
     keep_last: int = 2
     """Keep only the ``keep_last`` newest complete checkpoints (and every one of ``keep_steps``);
     0 keeps every checkpoint, as Megatron-LM does."""
@@ -69,6 +73,8 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.save_interval < 1:
             raise UserError(f"CheckpointConfig.save_interval must be >= 1, got {self.save_interval}")
+        if self.save_interval_minutes is not None and not self.save_interval_minutes > 0:
+            raise UserError(f"checkpoint.save_interval_minutes must be > 0, got {self.save_interval_minutes}")
         if self.keep_last < 0:
             raise UserError(f"checkpoint.keep_last must be >= 1, or 0 to keep every checkpoint; got {self.keep_last}")
         if self.load_step is not None:

@@ -120,7 +120,7 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if args.dry_run:
-        from megatron_ext.training.dry_run import format_dry_run, make_plan, phase_flops, source_costs
+        from megatron_ext.training.dry_run import format_dry_run, make_plan, phase_flops, save_cadence, source_costs
         from megatron_ext.training.preflight import Caller, preflight
 
         from megatron_ext.performance.cost import check_budget, format_run_cost, segment_cost, speed_table
@@ -141,6 +141,9 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
         cost = segment_cost(config, phase_flops(config), run="the run", gpus=world, gpus_per_node=args.gpus_per_node,
                             speeds=speeds)
         print(format_run_cost(cost, speeds.kind, speeds.notices))
+        steps = config.training.train_iters
+        if (cadence := save_cadence(config, None if cost.seconds is None else cost.seconds / steps)) is not None:
+            print(cadence)
         if len({(c.seq_length, c.global_batch_size) for c in config.phase_contexts}) > 1:  # training.context
             for context in config.phase_contexts:
                 start, end = context.phase.start, context.phase.end

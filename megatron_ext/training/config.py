@@ -250,7 +250,22 @@ class TrainingConfig:
     log_interval: int = 10
     """Steps between step log lines."""
     max_nonfinite_steps: int = 5
-    """A step whose loss is NaN/inf is skipped and counted; stop after this many in a row."""
+    """A step whose loss is NaN/inf is skipped and counted; stop after this many in a row (or roll
+    back: ``spike_rollbacks``)."""
+    loss_spike_factor: float | None = None
+    """A step whose loss exceeds this many times the mean of the previous ``loss_spike_window``
+    steps of its phase is a loss spike: said in one line and recorded in ``metrics.jsonl``
+    (``spike``), and rolled back with ``spike_rollbacks``. None: losses are not watched."""
+    loss_spike_window: int = 20
+    """Steps of the running mean a loss is compared with (``loss_spike_factor``); a phase's first
+    steps are not judged until it holds this many."""
+    spike_rollbacks: int = 0
+    """How many times the run may roll back (each said in one line, recorded as a ``rollback`` in
+    ``metrics.jsonl`` and in the trainer state): on a loss spike, or where the non-finite stop
+    (``max_nonfinite_steps`` in a row) would end the run, the model and optimizer are reloaded from
+    the newest checkpoint before the bad steps and training goes on after them: the batches read
+    since that checkpoint are never trained again (OLMo's and PaLM's restart-and-skip). The state
+    is saved at once, so a restart continues after the skipped batches. 0: spikes are only said."""
     fp8_format: Literal["hybrid", "e4m3"] | None = None
     """FP8 matmuls through Transformer Engine (Hopper or newer, ``transformer_impl: te``,
     ``bf16: true``), in these formats: ``hybrid`` = E4M3 forward, E5M2 gradients; ``e4m3`` both.
@@ -342,7 +357,12 @@ class TrainingConfig:
             raise UserError(f"training.exit_duration_in_mins must be > 0, got {self.exit_duration_in_mins}")
         if self.exit_interval is not None and self.exit_interval < 1:
             raise UserError(f"training.exit_interval must be >= 1, got {self.exit_interval}")
-        for name in ("eval_interval", "log_interval", "max_nonfinite_steps"):
+        if self.loss_spike_factor is not None and not self.loss_spike_factor > 1:
+            raise UserError(f"training.loss_spike_factor must be > 1 (a multiple of the running mean loss), "
+                            f"got {self.loss_spike_factor}")
+        if self.loss_spike_window < 2:
+            raise UserError(f"training.loss_spike_window must be >= 2, got {self.loss_spike_window}")
+        for name in ("eval_interval", "log_interval", "max_nonfinite_steps", "spike_rollbacks"):
             if getattr(self, name) < 0:
                 raise UserError(f"training.{name} must be >= 0, got {getattr(self, name)}")
         try:  # the MLM objective checks its ratio
@@ -451,6 +471,9 @@ class RunConfig:
                               f"(FP8 matmuls are Transformer Engine layers), got "
                               f"{self.model.transformer_impl!r}: add --transformer-impl te")
         checkpoint, total = self.checkpoint, self.training.train_iters
+        if self.training.spike_rollbacks and not checkpoint.save:
+            raise ConfigError(f"training.spike_rollbacks={self.training.spike_rollbacks} rolls back to a checkpoint "
+                              "of checkpoint.save, which is unset: give --save DIR")
         past = [step for step in checkpoint.keep_steps if step > total]
         if past:
             raise ConfigError(f"checkpoint.keep_steps {past}: past the run's last step (training.train_iters={total})")

@@ -356,3 +356,25 @@ def _rampup_lines(config: RunConfig, plan: RunPlan) -> list[str]:
     return [f"batch ramp-up     {start} + {increment} per {samples / (len(schedule) - 1):,.0f} samples to "
             f"{config.data.global_batch_size} over the first {samples:,} samples (Megatron-LM --rampup-batch-size): "
             f"{reached}"]
+
+
+def save_cadence(config: RunConfig, seconds_per_step: float | None) -> str | None:
+    """What a failure costs at the run's checkpoint cadence: the steps (and, at the estimated speed,
+    the time) between saves, ``checkpoint.save_interval_minutes`` bounding it; None without a save
+    directory."""
+    from megatron_ext.performance.cost import hours
+
+    c = config.checkpoint
+    if not c.save:
+        return None
+    every = f"every {c.save_interval} steps"
+    if seconds_per_step is None:
+        bound = "unknown time (no speed known)"
+    else:
+        bound = hours(c.save_interval * seconds_per_step)
+    if c.save_interval_minutes is not None:
+        every += f" or {c.save_interval_minutes:g} min"
+        bound = (hours(60 * c.save_interval_minutes) if seconds_per_step is None
+                 else hours(min(c.save_interval * seconds_per_step, 60 * c.save_interval_minutes)))
+    return (f"save cadence      {every}: a failure loses at most {bound} of steps, plus the restart "
+            "(checkpoint.save_interval, checkpoint.save_interval_minutes)")

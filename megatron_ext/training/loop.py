@@ -51,6 +51,7 @@ from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, St
 from megatron_ext.training.batches import Batches, build_batches, to_device
 from megatron_ext.training.datasets import GPT_DATASETS, DatasetProvider, format_blend
 from megatron_ext.training.mixtures import format_source_plan
+from megatron_ext.training.recovery import LossSpikeWatch, Rollbacks, TimedSaves
 from megatron_ext.training.preflight import Caller, preflight
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
 from megatron_ext.training.stop import StopPolicy, write_exit_status
@@ -141,19 +142,27 @@ def validate(engine: MegatronEngine, batches: list[dict[str, torch.Tensor]], *, 
     return result, by_source
 
 
-PARENT_ONLY = ("wandb_run_id",)
+ROLLBACKS = "rollbacks"
+"""Trainer-state key: the run's rollbacks so far (``training.recovery.Rollbacks``)."""
+
+LOSS_WINDOW = "loss_window"
+"""Trainer-state key: the losses a spike is judged against (``training.recovery.LossSpikeWatch``)."""
+
+PARENT_ONLY = ("wandb_run_id", ROLLBACKS, LOSS_WINDOW)
 """Trainer-state keys a branch does not take from its parent: a branch logs its own W&B run (in its
-own ``logging.log_dir``), from its branch step on."""
+own ``logging.log_dir``), from its branch step on, and has its own rollbacks."""
 
 
 def _trainer_state(step: int, config: RunConfig, nonfinite: int, skipped: int, wandb_run_id: str | None,
-                   branched_from: dict | None) -> dict:
+                   branched_from: dict | None, recovery: _Recovery) -> dict:
     state = {
         "step": step,
         "consumed_samples": config.consumed_samples(step),  # Megatron's counter
         "nonfinite_in_a_row": nonfinite,
         "skipped_steps": skipped,
         "wandb_run_id": wandb_run_id,
+        ROLLBACKS: recovery.rollbacks.done,
+        LOSS_WINDOW: recovery.spikes.state(),
         **hardware.rng_state(),
     }
     if branched_from is not None:
@@ -274,6 +283,40 @@ class _NonFiniteGuard:
                                  "checkpoint")
 
 
+@dataclass(kw_only=True)
+class _Recovery:
+    """What the run does about its bad steps and its save cadence (``training.recovery``)."""
+
+    spikes: LossSpikeWatch
+    rollbacks: Rollbacks
+    timed_saves: TimedSaves
+
+    def after_step(self, step: int, loss: float, phase: ResolvedPhase, *, nonfinite: NonFiniteLossError | None,
+                   guard: _NonFiniteGuard, engine: MegatronEngine, checkpoints: _RunCheckpoints,
+                   log: StepLogger) -> dict | None:
+        """After ``step``: a spike said, and a spike or the non-finite stop (``nonfinite``) rolled
+        back while rollbacks are left; the rollback's record, or None. Raises ``nonfinite`` when no
+        checkpoint comes before the bad steps."""
+        spike = self.spikes.check(step, loss, phase.index)
+        if spike is not None:
+            log.spike(spike)
+        if nonfinite is None and (spike is None or not self.rollbacks.left):
+            return None
+        reason, first_bad = ((f"{guard.in_a_row} non-finite steps in a row", step - guard.in_a_row + 1)
+                             if nonfinite is not None else (f"loss spike {spike.loss:.4f}", step))
+        checkpoints.wait()  # the newest checkpoint before the bad steps is complete, or not there
+        record = self.rollbacks.roll_back(engine, step=step, first_bad=first_bad, reason=reason)
+        if record is None:
+            if nonfinite is not None:
+                raise NonFiniteLossError(f"{nonfinite} (no checkpoint of checkpoint.save before step {first_bad} "
+                                         "to roll back to)") from None
+            log.note(f"no checkpoint before step {first_bad} to roll back to: the spike is only said")
+            return None
+        guard.in_a_row = 0
+        log.rollback(record, Rollbacks.describe(record))
+        return record
+
+
 class _RunCheckpoints:
     """The run's saves into ``checkpoint.save``: the engine's state with the run config and the
     tokenizer reference, synchronously or in the background (``checkpoint.async_save``)."""
@@ -287,9 +330,10 @@ class _RunCheckpoints:
         self.tokenizer_reference = {**tokenizer.reference(), TOKENIZER_FINGERPRINT: tokenizer.fingerprint()}
         self.saver = CheckpointSaver(async_save=self.config.async_save, async_strategy=self.config.async_strategy)
 
-    def save(self, step: int, trainer_state: dict, *, rotary_base: float) -> str:
+    def save(self, step: int, trainer_state: dict, *, rotary_base: float, protect: tuple[int, ...] = ()) -> str:
         """Save (or start saving) the state after ``step``, whose phase trained with RoPE theta
-        ``rotary_base`` (saved as the weights' ``model.rotary_base``); returns the checkpoint's path."""
+        ``rotary_base`` (saved as the weights' ``model.rotary_base``); returns the checkpoint's path.
+        ``protect``: steps the pruning keeps besides ``checkpoint.keep_steps`` (a rollback point)."""
         if self.lock is not None:
             self.lock.check_held(before=f"saving step {step}")
         with self.engine.checkpointing():
@@ -298,7 +342,7 @@ class _RunCheckpoints:
                 optimizer=self.engine.optimizer_state, trainer_state=trainer_state, run_config=self.run_config,
                 model_config={**self.run_config["model"], "rotary_base": rotary_base},
                 tokenizer_reference=self.tokenizer_reference, keep_last=self.config.keep_last,
-                keep_steps=self.config.keep_steps,
+                keep_steps=tuple(sorted({*self.config.keep_steps, *protect})),
             )
         if is_writer():
             print(f"{'writing checkpoint in the background' if self.saver.in_flight else 'saved checkpoint'} {path}",
@@ -450,6 +494,11 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
     result = TrainResult(start_step=start, final_step=start, checkpoint=first_checkpoint)
     guard = _NonFiniteGuard(t.max_nonfinite_steps, in_a_row=int(state.get("nonfinite_in_a_row", 0)),
                             total=int(state.get("skipped_steps", 0)))
+    recovery = _Recovery(spikes=LossSpikeWatch(t.loss_spike_factor, t.loss_spike_window, state.get(LOSS_WINDOW)),
+                         rollbacks=Rollbacks(t.spike_rollbacks, config.checkpoint.save,
+                                             save_interval=config.checkpoint.save_interval,
+                                             keep_steps=config.checkpoint.keep_steps, done=state.get(ROLLBACKS)),
+                         timed_saves=TimedSaves(config.checkpoint.save_interval_minutes))
     with contextlib.ExitStack() as stack:  # undone in reverse, whatever ends the run
         # Installed first, removed last: a stop signal during set-up ends the run after its first
         # step, and a second one during the closing saves is only recorded.
@@ -478,7 +527,7 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
         engine.checkpoint_model.train()
         _train_steps(config, start=start, total=total, phases=phases, batches=batches, engine=engine,
                      vocabulary=Vocabulary(tokenizer, size=config.model.vocab_size), device=device, log=log,
-                     guard=guard, checkpoints=checkpoints,
+                     guard=guard, recovery=recovery, checkpoints=checkpoints,
                      stop=stop, sinks=sinks, result=result, exit_after_step=exit_after_step,
                      branched_from=starting_point.branched_from)
         checkpoints.wait()  # the last checkpoint is complete when the run returns
@@ -495,7 +544,8 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
 
 def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: Batches, engine: MegatronEngine,
                  vocabulary: Vocabulary, device: torch.device, log: StepLogger, guard: _NonFiniteGuard,
-                 checkpoints: _RunCheckpoints, stop: StopPolicy, sinks: MetricSinks, result: TrainResult,
+                 recovery: _Recovery, checkpoints: _RunCheckpoints, stop: StopPolicy, sinks: MetricSinks,
+                 result: TrainResult,
                  exit_after_step: int | None, branched_from: dict | None) -> None:
     """Steps ``start`` to ``total`` (or to the step a stop asks for), with their validations and saves;
     after the last, the validation (whatever ``training.eval_interval``) and the test split's
@@ -514,10 +564,18 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
                          for micro, batch in enumerate(batches.micro_batches(step, context))]
         outcome = engine.train_step(micro_batches, lr)
         checkpoints.poll()
-        guard.update(done, outcome, phase)
+        try:
+            guard.update(done, outcome, phase)
+            nonfinite = None
+        except NonFiniteLossError as error:
+            if not recovery.rollbacks.left:
+                raise
+            nonfinite = error  # rolled back below instead of ending the run
         result.final_step = done
         result.losses[done] = outcome.loss
         log.step(done, phase, outcome.loss, lr, outcome.grad_norm, outcome.skipped)
+        rolled = recovery.after_step(done, outcome.loss, phase, nonfinite=nonfinite, guard=guard, engine=engine,
+                                     checkpoints=checkpoints, log=log)
         if config.data.eval_iters and _due(done, config.training.eval_interval, total):
             valid_batches, valid_sources = batches.validation(phase, device)
             result.valid[done], by_source = validate(engine, valid_batches, config=config, vocabulary=vocabulary,
@@ -535,10 +593,14 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
         if done == total:
             stopping = None  # the run is complete, not stopped
         kept = done in config.checkpoint.keep_steps  # a step other runs start from
-        if config.checkpoint.save and (_due(done, config.checkpoint.save_interval, total) or stopping or kept):
+        timed = recovery.timed_saves.due(device)  # a collective when set: every rank, every step
+        if config.checkpoint.save and (_due(done, config.checkpoint.save_interval, total) or stopping or kept
+                                       or rolled or timed):
             result.checkpoint = checkpoints.save(done, _trainer_state(
-                done, config, guard.in_a_row, guard.total, sinks.wandb_run_id, branched_from),
-                rotary_base=context.rotary_base)
+                done, config, guard.in_a_row, guard.total, sinks.wandb_run_id, branched_from,
+                recovery), rotary_base=context.rotary_base,
+                protect=recovery.rollbacks.protected(done))
+            recovery.timed_saves.saved()
         if stopping:
             result.stopped = stopping
             return

@@ -239,6 +239,24 @@ class StepLogger:
         with a blend of several sources, each source's (``by_source`` in the record, one more line)."""
         self._evaluation("valid", "validation", step, losses, by_source)
 
+    def spike(self, spike) -> None:
+        """A loss spike (``training.recovery.Spike``): one line and a ``spike`` record."""
+        self.sinks.record("spike", spike.step, {"loss": spike.loss, "mean": spike.mean, "factor": spike.factor,
+                                                "window": spike.window})
+        if is_writer():
+            print(spike.describe(), flush=True)
+
+    def rollback(self, record: dict, line: str) -> None:
+        """A rollback (``training.recovery.Rollbacks``): one line and a ``rollback`` record."""
+        self.sinks.record("rollback", record["step"], {k: v for k, v in record.items() if k != "step"})
+        if is_writer():
+            print(line, flush=True)
+
+    def note(self, line: str) -> None:
+        """One line on rank 0."""
+        if is_writer():
+            print(line, flush=True)
+
     def test(self, step: int, losses: dict[str, float], by_source: dict[str, dict[str, float]]) -> None:
         """The test split's losses at the end of training: a ``test`` record and ``test at step N: ...``."""
         self._evaluation("test", "test", step, losses, by_source)

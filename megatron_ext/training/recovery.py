@@ -1,0 +1,158 @@
+"""What a long run does about its own bad steps and about time: loss spikes watched, bad steps rolled
+back, saves on a wall-clock cadence.
+
+- **Loss spikes** (``training.loss_spike_factor``): a step whose loss exceeds the factor times the
+  mean of the previous ``loss_spike_window`` finite losses of its phase (objectives' losses are
+  different quantities, so a phase starts a new window). The loss is the global mean, the same on
+  every rank, so every rank judges alike without a collective.
+- **Rollbacks** (``training.spike_rollbacks``): on a spike, or where the non-finite stop would end
+  the run, the model and optimizer are reloaded from the newest complete checkpoint before the bad
+  steps and training goes on with the next step's batch: the batches read since that checkpoint are
+  never trained again (OLMo's and PaLM's restart-and-skip, without the restart). Data positions
+  stay a function of the step, so a resume reads what the uninterrupted run reads.
+- **Timed saves** (``checkpoint.save_interval_minutes``): a save after the first step that ends that
+  long after the last one, decided with one all-reduce (MAX) so that every rank saves the same step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.checkpoint.reader import Checkpoint
+from megatron_ext.checkpoint.resume import TrainingState
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spike:
+    """A step whose loss jumped (``LossSpikeWatch.check``)."""
+
+    step: int
+    loss: float
+    mean: float
+    """The running mean it is compared with."""
+    factor: float
+    """``training.loss_spike_factor``."""
+    window: int
+
+    def describe(self) -> str:
+        return (f"loss spike at step {self.step}: loss {self.loss:.4f} is {self.loss / self.mean:.1f}x the mean "
+                f"{self.mean:.4f} of the previous {self.window} steps (training.loss_spike_factor={self.factor:g})")
+
+
+class LossSpikeWatch:
+    """The running mean of each phase's last ``window`` finite losses, and the steps above
+    ``factor`` times it (module docstring). ``factor`` None: nothing is judged."""
+
+    def __init__(self, factor: float | None, window: int, saved: dict | None = None):
+        self.factor, self.window = factor, window
+        self.phase: int | None = None if saved is None else saved["phase"]
+        self.losses: deque[float] = deque(() if saved is None else saved["losses"], maxlen=window)
+
+    def state(self) -> dict:
+        """What a checkpoint keeps (the trainer state's ``loss_window``), so that a resumed run
+        judges its next steps as the uninterrupted run does."""
+        return {"phase": self.phase, "losses": list(self.losses)}
+
+    def check(self, step: int, loss: float, phase: int) -> Spike | None:
+        """The spike at ``step`` (of phase index ``phase``), or None; a spike's loss does not enter
+        the window, a normal one does (so after a rollback the window is still the losses before the
+        spike, and the steps after it are judged against them)."""
+        if self.factor is None:
+            return None
+        if phase != self.phase:
+            self.phase, self.losses = phase, deque(maxlen=self.window)
+        if not math.isfinite(loss):
+            return None  # the non-finite guard's, not a spike
+        if len(self.losses) == self.window:
+            mean = sum(self.losses) / len(self.losses)
+            if loss > self.factor * mean:
+                return Spike(step=step, loss=loss, mean=mean, factor=self.factor, window=self.window)
+        self.losses.append(loss)
+        return None
+
+
+class TimedSaves:
+    """``checkpoint.save_interval_minutes``: whether a save is due after a step, every rank agreeing."""
+
+    def __init__(self, minutes: float | None):
+        self.minutes = minutes
+        self.last = time.monotonic()
+
+    def due(self, device: torch.device) -> bool:
+        """A collective when the cadence is set (every rank, every step); False without one."""
+        if self.minutes is None:
+            return False
+        local = torch.tensor([int(time.monotonic() - self.last >= 60 * self.minutes)], dtype=torch.int32,
+                             device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        return bool(local.item())
+
+    def saved(self) -> None:
+        """A save (of any cause) just happened: the next is due ``minutes`` from now."""
+        self.last = time.monotonic()
+
+
+class Rollbacks:
+    """``training.spike_rollbacks``: the rollbacks the run has made (saved in the trainer state, so
+    that the bound holds across restarts) and the next one (module docstring)."""
+
+    def __init__(self, limit: int, save_dir: str | None, *, save_interval: int, keep_steps: tuple[int, ...] = (),
+                 done: list[dict] | None = None):
+        self.limit, self.save_dir = limit, save_dir
+        self.save_interval, self.keep_steps = save_interval, keep_steps
+        self.done: list[dict] = list(done or [])
+
+    def is_point(self, step: int) -> bool:
+        """Whether the checkpoint of ``step`` may be rolled back to: a step of the save cadence, a
+        kept step or an earlier rollback's, which every run of the recipe saves, resumed or not (a
+        save at a stop or on the wall clock is not: the run resumed from it would roll back
+        elsewhere than the uninterrupted run)."""
+        return step % self.save_interval == 0 or step in self.keep_steps or any(r["step"] == step for r in self.done)
+
+    def protected(self, step: int) -> tuple[int, ...]:
+        """The newest rollback point up to ``step``, kept by the checkpoint pruning while rollbacks
+        are left (none otherwise)."""
+        if self.left == 0:
+            return ()
+        points = [s for s in (step // self.save_interval * self.save_interval, *self.keep_steps,
+                              *(r["step"] for r in self.done)) if 0 < s <= step]
+        return (max(points),) if points else ()
+
+    @property
+    def left(self) -> int:
+        return max(0, self.limit - len(self.done))
+
+    def roll_back(self, target: TrainingState, *, step: int, first_bad: int, reason: str) -> dict | None:
+        """Reload ``target``'s model and optimizer from the newest complete checkpoint of the save
+        directory at a rollback point (:meth:`is_point`) before step ``first_bad``, after ``step``
+        (the last bad one) was trained; the
+        rollback's record, or None when none is left or no checkpoint comes before ``first_bad``.
+        Every rank calls it at the same step (the decision is a function of the global loss)."""
+        if self.left == 0 or self.save_dir is None:
+            return None
+        before = [checkpoint for checkpoint in Checkpoint.every(self.save_dir)
+                  if checkpoint.step < first_bad and self.is_point(checkpoint.step)]
+        if not before:
+            return None
+        checkpoint = before[-1]
+        with target.checkpointing():
+            checkpoint.load(model=target.checkpoint_model, optimizer=target.optimizer_state)
+        record = {"step": step, "to_step": checkpoint.step, "skipped_steps": [checkpoint.step + 1, step],
+                  "reason": reason, "rollback": len(self.done) + 1, "of": self.limit}
+        self.done.append(record)
+        return record
+
+    @staticmethod
+    def describe(record: dict) -> str:
+        first, last = record["skipped_steps"]
+        skipped = f"the batch of step {first} is" if first == last else f"the batches of steps {first}-{last} are"
+        return (f"rolled back to step {record['to_step']}'s weights and optimizer after step {record['step']} "
+                f"({record['reason']}); {skipped} skipped, training goes on with step {record['step'] + 1} "
+                f"(rollback {record['rollback']} of training.spike_rollbacks={record['of']})")

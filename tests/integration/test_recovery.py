@@ -1,0 +1,126 @@
+"""What a long run does about its own bad steps and about time (``training.recovery``), on CPU with
+real text: a learning rate too large for the tiny model makes real loss spikes and non-finite steps.
+A spike is said and recorded; with ``spike_rollbacks`` the run reloads the newest checkpoint before
+it and goes on after the spiking batches, a bounded number of times, resuming exactly across a
+rollback; the non-finite stop rolls back the same way until none is left; a wall-clock save cadence
+saves steps the step cadence would not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import tiny_recipe
+from megatron_ext.checkpoint.reader import Checkpoint
+from megatron_ext.config_loading import ConfigError, UserError
+from megatron_ext.training.loop import NonFiniteLossError, pretrain
+from megatron_ext.training.recipe import run_config_from_dict
+
+MLM = [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}]
+
+
+def _recipe(corpus, run_dir, *, lr: float, **training) -> dict:
+    """16 steps, warmup to ``lr`` over 8 (the tiny model diverges on the way up), a save every 2
+    steps, every checkpoint kept."""
+    return tiny_recipe(corpus, run_dir, phases=MLM,
+                       schedule={"lr": lr, "lr_decay_style": "wsd", "lr_warmup_iters": 8, "lr_wsd_decay_iters": 2},
+                       training={"train_iters": 16, "eval_interval": 0, "log_interval": 1, **training},
+                       checkpoint={"save": str(run_dir / "ckpt"), "save_interval": 2, "keep_last": 0})
+
+
+SPIKES = {"loss_spike_factor": 1.3, "loss_spike_window": 3, "spike_rollbacks": 2}
+
+
+def _records(run_dir, kind: str) -> list[dict]:
+    lines = (run_dir / "log/metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def _weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    from megatron_ext.hf import load_megatron_checkpoint, single_process_model_parallel
+
+    with single_process_model_parallel():
+        return {k: v.cpu() for k, v in load_megatron_checkpoint(checkpoint).state_dict().items()
+                if isinstance(v, torch.Tensor)}
+
+
+@pytest.fixture(scope="module")
+def spiky(tmp_path_factory, tiny_corpus):
+    run_dir = tmp_path_factory.mktemp("spiky")
+    return run_dir, pretrain(run_config_from_dict(_recipe(tiny_corpus, run_dir, lr=2.0, **SPIKES)))
+
+
+def test_a_spike_rolls_back_to_the_checkpoint_before_it_a_bounded_number_of_times(spiky, capsys):
+    run_dir, result = spiky
+    assert result.final_step == 16
+    spikes = [r["step"] for r in _records(run_dir, "spike")]
+    rollbacks = _records(run_dir, "rollback")
+    assert len(rollbacks) == 2 and len(spikes) > 2  # the later spikes only said: none left
+    first, second = rollbacks
+    assert first["step"] == spikes[0] and first["to_step"] < first["step"]
+    assert first["skipped_steps"] == [first["to_step"] + 1, first["step"]] and first["rollback"] == 1
+    assert second["rollback"] == 2 and second["of"] == 2
+    # The state saved at the rollback's step is the older checkpoint's weights, not the spiking ones.
+    rolled = _weights(Checkpoint.at_step(run_dir / "ckpt", first["step"]))
+    target = _weights(Checkpoint.at_step(run_dir / "ckpt", first["to_step"]))
+    assert rolled.keys() == target.keys() and all(torch.equal(rolled[k], target[k]) for k in rolled)
+    # After the rollback the step's loss is back near the losses before the spike.
+    assert result.losses[first["step"] + 1] < 2 * result.losses[first["to_step"]]
+
+
+def test_a_run_stopped_after_a_rollback_resumes_exactly(spiky, tiny_corpus, tmp_path):
+    """Stopped after the first rollback, the run resumes with its rollbacks counted (one left) and
+    trains what the uninterrupted run trained."""
+    run_dir, uninterrupted = spiky
+    first = _records(run_dir, "rollback")[0]["step"]
+    config = run_config_from_dict(_recipe(tiny_corpus, tmp_path, lr=2.0, **SPIKES))
+    assert pretrain(config, exit_after_step=first + 1).final_step == first + 1
+    resumed = pretrain(config)
+    assert resumed.start_step == first + 1
+    for step in range(first + 2, 17):
+        assert resumed.losses[step] == uninterrupted.losses[step], f"step {step}"
+    # Two in all (its limit): the count came back with the checkpoint, or a third would have come.
+    assert len(_records(tmp_path, "rollback")) == 2
+
+
+def test_the_non_finite_stop_rolls_back_until_none_is_left(tiny_corpus, tmp_path):
+    recipe = _recipe(tiny_corpus, tmp_path, lr=1000.0, spike_rollbacks=1, max_nonfinite_steps=2)
+    with pytest.raises(NonFiniteLossError, match=r"non-finite for 2 consecutive steps"):
+        pretrain(run_config_from_dict(recipe))
+    (rollback,) = _records(tmp_path, "rollback")
+    assert rollback["reason"] == "2 non-finite steps in a row"
+    assert rollback["to_step"] < rollback["step"] - 1  # a checkpoint before the first non-finite step
+
+
+def test_a_wall_clock_cadence_saves_between_step_saves(tiny_corpus, tmp_path, capsys):
+    """``checkpoint.save_interval_minutes`` far below a step's time: every step is saved though the
+    step cadence (1,000) saves only the last; the dry run says what a failure loses at that cadence."""
+    recipe = _recipe(tiny_corpus, tmp_path, lr=1e-3)
+    recipe["training"]["train_iters"] = 4
+    recipe["schedule"] = {**recipe["schedule"], "lr_warmup_iters": 1, "lr_wsd_decay_iters": 1}
+    recipe["checkpoint"] = {**recipe["checkpoint"], "save_interval": 1000, "save_interval_minutes": 1e-4}
+    pretrain(run_config_from_dict(recipe))
+    assert [c.step for c in Checkpoint.every(tmp_path / "ckpt")] == [1, 2, 3, 4]
+    import yaml
+
+    from megatron_ext.cli import pretrain_encoder
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**recipe, "checkpoint": {**recipe["checkpoint"], "save_interval_minutes": 30}}))
+    assert pretrain_encoder.main(["--config", str(path), "--dry-run"]) == 0
+    assert "save cadence      every 1000 steps or 30 min: a failure loses at most" in capsys.readouterr().out
+
+
+def test_recovery_settings_are_checked(tiny_corpus, tmp_path):
+    with pytest.raises(UserError, match=r"training.loss_spike_factor must be > 1"):
+        run_config_from_dict(_recipe(tiny_corpus, tmp_path, lr=1e-3, loss_spike_factor=0.5))
+    no_save = _recipe(tiny_corpus, tmp_path, lr=1e-3, spike_rollbacks=1)
+    no_save["checkpoint"] = {"save": None}
+    with pytest.raises(ConfigError, match=r"spike_rollbacks=1 rolls back to a checkpoint of checkpoint.save"):
+        run_config_from_dict(no_save)
+    with pytest.raises(UserError, match=r"checkpoint.save_interval_minutes must be > 0"):
+        bad = _recipe(tiny_corpus, tmp_path, lr=1e-3)
+        bad["checkpoint"]["save_interval_minutes"] = 0
+        run_config_from_dict(bad)
