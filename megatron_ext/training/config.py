@@ -252,6 +252,12 @@ class TrainingConfig:
     max_nonfinite_steps: int = 5
     """A step whose loss is NaN/inf is skipped and counted; stop after this many in a row (or roll
     back: ``spike_rollbacks``)."""
+    hang_timeout_minutes: float | None = None
+    """A rank that finishes no step for this long ends the job, in one line naming the rank behind,
+    its node and its step, with the resumable exit code 75 that the launchers restart on
+    (``training.watchdog``): longer than a step with its validation and save, shorter than
+    ``parallel.distributed_timeout_minutes``. None: a hung rank ends the job only when the
+    distributed timeout does."""
     loss_spike_factor: float | None = None
     """A step whose loss exceeds this many times the mean of the previous ``loss_spike_window``
     steps of its phase is a loss spike: said in one line and recorded in ``metrics.jsonl``
@@ -357,6 +363,8 @@ class TrainingConfig:
             raise UserError(f"training.exit_duration_in_mins must be > 0, got {self.exit_duration_in_mins}")
         if self.exit_interval is not None and self.exit_interval < 1:
             raise UserError(f"training.exit_interval must be >= 1, got {self.exit_interval}")
+        if self.hang_timeout_minutes is not None and not self.hang_timeout_minutes > 0:
+            raise UserError(f"training.hang_timeout_minutes must be > 0, got {self.hang_timeout_minutes}")
         if self.loss_spike_factor is not None and not self.loss_spike_factor > 1:
             raise UserError(f"training.loss_spike_factor must be > 1 (a multiple of the running mean loss), "
                             f"got {self.loss_spike_factor}")
@@ -471,6 +479,11 @@ class RunConfig:
                               f"(FP8 matmuls are Transformer Engine layers), got "
                               f"{self.model.transformer_impl!r}: add --transformer-impl te")
         checkpoint, total = self.checkpoint, self.training.train_iters
+        hang, timeout = self.training.hang_timeout_minutes, self.parallel.distributed_timeout_minutes
+        if hang is not None and hang >= timeout:
+            raise ConfigError(f"training.hang_timeout_minutes={hang:g} is not shorter than "
+                              f"parallel.distributed_timeout_minutes={timeout}: the collective would fail first, "
+                              "naming nobody; lower it or raise the distributed timeout")
         if self.training.spike_rollbacks and not checkpoint.save:
             raise ConfigError(f"training.spike_rollbacks={self.training.spike_rollbacks} rolls back to a checkpoint "
                               "of checkpoint.save, which is unset: give --save DIR")

@@ -52,6 +52,7 @@ from megatron_ext.training.batches import Batches, build_batches, to_device
 from megatron_ext.training.datasets import GPT_DATASETS, DatasetProvider, format_blend
 from megatron_ext.training.mixtures import format_source_plan
 from megatron_ext.training.recovery import LossSpikeWatch, Rollbacks, TimedSaves
+from megatron_ext.training.watchdog import HangWatchdog, heartbeat_dir
 from megatron_ext.training.preflight import Caller, preflight
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
 from megatron_ext.training.stop import StopPolicy, write_exit_status
@@ -290,6 +291,13 @@ class _Recovery:
     spikes: LossSpikeWatch
     rollbacks: Rollbacks
     timed_saves: TimedSaves
+    watchdog: HangWatchdog | None = None
+    """``training.hang_timeout_minutes``: this rank's heartbeat and watch (None: not watched)."""
+
+    def step_finished(self, step: int) -> None:
+        """``step`` is done, with its validation and save: the heartbeat."""
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
 
     def after_step(self, step: int, loss: float, phase: ResolvedPhase, *, nonfinite: NonFiniteLossError | None,
                    guard: _NonFiniteGuard, engine: MegatronEngine, checkpoints: _RunCheckpoints,
@@ -499,6 +507,11 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
                                              save_interval=config.checkpoint.save_interval,
                                              keep_steps=config.checkpoint.keep_steps, done=state.get(ROLLBACKS)),
                          timed_saves=TimedSaves(config.checkpoint.save_interval_minutes))
+    if t.hang_timeout_minutes is not None:
+        rank = dist.get_rank()
+        recovery.watchdog = HangWatchdog(timeout_s=60 * t.hang_timeout_minutes, rank=rank,
+                                         directory=heartbeat_dir(config.checkpoint.save, config.logging.log_dir),
+                                         node=rank_nodes[rank] if rank < len(rank_nodes) else None)
     with contextlib.ExitStack() as stack:  # undone in reverse, whatever ends the run
         # Installed first, removed last: a stop signal during set-up ends the run after its first
         # step, and a second one during the closing saves is only recorded.
@@ -525,6 +538,9 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
         # No writer process outlives the run: published then stopped, or killed after an error.
         stack.push(lambda error_type, error, traceback: checkpoints.close(abort=error_type is not None))
         engine.checkpoint_model.train()
+        if recovery.watchdog is not None:
+            recovery.watchdog.start(start)
+            stack.callback(recovery.watchdog.stop)
         _train_steps(config, start=start, total=total, phases=phases, batches=batches, engine=engine,
                      vocabulary=Vocabulary(tokenizer, size=config.model.vocab_size), device=device, log=log,
                      guard=guard, recovery=recovery, checkpoints=checkpoints,
@@ -601,6 +617,7 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
                 recovery), rotary_base=context.rotary_base,
                 protect=recovery.rollbacks.protected(done))
             recovery.timed_saves.saved()
+        recovery.step_finished(done)
         if stopping:
             result.stopped = stopping
             return

@@ -8,6 +8,7 @@ saves steps the step cadence would not."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -120,7 +121,98 @@ def test_recovery_settings_are_checked(tiny_corpus, tmp_path):
     no_save["checkpoint"] = {"save": None}
     with pytest.raises(ConfigError, match=r"spike_rollbacks=1 rolls back to a checkpoint of checkpoint.save"):
         run_config_from_dict(no_save)
+    with pytest.raises(ConfigError, match=r"hang_timeout_minutes=10 is not shorter than parallel.distributed_timeout"):
+        run_config_from_dict(_recipe(tiny_corpus, tmp_path, lr=1e-3, hang_timeout_minutes=10))
     with pytest.raises(UserError, match=r"checkpoint.save_interval_minutes must be > 0"):
         bad = _recipe(tiny_corpus, tmp_path, lr=1e-3)
         bad["checkpoint"]["save_interval_minutes"] = 0
         run_config_from_dict(bad)
+
+
+def test_a_hung_rank_ends_the_job_in_bounded_time_named_and_the_rerun_resumes(tiny_corpus, tmp_path):
+    """Two ranks under torchrun, a save every 4 steps; rank 1 is stopped (SIGSTOP: a node that stops
+    answering) once its heartbeat says step 6. Within the hang timeout (6 s, the distributed timeout
+    10 min) the job ends with the resumable code 75 and one line naming rank 1, its node and the step
+    it finished last; the same command then resumes from the newest complete checkpoint and ends."""
+    import os
+    import re
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_ext.exit_codes import EXIT_STATUS_ENV, RESUMABLE_EXIT_CODE
+
+    repo = Path(__file__).resolve().parents[2]
+    recipe = tiny_recipe(tiny_corpus, tmp_path, phases=MLM,
+                         training={"train_iters": 30, "eval_interval": 0, "log_interval": 1,
+                                   "hang_timeout_minutes": 0.1},
+                         checkpoint={"save": str(tmp_path / "ckpt"), "save_interval": 4})
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(recipe))
+    status = tmp_path / "exit_status"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(repo / "pretrain_encoder.py"), "--config", str(path)]
+    env = {**os.environ, EXIT_STATUS_ENV: str(status), "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                           start_new_session=True)
+    beat = tmp_path / "ckpt/heartbeats/rank-1.json"
+    deadline = time.monotonic() + 300
+    while True:  # rank 1's own record of its progress: stop it once it has finished step 6
+        assert run.poll() is None and time.monotonic() < deadline, run.stdout.read() if run.poll() is not None else ""
+        try:
+            record = json.loads(beat.read_text())
+        except (OSError, ValueError):
+            record = {"step": 0}
+        if record["step"] >= 6:
+            break
+        time.sleep(0.05)
+    os.kill(record["pid"], signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    output, _ = run.communicate(timeout=180)
+    ended = time.monotonic() - stopped_at
+    print(f"the job ended {ended:.0f} s after rank 1 stopped")
+    assert ended < 6 + 20, output  # the timeout, plus torchrun ending its workers
+    line = status.read_text()
+    assert line.startswith(f"{RESUMABLE_EXIT_CODE} hang: rank 1 on {socket.gethostname()} finished no step after "
+                           "step "), (line, output)
+    hung_at = int(re.search(r"after step (\d+)", line)[1])
+    assert hung_at >= 6 and "training.hang_timeout_minutes=0.1" in line
+    assert output.count("hang: rank 1 on") == 1, output  # said once, by rank 0
+    newest = Checkpoint.latest(tmp_path / "ckpt").step
+    assert newest <= hung_at + 1 and newest % 4 == 0
+    resumed = pretrain(run_config_from_dict(recipe))  # the restart a launcher makes (here at DP=1)
+    assert resumed.start_step == newest and resumed.final_step == 30
+
+
+def test_the_watchdog_names_the_rank_behind_and_only_the_lowest_other_rank_says_it(tmp_path):
+    """Three ranks' heartbeats (this process is rank 2, rank 0 at step 9, rank 1 stuck at step 7):
+    after the timeout rank 2 names rank 1 but leaves the line to rank 0; alone, a rank names itself."""
+    import threading
+
+    from megatron_ext.training.watchdog import HangWatchdog
+
+    seen, done = [], threading.Event()
+
+    def on_hang(line, says):
+        seen.append((line, says))
+        done.set()
+
+    for rank, step in ((0, 9), (1, 7)):
+        (tmp_path / "hb").mkdir(exist_ok=True)
+        (tmp_path / "hb" / f"rank-{rank}.json").write_text(json.dumps(
+            {"rank": rank, "node": f"node{rank}", "pid": 1, "step": step, "time": 0.0}))
+    watchdog = HangWatchdog(timeout_s=0.4, directory=tmp_path / "hb", rank=2, node="node2", on_hang=on_hang)
+    watchdog.start(9)
+    assert done.wait(10)
+    (line, says), = seen
+    assert line.startswith("hang: rank 1 on node1 finished no step after step 7 (") and not says
+    assert "the other ranks are at step 9" in line and "rank 2 waited" in line
+    alone = []
+    solo = HangWatchdog(timeout_s=0.4, directory=tmp_path / "solo", rank=0, node="n",
+                        on_hang=lambda line, says: alone.append((line, says)))
+    solo.start(3)
+    time.sleep(1.5)
+    assert len(alone) == 1 and alone[0][1] and alone[0][0].startswith("hang: rank 0 on n finished no step after step 3")
+    solo.stop()
