@@ -19,8 +19,10 @@ STORAGE_EXIT_CODE = 74
 space is freed. Not requeued automatically: the disk would still be full."""
 
 RESUMABLE_EXIT_CODE = 75
-"""Exit status of a run that stopped on request after saving (sysexits' EX_TEMPFAIL: try again).
-``examples/launch/slurm.sbatch`` requeues the job on it and on nothing else."""
+"""Exit status of a run that stopped on request after saving, or that a hung rank stopped
+(``training.hang_timeout_minutes``: the newest complete checkpoint is where it resumes)
+(sysexits' EX_TEMPFAIL: try again). ``examples/launch/slurm.sbatch`` requeues the job on it and on
+nothing else."""
 
 STOPPED_UNSAVED_EXIT_CODE = 76
 """Exit status of a run that stopped on request with nothing to resume from (``checkpoint.save``

@@ -179,6 +179,8 @@ STOP_TABLE = (
     ("`scancel --signal=USR1 JOB` (also `--batch`, `--full`)", "SIGUSR1", "a SIGUSR1 came", "requeued"),
     ("`scancel --signal=TERM JOB` (also `--batch`, `--full`)", "SIGTERM", "SIGTERM without a SIGUSR1",
      "CANCELLED (the script cancels it)"),
+    ("a hung rank (`training.hang_timeout_minutes`)", "(no signal: every other rank's watchdog)",
+     "the trainer's reason starts `hang:`", "requeued"),
     ("`training.exit_duration_in_mins`, `training.exit_interval`", "(no signal)", "the trainer's reason",
      "requeued"),
 )
@@ -201,6 +203,8 @@ def stop_outcome(job: SchedulerJobState, *, batch_signals: set[str], trainer_rea
         return "cancel", "cancelled (scancel)"
     if warned:
         return "requeue", "SIGUSR1 (a warning, or scancel --signal=USR1)"
+    if trainer_reason.startswith("hang:"):
+        return "requeue", "a hung rank (training.hang_timeout_minutes)"
     if "signal" in trainer_reason:
         return "cancel", "SIGTERM without a warning (scancel --signal=TERM): cancelled"
     return "requeue", "stopped by the recipe's own limit"

@@ -444,3 +444,51 @@ def test_two_nodes_one_trainer_killed_the_job_names_its_node_and_why(slurm_clust
     assert re.search(rf"training failed \({re.escape(cause)}[;)].*not requeued$", last), job.log[-3000:]
     status = Path(job.info["StdOut"]).parent / f".exit-status-{job_id}"
     assert status.read_text().startswith(f"{128 + signal.SIGKILL} {cause}"), status.read_text()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_nodes_a_node_lost_during_a_save_resumes_from_the_last_complete_checkpoint(
+        slurm_cluster, tiny_corpus, tmp_path, short_reference):
+    """A save every 2 steps spread over two nodes (each writes its shards into the step's ``.tmp-``
+    folder); rank 1's trainer is killed (SIGKILL: the node is lost) while a save is in flight. The job
+    fails; the half-written folder is never listed as a checkpoint; every listed checkpoint is
+    intact; the same recipe submitted again resumes from the newest complete one and trains the
+    remaining steps exactly as the uninterrupted run did."""
+    from megatron_ext.checkpoint.reader import Checkpoint
+
+    if len(slurm_cluster.nodes) < 2:
+        pytest.skip("the private cluster has one node")
+    recipe = _recipe(tiny_corpus, tmp_path, SHORT_STEPS)
+    raw = json.loads(recipe.read_text())
+    raw["checkpoint"] = {**raw["checkpoint"], "save_interval": 2, "keep_last": 0}
+    recipe.write_text(json.dumps(raw))
+    job_id = _submit(slurm_cluster, recipe, nodes=2, procs=1)
+    _wait_for_steps(slurm_cluster, job_id, tmp_path, 10)
+    trainer, _ = _trainer(slurm_cluster, job_id, rank=1)
+    deadline = time.monotonic() + 120
+    while not any(".tmp-" in p.name for p in (tmp_path / "ckpt").iterdir()):  # a save in flight
+        assert time.monotonic() < deadline and cluster_running(slurm_cluster, job_id), "no save seen in flight"
+        time.sleep(0.002)
+    trainer.send_signal(signal.SIGKILL)
+    killed = _finish(slurm_cluster, job_id, tmp_path)
+    assert killed.info["JobState"] == "FAILED", (killed.info, killed.log[-3000:])
+    listed = Checkpoint.every(tmp_path / "ckpt")
+    for checkpoint in listed:
+        checkpoint.check_intact()
+    newest = listed[-1].step
+    assert all(checkpoint.step % 2 == 0 for checkpoint in listed) and newest < SHORT_STEPS
+    resumed = _finish(slurm_cluster, _submit(slurm_cluster, recipe, nodes=2, procs=1), tmp_path)
+    assert resumed.info["JobState"] == "COMPLETED", (resumed.info, resumed.log[-3000:])
+    assert re.search(LINE + rf"training {SHORT_STEPS} steps from step {newest}:", resumed.log, re.M), resumed.log
+    reference = dict(short_reference.losses())
+    logged = resumed.losses()  # both jobs' steps, in the order written: the resumed job's come last
+    first = max(i for i, (step, _) in enumerate(logged) if step == newest + 1)
+    after = logged[first:]
+    assert [s for s, _ in after] == list(range(newest + 1, SHORT_STEPS + 1))
+    assert all(loss == reference[step] for step, loss in after), "a step after the resume differs"
+
+
+def cluster_running(cluster, job_id: int) -> bool:
+    return cluster.job(job_id)["JobState"] in {"PENDING", "RUNNING", "COMPLETING"}
