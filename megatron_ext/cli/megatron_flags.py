@@ -224,6 +224,15 @@ UNSUPPORTED: dict[str, str] = {
     "--rotary-percent": _USE_RECIPE + " (RoPE over the whole head)",
     "--dataloader-type": "batches are drawn in Megatron's pretraining order (its single sampler), resumed exactly",
     "--calculate-per-token-loss": "the loss is always averaged over the scored tokens of the global batch",
+    "--check-for-spiky-loss": "loss spikes are watched with --loss-spike-factor (and rolled back with "
+                              "--spike-rollbacks): docs/pretraining.md, \"The edges of a long job\"",
+    "--no-check-for-nan-in-loss-and-grad": "non-finite steps are always skipped and counted "
+                                           "(--max-nonfinite-steps in a row stop the run, or roll it back)",
+    "--rerun-mode": "a spike or the non-finite stop rolls back to a checkpoint with --spike-rollbacks",
+    "--inprocess-heartbeat-timeout": "a hung rank ends the job, named, with --hang-timeout-minutes "
+                                     "(heartbeat files, exit 75 for the launcher's restart)",
+    "--enable-ft-package": "a hung rank ends the job, named, with --hang-timeout-minutes (heartbeat files, "
+                           "exit 75 for the launcher's restart); nvidia-resiliency-ext is not required",
 }
 """Megatron-LM flags the trainer does not take, with what to use instead (or why not)."""
 
