@@ -23,7 +23,7 @@ A YAML mapping (``examples/studies/``)::
       trunk: {data_path: [/data/en, /data/de], temperature: 0.7}   # and again per mixture in its WSD decay
       decays: [{name: en, data_path: [/data/en]}, {name: de, data_path: [/data/de], temperature: 0.3}]
     merges:                               # merged models of final checkpoints (tools/merge_checkpoints.py)
-      - {name: merged, runs: [mlm_40_decay_en, mlm_40_decay_de], method: ties, density: 0.2, lambda: 1.0}
+      - {name: merged, runs: [mlm_40_decay_en, mlm_40_decay_de], method: ties, density: 0.2, scale: 1.0}
     seeds: [1234]                         # default: each base recipe's training.seed
     reset_attention_mask: [false, true]   # an axis: each run across documents and isolated (_iso)
     overrides: {data: {data_path: [/data/fineweb_edu_text_document]}}   # over every run
@@ -357,15 +357,7 @@ class MergeSpec:
     density: float | None = None
     """TIES: the share of each run's change kept (``--density``; None: the tool's 0.2)."""
     scale: float | None = None
-    """TIES: lambda, the merged change's scale (``--lambda``; the study file says ``lambda``)."""
-
-    @classmethod
-    def from_config(cls, raw: Any, where: str) -> MergeSpec:
-        if isinstance(raw, Mapping) and "lambda" in raw:
-            if "scale" in raw:
-                raise ConfigError(f"{where}: give lambda or scale, not both")
-            raw = {("scale" if key == "lambda" else key): value for key, value in raw.items()}
-        return build_dataclass(cls, raw, where)
+    """TIES: lambda, the merged change's scale (``--lambda``; None: the tool's 1.0)."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -375,7 +367,10 @@ class MergeSpec:
         _unique(list(self.runs), "runs")
         if self.weights is not None and len(self.weights) != len(self.runs):
             raise ValueError(f"weights: one per run ({len(self.runs)}), got {list(self.weights)}")
-        try:  # the tool's own rules (flags named as merge_checkpoints.py's)
+        given = [key for key in ("density", "scale") if getattr(self, key) is not None]
+        if self.method != "ties" and given:
+            raise ValueError(f"{' and '.join(given)}: TIES's settings; method {self.method!r} takes none")
+        try:  # the tool's own rules (its flags: --density is density, --lambda scale)
             self.config()
         except UserError as err:
             raise ValueError(str(err)) from None

@@ -12,6 +12,7 @@ import yaml
 
 from megatron_ext.cli import plan_study as cli
 from megatron_ext.config_loading import ConfigError
+from megatron_ext.study.evaluation import evaluation_grids
 from megatron_ext.study.plan import plan_study, plan_to_dict
 from megatron_ext.study.spec import read_study
 
@@ -45,6 +46,11 @@ def test_the_example_branches_its_decays_off_one_trunk_and_merges_them(tmp_path)
     assert [m["name"] for m in as_dict] == ["tiny_merged_uniform_300", "tiny_merged_ties_300"]
     assert as_dict[1]["parents"] == [uk, ko] and as_dict[1]["base_step"] == 240
     json.dumps(as_dict)
+    (grid,) = evaluation_grids(plan)  # the merges are evaluated beside the runs, in their grid
+    models = grid.argv[grid.argv.index("--models") + 1:grid.argv.index("--output-dir")]
+    assert models == (*(f"{r.name}={save(r.name)}" for r in plan.runs),
+                      f"tiny_merged_uniform_300={save('tiny_merged_uniform_300')}",
+                      f"tiny_merged_ties_300={save('tiny_merged_ties_300')}")
 
 
 def _write(tmp_path: Path, **fields) -> Path:
@@ -86,10 +92,12 @@ def test_decay_runs_at_every_budget_and_the_ties_base_is_the_trunk_where_they_pa
 @pytest.mark.parametrize("fields, message", [
     ({"merges": [{"name": "m", "runs": ["mlm_40", "mlm_40_decay_c"]}]},
      r"merges\[0\]\.runs: unknown run kind\(s\) \['mlm_40_decay_c'\]; the study's: \['mlm_40', 'mlm_40_decay_a', "),
-    ({"merges": [{"name": "m", "runs": ["mlm_40", "clm"], "lambda": 2.0}]},
-     r"study\.merges\[0\]: --lambda belongs to --method ties"),
+    ({"merges": [{"name": "m", "runs": ["mlm_40", "clm"], "scale": 2.0}]},
+     r"study\.merges\[0\]: scale: TIES's settings; method 'uniform' takes none"),
     ({"merges": [{"name": "m", "runs": ["mlm_40", "clm"], "weights": [1.0]}]},
      r"study\.merges\[0\]: weights: one per run \(2\), got \[1\.0\]"),
+    ({"merges": [{"name": "m", "runs": ["mlm_40", "clm"], "method": "ties", "density": 0}]},
+     r"study\.merges\[0\]: --density 0\.0: expected a share of each task vector in \(0, 1\]"),
     ({"merges": [{"name": "m", "runs": ["mlm_40"]}]}, r"runs: give at least two run kinds"),
     ({"merges": [{"name": "m", "runs": ["mlm_40", "clm"], "budget": 5}]}, r"merges\[0\]\.budget: 5 is not one of"),
     ({"merges": [{"name": "m", "runs": ["mlm_40", "clm"], "method": "ties"}]},
