@@ -64,6 +64,7 @@ from megatron_ext.checkpoint.merge import MergeConfig
 from megatron_ext.config_loading import ConfigError, UserError, build_dataclass
 from megatron_ext.launch import Resources
 from megatron_ext.objectives import CLM, MLM, OBJECTIVES, Objective, read_objective
+from megatron_ext.phases import Phase
 from megatron_ext.training.config import SECTIONS
 
 PLANNER_KEYS = {
@@ -293,16 +294,17 @@ class Mixture:
     """A decay mixture's name, in its runs' kind (``mlm_30_decay_<name>``); the trunk has none."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.data_path, str) or not self.data_path:
-            raise ValueError(f"data_path: expected a non-empty list of prefixes, got {self.data_path!r}")
-        if self.temperature is not None and not 0.0 <= self.temperature <= 1.0:
-            raise ValueError(f"temperature: expected a number in [0, 1], got {self.temperature}")
+        try:  # a phase's rules for its blend
+            Phase(objective=MLM(mask_ratio=0.4), share=1.0, **self.phase_keys())
+        except UserError as err:
+            raise ValueError(str(err)) from None
         if self.name is not None and not _NAME.match(self.name):
             raise ValueError(f"name {self.name!r}: use letters, digits, '_', '.', '-'")
 
     def phase_keys(self) -> dict[str, Any]:
         """The keys of a phase that reads this blend."""
-        keys: dict[str, Any] = {"data_path": list(self.data_path)}
+        keys: dict[str, Any] = {"data_path": list(self.data_path) if isinstance(self.data_path, tuple)
+                                else self.data_path}
         if self.temperature is not None:
             keys["temperature"] = self.temperature
         return keys

@@ -105,6 +105,8 @@ def test_decay_runs_at_every_budget_and_the_ties_base_is_the_trunk_where_they_pa
     ({"merges": [{"name": "m", "runs": ["mlm_40", "mlm_40_decay_a", "clm_decay_a"], "method": "ties"}]},
      r"must branch off one trajectory at one step .* and 610m_clm_decay_a_22k part at step 0; "
      r"610m_mlm_40_22k and 610m_mlm_40_decay_a_22k part at step 20,000; merge those of one branch step"),
+    ({"decay_mixtures": {"trunk": {"data_path": ["/d"], "temperature": 2}, "decays": [{"name": "e", "data_path": ["/e"]}]}},
+     r"study\.decay_mixtures\.trunk: temperature: expected a number in \[0, 1\]"),
     ({"decay_mixtures": {"trunk": {"data_path": ["/d"]}, "decays": [{"data_path": ["/e"]}]}},
      r"study\.decay_mixtures: decays\[0\]: give it a name"),
     ({"overrides": {"schedule": {"lr_decay_style": "cosine"}}},

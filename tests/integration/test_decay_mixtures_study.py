@@ -88,3 +88,28 @@ def test_decay_branches_are_merged_and_evaluated_beside_their_runs(tmp_path, mul
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "nothing to run" in out and f"merge {uniform.name}: complete" in out and "submitted" not in out
+
+
+def test_a_failed_merge_is_run_again_by_the_next_command(tmp_path, capsys):
+    """Merges whose runs are not trained fail (the tool names the missing checkpoint), leave nothing,
+    and the next command runs them again."""
+    from megatron_ext.launch import launcher_class
+    from megatron_ext.study.merges import MergeStage, merge_complete
+    from megatron_ext.study.state import StudyDir
+
+    study = yaml.safe_load(EXAMPLE.read_text())
+    study["sizes"][0]["base"] = str(ROOT / "examples" / "recipes" / "base" / "tiny.yaml")
+    study["merges"] = study["merges"][:1]
+    study["output"]["save"] = str(tmp_path / "{run}")
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study))
+    plan = plan_study(read_study(path), path)
+    (merge,) = plan.merges
+    launcher = launcher_class("local")()
+    for attempt in (1, 2):
+        stage = MergeStage(plan, StudyDir(root=tmp_path / "study"), launcher)
+        assert stage.run(after=lambda run: None) == 1
+        out = capsys.readouterr().out
+        assert f"merge {merge.name}: FAILED" in out and "tiny_mlm_30_decay_uk_300" in out
+        assert not merge_complete(merge) and not Path(merge.save).exists()
+        assert (tmp_path / "study" / "logs" / "merges" / f"{merge.name}.log").read_text().count("=== ") == attempt
