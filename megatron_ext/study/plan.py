@@ -24,6 +24,12 @@ rate is at step 10,001) and branches at 10,000, where its decay begins; a 25/75 
 branches off the CLM run where its MLM phase begins. A parent saves, and keeps, every step a
 child branches from.
 
+**Decay mixtures and merges.** With ``decay_mixtures`` every from-scratch run is planned on the
+trunk blend and again per decay mixture, its phases cut at its WSD decay start (:func:`decay_phases`):
+a decay run is its trunk run up to there, so it branches off the trunk where its decay begins. A
+merge (``merges``) is no segment: a :class:`PlannedMerge` of its runs' final checkpoints, whose TIES
+base is the checkpoint where those runs part (a step their owner saves and keeps).
+
 **Recipes of the tree.** Once placed, each run's recipe says where its segment starts: a branch
 ``checkpoint.branch_from`` (its parent's ``checkpoint.save``) and ``checkpoint.branch_step``, a
 parent ``checkpoint.keep_steps`` (its segment's ``saves``). Trained one after another, parents

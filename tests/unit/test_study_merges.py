@@ -12,6 +12,8 @@ import yaml
 
 from megatron_ext.cli import plan_study as cli
 from megatron_ext.config_loading import ConfigError
+from megatron_ext.performance import cost
+from megatron_ext.study.cost import evaluation_cost
 from megatron_ext.study.evaluation import evaluation_grids
 from megatron_ext.study.plan import plan_study, plan_to_dict
 from megatron_ext.study.spec import read_study
@@ -51,6 +53,8 @@ def test_the_example_branches_its_decays_off_one_trunk_and_merges_them(tmp_path)
     assert models == (*(f"{r.name}={save(r.name)}" for r in plan.runs),
                       f"tiny_merged_uniform_300={save('tiny_merged_uniform_300')}",
                       f"tiny_merged_ties_300={save('tiny_merged_ties_300')}")
+    # and priced: 5 models x 2 tasks x 3 LRs x 2 seeds
+    assert evaluation_cost(plan, speeds=cost.SpeedTable(kind=cost.CPU)).runs == 60
 
 
 def _write(tmp_path: Path, **fields) -> Path:
