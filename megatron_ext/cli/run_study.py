@@ -32,6 +32,11 @@ every run from scratch, the evaluation, the whole study; megatron_ext/study/cost
 trains, the progress lines give the study's ETA from the same estimate, corrected by the measured
 time of the segments already trained.
 
+Then the study's merges: (when it has any; not with --only): each merged model one CPU job of
+python -m megatron_ext.cli.merge_checkpoints after the jobs of its runs still queued, logs in
+<study dir>/logs/merges/; a merge is complete when its save holds merge.json and a checkpoint, and
+a rerun submits a failed one again (megatron_ext/study/merges.py).
+
 Then the study's evaluation: section (when it has one; not with --only or --train-only): one job
 per grid (the study's runs, each reference model) of python -m megatron_ext.cli.evaluate with
 evaluation.workers copies sharing it (local: processes here; slurm: a job array), after the
@@ -87,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ext.study.state import StudyDir, select_runs, write_plan
     from megatron_ext.study.plan import plan_study
     from megatron_ext.study.spec import read_study
+    from megatron_ext.study.merges import MergeStage
     from megatron_ext.study.tree import TreeScheduler
 
     plan = plan_study(read_study(args.study), args.study)
@@ -99,8 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = TreeScheduler(plan, study_dir, selected, launcher,
                               estimate_seconds=lambda segments: seconds_left(plan, segments, gpus=args.gpus))
 
+    merges = MergeStage(plan, study_dir, launcher) if plan.merges and not args.only else None
     if args.dry_run:
         code = scheduler.run(dry_run=True)
+        if merges is not None:
+            print("would merge (after the jobs of their runs):", flush=True)
+            merges.run(after=scheduler.live_job, dry_run=True)
         report_study_cost(plan, args)
         return code
     if args.budget_gpu_hours is not None:  # refused before anything is written or started
@@ -110,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {study_dir.plan_json} and {len(plan.runs)} recipes", flush=True)
         started = time.perf_counter()
         code = scheduler.run(dry_run=False)
+        if merges is not None and code == 0:
+            code = merges.run(after=scheduler.live_job)
         if args.only or args.train_only or plan.study.evaluation is None:
             return code
         if code != 0:
@@ -125,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"training: every run complete ({time.perf_counter() - started:.0f} s)", flush=True)
         from megatron_ext.study.evaluation import EvaluationStage
 
-        return EvaluationStage(plan, study_dir, launcher).run(after=scheduler.live_jobs())
+        after = scheduler.live_jobs() + (merges.live_jobs() if merges is not None else [])
+        return EvaluationStage(plan, study_dir, launcher).run(after=after)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,7 @@ def evaluation_cost(plan, *, speeds: SpeedTable, calibrated: dict[tuple[str, str
     for size in plan.study.sizes:
         runs = [r for r in plan.runs if r.size == size.name]
         checkpoints = sum(1 + (len(plan.segment(r.name).saves) if r.kind in spec.all_checkpoints else 0) for r in runs)
+        checkpoints += sum(1 for merge in plan.merges if merge.size == size.name)  # evaluated beside the runs
         config = costed_config(runs[0], speeds.notice)
         for family in sorted({f for _, f, _ in families}):
             count = sum((1 if zero else len(spec.lrs or PAPER_LR_GRID) * seeds) for _, f, zero in families if f == family)
@@ -314,6 +315,9 @@ def format_study_cost(plan, cost: StudyCost) -> str:
         for item in evaluation.items:
             each = "?" if math.isnan(item.seconds) else f"{item.seconds:,.0f} s"
             out.append(f"    {item.what:<28}{item.runs:>7,} runs x {each:>8}  [{item.source}]")
+    if plan.merges:
+        out.append(f"  merges: {len(plan.merges)} job(s) of one CPU process after their runs (seconds to minutes "
+                   "each: the parents' weights read and averaged once), not counted")
     total = cost.total_gpu_hours
     line = f"  whole study: {_gh(total)} GPU-hours"
     if cost.sequential_s is not None and (evaluation is None or not math.isnan(evaluation.wall_s)):

@@ -91,6 +91,7 @@ def evaluation_grids(plan: StudyPlan, *, resolve_references: bool = True) -> lis
     for run in plan.runs:
         every = "@all" if run.kind in spec.all_checkpoints else ""
         models.append(f"{run.name}={run.recipe['checkpoint']['save']}{every}")
+    models += [f"{merge.name}={merge.save}" for merge in plan.merges]  # beside their runs (other models)
     grids = [EvaluationGrid(name="runs", output_dir=root,
                             argv=("--models", *models, "--output-dir", str(root),
                                   *evaluation_settings(spec, spec.lrs)))]

@@ -24,6 +24,12 @@ rate is at step 10,001) and branches at 10,000, where its decay begins; a 25/75 
 branches off the CLM run where its MLM phase begins. A parent saves, and keeps, every step a
 child branches from.
 
+**Decay mixtures and merges.** With ``decay_mixtures`` every from-scratch run is planned on the
+trunk blend and again per decay mixture, its phases cut at its WSD decay start (:func:`decay_phases`):
+a decay run is its trunk run up to there, so it branches off the trunk where its decay begins. A
+merge (``merges``) is no segment: a :class:`PlannedMerge` of its runs' final checkpoints, whose TIES
+base is the checkpoint where those runs part (a step their owner saves and keeps).
+
 **Recipes of the tree.** Once placed, each run's recipe says where its segment starts: a branch
 ``checkpoint.branch_from`` (its parent's ``checkpoint.save``) and ``checkpoint.branch_step``, a
 parent ``checkpoint.keep_steps`` (its segment's ``saves``). Trained one after another, parents
@@ -38,8 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_ext.config_loading import ConfigError, UserError
-from megatron_ext.study.spec import Study, steps_label
+from megatron_ext.config_loading import ConfigError, UserError, build_dataclass
+from megatron_ext.phases import Phase, resolve_phases
+from megatron_ext.schedule import LRScheduleConfig
+from megatron_ext.study.spec import MergeSpec, Mixture, Study, steps_label
 from megatron_ext.training.branching import shared_steps
 from megatron_ext.training.config import RunConfig, TrainingConfig
 from megatron_ext.training.preflight import Caller, preflight
@@ -109,6 +117,44 @@ class Segment:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PlannedMerge:
+    """One merged model of a study: ``tools/merge_checkpoints.py`` over the final checkpoints of
+    ``parents`` once they are trained."""
+
+    name: str
+    """``{size}_{merge}_{budget}`` with the parents' seed and isolation suffixes (``_s<seed>``, ``_iso``)."""
+    size: str
+    seed: int
+    spec: MergeSpec
+    """The study's ``merges`` entry (method, weights, density, lambda)."""
+    parents: tuple[str, ...]
+    """The runs merged, in the entry's order."""
+    parent_saves: tuple[str, ...]
+    """Their ``checkpoint.save`` (the tool takes a save directory's newest checkpoint: the final)."""
+    save: str
+    """The merged model's save directory (``output.save`` with ``{run}`` = ``name``)."""
+    base_run: str | None = None
+    """TIES: the run that trains the parents' last shared step (it saves and keeps that step)."""
+    base_step: int | None = None
+    """TIES: the step where the parents part (their branch step)."""
+    base: str | None = None
+    """TIES: ``--base``, the checkpoint of ``base_run`` at ``base_step``."""
+
+    def args(self) -> list[str]:
+        """``merge_checkpoints.py``'s arguments."""
+        spec = self.spec
+        args = ["--method", spec.method, *self.parent_saves, "--out", self.save]
+        if self.base is not None:
+            args += ["--base", self.base]
+        for flag, value in (("--density", spec.density), ("--lambda", spec.scale)):
+            if value is not None:
+                args += [flag, str(value)]
+        if spec.weights is not None:
+            args += ["--weights", *(str(w) for w in spec.weights)]
+        return args
+
+
+@dataclass(frozen=True, kw_only=True)
 class StudyPlan:
     """The runs of a study and the tree of segments that trains them."""
 
@@ -120,6 +166,8 @@ class StudyPlan:
     continued pretraining."""
     segments: tuple[Segment, ...]
     """One per run, in the order of ``runs``."""
+    merges: tuple[PlannedMerge, ...] = ()
+    """Merged models, per size and seed (and isolation setting), in the order of ``study.merges``."""
 
     def run(self, name: str) -> PlannedRun:
         return next(r for r in self.runs if r.name == name)
@@ -199,18 +247,54 @@ def _base_recipe(study: Study, path: Path, index: int) -> dict[str, Any]:
     return deep_merge(base, study.overrides) if study.overrides else base
 
 
-def expand_runs(study: Study, path: str | Path) -> list[PlannedRun]:
-    """Every run of ``study`` (read from ``path``; base recipes are relative to it), validated."""
+def run_name(*, size: str, kind: str, steps: int, seed: int, base_seed: int, isolated: bool | None) -> str:
+    """``{size}_{kind}_{steps}``, ``_s<seed>`` at a seed other than the base's, ``_iso`` when isolated."""
+    return (f"{size}_{kind}_{steps_label(steps)}" + (f"_s{seed}" if seed != base_seed else "")
+            + ("_iso" if isolated else ""))
+
+
+def decay_phases(phases: list[dict], *, recipe: dict[str, Any], steps: int, trunk: Mixture, decay: Mixture,
+                 where: str) -> list[dict]:
+    """``phases`` of a run of ``steps`` steps as step counts, cut at the start of the WSD decay
+    (``recipe``'s schedule): ``trunk``'s data before it, ``decay``'s from it."""
+    try:
+        schedule = build_dataclass(LRScheduleConfig, recipe.get("schedule") or {}, "schedule")
+        resolved = resolve_phases([Phase.from_config(p, f"phases[{i}]") for i, p in enumerate(phases)], steps)
+    except UserError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    if schedule.lr_decay_style != "wsd":
+        raise ConfigError(f"{where}: decay_mixtures needs schedule.lr_decay_style: wsd (a decay of its own at the "
+                          f"end of the run), got {schedule.lr_decay_style!r}")
+    start = steps - schedule.lr_wsd_decay_iters
+    if start < 1:
+        raise ConfigError(f"{where}: schedule.lr_wsd_decay_iters {schedule.lr_wsd_decay_iters} leaves no steps "
+                          f"before the decay of a {steps}-step run")
+    cut = []
+    for phase, placed in zip(phases, resolved):
+        steady = {key: value for key, value in phase.items() if key != "share"}
+        for begin, end, mixture in ((placed.start, min(placed.end, start), trunk),
+                                    (max(placed.start, start), placed.end, decay)):
+            if end > begin:
+                piece = {**steady, "steps": end - begin, **mixture.phase_keys()}
+                if begin > placed.start:  # the decay continues the phase: no second warmup
+                    piece.pop("restart_warmup", None)
+                cut.append(piece)
+    return cut
+
+
+def expand_runs(study: Study, path: str | Path) -> tuple[list[PlannedRun], list[PlannedMerge]]:
+    """Every run of ``study`` (read from ``path``; base recipes are relative to it), validated, and
+    its merges (their TIES base not yet placed: :func:`plan_study`)."""
     path = Path(path)
     runs: list[PlannedRun] = []
+    merges: list[PlannedMerge] = []
     names: set[str] = set()
 
     def add(*, size: str, seed: int, base_seed: int, kind: str, steps: int, base: dict, phases: list,
             source: PlannedRun | None = None, overrides: dict | None = None, isolated: bool | None = None
             ) -> PlannedRun:
         if source is None:
-            name = (f"{size}_{kind}_{steps_label(steps)}" + (f"_s{seed}" if seed != base_seed else "")
-                    + ("_iso" if isolated else ""))
+            name = run_name(size=size, kind=kind, steps=steps, seed=seed, base_seed=base_seed, isolated=isolated)
         else:
             name = f"{source.name}_{kind}_{steps_label(steps)}"
         if name in names:
@@ -232,6 +316,18 @@ def expand_runs(study: Study, path: str | Path) -> list[PlannedRun]:
         runs.append(run)
         return run
 
+    def add_scratch(*, kind: str, steps: int, phases: list, **common) -> None:
+        """The run of ``kind``, and with decay mixtures, the same on the trunk blend and per decay mixture."""
+        mixtures = study.decay_mixtures
+        if mixtures is None:
+            scratch[kind, steps] = add(**common, kind=kind, steps=steps, phases=phases)
+            return
+        for decay in (mixtures.trunk, *mixtures.decays):
+            variant = kind if decay is mixtures.trunk else mixtures.decay_kind(kind, decay)
+            where = f"{path}: run {run_name(kind=variant, steps=steps, **naming)}"
+            scratch[variant, steps] = add(**common, kind=variant, steps=steps, phases=decay_phases(
+                phases, recipe=common["base"], steps=steps, trunk=mixtures.trunk, decay=decay, where=where))
+
     for index, size in enumerate(study.sizes):
         base = _base_recipe(study, path, index)
         base_seed = (base.get("training") or {}).get("seed", TrainingConfig.__dataclass_fields__["seed"].default)
@@ -240,23 +336,33 @@ def expand_runs(study: Study, path: str | Path) -> list[PlannedRun]:
             scratch: dict[tuple[str, int], PlannedRun] = {}
             axis_base = base if isolated is None else deep_merge(base, {"data": {"reset_attention_mask": isolated}})
             common = dict(size=size.name, seed=seed, base_seed=base_seed, base=axis_base, isolated=isolated)
+            naming = dict(size=size.name, seed=seed, base_seed=base_seed, isolated=isolated)
             for objective in study.objectives:
                 for budget in study.budgets:
-                    scratch[objective.kind, budget] = add(**common, kind=objective.kind, steps=budget,
-                                                          phases=objective.phases())
+                    add_scratch(**common, kind=objective.kind, steps=budget, phases=objective.phases())
             if study.biphasic is not None:
                 for share in study.biphasic.clm_shares:
-                    kind = study.biphasic.kind(share)
                     for budget in study.budgets:
-                        scratch[kind, budget] = add(**common, kind=kind, steps=budget,
-                                                    phases=study.biphasic.phases(share))
+                        add_scratch(**common, kind=study.biphasic.kind(share), steps=budget,
+                                    phases=study.biphasic.phases(share))
             if study.cpt is not None:
                 for source_kind in study.cpt.sources:
                     source = scratch[source_kind, study.cpt_source_budget]
                     for continuation in study.cpt.continuations:
                         add(**common, kind=study.cpt.kind, steps=continuation.steps, phases=study.cpt.phases(),
                             source=source, overrides=continuation.overrides)
-    return runs
+            for merge in study.merges:
+                budget = study.merge_budget(merge)
+                name = run_name(kind=merge.name, steps=budget, **naming)
+                if name in names:
+                    raise ConfigError(f"{path}: merge {merge.name} and a run are both named {name}")
+                names.add(name)
+                parents = tuple(scratch[kind, budget] for kind in merge.runs)
+                merges.append(PlannedMerge(
+                    name=name, size=size.name, seed=seed, spec=merge, parents=tuple(p.name for p in parents),
+                    parent_saves=tuple(p.recipe["checkpoint"]["save"] for p in parents),
+                    save=study.output.render("save", study=study.name, run=name, size=size.name, seed=seed)))
+    return runs, merges
 
 
 def _validated(recipe: dict[str, Any], path: Path, name: str) -> RunConfig:
@@ -313,7 +419,7 @@ def _owner(segments: dict[str, Segment], name: str, step: int) -> str:
 def plan_study(study: Study, path: str | Path) -> StudyPlan:
     """Expand ``study`` and arrange its runs as a tree of segments (module docstring)."""
     path = Path(path)
-    runs = expand_runs(study, path)
+    runs, merges = expand_runs(study, path)
     by_name = {r.name: r for r in runs}
     # Longest first, then study order; a continued pretraining after every run it may start from.
     order = sorted(runs, key=lambda r: (r.source is not None, -r.train_iters))
@@ -345,11 +451,41 @@ def plan_study(study: Study, path: str | Path) -> StudyPlan:
     for segment in segments.values():
         if segment.parent is not None:
             saves[segment.parent].add(segment.branch_step)
+    merges = [_with_base(merge, by_name, segments, path) if merge.spec.method == "ties" else merge
+              for merge in merges]
+    for merge in merges:
+        if merge.base_run is not None:
+            saves[merge.base_run].add(merge.base_step)
     tree = [dataclasses.replace(segments[r.name], saves=tuple(sorted(saves[r.name]))) for r in runs]
     return StudyPlan(
-        study=study, path=path, segments=tuple(tree),
+        study=study, path=path, segments=tuple(tree), merges=tuple(merges),
         runs=tuple(_in_the_tree(run, segment, by_name.get(segment.parent), path) for run, segment in zip(runs, tree)),
     )
+
+
+def _with_base(merge: PlannedMerge, runs: dict[str, PlannedRun], segments: dict[str, Segment],
+               path: Path) -> PlannedMerge:
+    """A TIES merge with its base: the checkpoint at the step where its parents part, each pair at the
+    same step (the last schedule point they share, where the tree branches them: a decay start)."""
+    parts: dict[int, tuple[str, str]] = {}
+    for i, a in enumerate(merge.parents):
+        for b in merge.parents[i + 1:]:
+            shared = shared_steps(runs[a].config, runs[b].config)
+            step = min(max(p for p in schedule_points(runs[name].config) if p <= shared) for name in (a, b))
+            parts.setdefault(step, (a, b))
+    where = f"{path}: merges {merge.spec.name} ({merge.name}), method ties"
+    if len(parts) > 1:
+        found = "; ".join(f"{a} and {b} part at step {step:,}" for step, (a, b) in sorted(parts.items()))
+        raise ConfigError(f"{where}: its runs must branch off one trajectory at one step (the base is the "
+                          f"checkpoint there), but {found}; merge those of one branch step, or use method uniform")
+    (step,) = parts
+    if step == 0:
+        raise ConfigError(f"{where}: its runs share no steps, so no checkpoint is their common base; "
+                          "merge runs branched off one trunk, or use method uniform")
+    owner = _owner(segments, merge.parents[0], step)
+    save = runs[owner].recipe["checkpoint"]["save"]
+    return dataclasses.replace(merge, base_run=owner, base_step=step,
+                               base=str(Path(save) / f"iter_{step:07d}"))  # the writer's checkpoint name
 
 
 def plan_to_dict(plan: StudyPlan) -> dict[str, Any]:
@@ -361,6 +497,9 @@ def plan_to_dict(plan: StudyPlan) -> dict[str, Any]:
                   "train_iters": r.train_iters, "tokens_per_step": r.tokens_per_step, "recipe": r.recipe}
                  for r in plan.runs],
         "segments": [dataclasses.asdict(s) for s in plan.segments],
+        "merges": [{"name": m.name, "size": m.size, "seed": m.seed, "method": m.spec.method, "parents": list(m.parents),
+                    "save": m.save, "base_run": m.base_run, "base_step": m.base_step, "args": m.args()}
+                   for m in plan.merges],
         "totals": {"steps_separate": plan.steps_separate, "steps_tree": plan.steps_tree,
                    "tokens_separate": plan.tokens_separate, "tokens_tree": plan.tokens_tree},
     }

@@ -45,6 +45,23 @@ def tree_rows(plan: StudyPlan) -> list[tuple[str, Segment]]:
     return rows
 
 
+def merge_rows(plan: StudyPlan) -> list[str]:
+    """The merges, each with its parents, base and command (none: no lines)."""
+    if not plan.merges:
+        return []
+    out = ["", "merges: a model merged from the final checkpoints of its runs by tools/merge_checkpoints.py (CPU,",
+           "seconds to minutes), run once they are trained; ties against the checkpoint where its runs part"]
+    for merge in plan.merges:
+        spec = merge.spec
+        how = spec.method if spec.method == "uniform" else (
+            f"ties (density {spec.config().density:g}, lambda {spec.config().scale:g})")
+        weights = "" if spec.weights is None else " weights " + " ".join(f"{w:g}" for w in spec.weights)
+        against = "" if merge.base_run is None else f", base {merge.base_run} at {_n(merge.base_step)}"
+        out += [f"  {merge.name}: {how} of {', '.join(merge.parents)}{weights}{against}",
+                f"    merge_checkpoints.py {' '.join(merge.args())}"]
+    return out
+
+
 def format_plan(plan: StudyPlan) -> str:
     """What ``plan_study.py --dry-run`` prints."""
     sizes = ", ".join(s.name for s in plan.study.sizes)
@@ -71,6 +88,8 @@ def format_plan(plan: StudyPlan) -> str:
     for run in plan.runs:
         out.append(f"  {run.name:<{width}}{run.train_iters:>9,}{plan.segment(run.name).steps:>13,}")
     out.append(f"  {'total':<{width}}{plan.steps_separate:>9,}{plan.steps_tree:>13,}")
+
+    out += merge_rows(plan)
 
     saved_steps = plan.steps_separate - plan.steps_tree
     per_step = sorted({r.tokens_per_step for r in plan.runs})

@@ -19,6 +19,11 @@ A YAML mapping (``examples/studies/``)::
       continuations:
         - {steps: 2000, overrides: {schedule: {lr_warmup_iters: 200, lr_wsd_decay_iters: 200}}}
         - {steps: 12000}
+    decay_mixtures:                       # decay branches: each from-scratch run on the trunk blend,
+      trunk: {data_path: [/data/en, /data/de], temperature: 0.7}   # and again per mixture in its WSD decay
+      decays: [{name: en, data_path: [/data/en]}, {name: de, data_path: [/data/de], temperature: 0.3}]
+    merges:                               # merged models of final checkpoints (tools/merge_checkpoints.py)
+      - {name: merged, runs: [mlm_40_decay_en, mlm_40_decay_de], method: ties, density: 0.2, scale: 1.0}
     seeds: [1234]                         # default: each base recipe's training.seed
     reset_attention_mask: [false, true]   # an axis: each run across documents and isolated (_iso)
     overrides: {data: {data_path: [/data/fineweb_edu_text_document]}}   # over every run
@@ -55,9 +60,11 @@ from typing import Any
 
 import yaml
 
-from megatron_ext.config_loading import ConfigError, build_dataclass
+from megatron_ext.checkpoint.merge import MergeConfig
+from megatron_ext.config_loading import ConfigError, UserError, build_dataclass
 from megatron_ext.launch import Resources
 from megatron_ext.objectives import CLM, MLM, OBJECTIVES, Objective, read_objective
+from megatron_ext.phases import Phase
 from megatron_ext.training.config import SECTIONS
 
 PLANNER_KEYS = {
@@ -275,6 +282,106 @@ class CptSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Mixture:
+    """A training blend of a phase (``phases[i].data_path`` and ``temperature``, read as each
+    source's stream: ``training.mixtures``)."""
+
+    data_path: tuple[str, ...]
+    """Prefixes, or Megatron's ``weight prefix`` pairs (``data.data_path``'s forms)."""
+    temperature: float | None = None
+    """Sampling temperature tau in [0, 1] (``phases[i].temperature``); None: 1, shares by size."""
+    name: str | None = None
+    """A decay mixture's name, in its runs' kind (``mlm_30_decay_<name>``); the trunk has none."""
+
+    def __post_init__(self) -> None:
+        try:  # a phase's rules for its blend
+            Phase(objective=MLM(mask_ratio=0.4), share=1.0, **self.phase_keys())
+        except UserError as err:
+            raise ValueError(str(err)) from None
+        if self.name is not None and not _NAME.match(self.name):
+            raise ValueError(f"name {self.name!r}: use letters, digits, '_', '.', '-'")
+
+    def phase_keys(self) -> dict[str, Any]:
+        """The keys of a phase that reads this blend."""
+        keys: dict[str, Any] = {"data_path": list(self.data_path) if isinstance(self.data_path, tuple)
+                                else self.data_path}
+        if self.temperature is not None:
+            keys["temperature"] = self.temperature
+        return keys
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecayMixturesSpec:
+    """Decay branches: every from-scratch run reads ``trunk`` from step 0, and is trained again per
+    mixture of ``decays`` with its WSD decay (its last ``schedule.lr_wsd_decay_iters`` steps) on
+    that mixture instead. The decay is a phase of its own in all of them (a phase that spans it is
+    cut at the decay start), so a decay run is its trunk run up to there and the plan branches it
+    off the trunk where its decay starts: one trunk, one decay segment per mixture."""
+
+    trunk: Mixture
+    """What every run reads before its decay, and the trunk runs through their decay too."""
+    decays: tuple[Mixture, ...]
+    """The decay mixtures, each named: one run per mixture and from-scratch run, kind
+    ``<kind>_decay_<name>``."""
+
+    def __post_init__(self) -> None:
+        if self.trunk.name is not None:
+            raise ValueError("trunk.name: the trunk runs keep their kind's name; remove it")
+        if not self.decays:
+            raise ValueError("decays: give at least one decay mixture")
+        for i, mixture in enumerate(self.decays):
+            if mixture.name is None:
+                raise ValueError(f"decays[{i}]: give it a name (its runs' kind is <kind>_decay_<name>)")
+        _unique([m.name for m in self.decays], "decays[*].name")
+
+    @staticmethod
+    def decay_kind(kind: str, mixture: Mixture) -> str:
+        return f"{kind}_decay_{mixture.name}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergeSpec:
+    """One merged model per size, seed and isolation setting: the final checkpoints of runs of the
+    study merged by ``tools/merge_checkpoints.py`` (``megatron_ext.checkpoint.merge``), evaluated
+    beside them."""
+
+    name: str
+    """The merge's name: its model is ``{size}_{name}_{budget}`` (with the runs' seed and ``_iso``)."""
+    runs: tuple[str, ...]
+    """Kinds of the from-scratch runs merged (at least two), e.g. the decay kinds ``mlm_30_decay_en``."""
+    method: str = "uniform"
+    """``uniform`` (the weighted average) or ``ties`` (TIES against the checkpoint the runs branched
+    from: the plan finds it, and refuses runs that do not branch off one trajectory at one step)."""
+    budget: int | None = None
+    """Which budget of the runs is merged (one of ``budgets``; default: the largest)."""
+    weights: tuple[float, ...] | None = None
+    """One per run (``--weights``); None: equal."""
+    density: float | None = None
+    """TIES: the share of each run's change kept (``--density``; None: the tool's 0.2)."""
+    scale: float | None = None
+    """TIES: lambda, the merged change's scale (``--lambda``; None: the tool's 1.0)."""
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(f"name {self.name!r}: use letters, digits, '_', '.', '-'")
+        if len(self.runs) < 2:
+            raise ValueError(f"runs: give at least two run kinds to merge, got {list(self.runs)}")
+        _unique(list(self.runs), "runs")
+        if self.weights is not None and len(self.weights) != len(self.runs):
+            raise ValueError(f"weights: one per run ({len(self.runs)}), got {list(self.weights)}")
+        given = [key for key in ("density", "scale") if getattr(self, key) is not None]
+        if self.method != "ties" and given:
+            raise ValueError(f"{' and '.join(given)}: TIES's settings; method {self.method!r} takes none")
+        try:  # the tool's own rules (its flags: --density is density, --lambda scale)
+            self.config()
+        except UserError as err:
+            raise ValueError(str(err)) from None
+
+    def config(self) -> MergeConfig:
+        return MergeConfig(method=self.method, weights=self.weights, density=self.density, scale=self.scale)
+
+
+@dataclass(frozen=True, kw_only=True)
 class OutputSpec:
     """Where each run writes, as templates over ``{study}``, ``{run}``, ``{size}``, ``{seed}``."""
 
@@ -394,6 +501,10 @@ class Study:
     """CLM then MLM (or another bidirectional objective) runs from scratch."""
     cpt: CptSpec | None = None
     """Continued pretraining from runs of the study."""
+    decay_mixtures: DecayMixturesSpec | None = None
+    """Decay branches: every from-scratch run on a trunk blend, and again per decay mixture."""
+    merges: tuple[MergeSpec, ...] = ()
+    """Models merged from the final checkpoints of runs of the study."""
     seeds: tuple[int, ...] = ()
     """``training.seed`` of every run; empty: each base recipe's seed. Runs at a seed other than
     the base's get ``_s<seed>`` in their name."""
@@ -433,6 +544,13 @@ class Study:
         if not self.objectives and self.biphasic is None:
             raise ValueError("no runs: give objectives and/or biphasic")
         check_overrides(self.overrides, "overrides")
+        _unique([m.name for m in self.merges], "merges[*].name")
+        for i, merge in enumerate(self.merges):
+            unknown = [k for k in merge.runs if k not in self.scratch_kinds()]
+            if unknown:
+                raise ValueError(f"merges[{i}].runs: unknown run kind(s) {unknown}; the study's: {self.scratch_kinds()}")
+            if merge.budget is not None and merge.budget not in self.budgets:
+                raise ValueError(f"merges[{i}].budget: {merge.budget} is not one of budgets {list(self.budgets)}")
         if self.cpt is not None:
             kinds = self.scratch_kinds()
             unknown = [s for s in self.cpt.sources if s not in kinds]
@@ -452,7 +570,13 @@ class Study:
         kinds = [o.kind for o in self.objectives]
         if self.biphasic is not None:
             kinds += [self.biphasic.kind(s) for s in self.biphasic.clm_shares]
+        if self.decay_mixtures is not None:
+            kinds = [k for kind in kinds
+                     for k in (kind, *(self.decay_mixtures.decay_kind(kind, m) for m in self.decay_mixtures.decays))]
         return kinds
+
+    def merge_budget(self, merge: MergeSpec) -> int:
+        return max(self.budgets) if merge.budget is None else merge.budget
 
     @property
     def cpt_source_budget(self) -> int:

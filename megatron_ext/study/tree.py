@@ -176,6 +176,11 @@ class TreeScheduler(JobEvents):
     def table(self, states: dict[str, SegmentState]) -> str:
         return format_status(self.plan, self.study_dir, states, selected=self.selected, launcher=self.launcher.name)
 
+    def live_job(self, run: str) -> str | None:
+        """``run``'s newest job while it is pending or running (at the last look), else None."""
+        state = self.job_states.get(run)
+        return self.job_ids[run] if state is not None and state.live else None
+
     def live_jobs(self) -> list[str]:
         """The jobs of the selected segments still pending or running (at the last look)."""
         return [self.job_ids[s.run] for s in self.order if s.run in self.job_states and self.job_states[s.run].live]
