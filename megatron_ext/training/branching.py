@@ -127,12 +127,12 @@ def first_divergence(a: RunConfig, b: RunConfig, *,
     ta, tb = a.training.train_iters, b.training.train_iters
     if data_order is not None and ta != tb and (order_a := data_order(a)) != (order_b := data_order(b)):
         return Divergence(step=0, reason=f"sample order at train_iters {ta} ({order_a!r}) vs {tb} ({order_b!r})")
-    if (change := first_context_change(a.phase_contexts, b.phase_contexts, micro_batches=True)) is not None:
-        step, reason = change
-        return Divergence(step=step, reason=reason)
+    # The steps before the first context change (length, batch, RoPE base, data) are compared one by
+    # one: an objective or a learning rate that differs earlier is the first divergence.
+    change = first_context_change(a.phase_contexts, b.phase_contexts, micro_batches=True)
     pa, pb = a.resolved_phases, b.resolved_phases
     ia = ib = 0
-    for step in range(min(ta, tb)):
+    for step in range(min(ta, tb) if change is None else change[0]):
         while pa[ia].end <= step:
             ia += 1
         while pb[ib].end <= step:
@@ -145,7 +145,7 @@ def first_divergence(a: RunConfig, b: RunConfig, *,
         if lr_a != lr_b:
             return Divergence(step=step, reason=f"step {step}: learning rate {lr_a!r} ({_describe_schedule(a)}) "
                                                 f"vs {lr_b!r} ({_describe_schedule(b)})")
-    return None
+    return None if change is None else Divergence(step=change[0], reason=change[1])
 
 
 def shared_steps(a: RunConfig, b: RunConfig, **kwargs) -> int:
