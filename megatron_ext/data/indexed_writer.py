@@ -1,0 +1,156 @@
+"""A Megatron-Core ``.bin``/``.idx`` writer whose memory does not grow with the document count.
+
+Megatron's ``IndexedDatasetBuilder`` keeps every sequence length and document boundary in Python
+lists until ``finalize`` (~80 bytes a document while writing, more at the final write: hundreds of
+GB for the billions of documents of a 10 TB corpus). This writer appends them to two side files as
+it goes (``<idx>.lengths``, ``<idx>.documents``, a bounded buffer in memory) and streams the index
+from them at :meth:`IndexedWriter.finalize`, block by block. The bytes are Megatron's (tested equal
+with its builder): header, version 1, dtype code, counts, ``int32`` sequence lengths, ``int64``
+sequence pointers (bytes before each sequence), ``int64`` document starts (0 first, the sequence
+count last).
+
+:func:`merge_indexed` concatenates finished pairs into one through the same writer: the ``.bin``
+files copied, the index arrays read and shifted block by block (memory mapped).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from megatron_ext.config_loading import UserError
+from megatron_ext.data.index_checks import INDEX_ARRAYS_OFFSET, INDEX_HEADER, read_index_header
+
+BLOCK = 1 << 20
+"""Entries buffered, and streamed, per block (4-8 MB): the writer's whole memory."""
+
+
+def _dtype_code(dtype: np.dtype) -> int:
+    from megatron.core.datasets.indexed_dataset import DType
+
+    return DType.code_from_dtype(np.dtype(dtype).type)
+
+
+class IndexedWriter:
+    """Writes ``bin_path`` as documents come and ``idx_path`` at :meth:`finalize`; the side files
+    beside ``idx_path`` are removed by :meth:`finalize` and :meth:`close`."""
+
+    def __init__(self, bin_path: str, idx_path: str, dtype) -> None:
+        self.dtype = np.dtype(dtype)
+        self.idx_path = idx_path
+        self.side_paths = (idx_path + ".lengths", idx_path + ".documents")
+        self.data_file = open(bin_path, "wb")
+        self._lengths_file = open(self.side_paths[0], "wb")
+        self._documents_file = open(self.side_paths[1], "wb")
+        self._lengths: list[np.ndarray] = []
+        self._documents: list[int] = []
+        self._buffered = 0
+        self.sequences = 0
+        """Sequences written so far."""
+        self.documents = 0
+        """Documents written so far."""
+
+    def add_document(self, ids: np.ndarray, lengths: Sequence[int]) -> None:
+        """One document: its tokens and its sequences' lengths (one per sentence, or one)."""
+        self.data_file.write(np.asarray(ids, dtype=self.dtype).tobytes(order="C"))
+        self._lengths.append(np.asarray(lengths, dtype=np.int32))
+        self.sequences += len(lengths)
+        self.documents += 1
+        self._documents.append(self.sequences)
+        self._buffered += len(lengths) + 1
+        if self._buffered >= BLOCK:
+            self._flush()
+
+    def add_index(self, lengths: np.ndarray, document_ends: np.ndarray) -> None:
+        """Many documents whose tokens were written to :attr:`data_file` by the caller: their
+        sequence lengths and each one's end (in sequences, counted from the first of ``lengths``)."""
+        self._flush()
+        self._lengths_file.write(np.asarray(lengths, dtype=np.int32).tobytes())
+        self._documents_file.write((np.asarray(document_ends, dtype=np.int64) + self.sequences).tobytes())
+        self.sequences += len(lengths)
+        self.documents += len(document_ends)
+
+    def _flush(self) -> None:
+        if self._lengths:
+            self._lengths_file.write(np.concatenate(self._lengths).tobytes())
+        self._documents_file.write(np.asarray(self._documents, dtype=np.int64).tobytes())
+        self._lengths, self._documents, self._buffered = [], [], 0
+
+    def finalize(self) -> None:
+        """Close the ``.bin`` and write the ``.idx``, streaming the side files."""
+        self._flush()
+        for f in (self.data_file, self._lengths_file, self._documents_file):
+            f.close()
+        itemsize = self.dtype.itemsize
+        with open(self.idx_path, "wb") as out:
+            out.write(INDEX_HEADER + struct.pack("<QBQQ", 1, _dtype_code(self.dtype), self.sequences, self.documents + 1))
+            with open(self.side_paths[0], "rb") as f:
+                shutil.copyfileobj(f, out, BLOCK * 4)
+            start = 0
+            for lengths in _blocks(self.side_paths[0], np.int32):
+                ends = np.cumsum(lengths, dtype=np.int64) * itemsize + start
+                out.write(np.concatenate([[start], ends[:-1]]).astype(np.int64).tobytes())
+                start = int(ends[-1])
+            out.write(np.zeros(1, dtype=np.int64).tobytes())
+            with open(self.side_paths[1], "rb") as f:
+                shutil.copyfileobj(f, out, BLOCK * 8)
+        self.close()
+
+    def close(self) -> None:
+        """Close every file and remove the side files (the ``.bin`` and ``.idx`` stay)."""
+        for f in (self.data_file, self._lengths_file, self._documents_file):
+            f.close()
+        for path in self.side_paths:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def _blocks(path: str, dtype) -> "np.ndarray":
+    """The array stored in ``path``, block by block."""
+    with open(path, "rb") as f:
+        while chunk := f.read(BLOCK * np.dtype(dtype).itemsize):
+            yield np.frombuffer(chunk, dtype=dtype)
+
+
+def index_arrays(prefix: str) -> tuple[np.dtype, np.ndarray, np.ndarray]:
+    """``(token dtype, sequence lengths, document starts)`` of ``prefix``.idx, memory mapped."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    idx_path = prefix + ".idx"
+    code, n_sequences, n_documents = read_index_header(idx_path)
+    lengths = np.memmap(idx_path, mode="r", dtype=np.int32, offset=INDEX_ARRAYS_OFFSET, shape=(n_sequences,))
+    documents = np.memmap(idx_path, mode="r", dtype=np.int64, offset=INDEX_ARRAYS_OFFSET + 12 * n_sequences,
+                          shape=(n_documents,))
+    return np.dtype(DType.dtype_from_code(code)), lengths, documents
+
+
+def merge_indexed(prefixes: Sequence[str], bin_path: str, idx_path: str) -> tuple[int, int]:
+    """Concatenate the datasets ``prefixes`` (same token dtype), in order, into ``bin_path`` and
+    ``idx_path``; returns ``(documents, tokens)``. Memory: one block, whatever the sizes."""
+    dtypes = {prefix: index_arrays(prefix)[0] for prefix in prefixes}
+    if len(set(dtypes.values())) > 1:
+        raise UserError("merge: the shards have different token dtypes: "
+                        + ", ".join(f"{p} {d.name}" for p, d in dtypes.items()))
+    writer = IndexedWriter(bin_path, idx_path, next(iter(dtypes.values())))
+    tokens = 0
+    try:
+        for prefix in prefixes:
+            _, lengths, documents = index_arrays(prefix)
+            with open(prefix + ".bin", "rb") as f:
+                shutil.copyfileobj(f, writer.data_file, BLOCK * 4)
+            for start in range(0, len(lengths), BLOCK):
+                tokens += int(lengths[start:start + BLOCK].sum(dtype=np.int64))
+            for start in range(1, len(documents), BLOCK):  # documents[0] is 0: no document ends there
+                ends = np.asarray(documents[start:start + BLOCK])
+                first = int(documents[start - 1])
+                block_lengths = np.asarray(lengths[first:int(ends[-1])])
+                writer.add_index(block_lengths, ends - first)
+            del lengths, documents
+        writer.finalize()
+    finally:
+        writer.close()
+    return writer.documents, tokens
