@@ -157,16 +157,19 @@ class _ShardProgress(JobEvents):
 
 def run_sharded(args: argparse.Namespace) -> int:
     """Plan the corpus, then tokenize its shards not done through the launcher and write the blend."""
-    from megatron_ext.data.shards import ShardDir, finish, parse_size, plan_corpus, plan_lines, prepare, progress
+    from megatron_ext.data.shards import (
+        ShardDir, check_plan, finish, parse_size, plan_corpus, plan_lines, prepare, progress,
+    )
 
     config = config_from_args(args)
     plan = plan_corpus(config, parse_size(args.shard_size), merge=args.merge)
     shard_dir = ShardDir.for_prefix(config.output_prefix)
     launcher: Launcher = launcher_class(args.launcher).from_args(args)
-    left = len(plan.shards) - (len(shard_dir.markers(plan)) if shard_dir.plan_path.is_file() else 0)
+    resumed = check_plan(plan, overwrite=config.overwrite) is not None  # refused here when it changed
+    left = len(plan.shards) - (len(shard_dir.markers(plan)) if resumed else 0)
     workers, finisher = shard_jobs(shard_dir, max(1, min(config.workers, left)), shard_dir.root / "logs")
     if args.dry_run:
-        print("\n".join(plan_lines(plan, shard_dir)))
+        print("\n".join(plan_lines(plan, shard_dir, resumed=resumed)))
         print(f"launcher {launcher.name}: {workers.array_size} worker(s) for {left} shard(s) left:\n  "
               f"{launcher.describe(workers, ())}\n  then: {launcher.describe(finisher, ('<workers>',))}")
         return 0

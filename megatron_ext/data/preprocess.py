@@ -354,11 +354,9 @@ def write_datasets(config: PreprocessConfig, results: Iterator[tuple[dict[str, E
     with its tokenizer record, published whole (renamed from ``.tmp<pid>`` names once complete).
     ``inputs``: what was read, for the refusal of a run that found no document; None: no documents
     is fine (an empty pair is written; a shard of a corpus may hold none)."""
-    from megatron.core.datasets.indexed_dataset import DType
+    from megatron_ext.data.indexed_writer import IndexedWriter, optimal_dtype
 
-    from megatron_ext.data.indexed_writer import IndexedWriter
-
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    dtype = optimal_dtype(tokenizer.vocab_size)
     summary.dtype = np.dtype(dtype).name
     pid = os.getpid()
     tmp = {k: (f"{prefixes[k]}.bin.tmp{pid}", f"{prefixes[k]}.idx.tmp{pid}") for k in config.json_keys}

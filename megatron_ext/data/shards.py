@@ -254,26 +254,45 @@ def _differences(old: ShardPlan, new: ShardPlan) -> list[str]:
     return changed
 
 
-def prepare(plan: ShardPlan, *, overwrite: bool = False) -> ShardDir:
-    """Write ``plan`` to its shard directory, or check it against the one there (same plan: the run
-    resumes; another: refused naming what changed, unless ``overwrite``, which starts over)."""
+def check_plan(plan: ShardPlan, *, overwrite: bool = False) -> ShardPlan | None:
+    """The plan already on disk for ``plan``'s output prefix (None: none, or ``overwrite``); refused
+    (``UserError`` naming what changed) when it differs, or when a fresh plan would replace the
+    outputs of another run, unless ``overwrite``."""
     shard_dir = ShardDir.for_prefix(plan.config.output_prefix)
     parent = shard_dir.root.parent
     if not parent.is_dir():
         raise InputError(f"--output-prefix {plan.config.output_prefix!r}: directory {parent} does not exist")
-    if shard_dir.plan_path.is_file():
-        old = shard_dir.read_plan() if not overwrite else None
-        if old is not None:
-            changed = _differences(old, plan)
-            if changed:
-                raise UserError(f"{shard_dir.plan_path}: the corpus under this --output-prefix was planned with other "
-                                f"inputs or options; changed: {'; '.join(changed)}. Use another --output-prefix, or "
-                                "--overwrite to start over")
-            if old.merge != plan.merge:  # asking for the merge (or no more) changes no shard
-                write_atomic(shard_dir.plan_path, plan.to_json())
-            return shard_dir
+    if overwrite:
+        return None
+    if not shard_dir.plan_path.is_file():
+        for key in plan.config.json_keys:
+            prefix = plan.config.output_prefix_for(key)
+            existing = [p for p in (prefix + ".bin", prefix + ".idx", str(blend_path(plan, key))) if os.path.exists(p)]
+            if existing:
+                raise UserError(f"output {existing[0]} already exists (not made from a shard plan); pass --overwrite "
+                                "to replace it")
+        return None
+    old = shard_dir.read_plan()
+    changed = _differences(old, plan)
+    if changed:
+        raise UserError(f"{shard_dir.plan_path}: the corpus under this --output-prefix was planned with other "
+                        f"inputs or options; changed: {'; '.join(changed)}. Use another --output-prefix, or "
+                        "--overwrite to start over")
+    return old
+
+
+def prepare(plan: ShardPlan, *, overwrite: bool = False) -> ShardDir:
+    """Write ``plan`` to its shard directory, or check it against the one there (same plan: the run
+    resumes; another: refused naming what changed, unless ``overwrite``, which starts over)."""
+    shard_dir = ShardDir.for_prefix(plan.config.output_prefix)
+    old = check_plan(plan, overwrite=overwrite)
+    if old is not None:
+        if old.merge != plan.merge:  # asking for the merge (or no more) changes no shard
+            write_atomic(shard_dir.plan_path, plan.to_json())
+        return shard_dir
+    if shard_dir.root.exists():
         shutil.rmtree(shard_dir.root)
-    shard_dir.root.mkdir(parents=True, exist_ok=True)
+    shard_dir.root.mkdir(parents=True)
     write_atomic(shard_dir.plan_path, plan.to_json())
     return shard_dir
 
@@ -292,18 +311,26 @@ def _remove_leftovers(shard_dir: ShardDir, shard: int) -> None:
                 os.unlink(entry.path)
 
 
-def tokenize_shard(plan: ShardPlan, shard_dir: ShardDir, shard: Shard) -> dict:
+def shard_encoder(plan: ShardPlan, shard_dir: ShardDir) -> _Encoder:
+    """The worker's encoder, built once; refused when its tokenizer is not the one planned (a
+    tokenizer directory changed in place since)."""
+    encoder = _Encoder(plan.config, None)
+    if provenance.tokenizer_record(encoder.tokenizer)["fingerprint"] != plan.tokenizer["fingerprint"]:
+        raise UserError(f"{shard_dir.plan_path}: the tokenizer {plan.config.tokenizer} is no longer the one planned "
+                        f"({provenance._describe(plan.tokenizer)}); rerun with --overwrite to start over")
+    return encoder
+
+
+def tokenize_shard(plan: ShardPlan, shard_dir: ShardDir, shard: Shard, encoder: _Encoder | None = None) -> dict:
     """Tokenize one shard into its datasets, publish them, then its marker; the marker's content."""
     config = plan.config
     start = time.perf_counter()
-    tokenizer = build_tokenizer(config.tokenizer)
-    if provenance.tokenizer_record(tokenizer)["fingerprint"] != plan.tokenizer["fingerprint"]:
-        raise UserError(f"{shard_dir.plan_path}: the tokenizer {config.tokenizer} is no longer the one planned "
-                        f"({provenance._describe(plan.tokenizer)}); rerun with --overwrite to start over")
+    encoder = encoder or shard_encoder(plan, shard_dir)
+    tokenizer = encoder.tokenizer
     records = iter_records(shard.path, fmt=shard.format, json_keys=config.json_keys, text_mode=config.text_mode,
                            hf_split=config.hf_split, part=shard.part)
     summary = PreprocessSummary()
-    results = map(_Encoder(config, None).encode_chunk, _chunks(records, CHUNK_DOCUMENTS))
+    results = map(encoder.encode_chunk, _chunks(records, CHUNK_DOCUMENTS))
     prefixes = {key: shard_dir.prefix(shard.index, key, config.level) for key in config.json_keys}
     write_datasets(config, results, prefixes, tokenizer=tokenizer, summary=summary)
     marker = {"shard": shard.index, "documents": summary.documents, "tokens": summary.tokens,
@@ -337,7 +364,7 @@ def run_worker(shard_dir: ShardDir, *, policy: ClaimPolicy | None = None, max_sh
     policy = policy or ClaimPolicy()
     owner = Owner.this_process()
     report = WorkerReport()
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    encoder = None
     for shard in plan.shards:
         if max_shards is not None and len(report.done) >= max_shards:
             break
@@ -352,7 +379,8 @@ def run_worker(shard_dir: ShardDir, *, policy: ClaimPolicy | None = None, max_sh
                 claim.finish()
                 continue
             _remove_leftovers(shard_dir, shard.index)
-            marker = tokenize_shard(plan, shard_dir, shard)
+            encoder = encoder or shard_encoder(plan, shard_dir)
+            marker = tokenize_shard(plan, shard_dir, shard, encoder)
             claim.finish()
         report.done.append(shard.index)
         logger.info("shard %d/%d done: %s documents, %s tokens, %.1f s", shard.index + 1, len(plan.shards),
@@ -476,9 +504,9 @@ def read_blend(path: str | os.PathLike) -> list[str]:
     return [field for line in Path(path).read_text(encoding="utf-8").splitlines() for field in line.split()]
 
 
-def plan_lines(plan: ShardPlan, shard_dir: ShardDir) -> Iterator[str]:
+def plan_lines(plan: ShardPlan, shard_dir: ShardDir, *, resumed: bool) -> Iterator[str]:
     """The plan, for ``--dry-run``: the shards (the first and last few), sizes, what is done."""
-    markers = shard_dir.markers(plan) if shard_dir.plan_path.is_file() else {}
+    markers = shard_dir.markers(plan) if resumed else {}
     yield (f"plan: {len(plan.inputs)} input(s), {plan.total_bytes / 2**30:.3f} GiB, {len(plan.shards)} shard(s) of "
            f"<= {plan.shard_bytes / 2**20:.0f} MiB, {len(markers)} done; shards in {shard_dir.root}")
     shown = list(plan.shards[:5]) + (list(plan.shards[-3:]) if len(plan.shards) > 8 else list(plan.shards[5:]))

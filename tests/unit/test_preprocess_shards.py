@@ -77,6 +77,14 @@ def test_indexed_writer_writes_megatrons_bytes_and_merges_in_blocks(tmp_path, mo
         assert (tmp_path / f"m{suffix}").read_bytes() == (tmp_path / f"ref{suffix}").read_bytes()
 
 
+def test_dtype_table_is_megatrons():
+    from megatron.core.datasets.indexed_dataset import DType
+
+    assert indexed_writer.DTYPE_CODES == {d.value: getattr(np, d.name) for d in DType}
+    for vocab in (100, 65499, 65500, 200_000):
+        assert indexed_writer.optimal_dtype(vocab) == DType.optimal_dtype(vocab)
+
+
 def test_sharded_run_equals_the_single_process_output_token_for_token(tmp_path, corpus, minilm_dir, capsys):
     single = _config(tmp_path, corpus, minilm_dir, name="single")
     preprocess(single)
@@ -160,6 +168,10 @@ def test_a_changed_tokenizer_input_or_option_is_refused_naming_it(tmp_path, corp
         f.write(json.dumps({"text": "one more document"}) + "\n")
     with pytest.raises(UserError, match=rf"input {corpus[0]} changed \(size \d+ -> \d+ bytes"):
         shards.prepare(shards.plan_corpus(config, 40 << 10))
+    # A fresh plan does not replace the outputs of a run without shards.
+    preprocess(_config(tmp_path, corpus[1:2], minilm_dir, name="plain"))
+    with pytest.raises(UserError, match=r"plain_text_document.bin already exists \(not made from a shard plan\)"):
+        shards.prepare(shards.plan_corpus(_config(tmp_path, corpus[1:2], minilm_dir, name="plain"), 40 << 10))
     # --overwrite starts over with the new plan.
     shard_dir = shards.prepare(shards.plan_corpus(replace(config, overwrite=True), 40 << 10), overwrite=True)
     assert shard_dir.read_plan().inputs[0]["size"] == os.path.getsize(corpus[0])
