@@ -25,8 +25,8 @@ import numpy as np
 from megatron_ext.config_loading import UserError
 from megatron_ext.data.index_checks import INDEX_ARRAYS_OFFSET, INDEX_HEADER, read_index_header
 
-BLOCK = 1 << 20
-"""Entries buffered, and streamed, per block (4-8 MB): the writer's whole memory."""
+BLOCK = 1 << 16
+"""Entries buffered, and streamed, per block (256-512 KB): the writer's whole memory."""
 
 
 DTYPE_CODES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
@@ -55,9 +55,9 @@ class IndexedWriter:
         self.data_file = open(bin_path, "wb")
         self._lengths_file = open(self.side_paths[0], "wb")
         self._documents_file = open(self.side_paths[1], "wb")
-        self._lengths: list[np.ndarray] = []
-        self._documents: list[int] = []
-        self._buffered = 0
+        self._lengths = np.empty(BLOCK, dtype=np.int32)
+        self._documents = np.empty(BLOCK, dtype=np.int64)
+        self._n_lengths = self._n_documents = 0
         self.sequences = 0
         """Sequences written so far."""
         self.documents = 0
@@ -66,13 +66,18 @@ class IndexedWriter:
     def add_document(self, ids: np.ndarray, lengths: Sequence[int]) -> None:
         """One document: its tokens and its sequences' lengths (one per sentence, or one)."""
         self.data_file.write(np.asarray(ids, dtype=self.dtype).tobytes(order="C"))
-        self._lengths.append(np.asarray(lengths, dtype=np.int32))
+        lengths = np.asarray(lengths, dtype=np.int32)
+        if self._n_lengths + len(lengths) > BLOCK or self._n_documents == BLOCK:
+            self._flush()
+        if len(lengths) > BLOCK:  # a document of more sentences than a block: straight to the side file
+            self._lengths_file.write(lengths.tobytes())
+        else:
+            self._lengths[self._n_lengths:self._n_lengths + len(lengths)] = lengths
+            self._n_lengths += len(lengths)
         self.sequences += len(lengths)
         self.documents += 1
-        self._documents.append(self.sequences)
-        self._buffered += len(lengths) + 1
-        if self._buffered >= BLOCK:
-            self._flush()
+        self._documents[self._n_documents] = self.sequences
+        self._n_documents += 1
 
     def add_index(self, lengths: np.ndarray, document_ends: np.ndarray) -> None:
         """Many documents whose tokens were written to :attr:`data_file` by the caller: their
@@ -84,10 +89,9 @@ class IndexedWriter:
         self.documents += len(document_ends)
 
     def _flush(self) -> None:
-        if self._lengths:
-            self._lengths_file.write(np.concatenate(self._lengths).tobytes())
-        self._documents_file.write(np.asarray(self._documents, dtype=np.int64).tobytes())
-        self._lengths, self._documents, self._buffered = [], [], 0
+        self._lengths_file.write(self._lengths[:self._n_lengths].tobytes())
+        self._documents_file.write(self._documents[:self._n_documents].tobytes())
+        self._n_lengths = self._n_documents = 0
 
     def finalize(self) -> None:
         """Close the ``.bin`` and write the ``.idx``, streaming the side files."""
@@ -125,40 +129,53 @@ def _blocks(path: str, dtype) -> "np.ndarray":
             yield np.frombuffer(chunk, dtype=dtype)
 
 
-def index_arrays(prefix: str) -> tuple[np.dtype, np.ndarray, np.ndarray]:
-    """``(token dtype, sequence lengths, document starts)`` of ``prefix``.idx, memory mapped."""
-    idx_path = prefix + ".idx"
-    code, n_sequences, n_documents = read_index_header(idx_path)
-    lengths = np.memmap(idx_path, mode="r", dtype=np.int32, offset=INDEX_ARRAYS_OFFSET, shape=(n_sequences,))
-    documents = np.memmap(idx_path, mode="r", dtype=np.int64, offset=INDEX_ARRAYS_OFFSET + 12 * n_sequences,
-                          shape=(n_documents,))
-    if code not in DTYPE_CODES:
-        raise UserError(f"{idx_path}: unknown token dtype code {code}")
-    return np.dtype(DTYPE_CODES[code]), lengths, documents
+class IndexReader:
+    """An ``.idx``'s arrays read block by block from the file (no memory map: mapped pages count
+    in a process's resident memory, which would grow with the index)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.path = prefix + ".idx"
+        code, self.sequences, self.documents = read_index_header(self.path)
+        if code not in DTYPE_CODES:
+            raise UserError(f"{self.path}: unknown token dtype code {code}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+
+    def _read(self, offset: int, dtype, start: int, stop: int) -> np.ndarray:
+        with open(self.path, "rb") as f:
+            f.seek(offset + start * np.dtype(dtype).itemsize)
+            return np.fromfile(f, dtype=dtype, count=stop - start)
+
+    def lengths(self, start: int, stop: int) -> np.ndarray:
+        """Sequence lengths ``[start, stop)``."""
+        return self._read(INDEX_ARRAYS_OFFSET, np.int32, start, stop)
+
+    def document_starts(self, start: int, stop: int) -> np.ndarray:
+        """Document boundaries ``[start, stop)`` (0 first, the sequence count last)."""
+        return self._read(INDEX_ARRAYS_OFFSET + 12 * self.sequences, np.int64, start, stop)
+
+    def tokens(self) -> int:
+        return sum(int(self.lengths(i, min(i + BLOCK, self.sequences)).sum(dtype=np.int64))
+                   for i in range(0, self.sequences, BLOCK))
 
 
 def merge_indexed(prefixes: Sequence[str], bin_path: str, idx_path: str) -> tuple[int, int]:
     """Concatenate the datasets ``prefixes`` (same token dtype), in order, into ``bin_path`` and
     ``idx_path``; returns ``(documents, tokens)``. Memory: one block, whatever the sizes."""
-    dtypes = {prefix: index_arrays(prefix)[0] for prefix in prefixes}
-    if len(set(dtypes.values())) > 1:
+    readers = [IndexReader(prefix) for prefix in prefixes]
+    if len({reader.dtype for reader in readers}) > 1:
         raise UserError("merge: the shards have different token dtypes: "
-                        + ", ".join(f"{p} {d.name}" for p, d in dtypes.items()))
-    writer = IndexedWriter(bin_path, idx_path, next(iter(dtypes.values())))
+                        + ", ".join(f"{p} {r.dtype.name}" for p, r in zip(prefixes, readers)))
+    writer = IndexedWriter(bin_path, idx_path, readers[0].dtype)
     tokens = 0
     try:
-        for prefix in prefixes:
-            _, lengths, documents = index_arrays(prefix)
+        for prefix, reader in zip(prefixes, readers):
             with open(prefix + ".bin", "rb") as f:
-                shutil.copyfileobj(f, writer.data_file, BLOCK * 4)
-            for start in range(0, len(lengths), BLOCK):
-                tokens += int(lengths[start:start + BLOCK].sum(dtype=np.int64))
-            for start in range(1, len(documents), BLOCK):  # documents[0] is 0: no document ends there
-                ends = np.asarray(documents[start:start + BLOCK])
-                first = int(documents[start - 1])
-                block_lengths = np.asarray(lengths[first:int(ends[-1])])
-                writer.add_index(block_lengths, ends - first)
-            del lengths, documents
+                shutil.copyfileobj(f, writer.data_file, BLOCK * 16)
+            tokens += reader.tokens()
+            for start in range(1, reader.documents, BLOCK):  # the first boundary, 0, ends no document
+                bounds = reader.document_starts(start - 1, min(start + BLOCK, reader.documents))
+                first = int(bounds[0])
+                writer.add_index(reader.lengths(first, int(bounds[-1])), bounds[1:] - first)
         writer.finalize()
     finally:
         writer.close()

@@ -343,10 +343,9 @@ def tokenize_shard(plan: ShardPlan, shard_dir: ShardDir, shard: Shard, encoder: 
 
 
 def _tokens(prefix: str) -> int:
-    from megatron_ext.data.indexed_writer import index_arrays
+    from megatron_ext.data.indexed_writer import IndexReader
 
-    _, lengths, _ = index_arrays(prefix)
-    return int(lengths.sum(dtype="int64"))
+    return IndexReader(prefix).tokens()
 
 
 @dataclass(kw_only=True)

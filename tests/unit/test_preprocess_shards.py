@@ -59,6 +59,7 @@ def test_indexed_writer_writes_megatrons_bytes_and_merges_in_blocks(tmp_path, mo
     rng = np.random.default_rng(0)
     documents = [[rng.integers(0, 30000, size=int(n)) for n in rng.integers(1, 9, size=rng.integers(1, 4))]
                  for _ in range(50)]
+    documents[30] = [rng.integers(0, 30000, size=3) for _ in range(10)]  # more sentences than a block
     reference = IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=np.uint16)
     for sentences in documents:
         reference.add_document(np.concatenate(sentences), [len(s) for s in sentences])
