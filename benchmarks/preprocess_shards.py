@@ -3,13 +3,14 @@ raw batch tokenizer, scaling over workers with the serial share it implies, and 
 against the document count.
 
     .venv/bin/python -m benchmarks.preprocess_shards [--repeat 4] [--scale-repeat 16] [--workers 1 2]
-        [--documents 10000 100000 1000000]
+        [--documents 10000 100000 1000000] [--parts per_core scaling memory]
 
 - per core: one shard worker's loop (reading JSONL, tokenizing, writing and publishing the
   ``.bin``/``.idx``) against ``tokenize_batch`` alone (the Rust batch encode, in the worker's
   batches of 256 documents, ids to numpy), one thread, same process and tokenizer, on the same texts (the demo corpus ``--repeat`` times), rounds alternating:
   the ratio of their best rounds (target >= 0.9);
-- scaling: the whole command through the local launcher with N workers (plan, workers started as
+- scaling (meaningful on an otherwise idle machine: the load average is recorded beside each row):
+  the whole command through the local launcher with N workers (plan, workers started as
   processes, blend), wall time from the command's start to its end, for each N of ``--workers``;
   the serial share ``s`` that Amdahl's law gives for the largest N (``speedup = 1 / (s + (1 - s) / N)``)
   and the speedup it implies at 100 and 1,000 workers; beside it the serial part measured directly
@@ -126,6 +127,7 @@ def scaling(corpus: Path, tokenizer_dir: Path, repeat: int, workers: list[int], 
         shards.finish(shard_dir)
         finish_seconds = time.perf_counter() - start
         rows.append({"workers": n, "shards": len(plan.shards), "tokens": done.tokens, "seconds": seconds,
+                     "load_average_1min_after": os.getloadavg()[0],
                      "tokens_per_s": done.tokens / seconds, "plan_seconds": plan_seconds,
                      "finish_seconds": finish_seconds})
         print(f"workers={n}: {done.tokens:,} tokens in {seconds:.1f} s = {done.tokens / seconds:,.0f} tokens/s "
@@ -176,29 +178,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-repeat", type=int, default=16, help="copies of the demo corpus the scaling reads")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, os.cpu_count() or 1])
     parser.add_argument("--documents", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--parts", nargs="+", choices=("per_core", "scaling", "memory"),
+                        default=["per_core", "scaling", "memory"], help="what to measure [all three]")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" /
                                                 f"preprocess_shards_cpu{os.cpu_count()}.json"))
     args = parser.parse_args(argv)
 
     corpus, tokenizer_dir = _ensure_demo_inputs()
     texts = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()] * args.repeat
+    core = scale = rss = None
     with tempfile.TemporaryDirectory() as tmp:
-        core = per_core(corpus, tokenizer_dir, args.repeat, texts, Path(tmp))
-        print(f"per core: raw tokenizer {core['raw_tokenizer_1_thread']['tokens_per_s']:,.0f} tokens/s | shard "
-              f"worker {core['shard_worker']['tokens_per_s']:,.0f} tokens/s | ratio {core['ratio_to_raw_tokenizer']:.2f}")
-        scale = scaling(corpus, tokenizer_dir, args.scale_repeat, args.workers, Path(tmp))
-        rss = memory(tokenizer_dir, args.documents, Path(tmp))
+        if "per_core" in args.parts:
+            core = per_core(corpus, tokenizer_dir, args.repeat, texts, Path(tmp))
+            print(f"per core: raw tokenizer {core['raw_tokenizer_1_thread']['tokens_per_s']:,.0f} tokens/s | shard "
+                  f"worker {core['shard_worker']['tokens_per_s']:,.0f} tokens/s | ratio "
+                  f"{core['ratio_to_raw_tokenizer']:.2f}")
+        if "scaling" in args.parts:
+            scale = scaling(corpus, tokenizer_dir, args.scale_repeat, args.workers, Path(tmp))
+        if "memory" in args.parts:
+            rss = memory(tokenizer_dir, args.documents, Path(tmp))
     result = {
         "benchmark": "preprocess_shards",
         "corpus": f"demo corpus x{args.repeat} ({len(texts)} documents); memory: tiny one-line documents",
         "tokenizer": tokenizer_dir.name,
-        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+                 "load_average_at_end": os.getloadavg()},
         "per_core": core, "scaling": scale, "memory": rss,
         "target": "shard worker >= 0.9 x the raw one-thread tokenizer; worker and merge peak RSS flat in the "
                   "document count",
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    output = Path(args.output)
+    if output.is_file():  # parts not measured this time keep their last figures
+        result = {**json.loads(output.read_text()), **{k: v for k, v in result.items() if v is not None}}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.output}")
     return 0
 
