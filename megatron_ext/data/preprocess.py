@@ -9,6 +9,8 @@ sentence, dtype ``DType.optimal_dtype(vocab_size)``, and tokens from the same to
 Where it differs, and why:
 - documents that tokenize to nothing are skipped and counted (Megatron writes an empty document,
   which only inflates the index);
+- the index is streamed to disk as documents come (``indexed_writer``), not held in lists: memory
+  does not grow with the document count;
 - output is written under temporary names and renamed when complete, so an interrupted run or a
   crash never leaves a ``.bin``/``.idx`` pair that looks finished;
 - the order of documents is the input order for any ``--workers`` (Megatron's ``imap`` also keeps
@@ -272,12 +274,13 @@ def _check_outputs(config: PreprocessConfig) -> None:
         raise InputError(f"--output-prefix {config.output_prefix!r}: directory {parent} is not writable")
 
 
-_TEMPORARY = re.compile(r"\.(bin|idx|tokenizer\.json)\.tmp(\d+)$")
+_TEMPORARY = re.compile(r"\.(bin|idx|tokenizer\.json)\.tmp(\d+)(\.lengths|\.documents)?$")
 
 
 def _remove_stale_temporaries(config: PreprocessConfig) -> None:
-    """Remove ``<prefix>.bin.tmp<pid>`` / ``.idx.tmp<pid>`` / ``.tokenizer.json.tmp<pid>`` files of this run's outputs that a killed
-    run left behind (their process is gone), saying so."""
+    """Remove ``<prefix>.bin.tmp<pid>`` / ``.idx.tmp<pid>`` (and its ``.lengths``/``.documents`` side
+    files) / ``.tokenizer.json.tmp<pid>`` files of this run's outputs that a killed run left behind
+    (their process is gone), saying so."""
     for key in config.json_keys:
         prefix = Path(config.output_prefix_for(key))
         if not prefix.parent.is_dir():
@@ -322,13 +325,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
         ctx = multiprocessing.get_context("spawn")  # fork is unsafe with torch/tokenizer threads
         ready = ctx.Queue()
         pool = ctx.Pool(config.workers, initializer=_init_worker, initargs=(config, splitter, ready))
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    summary = PreprocessSummary(dtype=np.dtype(dtype).name, splitter=splitter.source if splitter else "none")
-    pid = os.getpid()
-    tmp = {k: (f"{config.output_prefix_for(k)}.bin.tmp{pid}", f"{config.output_prefix_for(k)}.idx.tmp{pid}") for k in config.json_keys}
-    builders = {k: IndexedDatasetBuilder(tmp[k][0], dtype=dtype) for k in config.json_keys}
+    summary = PreprocessSummary(splitter=splitter.source if splitter else "none")
     bar = _progress(config.progress, _input_bytes(paths, formats))
     try:
         chunks = _chunks(_all_records(config, paths), CHUNK_DOCUMENTS)
@@ -339,24 +336,53 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
                 ready.get()
             results = pool.imap(_encode_in_worker, chunks)  # imap keeps input order
         summary.startup_seconds = time.perf_counter() - start
+        write_datasets(config, results, {key: config.output_prefix_for(key) for key in config.json_keys},
+                       tokenizer=tokenizer, summary=summary, on_chars=bar.update, inputs=", ".join(paths))
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def write_datasets(config: PreprocessConfig, results: Iterator[tuple[dict[str, EncodedChunk], list[bool], int]],
+                   prefixes: dict[str, str], *, tokenizer: EncoderTokenizer, summary: PreprocessSummary,
+                   on_chars=None, inputs: str | None = None) -> None:
+    """Write the encoded chunks ``results`` as one dataset per json key at ``prefixes[key]``, each
+    with its tokenizer record, published whole (renamed from ``.tmp<pid>`` names once complete).
+    ``inputs``: what was read, for the refusal of a run that found no document; None: no documents
+    is fine (an empty pair is written; a shard of a corpus may hold none)."""
+    from megatron_ext.data.indexed_writer import IndexedWriter, optimal_dtype
+
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    summary.dtype = np.dtype(dtype).name
+    pid = os.getpid()
+    tmp = {k: (f"{prefixes[k]}.bin.tmp{pid}", f"{prefixes[k]}.idx.tmp{pid}") for k in config.json_keys}
+    writers: dict[str, IndexedWriter] = {}
+    try:
+        for key in config.json_keys:
+            writers[key] = IndexedWriter(tmp[key][0], tmp[key][1], dtype)
         for encoded, invalid, chars in results:
             summary.characters += chars
             summary.invalid_skipped += sum(invalid)
             for key, chunk in encoded.items():
-                _write_chunk(builders[key], chunk, tokenizer.vocab_size, summary, count_docs=key == config.json_keys[0])
-            bar.update(chars)
-        if summary.documents == 0:
-            raise InputError(f"no documents in {', '.join(paths)} (every input was empty"
+                _write_chunk(writers[key], chunk, tokenizer.vocab_size, summary, count_docs=key == config.json_keys[0])
+            if on_chars is not None:
+                on_chars(chars)
+        if summary.documents == 0 and inputs is not None:
+            raise InputError(f"no documents in {inputs} (every input was empty"
                              + (f", or {summary.invalid_skipped:,} invalid line(s) skipped" if summary.invalid_skipped
                                 else "") + "); nothing written")
-        for key, builder in builders.items():
-            builder.finalize(tmp[key][1])
-            tmp[key] += (provenance.write_record(config.output_prefix_for(key), tokenizer, suffix=f".tmp{pid}"),)
+        for key, writer in writers.items():
+            writer.finalize()
+            tmp[key] += (provenance.write_record(prefixes[key], tokenizer, suffix=f".tmp{pid}"),)
         # Publish: drop any old index first, then the tokenizer record, bin, idx. Readers need both
         # files, so at every instant the pair is either the old complete one, incomplete, or the new
         # one, and a complete new pair has its record.
         for key in config.json_keys:
-            prefix = config.output_prefix_for(key)
+            prefix = prefixes[key]
             if os.path.exists(prefix + ".idx"):
                 os.unlink(prefix + ".idx")
             os.replace(tmp[key][2], str(provenance.record_path(prefix)))
@@ -364,17 +390,12 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
             os.replace(tmp[key][1], prefix + ".idx")
             summary.outputs[key] = prefix
     finally:
-        bar.close()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-        for key, builder in builders.items():
-            builder.data_file.close()
-            for path in tmp[key]:
+        for key, writer in writers.items():
+            writer.close()
+        for paths in tmp.values():
+            for path in paths:
                 if os.path.exists(path):
                     os.unlink(path)
-    summary.seconds = time.perf_counter() - start
-    return summary
 
 
 def _write_chunk(builder, chunk: EncodedChunk, vocab_size: int, summary: PreprocessSummary, *, count_docs: bool) -> None:
@@ -390,7 +411,7 @@ def _write_chunk(builder, chunk: EncodedChunk, vocab_size: int, summary: Preproc
             continue
         lengths = chunk.sentence_lengths[sentence_start : sentence_start + n_sentences]
         n_tokens = int(lengths.sum())
-        builder.add_document(chunk.ids[token_start : token_start + n_tokens], lengths.tolist())
+        builder.add_document(chunk.ids[token_start : token_start + n_tokens], lengths)
         token_start += n_tokens
         sentence_start += n_sentences
         summary.tokens += n_tokens

@@ -51,17 +51,28 @@ class InputError(UserError):
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
-    """Expand globs; keep hub-style ids (``org/name``) that are not local paths as they are."""
+    """Expand globs and Parquet directories (their ``*.parquet`` files, sorted, at any depth); keep
+    hub-style ids (``org/name``) that are not local paths as they are."""
     paths: list[str] = []
     for item in inputs:
         matches = sorted(glob.glob(item))
         if matches:
-            paths.extend(matches)
+            for match in matches:
+                paths.extend(_parquet_files(match) or [match])
         elif os.path.exists(item):
             paths.append(item)
         else:
             paths.append(item)  # validated by detect_format (a hub id, or a missing path)
     return paths
+
+
+def _parquet_files(path: str) -> list[str]:
+    """The Parquet files of directory ``path`` (a dataset written as Parquet parts); none for a
+    file, a saved Hugging Face dataset, or a directory holding other files (read as text)."""
+    if not os.path.isdir(path) or _is_hf_saved_dataset(Path(path)):
+        return []
+    files = sorted(str(f) for f in Path(path).rglob("*") if f.is_file() and not f.name.startswith((".", "_")))
+    return files if files and all(f.endswith(".parquet") for f in files) else []
 
 
 def _is_hf_saved_dataset(path: Path) -> bool:
@@ -110,26 +121,52 @@ def _open_binary(path: str) -> io.BufferedIOBase:
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
-def _decoded_lines(path: str) -> Iterator[tuple[int, str | None, str | None]]:
-    """``(line number, text, error)`` per line: lines are decoded one by one, so a byte that is not
-    UTF-8 is reported (or skipped) with its file and line instead of stopping the whole read."""
+def _decoded_lines(path: str, part: tuple[int, int] | None = None) -> Iterator[tuple[str, str | None, str | None]]:
+    """``(location, text, error)`` per line: lines are decoded one by one, so a byte that is not
+    UTF-8 is reported (or skipped) with its file and line instead of stopping the whole read.
+
+    ``part``: only the lines that start in bytes ``[start, end)`` of an uncompressed file (a shard
+    of it; every line belongs to exactly one part), located by their first byte (``file:byte N``)."""
     with _open_binary(path) as f:
-        for lineno, line in enumerate(f, start=1):
+        if part is None:
+            lines = ((f"{path}:{lineno}", line) for lineno, line in enumerate(f, start=1))
+        else:
+            lines = _lines_in(f, path, *part)
+        for location, line in lines:
             try:
-                yield lineno, line.decode("utf-8"), None
+                yield location, line.decode("utf-8"), None
             except UnicodeDecodeError as err:
-                yield lineno, None, f"invalid UTF-8 (byte 0x{line[err.start]:02x} at column {err.start + 1})"
+                yield location, None, f"invalid UTF-8 (byte 0x{line[err.start]:02x} at column {err.start + 1})"
 
 
-def _read_jsonl(path: str) -> Iterator[Record]:
-    for lineno, line, error in _decoded_lines(path):
+def _lines_in(f, path: str, start: int, end: int) -> Iterator[tuple[str, bytes]]:
+    """The lines of ``f`` whose first byte lies in ``[start, end)``."""
+    if start > 0:
+        f.seek(start - 1)
+        f.readline()  # the rest of the line that started before ``start`` (or just its newline)
+    position = f.tell()
+    while position < end:
+        line = f.readline()
+        if not line:
+            return
+        yield f"{path}:byte {position}", line
+        position += len(line)
+
+
+def _read_jsonl(path: str, part: tuple[int, int] | None = None) -> Iterator[Record]:
+    for location, line, error in _decoded_lines(path, part):
         if error is not None:
-            yield Record(location=f"{path}:{lineno}", error=error)
+            yield Record(location=location, error=error)
         elif line.strip():
-            yield Record(location=f"{path}:{lineno}", raw=line)
+            yield Record(location=location, raw=line)
 
 
-def _read_text(path: str, key: str, text_mode: str) -> Iterator[Record]:
+def _read_text(path: str, key: str, text_mode: str, part: tuple[int, int] | None = None) -> Iterator[Record]:
+    if part is not None:  # a part of one file, line mode (the shard plan splits nothing else)
+        for location, line, error in _decoded_lines(path, part):
+            yield Record(location=location, error=error) if error is not None else \
+                Record(location=location, fields={key: line.rstrip("\r\n")})
+        return
     files = sorted(str(f) for f in Path(path).rglob("*") if f.is_file()) if os.path.isdir(path) else [path]
     for file in files:
         if text_mode == "file":
@@ -148,9 +185,9 @@ def _read_text(path: str, key: str, text_mode: str) -> Iterator[Record]:
             continue
         run = 0  # non-blank lines in a row
         several_lines = blank_after_text = told = False
-        for lineno, line, error in _decoded_lines(file):
+        for location, line, error in _decoded_lines(file):
             if error is not None:
-                yield Record(location=f"{file}:{lineno}", error=error)
+                yield Record(location=location, error=error)
                 continue
             text = line.rstrip("\r\n")
             if text.strip():
@@ -164,31 +201,42 @@ def _read_text(path: str, key: str, text_mode: str) -> Iterator[Record]:
             else:
                 blank_after_text = blank_after_text or run > 0
                 run = 0
-            yield Record(location=f"{file}:{lineno}", fields={key: text})
+            yield Record(location=location, fields={key: text})
 
 
 def _paragraphs(file: str, key: str) -> Iterator[Record]:
     """One record per paragraph of ``file``: lines up to a blank line (or the end), joined with
     their newlines; runs of blank lines separate, they make no document."""
     lines: list[str] = []
-    first = 0
-    for lineno, line, error in _decoded_lines(file):
+    first = ""
+    for location, line, error in _decoded_lines(file):
         if error is not None:
-            yield Record(location=f"{file}:{lineno}", error=error)
+            yield Record(location=location, error=error)
             continue
         text = line.rstrip("\r\n")
         if text.strip():
             if not lines:
-                first = lineno
+                first = location
             lines.append(text)
         elif lines:
-            yield Record(location=f"{file}:{first}", fields={key: "\n".join(lines)})
+            yield Record(location=first, fields={key: "\n".join(lines)})
             lines = []
     if lines:
-        yield Record(location=f"{file}:{first}", fields={key: "\n".join(lines)})
+        yield Record(location=first, fields={key: "\n".join(lines)})
 
 
-def _read_parquet(path: str, keys: Sequence[str]) -> Iterator[Record]:
+def parquet_row_groups(path: str) -> list[int]:
+    """The row count of each row group of Parquet file ``path`` (the units a shard plan splits it in)."""
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.ParquetFile(path).metadata
+    except (OSError, ValueError) as err:
+        raise InputError(f"--input {path!r}: not a readable Parquet file ({err})") from None
+    return [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+
+
+def _read_parquet(path: str, keys: Sequence[str], part: tuple[int, int] | None = None) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
     try:
@@ -199,8 +247,9 @@ def _read_parquet(path: str, keys: Sequence[str]) -> Iterator[Record]:
     missing = [k for k in keys if k not in present]
     if missing:
         raise InputError(f"{path}: column(s) {missing} not found; columns present: {present}")
-    row = 0
-    for batch in pf.iter_batches(columns=list(keys), batch_size=1024):
+    groups = range(pf.metadata.num_row_groups) if part is None else range(*part)
+    row = sum(pf.metadata.row_group(i).num_rows for i in range(groups.start))
+    for batch in pf.iter_batches(columns=list(keys), batch_size=1024, row_groups=list(groups)):
         columns = [batch.column(k).to_pylist() for k in keys]
         for values in zip(*columns):
             yield Record(location=f"{path}:row {row}", fields=_text_fields(path, row, keys, values))
@@ -208,10 +257,13 @@ def _read_parquet(path: str, keys: Sequence[str]) -> Iterator[Record]:
 
 
 def _read_hf(path: str, keys: Sequence[str], split: str) -> Iterator[Record]:
+    """A saved dataset (memory-mapped Arrow) or a hub dataset, streamed: its first document is
+    tokenized before the rest is downloaded, in memory that does not grow with its size."""
     import datasets
 
     try:
-        ds = datasets.load_from_disk(path) if os.path.isdir(path) else datasets.load_dataset(path, split=split)
+        ds = datasets.load_from_disk(path) if os.path.isdir(path) else \
+            datasets.load_dataset(path, split=split, streaming=True)
     except (OSError, ValueError) as err:  # a missing hub dataset is a FileNotFoundError
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise InputError(f"--input {path!r}: cannot load it as a Hugging Face dataset ({first_line})") from None
@@ -219,7 +271,7 @@ def _read_hf(path: str, keys: Sequence[str], split: str) -> Iterator[Record]:
         if split not in ds:
             raise InputError(f"{path}: split {split!r} not found; splits present: {list(ds)}")
         ds = ds[split]
-    present = list(ds.column_names)
+    present = list(ds.column_names or keys)  # a streamed dataset may not know its columns before reading
     missing = [k for k in keys if k not in present]
     if missing:
         raise InputError(f"{path}: column(s) {missing} not found; columns present: {present}")
@@ -240,18 +292,20 @@ def _text_fields(path: str, row: int, keys: Sequence[str], values: Sequence[obje
 
 
 def iter_records(
-    path: str, *, fmt: str, json_keys: Sequence[str], text_mode: str = "line", hf_split: str = "train"
+    path: str, *, fmt: str, json_keys: Sequence[str], text_mode: str = "line", hf_split: str = "train",
+    part: tuple[int, int] | None = None,
 ) -> Iterator[Record]:
-    """Yield the records of one input in file order."""
+    """Yield the records of one input in file order; ``part``: only those of one shard of it, in
+    the unit the shard plan cuts the format in (bytes of JSONL and line-mode text, Parquet row groups)."""
     fmt = detect_format(path, fmt)
     if fmt == "jsonl":
-        return _read_jsonl(path)
+        return _read_jsonl(path, part)
     if fmt == "text":
         if len(json_keys) != 1:
             raise InputError(f"{path}: plain-text input has one field; got --json-keys {list(json_keys)}")
-        return _read_text(path, json_keys[0], text_mode)
+        return _read_text(path, json_keys[0], text_mode, part)
     if fmt == "parquet":
-        return _read_parquet(path, json_keys)
+        return _read_parquet(path, json_keys, part)
     return _read_hf(path, json_keys, hf_split)
 
 
