@@ -68,6 +68,7 @@ MEGATRON_FLAGS_HERE: dict[str, str] = {  # flag: the test that shows its effect 
     "--merge-file": "tests/unit/test_tokenizer.py::test_gpt2_bpe_equals_transformers_gpt2",
     "--data-path": "tests/unit/test_training_data.py::test_blend_weights_parse_and_the_blend_follows_them",
     "--split": "tests/unit/test_training_data.py::test_valid_samples_without_a_valid_share",
+    "--data-args-path": "tests/integration/test_phase_data.py::test_a_sharded_corpus_trains_from_its_blend_file_through_data_args_path",
     "--train-data-path": "tests/integration/test_phase_data.py::test_megatrons_per_split_paths_read_each_blend_whole_for_its_split",
     "--valid-data-path": "tests/integration/test_phase_data.py::test_megatrons_per_split_paths_read_each_blend_whole_for_its_split",
     "--test-data-path": "tests/integration/test_phase_data.py::test_megatrons_per_split_paths_read_each_blend_whole_for_its_split",
@@ -224,6 +225,8 @@ UNSUPPORTED: dict[str, str] = {
     "--rotary-percent": _USE_RECIPE + " (RoPE over the whole head)",
     "--dataloader-type": "batches are drawn in Megatron's pretraining order (its single sampler), resumed exactly",
     "--calculate-per-token-loss": "the loss is always averaged over the scored tokens of the global batch",
+    "--per-split-data-args-path": "give the splits' blends with --train-data-path, --valid-data-path and "
+                                  "--test-data-path (a long blend: --data-args-path)",
     "--check-for-spiky-loss": "loss spikes are watched with --loss-spike-factor (and rolled back with "
                               "--spike-rollbacks): docs/pretraining.md, \"The edges of a long job\"",
     "--no-check-for-nan-in-loss-and-grad": "non-finite steps are always skipped and counted "

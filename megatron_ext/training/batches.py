@@ -98,7 +98,7 @@ class Batches:
         if phase.index not in self.phase_valid:
             d = self.config.data
             own = (dataclasses.replace(d, valid_data_path=phase.valid_data_path, test_data_path=()) if d.per_split
-                   else dataclasses.replace(d, data_path=phase.valid_data_path))
+                   else dataclasses.replace(d, data_path=phase.valid_data_path, data_args_path=None))
             _, valid_ds, _ = self.datasets.build_datasets(
                 own, tokenizer=self.tokenizer, train_samples=1, valid_samples=d.eval_iters * d.global_batch_size,
                 seed=self.config.training.seed)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from megatron_ext.config_loading import ConfigError, UserError
@@ -46,6 +47,10 @@ class DataConfig:
     ``weight prefix weight prefix ...`` to blend them in those proportions. Several prefixes without
     weights blend in proportion to their sizes, one pass over each (Megatron never repeats them).
     Give it, or ``train_data_path`` (one of the two)."""
+    data_args_path: str | None = None
+    """``--data-args-path``: a file holding ``data_path``'s entries, whitespace-separated, read instead
+    of ``data_path`` (Megatron's meaning: a blend too long for a command line), e.g. the
+    ``.blend`` file ``tools/preprocess_data.py --shard-size`` writes (``tokens prefix`` per shard)."""
     train_data_path: tuple[str, ...] = ()
     """``--train-data-path``: the training blend alone, in ``data_path``'s forms, each prefix read
     whole for training (Megatron's ``blend_per_split``: no ``split``); with ``valid_data_path`` and
@@ -105,11 +110,23 @@ class DataConfig:
             object.__setattr__(self, name, tuple(value))
             if value:
                 parse_blend(value, where=name)
-        if bool(self.data_path) == bool(self.train_data_path):
-            raise UserError("data: give data_path (one blend cut by split into train, valid and test) or "
-                            "train_data_path (with valid_data_path, test_data_path: a blend per split), "
-                            f"not {'both' if self.data_path else 'neither'}")
-        if self.data_path:
+        if self.data_args_path is not None:
+            if self.data_path:
+                raise UserError(f"data.data_args_path={self.data_args_path!r} is read instead of data_path: give one")
+            try:
+                entries = tuple(Path(self.data_args_path).read_text(encoding="utf-8").split())
+            except OSError as error:
+                raise UserError(f"data.data_args_path={self.data_args_path!r}: {error.strerror or error}") from None
+            if not entries:
+                raise UserError(f"data.data_args_path={self.data_args_path!r}: the file holds no data_path entries")
+            parse_blend(entries, where=f"data.data_args_path={self.data_args_path!r}")
+            object.__setattr__(self, "_args_entries", entries)
+        one_blend = bool(self.data_path) or self.data_args_path is not None
+        if one_blend == bool(self.train_data_path):
+            raise UserError("data: give data_path (one blend cut by split into train, valid and test; or "
+                            "data_args_path, a file of it) or train_data_path (with valid_data_path, "
+                            f"test_data_path: a blend per split), not {'both' if one_blend else 'neither'}")
+        if one_blend:
             if self.split is None:
                 object.__setattr__(self, "split", DEFAULT_SPLIT)
             if self.valid_data_path or self.test_data_path:
@@ -149,13 +166,20 @@ class DataConfig:
         weights or None)``, the pair its ``datasets.utils.get_blend_from_list`` returns (tested
         equal): ``weight prefix`` pairs when every other entry from the first is a number, prefixes
         alone otherwise. Parsed here so that reading a recipe (and ``--dry-run``) imports no Megatron."""
-        return parse_blend(self.data_path, where="data_path") if self.data_path else \
-            parse_blend(self.train_data_path, where="train_data_path")
+        return parse_blend(self.training_entries, where="data_path")
+
+    @property
+    def training_entries(self) -> tuple[str, ...]:
+        """The training blend's entries: ``data_path``, the file of ``data_args_path``, or
+        ``train_data_path``."""
+        if self.data_args_path is not None:
+            return self._args_entries
+        return self.data_path or self.train_data_path
 
     @property
     def per_split(self) -> bool:
         """Whether each split has its own blend (``train_data_path``...), read whole."""
-        return not self.data_path
+        return bool(self.train_data_path)
 
     def split_blend(self, split: str) -> tuple[list[str], list[float] | None] | None:
         """The blend that ``split`` (``train``, ``valid``, ``test``) reads: ``data_path``'s, or its
@@ -548,8 +572,11 @@ class RunConfig:
     def data_paths(self) -> dict[str, list[str]]:
         """The prefixes each data setting names: ``data.data_path``'s and each ``phases[i].data_path``'s
         (what the pre-flight checks are present and made with the run's tokenizer)."""
+        d = self.data
         out = {f"data.{name}": parse_blend(paths, where=f"data.{name}")[0]
-               for name in ("data_path", *PER_SPLIT_PATHS) if (paths := getattr(self.data, name))}
+               for name in ("data_path", *PER_SPLIT_PATHS) if (paths := getattr(d, name))}
+        if d.data_args_path is not None:
+            out[f"data.data_args_path ({d.data_args_path})"] = d.blend[0]
         for index, phase in enumerate(self.phases):
             for name in ("data_path", "valid_data_path"):
                 if (paths := getattr(phase, name)) is not None:

@@ -93,7 +93,7 @@ def phase_contexts(phases: Sequence[ResolvedPhase], *, data: DataConfig, rotary_
             raise UserError(f"{where}: global_batch_size {gbs} is not divisible by micro_batch_size {mbs}")
         mixture = None
         if streams:
-            data_path = phase.data_path or data.data_path or data.train_data_path  # the run's training blend
+            data_path = phase.data_path or data.training_entries  # the run's training blend
             parse_blend(data_path, where=f"{where}.data_path" if phase.data_path else "data")
             mixture = Mixture(data_path=tuple(data_path), temperature=phase.temperature)
         out.append(PhaseContext(phase=phase, seq_length=length, rotary_base=float(phase.rotary_base or rotary_base),

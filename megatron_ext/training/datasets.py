@@ -369,7 +369,7 @@ def build_source_epoch(config: DataConfig, prefix: str, *, tokenizer: EncoderTok
         scan_token_ids(index, tokenizer)
     _check_splits(config, [index], weighted=True, cut=config.split_cut("train"))
     # The prefix alone, cut as the run's training blend is cut (its train share; whole with per-split paths).
-    source = dataclasses.replace(config, data_path=(prefix,), train_data_path=(), valid_data_path=(),
+    source = dataclasses.replace(config, data_path=(prefix,), data_args_path=None, train_data_path=(), valid_data_path=(),
                                  test_data_path=(), split=config.split_cut("train"), eval_iters=0)
     # One epoch of each split (no sizes: Megatron builds each dataset over one epoch).
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [None, None, None], lambda: True,

@@ -260,6 +260,10 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
     if d.per_split:
         lines.append("data              " + "; ".join(f"{name} {' '.join(map(str, paths))}" for name in PER_SPLIT_PATHS
                                                       if (paths := getattr(d, name))) + " (each read whole)")
+    elif d.data_args_path is not None:
+        prefixes = d.blend[0]
+        lines.append(f"data              {len(prefixes)} datasets from data_args_path {d.data_args_path} (first "
+                     f"{prefixes[0]}) (split {d.split})")
     else:
         lines.append(f"data              {' '.join(map(str, d.data_path))} (split {d.split})")
     lines += _source_lines(config)

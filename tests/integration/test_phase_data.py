@@ -428,3 +428,36 @@ def test_two_data_parallel_ranks_read_what_one_reads(straight, tiny_corpus, sour
         assert got["losses"][str(step)] == pytest.approx(loss, rel=1e-5, abs=1e-6), f"step {step}"
     for source, losses in single.valid_by_source[9].items():
         assert got["valid"]["9"][source] == pytest.approx(losses, rel=1e-5), source
+
+
+def test_a_sharded_corpus_trains_from_its_blend_file_through_data_args_path(tiny_corpus, news_texts, tmp_path):
+    """``tools/preprocess_data.py --shard-size`` writes the shards' blend (``tokens prefix`` lines);
+    Megatron's ``--data-args-path`` names that file: the run reads every shard, weighted by its
+    tokens (the corpus sampled as one), and the pre-flight checks each shard."""
+    from megatron_ext.cli import preprocess_data
+    from megatron_ext.data import shards
+    from megatron_ext.training.config import DataConfig
+
+    jsonl = tmp_path / "news.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in news_texts))
+    assert preprocess_data.main(["--input", str(jsonl), "--output-prefix", str(tmp_path / "news"), "--tokenizer-model",
+                                 tiny_corpus["tokenizer"], "--append-eod", "--shard-size", "100KB", "--workers", "2",
+                                 "--launcher", "local"]) == 0
+    blend_file = tmp_path / "news_text_document.blend"
+    entries = shards.read_blend(blend_file)
+    assert len(entries) >= 6  # several shards
+    config = DataConfig(data_args_path=str(blend_file), seq_length=64, micro_batch_size=4, global_batch_size=8)
+    assert config.blend == ([str(p) for p in entries[1::2]], [float(w) for w in entries[0::2]])
+    recipe = tiny_recipe(tiny_corpus, tmp_path / "run", training={"train_iters": 4, "eval_interval": 4, "log_interval": 1})
+    recipe["data"] = {**{k: v for k, v in recipe["data"].items() if k != "data_path"}, "data_args_path": str(blend_file)}
+    result = pretrain(run_config_from_dict(recipe))
+    assert result.final_step == 4 and math.isfinite(result.valid[4]["mlm"])
+    header = next(r for r in map(json.loads, (tmp_path / "run/log/metrics.jsonl").read_text().splitlines())
+                  if "blend" in r)
+    assert [entry["prefix"] for entry in header["blend"]] == [str(p) for p in entries[1::2]]
+    with pytest.raises(UserError, match=r"data.data_args_path='.*nowhere.blend': No such file"):
+        DataConfig(data_args_path=str(tmp_path / "nowhere.blend"), seq_length=64, micro_batch_size=4,
+                   global_batch_size=8)
+    with pytest.raises(UserError, match=r"is read instead of data_path: give one"):
+        DataConfig(data_args_path=str(blend_file), data_path=("x",), seq_length=64, micro_batch_size=4,
+                   global_batch_size=8)
