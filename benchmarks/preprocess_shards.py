@@ -122,15 +122,20 @@ def scaling(corpus: Path, tokenizer_dir: Path, repeat: int, workers: list[int], 
         seconds = time.perf_counter() - start
         shard_dir = shards.ShardDir.for_prefix(str(prefix))
         done = shards.progress(shard_dir)
+        plan_config = shards.ShardDir.for_prefix(str(prefix)).read_plan().config
         start = time.perf_counter()
-        plan = shards.plan_corpus(shards.ShardDir.for_prefix(str(prefix)).read_plan().config, int(shard_size))
-        plan_seconds = time.perf_counter() - start
+        shards.plan_corpus(plan_config, int(shard_size))  # the first call imports the readers (once per driver)
+        cold_plan_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        plan = shards.plan_corpus(plan_config, int(shard_size))
+        plan_seconds = time.perf_counter() - start  # what the plan costs per corpus: the serial part that grows
         start = time.perf_counter()
         shards.finish(shard_dir)
         finish_seconds = time.perf_counter() - start
         rows.append({"workers": n, "shards": len(plan.shards), "tokens": done.tokens, "seconds": seconds,
                      "load_average_1min_after": os.getloadavg()[0],
                      "tokens_per_s": done.tokens / seconds, "plan_seconds": plan_seconds,
+                     "plan_seconds_first_call": cold_plan_seconds,
                      "finish_seconds": finish_seconds})
         print(f"workers={n}: {done.tokens:,} tokens in {seconds:.1f} s = {done.tokens / seconds:,.0f} tokens/s "
               f"({len(plan.shards)} shards)")
