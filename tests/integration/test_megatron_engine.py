@@ -403,22 +403,28 @@ def test_distributed_optimizer_killed_mid_save_resumes_exactly(tmp_path, tiny_co
     while a save is in flight; its writer is Megatron's own or NVRx's (``async_strategy``)."""
     straight = _run(_distopt(tiny_corpus, tmp_path / "straight", steps=9, async_save=async_save,
                              async_strategy=async_strategy), tmp_path, "straight", world=2)
-    raw = _distopt(tiny_corpus, tmp_path / "killed", steps=9, async_save=async_save, async_strategy=async_strategy)
-    recipe = tmp_path / "recipe.json"
-    recipe.write_text(json.dumps(raw))  # JSON is YAML
-    save_dir = tmp_path / "killed/ckpt"
-    run = _torchrun(recipe, tmp_path / "killed.log")
-    deadline = time.time() + 240
-    while time.time() < deadline and run.poll() is None:
-        if save_dir.is_dir() and any(p.name.startswith("iter_0000006.tmp-") for p in save_dir.iterdir()):
+    # A tiny model's save takes milliseconds: on a loaded machine the kill may land after it is
+    # published; then the attempt is made again in a fresh directory (3 at most).
+    for attempt in range(3):
+        raw = _distopt(tiny_corpus, tmp_path / f"killed{attempt}", steps=9, async_save=async_save,
+                       async_strategy=async_strategy)
+        recipe = tmp_path / f"recipe{attempt}.json"
+        recipe.write_text(json.dumps(raw))  # JSON is YAML
+        save_dir = tmp_path / f"killed{attempt}/ckpt"
+        run = _torchrun(recipe, tmp_path / f"killed{attempt}.log")
+        deadline = time.time() + 240
+        while time.time() < deadline and run.poll() is None:
+            if save_dir.is_dir() and any(p.name.startswith("iter_0000006.tmp-") for p in save_dir.iterdir()):
+                break
+            time.sleep(0.005)
+        ranks = psutil.Process(run.pid).children(recursive=True)  # torchrun's workers have sessions of their own
+        for process in [psutil.Process(run.pid), *ranks]:
+            process.send_signal(signal.SIGKILL)
+        run.wait()
+        psutil.wait_procs(ranks, timeout=30)
+        if not (save_dir / "iter_0000006").exists():
             break
-        time.sleep(0.005)
-    ranks = psutil.Process(run.pid).children(recursive=True)  # torchrun's workers have sessions of their own
-    for process in [psutil.Process(run.pid), *ranks]:
-        process.send_signal(signal.SIGKILL)
-    run.wait()
-    psutil.wait_procs(ranks, timeout=30)
-    assert not (save_dir / "iter_0000006").exists(), "the kill came after the save completed"
+    assert not (save_dir / "iter_0000006").exists(), "the kill came after the save completed, 3 times"
     assert latest_checkpoint(save_dir).name == "iter_0000003"
     resumed = _run(raw, tmp_path, "resumed", world=2)
     assert resumed["start"] == 3
