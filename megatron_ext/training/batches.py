@@ -77,7 +77,8 @@ class Batches:
         the iterator of its segment, built at the segment's first step or where a resume starts."""
         segment = context_lib.span_at(context_lib.dataset_spans(self.config.phase_contexts), step)
         if segment != self.segment:
-            self.train = segment_iterator(self.config, self.tokenizer, segment, step, datasets=self.datasets)
+            self.train = segment_iterator(self.config, self.tokenizer, segment, step, datasets=self.datasets,
+                                          source_plan=self.source_plan)
             self.segment = segment
         dp_size = parallel_state.get_data_parallel_world_size()
         count = self.config.global_batch_size_at(step) // (context.micro_batch_size * dp_size)
@@ -118,14 +119,16 @@ class Batches:
 
 
 def segment_iterator(config: RunConfig, tokenizer: EncoderTokenizer, segment: context_lib.DatasetSpan,
-                     step: int, *, datasets: DatasetProvider) -> Iterator:
+                     step: int, *, datasets: DatasetProvider,
+                     source_plan: tuple[SpanReads, ...] | None = None) -> Iterator:
     """Micro-batches of ``segment`` from ``step`` on: the training dataset of the segment's length
-    (``datasets``'), sized for every sample that length's segments read (``training.context``)."""
+    (``datasets``'), sized for every sample that length's segments read (``training.context``); in a
+    run whose phases set their own data, the span's reads of ``source_plan`` (planned once, at start)."""
     data_cfg = segment.contexts[0].data_config(config.data)
     spans = context_lib.dataset_spans(config.phase_contexts)
     first = 0
     if segment.mixture is not None:  # its own sources, each continued where the run left it
-        plan = datasets.plan_source_reads(config.data, spans)[spans.index(segment)]
+        plan = source_plan[spans.index(segment)]
         train_ds = datasets.build_span_dataset(data_cfg, plan, tokenizer=tokenizer, seed=config.training.seed)
         first = segment.first_sample  # the span's dataset starts at its own first sample
     else:
