@@ -61,6 +61,9 @@ from megatron_ext.tokenizer import TokenizerConfig
 logger = logging.getLogger(__name__)
 
 COMPLETE = "checkpoint_complete.json"
+WEIGHTS_STEP = "weights_step"
+"""The completion marker's key for the step whose training the weights hold, where it is not the
+checkpoint's step (a save right after a rollback); absent otherwise."""
 RUN_CONFIG = "run_config.json"
 MODEL_CONFIG = "model_config.json"
 """The architecture of the saved weights: the run config's model section with the RoPE base the
@@ -199,6 +202,14 @@ class Checkpoint:
         """The number of training steps the checkpoint has completed."""
         return int(self._json(COMPLETE)["step"])
 
+    @property
+    def weights_step(self) -> int:
+        """The step whose training the weights hold: :attr:`step`, except in a checkpoint saved
+        right after a rollback (``training.recovery``), which holds the rolled-back-to step's weights
+        at the newer step number. What the weights last trained is read at this step."""
+        marker = self._json(COMPLETE)
+        return int(marker.get(WEIGHTS_STEP, marker["step"]))
+
     def _json(self, name: str) -> dict:
         return json.loads((self.path / name).read_text())
 
@@ -300,7 +311,8 @@ class Checkpoint:
         if not run.get("phases") or "train_iters" not in (run.get("training") or {}):
             return None
         phases = [coerce(raw, Phase, f"{self.path / RUN_CONFIG} phases[{i}]") for i, raw in enumerate(run["phases"])]
-        objective = phase_at(resolve_phases(phases, run["training"]["train_iters"]), max(self.step - 1, 0)).objective
+        objective = phase_at(resolve_phases(phases, run["training"]["train_iters"]),
+                             max(self.weights_step - 1, 0)).objective
         return {"name": objective.name, "prediction_offset": objective.prediction_offset, "causal": objective.causal}
 
     def optimizer_format(self) -> dict | None:

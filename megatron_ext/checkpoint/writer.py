@@ -42,8 +42,8 @@ from megatron_ext.megatron_compat.checkpoint_results import ResultsQueue
 from megatron_ext.checkpoint import storage
 from megatron_ext.checkpoint.config import check_nvrx_async_writer
 from megatron_ext.checkpoint.reader import (COMPLETE, MANIFEST_KEY, MODEL_CONFIG, RUN_CONFIG, TOKENIZER_REFERENCE,
-                                            OptimizerCheckpointState, complete_checkpoints, latest_checkpoint,
-                                            missing_shards)
+                                            WEIGHTS_STEP, OptimizerCheckpointState, complete_checkpoints,
+                                            latest_checkpoint, missing_shards)
 from megatron_ext.config_loading import UserError
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ def save_checkpoint(
     tokenizer_reference: dict,
     keep_last: int,
     keep_steps: tuple[int, ...] = (),
+    weights_step: int | None = None,
 ) -> Path:
     """Write ``<save_dir>/iter_<step>`` atomically on every rank (a collective) and return it.
 
@@ -87,12 +88,15 @@ def save_checkpoint(
         tokenizer_reference: Which tokenizer the weights expect, JSON-serialisable.
         keep_last: Keep this many newest complete checkpoints (the new one included); 0: all.
         keep_steps: Steps never pruned, besides those (the checkpoints other runs branch from).
+        weights_step: The step whose training the weights hold when it is not ``step``: a save right
+            after a rollback (``training.recovery``) holds an earlier step's weights at the newer step
+            number. Recorded in the completion marker (``Checkpoint.weights_step``).
     """
     with CheckpointSaver(async_save=False) as saver:
         return saver.save(save_dir, step=step, model=model, optimizer=optimizer, trainer_state=trainer_state,
                           run_config=run_config, model_config=model_config,
                           tokenizer_reference=tokenizer_reference, keep_last=keep_last,
-                          keep_steps=keep_steps)
+                          keep_steps=keep_steps, weights_step=weights_step)
 
 
 class CheckpointSaver:
@@ -184,7 +188,7 @@ class CheckpointSaver:
     def save(self, save_dir: str | os.PathLike, *, step: int, model: torch.nn.Module,
              optimizer: OptimizerCheckpointState | None, trainer_state: dict, run_config: dict,
              model_config: dict, tokenizer_reference: dict, keep_last: int,
-             keep_steps: tuple[int, ...] = ()) -> Path:
+             keep_steps: tuple[int, ...] = (), weights_step: int | None = None) -> Path:
         """Start writing ``<save_dir>/iter_<step>`` (arguments: :func:`save_checkpoint`); returns
         its final path, complete on return unless the save is asynchronous."""
         if self._closed:
@@ -196,6 +200,8 @@ class CheckpointSaver:
             raise UserError(f"checkpoint step must be >= 0, got {step}")
         if keep_last < 0:
             raise UserError(f"keep_last must be >= 1, or 0 to keep every checkpoint; got {keep_last}")
+        if weights_step is not None and not 0 <= weights_step <= step:
+            raise UserError(f"weights_step must be in [0, {step}] (the checkpoint's step), got {weights_step}")
         trainer_state = _checked_trainer_state(trainer_state, step)
         files = {RUN_CONFIG: _to_json("run_config", run_config),
                  MODEL_CONFIG: _to_json("model_config", model_config),
@@ -220,6 +226,8 @@ class CheckpointSaver:
             state["optimizer"] = optimizer.sharded_state_dict(model_state)
             content_metadata = optimizer.format()
         info = {"step": step, "has_optimizer": optimizer is not None}
+        if weights_step is not None and weights_step != step:
+            info[WEIGHTS_STEP] = weights_step
         pending = _PendingSave(step=step, tmp=tmp, save_dir=save_dir, needed_bytes=_needed_bytes(save_dir, state))
 
         def publish() -> None:

@@ -40,7 +40,7 @@ from megatron_ext.schedule import lr_at
 from megatron_ext.tokenizer import EncoderTokenizer
 from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, Checkpoint
 from megatron_ext.checkpoint.lock import SaveDirectoryLock
-from megatron_ext.checkpoint.resume import BRANCHED_FROM, load_starting_point
+from megatron_ext.checkpoint.resume import BRANCHED_FROM, StartingPoint, load_starting_point
 from megatron_ext.checkpoint.writer import CheckpointSaver
 from megatron_ext.training import cuda_graphs
 from megatron_ext.training import context as context_lib
@@ -332,25 +332,29 @@ class _RunCheckpoints:
     def __init__(self, config: RunConfig, engine: MegatronEngine, tokenizer: EncoderTokenizer, *,
                  lock: SaveDirectoryLock | None):
         self.config = config.checkpoint
+        self.phase_contexts = config.phase_contexts
         self.engine = engine
         self.lock = lock
         self.run_config = config.to_dict()
         self.tokenizer_reference = {**tokenizer.reference(), TOKENIZER_FINGERPRINT: tokenizer.fingerprint()}
         self.saver = CheckpointSaver(async_save=self.config.async_save, async_strategy=self.config.async_strategy)
 
-    def save(self, step: int, trainer_state: dict, *, rotary_base: float, protect: tuple[int, ...] = ()) -> str:
-        """Save (or start saving) the state after ``step``, whose phase trained with RoPE theta
-        ``rotary_base`` (saved as the weights' ``model.rotary_base``); returns the checkpoint's path.
-        ``protect``: steps the pruning keeps besides ``checkpoint.keep_steps`` (a rollback point)."""
+    def save(self, step: int, trainer_state: dict, *, weights_step: int, protect: tuple[int, ...] = ()) -> str:
+        """Save (or start saving) the state after ``step``; returns the checkpoint's path.
+        ``weights_step``: the step whose training the weights hold (``step``, or after a rollback the
+        step rolled back to), whose phase's RoPE base is saved as the weights' ``model.rotary_base``
+        (``context.phase_contexts``, the one rule). ``protect``: steps the pruning keeps besides
+        ``checkpoint.keep_steps`` (a rollback point)."""
         if self.lock is not None:
             self.lock.check_held(before=f"saving step {step}")
+        rotary_base = context_lib.context_at(self.phase_contexts, max(weights_step - 1, 0)).rotary_base
         with self.engine.checkpointing():
             path = self.saver.save(
                 self.config.save, step=step, model=self.engine.checkpoint_model,
                 optimizer=self.engine.optimizer_state, trainer_state=trainer_state, run_config=self.run_config,
                 model_config={**self.run_config["model"], "rotary_base": rotary_base},
                 tokenizer_reference=self.tokenizer_reference, keep_last=self.config.keep_last,
-                keep_steps=tuple(sorted({*self.config.keep_steps, *protect})),
+                keep_steps=tuple(sorted({*self.config.keep_steps, *protect})), weights_step=weights_step,
             )
         if is_writer():
             print(f"{'writing checkpoint in the background' if self.saver.in_flight else 'saved checkpoint'} {path}",
@@ -466,12 +470,11 @@ def _check_resume_keeps_context(checkpoint: Checkpoint, config: RunConfig) -> No
             "docs/pretraining.md")
 
 
-def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: EncoderTokenizer, device: torch.device,
-                  exit_after_step: int | None, lock: SaveDirectoryLock | None,
-                  dataset_provider: DatasetProvider) -> TrainResult:
-    """The run with its engine built: the starting point loaded, then the steps."""
-    total = config.training.train_iters
-    phases = config.resolved_phases
+def _starting_state(config: RunConfig, engine: MegatronEngine, *,
+                    tokenizer: EncoderTokenizer) -> tuple[StartingPoint, dict]:
+    """The starting point loaded into ``engine`` (this run's newest checkpoint, a branch's parent, the
+    weights continued from, or nothing), and the trainer state the run goes on from, its RNG states
+    restored."""
     where = f"checkpoint.branch_from={config.checkpoint.branch_from!r}"
     starting_point = load_starting_point(
         engine, config.checkpoint, tokenizer=tokenizer, tokenizer_model=config.tokenizer.tokenizer_model,
@@ -483,6 +486,53 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
     if starting_point.from_parent:
         state = {key: value for key, value in state.items() if key not in PARENT_ONLY}
     hardware.set_rng_state(state)
+    return starting_point, state
+
+
+def _recovery_for(config: RunConfig, state: dict, rank_nodes: Sequence[str]) -> _Recovery:
+    """The run's spike watch, rollbacks, timed saves and hang watchdog, continued from ``state``."""
+    t = config.training
+    recovery = _Recovery(spikes=LossSpikeWatch(t.loss_spike_factor, t.loss_spike_window, state.get(LOSS_WINDOW)),
+                         rollbacks=Rollbacks(t.spike_rollbacks, config.checkpoint.save,
+                                             save_interval=config.checkpoint.save_interval,
+                                             keep_steps=config.checkpoint.keep_steps, done=state.get(ROLLBACKS)),
+                         timed_saves=TimedSaves(config.checkpoint.save_interval_minutes))
+    if t.hang_timeout_minutes is not None:
+        rank = dist.get_rank()
+        recovery.watchdog = HangWatchdog(timeout_s=60 * t.hang_timeout_minutes, rank=rank,
+                                         directory=heartbeat_dir(config.checkpoint.save, config.logging.log_dir),
+                                         node=rank_nodes[rank] if rank < len(rank_nodes) else None)
+    return recovery
+
+
+def _announce(config: RunConfig, batches: Batches, starting_point: StartingPoint, *, sinks: MetricSinks,
+              log: StepLogger, start: int, rank_nodes: Sequence[str]) -> None:
+    """What the run reads and where it starts: the metrics header, the banner, the data plan, a branch."""
+    header = {"blend": batches.blend}
+    if batches.source_plan is not None:
+        header["source_reads"] = [dataclasses.asdict(plan) for plan in batches.source_plan]
+    sinks.header(header, start)
+    log.banner(config.resolved_phases, rank_nodes)
+    if not is_writer():
+        return
+    if batches.source_plan is not None:
+        print(format_source_plan(batches.source_plan), flush=True)
+    elif len(batches.blend) > 1:
+        print(format_blend(batches.blend, train_samples=config.training.train_iters * config.data.global_batch_size),
+              flush=True)
+    if starting_point.branched_from:
+        origin = starting_point.branched_from
+        print(f"branched from {origin['save']} at step {origin['step']}"
+              + ("" if starting_point.from_parent else f" (resumed from this run's {starting_point.checkpoint})"),
+              flush=True)
+
+
+def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: EncoderTokenizer, device: torch.device,
+                  exit_after_step: int | None, lock: SaveDirectoryLock | None,
+                  dataset_provider: DatasetProvider) -> TrainResult:
+    """The run with its engine built: the starting point loaded, then the steps."""
+    total = config.training.train_iters
+    starting_point, state = _starting_state(config, engine, tokenizer=tokenizer)
     start = int(state.get("step", 0))
     first_checkpoint = str(starting_point.checkpoint) if starting_point.checkpoint else None
     if start > total:
@@ -502,16 +552,7 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
     result = TrainResult(start_step=start, final_step=start, checkpoint=first_checkpoint)
     guard = _NonFiniteGuard(t.max_nonfinite_steps, in_a_row=int(state.get("nonfinite_in_a_row", 0)),
                             total=int(state.get("skipped_steps", 0)))
-    recovery = _Recovery(spikes=LossSpikeWatch(t.loss_spike_factor, t.loss_spike_window, state.get(LOSS_WINDOW)),
-                         rollbacks=Rollbacks(t.spike_rollbacks, config.checkpoint.save,
-                                             save_interval=config.checkpoint.save_interval,
-                                             keep_steps=config.checkpoint.keep_steps, done=state.get(ROLLBACKS)),
-                         timed_saves=TimedSaves(config.checkpoint.save_interval_minutes))
-    if t.hang_timeout_minutes is not None:
-        rank = dist.get_rank()
-        recovery.watchdog = HangWatchdog(timeout_s=60 * t.hang_timeout_minutes, rank=rank,
-                                         directory=heartbeat_dir(config.checkpoint.save, config.logging.log_dir),
-                                         node=rank_nodes[rank] if rank < len(rank_nodes) else None)
+    recovery = _recovery_for(config, state, rank_nodes)
     with contextlib.ExitStack() as stack:  # undone in reverse, whatever ends the run
         # Installed first, removed last: a stop signal during set-up ends the run after its first
         # step, and a second one during the closing saves is only recorded.
@@ -519,21 +560,8 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
         sinks = MetricSinks(config.logging, run_config=config.to_dict(), wandb_run_id=state.get("wandb_run_id"),
                             start_step=start)
         stack.callback(sinks.close)
-        header = {"blend": batches.blend}
-        if batches.source_plan is not None:
-            header["source_reads"] = [dataclasses.asdict(plan) for plan in batches.source_plan]
-        sinks.header(header, start)
         log = StepLogger(config, sinks, total_steps=total, start_step=start)
-        log.banner(phases, rank_nodes)
-        if batches.source_plan is not None and is_writer():
-            print(format_source_plan(batches.source_plan), flush=True)
-        elif len(batches.blend) > 1 and is_writer():
-            print(format_blend(batches.blend, train_samples=total * config.data.global_batch_size), flush=True)
-        if is_writer() and starting_point.branched_from:
-            origin = starting_point.branched_from
-            print(f"branched from {origin['save']} at step {origin['step']}"
-                  + ("" if starting_point.from_parent else f" (resumed from this run's {first_checkpoint})"),
-                  flush=True)
+        _announce(config, batches, starting_point, sinks=sinks, log=log, start=start, rank_nodes=rank_nodes)
         checkpoints = _RunCheckpoints(config, engine, tokenizer, lock=lock)
         # No writer process outlives the run: published then stopped, or killed after an error.
         stack.push(lambda error_type, error, traceback: checkpoints.close(abort=error_type is not None))
@@ -541,9 +569,9 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
         if recovery.watchdog is not None:
             recovery.watchdog.start(start)
             stack.callback(recovery.watchdog.stop)
-        _train_steps(config, start=start, total=total, phases=phases, batches=batches, engine=engine,
-                     vocabulary=Vocabulary(tokenizer, size=config.model.vocab_size), device=device, log=log,
-                     guard=guard, recovery=recovery, checkpoints=checkpoints,
+        _train_steps(config, start=start, total=total, phases=config.resolved_phases, batches=batches,
+                     engine=engine, vocabulary=Vocabulary(tokenizer, size=config.model.vocab_size), device=device,
+                     log=log, guard=guard, recovery=recovery, checkpoints=checkpoints,
                      stop=stop, sinks=sinks, result=result, exit_after_step=exit_after_step,
                      branched_from=starting_point.branched_from)
         checkpoints.wait()  # the last checkpoint is complete when the run returns
@@ -603,18 +631,19 @@ def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: 
             result.test, by_source = validate(engine, test_batches, config=config, vocabulary=vocabulary,
                                               rotary_base=context.rotary_base, sources=batches.test_sources)
             log.test(done, result.test, by_source)
-        stopping = stop.reason_to_stop(done, device)  # a collective: every rank, every step
+        # A collective, every rank, every step: stop or not, and a wall-clock save or not.
+        agreed = stop.agree(done, device, timed_save_elapsed=recovery.timed_saves.elapsed())
+        stopping = agreed.stop
         if stopping is None and exit_after_step is not None and done >= exit_after_step:
             stopping = f"exit_after_step={exit_after_step}"
         if done == total:
             stopping = None  # the run is complete, not stopped
         kept = done in config.checkpoint.keep_steps  # a step other runs start from
-        timed = recovery.timed_saves.due(device)  # a collective when set: every rank, every step
         if config.checkpoint.save and (_due(done, config.checkpoint.save_interval, total) or stopping or kept
-                                       or rolled or timed):
+                                       or rolled or agreed.timed_save):
             result.checkpoint = checkpoints.save(done, _trainer_state(
                 done, config, guard.in_a_row, guard.total, sinks.wandb_run_id, branched_from,
-                recovery), rotary_base=context.rotary_base,
+                recovery), weights_step=rolled["to_step"] if rolled else done,
                 protect=recovery.rollbacks.protected(done))
             recovery.timed_saves.saved()
         recovery.step_finished(done)

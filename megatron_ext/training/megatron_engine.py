@@ -30,6 +30,7 @@ step, runs validation eagerly and deletes them in ``close`` (``training.cuda_gra
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -169,9 +170,6 @@ class MegatronEngine(TrainingState):
             transformer_config.grad_sync_func = self.ddp.start_grad_sync
         if p.overlap_param_gather:
             transformer_config.param_sync_func = self.ddp.start_param_sync
-        self._sources = 0
-        """Sources an evaluation adds its losses up by (:meth:`eval_loss_by_source`); 0: none."""
-        self._by_source: list[list[float]] = []
         self.forward_backward = get_forward_backward_func()
         self.model = self.ddp
         """The module that runs forward (``train()``/``eval()`` are set on it)."""
@@ -186,7 +184,9 @@ class MegatronEngine(TrainingState):
             self.graphs = cuda_graphs.LayerGraphs(self.ddp, patterns=cuda_graphs.attention_patterns(config),
                                                   bf16_autocast=config.training.bf16)
 
-    def _forward_step(self, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
+    def _forward_step(self, data_iterator: Iterator[MicroBatch], model: torch.nn.Module, *, sources: int = 0):
+        """Megatron's forward step: the micro-batch's per-token loss, and its reduction; with
+        ``sources``, also each source's ``(loss sum, tokens)`` by the rows' ``MicroBatch.sources``."""
         micro = next(data_iterator)
         t = self.config.training
         output = per_token_loss(model, micro, bf16=t.bf16, lm_head_scored_only=t.lm_head_scored_only)
@@ -194,27 +194,31 @@ class MegatronEngine(TrainingState):
         def loss_func(per_token: torch.Tensor):
             loss_sum, n = masked_loss_sum(per_token, micro)
             reported = {"loss": torch.stack([loss_sum.detach(), n.detach().float()])}
-            if self._sources and micro.sources is not None:  # per row, added up per source
+            if sources and micro.sources is not None:  # per row, added up per source
                 mask = micro.objective.loss_mask.to(torch.float32)
                 rows = torch.stack([(per_token.detach().float() * mask).sum(dim=1), mask.sum(dim=1)], dim=1)
-                reported["by_source"] = torch.zeros(self._sources, 2, device=rows.device).index_add_(
+                reported["by_source"] = torch.zeros(sources, 2, device=rows.device).index_add_(
                     0, micro.sources.to(rows.device, torch.long), rows)
             return loss_sum, n, reported
 
         return output, loss_func
 
-    def _run(self, micro_batches: Sequence[MicroBatch], *, forward_only: bool) -> tuple[float, float]:
+    def _run(self, micro_batches: Sequence[MicroBatch], *, forward_only: bool,
+             sources: int = 0) -> tuple[float, float, list[tuple[float, float]]]:
+        """(sum of token losses, token count, each of ``sources`` sources' two) over the
+        data-parallel group, after the forward (and backward) passes of ``micro_batches``."""
         # The shape the pipeline's stages exchange: the batches' own (a phase may change the
         # sequence length and the micro-batch size, ``training.context``).
         d = self.config.data
         micro_batch_size, seq_length = (tuple(micro_batches[0].objective.input_ids.shape) if micro_batches
                                         else (d.micro_batch_size, d.seq_length))
         reported = self.forward_backward(
-            forward_step_func=self._forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
+            forward_step_func=functools.partial(self._forward_step, sources=sources),
+            data_iterator=iter(micro_batches), model=[self.ddp],
             num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
             forward_only=forward_only,
         )
-        totals = torch.zeros(1 + self._sources, 2, dtype=torch.float64, device=hardware.device())
+        totals = torch.zeros(1 + sources, 2, dtype=torch.float64, device=hardware.device())
         for item in reported or []:  # only the last pipeline stage reports losses
             totals[0] += item["loss"].double()
             if "by_source" in item:
@@ -222,8 +226,7 @@ class MegatronEngine(TrainingState):
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # share with the other stages
             dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
-        self._by_source = totals[1:].tolist()
-        return float(totals[0, 0]), float(totals[0, 1])
+        return float(totals[0, 0]), float(totals[0, 1]), [(loss, tokens) for loss, tokens in totals[1:].tolist()]
 
     def train_step(self, micro_batches: Sequence[MicroBatch], lr: float) -> StepOutcome:
         """One optimizer step over this rank's micro-batches (skipped when non-finite)."""
@@ -233,7 +236,7 @@ class MegatronEngine(TrainingState):
             self.graphs.capture(lambda priming: self._run(priming, forward_only=False), micro_batches)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss_sum, tokens = self._run(micro_batches, forward_only=False)
+        loss_sum, tokens, _ = self._run(micro_batches, forward_only=False)
         loss = loss_sum / tokens if tokens > 0 else math.nan
         if not (math.isfinite(loss) and self._gradients_finite()):
             self.ddp.zero_grad_buffer()
@@ -270,20 +273,17 @@ class MegatronEngine(TrainingState):
     def eval_loss(self, micro_batches: Sequence[MicroBatch]) -> tuple[float, float]:
         """(sum of token losses, token count) over the data-parallel group, no update (eagerly
         with layer graphs: validation's shapes and patterns need not be the captured ones)."""
-        with self.graphs.eager() if self.graphs is not None else contextlib.nullcontext():
-            return self._run(micro_batches, forward_only=True)
+        loss_sum, tokens, _ = self.eval_loss_by_source(micro_batches, 0)
+        return loss_sum, tokens
 
+    @torch.no_grad()
     def eval_loss_by_source(self, micro_batches: Sequence[MicroBatch], sources: int
                             ) -> tuple[float, float, list[tuple[float, float]]]:
         """:meth:`eval_loss`, and in the same pass ``(sum of token losses, token count)`` of each of
         the ``sources`` sources the micro-batches' rows name (``MicroBatch.sources``), over the
         data-parallel group."""
-        self._sources = sources
-        try:
-            loss_sum, tokens = self.eval_loss(micro_batches)
-        finally:
-            self._sources = 0
-        return loss_sum, tokens, [(source_sum, source_tokens) for source_sum, source_tokens in self._by_source]
+        with self.graphs.eager() if self.graphs is not None else contextlib.nullcontext():
+            return self._run(micro_batches, forward_only=True, sources=sources)
 
     def close(self) -> None:
         """Release what outlives a step: the layer graphs and Megatron's global graph state (the

@@ -11,7 +11,8 @@ back, saves on a wall-clock cadence.
   never trained again (OLMo's and PaLM's restart-and-skip, without the restart). Data positions
   stay a function of the step, so a resume reads what the uninterrupted run reads.
 - **Timed saves** (``checkpoint.save_interval_minutes``): a save after the first step that ends that
-  long after the last one, decided with one all-reduce (MAX) so that every rank saves the same step.
+  long after the last one, decided in the stop decision's all-reduce (MAX) so that every rank saves
+  the same step without a collective of its own.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
 
 from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.checkpoint.resume import TrainingState
@@ -78,21 +77,17 @@ class LossSpikeWatch:
 
 
 class TimedSaves:
-    """``checkpoint.save_interval_minutes``: whether a save is due after a step, every rank agreeing."""
+    """``checkpoint.save_interval_minutes``: whether that long has passed since the last save, on
+    this rank; every rank saves the same step because the stop decision's all-reduce carries it
+    (``StopPolicy.agree``)."""
 
     def __init__(self, minutes: float | None):
         self.minutes = minutes
         self.last = time.monotonic()
 
-    def due(self, device: torch.device) -> bool:
-        """A collective when the cadence is set (every rank, every step); False without one."""
-        if self.minutes is None:
-            return False
-        local = torch.tensor([int(time.monotonic() - self.last >= 60 * self.minutes)], dtype=torch.int32,
-                             device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        return bool(local.item())
+    def elapsed(self) -> bool:
+        """Whether a save is due here (False without a cadence); no collective."""
+        return self.minutes is not None and time.monotonic() - self.last >= 60 * self.minutes
 
     def saved(self) -> None:
         """A save (of any cause) just happened: the next is due ``minutes`` from now."""

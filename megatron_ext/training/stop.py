@@ -29,6 +29,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -36,7 +37,6 @@ import torch.distributed as dist
 
 from megatron_ext import processes
 from megatron_ext.fileio import write_atomic
-
 from megatron_ext.exit_codes import EXIT_STATUS_ENV, INTERRUPTED_EXIT_CODE
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -62,6 +62,16 @@ def _say(line: str) -> None:
 
 # Reasons, by priority in the all-reduce (MAX): a signal outranks the budget, the budget the interval.
 _NONE, _INTERVAL, _DURATION, _SIGNAL = 0, 1, 2, 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepAgreement:
+    """What every rank decided alike after a step (``StopPolicy.agree``)."""
+
+    stop: str | None
+    """Why the run stops after the step; None: it goes on."""
+    timed_save: bool
+    """A wall-clock save is due (``checkpoint.save_interval_minutes``)."""
 
 
 class StopPolicy:
@@ -140,6 +150,12 @@ class StopPolicy:
     def reason_to_stop(self, step: int, device: torch.device) -> str | None:
         """After ``step``: why every rank stops now (the same answer on every rank: a collective),
         or None to go on."""
+        return self.agree(step, device).stop
+
+    def agree(self, step: int, device: torch.device, *, timed_save_elapsed: bool = False) -> StepAgreement:
+        """After ``step``, what every rank decides alike, in one collective (every rank, every
+        step): whether to stop (:meth:`reason_to_stop`), and whether a wall-clock save is due
+        (``timed_save_elapsed`` on any rank: ``recovery.TimedSaves``)."""
         # The reason, and which rank a stop signal reached, as one number: 2 * world - rank for a
         # SIGUSR1, world - rank for another signal, 0 for none. The maximum is then the lowest rank a
         # SIGUSR1 reached, else the lowest any signal reached: a launcher tells a warning (requeue)
@@ -148,10 +164,16 @@ class StopPolicy:
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         usr1 = "SIGUSR1" in self.received
         reached = 2 * world - rank if usr1 else world - rank if self.received else 0
-        code = torch.tensor([self._local_reason(step), reached], dtype=torch.int32, device=device)
+        code = torch.tensor([self._local_reason(step), reached, int(timed_save_elapsed)], dtype=torch.int32,
+                            device=device)
         if world > 1:
             dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        code, reached = (int(value) for value in code.tolist())
+        code, reached, timed_save = (int(value) for value in code.tolist())
+        return StepAgreement(stop=self._describe(code, reached, world=world, usr1=usr1),
+                             timed_save=bool(timed_save))
+
+    def _describe(self, code: int, reached: int, *, world: int, usr1: bool) -> str | None:
+        """The stop line's reason for the all-reduced ``code`` and ``reached`` (:meth:`agree`)."""
         if code == _SIGNAL:
             warned = reached > world
             other = (2 * world if warned else world) - reached

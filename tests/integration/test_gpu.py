@@ -454,7 +454,7 @@ def _one_backward(config, batches, weights: dict | None) -> tuple[dict, float, t
         assert not [key for key in missing if not key.endswith("_extra_state")], missing
     engine = MegatronEngine(model, config)
     engine.ddp.zero_grad_buffer()
-    loss_sum, _ = engine._run(batches, forward_only=False)
+    loss_sum, _, _ = engine._run(batches, forward_only=False)
     grads = torch.cat([buffer.grad_data.float().flatten() for buffer in engine.ddp.buffers]).clone()
     return {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}, loss_sum, grads, model
 

@@ -95,6 +95,29 @@ def test_the_non_finite_stop_rolls_back_until_none_is_left(tiny_corpus, tmp_path
     assert rollback["to_step"] < rollback["step"] - 1  # a checkpoint before the first non-finite step
 
 
+def test_a_save_after_a_rollback_records_the_weights_it_holds(tiny_corpus, tmp_path):
+    """A rollback across a phase change: the checkpoint saved at the rollback's step holds the older
+    step's weights, so it records that step (``Checkpoint.weights_step``) and what those weights
+    trained with (the RoPE base in ``model_config.json``, the objective exports record), not the new
+    phase's."""
+    recipe = _recipe(tiny_corpus, tmp_path, lr=1000.0, spike_rollbacks=1, max_nonfinite_steps=2)
+    recipe["phases"] = [{"objective": "mlm", "mask_ratio": 0.4, "share": 5 / 16},
+                        {"objective": "mlm", "mask_ratio": 0.15, "share": 11 / 16, "rotary_base": 160000}]
+    with pytest.raises(NonFiniteLossError):
+        pretrain(run_config_from_dict(recipe))
+    (rollback,) = _records(tmp_path, "rollback")
+    assert rollback["to_step"] <= 5 < rollback["step"], rollback  # back across the change at step 5
+    saved = Checkpoint.at_step(tmp_path / "ckpt", rollback["step"])
+    assert saved.weights_step == rollback["to_step"]
+    target = Checkpoint.at_step(tmp_path / "ckpt", rollback["to_step"])
+    assert target.weights_step == target.step
+    assert saved.model_config().rotary_base == target.model_config().rotary_base != 160000
+    assert saved.trained_objective() == target.trained_objective()
+    assert saved.trained_objective()["name"] == "mlm-40"
+    later = [c for c in Checkpoint.every(tmp_path / "ckpt") if c.step > rollback["step"]]
+    assert later and all(c.model_config().rotary_base == 160000 for c in later)  # trained on in phase 2
+
+
 def test_a_wall_clock_cadence_saves_between_step_saves(tiny_corpus, tmp_path, capsys):
     """``checkpoint.save_interval_minutes`` far below a step's time: every step is saved though the
     step cadence (1,000) saves only the last; the dry run says what a failure loses at that cadence."""
