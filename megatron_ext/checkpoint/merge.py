@@ -41,9 +41,8 @@ from typing import Any, Literal
 import torch
 
 from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, TRAINED_OBJECTIVE, Checkpoint
-from megatron_ext.checkpoint.single_process import (build_local_model, load_megatron_checkpoint,
+from megatron_ext.checkpoint.single_process import (load_megatron_checkpoint, save_weights,
                                                     single_process_model_parallel)
-from megatron_ext.checkpoint.writer import save_checkpoint
 from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import is_empty_dir_or_absent, publish_dir, staged_dir
 
@@ -376,19 +375,13 @@ def merge_checkpoints(parents: Sequence[str | os.PathLike], output_dir: str | os
         tokenizer_reference = dataclasses.asdict(opened[0].tokenizer_config())
         fingerprint = opened[0].tokenizer_fingerprint()
         with staged_dir(output_dir) as tmp:
-            model = build_local_model(opened[0].model_config())
-            outcome = model.load_state_dict(merged, strict=False)
-            if outcome.unexpected_keys or [k for k in outcome.missing_keys if not k.endswith("._extra_state")]:
-                raise RuntimeError(f"merged state and model disagree: missing {outcome.missing_keys}, "
-                                   f"unexpected {outcome.unexpected_keys}")
             log(f"saving the merged checkpoint into {output_dir}")
-            checkpoint = save_checkpoint(
-                tmp, step=0, model=model, optimizer=None, trainer_state={},
+            checkpoint = save_weights(
+                tmp, opened[0].model_config(), merged,
                 run_config={"model": model_config, "tokenizer": tokenizer_reference, TRAINED_OBJECTIVE: objective,
                             MERGE_KEY: provenance},
                 model_config=model_config,
-                tokenizer_reference={**tokenizer_reference, **({TOKENIZER_FINGERPRINT: fingerprint} if fingerprint else {})},
-                keep_last=1)
+                tokenizer_reference={**tokenizer_reference, **({TOKENIZER_FINGERPRINT: fingerprint} if fingerprint else {})})
             (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
             publish_dir(tmp, output_dir, overwrite=overwrite, identical_ok=False)
     return MergeResult(output_dir=output_dir, checkpoint=output_dir / checkpoint.name, stats=stats,

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from megatron.core import parallel_state
 
 from megatron_ext import process_group
 from megatron_ext.checkpoint.reader import Checkpoint
+from megatron_ext.checkpoint.writer import save_checkpoint
 from megatron_ext.config_loading import UserError
 from megatron_ext.model import EncoderModel, EncoderModelConfig, build_encoder_model
 
@@ -60,3 +62,17 @@ def load_megatron_checkpoint(checkpoint: str | os.PathLike | Checkpoint) -> Enco
     model = build_local_model(checkpoint.model_config())
     checkpoint.load(model=model)
     return model
+
+
+def save_weights(directory: str | os.PathLike, config: EncoderModelConfig, state: dict[str, torch.Tensor], *,
+                 run_config: dict, model_config: dict, tokenizer_reference: dict) -> Path:
+    """``state`` loaded into the model of ``config`` (every name matched: a tool's name map or merge
+    and the model agree) and saved as the weights-only checkpoint of step 0 in ``directory``; its
+    path. Needs the parallel state (:func:`single_process_model_parallel`)."""
+    model = build_local_model(config)
+    outcome = model.load_state_dict(state, strict=False)
+    if outcome.unexpected_keys or [k for k in outcome.missing_keys if not k.endswith("._extra_state")]:
+        raise RuntimeError(f"the state and the model disagree: missing {outcome.missing_keys}, "
+                           f"unexpected {outcome.unexpected_keys}")
+    return save_checkpoint(directory, step=0, model=model, optimizer=None, trainer_state={}, run_config=run_config,
+                           model_config=model_config, tokenizer_reference=tokenizer_reference, keep_last=1)

@@ -50,11 +50,10 @@ from megatron_ext.hf.architectures import (
 )
 from megatron_ext.hf.name_map import Layout, drop_zero_o_proj_biases, hf_to_megatron
 from megatron_ext.fileio import is_empty_dir_or_absent, publish_dir, staged_dir
-from megatron_ext.checkpoint.single_process import build_local_model, single_process_model_parallel
+from megatron_ext.checkpoint.single_process import save_weights, single_process_model_parallel
 from megatron_ext.model import EncoderModelConfig
 from megatron_ext.model.config import padded_vocab_size, tensor_parallel_problem
 from megatron_ext.tokenizer import HUGGINGFACE, TokenizerConfig, build_tokenizer
-from megatron_ext.checkpoint.writer import save_checkpoint
 
 LLAMA3_MASK_TOKEN = "<|reserved_special_token_0|>"
 NEW_MASK_TOKEN = "<|mask|>"
@@ -222,17 +221,7 @@ def import_hf_model(
             f"heads {config.num_attention_heads}/{config.num_query_groups}, vocab {hf_rows} -> "
             f"{vocab_size} (padded for TP {tensor_parallel_size})")
 
-        hf_state = {k: v.detach().to(torch.float32) for k, v in model.state_dict().items()
-                    if "rotary_emb" not in k}  # RoPE buffers: the encoder computes its own
-        if hf_config.model_type == "eurobert" and config.add_qkv_bias:
-            hf_state = drop_zero_o_proj_biases(hf_state, config)
-        state = hf_to_megatron(hf_state, Layout(config=config, hf_vocab_size=hf_rows))
-        del hf_state
-        if origin in ("reused", "added"):  # padded rows hold the mean; a reused row gets it too
-            for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                if key in state:
-                    state[key][mask_id] = state[key][:hf_rows].mean(dim=0)
-
+        state = _megatron_state(model, config, hf_rows=hf_rows, mask_id=mask_id, mask_origin=origin)
         final_tokenizer = output_dir / TOKENIZER_DIR
         tokenizer_reference = dataclasses.asdict(
             TokenizerConfig(tokenizer_type=HUGGINGFACE, tokenizer_model=str(final_tokenizer)))
@@ -246,15 +235,8 @@ def import_hf_model(
         }
         log("saving the Megatron checkpoint")
         with single_process_model_parallel():
-            megatron_model = build_local_model(config)
-            missing, unexpected = megatron_model.load_state_dict(state, strict=False)
-            if unexpected or [k for k in missing if not k.endswith("._extra_state")]:
-                raise RuntimeError(f"name map and model disagree: missing {missing}, "
-                                   f"unexpected {unexpected}")
-            checkpoint = save_checkpoint(
-                tmp, step=0, model=megatron_model, optimizer=None, trainer_state={},
-                run_config=run_config, model_config=run_config["model"], tokenizer_reference=tokenizer_reference,
-                keep_last=1)
+            checkpoint = save_weights(tmp, config, state, run_config=run_config, model_config=run_config["model"],
+                                      tokenizer_reference=tokenizer_reference)
         (tmp / RECIPE_SNIPPET).write_text(
             _recipe_snippet(config, final_tokenizer, output_dir, str(source)))
         publish_dir(tmp, output_dir, overwrite=overwrite, identical_ok=False)
@@ -264,6 +246,24 @@ def import_hf_model(
         tokenizer_dir=final_tokenizer, recipe=output_dir / RECIPE_SNIPPET, mask_token=token,
         mask_token_id=mask_id, mask_token_origin=origin,
     )
+
+
+def _megatron_state(model: Any, config: EncoderModelConfig, *, hf_rows: int, mask_id: int,
+                    mask_origin: str) -> dict[str, torch.Tensor]:
+    """``model``'s weights in fp32 under the encoder's names (``hf_to_megatron``), the vocabulary
+    padded; a mask token reused or added gets the mean of the real rows, as the padded rows do."""
+    hf_config = model.config
+    hf_state = {k: v.detach().to(torch.float32) for k, v in model.state_dict().items()
+                if "rotary_emb" not in k}  # RoPE buffers: the encoder computes its own
+    if hf_config.model_type == "eurobert" and config.add_qkv_bias:
+        hf_state = drop_zero_o_proj_biases(hf_state, config)
+    state = hf_to_megatron(hf_state, Layout(config=config, hf_vocab_size=hf_rows))
+    del hf_state
+    if mask_origin in ("reused", "added"):
+        for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if key in state:
+                state[key][mask_id] = state[key][:hf_rows].mean(dim=0)
+    return state
 
 
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
