@@ -485,6 +485,16 @@ class RunConfig:
     logging: LoggingConfig
 
     def __post_init__(self) -> None:
+        self._check_across_sections()
+        contexts = self._resolve_phases()
+        self._check_phase_contexts(contexts)
+        from megatron_ext.training.context import step_global_batches
+
+        object.__setattr__(self, "_step_batches", step_global_batches(self.data, self.training.train_iters)
+                           if self.data.rampup_batch_size is not None else None)
+
+    def _check_across_sections(self) -> None:
+        """The rules that read two sections (each section checked itself when built)."""
         if self.data.seq_length > self.model.seq_length:
             raise ConfigError(
                 f"data.seq_length={self.data.seq_length} exceeds model.seq_length={self.model.seq_length}"
@@ -517,6 +527,10 @@ class RunConfig:
         if checkpoint.branch_step is not None and checkpoint.branch_step >= total:
             raise ConfigError(f"checkpoint.branch_step={checkpoint.branch_step} leaves this run nothing to train "
                               f"(training.train_iters={total})")
+
+    def _resolve_phases(self):
+        """The phases' step ranges and contexts at ``training.train_iters`` (kept: ``resolved_phases``,
+        ``phase_contexts``), the schedule checked against them; returns the contexts."""
         try:
             resolved = resolve_phases(self.phases, self.training.train_iters)
         except ValueError as err:
@@ -526,13 +540,20 @@ class RunConfig:
         except ValueError as err:
             raise ConfigError(f"schedule: {err}") from err
         object.__setattr__(self, "_resolved_phases", tuple(resolved))  # frozen: set once, here
-        from megatron_ext.training.context import phase_contexts, reads_sources, varies
+        from megatron_ext.training.context import phase_contexts
 
         try:
             contexts = phase_contexts(resolved, data=self.data, rotary_base=self.model.rotary_base)
         except UserError as err:
             raise ConfigError(str(err)) from err
         object.__setattr__(self, "_phase_contexts", contexts)
+        return contexts
+
+    def _check_phase_contexts(self, contexts) -> None:
+        """What each phase reads against the run's settings: shared values, ramp-up, lengths, CUDA
+        graphs, what each objective (and validation) can select at its length."""
+        from megatron_ext.training.context import reads_sources, varies
+
         if not varies(contexts):
             # One context for the whole run: the run reads data.*, so a value every phase sets alike
             # would be ignored without a word; it is the run's own setting.
@@ -547,10 +568,6 @@ class RunConfig:
         if self.data.rampup_batch_size is not None and varies(contexts):
             raise ConfigError("data.rampup_batch_size needs phases of one sequence length and batch (no phase "
                               "seq_length, micro_batch_size or global_batch_size)")
-        from megatron_ext.training.context import step_global_batches
-
-        object.__setattr__(self, "_step_batches", step_global_batches(self.data, self.training.train_iters)
-                           if self.data.rampup_batch_size is not None else None)
         for context in contexts:
             if context.seq_length > self.model.seq_length:
                 raise ConfigError(f"phases[{context.phase.index}].seq_length={context.seq_length} exceeds "
