@@ -38,20 +38,21 @@ from megatron_ext.objectives import Objective, PhaseProgress, Vocabulary
 from megatron_ext.phases import Phase, ResolvedPhase, phase_at
 from megatron_ext.schedule import lr_at
 from megatron_ext.tokenizer import EncoderTokenizer
-from megatron_ext.checkpoint.reader import TOKENIZER_FINGERPRINT, Checkpoint
+from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.checkpoint.lock import SaveDirectoryLock
 from megatron_ext.checkpoint.resume import BRANCHED_FROM, StartingPoint, load_starting_point
-from megatron_ext.checkpoint.writer import CheckpointSaver
 from megatron_ext.training import cuda_graphs
 from megatron_ext.training import context as context_lib
 from megatron_ext.training.branching import check_saved_parent
 from megatron_ext.training.config import DataConfig, RunConfig
 from megatron_ext.training.recipe import run_config_from_dict
-from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, StepOutcome, megatron_transformer_overrides
+from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
 from megatron_ext.training.batches import Batches, build_batches, to_device
 from megatron_ext.training.datasets import GPT_DATASETS, DatasetProvider, format_blend
 from megatron_ext.training.mixtures import format_source_plan
-from megatron_ext.training.recovery import LossSpikeWatch, Rollbacks, TimedSaves
+from megatron_ext.training.recovery import (LossSpikeWatch, NonFiniteGuard, NonFiniteLossError, Rollbacks, RunRecovery,
+                                            TimedSaves)
+from megatron_ext.training.run_checkpoints import RunCheckpoints
 from megatron_ext.training.watchdog import HangWatchdog, heartbeat_dir
 from megatron_ext.training.preflight import Caller, preflight
 from megatron_ext.training.step_log import MetricSinks, StepLogger, is_writer
@@ -59,11 +60,6 @@ from megatron_ext.training.stop import StopPolicy, write_exit_status
 from megatron_ext.exit_codes import RESUMABLE_EXIT_CODE
 
 logger = logging.getLogger(__name__)
-
-
-class NonFiniteLossError(UserError):
-    """Too many consecutive steps had a non-finite loss or gradient norm: caused by the data or the
-    learning rate, so reported as one line (exit code 2) like any bad input."""
 
 
 @dataclass(kw_only=True)
@@ -155,7 +151,7 @@ own ``logging.log_dir``), from its branch step on, and has its own rollbacks."""
 
 
 def _trainer_state(step: int, config: RunConfig, nonfinite: int, skipped: int, wandb_run_id: str | None,
-                   branched_from: dict | None, recovery: _Recovery) -> dict:
+                   branched_from: dict | None, recovery: RunRecovery) -> dict:
     state = {
         "step": step,
         "consumed_samples": config.consumed_samples(step),  # Megatron's counter
@@ -256,123 +252,6 @@ def _build_model_and_engine(config: RunConfig, device: torch.device, model_provi
     model = model_provider.build_model(config.model, pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
                                        transformer_overrides=megatron_transformer_overrides(config)).to(device)
     return MegatronEngine(model, config)
-
-
-class _NonFiniteGuard:
-    """Counts steps the engine skipped for a non-finite loss or gradient norm; stops the run once
-    ``training.max_nonfinite_steps`` come in a row. Both counters are saved with checkpoints."""
-
-    def __init__(self, limit: int, *, in_a_row: int = 0, total: int = 0):
-        self.limit, self.in_a_row, self.total = limit, in_a_row, total
-
-    def update(self, step: int, outcome: StepOutcome, phase: ResolvedPhase) -> None:
-        if not outcome.skipped:
-            self.in_a_row = 0
-            return
-        self.in_a_row += 1
-        self.total += 1
-        if self.in_a_row < self.limit:
-            return
-        where = (f"step {step}: loss {outcome.loss} / grad norm {outcome.grad_norm} non-finite for {self.in_a_row} "
-                 f"consecutive steps (training.max_nonfinite_steps={self.limit})")
-        if outcome.scored_tokens == 0:  # 0/0: nothing to learn from, whatever the learning rate
-            raise NonFiniteLossError(
-                f"{where}: the last step scored no token, so its loss is 0/0: phase {phase.name}'s objective selected "
-                "nothing in the batch; raise its masking ratio or data.seq_length, or check that the data holds "
-                "tokens the objective may select (not only special tokens)")
-        raise NonFiniteLossError(f"{where}; lower the learning rate, check the data, or resume from an earlier "
-                                 "checkpoint")
-
-
-@dataclass(kw_only=True)
-class _Recovery:
-    """What the run does about its bad steps and its save cadence (``training.recovery``)."""
-
-    spikes: LossSpikeWatch
-    rollbacks: Rollbacks
-    timed_saves: TimedSaves
-    watchdog: HangWatchdog | None = None
-    """``training.hang_timeout_minutes``: this rank's heartbeat and watch (None: not watched)."""
-
-    def step_finished(self, step: int) -> None:
-        """``step`` is done, with its validation and save: the heartbeat."""
-        if self.watchdog is not None:
-            self.watchdog.beat(step)
-
-    def after_step(self, step: int, loss: float, phase: ResolvedPhase, *, nonfinite: NonFiniteLossError | None,
-                   guard: _NonFiniteGuard, engine: MegatronEngine, checkpoints: _RunCheckpoints,
-                   log: StepLogger) -> dict | None:
-        """After ``step``: a spike said, and a spike or the non-finite stop (``nonfinite``) rolled
-        back while rollbacks are left; the rollback's record, or None. Raises ``nonfinite`` when no
-        checkpoint comes before the bad steps."""
-        spike = self.spikes.check(step, loss, phase.index)
-        if spike is not None:
-            log.spike(spike)
-        if nonfinite is None and (spike is None or not self.rollbacks.left):
-            return None
-        reason, first_bad = ((f"{guard.in_a_row} non-finite steps in a row", step - guard.in_a_row + 1)
-                             if nonfinite is not None else (f"loss spike {spike.loss:.4f}", step))
-        checkpoints.wait()  # the newest checkpoint before the bad steps is complete, or not there
-        record = self.rollbacks.roll_back(engine, step=step, first_bad=first_bad, reason=reason)
-        if record is None:
-            if nonfinite is not None:
-                raise NonFiniteLossError(f"{nonfinite} (no checkpoint of checkpoint.save before step {first_bad} "
-                                         "to roll back to)") from None
-            log.note(f"no checkpoint before step {first_bad} to roll back to: the spike is only said")
-            return None
-        guard.in_a_row = 0
-        log.rollback(record, Rollbacks.describe(record))
-        return record
-
-
-class _RunCheckpoints:
-    """The run's saves into ``checkpoint.save``: the engine's state with the run config and the
-    tokenizer reference, synchronously or in the background (``checkpoint.async_save``)."""
-
-    def __init__(self, config: RunConfig, engine: MegatronEngine, tokenizer: EncoderTokenizer, *,
-                 lock: SaveDirectoryLock | None):
-        self.config = config.checkpoint
-        self.phase_contexts = config.phase_contexts
-        self.engine = engine
-        self.lock = lock
-        self.run_config = config.to_dict()
-        self.tokenizer_reference = {**tokenizer.reference(), TOKENIZER_FINGERPRINT: tokenizer.fingerprint()}
-        self.saver = CheckpointSaver(async_save=self.config.async_save, async_strategy=self.config.async_strategy)
-
-    def save(self, step: int, trainer_state: dict, *, weights_step: int, protect: tuple[int, ...] = ()) -> str:
-        """Save (or start saving) the state after ``step``; returns the checkpoint's path.
-        ``weights_step``: the step whose training the weights hold (``step``, or after a rollback the
-        step rolled back to), whose phase's RoPE base is saved as the weights' ``model.rotary_base``
-        (``context.phase_contexts``, the one rule). ``protect``: steps the pruning keeps besides
-        ``checkpoint.keep_steps`` (a rollback point)."""
-        if self.lock is not None:
-            self.lock.check_held(before=f"saving step {step}")
-        rotary_base = context_lib.context_at(self.phase_contexts, max(weights_step - 1, 0)).rotary_base
-        with self.engine.checkpointing():
-            path = self.saver.save(
-                self.config.save, step=step, model=self.engine.checkpoint_model,
-                optimizer=self.engine.optimizer_state, trainer_state=trainer_state, run_config=self.run_config,
-                model_config={**self.run_config["model"], "rotary_base": rotary_base},
-                tokenizer_reference=self.tokenizer_reference, keep_last=self.config.keep_last,
-                keep_steps=tuple(sorted({*self.config.keep_steps, *protect})), weights_step=weights_step,
-            )
-        if is_writer():
-            print(f"{'writing checkpoint in the background' if self.saver.in_flight else 'saved checkpoint'} {path}",
-                  flush=True)
-        return str(path)
-
-    def poll(self) -> None:
-        """Publish the background saves every rank has finished."""
-        self.saver.poll()
-
-    def wait(self) -> None:
-        """Return once every save started is complete."""
-        self.saver.wait()
-
-    def close(self, *, abort: bool) -> None:
-        """Stop the background writers (``CheckpointSaver.close``): after the last save is
-        published, or, after an error, at once."""
-        self.saver.close(abort=abort)
 
 
 def _warn_of_kept_steps_missed(config: RunConfig, start: int) -> None:
@@ -489,10 +368,10 @@ def _starting_state(config: RunConfig, engine: MegatronEngine, *,
     return starting_point, state
 
 
-def _recovery_for(config: RunConfig, state: dict, rank_nodes: Sequence[str]) -> _Recovery:
+def _recovery_for(config: RunConfig, state: dict, rank_nodes: Sequence[str]) -> RunRecovery:
     """The run's spike watch, rollbacks, timed saves and hang watchdog, continued from ``state``."""
     t = config.training
-    recovery = _Recovery(spikes=LossSpikeWatch(t.loss_spike_factor, t.loss_spike_window, state.get(LOSS_WINDOW)),
+    recovery = RunRecovery(spikes=LossSpikeWatch(t.loss_spike_factor, t.loss_spike_window, state.get(LOSS_WINDOW)),
                          rollbacks=Rollbacks(t.spike_rollbacks, config.checkpoint.save,
                                              save_interval=config.checkpoint.save_interval,
                                              keep_steps=config.checkpoint.keep_steps, done=state.get(ROLLBACKS)),
@@ -550,7 +429,7 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
     stop = StopPolicy(handle_signals=t.exit_signal_handler, duration_minutes=t.exit_duration_in_mins,
                       interval=t.exit_interval, rank_nodes=tuple(rank_nodes))
     result = TrainResult(start_step=start, final_step=start, checkpoint=first_checkpoint)
-    guard = _NonFiniteGuard(t.max_nonfinite_steps, in_a_row=int(state.get("nonfinite_in_a_row", 0)),
+    guard = NonFiniteGuard(t.max_nonfinite_steps, in_a_row=int(state.get("nonfinite_in_a_row", 0)),
                             total=int(state.get("skipped_steps", 0)))
     recovery = _recovery_for(config, state, rank_nodes)
     with contextlib.ExitStack() as stack:  # undone in reverse, whatever ends the run
@@ -562,7 +441,7 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
         stack.callback(sinks.close)
         log = StepLogger(config, sinks, total_steps=total, start_step=start)
         _announce(config, batches, starting_point, sinks=sinks, log=log, start=start, rank_nodes=rank_nodes)
-        checkpoints = _RunCheckpoints(config, engine, tokenizer, lock=lock)
+        checkpoints = RunCheckpoints(config, engine, tokenizer, lock=lock)
         # No writer process outlives the run: published then stopped, or killed after an error.
         stack.push(lambda error_type, error, traceback: checkpoints.close(abort=error_type is not None))
         engine.checkpoint_model.train()
@@ -587,8 +466,8 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
 
 
 def _train_steps(config: RunConfig, *, start: int, total: int, phases, batches: Batches, engine: MegatronEngine,
-                 vocabulary: Vocabulary, device: torch.device, log: StepLogger, guard: _NonFiniteGuard,
-                 recovery: _Recovery, checkpoints: _RunCheckpoints, stop: StopPolicy, sinks: MetricSinks,
+                 vocabulary: Vocabulary, device: torch.device, log: StepLogger, guard: NonFiniteGuard,
+                 recovery: RunRecovery, checkpoints: RunCheckpoints, stop: StopPolicy, sinks: MetricSinks,
                  result: TrainResult,
                  exit_after_step: int | None, branched_from: dict | None) -> None:
     """Steps ``start`` to ``total`` (or to the step a stop asks for), with their validations and saves;

@@ -1,5 +1,8 @@
-"""What a long run does about its own bad steps and about time: loss spikes watched, bad steps rolled
-back, saves on a wall-clock cadence.
+"""What a long run does about its own bad steps and about time: non-finite steps counted, loss spikes
+watched, bad steps rolled back, saves on a wall-clock cadence; ``RunRecovery`` holds them for the loop.
+
+- **Non-finite steps** (``training.max_nonfinite_steps``): the engine skips a step whose loss or
+  gradient norm is not finite; that many in a row stop the run (``NonFiniteLossError``, one line).
 
 - **Loss spikes** (``training.loss_spike_factor``): a step whose loss exceeds the factor times the
   mean of the previous ``loss_spike_window`` finite losses of its phase (objectives' losses are
@@ -23,8 +26,18 @@ from collections import deque
 from dataclasses import dataclass
 
 
+from typing import TYPE_CHECKING
+
 from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.checkpoint.resume import TrainingState
+from megatron_ext.config_loading import UserError
+
+if TYPE_CHECKING:  # types of the arguments only
+    from megatron_ext.phases import ResolvedPhase
+    from megatron_ext.training.megatron_engine import MegatronEngine, StepOutcome
+    from megatron_ext.training.run_checkpoints import RunCheckpoints
+    from megatron_ext.training.step_log import StepLogger
+    from megatron_ext.training.watchdog import HangWatchdog
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,3 +164,76 @@ class Rollbacks:
         return (f"rolled back to step {record['to_step']}'s weights and optimizer after step {record['step']} "
                 f"({record['reason']}); {skipped} skipped, training goes on with step {record['step'] + 1} "
                 f"(rollback {record['rollback']} of training.spike_rollbacks={record['of']})")
+
+
+class NonFiniteLossError(UserError):
+    """Too many consecutive steps had a non-finite loss or gradient norm: caused by the data or the
+    learning rate, so reported as one line (exit code 2) like any bad input."""
+
+
+class NonFiniteGuard:
+    """Counts steps the engine skipped for a non-finite loss or gradient norm; stops the run once
+    ``training.max_nonfinite_steps`` come in a row. Both counters are saved with checkpoints."""
+
+    def __init__(self, limit: int, *, in_a_row: int = 0, total: int = 0):
+        self.limit, self.in_a_row, self.total = limit, in_a_row, total
+
+    def update(self, step: int, outcome: StepOutcome, phase: ResolvedPhase) -> None:
+        if not outcome.skipped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        if self.in_a_row < self.limit:
+            return
+        where = (f"step {step}: loss {outcome.loss} / grad norm {outcome.grad_norm} non-finite for {self.in_a_row} "
+                 f"consecutive steps (training.max_nonfinite_steps={self.limit})")
+        if outcome.scored_tokens == 0:  # 0/0: nothing to learn from, whatever the learning rate
+            raise NonFiniteLossError(
+                f"{where}: the last step scored no token, so its loss is 0/0: phase {phase.name}'s objective selected "
+                "nothing in the batch; raise its masking ratio or data.seq_length, or check that the data holds "
+                "tokens the objective may select (not only special tokens)")
+        raise NonFiniteLossError(f"{where}; lower the learning rate, check the data, or resume from an earlier "
+                                 "checkpoint")
+
+
+@dataclass(kw_only=True)
+class RunRecovery:
+    """What the run does about its bad steps and its save cadence (module docstring), and this
+    rank's heartbeat for the hang watchdog."""
+
+    spikes: LossSpikeWatch
+    rollbacks: Rollbacks
+    timed_saves: TimedSaves
+    watchdog: HangWatchdog | None = None
+    """``training.hang_timeout_minutes``: this rank's heartbeat and watch (None: not watched)."""
+
+    def step_finished(self, step: int) -> None:
+        """``step`` is done, with its validation and save: the heartbeat."""
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
+
+    def after_step(self, step: int, loss: float, phase: ResolvedPhase, *, nonfinite: NonFiniteLossError | None,
+                   guard: NonFiniteGuard, engine: MegatronEngine, checkpoints: RunCheckpoints,
+                   log: StepLogger) -> dict | None:
+        """After ``step``: a spike said, and a spike or the non-finite stop (``nonfinite``) rolled
+        back while rollbacks are left; the rollback's record, or None. Raises ``nonfinite`` when no
+        checkpoint comes before the bad steps."""
+        spike = self.spikes.check(step, loss, phase.index)
+        if spike is not None:
+            log.spike(spike)
+        if nonfinite is None and (spike is None or not self.rollbacks.left):
+            return None
+        reason, first_bad = ((f"{guard.in_a_row} non-finite steps in a row", step - guard.in_a_row + 1)
+                             if nonfinite is not None else (f"loss spike {spike.loss:.4f}", step))
+        checkpoints.wait()  # the newest checkpoint before the bad steps is complete, or not there
+        record = self.rollbacks.roll_back(engine, step=step, first_bad=first_bad, reason=reason)
+        if record is None:
+            if nonfinite is not None:
+                raise NonFiniteLossError(f"{nonfinite} (no checkpoint of checkpoint.save before step {first_bad} "
+                                         "to roll back to)") from None
+            log.note(f"no checkpoint before step {first_bad} to roll back to: the spike is only said")
+            return None
+        guard.in_a_row = 0
+        log.rollback(record, Rollbacks.describe(record))
+        return record

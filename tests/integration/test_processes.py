@@ -22,7 +22,8 @@ from megatron_ext.checkpoint.reader import latest_checkpoint
 from megatron_ext.checkpoint.writer import CheckpointSaver
 from megatron_ext.checkpoint.config import nvrx_problem
 from megatron_ext.training.recipe import run_config_from_dict
-from megatron_ext.training.loop import NonFiniteLossError, pretrain
+from megatron_ext.training.loop import pretrain
+from megatron_ext.training.recovery import NonFiniteLossError
 from helpers import tiny_recipe as _recipe
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,8 @@ import torch
 from helpers import tiny_recipe
 from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.config_loading import ConfigError, UserError
-from megatron_ext.training.loop import NonFiniteLossError, pretrain
+from megatron_ext.training.loop import pretrain
+from megatron_ext.training.recovery import NonFiniteLossError
 from megatron_ext.training.recipe import run_config_from_dict
 
 MLM = [{"objective": "mlm", "mask_ratio": 0.4, "share": 1.0}]

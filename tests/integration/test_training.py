@@ -15,7 +15,8 @@ from distributed import run_ranks
 from helpers import tiny_recipe as _recipe
 from megatron_ext import process_group
 from megatron_ext.training.recipe import run_config_from_dict
-from megatron_ext.training.loop import NonFiniteLossError, pretrain
+from megatron_ext.training.loop import pretrain
+from megatron_ext.training.recovery import NonFiniteLossError
 from megatron_ext.cli import plot_loss
 
 
@@ -318,15 +319,15 @@ def test_a_ratio_that_selects_nearly_nothing_is_refused(tmp_path, tiny_corpus, c
 
 
 def test_a_step_that_scored_nothing_does_not_blame_the_learning_rate(tmp_path, tiny_corpus):
-    from megatron_ext.training.loop import _NonFiniteGuard
+    from megatron_ext.training.recovery import NonFiniteGuard
     from megatron_ext.training.megatron_engine import StepOutcome
 
     phase = run_config_from_dict(_recipe(tiny_corpus, tmp_path)).resolved_phases[1]
     nothing = StepOutcome(loss=math.nan, grad_norm=math.nan, skipped=True, scored_tokens=0.0)
     with pytest.raises(NonFiniteLossError, match=r"step 7: .*the last step scored no token, so its loss is 0/0: phase "
                                                  r"mlm-40's objective selected nothing") as raised:
-        _NonFiniteGuard(2, in_a_row=1).update(7, nothing, phase)
+        NonFiniteGuard(2, in_a_row=1).update(7, nothing, phase)
     assert "learning rate" not in str(raised.value)
     diverged = StepOutcome(loss=math.inf, grad_norm=math.nan, skipped=True, scored_tokens=512.0)
     with pytest.raises(NonFiniteLossError, match="lower the learning rate"):
-        _NonFiniteGuard(1).update(7, diverged, phase)
+        NonFiniteGuard(1).update(7, diverged, phase)
