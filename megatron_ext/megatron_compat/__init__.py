@@ -9,6 +9,10 @@ reading each module below against it, then changing the version here:
   state allocated before a load, the per-parameter ``step`` kept and restored.
 - ``checkpoint_results``: the checkpoint writers' results queue, owned and shut down here instead of
   Megatron's never-closed ``Manager()``.
+- ``datasets``: what ``training.datasets`` reads of Megatron's datasets beyond their documented use
+  (the split rounding, ``GPTDataset``'s sample and epoch counts and shuffle threshold, the C++
+  blending index, one epoch built with no sizes), to plan reads without building anything and to
+  read each source as its own stream.
 
 Elsewhere the code uses megatron-core as documented; where it reads a private detail (a threshold,
 an attribute), the docstring there names the release.

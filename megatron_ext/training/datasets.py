@@ -15,6 +15,10 @@ other ranks load them after a barrier (the cache directory must then be shared);
 one process builds them. Before Megatron reads anything, every ``.bin``/``.idx`` pair is checked
 (``data.index_checks``), and so is each split: one that gets no tokens would never finish building
 (``GPTDataset`` loops forever in ``_get_num_epochs`` on one).
+
+What the splits' checks, the sample order key and the streams read of Megatron-Core beyond its
+documented use (private helpers, formulas, thresholds) is in ``megatron_compat.datasets``, checked
+against one release.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ import numpy as np
 
 from megatron_ext.config_loading import UserError
 from megatron_ext.data.index_checks import IndexFile, check_token_dtype, read_index, scan_token_ids
+from megatron_ext.megatron_compat.datasets import (
+    blending_index,
+    build_one_epoch,
+    gpt_dataset_epochs,
+    samples_per_epoch,
+    split_ranges,
+    weighted_train_samples,
+)
 from megatron_ext.training.config import DataConfig, split_proportions
 from megatron_ext.training.context import DatasetSpan
 from megatron_ext.training.mixtures import SpanReads, check_enough_data, epoch_seed, plan_reads
@@ -49,7 +61,13 @@ class DatasetProvider(Protocol):
     tensors), and say, as Megatron's datasets do, the tokenizer their ids are of
     (``config.tokenizer``) and where they come from (``dataset_path``; a Megatron ``BlendedDataset``
     names its datasets'): ``training.samplers`` checks every batch's ids against the vocab and
-    names the sample's source when one is outside it."""
+    names the sample's source when one is outside it.
+
+    The first two serve every run. :meth:`plan_source_reads` and :meth:`build_span_dataset` serve
+    a run whose phases set their own ``data_path`` or ``temperature`` (``training.mixtures``): the
+    trainer plans the spans once at start and builds each span's dataset at its first step. The
+    dry run plans with the default provider (the module's :func:`plan_source_reads`), whatever
+    provider a run is given."""
 
     def build_datasets(
         self, config: DataConfig, *, tokenizer: EncoderTokenizer, train_samples: int, valid_samples: int,
@@ -72,29 +90,20 @@ class DatasetProvider(Protocol):
 
     def plan_source_reads(self, config: DataConfig, spans: Sequence[DatasetSpan]) -> tuple[SpanReads, ...]:
         """For a run whose phases set their own data (``training.mixtures``): what each data span
-        reads from each source, computed without building anything (the dry run prints it)."""
+        reads from each source (``mixtures.plan_reads`` carries each source's cursor from span to
+        span), each span's ``samples`` its ``last_sample - first_sample``; computed without
+        building anything. Called once, on every rank, with the same arguments."""
         ...
 
     def build_span_dataset(self, config: DataConfig, reads: SpanReads, *, tokenizer: EncoderTokenizer,
                            seed: int) -> Dataset:
-        """The samples of one span of :meth:`plan_source_reads`, in order (``config`` at its length)."""
+        """The samples of one span of :meth:`plan_source_reads` (``reads``), in order, at least
+        ``reads.samples`` of them (``config`` at the span's length); the same at every call with
+        the same arguments (a resume rebuilds the span it starts in)."""
         ...
 
 
 # --- checking the splits GPTDataset will cut ------------------------------------------------------
-
-
-def _split_ranges(split: str, n_sequences: int) -> list[tuple[int, int] | None]:
-    """The sequence ranges Megatron gives each split (None: the split has no share)."""
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
-
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    # The rounding of BlendedMegatronDatasetBuilder._build_megatron_dataset_splits.
-    n = float(n_sequences)
-    return [None if b is None else (int(round(b[0] * n)), int(round(b[1] * n))) for b in matrix]
 
 
 def _short_splits(split: str, indexes: list[IndexFile], min_tokens: int) -> list[str]:
@@ -103,7 +112,7 @@ def _short_splits(split: str, indexes: list[IndexFile], min_tokens: int) -> list
     for index in indexes:
         tokens_before = index.tokens_before
         n = len(tokens_before) - 1
-        for name, bounds in zip(SPLIT_NAMES, _split_ranges(split, n)):
+        for name, bounds in zip(SPLIT_NAMES, split_ranges(split, n)):
             if bounds is not None and tokens_before[bounds[1]] - tokens_before[bounds[0]] < min_tokens:
                 n_tokens = int(tokens_before[bounds[1]] - tokens_before[bounds[0]])
                 problems.append(
@@ -261,11 +270,6 @@ def build_datasets(
     return train, valid, test
 
 
-FINAL_EPOCH_APART_BELOW = 0.80
-"""``GPTDataset``'s threshold (``_build_document_sample_shuffle_indices``, megatron-core 0.19.2): a
-final epoch read for less than this share of its samples is shuffled apart from the others."""
-
-
 def sample_order(config: DataConfig, *, train_samples: int) -> tuple[tuple[str, int, bool], ...]:
     """What the order of the training samples depends on through the run length: per dataset of the
     blend, ``(prefix, epochs, final epoch shuffled apart)`` of the ``GPTDataset`` that
@@ -274,80 +278,35 @@ def sample_order(config: DataConfig, *, train_samples: int) -> tuple[tuple[str, 
     Megatron's document, sample and shuffle indices are functions of the split's documents, the
     sequence length, the seed and these two numbers (``_build_document_sample_shuffle_indices``:
     the documents are shuffled over ``epochs`` copies, the last one apart when it is read for less
-    than ``FINAL_EPOCH_APART_BELOW`` of it); a blend interleaves its datasets the same way at any
-    length (Megatron's greedy ``build_blending_indices`` is prefix-stable), each asked for its
-    weight's share plus Megatron's surplus, and an unweighted blend reads one pass over each
-    whatever the length. So two lengths of a run with the same data, split, sequence length and
+    than ``megatron_compat.datasets.FINAL_EPOCH_APART_BELOW`` of it); a blend interleaves its
+    datasets the same way at any length (Megatron's greedy ``build_blending_indices`` is
+    prefix-stable), each asked for its weight's share plus Megatron's surplus, and an unweighted
+    blend reads one pass over each whatever the length. So two lengths of a run with the same data, split, sequence length and
     seed read the same samples in the same order up to the shorter one exactly when their keys
     are equal. Computed from the ``.idx`` files (checked as ``build_datasets`` checks them),
     without building Megatron's indices.
     """
-    from megatron.core.datasets.blended_megatron_dataset_builder import _get_size_per_split_per_dataset
-    from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
-    from megatron.core.datasets.utils import normalize
-
     prefixes, weights = config.blend
     if weights is None and len(prefixes) > 1:  # Megatron builds one pass over each, at any length
         return tuple((prefix, 1, False) for prefix in prefixes)
-    if weights is None:
-        samples = [train_samples]
-    else:
-        surplus = BlendedMegatronDatasetConfig.__dataclass_fields__["mid_level_dataset_surplus"].default
-        samples = [per_split[0] for per_split in _get_size_per_split_per_dataset(
-            normalize(weights), [train_samples, 0, 0], surplus=surplus)]
-    extra = _extra_token()
-    length = config.seq_length
-    order = []
-    for prefix, wanted in zip(prefixes, samples):
-        tokens = train_split_tokens(prefix, config.split_cut("train"))  # one epoch (GPTDataset)
-        epochs = max(1, -(-(wanted * length + extra) // tokens))  # GPTDataset._get_num_epochs
-        apart = False
-        if epochs > 1:
-            from_final = wanted - ((epochs - 1) * tokens - extra) // length
-            apart = from_final < int(FINAL_EPOCH_APART_BELOW * ((tokens - extra) // length))
-        order.append((prefix, epochs, apart))
-    return tuple(order)
-
-
-def _extra_token() -> int:
-    """1: GPTDataset reads ``seq_length + 1`` tokens a sample (``add_extra_token_to_sequence``)."""
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-
-    return int(GPTDatasetConfig.__dataclass_fields__["add_extra_token_to_sequence"].default)
+    samples = [train_samples] if weights is None else weighted_train_samples(weights, train_samples)
+    return tuple((prefix, *gpt_dataset_epochs(wanted, train_split_tokens(prefix, config.split_cut("train")),
+                                              config.seq_length))  # one epoch: the train split's tokens
+                 for prefix, wanted in zip(prefixes, samples))
 
 
 def train_split_tokens(prefix: str, split: str) -> int:
     """Tokens of the train split of ``prefix`` under ``split`` (the sequences Megatron gives it):
     one epoch of its ``GPTDataset``; a split that holds none refused naming the prefix."""
     index = read_index(prefix)
-    begin, end = _split_ranges(split, len(index.tokens_before) - 1)[0]
+    begin, end = split_ranges(split, len(index.tokens_before) - 1)[0]
     tokens = int(index.tokens_before[end] - index.tokens_before[begin])
     if tokens == 0:
         raise UserError(f"data_path {prefix!r}: the train split of {split!r} holds no tokens")
     return tokens
 
 
-def samples_per_epoch(tokens: int, seq_length: int) -> int:
-    """Samples of one epoch of ``tokens`` tokens at ``seq_length`` (``GPTDataset``'s sample index:
-    each sample reads one token more than its length, the next sample's first)."""
-    return max(0, (tokens - _extra_token()) // seq_length)
-
-
 # --- sources read as streams (training.mixtures) ------------------------------------------------
-
-
-def blending_index(shares: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Megatron's blending index of ``size`` samples at ``shares`` (``BlendedDataset``'s greedy
-    rule, Megatron's own C++ helper): per sample, its source and its sample within the source."""
-    from megatron.core.datasets import helpers
-    from megatron.core.datasets.utils import normalize
-
-    dataset_index = np.zeros(size, dtype=np.int16)
-    dataset_sample_index = np.zeros(size, dtype=np.int64)
-    if size:
-        helpers.build_blending_indices(dataset_index, dataset_sample_index, normalize(shares), len(shares), size,
-                                       False)
-    return dataset_index, dataset_sample_index
 
 
 def blend_counts(shares: list[float], size: int) -> list[int]:
@@ -359,9 +318,6 @@ def build_source_epoch(config: DataConfig, prefix: str, *, tokenizer: EncoderTok
     """One epoch of the train split of ``prefix`` at ``config.seq_length``: Megatron's
     ``GPTDataset`` built for no set number of samples (one epoch), shuffled with ``seed``
     (``training.mixtures.epoch_seed``). Checked as :func:`build_datasets` checks its prefixes."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset
-
     document_end_id(config, tokenizer)
     index = read_index(prefix)
     check_token_dtype(index, tokenizer)
@@ -371,10 +327,7 @@ def build_source_epoch(config: DataConfig, prefix: str, *, tokenizer: EncoderTok
     # The prefix alone, cut as the run's training blend is cut (its train share; whole with per-split paths).
     source = dataclasses.replace(config, data_path=(prefix,), data_args_path=None, train_data_path=(), valid_data_path=(),
                                  test_data_path=(), split=config.split_cut("train"), eval_iters=0)
-    # One epoch of each split (no sizes: Megatron builds each dataset over one epoch).
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [None, None, None], lambda: True,
-                                                _gpt_dataset_config(source, tokenizer, seed)).build()
-    return train
+    return build_one_epoch(_gpt_dataset_config(source, tokenizer, seed))
 
 
 def plan_source_reads(config: DataConfig, spans: Sequence[DatasetSpan]) -> tuple[SpanReads, ...]:
@@ -461,7 +414,8 @@ def format_blend(shares: list[dict], *, train_samples: int) -> str:
 
 class GPTDatasetProvider:
     """Megatron-Core's ``GPTDataset`` (and ``BlendedDataset``) over the run's ``data.data_path``:
-    :func:`build_datasets` and :func:`blend_shares`."""
+    :func:`build_datasets`, :func:`blend_shares`, :func:`plan_source_reads` and
+    :func:`build_span_dataset`."""
 
     def build_datasets(
         self, config: DataConfig, *, tokenizer: EncoderTokenizer, train_samples: int, valid_samples: int,

@@ -297,9 +297,10 @@ def test_megatrons_per_split_paths_read_each_blend_whole_for_its_split(tiny_corp
     ``blend_per_split``): training reads only its blend, every document of it (no split cut out),
     validation and test only theirs, each validation source reported; the mixes are refused."""
     from megatron_ext.data.index_checks import read_index
+    from megatron_ext.megatron_compat.datasets import samples_per_epoch
     from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
     from megatron_ext.training.config import DataConfig
-    from megatron_ext.training.datasets import build_datasets, samples_per_epoch
+    from megatron_ext.training.datasets import build_datasets
 
     data = dict(train_data_path=(sources["a"],), valid_data_path=(sources["b"], sources["c"]),
                 test_data_path=(sources["c"],), seq_length=64, micro_batch_size=4, global_batch_size=8,
