@@ -120,10 +120,12 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if args.dry_run:
-        from megatron_ext.training.dry_run import format_dry_run, make_plan, phase_flops, save_cadence, source_costs
+        import functools
+
+        from megatron_ext.training.dry_run import format_dry_run, make_plan, phase_flops, save_cadence, source_samples
         from megatron_ext.training.preflight import Caller, preflight
 
-        from megatron_ext.performance.cost import check_budget, format_run_cost, segment_cost, speed_table
+        from megatron_ext.performance.cost import RunPricing, check_budget, format_run_cost, speed_table, split_cost
 
         world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
         speeds = speed_table(args)
@@ -132,34 +134,33 @@ def _main(argv: list[str] | None) -> tuple[int, str]:
         checks = preflight(config, Caller.DRY_RUN, world_size=world, tokenizer=tokenizer,
                            gpu_kind=speeds.kind if args.gpu else None)
         plan = make_plan(config, world)
-        print(format_dry_run(config, plan))
+        print(format_dry_run(config, plan, source_plan=checks.source_plan))
         from megatron_ext.cli.megatron_flags import megatron_differences
 
         if differences := megatron_differences(config):  # on purpose, said before a ported script launches
             print("\n".join(["unlike Megatron-LM, on purpose:", *(f"  {difference}" for difference in differences)]))
         print(checks.memory)
-        cost = segment_cost(config, phase_flops(config), run="the run", gpus=world, gpus_per_node=args.gpus_per_node,
-                            speeds=speeds)
+        pricing = RunPricing(config=config, flops=functools.partial(phase_flops, config), gpus=world,
+                             gpus_per_node=args.gpus_per_node, speeds=speeds)
+        cost = pricing.steps(run="the run")
         print(format_run_cost(cost, speeds.kind, speeds.notices))
-        steps = config.training.train_iters
-        if (cadence := save_cadence(config, None if cost.seconds is None else cost.seconds / steps)) is not None:
+        if (cadence := save_cadence(config, cost.step_seconds)) is not None:
             print(cadence)
-        if len({(c.seq_length, c.global_batch_size) for c in config.phase_contexts}) > 1:  # training.context
+        # Parts of the run priced alone: their steps' cost, the one trainer start-up said apart.
+        by_phase = len({(c.seq_length, c.global_batch_size) for c in config.phase_contexts}) > 1  # training.context
+        if by_phase:
             for context in config.phase_contexts:
-                start, end = context.phase.start, context.phase.end
-                part = segment_cost(config, phase_flops(config, start, end), run=f"phases[{context.phase.index}]",
-                                    start=start, end=end, gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
-                hours = "unknown" if part.gpu_hours is None else f"{part.gpu_hours:,.3g} GPU-hours"
+                part = pricing.steps(context.phase.start, context.phase.end, run=f"phases[{context.phase.index}]")
+                hours = "unknown" if part.gpu_hours is None else f"{part.steps_gpu_hours:,.3g} GPU-hours"
                 print(f"  phases[{context.phase.index}] at {context.seq_length} tokens: {part.flops:.3e} FLOPs, {hours}")
-
-        def cost_of_steps(start: int, end: int) -> tuple[float, float | None]:
-            part = segment_cost(config, phase_flops(config, start, end), run=f"steps [{start}, {end})", start=start,
-                                end=end, gpus=world, gpus_per_node=args.gpus_per_node, speeds=speeds)
-            return part.flops, part.gpu_hours
-
-        for name, flops, hours in source_costs(config, cost_of_steps) or ():
-            spent = "unknown" if hours is None else f"{hours:,.3g} GPU-hours"
-            print(f"  source {name}: {flops:.3e} FLOPs ({100 * flops / cost.flops:.1f} %), {spent}")
+        if checks.source_plan is not None:  # each source's share of the steps' cost
+            spans = [(pricing.steps(start, end, run=f"steps [{start}, {end})"), samples)
+                     for start, end, samples in source_samples(checks.source_plan)]
+            for name, flops, hours in split_cost(spans):
+                spent = "unknown" if hours is None else f"{hours:,.3g} GPU-hours"
+                print(f"  source {name}: {flops:.3e} FLOPs ({100 * flops / cost.flops:.1f} %), {spent}")
+        if (by_phase or checks.source_plan is not None) and cost.startup_gpu_hours is not None:
+            print(f"  trainer start-up: {cost.startup_gpu_hours:,.3g} GPU-hours (once; in none of the parts above)")
         check_budget(args.budget_gpu_hours, cost.gpu_hours, [("the run", cost.gpu_hours or 0.0)], "the run",
                      unknown_hint=speeds.unknown_hint)
         print("\n".join(checks.lines))

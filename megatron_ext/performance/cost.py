@@ -45,7 +45,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -291,10 +291,28 @@ class SegmentCost:
     """The data-parallel statement (several GPUs)."""
     sources: tuple[str, ...] = ()
     """The speed sources used (``calibrated``, ``measured``, ``assumed``)."""
+    startup_seconds: float = 0.0
+    """The trainer's start-up, counted once in ``seconds``: a segment is one trainer's steps."""
 
     @property
     def gpu_hours(self) -> float | None:
         return None if self.seconds is None else self.seconds * self.gpus / 3600
+
+    @property
+    def steps_gpu_hours(self) -> float | None:
+        """GPU-hours of the steps alone (``gpu_hours`` without the start-up)."""
+        return None if self.seconds is None else (self.seconds - self.startup_seconds) * self.gpus / 3600
+
+    @property
+    def startup_gpu_hours(self) -> float | None:
+        return None if self.seconds is None else self.startup_seconds * self.gpus / 3600
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Wall time of one step on average, the start-up left out; None: no speed known (or no step)."""
+        if self.seconds is None or self.end <= self.start:
+            return None
+        return (self.seconds - self.startup_seconds) / (self.end - self.start)
 
 
 def segment_cost(config, flops: Sequence[tuple[str, float]], *, run: str, start: int = 0, end: int | None = None,
@@ -317,7 +335,45 @@ def segment_cost(config, flops: Sequence[tuple[str, float]], *, run: str, start:
             sources.append(speed.source)
     extra, scaling = data_parallel_overhead(config, gpus, gpus_per_node)
     return SegmentCost(run=run, start=start, end=end, flops=total, gpus=gpus, speeds=tuple(labels), scaling=scaling,
-                       seconds=seconds + (end - start) * extra + startup, sources=tuple(sources))
+                       seconds=seconds + (end - start) * extra + startup, sources=tuple(sources), startup_seconds=startup)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPricing:
+    """How ``pretrain_encoder.py --dry-run`` prices any steps of one run on ``gpus`` GPUs: the run,
+    each phase, each data span (:meth:`steps`)."""
+
+    config: object
+    """The run's ``RunConfig``."""
+    flops: Callable[[int, int], Sequence[tuple[str, float]]]
+    """The FLOPs of steps ``[start, end)`` per objective tag (``training.dry_run.phase_flops`` of
+    ``config``; given, not imported: this package does not import ``training``)."""
+    gpus: int
+    gpus_per_node: int
+    speeds: SpeedTable
+
+    def steps(self, start: int = 0, end: int | None = None, *, run: str) -> SegmentCost:
+        """The cost of steps ``[start, end)`` (default: the whole run) as one trainer's, named ``run``."""
+        end = self.config.training.train_iters if end is None else end
+        return segment_cost(self.config, self.flops(start, end), run=run, start=start, end=end, gpus=self.gpus,
+                            gpus_per_node=self.gpus_per_node, speeds=self.speeds)
+
+
+def split_cost(parts: Iterable[tuple[SegmentCost, Mapping[str, float]]]) -> list[tuple[str, float, float | None]]:
+    """``(name, FLOPs, GPU-hours or None)`` of each name: each part (some steps of one run: their cost,
+    and each name's weight in them, e.g. the samples each source gives a data span) shares its FLOPs
+    and its steps' GPU-hours by the weights. The trainer's start-up is in none of them (each part's
+    ``SegmentCost`` counts one; the run has one, ``SegmentCost.startup_gpu_hours``): the names' FLOPs and
+    GPU-hours add up to the parts' steps'. Names in the order they first come."""
+    totals: dict[str, list] = {}
+    for cost, weights in parts:
+        whole = sum(weights.values())
+        for name, weight in weights.items():
+            entry = totals.setdefault(name, [0.0, 0.0])
+            entry[0] += cost.flops * weight / whole
+            hours = cost.steps_gpu_hours
+            entry[1] = None if hours is None or entry[1] is None else entry[1] + hours * weight / whole
+    return [(name, flops, hours) for name, (flops, hours) in totals.items()]
 
 
 def band(sources: Iterable[str]) -> tuple[float, float]:

@@ -5,7 +5,6 @@ once at the end of training (Megatron's "end of training for test data")."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -17,7 +16,7 @@ from megatron.core import parallel_state
 from megatron_ext.phases import ResolvedPhase
 from megatron_ext.tokenizer import EncoderTokenizer
 from megatron_ext.training import context as context_lib
-from megatron_ext.training.datasets import DatasetProvider, document_end_id as eod_of
+from megatron_ext.training.datasets import DatasetProvider, document_end_id as eod_of, phase_validation_data
 from megatron_ext.training.samplers import build_phase_iterator, build_train_iterator, build_valid_iterator
 from megatron_ext.training.config import DataConfig, RunConfig
 from megatron_ext.training.mixtures import SpanReads, source_names
@@ -98,8 +97,7 @@ class Batches:
             return self.valid, self.valid_sources
         if phase.index not in self.phase_valid:
             d = self.config.data
-            own = (dataclasses.replace(d, valid_data_path=phase.valid_data_path, test_data_path=()) if d.per_split
-                   else dataclasses.replace(d, data_path=phase.valid_data_path, data_args_path=None))
+            own = phase_validation_data(d, phase.valid_data_path)  # checked by the pre-flight (its sources step)
             _, valid_ds, _ = self.datasets.build_datasets(
                 own, tokenizer=self.tokenizer, train_samples=1, valid_samples=d.eval_iters * d.global_batch_size,
                 seed=self.config.training.seed)
@@ -151,11 +149,13 @@ def _evaluation_batches(dataset: Dataset | None, config: RunConfig, device: torc
 
 
 def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int, device: torch.device,
-                  datasets: DatasetProvider) -> Batches:
+                  datasets: DatasetProvider, source_plan: tuple[SpanReads, ...] | None = None) -> Batches:
     """The run's data from step ``start`` on, from the splits ``datasets`` builds. Evaluation
     (validation, and the test split at the end when ``data.split`` gives it a share) reads ``data.eval_iters`` global batches of each split,
     whatever ``training.eval_interval`` (which sets only how often validation runs), as in
-    Megatron-LM: ``data.eval_iters: 0`` evaluates nothing."""
+    Megatron-LM: ``data.eval_iters: 0`` evaluates nothing. ``source_plan``: in a run whose phases set
+    their own data, the plan the pre-flight made and checked (``Preflight.source_plan``); None: planned
+    here by ``datasets``."""
     data_cfg = config.data
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -164,13 +164,12 @@ def build_batches(config: RunConfig, tokenizer: EncoderTokenizer, *, start: int,
     evaluated = dict(valid_samples=eval_samples, test_samples=eval_samples, seed=config.training.seed)
     valid_ds = test_ds = None
     contexts = config.phase_contexts
-    source_plan = None
     if context_lib.reads_sources(contexts) or context_lib.varies(contexts):
         # Training data per segment, built as the steps reach it; validation at the run's
         # data.seq_length in every phase, so that its losses compare over the whole run.
         train, segment = None, None
         blend = datasets.blend_shares(data_cfg, None, train_samples=0)  # shares known per segment only
-        if context_lib.reads_sources(contexts):
+        if context_lib.reads_sources(contexts) and source_plan is None:
             source_plan = datasets.plan_source_reads(data_cfg, context_lib.dataset_spans(contexts))
         if eval_samples:
             segments = context_lib.dataset_spans(contexts)

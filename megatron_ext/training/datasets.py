@@ -211,6 +211,38 @@ def _gpt_dataset_config(config: DataConfig, tokenizer: EncoderTokenizer, seed: i
     )
 
 
+def check_prefix(prefix: str, tokenizer: EncoderTokenizer, *, max_tokens_to_scan: int) -> IndexFile:
+    """``prefix``'s index as Megatron will read it (``data.index_checks.read_index``), its token dtype
+    able to hold ``tokenizer``'s ids and, at most ``max_tokens_to_scan`` tokens (``data.max_tokens_to_scan``),
+    every id within its vocab; each refused in one line naming the file."""
+    index = read_index(prefix)
+    check_token_dtype(index, tokenizer)
+    if int(index.tokens_before[-1]) <= max_tokens_to_scan:
+        scan_token_ids(index, tokenizer)
+    return index
+
+
+def check_split_blends(config: DataConfig, tokenizer: EncoderTokenizer) -> None:
+    """What :func:`build_datasets` checks before Megatron reads anything: the EOD every sample needs,
+    each prefix (:func:`check_prefix`), and that each split with a share gets enough tokens of each."""
+    document_end_id(config, tokenizer)  # GPTDataset needs the EOD for every sample; raises with the fix
+    for name in SPLIT_NAMES if config.per_split else ("train",):  # one blend cut by data.split, or one each
+        if (blend := config.split_blend(name)) is None:
+            continue
+        prefixes, weights = blend
+        indexes = [check_prefix(prefix, tokenizer, max_tokens_to_scan=config.max_tokens_to_scan) for prefix in prefixes]
+        _check_splits(config, indexes, weighted=weights is not None,
+                      cut=config.split_cut(name) if config.per_split else None)
+
+
+def phase_validation_data(config: DataConfig, valid_data_path: tuple[str, ...]) -> DataConfig:
+    """The data of a phase's own validation blend (``phases[i].valid_data_path``): its valid split as
+    ``data.split`` cuts it, or read whole with Megatron's per-split paths."""
+    if config.per_split:
+        return dataclasses.replace(config, valid_data_path=valid_data_path, test_data_path=())
+    return dataclasses.replace(config, data_path=valid_data_path, data_args_path=None)
+
+
 def build_datasets(
     config: DataConfig, *, tokenizer: EncoderTokenizer, train_samples: int, valid_samples: int, seed: int,
     test_samples: int = 0,
@@ -234,19 +266,7 @@ def build_datasets(
     for name, samples in (("valid_samples", valid_samples), ("test_samples", test_samples)):
         if samples < 0:
             raise UserError(f"{name}: expected >= 0, got {samples}")
-    document_end_id(config, tokenizer)  # GPTDataset needs the EOD for every sample; raises with the fix
-    for name in SPLIT_NAMES if config.per_split else ("train",):  # one blend cut by data.split, or one each
-        if (blend := config.split_blend(name)) is None:
-            continue
-        prefixes, weights = blend
-        indexes = [read_index(prefix) for prefix in prefixes]
-        for index in indexes:
-            check_token_dtype(index, tokenizer)
-            if int(index.tokens_before[-1]) <= config.max_tokens_to_scan:
-                scan_token_ids(index, tokenizer)
-        _check_splits(config, indexes, weighted=weights is not None,
-                      cut=config.split_cut(name) if config.per_split else None)
-
+    check_split_blends(config, tokenizer)
     gpt_config = _gpt_dataset_config(config, tokenizer, seed)
     has_split = [config.split_blend(name) is not None if config.per_split else gpt_config.split_matrix[i] is not None
                  for i, name in enumerate(SPLIT_NAMES)]
@@ -317,17 +337,20 @@ def blend_counts(shares: list[float], size: int) -> list[int]:
 def build_source_epoch(config: DataConfig, prefix: str, *, tokenizer: EncoderTokenizer, seed: int) -> Dataset:
     """One epoch of the train split of ``prefix`` at ``config.seq_length``: Megatron's
     ``GPTDataset`` built for no set number of samples (one epoch), shuffled with ``seed``
-    (``training.mixtures.epoch_seed``). Checked as :func:`build_datasets` checks its prefixes."""
-    document_end_id(config, tokenizer)
-    index = read_index(prefix)
-    check_token_dtype(index, tokenizer)
-    if int(index.tokens_before[-1]) <= config.max_tokens_to_scan:
-        scan_token_ids(index, tokenizer)
-    _check_splits(config, [index], weighted=True, cut=config.split_cut("train"))
+    (``training.mixtures.epoch_seed``). Checked first (:func:`check_source`)."""
+    check_source(config, prefix, tokenizer)
     # The prefix alone, cut as the run's training blend is cut (its train share; whole with per-split paths).
     source = dataclasses.replace(config, data_path=(prefix,), data_args_path=None, train_data_path=(), valid_data_path=(),
                                  test_data_path=(), split=config.split_cut("train"), eval_iters=0)
     return build_one_epoch(_gpt_dataset_config(source, tokenizer, seed))
+
+
+def check_source(config: DataConfig, prefix: str, tokenizer: EncoderTokenizer) -> None:
+    """What :func:`build_source_epoch` checks of a source before Megatron reads it: the EOD, the
+    prefix (:func:`check_prefix`), and its train split not empty."""
+    document_end_id(config, tokenizer)
+    index = check_prefix(prefix, tokenizer, max_tokens_to_scan=config.max_tokens_to_scan)
+    _check_splits(config, [index], weighted=True, cut=config.split_cut("train"))
 
 
 def plan_source_reads(config: DataConfig, spans: Sequence[DatasetSpan]) -> tuple[SpanReads, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,9 +12,8 @@ import numpy as np
 from megatron_ext.model.config import parameter_count
 from megatron_ext.schedule import lr_at
 from megatron_ext.training.config import PER_SPLIT_PATHS, RunConfig
-from megatron_ext.config_loading import UserError
-from megatron_ext.training.context import PhaseContext, dataset_spans, rampup_schedule, reads_sources, varies
-from megatron_ext.training.mixtures import format_source_plan, source_names
+from megatron_ext.training.context import PhaseContext, rampup_schedule, reads_sources, varies
+from megatron_ext.training.mixtures import SpanReads, format_source_plan, source_names
 from megatron_ext.performance.flops import (ISOLATED_DOCUMENTS_CONVENTION, MFU_CONVENTION, flops_per_token,
                                             mean_lm_head_share, packed_attention)
 from megatron_ext.training.layout import check_layout
@@ -185,7 +184,9 @@ def token_count(tokens: int) -> str:
     return f"{tokens}"
 
 
-def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
+def format_dry_run(config: RunConfig, plan: RunPlan, *, source_plan: Sequence[SpanReads] | None = None) -> str:
+    """The plan ``--dry-run`` prints; ``source_plan``: what each data span reads from each source
+    (``Preflight.source_plan``), in a run whose phases set their own data."""
     d, s, t, o, m = config.data, config.schedule, config.training, config.optimizer, config.model
     total = t.train_iters
     phases = config.resolved_phases
@@ -266,50 +267,31 @@ def format_dry_run(config: RunConfig, plan: RunPlan) -> str:
                      f"{prefixes[0]}) (split {d.split})")
     else:
         lines.append(f"data              {' '.join(map(str, d.data_path))} (split {d.split})")
-    lines += _source_lines(config)
+    lines += _source_lines(config, source_plan)
     return "\n".join(lines)
 
 
-def _source_lines(config: RunConfig) -> list[str]:
+def _source_lines(config: RunConfig, source_plan: Sequence[SpanReads] | None) -> list[str]:
     """What each data span reads from each source, in a run whose phases set their own data
     (``training.mixtures``: shares after temperature, samples and tokens, epochs), as the trainer
-    will read it; said, not judged, where the ``.idx`` files cannot be read here."""
-    contexts = config.phase_contexts
-    if not reads_sources(contexts):
+    will read it (``source_plan``: the pre-flight's); said, not judged, where the pre-flight could not
+    plan it here (its last lines say why)."""
+    if not reads_sources(config.phase_contexts):
         return []
-    from megatron_ext.training.datasets import plan_source_reads
-
-    try:
-        plans = plan_source_reads(config.data, dataset_spans(contexts))
-    except (OSError, UserError) as err:
-        return [f"sources           per-source shares not computed here: {err}"]
-    return format_source_plan(plans).splitlines()
+    if source_plan is None:
+        return ["sources           per-source shares not computed here: the data is not at hand, or a run "
+                "would refuse it (the last lines say which)"]
+    return format_source_plan(source_plan).splitlines()
 
 
-def source_costs(config: RunConfig, cost_of_steps: Callable[[int, int], tuple[float, float | None]]
-                 ) -> list[tuple[str, float, float | None]] | None:
-    """Per source of a run whose phases set their own data: ``(name, FLOPs, GPU-hours or None)``
-    it costs, each data span's cost (``cost_of_steps(start, end)``: its FLOPs and GPU-hours) shared
-    by the samples each source gives the span. None when the run reads one blend, or the data
-    cannot be read here."""
-    contexts = config.phase_contexts
-    if not reads_sources(contexts):
-        return None
-    from megatron_ext.training.datasets import plan_source_reads
-
-    try:
-        plans = plan_source_reads(config.data, dataset_spans(contexts))
-    except (OSError, UserError):
-        return None
-    totals: dict[str, list] = {}
-    for plan in plans:
-        flops, hours = cost_of_steps(plan.start, plan.end)
-        for source in plan.sources:
-            share = source.samples / plan.samples
-            entry = totals.setdefault(source.prefix, [0.0, 0.0])
-            entry[0] += flops * share
-            entry[1] = None if hours is None or entry[1] is None else entry[1] + hours * share
-    return [(name, f, h) for name, (f, h) in zip(source_names(list(totals)), totals.values())]
+def source_samples(source_plan: Sequence[SpanReads]) -> list[tuple[int, int, dict[str, int]]]:
+    """Per data span of a run whose phases set their own data: its steps ``[start, end)`` and the
+    samples each source gives it, by the sources' names (``mixtures.source_names``): what
+    ``performance.cost.split_cost`` shares the spans' costs by."""
+    prefixes = list(dict.fromkeys(source.prefix for span in source_plan for source in span.sources))
+    names = dict(zip(prefixes, source_names(prefixes)))
+    return [(span.start, span.end, {names[source.prefix]: source.samples for source in span.sources})
+            for span in source_plan]
 
 
 def _phase_notes(config: RunConfig, context: PhaseContext) -> list[str]:
@@ -364,8 +346,8 @@ def _rampup_lines(config: RunConfig, plan: RunPlan) -> list[str]:
 
 def save_cadence(config: RunConfig, seconds_per_step: float | None) -> str | None:
     """What a failure costs at the run's checkpoint cadence: the steps (and, at the estimated speed,
-    the time) between saves, ``checkpoint.save_interval_minutes`` bounding it; None without a save
-    directory."""
+    ``seconds_per_step``: ``SegmentCost.step_seconds``, without the trainer's start-up, the time)
+    between saves, ``checkpoint.save_interval_minutes`` bounding it; None without a save directory."""
     from megatron_ext.performance.cost import hours
 
     c = config.checkpoint

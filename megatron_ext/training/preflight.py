@@ -8,12 +8,15 @@ said below; a rule is stated once, and every caller reaches it through :func:`pr
 The checks, in order:
 
 1. **config**: when a ``RunConfig`` is built (``training.config``: each section's ``__post_init__``
-   for its own fields, ``RunConfig.__post_init__`` for the rules across sections: phases, schedule,
+   for its own fields, ``DataConfig.__post_init__`` reading ``data.data_args_path``'s file of
+   ``data_path`` entries, ``RunConfig.__post_init__`` for the rules across sections: phases, schedule,
    phase contexts, FP8 needs the ``te`` layers, what each objective selects at its length), the
    CUDA-graph rules of the config (``cuda_graphs.training_problem``, ``cuda_graphs.run_problem``).
    Every caller builds the config first, so every caller meets these.
 2. **paths** (:func:`check_paths`): the save and log directories writable, every ``.bin``/``.idx``
-   of ``data.data_path`` present, ``checkpoint.load`` present.
+   of every prefix the config names present (``RunConfig.data_paths``: ``data.data_path`` or
+   Megatron's per-split paths, each ``phases[i].data_path`` and ``phases[i].valid_data_path``),
+   ``checkpoint.load`` present.
 3. **layout** (``training.layout.check_layout``): the world size divides by TP x PP, the model
    splits over TP and PP (``training.layout.model_parallel_problem``), every global batch (phases',
    ramp-up's) divides by micro-batch x DP. Without a world size (the study planner: its runs'
@@ -35,6 +38,16 @@ The checks, in order:
 7. **tokenizer** (:func:`check_tokenizer_serves`: the embedding holds its ids, each objective,
    validation's included, finds what it needs; ``data.provenance.check_data_tokenizer``: the data
    was made by this tokenizer, a notice when the data does not say).
+8. **sources** (:func:`check_sources`): what a run would otherwise meet only when its steps reach
+   it. In a run whose phases set their own data, the plan of what each data span reads from each
+   source (``training.datasets.plan_source_reads``: a source with no whole sample at a phase's
+   length, ``training.mixtures.check_enough_data``; a train split without tokens,
+   ``training.datasets.train_split_tokens``), and each source's index (``training.datasets.check_source``:
+   ``data.index_checks.read_index``, ``check_token_dtype``, ``scan_token_ids`` against the
+   tokenizer); each phase's own ``valid_data_path`` checked as its first evaluation would build it
+   (``training.datasets.check_split_blends``: the same index checks, and the split's shares). The
+   plan is kept (``Preflight.source_plan``) for what reads it: ``training.batches.build_batches``
+   (its ``source_plan``), and ``--dry-run``, which prints and prices it.
 
 Who runs which (:class:`Caller`)::
 
@@ -46,18 +59,22 @@ Who runs which (:class:`Caller`)::
     5 save space -            -                              raises (exit 74)
     6 memory     -            report, NOT READY line         raises
     7 tokenizer  -            NOT READY line (*) / raises    raises
+    8 sources    -            NOT READY line (*)             raises
 
 (*) what this machine lacks is ``NOT READY`` only where this machine runs the plan
 (``hardware.runs_elsewhere``); a plan for the compute nodes, made on a login node, says it fails
 here and to check where it starts. The trainer calls :func:`preflight` twice, at the two moments
-above (``RUN_BEFORE_PROCESS_GROUP``: 2-4; ``RUN_BEFORE_MODEL``: 5-7).
+above (``RUN_BEFORE_PROCESS_GROUP``: 2-4; ``RUN_BEFORE_MODEL``: 5-8). ``--dry-run`` checks the
+sources' indexes where it has the tokenizer (check 7 built it), and plans them only where the paths
+are present (check 2).
 
 Checked later, before the first step, where what they check first exists: the starting checkpoint
 (damage, the optimizer format, a resume that changes the data's attention or positions, a branch's
 parent: ``checkpoint.resume.load_starting_point``, ``loop._check_resume_keeps_context``,
-``training.branching.check_saved_parent``) once the model is built to load into; each prefix's
-index (header, document index, token dtype and ids against the tokenizer, the split's shares:
-``training.datasets.build_datasets``) as the datasets are built from it. Not checks: what this machine
+``training.branching.check_saved_parent``) once the model is built to load into; the indexes of
+``data.data_path``'s prefixes (header, document index, token dtype and ids against the tokenizer, the
+split's shares: ``training.datasets.build_datasets``, through ``check_split_blends``) as the run's
+datasets are built from them, before the first step. Not checks: what this machine
 lacks and the run turns off, announced once (``loop.runnable_here``: the ``te`` layers, the fused
 kernels), after check 4.
 """
@@ -65,6 +82,7 @@ kernels), after check 4.
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import sys
 import tempfile
@@ -78,6 +96,7 @@ from megatron_ext.training.layout import check_layout
 
 if TYPE_CHECKING:
     from megatron_ext.tokenizer import EncoderTokenizer
+    from megatron_ext.training.mixtures import SpanReads
 
 
 class Caller(enum.Enum):
@@ -109,8 +128,12 @@ class Preflight:
     """The run's tokenizer, built by check 7 (None where it was not built)."""
     memory: str | None = None
     """``--dry-run``'s memory lines (check 6)."""
+    source_plan: tuple[SpanReads, ...] | None = None
+    """What each data span reads from each source (check 8), in a run whose phases set their own data;
+    None: the run reads one blend, or (``--dry-run``) its data cannot be read here (``lines`` says why)."""
     lines: tuple[str, ...] = ()
-    """``--dry-run``'s last lines: what the paths check found, then the tokenizer's (check 2, 7)."""
+    """``--dry-run``'s last lines: what the paths check found, then the tokenizer's, the sources'
+    (checks 2, 7, 8)."""
 
 
 def preflight(config: RunConfig, caller: Caller, *, world_size: int | None = None,
@@ -134,7 +157,7 @@ def preflight(config: RunConfig, caller: Caller, *, world_size: int | None = Non
 
 
 def _before_model(config: RunConfig, world_size: int) -> Preflight:
-    """Checks 5-7 of the trainer (the process group up: rank 0 judges the save space for all, and
+    """Checks 5-8 of the trainer (the process group up: rank 0 judges the save space for all, and
     this process's GPU is chosen)."""
     from megatron_ext import hardware
     from megatron_ext.data.provenance import check_data_tokenizer
@@ -152,14 +175,14 @@ def _before_model(config: RunConfig, world_size: int) -> Preflight:
         unrecorded = check_data_tokenizer(prefixes, tokenizer, field=field)
         if unrecorded and is_writer():
             print(unrecorded, file=sys.stderr, flush=True)
-    return Preflight(caller=Caller.RUN_BEFORE_MODEL, tokenizer=tokenizer)
+    return Preflight(caller=Caller.RUN_BEFORE_MODEL, tokenizer=tokenizer, source_plan=check_sources(config, tokenizer))
 
 
 def _dry_run(config: RunConfig, world_size: int, tokenizer: EncoderTokenizer | None,
              gpu_kind: str | None) -> Preflight:
-    """``--dry-run``'s checks: the layout refuses; what this machine lacks (paths, the tokenizer) is
-    said, NOT READY where this machine runs the plan; what the tokenizer cannot serve refuses, as the
-    run would refuse it."""
+    """``--dry-run``'s checks: the layout refuses; what this machine lacks or cannot read (paths, the
+    tokenizer, the sources) is said, NOT READY where this machine runs the plan; what the tokenizer
+    cannot serve refuses, as the run would refuse it."""
     from megatron_ext.data.provenance import check_data_tokenizer
     from megatron_ext.hardware import runs_elsewhere
     from megatron_ext.tokenizer import build_tokenizer, is_hub_id
@@ -188,12 +211,19 @@ def _dry_run(config: RunConfig, world_size: int, tokenizer: EncoderTokenizer | N
                        if (notice := check_data_tokenizer(prefixes, tokenizer, field=field))]
             tokenizer_line = "; ".join(notices) or None
     memory = memory_report(config, world_size=world_size, gpu_kind=gpu_kind)
+    source_plan, sources_line = None, None
     try:  # a plan made on a login node may name paths mounted only on the compute nodes
         paths_line = "checked: " + ", ".join(check_paths(config))
     except UserError as err:
         paths_line = f"paths: {missing}: {err}"
+    else:  # the data present: what the run would refuse of it before its first step (said once, not twice)
+        try:
+            source_plan = check_sources(config, tokenizer)
+        except (OSError, UserError) as err:
+            sources_line = f"sources: {missing}: {err}"
     return Preflight(caller=Caller.DRY_RUN, data_parallel=data_parallel, tokenizer=tokenizer, memory=memory,
-                     lines=(paths_line, *([tokenizer_line] if tokenizer_line else [])))
+                     source_plan=source_plan, lines=tuple(line for line in (paths_line, tokenizer_line, sources_line)
+                                                          if line))
 
 
 # -- 2. paths ------------------------------------------------------------------------------------
@@ -202,7 +232,8 @@ def _dry_run(config: RunConfig, world_size: int, tokenizer: EncoderTokenizer | N
 def check_paths(config: RunConfig) -> list[str]:
     """Fail now, naming the field, on paths a run would trip over later: a save or log directory
     that cannot be written (found otherwise at the first save, a whole save interval in), missing
-    ``.bin``/``.idx`` files of ``data.data_path``, a ``checkpoint.load`` that does not exist, or
+    ``.bin``/``.idx`` files of any prefix the config names (``RunConfig.data_paths``), a
+    ``checkpoint.load`` that does not exist, or
     ``checkpoint.finetune`` without ``checkpoint.load``. Writes nothing that stays (a probe file is
     created and removed in the nearest existing directory). Returns what was checked."""
     from megatron_ext.data.index_checks import missing_prefix_problem
@@ -325,3 +356,38 @@ def check_tokenizer_serves(config: RunConfig, tokenizer: EncoderTokenizer) -> No
             except UserError as err:
                 raise type(err)(f"validation (data.eval_iters={config.data.eval_iters}) measures "
                                 f"{objective.name}: {err}; or set data.eval_iters: 0") from None
+
+
+# -- 8. sources ----------------------------------------------------------------------------------
+
+
+def check_sources(config: RunConfig, tokenizer: EncoderTokenizer | None) -> tuple[SpanReads, ...] | None:
+    """Refuse, naming the setting and the prefix, data a run would otherwise stop on only when its
+    steps reach it: in a run whose phases set their own data, a source with no whole sample at a
+    phase's length or whose train split holds no tokens (the plan, ``datasets.plan_source_reads``),
+    and, given the ``tokenizer``, each source's index (``datasets.check_source``); each phase's own
+    ``valid_data_path`` as its first evaluation builds it (``datasets.check_split_blends``). Returns
+    the plan; None where the run reads one blend."""
+    from megatron_ext.training.context import dataset_spans, reads_sources
+    from megatron_ext.training.datasets import (check_source, check_split_blends, phase_validation_data,
+                                                plan_source_reads)
+
+    contexts = config.phase_contexts
+    plan = plan_source_reads(config.data, dataset_spans(contexts)) if reads_sources(contexts) else None
+    if tokenizer is None:  # --dry-run without the tokenizer (a hub id, or not on this machine)
+        return plan
+    named_by = {}  # each prefix by the first setting naming it
+    for field, prefixes in config.data_paths().items():
+        for prefix in prefixes:
+            named_by.setdefault(prefix, field)
+    checks = [(named_by.get(prefix, "data_path"), functools.partial(check_source, config.data, prefix, tokenizer))
+              for prefix in dict.fromkeys(source.prefix for span in plan or () for source in span.sources)]
+    checks += [(f"phases[{phase.index}].valid_data_path", functools.partial(
+        check_split_blends, phase_validation_data(config.data, phase.valid_data_path), tokenizer))
+        for phase in config.resolved_phases if phase.valid_data_path is not None]
+    for field, check in checks:
+        try:
+            check()
+        except UserError as err:
+            raise type(err)(f"{field}: {err}") from None
+    return plan

@@ -462,3 +462,54 @@ def test_a_sharded_corpus_trains_from_its_blend_file_through_data_args_path(tiny
     with pytest.raises(UserError, match=r"is read instead of data_path: give one"):
         DataConfig(data_args_path=str(blend_file), data_path=("x",), seq_length=64, micro_batch_size=4,
                    global_batch_size=8)
+
+
+def test_a_bad_source_is_refused_before_the_first_step_and_the_dry_run_says_not_ready(tiny_corpus, sources, tmp_path):
+    """What a run would otherwise meet only when its steps reach it (training.preflight, check 8): a
+    source with no whole sample at its phase's length, ids outside the vocab in a later phase's source
+    or in a phase's own validation blend. The run refuses each before its first step, naming the
+    setting and the prefix; ``--dry-run`` says it NOT READY (this machine runs its plan) and prints
+    no per-source shares for data it could not plan."""
+    import shutil
+
+    from megatron_ext.checkpoint.reader import intact_checkpoints
+    from megatron_ext.data.index_checks import read_index
+    from megatron_ext.data.preprocess import PreprocessConfig, preprocess
+    from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
+    from megatron_ext.training.dry_run import format_dry_run, make_plan
+    from megatron_ext.training.preflight import NOT_READY, Caller, preflight
+
+    # A source of one short document: no sample of phases[2]'s 128 tokens (+1).
+    (tmp_path / "short.jsonl").write_text(json.dumps({"text": "A short note."}) + "\n")
+    preprocess(PreprocessConfig(inputs=(str(tmp_path / "short.jsonl"),), output_prefix=str(tmp_path / "short"),
+                                tokenizer=TokenizerConfig(tokenizer_model=tiny_corpus["tokenizer"]), append_eod=True,
+                                progress=False))
+    short = str(tmp_path / "short_text_document")
+    config = run_config_from_dict(_recipe(tiny_corpus, sources, tmp_path / "short_run",
+                                          phases=_phases(sources, last=[short])))
+    found = preflight(config, Caller.DRY_RUN, world_size=1)
+    assert found.source_plan is None and found.lines[-1].startswith(f"sources: {NOT_READY}: data_path {short!r}: "
+                                                                    "its train split holds no whole sample"), found.lines
+    assert "per-source shares not computed" in format_dry_run(config, make_plan(config, 1),
+                                                              source_plan=found.source_plan)
+
+    # Source c again, one id in it past the vocab (no tokenizer record: only a notice of that).
+    bad = str(tmp_path / "bad_text_document")
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(sources["c"] + suffix, bad + suffix)
+    vocab = build_tokenizer(TokenizerConfig(tokenizer_model=tiny_corpus["tokenizer"])).vocab_size
+    tokens = np.memmap(bad + ".bin", mode="r+", dtype=read_index(bad).dtype)
+    tokens[7] = vocab
+    tokens.flush()
+    del tokens
+    message = rf"{re.escape(bad)}\.bin: token id {vocab} \(document 0, token 7 of its sequence 0\) is outside the vocab"
+    later = _recipe(tiny_corpus, sources, tmp_path / "later", phases=_phases(sources, last=[sources["a"], bad]))
+    found = preflight(run_config_from_dict(later), Caller.DRY_RUN, world_size=1)
+    assert re.match(rf"sources: {NOT_READY}: phases\[2\]\.data_path: {message}", found.lines[-1]), found.lines
+    with pytest.raises(UserError, match=rf"^phases\[2\]\.data_path: {message}"):
+        pretrain(run_config_from_dict(later))  # its phase starts at step 6: refused before step 1
+    assert intact_checkpoints(tmp_path / "later" / "ckpt") == []  # none saved at step 3
+    validated = _recipe(tiny_corpus, sources, tmp_path / "validated")
+    validated["phases"][1]["valid_data_path"] = [bad]
+    found = preflight(run_config_from_dict(validated), Caller.DRY_RUN, world_size=1)
+    assert re.match(rf"sources: {NOT_READY}: phases\[1\]\.valid_data_path: {message}", found.lines[-1]), found.lines

@@ -91,5 +91,7 @@ def test_the_module_states_every_check_and_caller():
         assert caller.name in doc or caller.value in doc, caller
     for check in ("check_paths", "layout.check_layout", "layout.model_parallel_problem", "check_machine", "check_save_space",
                   "check_run_fits", "memory_report", "check_tokenizer_serves", "check_data_tokenizer",
-                  "machine_problem", "run_problem", "training_problem"):
+                  "machine_problem", "run_problem", "training_problem", "check_sources", "plan_source_reads",
+                  "check_enough_data", "train_split_tokens", "check_source", "check_split_blends", "read_index",
+                  "check_token_dtype", "scan_token_ids"):
         assert check in doc, check

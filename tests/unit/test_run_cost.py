@@ -116,3 +116,50 @@ def test_pretrain_dry_run_prints_the_cost_and_refuses_a_budget(capsys):
     assert len(err) == 1 and re.match(r"pretrain_encoder\.py: error: --budget-gpu-hours 10: the run is estimated at "
                                       r"[\d,.]+ GPU-hours; the biggest: the run ", err[0]), err
 
+
+
+def test_parts_of_a_run_add_up_to_it_with_one_start_up_and_a_step_leaves_it_out():
+    """A run priced in parts (``RunPricing.steps``: each phase, each data span) shared by weights
+    (``split_cost``: each source's samples) adds up to the run: the parts' steps to the run's steps,
+    the run's one trainer start-up apart, in none of them; its seconds per step leave it out."""
+    from functools import partial
+
+    config = shipped_recipe_config("paper/1b_biphasic_25_75.yaml")
+    speeds = cost.SpeedTable(kind="H100", measured=measured_speeds.MeasuredSpeeds(), mfu=0.35)
+    pricing = cost.RunPricing(config=config, flops=partial(phase_flops, config), gpus=8, gpus_per_node=8, speeds=speeds)
+    run = pricing.steps(run="the run")
+    startup = cost.ASSUMED_STARTUP_S["gpu"]
+    steps = config.training.train_iters
+    assert run.startup_seconds == startup and run.startup_gpu_hours == pytest.approx(startup * 8 / 3600)
+    assert run.step_seconds == pytest.approx((run.seconds - startup) / steps)
+    assert run.steps_gpu_hours + run.startup_gpu_hours == pytest.approx(run.gpu_hours)
+    # Three spans of the run, each read from its sources in its own proportions.
+    cuts = [0, steps // 5, steps // 2, steps]
+    weights = [{"web": 3, "code": 1}, {"web": 1, "books": 1}, {"books": 2, "code": 5}]
+    parts = [(pricing.steps(lo, hi, run=f"[{lo}, {hi})"), w) for lo, hi, w in zip(cuts, cuts[1:], weights)]
+    assert all(part.startup_seconds == startup for part, _ in parts)  # each priced alone has its start-up...
+    split = cost.split_cost(parts)
+    assert [name for name, _, _ in split] == ["web", "code", "books"]
+    # ...but the sources' hours add up to the run's steps, the start-up once beside them.
+    assert sum(hours for _, _, hours in split) == pytest.approx(run.steps_gpu_hours, rel=1e-9)
+    assert sum(hours for _, _, hours in split) + run.startup_gpu_hours == pytest.approx(run.gpu_hours, rel=1e-9)
+    assert sum(hours for _, _, hours in split) < sum(part.gpu_hours for part, _ in parts)  # 3 start-ups there
+    assert sum(flops for _, flops, _ in split) == pytest.approx(run.flops, rel=1e-9)
+    first, second, _ = parts
+    web = dict((name, hours) for name, _, hours in split)["web"]
+    assert web == pytest.approx(first[0].steps_gpu_hours * 3 / 4 + second[0].steps_gpu_hours / 2)
+    # The save cadence is the steps' time: 1000 steps of it, not a start-up more.
+    from megatron_ext.training.dry_run import save_cadence
+
+    from dataclasses import replace
+
+    saving = replace(config, checkpoint=replace(config.checkpoint, save="/tmp/x", save_interval=1000,
+                                                save_interval_minutes=None))
+    line = save_cadence(saving, run.step_seconds)
+    assert cost.hours(1000 * run.step_seconds) in line
+    # Unknown speeds stay unknown.
+    cpu = cost.RunPricing(config=config, flops=partial(phase_flops, config), gpus=1, gpus_per_node=8,
+                          speeds=cost.SpeedTable(kind=cost.CPU, measured=measured_speeds.MeasuredSpeeds()))
+    unknown = cpu.steps(run="r")
+    assert unknown.step_seconds is None and unknown.startup_gpu_hours is None
+    assert [hours for _, _, hours in cost.split_cost([(unknown, {"web": 1})])] == [None]
