@@ -49,7 +49,7 @@ from megatron_ext.training.recipe import run_config_from_dict
 from megatron_ext.training.megatron_engine import MegatronEngine, MicroBatch, megatron_transformer_overrides
 from megatron_ext.training.batches import Batches, build_batches, to_device
 from megatron_ext.training.datasets import GPT_DATASETS, DatasetProvider, format_blend
-from megatron_ext.training.mixtures import format_source_plan
+from megatron_ext.training.mixtures import SpanReads, format_source_plan
 from megatron_ext.training.recovery import (LossSpikeWatch, NonFiniteGuard, NonFiniteLossError, Rollbacks, RunRecovery,
                                             TimedSaves)
 from megatron_ext.training.run_checkpoints import RunCheckpoints
@@ -287,13 +287,16 @@ def _pretrain(config: RunConfig, *, exit_after_step: int | None, model_provider:
 def _pretrain_locked(config: RunConfig, *, exit_after_step: int | None, lock: SaveDirectoryLock | None,
                      model_provider: ModelProvider, dataset_provider: DatasetProvider) -> TrainResult:
     # Everything a launch can get wrong is refused here, before the model is allocated: save space,
-    # memory, the tokenizer.
-    tokenizer = preflight(config, Caller.RUN_BEFORE_MODEL, world_size=dist.get_world_size()).tokenizer
+    # memory, the tokenizer, the sources (training.preflight).
+    checks = preflight(config, Caller.RUN_BEFORE_MODEL, world_size=dist.get_world_size())
+    # The pre-flight planned the sources as the default provider reads them; another plans its own.
+    source_plan = checks.source_plan if dataset_provider is GPT_DATASETS else None
     device = hardware.device()
     engine = _build_model_and_engine(config, device, model_provider)
     try:
-        return _train_engine(config, engine, tokenizer=tokenizer, device=device, exit_after_step=exit_after_step,
-                             lock=lock, dataset_provider=dataset_provider)
+        return _train_engine(config, engine, tokenizer=checks.tokenizer, device=device,
+                             exit_after_step=exit_after_step, lock=lock, dataset_provider=dataset_provider,
+                             source_plan=source_plan)
     finally:
         engine.close()  # its CUDA graphs, whatever ends the run
 
@@ -408,8 +411,9 @@ def _announce(config: RunConfig, batches: Batches, starting_point: StartingPoint
 
 def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: EncoderTokenizer, device: torch.device,
                   exit_after_step: int | None, lock: SaveDirectoryLock | None,
-                  dataset_provider: DatasetProvider) -> TrainResult:
-    """The run with its engine built: the starting point loaded, then the steps."""
+                  dataset_provider: DatasetProvider, source_plan: tuple[SpanReads, ...] | None) -> TrainResult:
+    """The run with its engine built: the starting point loaded, then the steps. ``source_plan``: the
+    pre-flight's (``build_batches``)."""
     total = config.training.train_iters
     starting_point, state = _starting_state(config, engine, tokenizer=tokenizer)
     start = int(state.get("step", 0))
@@ -423,7 +427,8 @@ def _train_engine(config: RunConfig, engine: MegatronEngine, *, tokenizer: Encod
                            skipped_steps=int(state.get("skipped_steps", 0)))
 
     _warn_of_kept_steps_missed(config, start)
-    batches = build_batches(config, tokenizer, start=start, device=device, datasets=dataset_provider)
+    batches = build_batches(config, tokenizer, start=start, device=device, datasets=dataset_provider,
+                            source_plan=source_plan)
     t = config.training
     rank_nodes = process_group.rank_nodes()  # a collective, once: the log names each rank's node
     stop = StopPolicy(handle_signals=t.exit_signal_handler, duration_minutes=t.exit_duration_in_mins,
