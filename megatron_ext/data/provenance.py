@@ -72,8 +72,8 @@ def check_data_tokenizer(prefixes: list[str], tokenizer: EncoderTokenizer, *, fi
         if fingerprint != tokenizer.fingerprint():
             raise UserError(
                 f"{field}: {prefix} was tokenized by {describe_record(record)}, but this run's tokenizer is "
-                f"{describe_record(tokenizer_record(tokenizer))}: its ids would mean other tokens; set tokenizer.tokenizer_model "
-                "to the one that made the data, or preprocess the data again with this one")
+                f"{describe_record(tokenizer_record(tokenizer))}: its ids would mean other tokens; set "
+                "tokenizer.tokenizer_model to the one that made the data, or preprocess the data again with this one")
     if not unrecorded:
         return None
     shown = ", ".join(unrecorded[:3]) + (f" and {len(unrecorded) - 3} more" if len(unrecorded) > 3 else "")

@@ -231,7 +231,8 @@ def _differences(old: ShardPlan, new: ShardPlan) -> list[str]:
     """What changed from ``old`` to ``new``, one phrase each."""
     changed = []
     if old.tokenizer.get("fingerprint") != new.tokenizer.get("fingerprint"):
-        changed.append(f"the tokenizer ({provenance.describe_record(old.tokenizer)} -> {provenance.describe_record(new.tokenizer)})")
+        changed.append(f"the tokenizer ({provenance.describe_record(old.tokenizer)} -> "
+                       f"{provenance.describe_record(new.tokenizer)})")
     old_inputs = {i["path"]: i for i in old.inputs}
     new_inputs = {i["path"]: i for i in new.inputs}
     for path in old_inputs.keys() - new_inputs.keys():
@@ -431,10 +432,11 @@ def shard_progress(shard_dir: ShardDir, plan: ShardPlan | None = None) -> ShardP
     markers = shard_dir.markers(plan)
     starts = [m["finished_at"] - m["seconds"] for m in markers.values()]
     ends = [m["finished_at"] for m in markers.values()]
-    return ShardProgress(shards=len(plan.shards), done=len(markers), documents=sum(m["documents"] for m in markers.values()),
-                    tokens=sum(m["tokens"] for m in markers.values()), bytes_total=plan.total_bytes,
-                    bytes_done=sum(m["bytes"] for m in markers.values()),
-                    seconds=(max(ends) - min(starts)) if markers else 0.0)
+    return ShardProgress(shards=len(plan.shards), done=len(markers),
+                         documents=sum(m["documents"] for m in markers.values()),
+                         tokens=sum(m["tokens"] for m in markers.values()), bytes_total=plan.total_bytes,
+                         bytes_done=sum(m["bytes"] for m in markers.values()),
+                         seconds=(max(ends) - min(starts)) if markers else 0.0)
 
 
 # --- the result: a blend, a merge ---------------------------------------------------------------------
