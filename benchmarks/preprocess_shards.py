@@ -39,22 +39,6 @@ from benchmarks.preprocess import _ensure_demo_inputs
 
 REPO = Path(__file__).resolve().parent.parent
 
-_MEMORY_PROBE = """
-import json, sys, time
-from pathlib import Path
-from megatron_ext.data import shards
-shard_dir = shards.ShardDir(Path(sys.argv[1]))
-start = time.perf_counter()
-if sys.argv[2] == "worker":
-    shards.run_worker(shard_dir)
-else:
-    shards.finish(shard_dir)
-# VmHWM: this process's own peak (ru_maxrss would report the parent's at the fork, when larger).
-peak_kb = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(json.dumps({"peak_rss_mb": peak_kb / 1024, "seconds": time.perf_counter() - start}))
-"""
-
-
 def _config(inputs, tokenizer_dir: Path, prefix: Path, **kwargs):
     from megatron_ext.data.preprocess import PreprocessConfig
     from megatron_ext.tokenizer import TokenizerConfig
@@ -69,13 +53,13 @@ def per_core(corpus: Path, tokenizer_dir: Path, repeat: int, texts: list[str], t
     this process, one thread, same tokenizer object, rounds alternating; the best round of each."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the tokenizer loads: one thread, both sides
     from megatron_ext.data import shards
-    from megatron_ext.data.preprocess import CHUNK_DOCUMENTS, PreprocessSummary, _chunks, _Encoder, write_datasets
+    from megatron_ext.data.preprocess import CHUNK_DOCUMENTS, ChunkEncoder, PreprocessSummary, chunked, write_datasets
     from megatron_ext.data.readers import iter_records
 
     big = tmp / "corpus_x.jsonl"
     big.write_bytes(corpus.read_bytes() * repeat)
     plan = shards.plan_corpus(_config([big], tokenizer_dir, tmp / "core"), 1 << 40)
-    encoder = _Encoder(plan.config, None)
+    encoder = ChunkEncoder(plan.config, None)
     encoder.tokenizer.tokenize_batch(texts[:32], add_special_tokens=True)  # warm-up
     raw_s, worker_s = [], []
     for _ in range(rounds):
@@ -91,7 +75,7 @@ def per_core(corpus: Path, tokenizer_dir: Path, repeat: int, texts: list[str], t
         summary = PreprocessSummary()
         start = time.perf_counter()
         records = iter_records(str(big), fmt="jsonl", json_keys=("text",))
-        write_datasets(plan.config, map(encoder.encode_chunk, _chunks(records, CHUNK_DOCUMENTS)),
+        write_datasets(plan.config, map(encoder.encode_chunk, chunked(records, CHUNK_DOCUMENTS)),
                        {"text": str(tmp / "core")}, tokenizer=encoder.tokenizer, summary=summary)
         worker_s.append(time.perf_counter() - start)
     # The worker's tokens include the EODs the raw side does not make (none where a document ends in one).
@@ -121,7 +105,7 @@ def scaling(corpus: Path, tokenizer_dir: Path, repeat: int, workers: list[int], 
         subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO)
         seconds = time.perf_counter() - start
         shard_dir = shards.ShardDir.for_prefix(str(prefix))
-        done = shards.progress(shard_dir)
+        done = shards.shard_progress(shard_dir)
         plan_config = shards.ShardDir.for_prefix(str(prefix)).read_plan().config
         start = time.perf_counter()
         shards.plan_corpus(plan_config, int(shard_size))  # the first call imports the readers (once per driver)
@@ -170,13 +154,32 @@ def memory(tokenizer_dir: Path, documents: list[int], tmp: Path) -> list[dict]:
         shard_dir = str(shards.ShardDir.for_prefix(config.output_prefix).root)
         row = {"documents": n}
         for what in ("worker", "merge"):
-            out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, shard_dir, what], check=True,
-                                 capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+            # A process of its own per measure (this module's --probe), so that its peak is its own.
+            out = subprocess.run([sys.executable, "-m", "benchmarks.preprocess_shards", "--probe", what,
+                                  "--shard-dir", shard_dir], check=True, capture_output=True, text=True, cwd=REPO)
             row[what] = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         print(f"{n:>10,} documents: worker peak RSS {row['worker']['peak_rss_mb']:.0f} MB "
               f"({row['worker']['seconds']:.1f} s), merge {row['merge']['peak_rss_mb']:.0f} MB")
     return rows
+
+
+def probe(shard_dir: Path, what: str) -> dict:
+    """Run one worker over ``shard_dir`` (``what="worker"``) or its finish with the merge
+    (``"merge"``) in this process (``--probe``): its peak RSS and seconds."""
+    from megatron_ext.data import shards
+
+    shard_dir = shards.ShardDir(shard_dir)
+    start = time.perf_counter()
+    if what == "worker":
+        shards.run_worker(shard_dir)
+    else:
+        shards.finish(shard_dir)
+    seconds = time.perf_counter() - start
+    # VmHWM: this process's own peak (ru_maxrss would report the parent's at the fork, when larger).
+    with open("/proc/self/status", encoding="ascii") as status:
+        peak_kb = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    return {"peak_rss_mb": peak_kb / 1024, "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,7 +192,12 @@ def main(argv: list[str] | None = None) -> int:
                         default=["per_core", "scaling", "memory"], help="what to measure [all three]")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" /
                                                 f"preprocess_shards_cpu{os.cpu_count()}.json"))
+    parser.add_argument("--probe", choices=("worker", "merge"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--shard-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.probe is not None:  # one measure of memory(), in the process memory() started for it
+        print(json.dumps(probe(args.shard_dir, args.probe)))
+        return 0
 
     corpus, tokenizer_dir = _ensure_demo_inputs()
     texts = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()] * args.repeat

@@ -9,6 +9,8 @@ The lines are formatted by tqdm's own :meth:`tqdm.format_meter`, so a bar and a 
 
 The callers use the small part of tqdm's interface that both objects have: ``update(n)``,
 ``close()``, iteration over the wrapped iterable and use as a context manager.
+
+:func:`duration` writes a time the way every progress and step line of the package does.
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
 from tqdm import tqdm
+
+def duration(seconds: float) -> str:
+    """``1h05m`` or ``4m02s``: an elapsed time or an ETA in a progress or log line (whole seconds)."""
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
 
 LINE_PERCENT = 10.0
 """Without a terminal: a line each time this share of the total is passed."""

@@ -73,7 +73,8 @@ TOKENIZER_FINGERPRINT = "fingerprint"
 """Key of ``tokenizer_reference.json`` holding the tokenizer's content fingerprint."""
 TRAINED_OBJECTIVE = "trained_objective"
 """Key of a run config (one written by ``checkpoint/merge.py``, which has no phases) holding what the
-weights last trained (:meth:`Checkpoint.trained_objective`)."""
+weights last trained (:meth:`Checkpoint.trained_objective`); an export's ``config.json`` records it
+under the same key (``hf/exporter.py``)."""
 MANIFEST_KEY = "files"
 """Key of the completion marker holding ``{file name: size in bytes}`` of the checkpoint."""
 MEGATRON_METADATA = "metadata.json"

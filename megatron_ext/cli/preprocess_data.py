@@ -27,6 +27,7 @@ from pathlib import Path
 
 
 from megatron_ext.config_loading import UserError
+from megatron_ext.exit_codes import INTERRUPTED_EXIT_CODE
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.readers import INPUT_FORMATS, TEXT_MODES
 from megatron_ext.launch import LAUNCHERS, Job, JobEvents, JobState, Launcher, launcher_class
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = preprocess(config_from_args(args))
     except KeyboardInterrupt:  # temporaries are removed on the way out; existing outputs untouched
         print("preprocess_data.py: interrupted; no output written", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT_CODE
     print(summary.format())
     return 0
 
@@ -136,13 +137,13 @@ def shard_jobs(shard_dir, workers: int, logs: Path) -> tuple[Job, Job]:
                 log=logs / "finish"))
 
 
-class _ShardProgress(JobEvents):
+class _ShardProgressEvents(JobEvents):
     """A line of the corpus's progress (from the markers) at each tick and look at the queue."""
 
     def __init__(self, shard_dir, plan) -> None:
-        from megatron_ext.data.shards import progress
+        from megatron_ext.data.shards import shard_progress
 
-        self.line = lambda: print(f"preprocess: {progress(shard_dir, plan).format()}", flush=True)
+        self.line = lambda: print(f"preprocess: {shard_progress(shard_dir, plan).format()}", flush=True)
 
     def tick(self, job_id: str) -> None:
         self.line()
@@ -158,7 +159,7 @@ class _ShardProgress(JobEvents):
 def run_sharded(args: argparse.Namespace) -> int:
     """Plan the corpus, then tokenize its shards not done through the launcher and write the blend."""
     from megatron_ext.data.shards import (
-        ShardDir, check_plan, finish, parse_size, plan_corpus, plan_lines, prepare, progress,
+        ShardDir, check_plan, finish, parse_size, plan_corpus, plan_lines, prepare, shard_progress,
     )
 
     config = config_from_args(args)
@@ -185,16 +186,16 @@ def run_sharded(args: argparse.Namespace) -> int:
             print("preprocess: submitted; the same command with --dry-run shows the progress, and again without "
                   "finishes what a failed worker left", flush=True)
             return 0
-        events = _ShardProgress(shard_dir, plan)
+        events = _ShardProgressEvents(shard_dir, plan)
         stopped = launcher.follow([worker_id, finish_id], events)
         events.line()
         state = launcher.states([worker_id, finish_id])
         if stopped is not None or not all(s.succeeded for s in state.values()):
             print("preprocess: not finished" + (f" (stopped by {stopped})" if stopped else "")
                   + "; the same command resumes it: finished shards are kept", file=sys.stderr, flush=True)
-            return 130 if stopped == "SIGINT" else 1
+            return INTERRUPTED_EXIT_CODE if stopped == "SIGINT" else 1
     else:
-        print(f"preprocess: {progress(shard_dir, plan).format()}", flush=True)
+        print(f"preprocess: {shard_progress(shard_dir, plan).format()}", flush=True)
     for what, path in finish(shard_dir).items():
         print(f"output {what}  {path}", flush=True)
     return 0

@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @entry_point("preprocess_worker")
 def main(argv: list[str] | None = None) -> int:
-    from megatron_ext.data.shards import ShardDir, finish, progress, run_worker
+    from megatron_ext.data.shards import ShardDir, finish, run_worker, shard_progress
 
     args = build_parser().parse_args(argv)
     configure_logging(logging.INFO)
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run_worker(shard_dir, policy=ClaimPolicy(timeout_s=args.claim_timeout))
     print(f"worker: {len(report.done)} shard(s) tokenized"
           + (f", {len(report.held_elsewhere)} held by other workers" if report.held_elsewhere else "")
-          + f"; {progress(shard_dir).format()}", flush=True)
+          + f"; {shard_progress(shard_dir).format()}", flush=True)
     return 0
 
 

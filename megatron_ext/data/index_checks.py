@@ -1,5 +1,5 @@
-"""Megatron-Core's ``.bin``/``.idx`` pairs: reading an index's header, and the checks a pair passes
-before Megatron reads it.
+"""Megatron-Core's ``.bin``/``.idx`` pairs: reading an index's header and arrays (:class:`IndexReader`,
+without Megatron), and the checks a pair passes before Megatron reads it.
 
 Megatron's own failures on a bad pair are asserts, garbage samples or a hang, so every pair a run
 reads is checked first, naming the file and what is wrong: missing files (with the prefixes its
@@ -84,6 +84,48 @@ def read_index_header(idx_path: str, *, header: bytes = INDEX_HEADER) -> tuple[i
             f"{n_documents} document boundaries (truncated?)"
         )
     return code, n_sequences, n_documents
+
+
+DTYPE_CODES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+                                7: np.float32, 8: np.uint16}
+"""Megatron-Core's token dtype codes (its ``indexed_dataset.DType``, tested equal), stated here so
+that a worker reads and writes datasets without importing Megatron (and torch: seconds per process)."""
+
+READ_BLOCK = 1 << 16
+"""Entries :meth:`IndexReader.tokens` reads at a time (256 KB of lengths)."""
+
+
+class IndexReader:
+    """An ``.idx``'s arrays read block by block from the file (no memory map: mapped pages count
+    in a process's resident memory, which would grow with the index); the header read and checked
+    by :func:`read_index_header`. Used by the corpus-scale preprocessing (``indexed_writer``'s
+    merge, a shard's token count), which imports no Megatron."""
+
+    def __init__(self, prefix: str) -> None:
+        self.path = prefix + ".idx"
+        code, self.sequences, self.documents = read_index_header(self.path)
+        if code not in DTYPE_CODES:
+            raise UserError(f"{self.path}: unknown token dtype code {code}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+
+    def _read(self, offset: int, dtype, start: int, stop: int) -> np.ndarray:
+        with open(self.path, "rb") as f:
+            f.seek(offset + start * np.dtype(dtype).itemsize)
+            return np.fromfile(f, dtype=dtype, count=stop - start)
+
+    def lengths(self, start: int, stop: int) -> np.ndarray:
+        """Sequence lengths ``[start, stop)``."""
+        return self._read(INDEX_ARRAYS_OFFSET, np.int32, start, stop)
+
+    def document_starts(self, start: int, stop: int) -> np.ndarray:
+        """Document boundaries ``[start, stop)`` (0 first, the sequence count last): after the
+        ``int32`` lengths and the ``int64`` pointers, 12 bytes a sequence."""
+        return self._read(INDEX_ARRAYS_OFFSET + 12 * self.sequences, np.int64, start, stop)
+
+    def tokens(self, block: int = READ_BLOCK) -> int:
+        """The dataset's token count, its lengths read ``block`` at a time."""
+        return sum(int(self.lengths(i, min(i + block, self.sequences)).sum(dtype=np.int64))
+                   for i in range(0, self.sequences, block))
 
 
 def read_index(prefix: str) -> IndexFile:

@@ -10,7 +10,7 @@ sequence pointers (bytes before each sequence), ``int64`` document starts (0 fir
 count last).
 
 :func:`merge_indexed` concatenates finished pairs into one through the same writer: the ``.bin``
-files copied, the index arrays read and shifted block by block (memory mapped).
+files copied, the index arrays read (``index_checks.IndexReader``) and shifted block by block.
 """
 
 from __future__ import annotations
@@ -23,16 +23,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from megatron_ext.config_loading import UserError
-from megatron_ext.data.index_checks import INDEX_ARRAYS_OFFSET, INDEX_HEADER, read_index_header
+from megatron_ext.data.index_checks import DTYPE_CODES, INDEX_HEADER, IndexReader
 
 BLOCK = 1 << 16
 """Entries buffered, and streamed, per block (256-512 KB): the writer's whole memory."""
-
-
-DTYPE_CODES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-                                7: np.float32, 8: np.uint16}
-"""Megatron-Core's token dtype codes (its ``indexed_dataset.DType``, tested equal), stated here so
-that a worker writes datasets without importing Megatron (and torch: seconds per process)."""
 
 
 def optimal_dtype(vocab_size: int | None) -> type:
@@ -129,35 +123,6 @@ def _blocks(path: str, dtype) -> "np.ndarray":
             yield np.frombuffer(chunk, dtype=dtype)
 
 
-class IndexReader:
-    """An ``.idx``'s arrays read block by block from the file (no memory map: mapped pages count
-    in a process's resident memory, which would grow with the index)."""
-
-    def __init__(self, prefix: str) -> None:
-        self.path = prefix + ".idx"
-        code, self.sequences, self.documents = read_index_header(self.path)
-        if code not in DTYPE_CODES:
-            raise UserError(f"{self.path}: unknown token dtype code {code}")
-        self.dtype = np.dtype(DTYPE_CODES[code])
-
-    def _read(self, offset: int, dtype, start: int, stop: int) -> np.ndarray:
-        with open(self.path, "rb") as f:
-            f.seek(offset + start * np.dtype(dtype).itemsize)
-            return np.fromfile(f, dtype=dtype, count=stop - start)
-
-    def lengths(self, start: int, stop: int) -> np.ndarray:
-        """Sequence lengths ``[start, stop)``."""
-        return self._read(INDEX_ARRAYS_OFFSET, np.int32, start, stop)
-
-    def document_starts(self, start: int, stop: int) -> np.ndarray:
-        """Document boundaries ``[start, stop)`` (0 first, the sequence count last)."""
-        return self._read(INDEX_ARRAYS_OFFSET + 12 * self.sequences, np.int64, start, stop)
-
-    def tokens(self) -> int:
-        return sum(int(self.lengths(i, min(i + BLOCK, self.sequences)).sum(dtype=np.int64))
-                   for i in range(0, self.sequences, BLOCK))
-
-
 def merge_indexed(prefixes: Sequence[str], bin_path: str, idx_path: str) -> tuple[int, int]:
     """Concatenate the datasets ``prefixes`` (same token dtype), in order, into ``bin_path`` and
     ``idx_path``; returns ``(documents, tokens)``. Memory: one block, whatever the sizes."""
@@ -171,7 +136,7 @@ def merge_indexed(prefixes: Sequence[str], bin_path: str, idx_path: str) -> tupl
         for prefix, reader in zip(prefixes, readers):
             with open(prefix + ".bin", "rb") as f:
                 shutil.copyfileobj(f, writer.data_file, BLOCK * 16)
-            tokens += reader.tokens()
+            tokens += reader.tokens(BLOCK)
             for start in range(1, reader.documents, BLOCK):  # the first boundary, 0, ends no document
                 bounds = reader.document_starts(start - 1, min(start + BLOCK, reader.documents))
                 first = int(bounds[0])

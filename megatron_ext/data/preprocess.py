@@ -166,11 +166,12 @@ class EncodedChunk:
     """Non-empty sentences per document; 0 = the document tokenized to nothing."""
 
 
-_worker: "_Encoder | None" = None
+_worker: "ChunkEncoder | None" = None
 
 
-class _Encoder:
-    """Turns chunks of records into token arrays; one instance per worker process."""
+class ChunkEncoder:
+    """Turns chunks of records into token arrays; one instance per worker process (and one per
+    shard worker: ``shards.shard_encoder``)."""
 
     def __init__(self, config: PreprocessConfig, splitter: SentenceSplitter | None) -> None:
         # One thread per worker: --workers is the only source of parallelism.
@@ -226,7 +227,7 @@ class _Encoder:
 def _init_worker(config: PreprocessConfig, splitter: SentenceSplitter | None, ready) -> None:
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle, once
-    _worker = _Encoder(config, splitter)
+    _worker = ChunkEncoder(config, splitter)
     ready.put(os.getpid())
 
 
@@ -246,7 +247,8 @@ def _all_records(config: PreprocessConfig, paths: Sequence[str]) -> Iterator[Rec
         )
 
 
-def _chunks(records: Iterator[Record], size: int) -> Iterator[list[Record]]:
+def chunked(records: Iterator[Record], size: int) -> Iterator[list[Record]]:
+    """``records`` in lists of ``size`` (the last one shorter): the units of work of the encoders."""
     while chunk := list(itertools.islice(records, size)):
         yield chunk
 
@@ -328,9 +330,9 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
     summary = PreprocessSummary(splitter=splitter.source if splitter else "none")
     bar = _progress(config.progress, _input_bytes(paths, formats))
     try:
-        chunks = _chunks(_all_records(config, paths), CHUNK_DOCUMENTS)
+        chunks = chunked(_all_records(config, paths), CHUNK_DOCUMENTS)
         if pool is None:
-            results = map(_Encoder(config, splitter).encode_chunk, chunks)
+            results = map(ChunkEncoder(config, splitter).encode_chunk, chunks)
         else:
             for _ in range(config.workers):
                 ready.get()
@@ -358,12 +360,11 @@ def write_datasets(config: PreprocessConfig, results: Iterator[tuple[dict[str, E
 
     dtype = optimal_dtype(tokenizer.vocab_size)
     summary.dtype = np.dtype(dtype).name
-    pid = os.getpid()
-    tmp = {k: (f"{prefixes[k]}.bin.tmp{pid}", f"{prefixes[k]}.idx.tmp{pid}") for k in config.json_keys}
+    staged = {key: StagedDataset(prefixes[key]) for key in config.json_keys}
     writers: dict[str, IndexedWriter] = {}
     try:
         for key in config.json_keys:
-            writers[key] = IndexedWriter(tmp[key][0], tmp[key][1], dtype)
+            writers[key] = IndexedWriter(staged[key].bin_path, staged[key].idx_path, dtype)
         for encoded, invalid, chars in results:
             summary.characters += chars
             summary.invalid_skipped += sum(invalid)
@@ -377,25 +378,58 @@ def write_datasets(config: PreprocessConfig, results: Iterator[tuple[dict[str, E
                                 else "") + "); nothing written")
         for key, writer in writers.items():
             writer.finalize()
-            tmp[key] += (provenance.write_record(prefixes[key], tokenizer, suffix=f".tmp{pid}"),)
-        # Publish: drop any old index first, then the tokenizer record, bin, idx. Readers need both
-        # files, so at every instant the pair is either the old complete one, incomplete, or the new
-        # one, and a complete new pair has its record.
+            provenance.write_record(prefixes[key], tokenizer, suffix=staged[key].suffix)
         for key in config.json_keys:
-            prefix = prefixes[key]
-            if os.path.exists(prefix + ".idx"):
-                os.unlink(prefix + ".idx")
-            os.replace(tmp[key][2], str(provenance.record_path(prefix)))
-            os.replace(tmp[key][0], prefix + ".bin")
-            os.replace(tmp[key][1], prefix + ".idx")
-            summary.outputs[key] = prefix
+            staged[key].publish()
+            summary.outputs[key] = prefixes[key]
     finally:
         for key, writer in writers.items():
             writer.close()
-        for paths in tmp.values():
-            for path in paths:
-                if os.path.exists(path):
-                    os.unlink(path)
+        for dataset in staged.values():
+            dataset.remove()
+
+
+@dataclass(frozen=True)
+class StagedDataset:
+    """A dataset's files (``.bin``, ``.idx``, tokenizer record) written under temporary names
+    (``<name>.tmp<pid>``) and renamed by :meth:`publish` once complete: the preprocessing's
+    outputs, a shard's, the merge of a corpus's shards (``shards.merge``)."""
+
+    prefix: str
+    pid: int = field(default_factory=os.getpid)
+
+    @property
+    def suffix(self) -> str:
+        return f".tmp{self.pid}"
+
+    @property
+    def bin_path(self) -> str:
+        return f"{self.prefix}.bin{self.suffix}"
+
+    @property
+    def idx_path(self) -> str:
+        return f"{self.prefix}.idx{self.suffix}"
+
+    @property
+    def record_path(self) -> str:
+        return f"{provenance.record_path(self.prefix)}{self.suffix}"
+
+    def publish(self) -> None:
+        """Rename the three files to their final names: any old index dropped first, then the
+        tokenizer record, the ``.bin``, the ``.idx``. Readers need both files, so at every instant
+        the pair is either the old complete one, incomplete, or the new one, and a complete new
+        pair has its record."""
+        if os.path.exists(self.prefix + ".idx"):
+            os.unlink(self.prefix + ".idx")
+        os.replace(self.record_path, str(provenance.record_path(self.prefix)))
+        os.replace(self.bin_path, self.prefix + ".bin")
+        os.replace(self.idx_path, self.prefix + ".idx")
+
+    def remove(self) -> None:
+        """Remove what is left of the temporary files (all of them, unless published)."""
+        for path in (self.bin_path, self.idx_path, self.record_path):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def _write_chunk(builder, chunk: EncodedChunk, vocab_size: int, summary: PreprocessSummary, *, count_docs: bool) -> None:

@@ -44,7 +44,9 @@ def write_record(prefix: str, tokenizer: EncoderTokenizer, *, suffix: str = "") 
     return path
 
 
-def _describe(record: dict) -> str:
+def describe_record(record: dict) -> str:
+    """A tokenizer record in one line: class, where it loads from, ids and fingerprint (naming both
+    sides of a refused difference)."""
     reference = record.get("reference") or {}
     where = reference.get("tokenizer_model") or f"{reference.get('vocab_file')} + {reference.get('merge_file')}"
     return f"{record.get('class')} {where!r} ({record.get('vocab_size'):,} ids, fingerprint {record.get('fingerprint')})"
@@ -69,9 +71,9 @@ def check_data_tokenizer(prefixes: list[str], tokenizer: EncoderTokenizer, *, fi
                             "or delete it to skip the check") from None
         if fingerprint != tokenizer.fingerprint():
             raise UserError(
-                f"{field}: {prefix} was tokenized by {_describe(record)}, but this run's tokenizer is "
-                f"{_describe(tokenizer_record(tokenizer))}: its ids would mean other tokens; set tokenizer.tokenizer_model "
-                "to the one that made the data, or preprocess the data again with this one")
+                f"{field}: {prefix} was tokenized by {describe_record(record)}, but this run's tokenizer is "
+                f"{describe_record(tokenizer_record(tokenizer))}: its ids would mean other tokens; set "
+                "tokenizer.tokenizer_model to the one that made the data, or preprocess the data again with this one")
     if not unrecorded:
         return None
     shown = ", ".join(unrecorded[:3]) + (f" and {len(unrecorded) - 3} more" if len(unrecorded) > 3 else "")

@@ -44,11 +44,13 @@ from pathlib import Path
 from megatron_ext.claims import Claim, ClaimPolicy, Owner, try_claim
 from megatron_ext.config_loading import UserError
 from megatron_ext.data import provenance
+from megatron_ext.data.blend_file import write_blend
 from megatron_ext.data.preprocess import (
-    CHUNK_DOCUMENTS, PreprocessConfig, PreprocessSummary, _chunks, _Encoder, write_datasets,
+    CHUNK_DOCUMENTS, ChunkEncoder, PreprocessConfig, PreprocessSummary, StagedDataset, chunked, write_datasets,
 )
 from megatron_ext.data.readers import InputError, detect_format, expand_inputs, iter_records, parquet_row_groups
 from megatron_ext.fileio import write_atomic
+from megatron_ext.progress import duration
 from megatron_ext.tokenizer import TokenizerConfig, build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -229,7 +231,8 @@ def _differences(old: ShardPlan, new: ShardPlan) -> list[str]:
     """What changed from ``old`` to ``new``, one phrase each."""
     changed = []
     if old.tokenizer.get("fingerprint") != new.tokenizer.get("fingerprint"):
-        changed.append(f"the tokenizer ({provenance._describe(old.tokenizer)} -> {provenance._describe(new.tokenizer)})")
+        changed.append(f"the tokenizer ({provenance.describe_record(old.tokenizer)} -> "
+                       f"{provenance.describe_record(new.tokenizer)})")
     old_inputs = {i["path"]: i for i in old.inputs}
     new_inputs = {i["path"]: i for i in new.inputs}
     for path in old_inputs.keys() - new_inputs.keys():
@@ -311,17 +314,17 @@ def _remove_leftovers(shard_dir: ShardDir, shard: int) -> None:
                 os.unlink(entry.path)
 
 
-def shard_encoder(plan: ShardPlan, shard_dir: ShardDir) -> _Encoder:
+def shard_encoder(plan: ShardPlan, shard_dir: ShardDir) -> ChunkEncoder:
     """The worker's encoder, built once; refused when its tokenizer is not the one planned (a
     tokenizer directory changed in place since)."""
-    encoder = _Encoder(plan.config, None)
+    encoder = ChunkEncoder(plan.config, None)
     if provenance.tokenizer_record(encoder.tokenizer)["fingerprint"] != plan.tokenizer["fingerprint"]:
         raise UserError(f"{shard_dir.plan_path}: the tokenizer {plan.config.tokenizer} is no longer the one planned "
-                        f"({provenance._describe(plan.tokenizer)}); rerun with --overwrite to start over")
+                        f"({provenance.describe_record(plan.tokenizer)}); rerun with --overwrite to start over")
     return encoder
 
 
-def tokenize_shard(plan: ShardPlan, shard_dir: ShardDir, shard: Shard, encoder: _Encoder | None = None) -> dict:
+def tokenize_shard(plan: ShardPlan, shard_dir: ShardDir, shard: Shard, encoder: ChunkEncoder | None = None) -> dict:
     """Tokenize one shard into its datasets, publish them, then its marker; the marker's content."""
     config = plan.config
     start = time.perf_counter()
@@ -330,7 +333,7 @@ def tokenize_shard(plan: ShardPlan, shard_dir: ShardDir, shard: Shard, encoder: 
     records = iter_records(shard.path, fmt=shard.format, json_keys=config.json_keys, text_mode=config.text_mode,
                            hf_split=config.hf_split, part=shard.part)
     summary = PreprocessSummary()
-    results = map(encoder.encode_chunk, _chunks(records, CHUNK_DOCUMENTS))
+    results = map(encoder.encode_chunk, chunked(records, CHUNK_DOCUMENTS))
     prefixes = {key: shard_dir.prefix(shard.index, key, config.level) for key in config.json_keys}
     write_datasets(config, results, prefixes, tokenizer=tokenizer, summary=summary)
     marker = {"shard": shard.index, "documents": summary.documents, "tokens": summary.tokens,
@@ -343,7 +346,7 @@ def tokenize_shard(plan: ShardPlan, shard_dir: ShardDir, shard: Shard, encoder: 
 
 
 def _tokens(prefix: str) -> int:
-    from megatron_ext.data.indexed_writer import IndexReader
+    from megatron_ext.data.index_checks import IndexReader
 
     return IndexReader(prefix).tokens()
 
@@ -391,7 +394,7 @@ def run_worker(shard_dir: ShardDir, *, policy: ClaimPolicy | None = None, max_sh
 
 
 @dataclass(frozen=True, kw_only=True)
-class Progress:
+class ShardProgress:
     """Where the corpus stands, from the markers alone (every worker's, on every node)."""
 
     shards: int
@@ -420,24 +423,20 @@ class Progress:
         return (f"shards {self.done}/{self.shards}, {self.documents:,} documents, {self.tokens:,} tokens, "
                 f"{self.bytes_done / 2**30:.2f}/{self.bytes_total / 2**30:.2f} GiB, "
                 f"{self.tokens_per_second:,.0f} tokens/s, ETA "
-                + ("unknown" if eta is None else _duration(eta)))
+                + ("unknown" if eta is None else duration(eta)))
 
 
-def _duration(seconds: float) -> str:
-    minutes, s = divmod(int(seconds), 60)
-    hours, m = divmod(minutes, 60)
-    return f"{hours}h{m:02d}m" if hours else f"{m}m{s:02d}s"
-
-
-def progress(shard_dir: ShardDir, plan: ShardPlan | None = None) -> Progress:
+def shard_progress(shard_dir: ShardDir, plan: ShardPlan | None = None) -> ShardProgress:
+    """The corpus's :class:`ShardProgress`, from the markers in ``shard_dir``."""
     plan = plan or shard_dir.read_plan()
     markers = shard_dir.markers(plan)
     starts = [m["finished_at"] - m["seconds"] for m in markers.values()]
     ends = [m["finished_at"] for m in markers.values()]
-    return Progress(shards=len(plan.shards), done=len(markers), documents=sum(m["documents"] for m in markers.values()),
-                    tokens=sum(m["tokens"] for m in markers.values()), bytes_total=plan.total_bytes,
-                    bytes_done=sum(m["bytes"] for m in markers.values()),
-                    seconds=(max(ends) - min(starts)) if markers else 0.0)
+    return ShardProgress(shards=len(plan.shards), done=len(markers),
+                         documents=sum(m["documents"] for m in markers.values()),
+                         tokens=sum(m["tokens"] for m in markers.values()), bytes_total=plan.total_bytes,
+                         bytes_done=sum(m["bytes"] for m in markers.values()),
+                         seconds=(max(ends) - min(starts)) if markers else 0.0)
 
 
 # --- the result: a blend, a merge ---------------------------------------------------------------------
@@ -465,7 +464,7 @@ def finish(shard_dir: ShardDir) -> dict[str, Path]:
         if not pairs:
             raise InputError(f"no documents in {', '.join(plan.config.inputs)} for key {key!r}; nothing written")
         path = blend_path(plan, key)
-        write_atomic(path, "".join(f"{tokens} {prefix}\n" for tokens, prefix in pairs))
+        write_blend(path, pairs)
         written[f"blend [{key}]"] = path
         if plan.merge:
             written[f"merged [{key}]"] = Path(merge(plan, key, [prefix for _, prefix in pairs]) + ".bin")
@@ -481,26 +480,14 @@ def merge(plan: ShardPlan, key: str, prefixes: list[str]) -> str:
     if os.path.exists(target + ".idx") and provenance.record_path(target).is_file() and os.path.getmtime(
             target + ".idx") >= os.path.getmtime(ShardDir.for_prefix(plan.config.output_prefix).plan_path):
         return target
-    pid = os.getpid()
-    temporaries = (f"{target}.bin.tmp{pid}", f"{target}.idx.tmp{pid}", f"{provenance.record_path(target)}.tmp{pid}")
+    staged = StagedDataset(target)
     try:
-        merge_indexed(prefixes, temporaries[0], temporaries[1])
-        shutil.copyfile(provenance.record_path(prefixes[0]), temporaries[2])
-        if os.path.exists(target + ".idx"):
-            os.unlink(target + ".idx")
-        os.replace(temporaries[2], provenance.record_path(target))
-        os.replace(temporaries[0], target + ".bin")
-        os.replace(temporaries[1], target + ".idx")
+        merge_indexed(prefixes, staged.bin_path, staged.idx_path)
+        shutil.copyfile(provenance.record_path(prefixes[0]), staged.record_path)
+        staged.publish()
     finally:
-        for path in temporaries:
-            if os.path.exists(path):
-                os.unlink(path)
+        staged.remove()
     return target
-
-
-def read_blend(path: str | os.PathLike) -> list[str]:
-    """A blend file as ``data_path`` entries: ``[weight, prefix, weight, prefix, ...]``."""
-    return [field for line in Path(path).read_text(encoding="utf-8").splitlines() for field in line.split()]
 
 
 def plan_lines(plan: ShardPlan, shard_dir: ShardDir, *, resumed: bool) -> Iterator[str]:

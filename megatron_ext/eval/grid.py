@@ -30,7 +30,7 @@ from megatron_ext.config_loading import UserError
 from megatron_ext.eval.families import FAMILIES
 from megatron_ext.eval.finetuning import FinetuneConfig, RunResult
 from megatron_ext.fileio import write_atomic
-from megatron_ext.training.step_log import duration
+from megatron_ext.progress import duration
 
 DIVERGED_SCORE = 0.0
 """Validation and test score given to a diverged run."""

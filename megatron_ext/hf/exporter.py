@@ -48,7 +48,7 @@ from megatron_ext.tokenizer import (
     _load_transformers_tokenizer,
     build_tokenizer,
 )
-from megatron_ext.checkpoint.reader import Checkpoint
+from megatron_ext.checkpoint.reader import TRAINED_OBJECTIVE, Checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -69,11 +69,6 @@ def _tokenizers(checkpoint: Checkpoint, tokenizer: str | None) -> tuple[HuggingF
                         "tokenizer files: pass --tokenizer with a transformers tokenizer directory")
     # The same loading rules (directory, tokenizer.json, hub id) as the tokenizer built above.
     return encoder_tokenizer, _load_transformers_tokenizer(encoder_tokenizer.reference()["tokenizer_model"])
-
-
-TRAINED_OBJECTIVE = "trained_objective"
-"""The key of ``config.json`` that records the objective of the checkpoint's last step
-(``Checkpoint.trained_objective``)."""
 
 
 def _sentence_transformers_files(root: Path, hidden_size: int) -> None:
@@ -166,6 +161,7 @@ def export_checkpoint(
         hf_state |= zero_o_proj_biases(config)  # the flag also adds an o_proj bias
     hf_state = {k: v.to("cpu", DTYPES[dtype]) for k, v in hf_state.items()}
     hf_config = export_format.hf_config(config, vocab_size=vocab, token_ids=token_ids, dtype=dtype)
+    # The same key as a merged checkpoint's run config: config.json records what the weights last trained.
     setattr(hf_config, TRAINED_OBJECTIVE, source.trained_objective())
     _check_against_hf_class(export_format.architecture, hf_config, hf_state)
 

@@ -47,7 +47,7 @@ from typing import Any, Literal
 from megatron_ext.config_loading import ConfigError, UserError, build_dataclass
 from megatron_ext.phases import Phase, resolve_phases
 from megatron_ext.schedule import LRScheduleConfig
-from megatron_ext.study.spec import MergeSpec, Mixture, Study, steps_label
+from megatron_ext.study.spec import MergeSpec, MixtureSpec, Study, steps_label
 from megatron_ext.training.branching import shared_steps
 from megatron_ext.training.config import RunConfig, TrainingConfig
 from megatron_ext.training.preflight import Caller, preflight
@@ -253,7 +253,7 @@ def run_name(*, size: str, kind: str, steps: int, seed: int, base_seed: int, iso
             + ("_iso" if isolated else ""))
 
 
-def decay_phases(phases: list[dict], *, recipe: dict[str, Any], steps: int, trunk: Mixture, decay: Mixture,
+def decay_phases(phases: list[dict], *, recipe: dict[str, Any], steps: int, trunk: MixtureSpec, decay: MixtureSpec,
                  where: str) -> list[dict]:
     """``phases`` of a run of ``steps`` steps as step counts, cut at the start of the WSD decay
     (``recipe``'s schedule): ``trunk``'s data before it, ``decay``'s from it."""

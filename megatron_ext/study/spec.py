@@ -282,7 +282,7 @@ class CptSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Mixture:
+class MixtureSpec:
     """A training blend of a phase (``phases[i].data_path`` and ``temperature``, read as each
     source's stream: ``training.mixtures``)."""
 
@@ -318,9 +318,9 @@ class DecayMixturesSpec:
     cut at the decay start), so a decay run is its trunk run up to there and the plan branches it
     off the trunk where its decay starts: one trunk, one decay segment per mixture."""
 
-    trunk: Mixture
+    trunk: MixtureSpec
     """What every run reads before its decay, and the trunk runs through their decay too."""
-    decays: tuple[Mixture, ...]
+    decays: tuple[MixtureSpec, ...]
     """The decay mixtures, each named: one run per mixture and from-scratch run, kind
     ``<kind>_decay_<name>``."""
 
@@ -335,7 +335,7 @@ class DecayMixturesSpec:
         _unique([m.name for m in self.decays], "decays[*].name")
 
     @staticmethod
-    def decay_kind(kind: str, mixture: Mixture) -> str:
+    def decay_kind(kind: str, mixture: MixtureSpec) -> str:
         return f"{kind}_decay_{mixture.name}"
 
 

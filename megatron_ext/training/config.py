@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from megatron_ext.config_loading import ConfigError, UserError
@@ -35,6 +34,7 @@ from megatron_ext.phases import Phase, ResolvedPhase, resolve_phases
 from megatron_ext.schedule import LRScheduleConfig, lr_at
 from megatron_ext.tokenizer import TokenizerConfig
 from megatron_ext.checkpoint.config import CheckpointConfig
+from megatron_ext.data.blend_file import read_blend
 from megatron_ext.training.mixtures import parse_blend
 
 
@@ -113,13 +113,9 @@ class DataConfig:
         if self.data_args_path is not None:
             if self.data_path:
                 raise UserError(f"data.data_args_path={self.data_args_path!r} is read instead of data_path: give one")
-            try:
-                entries = tuple(Path(self.data_args_path).read_text(encoding="utf-8").split())
-            except OSError as error:
-                raise UserError(f"data.data_args_path={self.data_args_path!r}: {error.strerror or error}") from None
-            if not entries:
-                raise UserError(f"data.data_args_path={self.data_args_path!r}: the file holds no data_path entries")
-            parse_blend(entries, where=f"data.data_args_path={self.data_args_path!r}")
+            where = f"data.data_args_path={self.data_args_path!r}"
+            entries = read_blend(self.data_args_path, where=where)
+            parse_blend(entries, where=where)
             object.__setattr__(self, "_args_entries", entries)
         one_blend = bool(self.data_path) or self.data_args_path is not None
         if one_blend == bool(self.train_data_path):

@@ -19,17 +19,10 @@ import torch.distributed as dist
 from megatron_ext import hardware
 from megatron_ext.fileio import write_atomic
 from megatron_ext.phases import ResolvedPhase
+from megatron_ext.progress import duration
 from megatron_ext.training.config import LoggingConfig, RunConfig
 from megatron_ext.performance.devices import peak_flops_per_device
 from megatron_ext.performance.flops import MFU_CONVENTION, flops_per_token, lm_head_share
-
-
-def duration(seconds: float) -> str:
-    """``1h05m`` or ``4m02s``."""
-    seconds = int(seconds)
-    hours, rest = divmod(seconds, 3600)
-    minutes, seconds = divmod(rest, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
 
 def format_step_line(*, step: int, total_steps: int, phase: ResolvedPhase, loss: float, lr: float, grad_norm: float,

@@ -436,7 +436,7 @@ def test_a_sharded_corpus_trains_from_its_blend_file_through_data_args_path(tiny
     Megatron's ``--data-args-path`` names that file: the run reads every shard, weighted by its
     tokens (the corpus sampled as one), and the pre-flight checks each shard."""
     from megatron_ext.cli import preprocess_data
-    from megatron_ext.data import shards
+    from megatron_ext.data.blend_file import read_blend
     from megatron_ext.training.config import DataConfig
 
     jsonl = tmp_path / "news.jsonl"
@@ -445,7 +445,7 @@ def test_a_sharded_corpus_trains_from_its_blend_file_through_data_args_path(tiny
                                  tiny_corpus["tokenizer"], "--append-eod", "--shard-size", "100KB", "--workers", "2",
                                  "--launcher", "local"]) == 0
     blend_file = tmp_path / "news_text_document.blend"
-    entries = shards.read_blend(blend_file)
+    entries = read_blend(blend_file)
     assert len(entries) >= 6  # several shards
     config = DataConfig(data_args_path=str(blend_file), seq_length=64, micro_batch_size=4, global_batch_size=8)
     assert config.blend == ([str(p) for p in entries[1::2]], [float(w) for w in entries[0::2]])

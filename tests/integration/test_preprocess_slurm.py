@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.data import shards
+from megatron_ext.data.blend_file import read_blend
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.tokenizer import TokenizerConfig
 
@@ -54,7 +55,7 @@ def test_a_slurm_array_tokenizes_the_shards_and_the_rerun_submits_nothing(slurm_
     logs = sorted(p.name for p in (tmp_path / "out.shards" / "logs").glob("worker-*_*.out"))
     assert len(logs) == 2, logs  # the array's two tasks
     plan = shards.ShardDir.for_prefix(str(tmp_path / "out")).read_plan()
-    prefixes = shards.read_blend(shards.blend_path(plan, "text"))[1::2]
+    prefixes = read_blend(shards.blend_path(plan, "text"))[1::2]
     assert [d for p in prefixes for d in _documents(p)] == _documents(single.output_prefix_for("text"))
 
     again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

@@ -19,7 +19,8 @@ from megatron_ext import assets
 from megatron_ext.claims import Owner
 from megatron_ext.cli import preprocess_data
 from megatron_ext.config_loading import UserError
-from megatron_ext.data import indexed_writer, shards
+from megatron_ext.data import index_checks, indexed_writer, shards
+from megatron_ext.data.blend_file import read_blend
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.tokenizer import TokenizerConfig
 
@@ -81,9 +82,22 @@ def test_indexed_writer_writes_megatrons_bytes_and_merges_in_blocks(tmp_path, mo
 def test_dtype_table_is_megatrons():
     from megatron.core.datasets.indexed_dataset import DType
 
-    assert indexed_writer.DTYPE_CODES == {d.value: getattr(np, d.name) for d in DType}
+    assert index_checks.DTYPE_CODES == {d.value: getattr(np, d.name) for d in DType}
     for vocab in (100, 65499, 65500, 200_000):
         assert indexed_writer.optimal_dtype(vocab) == DType.optimal_dtype(vocab)
+
+
+def test_a_blend_file_reads_back_as_data_path_entries_and_an_empty_one_is_refused(tmp_path):
+    from megatron_ext.data.blend_file import write_blend
+
+    write_blend(tmp_path / "a.blend", [(120, "out.shards/00000_text_document"), (7, "out.shards/00002_text_document")])
+    assert read_blend(tmp_path / "a.blend") == ("120", "out.shards/00000_text_document", "7",
+                                                 "out.shards/00002_text_document")
+    (tmp_path / "empty.blend").write_text("\n")
+    with pytest.raises(UserError, match=r"data.data_args_path='x': the file holds no data_path entries"):
+        read_blend(tmp_path / "empty.blend", where="data.data_args_path='x'")
+    with pytest.raises(UserError, match=r"nowhere.blend: No such file"):
+        read_blend(tmp_path / "nowhere.blend")
 
 
 def test_sharded_run_equals_the_single_process_output_token_for_token(tmp_path, corpus, minilm_dir, capsys):
@@ -107,7 +121,7 @@ def test_sharded_run_equals_the_single_process_output_token_for_token(tmp_path, 
         assert Path(str(tmp_path / "out_text_document") + suffix).read_bytes() == \
             Path(single.output_prefix_for("text") + suffix).read_bytes()
     # The blend: the shards in order are the single output's documents; weights are their tokens.
-    entries = shards.read_blend(tmp_path / "out_text_document.blend")
+    entries = read_blend(tmp_path / "out_text_document.blend")
     weights, prefixes = [int(w) for w in entries[0::2]], entries[1::2]
     documents = [doc for prefix in prefixes for doc in _documents(prefix)]
     assert documents == _documents(single.output_prefix_for("text"))
@@ -147,7 +161,7 @@ def test_a_killed_shard_is_done_again_and_its_partial_files_are_never_read(tmp_p
     assert not list(shard_dir.root.glob("*.tmp*")) and not list(shard_dir.root.glob("*.claim-*"))
     assert "left by an interrupted worker" in caplog.text
     shards.finish(shard_dir)
-    prefixes = shards.read_blend(shards.blend_path(plan, "text"))[1::2]
+    prefixes = read_blend(shards.blend_path(plan, "text"))[1::2]
     assert [d for p in prefixes for d in _documents(p)] == _documents(single.output_prefix_for("text"))
     # Everything done: a third worker does nothing.
     assert shards.run_worker(shard_dir).done == []

@@ -10,7 +10,7 @@ import select
 import pytest
 from tqdm import tqdm
 
-from megatron_ext.progress import ProgressLines, progress
+from megatron_ext.progress import ProgressLines, duration, progress
 
 
 class Clock:
@@ -156,3 +156,9 @@ def test_a_short_finetune_into_a_log_file_prints_nothing(capsys):
                       total_steps=5, loss_fn=lambda m, batch: m(batch).sum(), desc="sc lr=0.001 seed=0")
     assert len(losses) == 5
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0m00s"), (242.7, "4m02s"), (3599.9, "59m59s"), (3900, "1h05m"),
+                                           (36 * 3600 + 61, "36h01m")])
+def test_duration_is_minutes_and_seconds_under_an_hour_then_hours_and_minutes(seconds, text):
+    assert duration(seconds) == text
