@@ -41,7 +41,7 @@ from megatron_ext.config_loading import UserError
 from megatron_ext.fileio import write_atomic
 from megatron_ext.study.plan import PlannedRun, Segment, StudyPlan, plan_to_dict
 from megatron_ext.study.plan_text import tree_rows
-from megatron_ext.training.step_log import duration
+from megatron_ext.progress import duration
 
 STUDY_DIR = "runs/studies/{study}"
 """The study directory when none is given (relative to the working directory)."""

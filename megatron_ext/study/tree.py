@@ -43,7 +43,7 @@ from megatron_ext.study.state import (
     tree_order,
 )
 from megatron_ext.study.plan import Segment, StudyPlan
-from megatron_ext.training.step_log import duration
+from megatron_ext.progress import duration
 from megatron_ext.exit_codes import RESUMABLE_EXIT_CODE
 
 
