@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -81,11 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="runs per side, alternating (default: 2)")
     parser.add_argument("--output", type=Path, help="the JSON record (default: results/demo_speed_cpu<N>.json)")
     args = parser.parse_args(argv)
-    if args.steps < 40 or args.rounds < 1:
-        parser.error("--steps must be >= 40 (two log windows of the recipe's 20 steps) and --rounds >= 1")
+    if args.steps < 260 or args.rounds < 1:
+        parser.error("--steps must be >= 260 (the recipe's 50 warm-up and 200 decay steps, and two log windows) "
+                     "and --rounds >= 1")
     if not (REPO / "data/demo_dataset/train_text_document.idx").exists():
         parser.error(f"no demo corpus in {REPO / 'data'}: run make demo-data first")
     sides = {"baseline": _commit(args.baseline), "candidate": _commit(args.candidate)}
+    # A timeout's SIGTERM unwinds like Ctrl-C, so the worktrees below are removed either way.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     with tempfile.TemporaryDirectory(prefix="demo_speed_") as scratch:
         root = Path(scratch)
