@@ -1,7 +1,8 @@
 """What the training steps read: the data-parallel rank's micro-batches of each step, from Megatron's
 dataset of the step's phase length (``training.context``: one dataset per length, read from where
-the steps before left off), the validation batches, kept on the device, and the test split, read
-once at the end of training (Megatron's "end of training for test data")."""
+the steps before left off) or, in a run whose phases set their own data, the span's sources
+(``training.mixtures``), the validation batches, kept on the device, and the test split, read once
+at the end of training (Megatron's "end of training for test data")."""
 
 from __future__ import annotations
 
