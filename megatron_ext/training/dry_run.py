@@ -187,9 +187,7 @@ def token_count(tokens: int) -> str:
 def format_dry_run(config: RunConfig, plan: RunPlan, *, source_plan: Sequence[SpanReads] | None = None) -> str:
     """The plan ``--dry-run`` prints; ``source_plan``: what each data span reads from each source
     (``Preflight.source_plan``), in a run whose phases set their own data."""
-    d, s, t, o, m = config.data, config.schedule, config.training, config.optimizer, config.model
-    total = t.train_iters
-    phases = config.resolved_phases
+    d, s, o, m = config.data, config.schedule, config.optimizer, config.model
     lines = [
         f"world size        {plan.world_size} = TP {plan.tensor_parallel} x PP {plan.pipeline_parallel} x DP {plan.data_parallel}",
         f"model             {config.model.num_layers} layers, hidden {config.model.hidden_size}, FFN "
@@ -211,7 +209,19 @@ def format_dry_run(config: RunConfig, plan: RunPlan, *, source_plan: Sequence[Sp
         + (f", decay {s.lr_wsd_decay_iters} ({s.lr_wsd_decay_style})" if s.lr_decay_style == "wsd" else "")
         + f", min {s.min_lr:g}",
         "phases:",
+        *_phase_lines(config, plan),
+        _step_line(config),
+        _checkpoint_line(config),
+        _data_line(config),
+        *_source_lines(config, source_plan),
     ]
+    return "\n".join(lines)
+
+def _phase_lines(config: RunConfig, plan: RunPlan) -> list[str]:
+    """One line per phase (steps, tokens, learning rate), its notes, and its own context where
+    phases differ in length, batch or RoPE base."""
+    s, total, phases = config.schedule, config.training.train_iters, config.resolved_phases
+    lines: list[str] = []
     contexts = config.phase_contexts
     first_tokens = contexts[0].tokens_per_step
     flops = phase_flops(config)
@@ -235,6 +245,12 @@ def format_dry_run(config: RunConfig, plan: RunPlan, *, source_plan: Sequence[Sp
                 f"{context.global_batch_size // (context.micro_batch_size * plan.data_parallel)}, RoPE base "
                 f"{context.rotary_base:g}; {kept}; {phase_total / steps_tokens(config, context, start, end):.3e} "
                 f"FLOPs/token, {phase_total:.3e} FLOPs")
+    return lines
+
+
+def _step_line(config: RunConfig) -> str:
+    """What one step runs: precision, the parallel options and fusions, recomputation, the LM head."""
+    t = config.training
     p = config.parallel
     params = {"bfloat16": "bf16 parameters (fp32 main parameters)", "float32": "fp32 parameters"}.get(
         config.model.params_dtype, f"{config.model.params_dtype} parameters")
@@ -250,25 +266,31 @@ def format_dry_run(config: RunConfig, plan: RunPlan, *, source_plan: Sequence[Sp
     if t.recompute_granularity:
         options.append(f"{t.recompute_granularity} recomputation")
     options.append("LM head at scored positions only" if t.lm_head_scored_only else "LM head at every position")
-    lines.append(f"step              {precision}" + (f"; {', '.join(options)}" if options else ""))
+    return f"step              {precision}" + (f"; {', '.join(options)}" if options else "")
+
+
+def _checkpoint_line(config: RunConfig) -> str:
+    """Where the run saves and loads, how often, what it keeps, and a branch."""
     c = config.checkpoint
-    lines.append(
+    return (
         f"checkpoints       save={c.save or '-'} every {c.save_interval} steps, keep {c.keep_last}; "
         f"load={c.load or '-'}{' (weights only: continued pretraining)' if c.finetune else ''}"
         + (f"; branch from {c.branch_from} at step {c.branch_step}" if c.branch_from else "")
         + (f"; keeps steps {' '.join(map(str, c.keep_steps))}" if c.keep_steps else "")
     )
+
+
+def _data_line(config: RunConfig) -> str:
+    """What the run reads: per-split paths, a data_args_path file, or data_path, with the split."""
+    d = config.data
     if d.per_split:
-        lines.append("data              " + "; ".join(f"{name} {' '.join(map(str, paths))}" for name in PER_SPLIT_PATHS
-                                                      if (paths := getattr(d, name))) + " (each read whole)")
-    elif d.data_args_path is not None:
+        return ("data              " + "; ".join(f"{name} {' '.join(map(str, paths))}" for name in PER_SPLIT_PATHS
+                                               if (paths := getattr(d, name))) + " (each read whole)")
+    if d.data_args_path is not None:
         prefixes = d.blend[0]
-        lines.append(f"data              {len(prefixes)} datasets from data_args_path {d.data_args_path} (first "
-                     f"{prefixes[0]}) (split {d.split})")
-    else:
-        lines.append(f"data              {' '.join(map(str, d.data_path))} (split {d.split})")
-    lines += _source_lines(config, source_plan)
-    return "\n".join(lines)
+        return (f"data              {len(prefixes)} datasets from data_args_path {d.data_args_path} (first "
+                f"{prefixes[0]}) (split {d.split})")
+    return f"data              {' '.join(map(str, d.data_path))} (split {d.split})"
 
 
 def _source_lines(config: RunConfig, source_plan: Sequence[SpanReads] | None) -> list[str]:
