@@ -5,9 +5,9 @@ and two slurmd), with only what a user of a CPU partition passes: ``--nodes=1 --
 
 What they check: a 2-rank job through srun + torchrun ends COMPLETED soon after its last step; a bad
 recipe fails once, not requeued, its error in the log; real preemption by a job of a higher tier
-(with and without ``preempt_send_user_signal``) and ``scancel --signal=USR1 --full`` mid-run each
-leave a checkpoint of the step in flight and the requeued job resumes from it with the losses of an
-uninterrupted run; so does a real time limit (cut short while the job trains, so that it falls
+(with and without ``preempt_send_user_signal``) mid-run and ``scancel --signal=USR1 --full`` while
+a requeued run starts each leave a checkpoint of the step in flight and the requeued job resumes
+from it with the losses of an uninterrupted run; so does a real time limit (cut short while the job trains, so that it falls
 after start-up however loaded the machine) with the script's warning signal (SIGUSR1 to the batch
 shell, which passes it on); 2 nodes x 1 rank train like 1 node x 2 ranks through the script's c10d
 rendezvous.
@@ -221,6 +221,20 @@ def _wait_for_steps(cluster, job_id: int, run_dir: Path, steps: int) -> int:
     return seen
 
 
+def _wait_for_run_start(cluster, job_id: int, run: int) -> None:
+    """Wait until the ``run``-th run of the job (1 first) has printed its first line: its batch shell
+    has its traps and is about to start srun. Fails, not hangs, if the job ends first."""
+    deadline = time.monotonic() + 600
+    banner = f"job {job_id} (run {run}): "
+    while True:
+        info = cluster.job(job_id)
+        log = Path(info["StdOut"])
+        if info["JobState"] == "RUNNING" and log.exists() and banner in log.read_text(errors="replace"):
+            return
+        assert time.monotonic() < deadline and info["JobState"] in {"PENDING", "RUNNING", "COMPLETING"}, info
+        time.sleep(0.05)
+
+
 def _wait_until_not_running(cluster, job_id: int) -> None:
     deadline = time.monotonic() + 300
     while cluster.job(job_id)["JobState"] == "RUNNING":
@@ -233,24 +247,32 @@ def _wait_until_not_running(cluster, job_id: int) -> None:
 @pytest.mark.timeout(1200)  # 255 s alone, 402 s beside the other test worker; 600 s is the default
 def test_preemption_and_scancel_full_save_the_step_in_flight_and_the_requeued_job_resumes(
         slurm_cluster, jobs, request):
-    """The long recipe on 2 ranks, stopped three times, each after 20 more steps: preempted by a job
-    of the higher tier on its node (SLURM sends SIGTERM to the job's steps), preempted again with
-    ``preempt_send_user_signal`` (the script's ``--signal=B:USR1`` to the batch shell, passed on),
-    then ``scancel --signal=USR1 --full`` (SIGUSR1 to the batch shell's process group, which srun
-    is kept out of). Each stop saves the step in flight well within the grace time and requeues.
-    The job is one of ``jobs``: it shares the nodes with them while this test drives it."""
+    """The long recipe on 2 ranks, stopped three times: preempted by a job of the higher tier on its
+    node after 20 steps of its run (SLURM sends SIGTERM to the job's steps), preempted again after 20
+    steps of the requeued run with ``preempt_send_user_signal`` (the script's ``--signal=B:USR1`` to
+    the batch shell, passed on), then ``scancel --signal=USR1 --full`` while the next requeued run
+    starts (its batch shell has begun, its trainer not yet; SIGUSR1 to the batch shell's process
+    group, which srun is kept out of): the processes of the step ignore it until the trainer has its
+    handlers, and the batch shell repeats it until one lands. Each stop saves the step in flight
+    well within the grace time and requeues. The job is one of ``jobs``: it shares the nodes with
+    them while this test drives it."""
     job_id, run_dir = jobs["preempted"]
-    stops = []  # (steps seen when stopped, how, the signal the trainer names first)
+    stops = []  # (steps logged when stopped, how, the signal the trainer names first)
     preemptors = []
     try:
-        for how, signal_name in [("preempted", "SIGTERM"), ("preempted, user signal", "SIGUSR1"),
-                                 ("scancel --signal=USR1 --full", "SIGUSR1")]:
-            seen = _wait_for_steps(slurm_cluster, job_id, run_dir, (stops[-1][0] if stops else 0) + 20)
+        for run, (how, signal_name) in enumerate([("preempted", "SIGTERM"), ("preempted, user signal", "SIGUSR1"),
+                                                  ("scancel --signal=USR1 --full", "SIGUSR1")], start=1):
+            # Counted from the steps logged when the previous run ended, not when it was signalled: a
+            # preemption reaches the job seconds after the preemptor's submission, many steps later.
+            logged_before = _steps_logged(run_dir)
             if how.startswith("preempted"):
+                seen = _wait_for_steps(slurm_cluster, job_id, run_dir, logged_before + 20)
                 slurm_cluster.send_user_signal(how.endswith("user signal"))
                 node = slurm_cluster.job(job_id)["NodeList"]
                 preemptors.append((slurm_cluster.preempt(job_id), node))
             else:
+                _wait_for_run_start(slurm_cluster, job_id, run)
+                seen = _steps_logged(run_dir)
                 slurm_cluster.run(["scancel", "--signal=USR1", "--full", str(job_id)])
             _wait_until_not_running(slurm_cluster, job_id)
             stops.append((seen, how, signal_name))
