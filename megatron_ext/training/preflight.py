@@ -40,14 +40,16 @@ The checks, in order:
    was made by this tokenizer, a notice when the data does not say).
 8. **sources** (:func:`check_sources`): what a run would otherwise meet only when its steps reach
    it. In a run whose phases set their own data, the plan of what each data span reads from each
-   source (``training.datasets.plan_source_reads``: a source with no whole sample at a phase's
-   length, ``training.mixtures.check_enough_data``; a train split without tokens,
-   ``training.datasets.train_split_tokens``), and each source's index (``training.datasets.check_source``:
-   ``data.index_checks.read_index``, ``check_token_dtype``, ``scan_token_ids`` against the
-   tokenizer); each phase's own ``valid_data_path`` checked as its first evaluation would build it
+   source (:func:`plan_sources`, ``training.datasets.plan_source_reads``: a source with no whole
+   sample at a phase's length, ``training.mixtures.check_enough_data``; a train split without
+   tokens, ``training.datasets.train_split_tokens``), then the files (:func:`check_source_files`):
+   each source's index (``training.datasets.check_source``: ``data.index_checks.read_index``,
+   ``check_token_dtype``, ``scan_token_ids`` against the tokenizer), and each phase's own
+   ``valid_data_path`` checked as its first evaluation would build it
    (``training.datasets.check_split_blends``: the same index checks, and the split's shares). The
    plan is kept (``Preflight.source_plan``) for what reads it: ``training.batches.build_batches``
-   (its ``source_plan``), and ``--dry-run``, which prints and prices it.
+   (its ``source_plan``), and ``--dry-run``, which prints and prices it, also beside a NOT READY
+   line of the files.
 
 Who runs which (:class:`Caller`)::
 
@@ -95,6 +97,8 @@ from megatron_ext.training.config import RunConfig
 from megatron_ext.training.layout import check_layout
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from megatron_ext.tokenizer import EncoderTokenizer
     from megatron_ext.training.mixtures import SpanReads
 
@@ -130,7 +134,8 @@ class Preflight:
     """``--dry-run``'s memory lines (check 6)."""
     source_plan: tuple[SpanReads, ...] | None = None
     """What each data span reads from each source (check 8), in a run whose phases set their own data;
-    None: the run reads one blend, or (``--dry-run``) its data cannot be read here (``lines`` says why)."""
+    None: the run reads one blend, or (``--dry-run``) the sources could not be planned here (``lines``
+    says why; a plan whose files then fail their checks is kept)."""
     lines: tuple[str, ...] = ()
     """``--dry-run``'s last lines: what the paths check found, then the tokenizer's, the sources'
     (checks 2, 7, 8)."""
@@ -217,8 +222,10 @@ def _dry_run(config: RunConfig, world_size: int, tokenizer: EncoderTokenizer | N
     except UserError as err:
         paths_line = f"paths: {missing}: {err}"
     else:  # the data present: what the run would refuse of it before its first step (said once, not twice)
-        try:
-            source_plan = check_sources(config, tokenizer)
+        try:  # a plan made keeps its shares in the printout when a source's files fail their checks
+            source_plan = plan_sources(config)
+            if tokenizer is not None:
+                check_source_files(config, tokenizer, source_plan)
         except (OSError, UserError) as err:
             sources_line = f"sources: {missing}: {err}"
     return Preflight(caller=Caller.DRY_RUN, data_parallel=data_parallel, tokenizer=tokenizer, memory=memory,
@@ -363,19 +370,46 @@ def check_tokenizer_serves(config: RunConfig, tokenizer: EncoderTokenizer) -> No
 
 def check_sources(config: RunConfig, tokenizer: EncoderTokenizer | None) -> tuple[SpanReads, ...] | None:
     """Refuse, naming the setting and the prefix, data a run would otherwise stop on only when its
-    steps reach it: in a run whose phases set their own data, a source with no whole sample at a
-    phase's length or whose train split holds no tokens (the plan, ``datasets.plan_source_reads``),
-    and, given the ``tokenizer``, each source's index (``datasets.check_source``); each phase's own
-    ``valid_data_path`` as its first evaluation builds it (``datasets.check_split_blends``). Returns
-    the plan; None where the run reads one blend."""
+    steps reach it: the plan of a run whose phases set their own data (:func:`plan_sources`), then,
+    given the ``tokenizer``, its sources' files (:func:`check_source_files`). Returns the plan; None
+    where the run reads one blend."""
+    plan = plan_sources(config)
+    if tokenizer is not None:  # None: --dry-run without the tokenizer (a hub id, or not on this machine)
+        check_source_files(config, tokenizer, plan)
+    return plan
+
+
+def plan_sources(config: RunConfig) -> tuple[SpanReads, ...] | None:
+    """In a run whose phases set their own data, what each data span reads from each source
+    (``datasets.plan_source_reads``), refusing a source with no whole sample at a phase's length or
+    whose train split holds no tokens; None where the run reads one blend."""
     from megatron_ext.training.context import dataset_spans, reads_sources
-    from megatron_ext.training.datasets import (check_source, check_split_blends, phase_validation_data,
-                                                plan_source_reads)
+    from megatron_ext.training.datasets import plan_source_reads
 
     contexts = config.phase_contexts
-    plan = plan_source_reads(config.data, dataset_spans(contexts)) if reads_sources(contexts) else None
-    if tokenizer is None:  # --dry-run without the tokenizer (a hub id, or not on this machine)
-        return plan
+    return plan_source_reads(config.data, dataset_spans(contexts)) if reads_sources(contexts) else None
+
+
+def check_source_files(config: RunConfig, tokenizer: EncoderTokenizer, plan: Sequence[SpanReads] | None) -> None:
+    """Each source of ``plan`` as its epochs will be built (``datasets.check_source``: its index,
+    dtype and ids) and each phase's own ``valid_data_path`` as its first evaluation builds it
+    (``datasets.check_split_blends``); the first failure raised, naming the setting."""
+    from megatron_ext.training.datasets import check_source, check_split_blends, phase_validation_data
+
+    named_by = {}  # each prefix by the first setting naming it
+    for field, prefixes in config.data_paths().items():
+        for prefix in prefixes:
+            named_by.setdefault(prefix, field)
+    checks = [(named_by.get(prefix, "data_path"), functools.partial(check_source, config.data, prefix, tokenizer))
+              for prefix in dict.fromkeys(source.prefix for span in plan or () for source in span.sources)]
+    checks += [(f"phases[{phase.index}].valid_data_path", functools.partial(
+        check_split_blends, phase_validation_data(config.data, phase.valid_data_path), tokenizer))
+        for phase in config.resolved_phases if phase.valid_data_path is not None]
+    for field, check in checks:
+        try:
+            check()
+        except UserError as err:
+            raise type(err)(f"{field}: {err}") from None
     named_by = {}  # each prefix by the first setting naming it
     for field, prefixes in config.data_paths().items():
         for prefix in prefixes:

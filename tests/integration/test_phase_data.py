@@ -468,8 +468,8 @@ def test_a_bad_source_is_refused_before_the_first_step_and_the_dry_run_says_not_
     """What a run would otherwise meet only when its steps reach it (training.preflight, check 8): a
     source with no whole sample at its phase's length, ids outside the vocab in a later phase's source
     or in a phase's own validation blend. The run refuses each before its first step, naming the
-    setting and the prefix; ``--dry-run`` says it NOT READY (this machine runs its plan) and prints
-    no per-source shares for data it could not plan."""
+    setting and the prefix; ``--dry-run`` says it NOT READY (this machine runs its plan), prints no
+    per-source shares for data it could not plan, and prints them for a plan whose files then fail."""
     import shutil
 
     from megatron_ext.checkpoint.reader import intact_checkpoints
@@ -504,8 +504,13 @@ def test_a_bad_source_is_refused_before_the_first_step_and_the_dry_run_says_not_
     del tokens
     message = rf"{re.escape(bad)}\.bin: token id {vocab} \(document 0, token 7 of its sequence 0\) is outside the vocab"
     later = _recipe(tiny_corpus, sources, tmp_path / "later", phases=_phases(sources, last=[sources["a"], bad]))
-    found = preflight(run_config_from_dict(later), Caller.DRY_RUN, world_size=1)
+    later_config = run_config_from_dict(later)
+    found = preflight(later_config, Caller.DRY_RUN, world_size=1)
     assert re.match(rf"sources: {NOT_READY}: phases\[2\]\.data_path: {message}", found.lines[-1]), found.lines
+    # the plan was made before the files failed: its shares are printed beside the NOT READY line
+    assert bad in {source.prefix for span in found.source_plan for source in span.sources}
+    printed = format_dry_run(later_config, make_plan(later_config, 1), source_plan=found.source_plan)
+    assert "per-source shares not computed" not in printed and "bad_text_document" in printed, printed
     with pytest.raises(UserError, match=rf"^phases\[2\]\.data_path: {message}"):
         pretrain(run_config_from_dict(later))  # its phase starts at step 6: refused before step 1
     assert intact_checkpoints(tmp_path / "later" / "ckpt") == []  # none saved at step 3
