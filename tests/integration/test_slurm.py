@@ -223,15 +223,17 @@ def _wait_for_steps(cluster, job_id: int, run_dir: Path, steps: int) -> int:
 
 def _wait_for_run_start(cluster, job_id: int, run: int) -> None:
     """Wait until the ``run``-th run of the job (1 first) has printed its first line: its batch shell
-    has its traps and is about to start srun. Fails, not hangs, if the job ends first."""
+    has its traps and is about to start srun. The log is read often, SLURM asked every 2 s. Fails,
+    not hangs, if the job ends first."""
     deadline = time.monotonic() + 600
+    log = Path(cluster.job(job_id)["StdOut"])  # the same file for every run (--open-mode=append)
     banner = f"job {job_id} (run {run}): "
-    while True:
-        info = cluster.job(job_id)
-        log = Path(info["StdOut"])
-        if info["JobState"] == "RUNNING" and log.exists() and banner in log.read_text(errors="replace"):
-            return
-        assert time.monotonic() < deadline and info["JobState"] in {"PENDING", "RUNNING", "COMPLETING"}, info
+    checked = time.monotonic()
+    while not (log.exists() and banner in log.read_text(errors="replace")):
+        if time.monotonic() - checked > 2:
+            info = cluster.job(job_id)
+            assert time.monotonic() < deadline and info["JobState"] not in FINAL_STATES, info
+            checked = time.monotonic()
         time.sleep(0.05)
 
 
