@@ -410,18 +410,3 @@ def check_source_files(config: RunConfig, tokenizer: EncoderTokenizer, plan: Seq
             check()
         except UserError as err:
             raise type(err)(f"{field}: {err}") from None
-    named_by = {}  # each prefix by the first setting naming it
-    for field, prefixes in config.data_paths().items():
-        for prefix in prefixes:
-            named_by.setdefault(prefix, field)
-    checks = [(named_by.get(prefix, "data_path"), functools.partial(check_source, config.data, prefix, tokenizer))
-              for prefix in dict.fromkeys(source.prefix for span in plan or () for source in span.sources)]
-    checks += [(f"phases[{phase.index}].valid_data_path", functools.partial(
-        check_split_blends, phase_validation_data(config.data, phase.valid_data_path), tokenizer))
-        for phase in config.resolved_phases if phase.valid_data_path is not None]
-    for field, check in checks:
-        try:
-            check()
-        except UserError as err:
-            raise type(err)(f"{field}: {err}") from None
-    return plan
