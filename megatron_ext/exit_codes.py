@@ -39,3 +39,10 @@ EXIT_STATUS_ENV = "MEGATRON_EXT_EXIT_STATUS_FILE"
 ``training.stop.write_exit_status``). torchrun reports 1 whenever a worker exits non-zero, so a
 launch script behind it reads the trainer's own status from this file (``examples/launch/slurm.sbatch``
 requeues on :data:`RESUMABLE_EXIT_CODE`)."""
+
+STOP_HANDLERS_SUFFIX = ".stop-handlers"
+"""When :data:`EXIT_STATUS_ENV` is set, global rank 0 creates ``<status file>.stop-handlers`` once
+the trainer's stop handlers are installed (``training.stop.StopPolicy.signals_handled``): from then
+on a stop signal to the job's processes stops the run at a checkpoint. ``slurm.sbatch`` passes the
+signals its batch shell receives on to the step only after that (before, the processes of the step
+ignore them, and srun gives up a step it is still creating when a signal comes)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 from megatron_ext import processes
 from megatron_ext.fileio import write_atomic
-from megatron_ext.exit_codes import EXIT_STATUS_ENV, INTERRUPTED_EXIT_CODE
+from megatron_ext.exit_codes import EXIT_STATUS_ENV, INTERRUPTED_EXIT_CODE, STOP_HANDLERS_SUFFIX
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -53,6 +54,15 @@ def write_exit_status(code: int, reason: str) -> None:
     if not path or int(os.environ.get("RANK", "0")) != 0:
         return
     write_atomic(path, f"{code} {reason}\n")
+
+def write_stop_handlers_ready() -> None:
+    """Say that the stop handlers are installed (``exit_codes.STOP_HANDLERS_SUFFIX``, beside the
+    exit-status file; global rank 0 only; nothing when the variable is unset)."""
+    path = os.environ.get(EXIT_STATUS_ENV)
+    if not path or int(os.environ.get("RANK", "0")) != 0:
+        return
+    write_atomic(path + STOP_HANDLERS_SUFFIX, f"{os.getpid()}\n")
+
 
 def _say(line: str) -> None:
     """``line`` on stderr from a signal handler (rank 0 only): ``os.write``, which a handler may call
@@ -132,6 +142,8 @@ class StopPolicy:
             yield
             return
         with processes.signal_handlers(STOP_SIGNALS, self._on_signal):
+            if threading.current_thread() is threading.main_thread():  # elsewhere nothing was installed
+                write_stop_handlers_ready()  # a launcher passes signals on from now (slurm.sbatch)
             yield
         if self.received:
             with contextlib.suppress(ValueError):  # not the main thread: nothing was installed either

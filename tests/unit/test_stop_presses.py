@@ -4,6 +4,7 @@ save goes on, the third ends the process at once (exit 130) saying what is lost.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -72,3 +73,31 @@ def test_a_tool_interrupted_by_ctrl_c_says_so_in_one_line(capsys):
     err = capsys.readouterr().err
     assert err.splitlines() == ["some_tool.py: interrupted (Ctrl-C); outputs finished before it are kept, none is "
                                 "half-written"]
+
+
+READY = textwrap.dedent("""
+    import os
+    from megatron_ext.training.stop import StopPolicy
+    stop = StopPolicy(handle_signals=HANDLE, duration_minutes=None, interval=None)
+    marker = os.environ["MEGATRON_EXT_EXIT_STATUS_FILE"] + ".stop-handlers"
+    print("before", os.path.exists(marker), flush=True)
+    with stop.signals_handled():
+        print("inside", os.path.exists(marker), flush=True)
+""")
+
+
+def test_rank_0_says_when_its_stop_handlers_are_installed(tmp_path):
+    """``slurm.sbatch`` passes its batch shell's signals on only once this file exists
+    (``exit_codes.STOP_HANDLERS_SUFFIX``): rank 0 creates it as the handlers are installed, other
+    ranks and a run without the handlers (``training.exit_signal_handler: false``) never do."""
+    from megatron_ext.exit_codes import EXIT_STATUS_ENV, STOP_HANDLERS_SUFFIX
+
+    status = tmp_path / ".exit-status-7"
+    for handle, rank, created in [(True, "0", True), (True, "1", False), (False, "0", False)]:
+        env = {**os.environ, EXIT_STATUS_ENV: str(status), "RANK": rank}
+        run = subprocess.run([sys.executable, "-c", READY.replace("HANDLE", str(handle))], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.split() == ["before", "False", "inside", str(created)], (handle, rank, run.stdout)
+        assert (tmp_path / (status.name + STOP_HANDLERS_SUFFIX)).exists() == created
+        (tmp_path / (status.name + STOP_HANDLERS_SUFFIX)).unlink(missing_ok=True)
