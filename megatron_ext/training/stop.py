@@ -55,6 +55,7 @@ def write_exit_status(code: int, reason: str) -> None:
         return
     write_atomic(path, f"{code} {reason}\n")
 
+
 def write_stop_handlers_ready() -> None:
     """Say that the stop handlers are installed (``exit_codes.STOP_HANDLERS_SUFFIX``, beside the
     exit-status file; global rank 0 only; nothing when the variable is unset)."""
