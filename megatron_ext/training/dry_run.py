@@ -217,6 +217,7 @@ def format_dry_run(config: RunConfig, plan: RunPlan, *, source_plan: Sequence[Sp
     ]
     return "\n".join(lines)
 
+
 def _phase_lines(config: RunConfig, plan: RunPlan) -> list[str]:
     """One line per phase (steps, tokens, learning rate), its notes, and its own context where
     phases differ in length, batch or RoPE base."""

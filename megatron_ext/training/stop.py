@@ -47,22 +47,24 @@ SAME_PRESS_SECONDS = 1.0
 
 
 
+def _rank_0_status_file() -> str | None:
+    """``$MEGATRON_EXT_EXIT_STATUS_FILE`` on global rank 0; None on other ranks or when unset."""
+    path = os.environ.get(EXIT_STATUS_ENV)
+    return path if path and int(os.environ.get("RANK", "0")) == 0 else None
+
+
 def write_exit_status(code: int, reason: str) -> None:
     """Record ``code`` at ``$MEGATRON_EXT_EXIT_STATUS_FILE`` (global rank 0 only; written whole,
     through a temporary file and a rename). Nothing happens when the variable is unset."""
-    path = os.environ.get(EXIT_STATUS_ENV)
-    if not path or int(os.environ.get("RANK", "0")) != 0:
-        return
-    write_atomic(path, f"{code} {reason}\n")
+    if path := _rank_0_status_file():
+        write_atomic(path, f"{code} {reason}\n")
 
 
 def write_stop_handlers_ready() -> None:
     """Say that the stop handlers are installed (``exit_codes.STOP_HANDLERS_SUFFIX``, beside the
     exit-status file; global rank 0 only; nothing when the variable is unset)."""
-    path = os.environ.get(EXIT_STATUS_ENV)
-    if not path or int(os.environ.get("RANK", "0")) != 0:
-        return
-    write_atomic(path + STOP_HANDLERS_SUFFIX, f"{os.getpid()}\n")
+    if path := _rank_0_status_file():
+        write_atomic(path + STOP_HANDLERS_SUFFIX, f"{os.getpid()}\n")
 
 
 def _say(line: str) -> None:
