@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         code = scheduler.run(dry_run=False)
         if merges is not None and code == 0:
             code = merges.run(after=scheduler.live_job)
+        if code == 0 and all(state.status == "complete" for state in scheduler.current.values()):
+            print(f"training: every run complete ({time.perf_counter() - started:.0f} s)", flush=True)
         if args.only or args.train_only or plan.study.evaluation is None:
             return code
         if code != 0:
@@ -133,8 +135,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"evaluation: not submitted, {len(unfinished)} segment(s) failed or blocked "
                   f"({', '.join(unfinished[:5])}{', ...' if len(unfinished) > 5 else ''})", flush=True)
             return 1
-        if all(state.status == "complete" for state in scheduler.current.values()):
-            print(f"training: every run complete ({time.perf_counter() - started:.0f} s)", flush=True)
         from megatron_ext.study.evaluation import EvaluationStage
 
         after = scheduler.live_jobs() + (merges.live_jobs() if merges is not None else [])

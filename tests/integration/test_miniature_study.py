@@ -8,16 +8,14 @@ from a folder outside it."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
+from benchmarks.study_estimate import ci_size_study, training_seconds
 from megatron_ext.checkpoint.reader import Checkpoint
 from megatron_ext.performance import cost
 from megatron_ext.study import cost as study_costs
@@ -29,38 +27,10 @@ MINIATURE = ROOT / "examples" / "studies" / "miniature.yaml"
 REFERENCE = "all-MiniLM-L6-v2"
 
 
-def _ci_size(tmp_path: Path, corpus: dict[str, str]) -> Path:
-    """The miniature study with budgets of 8 and 16 steps on the tiny news corpus, one task, two LRs,
-    beside a copy of the recipes it links to (outside the checkout)."""
-    shutil.copytree(ROOT / "examples" / "recipes", tmp_path / "examples" / "recipes")
-    study = yaml.safe_load(MINIATURE.read_text())
-    assert study["sizes"][0]["base"] == "../recipes/base/tiny.yaml"  # the copy's, beside it
-    study["budgets"] = [8, 16]
-    study["cpt"]["source_budget"] = 16
-    study["cpt"]["continuations"] = [
-        {"steps": 4, "overrides": {"schedule": {"lr_warmup_iters": 1, "lr_wsd_decay_iters": 1}}}, {"steps": 8}]
-    study["overrides"].update({
-        "tokenizer": {"tokenizer_model": corpus["tokenizer"]},
-        "data": {"data_path": [corpus["data"]], "split": "80,20,0", "eval_iters": 1,
-                 "data_cache_path": str(tmp_path / "index_cache")},
-        "schedule": {"lr_warmup_iters": 2, "lr_wsd_decay_iters": 4},
-        "training": {"eval_interval": 8, "log_interval": 4},
-        "checkpoint": {"save_interval": 4, "keep_last": 1},
-    })
-    study["output"] = {"save": str(tmp_path / "pretrain" / "{run}" / "checkpoints"),
-                       "log_dir": str(tmp_path / "pretrain" / "{run}")}
-    study["evaluation"].update({"tasks": ["rt_sentiment"], "lrs": [1e-3, 3e-3], "seeds": [0], "max_steps": 2,
-                                "max_length": 64, "max_eval_examples": 16, "output_dir": str(tmp_path / "eval")})
-    path = tmp_path / "examples" / "studies" / "miniature_ci.yaml"
-    path.parent.mkdir(parents=True)
-    path.write_text(yaml.safe_dump(study, sort_keys=False))
-    return path
-
-
 @pytest.mark.slow  # twelve pretraining segments, 26 fine-tuning runs, the report, a calibration
 @pytest.mark.timeout(1200)  # the study: 453 s in CI beside the other test worker; the calibration ~1 min
 def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, installed_package):
-    path = _ci_size(tmp_path, tiny_corpus)
+    path = ci_size_study(tmp_path, tokenizer=tiny_corpus["tokenizer"], data=tiny_corpus["data"])
     plan = plan_study(read_study(path), path)
     assert len(plan.runs) == 12 and plan.steps_tree < plan.steps_separate
     branches = [s for s in plan.segments if s.start_from == "branch"]
@@ -78,17 +48,17 @@ def test_the_miniature_study_at_ci_size(tmp_path, tiny_corpus, installed_package
         f"-m megatron_ext.cli.pretrain_encoder --config {tmp_path / 'study' / 'recipes' / 'tiny_clm_16.yaml'}")
     assert not (installed_package["work"] / "runs").exists()  # the study wrote where it was told
 
-    # The cost model: the training's measured time inside the band its estimate states (from the
-    # committed CPU throughput and the assumed start-up per trainer), and an ETA from it, corrected
-    # by the segments trained, in the progress lines (the installed package reads the committed
-    # measurements it ships: megatron_ext.performance.measured_speeds.packaged).
-    took = float(re.search(r"^training: every run complete \((\d+) s\)$", printed, re.M).group(1))
+    # The cost model: the estimate comes from the committed CPU throughput (the installed package reads
+    # the measurements it ships: megatron_ext.performance.measured_speeds.packaged) and states its
+    # band; the progress lines give an ETA from it, corrected by the segments trained. Whether the
+    # training's wall time lies inside the band is measured where the machine is the study's own
+    # (benchmarks/study_estimate.py): here it shares two cores with the other test worker.
+    assert training_seconds(printed) > 0
     speeds = cost.SpeedTable(kind=cost.CPU)
     estimate = study_costs.study_cost(plan, speeds=speeds, gpus=None, gpus_per_node=8)
-    low, high = cost.band(source for segment in estimate.segments for source in segment.sources)
-    assert (low, high) == cost.BANDS["measured"], estimate.segments[0].speeds
-    assert low * estimate.sequential_s <= took <= high * estimate.sequential_s, (  # for a machine to itself
-        took, estimate.sequential_s, f"load average {os.getloadavg()} on {os.cpu_count()} cores")
+    assert estimate.sequential_s > 0
+    assert cost.band(source for segment in estimate.segments for source in segment.sources) == \
+        cost.BANDS["measured"], estimate.segments[0].speeds
     assert re.search(r"^\[1/12\] \S+: complete in .* ETA \S+ \(estimate x[\d.]+, the measured pace", printed, re.M), printed
     # --calibrate, from the installed package: each training shape and one fine-tuning run per family
     # timed here, every estimate said to come from it.

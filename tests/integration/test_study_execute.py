@@ -184,12 +184,19 @@ def test_local_failure_blocks_descendants_only_and_reruns_finish(tmp_path, tiny_
 @pytest.mark.skipif(not BRANCHING, reason="needs the branch setting (checkpoint.branch_from) in the trainer")
 def test_local_branch_segment_starts_from_its_parents_checkpoint(tmp_path, tiny_corpus, capsys):
     """A 10-step budget is the 20-step run up to its decay (step 8): trained as the 20-step run's
-    branch from its checkpoint at step 8, which the parent keeps."""
-    study = _study(tmp_path, "branches", {"tiny": _base(tiny_corpus, tmp_path)}, budgets=[20, 10], cpt=None)
+    branch from its checkpoint at step 8, which the parent keeps. ``--train-only``: the study's
+    evaluation is not started."""
+    evaluation = {"tasks": ["rt_sentiment"], "lrs": [1e-3], "seeds": [0], "max_steps": 2,
+                  "output_dir": str(tmp_path / "eval")}
+    study = _study(tmp_path, "branches", {"tiny": _base(tiny_corpus, tmp_path)}, budgets=[20, 10], cpt=None,
+                   evaluation=evaluation)
     study_dir = tmp_path / "study_dir"
-    code = cli.main([str(study), "--launcher", "local", "--study-dir", str(study_dir)])
+    code = cli.main([str(study), "--launcher", "local", "--study-dir", str(study_dir), "--train-only"])
     out = capsys.readouterr().out
     assert code == 0, out
+    assert re.search(r"^training: every run complete \(\d+ s\)$", out, re.M), out
+    assert "evaluation:" not in out and not (tmp_path / "eval").exists()
+    assert not (study_dir / "logs" / "evaluation").exists()
     assert "[2/2] tiny_clm_10: training steps 8 to 10" in out
     log = (study_dir / "logs" / "tiny_clm_10.log").read_text()
     assert re.search(r"^training \d+ steps from step 8:", log, re.M), log
