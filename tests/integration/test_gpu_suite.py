@@ -23,7 +23,7 @@ GPU = Machine(gpu=True, transformer_engine=True, fp8=False, device="gpu-test", g
 def _sleeper(seconds: float, code: int = 0, write: str | None = None):
     """A stage command: sleep, optionally write a file into the stage's folder first, exit ``code``."""
     def command(ctx):
-        script = (f"import pathlib, sys, time; "
+        script = ("import pathlib, sys, time; "
                   + (f"pathlib.Path({str(ctx.stage_dir / 'out.json')!r}).write_text({write!r}); " if write else "")
                   + f"print('working', flush=True); time.sleep({seconds}); sys.exit({code})")
         return [sys.executable, "-c", script]
@@ -107,16 +107,28 @@ def test_a_stage_that_stops_itself_at_its_limit_is_timed_out_and_imports_this_tr
     assert log[-1].split(":")[0] == str(gpu_suite.REPO)
 
 
+def _timed_sleeper(seconds: float):
+    """A stage command that records when it slept: ``[start, end]`` (epoch seconds) in ``span.json``."""
+    def command(ctx):
+        span = str(ctx.stage_dir / "span.json")
+        return [sys.executable, "-c", f"import json, time; start = time.time(); time.sleep({seconds}); "
+                                      f"open({span!r}, 'w').write(json.dumps([start, time.time()]))"]
+    return command
+
+
 def test_a_stage_and_its_partner_run_side_by_side(tmp_path):
     stages = [
-        Stage(name="tests", purpose="", command=_sleeper(3), max_s=30, min_s=1),
-        Stage(name="e2e", purpose="", command=_sleeper(3), max_s=30, min_s=1, alongside="tests"),
-        Stage(name="after", purpose="", command=_sleeper(0), max_s=30, min_s=1),
+        Stage(name="tests", purpose="", command=_timed_sleeper(3), max_s=30, min_s=1),
+        Stage(name="e2e", purpose="", command=_timed_sleeper(3), max_s=30, min_s=1, alongside="tests"),
+        Stage(name="after", purpose="", command=_timed_sleeper(0), max_s=30, min_s=1),
     ]
-    start = time.monotonic()
     results = gpu_suite.run_suite(stages, machine=GPU, budget=Budget(120, 5), output_dir=tmp_path)
     assert [r.status for r in results] == ["passed", "passed", "passed"]
-    assert time.monotonic() - start < 5.5  # 3 s + 3 s one after the other would be 6 s at least
+    spans = {name: json.loads((tmp_path / name / "span.json").read_text()) for name in ("tests", "e2e", "after")}
+    # The partners' sleeps overlap (one after the other, one would start after the other ended); the
+    # next stage starts once both have ended.
+    assert spans["e2e"][0] < spans["tests"][1] and spans["tests"][0] < spans["e2e"][1], spans
+    assert spans["after"][0] >= max(spans["tests"][1], spans["e2e"][1]), spans
 
 
 def test_a_stage_needing_data_without_a_data_dir_is_not_applicable(tmp_path):
