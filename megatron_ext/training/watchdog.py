@@ -7,7 +7,8 @@ then they end with a transport's traceback that names nobody. Here every rank:
 - **beats**: after each step the training loop records the step it finished; a heartbeat file per
   rank (``heartbeats/rank-N.json`` in ``checkpoint.save``, else ``logging.log_dir``: a directory every
   node sees) carries it with the rank's node and the time, written atomically at most every few
-  seconds;
+  seconds, and again by the watch thread while the rank waits (a rank that waits is alive: its file
+  stays fresh, so the file that grows old is the stuck rank's, whatever the order of the last writes);
 - **watches**: a daemon thread checks that the rank finished a step within the timeout. When it has
   not, the rank is waiting on someone, or is the one stuck: the heartbeat files say which rank is
   behind (the fewest steps, then the oldest beat). The lowest rank that is not that one says so in
@@ -82,6 +83,7 @@ class HangWatchdog:
         self.write_every_s = min(5.0, timeout_s / 4)
         self.step, self.last = 0, time.monotonic()
         self.written = float("-inf")
+        self.writing = threading.Lock()  # the main thread's beats and the watch thread's refreshes
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
 
@@ -95,9 +97,14 @@ class HangWatchdog:
         """``step`` finished on this rank (the main thread, after each step)."""
         self.step, self.last = step, time.monotonic()
         if force or self.last - self.written >= self.write_every_s:
-            record = {"rank": self.rank, "node": self.node, "pid": os.getpid(), "step": step, "time": time.time()}
+            self._write()
+
+    def _write(self) -> None:
+        """This rank's heartbeat file: the last step it finished, and now."""
+        with self.writing:
+            record = {"rank": self.rank, "node": self.node, "pid": os.getpid(), "step": self.step, "time": time.time()}
             write_atomic(self.directory / f"rank-{self.rank}.json", json.dumps(record))
-            self.written = self.last
+            self.written = time.monotonic()
 
     def stop(self) -> None:
         """No more watching (the run ends or stops normally)."""
@@ -105,10 +112,13 @@ class HangWatchdog:
 
     def _watch(self) -> None:
         while not self.stopped.wait(min(1.0, self.timeout_s / 4)):
-            waited = time.monotonic() - self.last
+            now = time.monotonic()
+            waited = now - self.last
             if waited < self.timeout_s:
+                if now - self.written >= self.write_every_s:
+                    self._write()  # waiting, alive: at the timeout every live rank's file is fresh
                 continue
-            self.beat(self.step, force=True)  # this rank is alive: its file says so now
+            self._write()  # this rank is alive: its file says so now
             line, says, late = self.describe(waited)
             if says and late["rank"] != self.rank and late.get("node") == self.node and late.get("pid"):
                 # On this node the rank behind is ended too: a stopped process holds torchrun's
@@ -127,7 +137,9 @@ class HangWatchdog:
         others = [beat for beat in beats if beat["rank"] != late["rank"]]
         reporter = min((beat["rank"] for beat in others), default=late["rank"])
         ahead = max((beat["step"] for beat in others), default=late["step"])
-        line = (f"hang: rank {late['rank']} on {late['node']} finished no step after step {late['step']} "
+        # A heartbeat is written every few seconds: the rank behind may have finished some steps after
+        # the one its last heartbeat names, so the line says what the file says.
+        line = (f"hang: rank {late['rank']} on {late['node']} last reported step {late['step']} "
                 f"({time.time() - late['time']:.0f} s since its last heartbeat"
                 + (f"; the other ranks are at step {ahead}" if others else "")
                 + f"); rank {self.rank} waited {waited:.0f} s (training.hang_timeout_minutes="

@@ -154,10 +154,12 @@ def test_recovery_settings_are_checked(tiny_corpus, tmp_path):
 
 
 def test_a_hung_rank_ends_the_job_in_bounded_time_named_and_the_rerun_resumes(tiny_corpus, tmp_path):
-    """Two ranks under torchrun, a save every 4 steps; rank 1 is stopped (SIGSTOP: a node that stops
-    answering) once its heartbeat says step 6. Within the hang timeout (6 s, the distributed timeout
-    10 min) the job ends with the resumable code 75 and one line naming rank 1, its node and the step
-    it finished last; the same command then resumes from the newest complete checkpoint and ends."""
+    """Two ranks under torchrun, a save every 10 steps; rank 1 is stopped (SIGSTOP: a node that stops
+    answering) once its heartbeat says step 12, well before the run's 300 steps end on any machine
+    (its heartbeat is written every 1.5 s: a 30-step run could end before a stop that waited for it).
+    Within the hang timeout (6 s, the distributed timeout 10 min) the job ends with the resumable code
+    75 and one line naming rank 1, its node and the step it last reported; the same command then
+    resumes from the newest complete checkpoint and ends."""
     import os
     import re
     import signal
@@ -170,9 +172,9 @@ def test_a_hung_rank_ends_the_job_in_bounded_time_named_and_the_rerun_resumes(ti
 
     repo = Path(__file__).resolve().parents[2]
     recipe = tiny_recipe(tiny_corpus, tmp_path, phases=MLM,
-                         training={"train_iters": 30, "eval_interval": 0, "log_interval": 1,
+                         training={"train_iters": 300, "eval_interval": 0, "log_interval": 10,
                                    "hang_timeout_minutes": 0.1},
-                         checkpoint={"save": str(tmp_path / "ckpt"), "save_interval": 4})
+                         checkpoint={"save": str(tmp_path / "ckpt"), "save_interval": 10})
     path = tmp_path / "recipe.json"
     path.write_text(json.dumps(recipe))
     status = tmp_path / "exit_status"
@@ -183,13 +185,13 @@ def test_a_hung_rank_ends_the_job_in_bounded_time_named_and_the_rerun_resumes(ti
                            start_new_session=True)
     beat = tmp_path / "ckpt/heartbeats/rank-1.json"
     deadline = time.monotonic() + 300
-    while True:  # rank 1's own record of its progress: stop it once it has finished step 6
+    while True:  # rank 1's own record of its progress: stop it once it has finished step 12
         assert run.poll() is None and time.monotonic() < deadline, run.stdout.read() if run.poll() is not None else ""
         try:
             record = json.loads(beat.read_text())
         except (OSError, ValueError):
             record = {"step": 0}
-        if record["step"] >= 6:
+        if record["step"] >= 12:
             break
         time.sleep(0.05)
     os.kill(record["pid"], signal.SIGSTOP)
@@ -199,15 +201,49 @@ def test_a_hung_rank_ends_the_job_in_bounded_time_named_and_the_rerun_resumes(ti
     print(f"the job ended {ended:.0f} s after rank 1 stopped")
     assert ended < 6 + 20, output  # the timeout, plus torchrun ending its workers
     line = status.read_text()
-    assert line.startswith(f"{RESUMABLE_EXIT_CODE} hang: rank 1 on {socket.gethostname()} finished no step after "
-                           "step "), (line, output)
-    hung_at = int(re.search(r"after step (\d+)", line)[1])
-    assert hung_at >= 6 and "training.hang_timeout_minutes=0.1" in line
+    assert line.startswith(f"{RESUMABLE_EXIT_CODE} hang: rank 1 on {socket.gethostname()} last reported step "), \
+        (line, output)
+    hung_at = int(re.search(r"last reported step (\d+)", line)[1])
+    ahead = int(re.search(r"the other ranks are at step (\d+)", line)[1])
+    assert 12 <= hung_at <= ahead + 1 < 300 and "training.hang_timeout_minutes=0.1" in line, line
     assert output.count("hang: rank 1 on") == 1, output  # said once, by rank 0
     newest = Checkpoint.latest(tmp_path / "ckpt").step
-    assert newest <= hung_at + 1 and newest % 4 == 0
+    assert 10 <= newest <= ahead and newest % 10 == 0, (newest, line)
     resumed = pretrain(run_config_from_dict(recipe))  # the restart a launcher makes (here at DP=1)
-    assert resumed.start_step == newest and resumed.final_step == 30
+    assert resumed.start_step == newest and resumed.final_step == 300
+
+
+def test_a_waiting_rank_keeps_its_heartbeat_fresh_so_the_stuck_rank_is_the_one_named(tmp_path):
+    """Ranks 0 and 2 finished step 12 and wait in the next collective; rank 1 wrote its step-12
+    heartbeat after rank 2 did, then stopped. Rank 0's timeout runs out first. A waiting rank's watch
+    thread writes its heartbeat again while it waits, so rank 0 finds rank 1's file the old one and
+    names rank 1 (with only the beats after steps, rank 2's older file named the live rank 2)."""
+    import threading
+
+    from megatron_ext.training.watchdog import HangWatchdog
+
+    seen, done = {0: [], 2: []}, {0: threading.Event(), 2: threading.Event()}
+
+    def recorder(rank):
+        def on_hang(line, says):
+            seen[rank].append((line, says))
+            done[rank].set()
+        return on_hang
+
+    beats = tmp_path / "hb"
+    first = HangWatchdog(timeout_s=1.2, directory=beats, rank=0, node="node0", on_hang=recorder(0))
+    first.start(12)
+    time.sleep(0.15)  # half a watch interval (0.3 s): rank 2's timeout runs out after rank 0's
+    second = HangWatchdog(timeout_s=1.2, directory=beats, rank=2, node="node2", on_hang=recorder(2))
+    second.start(12)
+    time.sleep(0.02)
+    (beats / "rank-1.json").write_text(json.dumps(
+        {"rank": 1, "node": "node1", "pid": 1, "step": 12, "time": time.time()}))
+    assert done[0].wait(10) and done[2].wait(10)
+    (line, says), = seen[0]
+    assert says and line.startswith("hang: rank 1 on node1 last reported step 12 ("), line
+    (line, says), = seen[2]
+    assert not says and line.startswith("hang: rank 1 on node1 "), line
 
 
 def test_the_watchdog_names_the_rank_behind_and_only_the_lowest_other_rank_says_it(tmp_path):
@@ -231,12 +267,12 @@ def test_the_watchdog_names_the_rank_behind_and_only_the_lowest_other_rank_says_
     watchdog.start(9)
     assert done.wait(10)
     (line, says), = seen
-    assert line.startswith("hang: rank 1 on node1 finished no step after step 7 (") and not says
+    assert line.startswith("hang: rank 1 on node1 last reported step 7 (") and not says
     assert "the other ranks are at step 9" in line and "rank 2 waited" in line
     alone = []
     solo = HangWatchdog(timeout_s=0.4, directory=tmp_path / "solo", rank=0, node="n",
                         on_hang=lambda line, says: alone.append((line, says)))
     solo.start(3)
     time.sleep(1.5)
-    assert len(alone) == 1 and alone[0][1] and alone[0][0].startswith("hang: rank 0 on n finished no step after step 3")
+    assert len(alone) == 1 and alone[0][1] and alone[0][0].startswith("hang: rank 0 on n last reported step 3")
     solo.stop()

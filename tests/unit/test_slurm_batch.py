@@ -32,7 +32,7 @@ EXAMPLES = [
     (RUNNING, {"USR1"}, "stopped after step 9/300 (signal SIGUSR1)"),
     (RUNNING, set(), "stopped after step 9/300 (signal SIGUSR1 on rank 8 (gpu-b02))"),
     (RESTARTED, set(), "stopped after step 9/300 (signal SIGTERM)"),
-    (RUNNING, set(), "hang: rank 1 on gpu-b02 finished no step after step 9 (61 s since its last heartbeat; the "
+    (RUNNING, set(), "hang: rank 1 on gpu-b02 last reported step 9 (61 s since its last heartbeat; the "
                      "other ranks are at step 9); rank 0 waited 60 s (training.hang_timeout_minutes=1)"),
     (RUNNING, set(), "stopped after step 9/300 (training.exit_duration_in_mins=5 reached)"),
 ]
