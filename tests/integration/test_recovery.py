@@ -7,6 +7,7 @@ saves steps the step cadence would not."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -185,18 +186,26 @@ def test_a_hung_rank_ends_the_job_in_bounded_time_named_and_the_rerun_resumes(ti
                            start_new_session=True)
     beat = tmp_path / "ckpt/heartbeats/rank-1.json"
     deadline = time.monotonic() + 300
-    while True:  # rank 1's own record of its progress: stop it once it has finished step 12
-        assert run.poll() is None and time.monotonic() < deadline, run.stdout.read() if run.poll() is not None else ""
-        try:
-            record = json.loads(beat.read_text())
-        except (OSError, ValueError):
-            record = {"step": 0}
-        if record["step"] >= 12:
-            break
-        time.sleep(0.05)
-    os.kill(record["pid"], signal.SIGSTOP)
-    stopped_at = time.monotonic()
-    output, _ = run.communicate(timeout=180)
+    record = {"step": 0}
+    try:
+        while True:  # rank 1's own record of its progress: stop it once it has finished step 12
+            assert run.poll() is None and time.monotonic() < deadline, run.stdout.read() if run.poll() is not None else ""
+            try:
+                record = json.loads(beat.read_text())
+            except (OSError, ValueError):
+                record = {"step": 0}
+            if record["step"] >= 12:
+                break
+            time.sleep(0.05)
+        os.kill(record["pid"], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        output, _ = run.communicate(timeout=180)
+    finally:  # a failed check leaves no process behind (a stopped rank would hold its memory)
+        if run.poll() is None:
+            for end in (lambda: os.kill(record["pid"], signal.SIGKILL), lambda: os.killpg(run.pid, signal.SIGKILL)):
+                with contextlib.suppress(KeyError, OSError):
+                    end()
+            run.wait()
     ended = time.monotonic() - stopped_at
     print(f"the job ended {ended:.0f} s after rank 1 stopped")
     assert ended < 6 + 20, output  # the timeout, plus torchrun ending its workers
