@@ -82,16 +82,15 @@ def training_seconds(printed: str) -> float:
     return float(found.group(1))
 
 
-def _round(root: Path, tokenizer: str, data: str) -> dict:
+def _round(root: Path, tokenizer: str, data: str, kind: str) -> dict:
     from megatron_ext.performance import cost
-    from megatron_ext.performance.devices import this_machine_kind
     from megatron_ext.study import cost as study_costs
     from megatron_ext.study.plan import plan_study
     from megatron_ext.study.spec import read_study
 
     path = ci_size_study(root, tokenizer=tokenizer, data=data)
     plan = plan_study(read_study(path), path)
-    estimate = study_costs.study_cost(plan, speeds=cost.SpeedTable(kind=this_machine_kind()), gpus=None,
+    estimate = study_costs.study_cost(plan, speeds=cost.SpeedTable(kind=kind), gpus=None,
                                       gpus_per_node=8)
     low, high = cost.band(source for segment in estimate.segments for source in segment.sources)
     load_before = os.getloadavg()
@@ -121,18 +120,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_ext.performance.devices import this_machine_kind
 
+    kind = this_machine_kind()
     rounds = []
     with tempfile.TemporaryDirectory(dir=args.work_dir) as scratch:
         for index in range(args.rounds):
             started = time.perf_counter()
-            rounds.append(_round(Path(scratch) / f"round_{index}", args.tokenizer, args.data))
+            rounds.append(_round(Path(scratch) / f"round_{index}", args.tokenizer, args.data, kind))
             r = rounds[-1]
             print(f"round {index}: training {r['measured_s']:.0f} s, estimate {r['estimate_s']:.0f} s, "
                   f"x{r['ratio']:.2f} (band x{r['band'][0]:.2g}-x{r['band'][1]:.2g}: "
                   f"{'inside' if r['inside_band'] else 'OUTSIDE'}), load average {r['load_average_before'][0]:.1f} "
                   f"-> {r['load_average_after'][0]:.1f} on {os.cpu_count()} cores "
                   f"({time.perf_counter() - started:.0f} s with the plan)", flush=True)
-    kind = this_machine_kind()
     device = f"{kind}{os.cpu_count()}" if kind == "cpu" else kind
     write_record("study_estimate", device, {
         "what": "the CI-size miniature study's training (local launcher) vs its cost-model estimate",

@@ -46,7 +46,6 @@ SAME_PRESS_SECONDS = 1.0
 """SIGINTs closer together than this are one Ctrl-C (the terminal's and torchrun's forwarded copy)."""
 
 
-
 def _rank_0_status_file() -> str | None:
     """``$MEGATRON_EXT_EXIT_STATUS_FILE`` on global rank 0; None on other ranks or when unset."""
     path = os.environ.get(EXIT_STATUS_ENV)

@@ -22,8 +22,6 @@ from megatron_ext.study import cost as study_costs
 from megatron_ext.study.plan import plan_study
 from megatron_ext.study.spec import read_study
 
-ROOT = Path(__file__).resolve().parents[2]
-MINIATURE = ROOT / "examples" / "studies" / "miniature.yaml"
 REFERENCE = "all-MiniLM-L6-v2"
 
 
